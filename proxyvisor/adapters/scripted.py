@@ -1,0 +1,222 @@
+"""The scripted upstream: a model endpoint that proxyvisor plays itself, in all three formats, with faults.
+
+It is the built-in default upstream (no network, no API key), and the test double for everything else. Each
+model request takes the next **step** of the script; when the script is used up it answers in *auto* mode, like a
+tiny agent model: if the latest turn holds a tool result it answers with text, otherwise it calls one tool from
+the request's own tool list (a shell-like tool first, with ``ls`` as the command) and with no tools it answers
+with text.
+
+A step is a JSON object, one of:
+
+- ``{"text": "...", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}, "id": "optional"}]}``: an
+  assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway);
+- ``{"fault": {...}}`` with one of ``"status": 429`` (plus optional ``"retry_after": "3"``; any 4xx/5xx works,
+  529 included), ``"first_byte_delay_s": 2.5`` (then the next turn), ``"reset_after_events": 3`` (send 3 SSE
+  events, then drop the connection without ending the chunked body), ``"stall_after_events": 3`` (send 3 events,
+  then nothing for ``stall_s``, default 3600 s), ``"truncate_body": true`` (a non-streaming JSON body cut in half),
+  ``"garbage": true`` (an SSE stream of undecodable events).
+
+A script file holds a JSON list of steps, or JSON lines. ``POST /_scripted/queue`` with a list of steps appends
+them while the server runs (used by tests that drive real agent CLIs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import trio
+
+from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
+from ..proxy.server import AbortConnection, Request, Response
+
+log = logging.getLogger("proxyvisor.scripted")
+
+MODEL = "scripted-model"
+_SHELL_NAMES = ("Bash", "bash", "shell", "exec_command", "run_shell_command", "execute_bash", "run_command",
+                "local_shell", "terminal")
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class ScriptError(ValueError):
+    """A script file or step is not valid; the message says which step and why."""
+
+
+def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
+    """Validate one script step (see the module docstring). Raises ScriptError."""
+    if not isinstance(step, dict):
+        raise ScriptError(f"{where}: a step must be a JSON object, got {type(step).__name__}")
+    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens"}
+    if unknown:
+        raise ScriptError(f"{where}: unknown key(s) {sorted(unknown)}")
+    if "fault" in step and not isinstance(step["fault"], dict):
+        raise ScriptError(f"{where}: 'fault' must be an object")
+    for call in step.get("tool_calls") or ():
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ScriptError(f"{where}: each tool call needs a 'name'")
+        if not isinstance(call.get("arguments", {}), (dict, str)):
+            raise ScriptError(f"{where}: tool call 'arguments' must be an object or a JSON string")
+    return step
+
+
+def load_script(path: str | Path) -> list[dict[str, Any]]:
+    """Read a script file: a JSON list of steps, or one step per line. Raises ScriptError or OSError."""
+    text = Path(path).read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    try:
+        steps = json.loads(text) if stripped.startswith("[") else [json.loads(l) for l in text.splitlines() if l.strip()]
+    except json.JSONDecodeError as exc:
+        raise ScriptError(f"{path}: not JSON: {exc}") from None
+    return [parse_step(s, f"{path}: step {i}") for i, s in enumerate(steps)]
+
+
+def turn_of(step: dict[str, Any]) -> AssistantTurn:
+    calls = []
+    for call in step.get("tool_calls") or ():
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except json.JSONDecodeError:
+                args = {"raw": args}
+        calls.append(ToolCall(call["name"], args, call.get("id", "")))
+    return AssistantTurn(step.get("text", ""), tuple(calls), int(step.get("input_tokens", 0)),
+                         int(step.get("output_tokens", 0)))
+
+
+def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    props = props if isinstance(props, dict) else {}
+    args: dict[str, Any] = {}
+    for key in ("command", "cmd"):
+        if key in props:
+            args[key] = ["bash", "-lc", "ls"] if (props[key] or {}).get("type") == "array" else "ls"
+            break
+    if "description" in props:
+        args["description"] = "List files in the current directory"
+    for key in schema.get("required", ()) if isinstance(schema, dict) else ():
+        if key not in args and key in props:
+            kind = (props[key] or {}).get("type")
+            args[key] = {"string": ".", "integer": 1, "number": 1, "boolean": False, "array": [], "object": {}}.get(kind, ".")
+    return args
+
+
+def auto_turn(fmt: WireFormat, body: dict[str, Any]) -> AssistantTurn:
+    """What the scripted model says with no script step left (see the module docstring)."""
+    if fmt.ends_with_tool_result(body):
+        return AssistantTurn("Done: I ran the tool and read its output.")
+    tools: list[ToolSpec] = fmt.tools(body)
+    if not tools:
+        return AssistantTurn("Hello from the scripted upstream.")
+    by_name = {t.name: t for t in tools}
+    chosen = next((by_name[n] for n in _SHELL_NAMES if n in by_name), None)
+    if chosen is None:
+        chosen = next((t for t in tools if "command" in ((t.schema or {}).get("properties") or {})), tools[0])
+    return AssistantTurn("I will look around first.", (ToolCall(chosen.name, _arguments_for(chosen.schema)),))
+
+
+class ScriptedUpstream:
+    """An HTTP handler that plays a script; serve it with :func:`proxyvisor.proxy.server.serve_listeners`.
+
+    ``chunk_delay_ms`` spaces SSE events (ms) for realistic streaming. ``requests`` records each model request
+    body as received (bytes), for tests.
+    """
+
+    def __init__(self, steps: list[dict[str, Any]] | None = None, chunk_delay_ms: float = 0.0,
+                 record: bool = True) -> None:
+        self.steps: deque[dict[str, Any]] = deque(parse_step(s) for s in steps or ())
+        self.chunk_delay_s = chunk_delay_ms / 1000
+        self.record = record
+        self.requests: list[tuple[str, bytes, dict[str, str]]] = []
+        self.responses: list[bytes] = []
+
+    def queue(self, *steps: dict[str, Any]) -> None:
+        self.steps.extend(parse_step(s) for s in steps)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.path
+        if request.method == "HEAD":
+            return Response(200)
+        if path == "/_scripted/queue" and request.method == "POST":
+            try:
+                steps = orjson.loads(request.body)
+                self.queue(*(steps if isinstance(steps, list) else [steps]))
+            except (orjson.JSONDecodeError, ScriptError) as exc:
+                return Response(400, _JSON, orjson.dumps({"error": {"message": str(exc)}}))
+            return Response(200, _JSON, orjson.dumps({"queued": len(self.steps)}))
+        if path == "/v1/models":
+            return Response(200, _JSON, orjson.dumps({"object": "list", "data": [
+                {"id": MODEL, "object": "model", "created": 0, "owned_by": "proxyvisor", "type": "model",
+                 "display_name": "Scripted model"}]}))
+        if path == "/v1/messages/count_tokens":
+            return Response(200, _JSON, orjson.dumps({"input_tokens": max(1, len(request.body) // 4)}))
+        fmt = BY_PATH.get(path)
+        if fmt is None:
+            return Response(404, _JSON, orjson.dumps({"error": {"message": f"no route {path}", "type": "not_found_error"}}))
+        try:
+            body = orjson.loads(request.body)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
+        if self.record:
+            self.requests.append((request.target, request.body,
+                                  {k.decode(): v.decode("latin-1") for k, v in request.headers}))
+        step = self.steps.popleft() if self.steps else None
+        fault = (step or {}).get("fault") or {}
+        if fault.get("first_byte_delay_s"):
+            await trio.sleep(float(fault["first_byte_delay_s"]))
+            step = self.steps.popleft() if self.steps else None
+            fault = (step or {}).get("fault") or {}
+        if "status" in fault:
+            status = int(fault["status"])
+            headers = list(_JSON)
+            if "retry_after" in fault:
+                headers.append((b"retry-after", str(fault["retry_after"]).encode()))
+            return Response(status, headers, fmt.error_body(status, fault.get("message", f"scripted {status}")))
+        turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
+        model = body.get("model") if isinstance(body.get("model"), str) else MODEL
+        if fault.get("truncate_body"):
+            data = orjson.dumps(fmt.render(turn, model))
+            return Response(200, _JSON + [(b"content-length", str(len(data)).encode())],
+                            _abort_after([data[: len(data) // 2]]))
+        if not body.get("stream"):
+            data = orjson.dumps(fmt.render(turn, model))
+            if self.record:
+                self.responses.append(data)
+            return Response(200, _JSON, data)
+        events = fmt.render_stream(turn, model, body)
+        if fault.get("garbage"):
+            return Response(200, _SSE, self._play([b"event: ???\ndata: {not json\xff\xfe\n\n", b"data: \x00\x01\n\n"]))
+        if "reset_after_events" in fault:
+            return Response(200, _SSE, _abort_after(events[: int(fault["reset_after_events"])], self.chunk_delay_s))
+        if "stall_after_events" in fault:
+            n = int(fault["stall_after_events"])
+            return Response(200, _SSE, self._play(events[:n] + events[n:], stall_at=n,
+                                                  stall_s=float(fault.get("stall_s", 3600))))
+        if self.record:
+            self.responses.append(b"".join(events))
+        return Response(200, _SSE, self._play(events))
+
+    async def _play(self, events: list[bytes], stall_at: int = -1, stall_s: float = 0.0) -> AsyncIterator[bytes]:
+        for i, event in enumerate(events):
+            if i == stall_at:
+                await trio.sleep(stall_s)
+            if self.chunk_delay_s and i:
+                await trio.sleep(self.chunk_delay_s)
+            yield event
+
+
+async def _abort_after(chunks: list[bytes], delay_s: float = 0.0) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        if delay_s:
+            await trio.sleep(delay_s)
+        yield chunk
+    raise AbortConnection("scripted reset")
+

@@ -1,0 +1,175 @@
+"""What every wire format provides, and the assistant turn that formats render.
+
+A :class:`WireFormat` holds one API's knowledge: its path, its JSON error shape, its SSE event grammar, where
+usage and session hints live in its bodies, and how an assistant turn is written in it. Nothing outside
+``proxyvisor/proxy/formats/`` branches on a format's name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+# status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
+_ERROR_TYPES: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    403: ("permission_error", "permission_error"),
+    404: ("not_found_error", "not_found_error"),
+    405: ("invalid_request_error", "invalid_request_error"),
+    408: ("timeout_error", "timeout_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
+    422: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
+    502: ("server_error", "api_error"),
+    503: ("server_error", "overloaded_error"),
+    504: ("timeout_error", "timeout_error"),
+    529: ("server_error", "overloaded_error"),
+}
+
+
+def error_types(status: int) -> tuple[str, str]:
+    """(OpenAI type, Anthropic type) for an HTTP status; 4xx default to invalid_request_error, 5xx to api errors."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return ("invalid_request_error", "invalid_request_error") if status < 500 else ("server_error", "api_error")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant turn. ``arguments`` is the JSON object the model passes to the tool."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class AssistantTurn:
+    """An assistant response independent of format: text, then zero or more tool calls.
+
+    ``input_tokens``/``output_tokens`` are reported as usage (tokens); when 0 they are estimated from the text.
+    """
+
+    text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def usage(self) -> tuple[int, int]:
+        out = self.output_tokens or max(1, len(self.text.split()) + 8 * len(self.tool_calls))
+        return self.input_tokens or 1, out
+
+
+@dataclass
+class Usage:
+    """Token counts read from a response (tokens). ``None`` when the response did not report them."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def add(self, other: Usage) -> None:
+        if other.input_tokens is not None:
+            self.input_tokens = other.input_tokens
+        if other.output_tokens is not None:
+            self.output_tokens = other.output_tokens
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool the client offers: its name and JSON schema for the arguments."""
+
+    name: str
+    schema: dict[str, Any] = field(default_factory=dict)
+
+
+def sse(data: bytes | str, event: str | None = None) -> bytes:
+    """One SSE event: an optional ``event:`` line, one ``data:`` line, a blank line."""
+    if isinstance(data, str):
+        data = data.encode()
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def words(text: str) -> list[str]:
+    """Split text into word-sized deltas that join back to exactly ``text``."""
+    if not text:
+        return []
+    out, start = [], 0
+    for i, ch in enumerate(text):
+        if ch == " " and i > start:
+            out.append(text[start:i])
+            start = i
+    out.append(text[start:])
+    return out
+
+
+def split_json(arguments: dict[str, Any]) -> list[str]:
+    """The tool arguments as JSON, in two fragments, as providers stream them."""
+    text = orjson.dumps(arguments).decode()
+    mid = len(text) // 2
+    return [text[:mid], text[mid:]] if mid else [text]
+
+
+class WireFormat:
+    """One API wire format. Subclasses are singletons exported by ``proxyvisor.proxy.formats``."""
+
+    name: ClassVar[str]
+    path: ClassVar[str]
+    label: ClassVar[str]
+
+    # ---- errors -------------------------------------------------------------------------------------------
+    def error_body(self, status: int, message: str) -> bytes:
+        """The API's JSON error body for ``status``."""
+        raise NotImplementedError
+
+    def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
+        """The SSE event(s) that end a broken stream with an error the client's SDK raises."""
+        raise NotImplementedError
+
+    # ---- reading requests and responses ---------------------------------------------------------------------
+    def session_hint(self, body: dict[str, Any]) -> str | None:
+        """The client's own conversation id carried in the body, if any."""
+        return None
+
+    def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
+        """(system prompt, first user message) as text, for the hash fallback of session identity."""
+        raise NotImplementedError
+
+    def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
+        raise NotImplementedError
+
+    def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
+        """True when the latest turn of the request holds a tool result rather than a user message."""
+        raise NotImplementedError
+
+    def usage(self, response: dict[str, Any]) -> Usage:
+        """Token usage of a non-streaming response body."""
+        raise NotImplementedError
+
+    def stream_usage(self, event: str | None, data: dict[str, Any]) -> Usage | None:
+        """Token usage carried by one SSE event, or None."""
+        raise NotImplementedError
+
+    # ---- writing responses --------------------------------------------------------------------------------
+    def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
+        """The complete non-streaming response body for ``turn``."""
+        raise NotImplementedError
+
+    def render_stream(self, turn: AssistantTurn, model: str, request: dict[str, Any]) -> list[bytes]:
+        """The SSE events, in order, that stream ``turn`` in this format's grammar."""
+        raise NotImplementedError
+
+    @staticmethod
+    def now() -> int:
+        return int(time.time())

@@ -1,0 +1,150 @@
+"""OpenAI Responses (``POST /v1/responses``): named SSE events with an increasing ``sequence_number``."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+import orjson
+
+from .base import AssistantTurn, ToolSpec, Usage, WireFormat, dumps, error_types, split_json, sse, words
+
+_SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+class ResponsesFormat(WireFormat):
+    name = "responses"
+    path = "/v1/responses"
+    label = "OpenAI Responses"
+
+    def error_body(self, status: int, message: str) -> bytes:
+        kind = error_types(status)[0]
+        return dumps({"error": {"message": message, "type": kind, "param": None, "code": kind if status != 429 else "rate_limit_exceeded"}})
+
+    def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
+        found = _SEQ.findall(last_chunk)
+        seq = int(found[-1]) + 1 if found else 0
+        return sse(dumps({"type": "error", "code": error_types(status)[0], "message": message, "param": None,
+                          "sequence_number": seq}), "error")
+
+    def session_hint(self, body: dict[str, Any]) -> str | None:
+        for key in ("prompt_cache_key", "user"):
+            value = body.get(key)
+            if isinstance(value, str) and value:
+                return value
+        return None
+
+    def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
+        system = body.get("instructions") if isinstance(body.get("instructions"), str) else ""
+        items = body.get("input")
+        if isinstance(items, str):
+            return system, items
+        first_user = ""
+        for item in items or ():
+            if not isinstance(item, dict):
+                continue
+            role = item.get("role")
+            if role in ("system", "developer") and not system:
+                system = _text(item.get("content"))
+            elif role == "user":
+                first_user = _text(item.get("content"))
+                break
+        return system, first_user
+
+    def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
+        return [ToolSpec(t["name"], t.get("parameters") or {}) for t in body.get("tools") or ()
+                if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
+
+    def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
+        items = body.get("input")
+        if not isinstance(items, list):
+            return False
+        for item in reversed(items):
+            if not isinstance(item, dict):
+                continue
+            if str(item.get("type", "")).endswith("_output"):
+                return True
+            if item.get("role") == "user":
+                return False
+        return False
+
+    def usage(self, response: dict[str, Any]) -> Usage:
+        u = response.get("usage") or {}
+        return Usage(u.get("input_tokens"), u.get("output_tokens"))
+
+    def stream_usage(self, event: str | None, data: dict[str, Any]) -> Usage | None:
+        if data.get("type") in ("response.completed", "response.incomplete", "response.failed"):
+            return self.usage(data.get("response") or {})
+        return None
+
+    def _output(self, turn: AssistantTurn) -> list[dict[str, Any]]:
+        output: list[dict[str, Any]] = []
+        if turn.text:
+            output.append({"id": "msg_" + secrets.token_hex(12), "type": "message", "status": "completed",
+                           "role": "assistant",
+                           "content": [{"type": "output_text", "text": turn.text, "annotations": []}]})
+        for call in turn.tool_calls:
+            output.append({"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "completed",
+                           "call_id": call.id or "call_" + secrets.token_hex(12), "name": call.name,
+                           "arguments": orjson.dumps(call.arguments).decode()})
+        return output
+
+    def _response(self, turn: AssistantTurn, model: str, output: list[dict[str, Any]], status: str,
+                  rid: str, created: int) -> dict[str, Any]:
+        i, o = turn.usage
+        return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+                "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "usage": {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": o,
+                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}
+                if status == "completed" else None}
+
+    def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
+        return self._response(turn, model, self._output(turn), "completed", "resp_" + secrets.token_hex(12), self.now())
+
+    def render_stream(self, turn: AssistantTurn, model: str, request: dict[str, Any]) -> list[bytes]:
+        rid, created = "resp_" + secrets.token_hex(12), self.now()
+        output = self._output(turn)
+        events: list[bytes] = []
+
+        def emit(kind: str, **fields: Any) -> None:
+            events.append(sse(dumps({"type": kind, "sequence_number": len(events), **fields}), kind))
+
+        emit("response.created", response=self._response(turn, model, [], "in_progress", rid, created))
+        emit("response.in_progress", response=self._response(turn, model, [], "in_progress", rid, created))
+        for index, item in enumerate(output):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "content": []})
+                emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                     part={"type": "output_text", "text": "", "annotations": []})
+                for w in words(text):
+                    emit("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                         delta=w, logprobs=[])
+                emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                     text=text, logprobs=[])
+                emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                     part=item["content"][0])
+            else:
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "arguments": ""})
+                for part in split_json(orjson.loads(item["arguments"])):
+                    emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=part)
+                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                     arguments=item["arguments"])
+            emit("response.output_item.done", output_index=index, item=item)
+        emit("response.completed", response=self._response(turn, model, output, "completed", rid, created))
+        return events
+
+
+RESPONSES = ResponsesFormat()

@@ -1,0 +1,270 @@
+"""The request pipeline: route a request, identify its session, forward it, and account for it.
+
+Two paths (DESIGN.md, principles 3 and 4):
+
+- **disabled supervision, same format upstream**: the byte relay. The body is not parsed, nothing is written,
+  and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header.
+- **otherwise**: the body is parsed (malformed input gets a 4xx in the client's format), the session is
+  identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
+  client's format), usage is read from the reply, and one ledger line is written per request.
+
+A failure inside proxyvisor's own code never becomes a lost response: the handler turns it into a 500 in the
+client's format and logs the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from ..store import Store
+from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
+from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
+from .server import Headers, Request, Response
+from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
+from .sse import SSEParser
+
+log = logging.getLogger("proxyvisor.pipeline")
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+OVERHEAD_HEADER = b"x-proxyvisor-overhead-ms"
+AUTH_HEADER = "x-proxyvisor-auth"
+
+
+def format_for_path(path: str) -> WireFormat:
+    """The format whose errors a path should get: Anthropic for ``/v1/messages...``, OpenAI otherwise."""
+    return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
+
+
+def error(fmt: WireFormat, status: int, message: str, headers: Headers = ()) -> Response:
+    extra = list(headers)
+    if status == 429 and not any(k == b"retry-after" for k, _ in extra):
+        extra.append((b"retry-after", b"1"))
+    return Response(status, _JSON + extra, fmt.error_body(status, message))
+
+
+def _ms(seconds: float) -> bytes:
+    return b"%.3f" % (seconds * 1000)
+
+
+class Pipeline:
+    """The proxy's request handler (a :data:`proxyvisor.proxy.server.Handler`).
+
+    ``relays`` maps each configured upstream's name to its :class:`HttpRelay`. ``store`` is None when nothing
+    may be written. ``translator`` serves formats no upstream speaks (see ``proxyvisor.proxy.translate``).
+    """
+
+    def __init__(self, config: Config, relays: dict[str, HttpRelay], store: Store | None,
+                 translator: Any = None, clock: Any = time.monotonic) -> None:
+        self.config = config
+        self.relays = relays
+        self.store = store
+        self.translator = translator
+        self.clock = clock
+        self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
+        self.started = time.time()
+
+    @property
+    def supervised(self) -> bool:
+        return self.config.supervisor.enabled
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            return await self._route(request)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: answer, log, keep serving
+            log.exception("internal error on %s %s", request.method, request.path)
+            return error(format_for_path(request.path), 500, f"proxyvisor internal error ({type(exc).__name__}); "
+                         "see the proxyvisor log")
+
+    async def _route(self, request: Request) -> Response:
+        try:
+            path_session, path = split_prefix(request.path)
+        except InvalidSession as exc:
+            return error(format_for_path(request.path), 400, str(exc))
+        if path == "/" and request.method in ("HEAD", "GET"):
+            return Response(200, _JSON, orjson.dumps({"name": "proxyvisor", "status": "ok"}))
+        if path == "/healthz" and request.method in ("GET", "HEAD"):
+            return Response(200, _JSON, orjson.dumps({"status": "ok", "sessions": len(self.sessions),
+                                                      "supervision": self.supervised}))
+        fmt = format_for_path(path)
+        token = self.config.proxy.auth_token
+        if token and request.header(AUTH_HEADER) != token:
+            return error(fmt, 401, f"proxyvisor requires the '{AUTH_HEADER}' header on this address")
+        model_format = BY_PATH.get(path)
+        if model_format is not None:
+            if request.method != "POST":
+                return error(fmt, 405, f"{path} takes POST")
+            return await self._model(request, model_format, path_session, path)
+        if path == "/v1/models" and request.method in ("GET", "HEAD"):
+            return await self._forward_plain(request, "chat", path, fmt)
+        if path == "/v1/messages/count_tokens":
+            if request.method != "POST":
+                return error(fmt, 405, f"{path} takes POST")
+            return await self._forward_plain(request, "messages", path, fmt)
+        return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "
+                               "/v1/chat/completions, /v1/messages, /v1/responses, /v1/messages/count_tokens, "
+                               "GET /v1/models and /healthz")
+
+    def _target(self, request: Request, path: str) -> str:
+        return path + ("?" + request.query if request.query else "")
+
+    def _check_body(self, request: Request, fmt: WireFormat) -> Response | None:
+        if request.too_large:
+            return error(fmt, 413, f"request body exceeds the limit of {self.config.proxy.max_body_bytes} bytes "
+                                   "([proxy] max_body_bytes)")
+        ctype = (request.header("content-type") or "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            return error(fmt, 415, f"content-type must be application/json, got {ctype!r}")
+        return None
+
+    async def _forward_plain(self, request: Request, fmt_name: str, path: str, fmt: WireFormat) -> Response:
+        if request.method == "POST" and (bad := self._check_body(request, fmt)):
+            return bad
+        upstream, _native = self.config.upstream_for(fmt_name)
+        relay = self.relays[upstream.name]
+        try:
+            reply = await relay.send(request.method, self._target(request, path),
+                                     upstream_headers(request.headers, relay.api_key, _key_header(fmt_name)),
+                                     request.body)
+        except UpstreamError as exc:
+            return error(fmt, exc.status, exc.message)
+        assert isinstance(reply.body, bytes)
+        return Response(reply.status, reply.headers, reply.body)
+
+    # ---- model requests ------------------------------------------------------------------------------------
+    async def _model(self, request: Request, fmt: WireFormat, path_session: str | None, path: str) -> Response:
+        if bad := self._check_body(request, fmt):
+            return bad
+        upstream, native = self.config.upstream_for(fmt.name)
+        if not self.supervised and native:
+            return await self._relay(request, fmt, path, upstream.name, None, None)
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            return error(fmt, 400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error(fmt, 400, f"request body must be a JSON object, got {type(body).__name__}")
+        try:
+            session_id, _source = identify(path_session, request.header, fmt, body)
+        except InvalidSession as exc:
+            return error(fmt, 400, str(exc))
+        session = self.sessions.touch(session_id, self.clock()) if self.supervised else None
+        if not native:
+            if self.translator is None:
+                return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
+            return await self._translate(request, fmt, upstream, body, session)
+        return await self._relay(request, fmt, path, upstream.name, body, session)
+
+    async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
+                     body: dict[str, Any] | None, session: Session | None) -> Response:
+        relay = self.relays[upstream_name]
+        headers = upstream_headers(request.headers, relay.api_key, _key_header(fmt.name),
+                                   accept_identity=session is not None)
+        try:
+            reply = await relay.send("POST", self._target(request, path), headers, request.body)
+        except UpstreamError as exc:
+            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
+            return error(fmt, exc.status, exc.message)
+        return self._respond(request, fmt, reply, body, session)
+
+    async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
+                         session: Session | None) -> Response:
+        try:
+            reply = await self.translator.send(fmt, upstream, body, request.headers)
+        except UpstreamError as exc:
+            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
+            return error(fmt, exc.status, exc.message)
+        return self._respond(request, fmt, reply, body, session)
+
+    def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
+                 session: Session | None) -> Response:
+        overhead = time.perf_counter() - request.received_at - reply.upstream_s
+        headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
+        if not reply.streaming:
+            assert isinstance(reply.body, bytes)
+            if session is not None:
+                usage = Usage()
+                if reply.status < 400:
+                    try:
+                        usage = fmt.usage(orjson.loads(reply.body))
+                    except (orjson.JSONDecodeError, AttributeError, TypeError):
+                        pass
+                self._account(session, fmt, body, request, reply.status, usage, overhead)
+            return Response(reply.status, headers, reply.body)
+        return Response(reply.status, headers, self._stream(request, fmt, reply, body, session, overhead))
+
+    async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
+                      session: Session | None, overhead: float) -> AsyncIterator[bytes]:
+        stream = reply.body
+        assert isinstance(stream, RelayedStream) or hasattr(stream, "__aiter__")
+        parser = SSEParser() if session is not None else None
+        usage = Usage()
+        failure: UpstreamError | None = None
+        try:
+            async for chunk in stream:
+                if parser is not None:
+                    for event in parser.feed(chunk):
+                        found = _event_usage(fmt, event.event, event.data)
+                        if found:
+                            usage.add(found)
+                yield chunk
+            failure = getattr(stream, "error", None)
+            if failure is not None:
+                log.warning("upstream stream ended early: %s", failure.message)
+                yield fmt.stream_error(failure.status, failure.message, getattr(stream, "last_chunk", b""))
+        finally:
+            if session is not None:
+                self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
+                              usage, overhead, failure.message if failure else None)
+
+    def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
+                 status: int, usage: Usage, overhead_s: float, failure: str | None = None) -> None:
+        if session is None:
+            return
+        session.requests += 1
+        session.formats.add(fmt.name)
+        session.input_tokens += usage.input_tokens or 0
+        session.output_tokens += usage.output_tokens or 0
+        session.overhead_ms += overhead_s * 1000
+        if status >= 400:
+            session.errors += 1
+        if self.store is None:
+            return
+        record = {
+            "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "format": fmt.name,
+            "model": body.get("model") if body and isinstance(body.get("model"), str) else None,
+            "stream": bool(body.get("stream")) if body else None,
+            "status": status,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "latency_ms": round((time.perf_counter() - request.received_at) * 1000, 3),
+            "overhead_ms": round(overhead_s * 1000, 3),
+        }
+        if failure:
+            record["error"] = failure
+        try:
+            self.store.append_ledger(session.id, record)
+        except OSError as exc:
+            log.warning("ledger write failed for session %s: %s", session.id, exc)
+
+
+def _key_header(fmt_name: str) -> bytes:
+    """Where a configured key goes: Anthropic's ``x-api-key`` for its endpoints, else ``authorization``."""
+    return b"x-api-key" if fmt_name == "messages" else b"authorization"
+
+
+def _event_usage(fmt: WireFormat, name: str | None, data: str) -> Usage | None:
+    if '"usage"' not in data:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return fmt.stream_usage(name, obj) if isinstance(obj, dict) else None

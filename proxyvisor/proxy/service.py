@@ -1,0 +1,112 @@
+"""Starting and stopping a proxy: upstream clients, embedded scripted upstreams, the listening socket.
+
+:func:`running` is the one way to run proxyvisor, used by ``serve``, ``wrap``, ``demo``, ``replay``, the tests
+and the benchmarks, so they all exercise the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from ..adapters.scripted import ScriptedUpstream, load_script
+from ..config import Config, ConfigError
+from ..store import Store
+from .pipeline import Pipeline
+from .relay import HttpRelay
+from .server import Limits, bound_port, open_listeners, serve_listeners
+
+
+@dataclass
+class RunningProxy:
+    """A proxy serving on ``host:port``; ``scripted`` holds the embedded scripted upstreams by name."""
+
+    host: str
+    port: int
+    pipeline: Pipeline
+    scripted: dict[str, ScriptedUpstream] = field(default_factory=dict)
+    scripted_urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def upstream_keys(config: Config, env: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The API key of each upstream from its ``api_key_env`` (None: forward the client's own credentials).
+
+    Raises:
+        ConfigError: an ``api_key_env`` names a variable that is not set.
+    """
+    env = os.environ if env is None else env
+    keys: dict[str, str | None] = {}
+    for upstream in config.upstreams:
+        if not upstream.api_key_env:
+            keys[upstream.name] = None
+        elif env.get(upstream.api_key_env):
+            keys[upstream.name] = env[upstream.api_key_env]
+        else:
+            raise ConfigError(f"{config.source}: [upstreams.{upstream.name}] api_key_env = "
+                              f"{upstream.api_key_env!r}, but that environment variable is not set")
+    return keys
+
+
+def limits_of(config: Config) -> Limits:
+    p = config.proxy
+    return Limits(max_body_bytes=p.max_body_bytes, header_timeout_s=p.request_header_timeout_s,
+                  keepalive_timeout_s=p.keepalive_timeout_s)
+
+
+@asynccontextmanager
+async def running(config: Config, port: int | None = None, store: Store | None = None,
+                  scripted: dict[str, ScriptedUpstream] | None = None) -> AsyncIterator[RunningProxy]:
+    """Serve ``config`` until the block exits; yields the :class:`RunningProxy`.
+
+    ``port`` overrides ``[proxy] port`` (0 = a free port). ``store`` overrides the state directory (by default
+    the configured one, and none at all when supervision is disabled, so nothing can be written). ``scripted``
+    supplies ready-made scripted upstreams by name (tests queue steps on them).
+
+    Raises:
+        ConfigError: an upstream key variable is missing or a script file is invalid.
+        OSError: the address is in use.
+    """
+    keys = upstream_keys(config)
+    if store is None and config.supervisor.enabled:
+        store = Store(config.state_dir())
+    limits = limits_of(config)
+    scripted = dict(scripted or {})
+    async with trio.open_nursery() as nursery:
+        urls: dict[str, str] = {}
+        for upstream in config.upstreams:
+            if not upstream.scripted:
+                continue
+            if upstream.name not in scripted:
+                try:
+                    steps = load_script(upstream.script) if upstream.script else None
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"{config.source}: [upstreams.{upstream.name}] script: {exc}") from None
+                scripted[upstream.name] = ScriptedUpstream(steps, upstream.chunk_delay_ms, record=False)
+            listeners = await open_listeners("127.0.0.1", 0)
+            await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
+            urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
+        relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
+        translator = None
+        if any(set(u.formats) != {"chat", "messages", "responses"} for u in config.upstreams):
+            from .translate import Translator
+
+            translator = Translator(relays)
+        pipeline = Pipeline(config, relays, store, translator)
+        host = config.proxy.host
+        listeners = await open_listeners(host, config.proxy.port if port is None else port)
+        await nursery.start(serve_listeners, listeners, pipeline, limits)
+        try:
+            yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls)
+        finally:
+            nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                for relay in relays.values():
+                    await relay.aclose()
