@@ -22,6 +22,7 @@ them while the server runs (used by tests that drive real agent CLIs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import deque
@@ -32,6 +33,7 @@ from typing import Any
 import orjson
 import trio
 
+from ..proxy.formats.base import args_of
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.server import AbortConnection, Request, Response
 
@@ -77,15 +79,7 @@ def load_script(path: str | Path) -> list[dict[str, Any]]:
 
 
 def turn_of(step: dict[str, Any]) -> AssistantTurn:
-    calls = []
-    for call in step.get("tool_calls") or ():
-        args = call.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args else {}
-            except json.JSONDecodeError:
-                args = {"raw": args}
-        calls.append(ToolCall(call["name"], args, call.get("id", "")))
+    calls = [ToolCall(c["name"], args_of(c.get("arguments")), c.get("id", "")) for c in step.get("tool_calls") or ()]
     return AssistantTurn(step.get("text", ""), tuple(calls), int(step.get("input_tokens", 0)),
                          int(step.get("output_tokens", 0)))
 
@@ -181,6 +175,8 @@ class ScriptedUpstream:
                 headers.append((b"retry-after", str(fault["retry_after"]).encode()))
             return Response(status, headers, fmt.error_body(status, fault.get("message", f"scripted {status}")))
         turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
+        if not turn.input_tokens:
+            turn = dataclasses.replace(turn, input_tokens=max(1, len(request.body) // 4))
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL
         if fault.get("truncate_body"):
             data = orjson.dumps(fmt.render(turn, model))

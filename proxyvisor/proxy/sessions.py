@@ -43,7 +43,7 @@ def split_prefix(path: str) -> tuple[str | None, str]:
         return None, path
     session, rest = match.group(1), match.group(2) or "/"
     if not SESSION_ID.match(session):
-        raise InvalidSession(f"invalid session id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+        raise InvalidSession("invalid session id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
     return session, rest
 
 

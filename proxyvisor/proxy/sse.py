@@ -36,6 +36,8 @@ class SSEParser:
         return len(self._buffer) + sum(len(d) for d in self._data)
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if not chunk:  # an empty read between the CR and LF of one line ending must not forget the CR
+            return []
         if self._skip_lf and chunk[:1] == b"\n":
             chunk = chunk[1:]
         self._skip_lf = False

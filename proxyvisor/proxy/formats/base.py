@@ -89,6 +89,28 @@ class ToolSpec:
     schema: dict[str, Any] = field(default_factory=dict)
 
 
+def args_of(arguments: Any) -> dict[str, Any]:
+    """Tool-call arguments as an object, from an object or a JSON string; non-JSON text is kept under "raw"."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {"raw": arguments}
+    return value if isinstance(value, dict) else {"raw": arguments}
+
+
+def chat_text(content: Any) -> str:
+    """The text of a Chat-Completions ``content``: a string, or the ``text`` of each part of a list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def sse(data: bytes | str, event: str | None = None) -> bytes:
     """One SSE event: an optional ``event:`` line, one ``data:`` line, a blank line."""
     if isinstance(data, str):
@@ -159,6 +181,21 @@ class WireFormat:
 
     def stream_usage(self, event: str | None, data: dict[str, Any]) -> Usage | None:
         """Token usage carried by one SSE event, or None."""
+        raise NotImplementedError
+
+    def request_from_chat(self, messages: list[dict[str, Any]], model: str, stream: bool,
+                          tools: tuple[ToolSpec, ...] = ()) -> dict[str, Any]:
+        """A request body in this format carrying a Chat-Completions-shaped history (the corpus format):
+        system text, user text, assistant text with tool calls, and tool results paired by call id; ``tools``
+        are offered in the format's own tool shape."""
+        raise NotImplementedError
+
+    def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
+        """The assistant turn of a non-streaming response body (text blocks joined, tool calls in order)."""
+        raise NotImplementedError
+
+    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
+        """The assistant turn of a complete SSE stream, given its events as (event name, data) pairs."""
         raise NotImplementedError
 
     # ---- writing responses --------------------------------------------------------------------------------

@@ -7,15 +7,10 @@ from typing import Any
 
 import orjson
 
-from .base import AssistantTurn, ToolSpec, Usage, WireFormat, dumps, error_types, split_json, sse, words
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
+                   split_json, sse, words)
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 class ChatFormat(WireFormat):
@@ -42,9 +37,9 @@ class ChatFormat(WireFormat):
                 continue
             role = message.get("role")
             if role in ("system", "developer") and not system:
-                system = _text(message.get("content"))
+                system = chat_text(message.get("content"))
             elif role == "user":
-                first_user = _text(message.get("content"))
+                first_user = chat_text(message.get("content"))
                 break
         return system, first_user
 
@@ -67,6 +62,40 @@ class ChatFormat(WireFormat):
     def stream_usage(self, event: str | None, data: dict[str, Any]) -> Usage | None:
         u = data.get("usage")
         return Usage(u.get("prompt_tokens"), u.get("completion_tokens")) if isinstance(u, dict) else None
+
+    def request_from_chat(self, messages: list[dict[str, Any]], model: str, stream: bool,
+                          tools: tuple[ToolSpec, ...] = ()) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "messages": messages, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if tools:
+            body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.schema}} for t in tools]
+        return body
+
+    def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
+        message = (response.get("choices") or [{}])[0].get("message") or {}
+        calls = tuple(ToolCall(c["function"]["name"], args_of(c["function"].get("arguments")), c.get("id", ""))
+                      for c in message.get("tool_calls") or ())
+        return AssistantTurn(chat_text(message.get("content")), calls)
+
+    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
+        text: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        for _name, data in events:
+            if not data.startswith("{"):
+                continue
+            for choice in orjson.loads(data).get("choices") or ():
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    text.append(delta["content"])
+                for c in delta.get("tool_calls") or ():
+                    slot = calls.setdefault(c.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                    slot["id"] = c.get("id") or slot["id"]
+                    fn = c.get("function") or {}
+                    slot["name"] = fn.get("name") or slot["name"]
+                    slot["arguments"] += fn.get("arguments") or ""
+        return AssistantTurn("".join(text), tuple(ToolCall(c["name"], args_of(c["arguments"]), c["id"])
+                                                  for _, c in sorted(calls.items())))
 
     def _usage(self, turn: AssistantTurn) -> dict[str, int]:
         i, o = turn.usage

@@ -7,16 +7,10 @@ from typing import Any
 
 import orjson
 
-from .base import AssistantTurn, ToolSpec, Usage, WireFormat, dumps, error_types, split_json, sse, words
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
+                   split_json, sse, words)
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(b.get("text", "") for b in content
-                         if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str))
-    return ""
 
 
 class MessagesFormat(WireFormat):
@@ -49,9 +43,9 @@ class MessagesFormat(WireFormat):
         first_user = ""
         for message in body.get("messages") or ():
             if isinstance(message, dict) and message.get("role") == "user":
-                first_user = _text(message.get("content"))
+                first_user = chat_text(message.get("content"))
                 break
-        return _text(body.get("system")), first_user
+        return chat_text(body.get("system")), first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         return [ToolSpec(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or ()
@@ -76,6 +70,67 @@ class MessagesFormat(WireFormat):
         if kind == "message_delta" and isinstance(data.get("usage"), dict):
             return Usage(_input(data["usage"]), data["usage"].get("output_tokens"))
         return None
+
+    def request_from_chat(self, messages: list[dict[str, Any]], model: str, stream: bool,
+                          tools: tuple[ToolSpec, ...] = ()) -> dict[str, Any]:
+        system = "\n\n".join(chat_text(m.get("content")) for m in messages if m.get("role") == "system")
+        out: list[dict[str, Any]] = []
+
+        def push(role: str, block: dict[str, Any]) -> None:
+            if out and out[-1]["role"] == role:
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": role, "content": [block]})
+
+        for m in messages:
+            role = m.get("role")
+            if role == "user":
+                push("user", {"type": "text", "text": chat_text(m.get("content")) or "(empty)"})
+            elif role == "tool":
+                block = {"type": "tool_result", "tool_use_id": m.get("tool_call_id", ""),
+                         "content": chat_text(m.get("content"))}
+                if m.get("is_error"):
+                    block["is_error"] = True
+                push("user", block)
+            elif role == "assistant":
+                if chat_text(m.get("content")):
+                    push("assistant", {"type": "text", "text": chat_text(m.get("content"))})
+                for c in m.get("tool_calls") or ():
+                    push("assistant", {"type": "tool_use", "id": c.get("id", ""), "name": c["function"]["name"],
+                                       "input": args_of(c["function"].get("arguments"))})
+        body: dict[str, Any] = {"model": model, "max_tokens": 4096, "messages": out, "stream": stream}
+        if system:
+            body["system"] = system
+        if tools:
+            body["tools"] = [{"name": t.name, "input_schema": t.schema} for t in tools]
+        return body
+
+    def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
+        blocks = [b for b in response.get("content") or () if isinstance(b, dict)]
+        text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+        calls = tuple(ToolCall(b["name"], args_of(b.get("input")), b.get("id", ""))
+                      for b in blocks if b.get("type") == "tool_use")
+        return AssistantTurn(text, calls)
+
+    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
+        blocks: dict[int, dict[str, Any]] = {}
+        for _name, data in events:
+            obj = orjson.loads(data) if data.startswith("{") else {}
+            kind, index = obj.get("type"), obj.get("index", 0)
+            if kind == "content_block_start":
+                blocks[index] = {**obj.get("content_block", {}), "partial": ""}
+            elif kind == "content_block_delta" and index in blocks:
+                delta = obj.get("delta") or {}
+                if delta.get("type") == "text_delta":
+                    blocks[index]["text"] = blocks[index].get("text", "") + delta.get("text", "")
+                elif delta.get("type") == "input_json_delta":
+                    blocks[index]["partial"] += delta.get("partial_json", "")
+        content = []
+        for _, b in sorted(blocks.items()):
+            if b.get("type") == "tool_use" and b["partial"]:
+                b["input"] = args_of(b["partial"])
+            content.append(b)
+        return self.parse_response({"content": content})
 
     def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
         content: list[dict[str, Any]] = []

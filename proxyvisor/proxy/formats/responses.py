@@ -8,17 +8,12 @@ from typing import Any
 
 import orjson
 
-from .base import AssistantTurn, ToolSpec, Usage, WireFormat, dumps, error_types, split_json, sse, words
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
+                   split_json, sse, words)
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 class ResponsesFormat(WireFormat):
@@ -33,8 +28,11 @@ class ResponsesFormat(WireFormat):
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         found = _SEQ.findall(last_chunk)
         seq = int(found[-1]) + 1 if found else 0
-        return sse(dumps({"type": "error", "code": error_types(status)[0], "message": message, "param": None,
-                          "sequence_number": seq}), "error")
+        kind = error_types(status)[0]
+        # The documented ``error`` event has code and message at the top level, but the openai SDK raises only on
+        # an event whose data holds an ``error`` object, so the details are repeated there.
+        return sse(dumps({"type": "error", "code": kind, "message": message, "param": None, "sequence_number": seq,
+                          "error": {"type": kind, "code": kind, "message": message}}), "error")
 
     def session_hint(self, body: dict[str, Any]) -> str | None:
         for key in ("prompt_cache_key", "user"):
@@ -54,9 +52,9 @@ class ResponsesFormat(WireFormat):
                 continue
             role = item.get("role")
             if role in ("system", "developer") and not system:
-                system = _text(item.get("content"))
+                system = chat_text(item.get("content"))
             elif role == "user":
-                first_user = _text(item.get("content"))
+                first_user = chat_text(item.get("content"))
                 break
         return system, first_user
 
@@ -85,6 +83,44 @@ class ResponsesFormat(WireFormat):
         if data.get("type") in ("response.completed", "response.incomplete", "response.failed"):
             return self.usage(data.get("response") or {})
         return None
+
+    def request_from_chat(self, messages: list[dict[str, Any]], model: str, stream: bool,
+                          tools: tuple[ToolSpec, ...] = ()) -> dict[str, Any]:
+        items: list[dict[str, Any]] = []
+        for m in messages:
+            role, text = m.get("role"), chat_text(m.get("content"))
+            if role in ("system", "user"):
+                items.append({"type": "message", "role": "developer" if role == "system" else "user",
+                              "content": [{"type": "input_text", "text": text}]})
+            elif role == "tool":
+                items.append({"type": "function_call_output", "call_id": m.get("tool_call_id", ""), "output": text})
+            elif role == "assistant":
+                if text:
+                    items.append({"type": "message", "role": "assistant",
+                                  "content": [{"type": "output_text", "text": text}]})
+                for c in m.get("tool_calls") or ():
+                    items.append({"type": "function_call", "call_id": c.get("id", ""), "name": c["function"]["name"],
+                                  "arguments": c["function"].get("arguments") or "{}"})
+        body: dict[str, Any] = {"model": model, "input": items, "stream": stream, "store": False}
+        if tools:
+            body["tools"] = [{"type": "function", "name": t.name, "parameters": t.schema} for t in tools]
+        return body
+
+    def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
+        text, calls = [], []
+        for item in response.get("output") or ():
+            if item.get("type") == "message":
+                text += [p.get("text", "") for p in item.get("content") or () if p.get("type") == "output_text"]
+            elif item.get("type") == "function_call":
+                calls.append(ToolCall(item.get("name", ""), args_of(item.get("arguments")), item.get("call_id", "")))
+        return AssistantTurn("".join(text), tuple(calls))
+
+    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
+        for _name, data in reversed(events):
+            obj = orjson.loads(data) if data.startswith("{") else {}
+            if obj.get("type") in ("response.completed", "response.incomplete"):
+                return self.parse_response(obj.get("response") or {})
+        return AssistantTurn()
 
     def _output(self, turn: AssistantTurn) -> list[dict[str, Any]]:
         output: list[dict[str, Any]] = []

@@ -1,0 +1,674 @@
+"""What proxyvisor adds to a request, against a direct call and against the LiteLLM proxy, in one run.
+
+Usage (from the repository root, in the project's environment)::
+
+    python bench/overhead.py            # the full run, under about 2 minutes (plus a one-off LiteLLM install)
+    python bench/overhead.py --quick    # a CI-size run of about 20 s
+    python bench/overhead.py --no-litellm --count 2000 --concurrency 32 --duration 5
+
+Every arm talks to the same upstream: proxyvisor's scripted upstream, served in its own process, answering a
+realistic chat request (about 77 KB, like Claude Code's first request: mostly tool schemas) with a short text
+turn, as JSON or as an SSE stream. The arms are:
+
+1. ``direct``: straight to the upstream (the baseline);
+2. ``proxyvisor``: through proxyvisor with supervision disabled (the byte relay);
+3. ``supervised``: through proxyvisor with supervision enabled (informational: parses, identifies, writes a
+   ledger);
+4. ``litellm``: through the LiteLLM proxy (``litellm[proxy]``, installed by this script into a venv under
+   ``~/.cache/proxyvisor-bench`` when missing; never a project dependency), configured as a pass-through
+   (``openai/scripted-model`` with ``api_base`` = the upstream). When it cannot be installed or started, the
+   script says why and measures the rest.
+
+Each proxy runs in its own process, and the load generator (this process, a minimal h11 client on persistent
+connections) in another, so no two share an event loop. The arms are interleaved in small blocks (round robin,
+order rotated per round), so drift on a shared 2-core machine lands on all of them alike.
+
+Figures, per request kind (non-streaming, streaming):
+
+- p50 and p99 latency at 1 client, and the *added* latency: the arm's percentile minus direct's (ms);
+- on streams, time to the first body byte (TTFB, the first SSE event) and its added p50 and p99;
+- requests per second at 1 and at ``--concurrency`` clients (16 by default), as a ratio to direct;
+- proxyvisor's own ``x-proxyvisor-overhead-ms`` header (p50), for comparison with the outside view.
+
+Targets (issue 2, item 7): with supervision disabled, added p50 <= 1 ms and p99 <= 5 ms, and at most one tenth
+of the LiteLLM proxy's added latency. The run prints a table and writes the figures and the exact command into
+the "## Overhead (issue 2)" section of ``bench/RESULTS.md`` (between markers; the rest of the file is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import select
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h11
+import orjson
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "RESULTS.md"
+SECTION = "## Overhead (issue 2)"
+BEGIN, END = "<!-- overhead.py:begin -->", "<!-- overhead.py:end -->"
+MODEL = "scripted-model"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "proxyvisor-bench"
+TARGET_P50_MS, TARGET_P99_MS, TARGET_LITELLM_SHARE = 1.0, 5.0, 0.1
+
+
+# ---- the request body ---------------------------------------------------------------------------------------
+_WORDS = ("the file path command output tool agent returns string list integer optional default when run shell "
+          "working directory timeout lines pattern glob search replace edit write read notebook cell task todo "
+          "status pending completed description example must should never always use instead of prefer — café "
+          "naïve ✓ résumé").split()
+
+
+def _prose(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
+    """A Chat Completions request of about ``size_kb`` KB shaped like an agent's: a long system prompt, tool
+    schemas for most of the bytes, and one finished tool round (so the scripted model answers with text)."""
+    rng = random.Random(seed)
+    target = size_kb * 1024
+    tools: list[dict[str, Any]] = []
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": _prose(rng, 1200)},
+            {"role": "user", "content": "List the files in this directory and tell me what the project does."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "README.md\nproxyvisor\ntests\nbench\n"},
+        ],
+        "tools": tools,
+        "max_tokens": 1024,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    i = 0
+    while len(orjson.dumps(body)) < target:
+        props = {f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]), "description": _prose(rng, 40)}
+                 for j in range(6)}
+        tools.append({"type": "function", "function": {
+            "name": "Bash" if i == 0 else f"tool_{i}", "description": _prose(rng, 120),
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}, **props},
+                           "required": ["command"], "additionalProperties": False}}})
+        i += 1
+    return orjson.dumps(body)
+
+
+# ---- the load generator: a minimal HTTP/1.1 client -----------------------------------------------------------
+@dataclass
+class Sample:
+    total_s: float
+    ttfb_s: float
+    overhead_ms: float | None
+
+
+class BenchError(Exception):
+    pass
+
+
+class Client:
+    """One persistent connection. ``request`` returns a :class:`Sample`; raises BenchError on a bad reply."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stream: trio.SocketStream | None = None
+        self.h = h11.Connection(h11.CLIENT)
+
+    async def _connect(self) -> None:
+        self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        self.h = h11.Connection(h11.CLIENT)
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+            self.stream = None
+
+    async def request(self, target: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Sample:
+        if self.stream is None:
+            await self._connect()
+        h = self.h
+        data = h.send(h11.Request(method=b"POST", target=target.encode(),
+                                  headers=[(b"host", b"127.0.0.1:%d" % self.port),
+                                           (b"content-length", b"%d" % len(body)), *headers]))
+        data += h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage())
+        started = time.perf_counter()
+        await self.stream.send_all(data)
+        ttfb = 0.0
+        status = 0
+        overhead: float | None = None
+        size = 0
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                chunk = await self.stream.receive_some(262144)
+                if not chunk:
+                    await self.aclose()
+                    raise BenchError("server closed the connection mid-response")
+                h.receive_data(chunk)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                for k, v in event.headers:
+                    if k == b"x-proxyvisor-overhead-ms":
+                        overhead = float(v)
+            elif isinstance(event, h11.Data):
+                if not ttfb and event.data:
+                    ttfb = time.perf_counter() - started
+                size += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise BenchError(f"unexpected {event!r}")
+        total = time.perf_counter() - started
+        if h.our_state is h11.MUST_CLOSE or h.their_state is h11.MUST_CLOSE:
+            await self.aclose()
+        else:
+            h.start_next_cycle()
+        if status != 200 or not size:
+            raise BenchError(f"HTTP {status}, {size} body bytes")
+        return Sample(total, ttfb or total, overhead)
+
+
+# ---- the arms ----------------------------------------------------------------------------------------------
+@dataclass
+class Arm:
+    name: str
+    label: str
+    port: int
+    process: subprocess.Popen[bytes] | None = None
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+    busy_s: dict[str, float] = field(default_factory=dict)
+    """Wall time of the 1-client blocks (s), per request kind."""
+    concurrent: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """(requests, seconds) at ``--concurrency`` clients, per request kind."""
+    errors: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_role(role: str, *args: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start this script in ``role`` as a child process; returns it and the port it printed. The child exits
+    when its stdin closes, so it never outlives this process."""
+    proc = subprocess.Popen([sys.executable, __file__, "--role", role, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=ROOT)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else b""
+    if not line.startswith(b"PORT "):
+        proc.kill()
+        raise BenchError(f"{role} did not start: {log.read_text(errors='replace')[-2000:]}")
+    return proc, int(line.split()[1])
+
+
+def litellm_venv(venv: Path, install: bool) -> tuple[Path | None, str]:
+    """(path of the ``litellm`` CLI or None, a note saying what happened)."""
+    exe = venv / "bin" / "litellm"
+    probe = [str(venv / "bin" / "python"), "-c", "import litellm.proxy.proxy_server, importlib.metadata as m;"
+             "print(m.version('litellm'))"]
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    ok = exe.exists() and subprocess.run(probe, capture_output=True, env=env).returncode == 0
+    if not ok:
+        if not install:
+            return None, f"LiteLLM proxy not installed in {venv} (and --no-install given)"
+        print(f"installing litellm[proxy] into {venv} (once; about a minute) ...", flush=True)
+        try:
+            if not (venv / "bin" / "python").exists():
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
+                           capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            return None, f"could not install litellm[proxy]: {exc} {detail.decode(errors='replace')[-500:]}"
+    done = subprocess.run(probe, capture_output=True, env=env)
+    if done.returncode != 0:
+        return None, f"litellm[proxy] does not import: {done.stderr.decode(errors='replace')[-500:]}"
+    return exe, f"litellm {done.stdout.decode().strip()}"
+
+
+def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the LiteLLM proxy as a pass-through to the upstream and wait until it answers (<= 120 s)."""
+    port = _free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{upstream_port}/v1\n"
+        "      api_key: sk-bench\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "  set_verbose: false\n"
+    )
+    log = workdir / "litellm.log"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_TELEMETRY="False",
+               NO_PROXY="*", no_proxy="*")
+    for var in ("DATABASE_URL", "REDIS_HOST", "REDIS_URL", "LITELLM_MASTER_KEY"):
+        env.pop(var, None)
+    proc = subprocess.Popen([str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                             "--num_workers", "1"], stdin=subprocess.DEVNULL, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"LiteLLM proxy exited ({proc.returncode}): {log.read_text(errors='replace')[-1500:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /health/liveliness HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.25)
+    _stop(proc)
+    raise BenchError(f"LiteLLM proxy did not answer within 120 s: {log.read_text(errors='replace')[-1500:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(5)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait()
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------
+KINDS = ("json", "stream")
+KIND_LABEL = {"json": "non-streaming", "stream": "streaming"}
+HEADERS = [(b"content-type", b"application/json"), (b"accept", b"application/json"),
+           (b"authorization", b"Bearer sk-bench"), (b"user-agent", b"proxyvisor-bench/1"),
+           (b"x-stainless-lang", b"python")]
+
+
+async def sequential(arms: list[Arm], bodies: dict[str, bytes], count: int, block: int,
+                     progress: Any) -> None:
+    """``count`` requests per arm and kind at 1 client, interleaved in blocks of ``block``."""
+    clients = {arm.name: Client(arm.port) for arm in arms}
+    try:
+        for kind in KINDS:
+            for arm in arms:
+                arm.samples[kind] = []
+                arm.busy_s[kind] = 0.0
+            order = list(arms)
+            for round_ in range(-(-count // block)):
+                order = order[1:] + order[:1]
+                for arm in order:
+                    client = clients[arm.name]
+                    started = time.perf_counter()
+                    for _ in range(min(block, count - round_ * block)):
+                        try:
+                            arm.samples[kind].append(await client.request("/v1/chat/completions", HEADERS,
+                                                                          bodies[kind]))
+                        except (BenchError, OSError, trio.BrokenResourceError) as exc:
+                            arm.errors.append(f"{kind}: {exc}")
+                            await client.aclose()
+                    arm.busy_s[kind] += time.perf_counter() - started
+                progress()
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+async def concurrent(arms: list[Arm], bodies: dict[str, bytes], clients: int, duration_s: float,
+                     windows: int, progress: Any) -> None:
+    """Requests per second with ``clients`` concurrent connections per arm, in ``windows`` interleaved windows
+    totalling ``duration_s`` per arm and kind. A window ends when its deadline passed and the requests in
+    flight finished; its time runs to the last reply."""
+    pools = {arm.name: [Client(arm.port) for _ in range(clients)] for arm in arms}
+
+    async def worker(arm: Arm, client: Client, kind: str, deadline: float, counter: list[int]) -> None:
+        while time.perf_counter() < deadline:
+            try:
+                await client.request("/v1/chat/completions", HEADERS, bodies[kind])
+                counter[0] += 1
+            except (BenchError, OSError, trio.BrokenResourceError) as exc:
+                arm.errors.append(f"{kind} x{clients}: {exc}")
+                await client.aclose()
+
+    try:
+        for kind in KINDS:
+            for arm in arms:
+                arm.concurrent[kind] = (0, 0.0)
+            order = list(arms)
+            for _ in range(windows):
+                order = order[1:] + order[:1]
+                for arm in order:
+                    counter = [0]
+                    started = time.perf_counter()
+                    deadline = started + duration_s / windows
+                    async with trio.open_nursery() as nursery:
+                        for client in pools[arm.name]:
+                            nursery.start_soon(worker, arm, client, kind, deadline, counter)
+                    n, s = arm.concurrent[kind]
+                    arm.concurrent[kind] = (n + counter[0], s + time.perf_counter() - started)
+                progress()
+    finally:
+        for pool in pools.values():
+            for client in pool:
+                await client.aclose()
+
+
+async def warm_up(arms: list[Arm], bodies: dict[str, bytes], n: int) -> None:
+    for arm in arms:
+        client = Client(arm.port)
+        try:
+            for kind in KINDS:
+                for _ in range(n):
+                    await client.request("/v1/chat/completions", HEADERS, bodies[kind])
+        finally:
+            await client.aclose()
+
+
+# ---- reporting ---------------------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation (statistics.quantiles, inclusive)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1]
+
+
+@dataclass
+class Row:
+    arm: str
+    kind: str
+    n: int
+    p50: float
+    p99: float
+    add_p50: float
+    add_p99: float
+    ttfb_p50: float | None
+    add_ttfb_p50: float | None
+    add_ttfb_p99: float | None
+    rps1_ratio: float
+    rpsc_ratio: float | None
+    rpsc: float | None
+    header_p50: float | None
+    errors: int
+
+
+def rows_of(arms: list[Arm]) -> list[Row]:
+    base = arms[0]
+    rows = []
+    for kind in KINDS:
+        b_total = [s.total_s * 1000 for s in base.samples[kind]]
+        b_ttfb = [s.ttfb_s * 1000 for s in base.samples[kind]]
+        b_rps1 = len(b_total) / base.busy_s[kind]
+        bn, bs = base.concurrent.get(kind, (0, 0.0))
+        for arm in arms:
+            samples = arm.samples.get(kind) or []
+            if not samples:
+                continue
+            total = [s.total_s * 1000 for s in samples]
+            ttfb = [s.ttfb_s * 1000 for s in samples]
+            heads = [s.overhead_ms for s in samples if s.overhead_ms is not None]
+            n, s = arm.concurrent.get(kind, (0, 0.0))
+            rpsc = n / s if s else None
+            stream = kind == "stream"
+            rows.append(Row(
+                arm.label, kind, len(total), pct(total, 50), pct(total, 99),
+                pct(total, 50) - pct(b_total, 50), pct(total, 99) - pct(b_total, 99),
+                pct(ttfb, 50) if stream else None,
+                pct(ttfb, 50) - pct(b_ttfb, 50) if stream else None,
+                pct(ttfb, 99) - pct(b_ttfb, 99) if stream else None,
+                (len(total) / arm.busy_s[kind]) / b_rps1,
+                (rpsc / (bn / bs)) if rpsc and bn else None, rpsc,
+                pct(heads, 50) if heads else None,
+                sum(1 for e in arm.errors if e.startswith(kind)),
+            ))
+    return rows
+
+
+def _f(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+COLUMNS = ("arm", "n", "p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB p50", "+TTFB p99", "rps@1 ratio",
+           "rps@{c} ratio", "rps@{c}", "header p50", "errors")
+"""Table columns: ``+`` is added latency (arm minus direct, ms); ratios are the arm's rps over direct's;
+``header p50`` is proxyvisor's own ``x-proxyvisor-overhead-ms``."""
+
+
+def table_cells(row: Row) -> list[str]:
+    return [row.arm, str(row.n), _f(row.p50), _f(row.p99), _f(row.add_p50, "{:+.2f}"), _f(row.add_p99, "{:+.2f}"),
+            _f(row.ttfb_p50), _f(row.add_ttfb_p50, "{:+.2f}"), _f(row.add_ttfb_p99, "{:+.2f}"),
+            _f(row.rps1_ratio, "{:.2f}x"), _f(row.rpsc_ratio, "{:.2f}x"), _f(row.rpsc, "{:.0f}"),
+            _f(row.header_p50, "{:.3f}"), str(row.errors)]
+
+
+def verdicts(rows: list[Row]) -> list[tuple[bool, str]]:
+    out = []
+    by = {(r.arm, r.kind): r for r in rows}
+    for kind in KINDS:
+        pv, ll = by.get(("proxyvisor", kind)), by.get(("litellm", kind))
+        if pv is None:
+            continue
+        label = KIND_LABEL[kind]
+        out.append((pv.add_p50 <= TARGET_P50_MS,
+                    f"{label}: proxyvisor added p50 {pv.add_p50:+.2f} ms (target <= {TARGET_P50_MS:g} ms)"))
+        out.append((pv.add_p99 <= TARGET_P99_MS,
+                    f"{label}: proxyvisor added p99 {pv.add_p99:+.2f} ms (target <= {TARGET_P99_MS:g} ms)"))
+        if ll is not None:
+            for q, mine, theirs in (("p50", pv.add_p50, ll.add_p50), ("p99", pv.add_p99, ll.add_p99)):
+                share = mine / theirs if theirs > 0 else float("inf")
+                out.append((mine <= TARGET_LITELLM_SHARE * theirs,
+                            f"{label}: added {q} {mine:+.2f} ms is {share:.1%} of LiteLLM's {theirs:+.2f} ms "
+                            f"(target <= {TARGET_LITELLM_SHARE:.0%})"))
+    return out
+
+
+def markdown(rows: list[Row], concurrency: int, command: str, notes: list[str], setup: str) -> str:
+    cols = [c.format(c=concurrency) for c in COLUMNS]
+    lines = [BEGIN, "", f"Command: `{command}`", "", setup, ""]
+    for kind in KINDS:
+        lines += [f"**{KIND_LABEL[kind]}** (latency and TTFB in ms; *added* = arm minus direct, same run)", "",
+                  "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows if r.kind == kind]
+        lines.append("")
+    lines += ["Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in verdicts(rows)]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def write_results(block: str, path: Path = RESULTS) -> None:
+    """Put ``block`` into the overhead section of ``path``, keeping everything else (other sections, and any
+    text of this section outside the markers)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif SECTION in text:
+        head, rest = text.split(SECTION, 1)
+        text = head + SECTION + "\n\n" + block + "\n" + rest.lstrip("\n")
+    else:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(shutil.get_terminal_size().columns, 132))
+    for kind in KINDS:
+        table = Table(title=f"{KIND_LABEL[kind]} chat requests (ms; + = added: arm minus direct; ratios: arm rps / direct rps)")
+        for i, col in enumerate(COLUMNS):
+            table.add_column(col.format(c=concurrency), justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            if row.kind == kind:
+                table.add_row(*table_cells(row))
+        console.print(table)
+    for ok, text in verdicts(rows):
+        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+# ---- the child processes ------------------------------------------------------------------------------------
+def _exit_on_stdin_eof() -> None:
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+async def serve_upstream() -> None:
+    from proxyvisor.adapters.scripted import ScriptedUpstream
+    from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
+
+    listeners = await open_listeners("127.0.0.1", 0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_listeners, listeners, ScriptedUpstream(record=False), Limits())
+        print(f"PORT {bound_port(listeners)}", flush=True)
+
+
+async def serve_proxy(upstream_port: int, supervised: bool, state_dir: str) -> None:
+    from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig
+    from proxyvisor.proxy.service import running
+
+    config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{upstream_port}"),),
+                    state=StateConfig(dir=state_dir), supervisor=SupervisorConfig(enabled=supervised),
+                    source="bench/overhead.py")
+    async with running(config, port=0) as rp:
+        print(f"PORT {rp.port}", flush=True)
+        await trio.sleep_forever()
+
+
+def run_role(args: argparse.Namespace) -> None:
+    _exit_on_stdin_eof()
+    if args.role == "upstream":
+        trio.run(serve_upstream)
+    else:
+        trio.run(serve_proxy, args.upstream_port, args.role == "supervised", args.state_dir)
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CI-size run of about 20 s: --count 150 --duration 1 --windows 2 (flags given "
+                        "explicitly still win)")
+    p.add_argument("--count", type=int, help="requests per arm and kind at 1 client (default 600; quick 150)")
+    p.add_argument("--block", type=int, default=10, help="requests per arm before switching arm (default 10)")
+    p.add_argument("--concurrency", type=int, default=16, help="clients for the throughput figure (default 16)")
+    p.add_argument("--duration", type=float, help="seconds per arm and kind at --concurrency clients "
+                                                  "(default 3; quick 1)")
+    p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3)")
+    p.add_argument("--body-kb", type=int, default=77, help="request body size in KB (default 77)")
+    p.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
+    p.add_argument("--no-supervised", action="store_true", help="leave out the supervision-enabled arm")
+    p.add_argument("--no-install", action="store_true", help="do not install litellm[proxy] when missing")
+    p.add_argument("--litellm-venv", type=Path, default=CACHE / "litellm-venv",
+                   help=f"venv holding litellm[proxy] (default {CACHE / 'litellm-venv'})")
+    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to write (default bench/RESULTS.md)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    p.add_argument("--role", choices=("upstream", "proxyvisor", "supervised"), help=argparse.SUPPRESS)
+    p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = {"count": 150, "duration": 1.0, "windows": 2}
+    full = {"count": 600, "duration": 3.0, "windows": 3}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role:
+        run_role(args)
+        return 0
+    command = "python bench/overhead.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
+                                                                                      else argv))
+    started = time.monotonic()
+    notes: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    work = Path(tempfile.mkdtemp(prefix="proxyvisor-bench-"))
+    try:
+        exe, note = (None, "LiteLLM arm left out (--no-litellm)") if args.no_litellm else \
+            litellm_venv(args.litellm_venv, not args.no_install)
+        litellm_version = note if exe else ""
+        if exe is None:
+            notes.append(note)
+        upstream, up_port = _spawn_role("upstream", log=work / "upstream.log")
+        procs.append(upstream)
+        arms = [Arm("direct", "direct", up_port, upstream)]
+        roles = [("proxyvisor", "proxyvisor")] + ([] if args.no_supervised else [("supervised", "supervised")])
+        for role, label in roles:
+            proc, port = _spawn_role(role, "--upstream-port", str(up_port), "--state-dir", str(work / role),
+                                     log=work / f"{role}.log")
+            procs.append(proc)
+            arms.append(Arm(role, label, port, proc))
+        if exe is not None:
+            try:
+                proc, port = start_litellm(exe, up_port, work)
+                procs.append(proc)
+                arms.append(Arm("litellm", "litellm", port, proc))
+            except BenchError as exc:
+                notes.append(f"LiteLLM proxy left out: {exc}")
+                print(f"LiteLLM proxy left out: {exc}", file=sys.stderr)
+        bodies = {"json": chat_body(args.body_kb, False), "stream": chat_body(args.body_kb, True)}
+        arm_names = ", ".join(a.label for a in arms)
+        print(f"arms: {arm_names}; body {len(bodies['json']) / 1024:.0f} KB; {args.count} requests per arm and "
+              f"kind at 1 client, {args.duration:g} s per arm and kind at {args.concurrency} clients", flush=True)
+
+        dots = lambda: print(".", end="", flush=True)  # noqa: E731 - a progress tick
+        trio.run(warm_up, arms, bodies, 20)
+        trio.run(sequential, arms, bodies, args.count, args.block, dots)
+        trio.run(concurrent, arms, bodies, args.concurrency, args.duration, args.windows, dots)
+        print(f" done in {time.monotonic() - started:.0f} s", flush=True)
+        for arm in arms:
+            if arm.errors:
+                notes.append(f"{arm.label}: {len(arm.errors)} failed requests, first: {arm.errors[0]}")
+        rows = rows_of(arms)
+        print_table(rows, args.concurrency, notes)
+        setup = (f"Setup: {len(bodies['json']) / 1024:.0f} KB chat request (tool schemas, system prompt, one tool "
+                 f"round), scripted upstream in its own process; each proxy in its own process; load generator "
+                 f"in another (h11, persistent connections); arms interleaved in blocks of {args.block}. "
+                 f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
+                 f"{platform.system()} {platform.release()}"
+                 + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
+                 + f"; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s.")
+        if not args.no_write:
+            write_results(markdown(rows, args.concurrency, command, notes, setup), args.results)
+            print(f"wrote {args.results}")
+        return 0
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The ``proxyvisor`` command line: ``serve``, ``wrap``, ``demo``, ``replay``.
+
+Each command parses its options here and hands a validated :class:`~proxyvisor.config.Config` to the module that
+does the work. Exit codes: 0 success, 1 a failure while running, 2 bad usage or configuration (argparse and
+:class:`~proxyvisor.config.ConfigError`), and for ``wrap`` the wrapped command's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import textwrap
+from collections.abc import Sequence
+
+from . import __version__
+from .config import Config, ConfigError, load
+
+_FILES = """\
+files and environment:
+  config file     --config PATH, else $PROXYVISOR_CONFIG, else $XDG_CONFIG_HOME/proxyvisor/config.toml
+                  (~/.config/proxyvisor/config.toml); without one the built-in defaults apply: the
+                  embedded scripted upstream, which needs no API key. Every setting is documented in
+                  the repository's config.toml.
+  state dir       [state] dir, else $PROXYVISOR_STATE_DIR, else $XDG_STATE_HOME/proxyvisor
+                  (~/.local/state/proxyvisor): per-session JSONL ledgers (written only with
+                  supervision enabled).
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=100)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH", help="configuration file to use (see 'files' below)")
+    parser.add_argument("--state-dir", metavar="DIR", help="state directory (overrides [state] dir)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="log verbosity on stderr (default: %(default)s); logs never contain credentials")
+
+
+def _supervision_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--no-supervision", dest="supervision", action="store_false", default=None,
+                       help="run as a transparent byte relay: nothing parsed, written or added "
+                            "(overrides [supervisor] enabled)")
+    group.add_argument("--supervision", dest="supervision", action="store_true",
+                       help="enable supervision (overrides [supervisor] enabled)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="proxyvisor", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            proxyvisor sits between an LLM agent and its model endpoint. It speaks the three wire formats
+            agents use (OpenAI Chat Completions, Anthropic Messages, OpenAI Responses), streaming and not,
+            relays them byte for byte when supervision is off, and keeps a per-session ledger when it is on.
+            """),
+        epilog=textwrap.dedent("""\
+            examples:
+              proxyvisor demo                      an example agent through the proxy, no API key needed
+              proxyvisor wrap -- claude -p "fix the failing test"
+              proxyvisor serve --port 8377         then point ANTHROPIC_BASE_URL / OPENAI_BASE_URL at it
+              proxyvisor replay trajectory.jsonl   replay a recorded agent session through the pipeline
+
+            Run 'proxyvisor COMMAND --help' for a command's options.
+            """) + "\n" + _FILES)
+    parser.add_argument("--version", action="version", version=f"proxyvisor {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="run the proxy until interrupted", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Serve the proxy on [proxy] host:port (default 127.0.0.1:8377) until SIGINT or SIGTERM.
+
+            Endpoints (each also under the session prefix /s/{session}/):
+              POST /v1/chat/completions       OpenAI Chat Completions
+              POST /v1/messages               Anthropic Messages (the query string, e.g. ?beta=true, is kept)
+              POST /v1/responses              OpenAI Responses
+              POST /v1/messages/count_tokens  GET /v1/models
+              HEAD /   GET /healthz           liveness, no authentication
+
+            Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:8377 (no /v1) or
+            OPENAI_BASE_URL=http://127.0.0.1:8377/v1. Binding a non-loopback address requires
+            [proxy] auth_token; clients then send it in the 'x-proxyvisor-auth' header.
+            """), epilog=_FILES)
+    serve.add_argument("--host", help="address to bind (overrides [proxy] host; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind, 0 for a free one (overrides [proxy] port)")
+    _supervision_flags(serve)
+    _common(serve)
+
+    wrap = commands.add_parser(
+        "wrap", help="run an agent command through a private proxy", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Start the proxy on a free loopback port, run CMD with its base URLs pointed at it, and return
+            CMD's exit code. The agent gets a fresh, unguessable session prefix in:
+              ANTHROPIC_BASE_URL  http://127.0.0.1:PORT/s/SESSION
+              OPENAI_BASE_URL     http://127.0.0.1:PORT/s/SESSION/v1   (also OPENAI_API_BASE)
+              PROXYVISOR_URL      the same as ANTHROPIC_BASE_URL, for agents configured by hand
+            SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD (a terminal's Ctrl-C reaches it directly).
+            At exit, a session summary goes to stderr.
+            """),
+        epilog="example:\n  proxyvisor wrap -- claude -p 'list the files'\n  proxyvisor wrap -- codex exec 'say hi'\n\n" + _FILES)
+    wrap.add_argument("--session", metavar="ID", help="session id to use instead of a fresh random one")
+    wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
+    _supervision_flags(wrap)
+    _common(wrap)
+    wrap.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD ...", help="the agent command (after --)")
+
+    demo = commands.add_parser(
+        "demo", help="show an example agent working through the proxy", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Run a small example agent through the proxy against the embedded scripted upstream, in each of
+            the three wire formats, streaming, and show what passed through: the requests, the tool call the
+            model made, the tool result the agent sent back, the final answer, the proxy's overhead and the
+            session ledger. Needs no API key and no network.
+            """), epilog=_FILES)
+    demo.add_argument("--format", choices=["chat", "messages", "responses", "all"], default="all",
+                      help="which wire format(s) to show (default: %(default)s)")
+    _common(demo)
+
+    replay = commands.add_parser(
+        "replay", help="replay a recorded agent trajectory through the pipeline", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Drive a recorded trajectory (JSON lines, one Chat Completions message per line: the corpus
+            format) through the proxy request by request, exactly as the agent sent it: for each assistant
+            message, the history before it is sent, and the scripted upstream answers with the recorded
+            assistant turn. Prints a timeline, one line per round (per assistant turn).
+            """), epilog=_FILES)
+    replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
+    replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
+                        help="wire format to send the history in (default: %(default)s)")
+    replay.add_argument("--stream", action="store_true", help="send streaming requests")
+    replay.add_argument("--json", action="store_true", help="print the timeline as JSON lines")
+    _supervision_flags(replay)
+    _common(replay)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    config = load(args.config)
+    changes: dict[str, dict[str, object]] = {}
+    if getattr(args, "supervision", None) is not None:
+        changes["supervisor"] = {"enabled": args.supervision}
+    if args.state_dir:
+        changes["state"] = {"dir": args.state_dir}
+    proxy = {k: v for k in ("host", "port") if (v := getattr(args, k, None)) is not None}
+    if proxy:
+        changes["proxy"] = proxy
+    return config.with_overrides(**changes) if changes else config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="proxyvisor %(levelname)s %(name)s: %(message)s")
+    try:
+        config = _config(args)
+        from .config import validate
+
+        validate(config)
+        if args.command == "serve":
+            from .serve import serve
+
+            return serve(config)
+        if args.command == "wrap":
+            from .wrap import wrap
+
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                parser.error("wrap needs a command, e.g. proxyvisor wrap -- claude -p 'hi'")
+            return wrap(config, cmd, session=args.session, quiet=args.quiet)
+        if args.command == "demo":
+            from .demo import demo
+
+            return demo(config, args.format)
+        if args.command == "replay":
+            from .replay import replay_command
+
+            return replay_command(config, args.file, args.format, args.stream, args.json)
+    except ConfigError as exc:
+        print(f"proxyvisor: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

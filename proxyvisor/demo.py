@@ -1,0 +1,122 @@
+"""``proxyvisor demo``: a small example agent works through the proxy against the scripted upstream.
+
+The agent is the simplest real one: it offers the model a ``bash`` tool, runs the command the model asks for
+(in a scratch folder), sends the result back, and stops at the first answer without tool calls. It speaks each
+wire format in turn, streaming, and the demo prints what passed through the proxy: every request, the model's
+tool call, the tool result, the final answer, the proxy's overhead per request, and the session's ledger.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from .config import Config
+from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
+from .proxy.service import running
+from .proxy.sse import SSEParser
+from .store import Store
+
+BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]})
+TASK = "What files are in the project folder?"
+
+
+def run_tool(command: str, cwd: Path) -> str:
+    """Run the model's shell command in ``cwd`` (10 s limit) and return its combined output with the exit code."""
+    try:
+        done = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "command timed out after 10 s"
+    return f"{done.stdout}{done.stderr}exit code {done.returncode}"
+
+
+async def agent_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, messages: list[dict[str, Any]],
+                     stream: bool = True) -> tuple[AssistantTurn, float, int]:
+    """Send one request; returns (the assistant turn, the proxy's overhead in ms, the HTTP status)."""
+    body = fmt.request_from_chat(messages, "scripted-model", stream, (BASH,))
+    async with client.stream("POST", url + fmt.path, json=body) as response:
+        overhead = float(response.headers.get("x-proxyvisor-overhead-ms", "nan"))
+        if response.status_code != 200:
+            await response.aread()
+            return AssistantTurn(f"error {response.status_code}: {response.text}"), overhead, response.status_code
+        if not stream:
+            return fmt.parse_response(response.json()), overhead, 200
+        parser, events = SSEParser(), []
+        async for chunk in response.aiter_bytes():
+            events += [(e.event, e.data) for e in parser.feed(chunk)]
+        return fmt.assemble(events), overhead, 200
+
+
+async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, max_rounds: int = 4) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
+                                      {"role": "user", "content": TASK}]
+    console.print(f"[bold]{fmt.label}[/bold]  POST {fmt.path}  (streaming)")
+    console.print(f"  [cyan]user[/cyan]       {TASK}")
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(max_rounds):
+            turn, overhead, status = await agent_turn(client, url, fmt, messages)
+            note = f"[dim](proxy overhead {overhead:.2f} ms)[/dim]"
+            if status != 200:
+                console.print(f"  [red]error[/red]      {turn.text} {note}")
+                return
+            call_msgs = []
+            for call in turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments}) {note}")
+                output = run_tool(str(call.arguments.get("command", "")), workdir)
+                console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
+                call_msgs.append({"role": "tool", "tool_call_id": call.id, "content": output})
+            messages.append({"role": "assistant", "content": turn.text or None,
+                             "tool_calls": [{"id": c.id, "type": "function",
+                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                                            for c in turn.tool_calls]} if turn.tool_calls else
+                            {"role": "assistant", "content": turn.text})
+            messages += call_msgs
+            if not turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      answers: {turn.text} {note}")
+                return
+
+
+def _json(value: Any) -> str:
+    import orjson
+
+    return orjson.dumps(value).decode()
+
+
+async def _demo(config: Config, formats: list[str], state_dir: Path, console: Console) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="proxyvisor-demo-project-"))
+    for name in ("README.md", "app.py", "test_app.py"):
+        (workdir / name).write_text(f"# {name}\n")
+    store = Store(state_dir)
+    async with running(config, port=0, store=store) as proxy:
+        console.print(f"proxyvisor is serving on {proxy.url}; upstream: the embedded scripted model "
+                      f"(no API key, no network)\n")
+        for name in formats:
+            session = f"demo-{name}-{int(time.time())}"
+            await run_agent(f"{proxy.url}/s/{session}", BY_NAME[name], workdir, console)
+            console.print()
+    table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
+    for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms"):
+        table.add_column(column, no_wrap=True)
+    for session in store.sessions():
+        for r in store.read_ledger(session):
+            table.add_row(r["format"], str(r["status"]), f"{r['input_tokens']}/{r['output_tokens']}",
+                          f"{r['latency_ms']:.2f}", f"{r['overhead_ms']:.2f}")
+    console.print(table)
+
+
+def demo(config: Config, which: str = "all", console: Console | None = None) -> int:
+    """Run the demo (see the module docstring). Writes its ledger to the configured state directory when one
+    is set (``--state-dir``), else to a fresh temporary folder. Returns the exit code."""
+    console = console or Console()
+    formats = ["chat", "messages", "responses"] if which == "all" else [which]
+    state_dir = Path(config.state.dir) if config.state.dir else Path(tempfile.mkdtemp(prefix="proxyvisor-demo-"))
+    trio.run(_demo, config, formats, state_dir, console)
+    return 0

@@ -1,0 +1,33 @@
+"""``proxyvisor serve``: run the proxy in the foreground until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import trio
+
+from .config import Config
+from .proxy.service import running
+
+
+async def _serve(config: Config) -> None:
+    async with running(config) as proxy:
+        upstreams = ", ".join(f"{u.name} ({u.url}, {'/'.join(u.formats)})" for u in config.upstreams)
+        mode = "supervision on" if config.supervisor.enabled else "supervision off: byte relay, nothing written"
+        print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                print("proxyvisor: shutting down", file=sys.stderr)
+                return
+
+
+def serve(config: Config) -> int:
+    """Serve until interrupted. Returns the exit code (0). Raises ConfigError or OSError (address in use)."""
+    try:
+        trio.run(_serve, config)
+    except OSError as exc:
+        print(f"proxyvisor: cannot listen on {config.proxy.host}:{config.proxy.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,101 @@
+"""Shared fixtures: an isolated environment, a proxy on a free port, and standalone scripted upstreams.
+
+Every test runs with ``HOME``, ``XDG_*`` and ``PROXYVISOR_STATE_DIR`` pointing into its own ``tmp_path``, so no
+test can read the developer's configuration or write into their state directory, and a test can check that
+nothing at all was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.config import Config, UpstreamConfig
+from proxyvisor.proxy.service import RunningProxy, running
+from proxyvisor.store import Store
+
+from helpers import serve_handler
+
+# Variables the SDKs or proxyvisor read that would make a test depend on the machine it runs on.
+_LEAKY_ENV = ("PROXYVISOR_CONFIG", "OPENAI_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_ORG_ID",
+              "OPENAI_PROJECT_ID", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL",
+              "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private home for the test; returns it. ``$PROXYVISOR_STATE_DIR`` is ``tmp_path/state`` (not created)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in _LEAKY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / ".local" / "state"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    monkeypatch.setenv("PROXYVISOR_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("NO_PROXY", "*")
+    return home
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """The state directory every proxy of the test uses (``$PROXYVISOR_STATE_DIR``); absent until written."""
+    return tmp_path / "state"
+
+
+@dataclass
+class Upstream:
+    """A standalone scripted upstream: ``url`` to call it directly, ``script`` to queue steps and read what it got."""
+
+    url: str
+    script: ScriptedUpstream
+
+
+@pytest.fixture
+async def scripted_server() -> AsyncIterator[Upstream]:
+    """A :class:`ScriptedUpstream` (recording requests and responses) served on its own port."""
+    script = ScriptedUpstream()
+    async with serve_handler(script) as url:
+        yield Upstream(url, script)
+
+
+@pytest.fixture
+def start_proxy(state_dir: Path) -> Callable[..., Any]:
+    """Factory for running proxies: ``async with start_proxy(...) as rp``.
+
+    Arguments (all optional): ``steps`` for the embedded scripted upstream (``rp.scripted["scripted"]``,
+    recording); ``supervised`` (default True); ``upstream_url`` to relay to an HTTP upstream instead of the
+    embedded one; ``upstream`` fields of the one upstream (``first_byte_timeout_s``, ``api_key_env``, ...);
+    ``proxy`` fields (``max_body_bytes``, ``auth_token``, ...); ``store`` (default: a :class:`Store` on
+    ``state_dir`` when supervised, none otherwise, as ``proxyvisor serve`` does).
+    """
+
+    @asynccontextmanager
+    async def start(steps: list[dict[str, Any]] | None = None, *, supervised: bool = True,
+                    upstream_url: str | None = None, upstream: dict[str, Any] | None = None,
+                    proxy: dict[str, Any] | None = None, store: Store | None = None,
+                    chunk_delay_ms: float = 0.0) -> AsyncIterator[RunningProxy]:
+        fields = dict(upstream or {})
+        if upstream_url:
+            fields["url"] = upstream_url
+        config = Config(upstreams=(UpstreamConfig(name="scripted", **fields),))
+        config = config.with_overrides(supervisor={"enabled": supervised}, proxy=proxy or {})
+        scripted = None if upstream_url else {"scripted": ScriptedUpstream(steps, chunk_delay_ms)}
+        async with running(config, port=0, store=store, scripted=scripted) as rp:
+            yield rp
+
+    return start
+
+
+@pytest.fixture
+async def proxy(start_proxy: Callable[..., Any]) -> AsyncIterator[RunningProxy]:
+    """A supervised proxy over the embedded scripted upstream (queue steps on ``proxy.scripted["scripted"]``)."""
+    async with start_proxy() as rp:
+        yield rp

@@ -1,0 +1,201 @@
+"""Helpers for the tests (not fixtures): servers on free ports, request bodies, and real-SDK calls.
+
+``ask`` drives the real ``openai`` / ``anthropic`` SDKs and reduces their parsed answer to an :class:`Answer`, so
+"direct" and "through proxyvisor" answers compare with ``==``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import orjson
+import trio
+
+from proxyvisor.proxy.formats import BY_NAME, WireFormat
+from proxyvisor.proxy.server import Handler, Limits, bound_port, open_listeners, serve_listeners
+from proxyvisor.proxy.sse import Event, SSEParser
+
+FORMATS = ("chat", "messages", "responses")
+MODEL = "scripted-model"
+SYSTEM = "You are a terse assistant."
+PROMPT = "List the files, please."
+_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+
+TOOL_STEP = {"text": "Let me look — 🔍 first.",
+             "tool_calls": [{"name": "Bash", "arguments": {"command": "ls -la", "note": "ünïcode ✓"},
+                             "id": "call_fixed_1"}],
+             "input_tokens": 120, "output_tokens": 17}
+"""An assistant turn with text and one tool call, with a fixed tool call id (so answers compare exactly)."""
+TEXT_STEP = {"text": "Done: héllo wörld ✓ 🎉 three files.", "input_tokens": 200, "output_tokens": 9}
+TWO_CALLS_STEP = {"tool_calls": [{"name": "Bash", "arguments": {"command": "pwd"}, "id": "call_fixed_a"},
+                                 {"name": "Read", "arguments": {"path": "/etc/hostname"}, "id": "call_fixed_b"}]}
+
+
+def fmt_of(name: str) -> WireFormat:
+    return BY_NAME[name]
+
+
+def path_of(name: str) -> str:
+    return BY_NAME[name].path
+
+
+def request_body(fmt: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """A typical agent request in format ``fmt``: system prompt, one user message, a ``Bash`` tool."""
+    if fmt == "chat":
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}],
+            "tools": [{"type": "function", "function": {"name": "Bash", "description": "Run a command",
+                                                        "parameters": _SCHEMA}}]}
+    elif fmt == "messages":
+        body = {"model": MODEL, "max_tokens": 256, "system": SYSTEM,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "tools": [{"name": "Bash", "description": "Run a command", "input_schema": _SCHEMA}]}
+    else:
+        body = {"model": MODEL, "instructions": SYSTEM,
+                "input": [{"role": "user", "content": PROMPT}],
+                "tools": [{"type": "function", "name": "Bash", "description": "Run a command",
+                           "parameters": _SCHEMA, "strict": False}]}
+    if stream:
+        body["stream"] = True
+    body.update(extra)
+    return body
+
+
+def files_under(*roots: Path) -> list[Path]:
+    """Every file and folder under ``roots`` (missing roots count as empty)."""
+    return sorted(p for root in roots if root.exists() for p in root.rglob("*"))
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def serve_handler(handler: Handler, limits: Limits = Limits()) -> AsyncIterator[str]:
+    """Serve any handler on a free loopback port; yields its base URL (``http://127.0.0.1:PORT``)."""
+    listeners = await open_listeners("127.0.0.1", 0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_listeners, listeners, handler, limits)
+        try:
+            yield f"http://127.0.0.1:{bound_port(listeners)}"
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def sse_events(data: bytes) -> list[Event]:
+    """All complete SSE events in ``data``."""
+    return SSEParser().feed(data)
+
+
+def json_events(data: bytes) -> list[tuple[str | None, Any]]:
+    """(event name, parsed data) of each SSE event; ``[DONE]`` stays a string."""
+    return [(e.event, e.data if e.data == "[DONE]" else json.loads(e.data)) for e in sse_events(data)]
+
+
+_IDS = re.compile(rb'"(chatcmpl|msg|resp|fc)_?-?[0-9a-f]{24}"')
+_TIMES = re.compile(rb'"(created|created_at)":\d+')
+
+
+def without_generated_ids(data: bytes) -> bytes:
+    """``data`` with the ids and timestamps the scripted upstream generates per response replaced by placeholders.
+
+    Tool call ids are not replaced: the scripts give them explicitly.
+    """
+    return _TIMES.sub(rb'"\1":0', _IDS.sub(rb'"\1-ID"', data))
+
+
+def assert_error_shape(fmt: str, status: int, body: bytes) -> dict[str, Any]:
+    """Check ``body`` is ``fmt``'s JSON error shape; returns the inner error object."""
+    obj = orjson.loads(body)
+    if fmt == "messages":
+        assert obj["type"] == "error", obj
+        assert isinstance(obj["error"]["type"], str) and obj["error"]["message"], obj
+    else:
+        assert set(obj) == {"error"}, obj
+        assert obj["error"]["message"] and isinstance(obj["error"]["type"], str), obj
+        assert "param" in obj["error"] and "code" in obj["error"], obj
+    return obj["error"]
+
+
+# ---- real SDK calls ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An assistant answer as an SDK parsed it: text, tool calls as (id, name, arguments), and how it ended."""
+
+    text: str
+    tool_calls: tuple[tuple[str, str, dict[str, Any]], ...]
+    stop: str | None
+
+
+def openai_client(base_url: str, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="sk-client-key", max_retries=0, timeout=15, **kw)
+
+
+def anthropic_client(base_url: str, **kw: Any) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=base_url, api_key="sk-ant-client-key", max_retries=0, timeout=15, **kw)
+
+
+async def ask(fmt: str, base_url: str, *, stream: bool, headers: dict[str, str] | None = None) -> Answer:
+    """Send :func:`request_body` ``fmt`` to ``base_url`` with the real SDK of that format; the parsed answer.
+
+    Streams go through the SDKs' accumulating helpers, which check the event grammar as they build the answer.
+    Raises whatever the SDK raises.
+    """
+    body = request_body(fmt)
+    if fmt == "messages":
+        async with anthropic_client(base_url) as client:
+            if stream:
+                async with client.messages.stream(**body, extra_headers=headers) as s:
+                    m = await s.get_final_message()
+            else:
+                m = await client.messages.create(**body, extra_headers=headers)
+        return Answer("".join(b.text for b in m.content if b.type == "text"),
+                      tuple((b.id, b.name, b.input) for b in m.content if b.type == "tool_use"), m.stop_reason)
+    async with openai_client(base_url) as client:
+        if fmt == "chat":
+            if stream:
+                async with client.chat.completions.stream(**body, extra_headers=headers) as s:
+                    async for _ in s:
+                        pass
+                    c = await s.get_final_completion()
+            else:
+                c = await client.chat.completions.create(**body, extra_headers=headers)
+            m = c.choices[0].message
+            return Answer(m.content or "", tuple((t.id, t.function.name, json.loads(t.function.arguments))
+                                                 for t in m.tool_calls or ()), c.choices[0].finish_reason)
+        if stream:
+            async with client.responses.stream(**body, extra_headers=headers) as s:
+                async for _ in s:
+                    pass
+                r = await s.get_final_response()
+        else:
+            r = await client.responses.create(**body, extra_headers=headers)
+        calls = tuple((i.call_id, i.name, json.loads(i.arguments)) for i in r.output if i.type == "function_call")
+        return Answer(r.output_text, calls, r.status)
+
+
+async def raw_stream(base_url: str, fmt: str, body: dict[str, Any] | bytes,
+                     headers: dict[str, str] | None = None) -> tuple[httpx.Response, bytes]:
+    """POST ``body`` to ``fmt``'s path and read the whole reply (bytes exactly as sent on the wire)."""
+    content = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with httpx.AsyncClient(timeout=15, trust_env=False) as client:
+        async with client.stream("POST", base_url + path_of(fmt), content=content,
+                                 headers={"content-type": "application/json", **(headers or {})}) as r:
+            data = b"".join([chunk async for chunk in r.aiter_raw()])
+    return r, data

@@ -1,0 +1,106 @@
+"""The three wire formats: what they render, the real SDKs parse; their errors have each API's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from proxyvisor.adapters.scripted import turn_of
+from proxyvisor.proxy.formats import Usage
+from proxyvisor.proxy.formats.base import error_types
+from proxyvisor.proxy.server import Request, Response
+
+from helpers import (FORMATS, MODEL, TEXT_STEP, TOOL_STEP, TWO_CALLS_STEP, Answer, ask, assert_error_shape, fmt_of,
+                     json_events, request_body, serve_handler, sse_events)
+
+_STOP = {"chat": ("tool_calls", "stop"), "messages": ("tool_use", "end_turn"), "responses": ("completed", "completed")}
+
+
+def expected_answer(fmt: str, step: dict) -> Answer:
+    calls = tuple((c["id"], c["name"], c["arguments"]) for c in step.get("tool_calls", ()))
+    return Answer(step.get("text", ""), calls, _STOP[fmt][0 if calls else 1])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_sdk_parses_rendered_turns(fmt: str, stream: bool, scripted_server) -> None:
+    for step in (TOOL_STEP, TEXT_STEP, TWO_CALLS_STEP):
+        scripted_server.script.queue(step)
+        assert await ask(fmt, scripted_server.url, stream=stream) == expected_answer(fmt, step)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_usage_is_read_back_from_json_and_stream(fmt: str) -> None:
+    f = fmt_of(fmt)
+    turn = turn_of(TOOL_STEP)
+    assert f.usage(f.render(turn, MODEL)) == Usage(120, 17)
+    request = request_body(fmt, stream=True, stream_options={"include_usage": True})
+    seen = Usage()
+    for event in sse_events(b"".join(f.render_stream(turn, MODEL, request))):
+        if event.data != "[DONE]" and (found := f.stream_usage(event.event, orjson.loads(event.data))):
+            seen.add(found)
+    assert seen == Usage(120, 17)
+
+
+def test_stream_grammar_of_each_format() -> None:
+    turn = turn_of(TOOL_STEP)
+    chat = json_events(b"".join(fmt_of("chat").render_stream(turn, MODEL, {})))
+    assert all(name is None for name, _ in chat) and chat[-1][1] == "[DONE]"
+    messages = json_events(b"".join(fmt_of("messages").render_stream(turn, MODEL, {})))
+    assert [name for name, _ in messages] == [data["type"] for _, data in messages]
+    assert messages[0][0] == "message_start" and messages[-1][0] == "message_stop"
+    responses = json_events(b"".join(fmt_of("responses").render_stream(turn, MODEL, {})))
+    assert [data["sequence_number"] for _, data in responses] == list(range(len(responses)))
+    assert responses[0][0] == "response.created" and responses[-1][0] == "response.completed"
+
+
+_OPENAI_ERRORS = {400: openai.BadRequestError, 401: openai.AuthenticationError, 403: openai.PermissionDeniedError,
+                  404: openai.NotFoundError, 413: openai.APIStatusError, 429: openai.RateLimitError,
+                  500: openai.InternalServerError, 503: openai.InternalServerError, 529: openai.InternalServerError}
+_ANTHROPIC_ERRORS = {400: anthropic.BadRequestError, 401: anthropic.AuthenticationError,
+                     403: anthropic.PermissionDeniedError, 404: anthropic.NotFoundError,
+                     413: anthropic.RequestTooLargeError, 429: anthropic.RateLimitError,
+                     500: anthropic.InternalServerError, 503: anthropic.InternalServerError,
+                     529: anthropic.OverloadedError}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_error_bodies_have_each_apis_shape(fmt: str, scripted_server) -> None:
+    f = fmt_of(fmt)
+    for status in _OPENAI_ERRORS:
+        assert_error_shape(fmt, status, f.error_body(status, "it broke"))
+        scripted_server.script.queue({"fault": {"status": status, "message": f"scripted {status} here"}})
+        expected = _ANTHROPIC_ERRORS[status] if fmt == "messages" else _OPENAI_ERRORS[status]
+        with pytest.raises(expected) as caught:
+            await ask(fmt, scripted_server.url, stream=False)
+        err = caught.value
+        assert err.status_code == status
+        assert f"scripted {status} here" in err.message
+        if fmt == "messages":
+            assert err.body["error"]["type"] == error_types(status)[1]
+        else:
+            assert err.type == error_types(status)[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_stream_error_event_makes_the_sdk_raise(fmt: str) -> None:
+    f = fmt_of(fmt)
+    events = f.render_stream(turn_of(TOOL_STEP), MODEL, {})[:4]
+
+    async def broken(request: Request) -> Response:
+        async def body():
+            for event in events:
+                yield event
+            yield f.stream_error(502, "upstream went away mid-stream", events[-1])
+
+        return Response(200, [(b"content-type", b"text/event-stream")], body())
+
+    async with serve_handler(broken) as url:
+        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+            await ask(fmt, url, stream=True)
+    assert "upstream went away mid-stream" in str(caught.value)
+    if fmt == "responses":
+        (name, data), = json_events(f.stream_error(502, "x", events[-1]))
+        assert name == "error" and data["sequence_number"] == len(events)  # continues the stream's numbering

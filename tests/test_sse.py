@@ -1,0 +1,90 @@
+"""The sans-IO SSE parser: splitting the input anywhere never changes the events (WHATWG event-stream grammar)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxyvisor.proxy.sse import Event, SSEParser
+
+# Field values: any text without line breaks, multi-byte UTF-8 included (astral plane too).
+_value = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12)
+_name = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x2FF, blacklist_characters=":"), min_size=1,
+                max_size=8)
+_eol = st.sampled_from(["\r\n", "\n", "\r"])
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[bytes, list[Event]]:
+    """A valid event stream (comments, ignored fields, mixed line endings) and the events it must produce."""
+    lines: list[str] = []
+    expected: list[Event] = []
+    for _ in range(draw(st.integers(0, 5))):
+        if draw(st.booleans()):
+            lines.append(":" + draw(_value))  # a comment (":" alone is the usual keep-alive)
+        name = draw(st.none() | _name)
+        if name is not None:
+            lines.append("event: " + name)
+        values = []
+        for value in draw(st.lists(_value, max_size=4)):
+            if draw(st.booleans()):
+                lines.append("data: " + value)
+                values.append(value)
+            else:  # without the optional space, a leading space of the value itself is the one removed
+                lines.append("data:" + value)
+                values.append(value[1:] if value.startswith(" ") else value)
+            if draw(st.booleans()):
+                lines.append(draw(st.sampled_from(["id: 7", "retry: 1000", "unknown-field: x"])))
+        lines.append("")
+        if values:
+            expected.append(Event(name, "\n".join(values)))
+    text, previous = "", ""
+    for line in lines:
+        eol = draw(_eol)
+        if previous == "\r" and not line and eol == "\n":
+            eol = "\r"  # CR, then LF alone on an empty line, would read as one CRLF
+        text, previous = text + line + eol, eol
+    return text.encode("utf-8"), expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.data())
+def test_any_split_gives_the_same_events(stream: tuple[bytes, list[Event]], data: st.DataObject) -> None:
+    raw, expected = stream
+    assert SSEParser().feed(raw) == expected
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12), label="cuts"))
+    parser = SSEParser()
+    events = []
+    previous = 0
+    for cut in cuts + [len(raw)]:
+        events += parser.feed(raw[previous:cut])  # repeated cuts feed empty chunks, which must be harmless
+        previous = cut
+    assert events == expected
+    assert parser.pending() == 0
+
+
+def test_data_lines_join_and_space_rules() -> None:
+    raw = b"event: a\r\ndata:x\r\ndata:  two spaces\r\ndata\r\n\r\n: comment\n\ndata: \xc3\xa9\xf0\x9f\x8e\x89\n\n"
+    assert SSEParser().feed(raw) == [Event("a", "x\n two spaces\n"), Event(None, "é🎉")]
+
+
+def test_cr_then_lf_in_separate_chunks_is_one_line_ending() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"data: one\r") == []
+    assert parser.feed(b"") == []
+    assert parser.feed(b"\n") == []
+    assert parser.feed(b"data: two\r\n\r") == [Event(None, "one\ntwo")]
+    assert parser.feed(b"\n") == []
+
+
+def test_event_without_data_is_not_dispatched_and_invalid_utf8_is_replaced() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"event: ping\n\n") == []
+    assert parser.feed(b"data: \xff\xfe ok\n\n") == [Event(None, "\ufffd\ufffd ok")]
+
+
+def test_incomplete_event_waits() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"event: x\ndata: partial") == []
+    assert parser.pending() > 0
+    assert parser.feed(b"\n\n") == [Event("x", "partial")]
