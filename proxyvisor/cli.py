@@ -49,6 +49,15 @@ def _supervision_flags(parser: argparse.ArgumentParser) -> None:
                        help="enable supervision (overrides [supervisor] enabled)")
 
 
+def _session_id(value: str) -> str:
+    from .proxy.sessions import SESSION_ID
+
+    if not SESSION_ID.match(value):
+        raise argparse.ArgumentTypeError(f"invalid session id {value!r}: use 1-128 of [A-Za-z0-9._-], "
+                                         "starting with a letter or digit")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="proxyvisor", formatter_class=_Formatter,
@@ -102,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
             At exit, a session summary goes to stderr.
             """),
         epilog="example:\n  proxyvisor wrap -- claude -p 'list the files'\n  proxyvisor wrap -- codex exec 'say hi'\n\n" + _FILES)
-    wrap.add_argument("--session", metavar="ID", help="session id to use instead of a fresh random one")
+    wrap.add_argument("--session", metavar="ID", type=_session_id,
+                      help="session id to use instead of a fresh random one (1-128 of A-Z a-z 0-9 . _ -)")
     wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
     _supervision_flags(wrap)
     _common(wrap)

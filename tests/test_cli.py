@@ -1,0 +1,141 @@
+"""The command line: help text, wrap (exit codes, environment, summary), demo, replay on a fixture trajectory."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from proxyvisor.cli import build_parser, main
+from proxyvisor.config import Config
+from proxyvisor.demo import demo
+from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.replay import TrajectoryError, load_trajectory, replay
+from proxyvisor.store import Store
+
+TRAJECTORY = [
+    {"role": "system", "content": "You are an agent."},
+    {"role": "user", "content": "Fix the bug in app.py"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"cat app.py\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print('hi'"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_2", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"sed -i s/'$/')/ app.py\"}"}},
+        {"id": "call_3", "type": "function", "function": {"name": "read", "arguments": "{\"path\": \"app.py\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_2", "content": ""},
+    {"role": "tool", "tool_call_id": "call_3", "content": "print('hi')", "is_error": False},
+    {"role": "user", "content": "Please always provide EXACTLY ONE action."},
+    {"role": "assistant", "content": "Fixed: app.py now prints hi. ünïcödé ✓"},
+]
+
+
+def write_trajectory(path: Path, messages: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(m) + "\n" for m in messages), encoding="utf-8")
+    return path
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxyvisor", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("command", ["serve", "wrap", "demo", "replay"])
+def test_every_command_documents_its_options(command: str) -> None:
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 - argparse has no public accessor
+    text = sub.format_help()
+    for action in sub._actions:  # noqa: SLF001
+        for flag in action.option_strings:
+            assert flag in text
+        if action.help is not None and action.dest != "help":
+            assert action.help.strip(), f"{command} {action.dest} has no help"
+    assert "config file" in text  # every command says where its configuration comes from
+
+
+def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "wrap" in capsys.readouterr().out
+
+
+def test_wrap_returns_the_agent_exit_code_and_hands_it_the_base_urls(tmp_path: Path) -> None:
+    script = ("import os, sys, urllib.request, json\n"
+              "base = os.environ['OPENAI_BASE_URL']\n"
+              "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == base\n"
+              "body = json.dumps({'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}).encode()\n"
+              "req = urllib.request.Request(base + '/chat/completions', body, {'content-type': 'application/json'})\n"
+              "print(json.load(urllib.request.urlopen(req))['choices'][0]['message']['content'])\n"
+              "sys.exit(7)\n")
+    done = run_cli("wrap", "--state-dir", str(tmp_path / "state"), "--session", "s-test", "--",
+                   sys.executable, "-c", script)
+    assert done.returncode == 7, done.stderr
+    assert "Hello from the scripted upstream." in done.stdout
+    assert "session s-test: 1 requests (chat)" in done.stderr
+    ledger = (tmp_path / "state" / "ledger" / "s-test.jsonl").read_text().splitlines()
+    assert len(ledger) == 1 and json.loads(ledger[0])["status"] == 200
+
+
+def test_wrap_reports_a_missing_command() -> None:
+    done = run_cli("wrap", "--quiet", "--", "definitely-not-a-command-xyz")
+    assert done.returncode == 127
+    assert "cannot run 'definitely-not-a-command-xyz'" in done.stderr
+
+
+def test_wrap_rejects_an_invalid_session_id() -> None:
+    done = run_cli("wrap", "--session", "../etc", "--", "true")
+    assert done.returncode == 2
+    assert "invalid session id" in done.stderr
+
+
+def test_a_corrupt_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "config.toml"
+    bad.write_text("[proxy\nport = 1\n")
+    done = run_cli("serve", "--config", str(bad))
+    assert done.returncode == 2
+    assert "not valid TOML" in done.stderr and str(bad) in done.stderr
+
+
+def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert demo(Config().with_overrides(state={"dir": str(tmp_path)}), "all", Console(file=out, width=200)) == 0
+    text = out.getvalue()
+    for label in ("OpenAI Chat Completions", "Anthropic Messages", "OpenAI Responses"):
+        assert label in text
+    assert text.count("calls bash({'command': 'ls'})") == 3
+    assert text.count("answers: Done: I ran the tool and read its output.") == 3
+    ledgers = list((tmp_path / "ledger").glob("*.jsonl"))
+    assert len(ledgers) == 3 and all(len(p.read_text().splitlines()) == 2 for p in ledgers)
+
+
+@pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_replay_returns_every_recorded_turn_intact(tmp_path: Path, fmt: str, stream: bool) -> None:
+    rounds = await replay(Config(), TRAJECTORY, BY_NAME[fmt], stream, store=Store(tmp_path))
+    assert [r.message for r in rounds] == [2, 4, 8]
+    assert all(r.matches and r.status == 200 for r in rounds), [r.error for r in rounds]
+    assert rounds[1].tool_calls == ["bash: sed -i s/'$/')/ app.py", "read: app.py"]
+    assert rounds[2].tool_calls == []
+
+
+def test_replay_command_prints_one_line_per_round(tmp_path: Path) -> None:
+    path = write_trajectory(tmp_path / "t.jsonl", TRAJECTORY)
+    done = run_cli("replay", "--state-dir", str(tmp_path / "state"), str(path))
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("round")]
+    assert len(lines) == 3 and "bash: cat app.py" in lines[0]
+    as_json = run_cli("replay", "--json", "--format", "messages", "--state-dir", str(tmp_path / "state"), str(path))
+    records = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [r["message"] for r in records] == [2, 4, 8] and all(r["matches"] for r in records)
+
+
+def test_replay_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(TRAJECTORY[0]) + "\n{not json\n")
+    with pytest.raises(TrajectoryError, match=r"bad.jsonl:2: not JSON"):
+        load_trajectory(path)
+    done = run_cli("replay", str(path))
+    assert done.returncode == 2 and "bad.jsonl:2" in done.stderr
