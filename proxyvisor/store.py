@@ -41,6 +41,7 @@ class Store:
     def append_ledger(self, session_id: str, record: dict[str, Any]) -> None:
         """Append one record to the session's ledger (one ``write``; creates the file 0600)."""
         path = self.ledger_path(session_id)
+        private_dir(self.root)  # mkdir(parents=True) gives missing parents the umask's mode, not 0700
         private_dir(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:

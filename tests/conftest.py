@@ -67,7 +67,7 @@ async def scripted_server() -> AsyncIterator[Upstream]:
 
 
 @pytest.fixture
-def start_proxy(state_dir: Path) -> Callable[..., Any]:
+def start_proxy() -> Callable[..., Any]:
     """Factory for running proxies: ``async with start_proxy(...) as rp``.
 
     Arguments (all optional): ``steps`` for the embedded scripted upstream (``rp.scripted["scripted"]``,

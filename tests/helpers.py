@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -85,11 +86,11 @@ def closed_port() -> int:
 
 
 @asynccontextmanager
-async def serve_handler(handler: Handler, limits: Limits = Limits()) -> AsyncIterator[str]:
+async def serve_handler(handler: Handler, limits: Limits | None = None) -> AsyncIterator[str]:
     """Serve any handler on a free loopback port; yields its base URL (``http://127.0.0.1:PORT``)."""
     listeners = await open_listeners("127.0.0.1", 0)
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_listeners, listeners, handler, limits)
+        await nursery.start(serve_listeners, listeners, handler, limits or Limits())
         try:
             yield f"http://127.0.0.1:{bound_port(listeners)}"
         finally:
@@ -143,12 +144,23 @@ class Answer:
     stop: str | None
 
 
-def openai_client(base_url: str, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="sk-client-key", max_retries=0, timeout=15, **kw)
+# Loading the CA bundle costs ~30 ms per client; every call here is plain HTTP on loopback, so share one context.
+_TLS = ssl.create_default_context()
 
 
-def anthropic_client(base_url: str, **kw: Any) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=base_url, api_key="sk-ant-client-key", max_retries=0, timeout=15, **kw)
+def openai_client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="sk-client-key", max_retries=0, timeout=15,
+                              http_client=openai.DefaultAsyncHttpxClient(verify=_TLS))
+
+
+def anthropic_client(base_url: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=base_url, api_key="sk-ant-client-key", max_retries=0, timeout=15,
+                                    http_client=anthropic.DefaultAsyncHttpxClient(verify=_TLS))
+
+
+def http_client(base_url: str = "") -> httpx.AsyncClient:
+    """A plain httpx client that ignores proxy variables."""
+    return httpx.AsyncClient(base_url=base_url, timeout=15, trust_env=False, verify=_TLS)
 
 
 async def ask(fmt: str, base_url: str, *, stream: bool, headers: dict[str, str] | None = None) -> Answer:
@@ -194,8 +206,8 @@ async def raw_stream(base_url: str, fmt: str, body: dict[str, Any] | bytes,
                      headers: dict[str, str] | None = None) -> tuple[httpx.Response, bytes]:
     """POST ``body`` to ``fmt``'s path and read the whole reply (bytes exactly as sent on the wire)."""
     content = body if isinstance(body, bytes) else orjson.dumps(body)
-    async with httpx.AsyncClient(timeout=15, trust_env=False) as client:
-        async with client.stream("POST", base_url + path_of(fmt), content=content,
-                                 headers={"content-type": "application/json", **(headers or {})}) as r:
-            data = b"".join([chunk async for chunk in r.aiter_raw()])
+    headers = {"content-type": "application/json", **(headers or {})}
+    async with http_client() as client, client.stream("POST", base_url + path_of(fmt), content=content,
+                                                      headers=headers) as r:
+        data = b"".join([chunk async for chunk in r.aiter_raw()])
     return r, data

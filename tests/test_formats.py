@@ -69,10 +69,10 @@ _ANTHROPIC_ERRORS = {400: anthropic.BadRequestError, 401: anthropic.Authenticati
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_error_bodies_have_each_apis_shape(fmt: str, scripted_server) -> None:
     f = fmt_of(fmt)
-    for status in _OPENAI_ERRORS:
+    for status, openai_error in _OPENAI_ERRORS.items():
         assert_error_shape(fmt, status, f.error_body(status, "it broke"))
         scripted_server.script.queue({"fault": {"status": status, "message": f"scripted {status} here"}})
-        expected = _ANTHROPIC_ERRORS[status] if fmt == "messages" else _OPENAI_ERRORS[status]
+        expected = _ANTHROPIC_ERRORS[status] if fmt == "messages" else openai_error
         with pytest.raises(expected) as caught:
             await ask(fmt, scripted_server.url, stream=False)
         err = caught.value
@@ -104,3 +104,16 @@ async def test_stream_error_event_makes_the_sdk_raise(fmt: str) -> None:
     if fmt == "responses":
         (name, data), = json_events(f.stream_error(502, "x", events[-1]))
         assert name == "error" and data["sequence_number"] == len(events)  # continues the stream's numbering
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rendered_turns_read_back_as_the_same_turn(fmt: str) -> None:
+    f = fmt_of(fmt)
+    for step in (TOOL_STEP, TEXT_STEP, TWO_CALLS_STEP):
+        turn = turn_of(step)
+        expected = (turn.text, turn.tool_calls)
+        parsed = f.parse_response(f.render(turn, MODEL))
+        events = [(e.event, e.data) for e in sse_events(b"".join(f.render_stream(turn, MODEL, {})))]
+        assembled = f.assemble(events)
+        assert (parsed.text, parsed.tool_calls) == expected
+        assert (assembled.text, assembled.tool_calls) == expected

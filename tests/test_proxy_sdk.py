@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
 from helpers import FORMATS, TEXT_STEP, TOOL_STEP, TWO_CALLS_STEP, ask
 
@@ -28,3 +29,20 @@ async def test_auto_mode_calls_a_tool_then_answers(fmt: str, proxy) -> None:
     """With no script, the scripted model calls the offered shell tool (a full agent turn needs no setup)."""
     answer = await ask(fmt, proxy.url, stream=True)
     assert [(name, args) for _id, name, args in answer.tool_calls] == [("Bash", {"command": "ls"})]
+
+
+async def test_concurrent_streams_do_not_mix(start_proxy) -> None:
+    """16 clients stream at once through one proxy; each gets its own complete answer."""
+    async with start_proxy(chunk_delay_ms=1) as rp:
+        answers: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            answers[i] = await ask(("chat", "messages", "responses")[i % 3], rp.url, stream=True,
+                                   headers={"x-proxyvisor-session": f"c{i}"})
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+    assert len(answers) == 16
+    assert all(a.tool_calls[0][1:] == ("Bash", {"command": "ls"}) for a in answers.values())
+    assert len(rp.pipeline.sessions) == 16

@@ -10,8 +10,8 @@ Identity, first match wins (DESIGN.md, "Sessions"):
 5. a hash of the system prompt and the first user message.
 
 Ids from paths and headers must match :data:`SESSION_ID` (letters, digits, ``.``, ``_``, ``-``; at most 128
-characters); anything else is refused, so an id can never walk out of the state directory. Ids taken from
-bodies are hashed, never used raw.
+characters); anything else is refused, so an id can never walk out of the state directory. An id taken from a
+body is used as it is when it matches :data:`SESSION_ID`, and hashed otherwise (never refused).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from .formats import WireFormat
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
 _HEADERS = ("x-proxyvisor-session", "x-claude-code-session-id", "session-id", "x-session-id")
 
@@ -87,6 +87,8 @@ class Session:
     errors: int = 0
     overhead_ms: float = 0.0
     formats: set[str] = field(default_factory=set)
+    supervision: Any = None
+    """Per-session supervisor state (``proxyvisor.proxy.supervise.SessionSupervision``), made on first use."""
 
 
 class SessionTable:

@@ -1,0 +1,102 @@
+"""The per-session JSONL ledger: one line per request, private files, tolerant reading."""
+
+from __future__ import annotations
+
+import os
+import stat
+from datetime import datetime
+
+import pytest
+
+from proxyvisor.store import Store
+
+from helpers import TEXT_STEP, TOOL_STEP, closed_port, files_under, raw_stream, request_body
+
+FIELDS = {"time", "format", "model", "stream", "status", "input_tokens", "output_tokens", "latency_ms",
+          "overhead_ms"}
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+async def test_one_line_per_request_with_what_happened(start_proxy, state_dir) -> None:
+    steps = [TOOL_STEP, TEXT_STEP, {"fault": {"status": 429, "retry_after": "2"}}, TOOL_STEP]
+    async with start_proxy(steps) as rp:
+        secret = {"authorization": "Bearer sk-secret-abc123", "x-api-key": "sk-secret-abc123"}
+        requests = [("chat", request_body("chat"), 200), ("messages", request_body("messages", stream=True), 200),
+                    ("responses", request_body("responses", stream=True), 429),
+                    ("chat", request_body("chat", stream=True, stream_options={"include_usage": True}), 200)]
+        for fmt, body, status in requests:
+            reply, _ = await raw_stream(rp.url + "/s/led-1", fmt, body, headers=secret)
+            assert reply.status_code == status
+        lines = rp.pipeline.store.read_ledger("led-1")
+    assert [(r["format"], r["stream"], r["status"]) for r in lines] == [
+        ("chat", False, 200), ("messages", True, 200), ("responses", True, 429), ("chat", True, 200)]
+    assert [(r["input_tokens"], r["output_tokens"]) for r in lines] == [(120, 17), (200, 9), (None, None), (120, 17)]
+    for record in lines:
+        assert FIELDS <= set(record)
+        assert record["model"] == "scripted-model"
+        assert datetime.fromisoformat(record["time"]).tzinfo is not None
+        assert 0 <= record["overhead_ms"] <= record["latency_ms"]
+    ledger = state_dir / "ledger" / "led-1.jsonl"
+    assert b"sk-secret" not in ledger.read_bytes()
+    assert mode(ledger) == 0o600
+    for folder in (state_dir, state_dir / "ledger"):
+        assert mode(folder) == 0o700, folder
+    assert files_under(state_dir) == [state_dir / "ledger", ledger]
+
+
+async def test_a_failed_upstream_is_accounted_with_its_error(start_proxy, state_dir) -> None:
+    async with start_proxy(upstream_url=f"http://127.0.0.1:{closed_port()}") as rp:
+        reply, _ = await raw_stream(rp.url + "/s/down", "messages", request_body("messages"))
+        assert reply.status_code == 502
+        (record,) = rp.pipeline.store.read_ledger("down")
+    assert record["status"] == 502 and "unreachable" in record["error"]
+
+
+async def test_a_broken_state_dir_does_not_break_requests(start_proxy, state_dir) -> None:
+    state_dir.write_text("not a folder")
+    async with start_proxy([TOOL_STEP]) as rp:
+        reply, _ = await raw_stream(rp.url, "chat", request_body("chat"))
+        assert reply.status_code == 200
+
+
+def test_truncated_or_corrupt_lines_are_skipped(tmp_path) -> None:
+    store = Store(tmp_path / "st")
+    store.append_ledger("s1", {"n": 1})
+    path = store.ledger_path("s1")
+    with open(path, "ab") as f:
+        f.write(b'not json\n[1, 2]\n')
+    store.append_ledger("s1", {"n": 2})
+    with open(path, "ab") as f:
+        f.write(b'{"n": 3, "trunc')  # a crash in the middle of the last write
+    assert store.read_ledger("s1") == [{"n": 1}, {"n": 2}]
+    assert store.read_ledger("never-written") == []
+    assert store.sessions() == ["s1"]
+
+
+def test_store_creates_nothing_until_the_first_write(tmp_path) -> None:
+    root = tmp_path / "deep" / "state"
+    store = Store(root)
+    assert store.read_ledger("x") == [] and store.sessions() == []
+    assert not (tmp_path / "deep").exists()
+    store.append_ledger("x", {"ok": True})
+    assert mode(root) == 0o700 and mode(root / "ledger") == 0o700 and mode(store.ledger_path("x")) == 0o600
+
+
+def test_existing_loose_folders_are_tightened(tmp_path) -> None:
+    root = tmp_path / "state"
+    (root / "ledger").mkdir(parents=True, mode=0o755)
+    os.chmod(root, 0o755)
+    os.chmod(root / "ledger", 0o777)
+    Store(root).append_ledger("x", {})
+    assert mode(root) == 0o700 and mode(root / "ledger") == 0o700
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", ".x"])
+def test_ledger_paths_stay_inside_the_state_dir(tmp_path, bad: str) -> None:
+    root = tmp_path / "a" / "state"
+    with pytest.raises(ValueError):
+        Store(root).append_ledger(bad, {})
+    assert files_under(tmp_path / "a") == []
