@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,7 +29,12 @@ _loop: asyncio.AbstractEventLoop | None = None
 
 
 def import_litellm() -> Any:
-    """Import litellm offline-safe (see the module docstring) and return the module."""
+    """Import litellm offline-safe (see the module docstring) and return the module.
+
+    Unless ``LITELLM_LOG`` is set, litellm's own loggers are silenced: its tracebacks would repeat upstream
+    messages that proxyvisor already reports (redacted) in the client's error and in its own log.
+    """
+    quiet = "LITELLM_LOG" not in os.environ
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     os.environ.setdefault("LITELLM_LOG", "ERROR")
     import litellm
@@ -36,6 +42,9 @@ def import_litellm() -> Any:
 
     litellm.suppress_debug_info = True
     litellm.telemetry = False
+    if quiet:
+        for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     return litellm
 
 

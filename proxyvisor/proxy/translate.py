@@ -1,0 +1,374 @@
+"""The translation path: a client format that no upstream speaks natively, served through litellm.
+
+One litellm entry point per client format, pointed at the upstream's format by a provider prefix
+(DESIGN.md, principle 3):
+
+============  ==========  =============================================  ==========================
+client        upstream    litellm call                                   model
+============  ==========  =============================================  ==========================
+chat          messages    ``acompletion``                                ``anthropic/M``
+chat          responses   ``acompletion``                                ``openai/responses/M``
+messages      chat        ``anthropic.messages.acreate``                 ``custom_openai/M``
+messages      responses   ``anthropic.messages.acreate``                 ``openai/M``
+responses     chat        ``aresponses``                                 ``custom_openai/M``
+responses     messages    ``aresponses``                                 ``anthropic/M``
+============  ==========  =============================================  ==========================
+
+``custom_openai`` is litellm's plain OpenAI-compatible provider: with it litellm bridges Messages and Responses
+requests to ``/v1/chat/completions`` (with ``openai/`` it would call ``/v1/responses``, which a chat-only
+upstream lacks). ``M`` is the upstream's configured ``model``, else the client's. Only the documented request
+fields of the client's format are handed to litellm (:data:`_CLIENTS`): a body field such as ``api_base`` must
+never reach litellm's keyword arguments, and fields without a counterpart upstream are dropped.
+
+Replies are written in the client's own grammar: JSON for a non-streaming request; for a stream, chat ``data:``
+lines ending in ``data: [DONE]``, Anthropic named events, or Responses named events renumbered with an
+increasing ``sequence_number``. proxyvisor never retries (``max_retries=0``): clients run their own retry loops.
+
+The credential is the upstream's configured key, else the client's own (``Authorization: Bearer`` or
+``x-api-key``), else a placeholder: never a key from proxyvisor's environment, where litellm would otherwise look.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import trio
+
+from ..adapters import litellm_bridge
+from ..config import UpstreamConfig
+from .formats import WireFormat, sse
+from .relay import Headers, HttpRelay, UpstreamError, UpstreamReply
+
+log = logging.getLogger("proxyvisor.translate")
+
+NO_KEY = "proxyvisor-no-key"
+"""Sent as the API key when neither the upstream config nor the client supplies one."""
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+_SSE: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_MAX_REGISTERED = 256
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How litellm reaches one upstream format from one client format."""
+
+    call: str
+    """``acompletion``, ``messages`` (litellm.anthropic.messages.acreate) or ``aresponses``."""
+    prefix: str
+    """litellm provider prefix put before the model name."""
+    v1: bool
+    """Whether litellm's ``api_base`` includes ``/v1`` (OpenAI providers) or not (Anthropic adds it itself)."""
+
+
+_ROUTES: dict[tuple[str, str], _Route] = {
+    ("chat", "messages"): _Route("acompletion", "anthropic/", False),
+    ("chat", "responses"): _Route("acompletion", "openai/responses/", True),
+    ("messages", "chat"): _Route("messages", "custom_openai/", True),
+    ("messages", "responses"): _Route("messages", "openai/", True),
+    ("responses", "chat"): _Route("aresponses", "custom_openai/", True),
+    ("responses", "messages"): _Route("aresponses", "anthropic/", False),
+}
+
+
+@dataclass(frozen=True)
+class _Client:
+    """What the translation needs to know of a client format."""
+
+    fields: frozenset[str]
+    """The request fields the API documents that litellm translates; the rest of the body is dropped."""
+    named: bool
+    """Whether stream events carry an ``event:`` line (their ``type``), as Anthropic's and Responses' do."""
+    numbered: bool
+    """Whether stream events carry an increasing ``sequence_number`` (Responses)."""
+    done: bytes
+    """What ends a complete stream after litellm's last event (chat's ``[DONE]`` line)."""
+    terminal: tuple[bytes, ...]
+    """Events that end the client's stream (litellm's adapters send their own error events); a failure after
+    one (litellm's own clean-up) is not reported to the client."""
+
+
+# Anthropic's thinking, context_management and output_config, and Responses' store, previous_response_id and
+# include, have no counterpart on the other APIs (litellm would emulate some of them with extra model calls or
+# server-side state), so they are not in ``fields``.
+_CLIENTS: dict[str, _Client] = {
+    "chat": _Client(
+        frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
+                   "max_completion_tokens", "stop", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+                   "logprobs", "top_logprobs", "seed", "response_format", "user", "reasoning_effort",
+                   "stream_options"}),
+        named=False, numbered=False, done=b"data: [DONE]\n\n", terminal=()),
+    "messages": _Client(
+        frozenset({"messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k",
+                   "stop_sequences", "metadata"}),
+        named=True, numbered=False, done=b"", terminal=(b"event: message_stop\n", b"event: error\n")),
+    "responses": _Client(
+        frozenset({"input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
+                   "max_output_tokens", "reasoning", "text", "truncation", "user"}),
+        named=True, numbered=True, done=b"",
+        terminal=(b"event: response.completed\n", b"event: response.failed\n", b"event: response.incomplete\n",
+                  b"event: error\n")),
+}
+
+# litellm's prefixes before the upstream's message: "litellm.RateLimitError: RateLimitError: OpenAIException - ".
+_PREFIX = re.compile(r"^(?:litellm\.\w+: |\w+Error: )*(?:\w+Exception - )?")
+
+
+def _route_for(client: str, upstream_formats: tuple[str, ...]) -> tuple[str, _Route]:
+    """The upstream format to translate to and how: the first of ``upstream_formats`` litellm can reach.
+
+    Raises:
+        UpstreamError: 501, no translation exists between the formats.
+    """
+    for target in upstream_formats:
+        route = _ROUTES.get((client, target))
+        if route is not None:
+            return target, route
+    raise UpstreamError(501, f"no translation from {client} to {'/'.join(upstream_formats)}")
+
+
+def _client_key(headers: Headers) -> str | None:
+    """The client's own credential: ``Authorization: Bearer X`` or ``x-api-key: X``."""
+    for name, value in headers:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].decode("latin-1").strip() or None
+        if name in (b"x-api-key", b"api-key"):
+            return value.decode("latin-1").strip() or None
+    return None
+
+
+class Translator:
+    """Serves requests through litellm for upstreams that do not speak the client's format.
+
+    ``relays`` maps upstream names to their :class:`HttpRelay`, whose ``base`` (URL without ``/v1``) and
+    ``api_key`` are used.
+    """
+
+    def __init__(self, relays: dict[str, HttpRelay]) -> None:
+        self.relays = relays
+        self._registered: set[str] = set()
+
+    async def send(self, fmt: WireFormat, upstream: UpstreamConfig, body: dict[str, Any],
+                   headers: Headers) -> UpstreamReply:
+        """Translate ``body`` (client format ``fmt``) for ``upstream`` and return the reply in ``fmt``.
+
+        An error status from the upstream comes back as a reply with that status (529 for Anthropic's
+        ``overloaded_error``), the format's error body and the upstream's ``Retry-After`` (a 429 always has
+        one). A stream is an async iterable of SSE bytes whose ``error`` is set when it broke mid-way.
+
+        Raises:
+            UpstreamError: no translation exists (501), no model is known (400), the upstream is unreachable
+                (502) or sent nothing within ``first_byte_timeout_s`` (504).
+        """
+        target, route = _route_for(fmt.name, upstream.formats)
+        relay = self.relays[upstream.name]
+        model = upstream.model or body.get("model")
+        if not isinstance(model, str) or not model:
+            raise UpstreamError(400, "the request names no model and [upstreams] model is not set")
+        key = relay.api_key or _client_key(headers) or NO_KEY
+        stream = body.get("stream") is True
+        kwargs = {k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}
+        kwargs.update(model=route.prefix + model, stream=stream, api_key=key,
+                      api_base=relay.base + ("/v1" if route.v1 else ""),
+                      max_retries=0, num_retries=0, drop_params=True)
+        started = time.perf_counter()
+        try:
+            with trio.fail_after(upstream.first_byte_timeout_s):
+                result = await litellm_bridge.call(lambda: self._invoke(route, target, model, kwargs))
+        except trio.TooSlowError:
+            raise UpstreamError(504, f"upstream {upstream.name!r} sent no response within "
+                                     f"{upstream.first_byte_timeout_s:g} s") from None
+        except Exception as exc:  # filtered: litellm's errors become the client's, bugs propagate
+            if not _is_api_error(exc):
+                raise
+            return _failure(fmt, upstream.name, exc, key)
+        waited = time.perf_counter() - started
+        if stream:
+            return UpstreamReply(200, list(_SSE), TranslatedStream(fmt, result, upstream, key), waited)
+        return UpstreamReply(200, list(_JSON), orjson.dumps(_plain(result)), waited)
+
+    async def _invoke(self, route: _Route, target: str, model: str, kwargs: dict[str, Any]) -> Any:
+        """The litellm call; runs on the litellm thread."""
+        litellm = litellm_bridge.import_litellm()
+        if target == "responses" and kwargs["stream"]:
+            self._native_streaming(litellm, model)
+        if route.call == "acompletion":
+            return await litellm.acompletion(**kwargs)
+        if route.call == "aresponses":
+            return await litellm.aresponses(**kwargs)
+        return await litellm.anthropic.messages.acreate(**kwargs)
+
+    def _native_streaming(self, litellm: Any, model: str) -> None:
+        # litellm fakes a stream (one non-streaming upstream call, replayed in slices) for a Responses model
+        # missing from its model map; registering the name keeps the upstream call a real stream.
+        if model in self._registered or len(self._registered) >= _MAX_REGISTERED:
+            return
+        self._registered.add(model)
+        try:
+            litellm.get_model_info(model=model, custom_llm_provider="openai")
+        except litellm.exceptions.ModelNotMappedError:
+            litellm.register_model({f"openai/{model}": {"litellm_provider": "openai",
+                                                        "supports_native_streaming": True}},
+                                   persist_across_reloads=False, add_to_provider_model_sets=False)
+
+
+@dataclass
+class TranslatedStream:
+    """litellm's stream re-framed as SSE bytes in the client's format. Iterate once.
+
+    Afterwards ``error`` is None or the failure that cut the stream short (the pipeline then sends the format's
+    error event); ``last_chunk`` is the last bytes sent.
+    """
+
+    fmt: WireFormat
+    source: Any
+    upstream: UpstreamConfig
+    key: str
+    error: UpstreamError | None = None
+    last_chunk: bytes = b""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        client = _CLIENTS[self.fmt.name]
+        sequence = 0
+        finished = False
+        items = litellm_bridge.iterate(self.source).__aiter__()
+        try:
+            while True:
+                try:
+                    with trio.fail_after(self.upstream.idle_timeout_s):
+                        item = await items.__anext__()
+                except StopAsyncIteration:
+                    break
+                except trio.TooSlowError:
+                    self.error = UpstreamError(504, f"upstream sent nothing for {self.upstream.idle_timeout_s:g} s "
+                                                    "mid-stream")
+                    return
+                except Exception as exc:  # a broken stream ends with the format's error event
+                    if finished:
+                        log.debug("litellm failed after the end of the stream: %r", exc)
+                    elif _is_api_error(exc):
+                        self.error = UpstreamError(_status(exc), "upstream stream broke: " + _message(exc, self.key))
+                        log.warning("translated stream from %r broke: %s", self.upstream.name, self.error.message)
+                    else:
+                        self.error = UpstreamError(500, f"proxyvisor translation failed ({type(exc).__name__}); "
+                                                        "see the proxyvisor log")
+                        log.exception("translated stream from %r failed", self.upstream.name)
+                    return
+                chunk = _frame(client, item, sequence)
+                sequence += 1
+                finished = finished or any(marker in chunk for marker in client.terminal)
+                self.last_chunk = chunk
+                yield chunk
+            if client.done:
+                yield client.done
+        finally:
+            await items.aclose()
+
+
+def _plain(obj: Any) -> Any:
+    """litellm's result as JSON-ready data, less its ``None`` fields and private ``provider_specific_fields``."""
+    if isinstance(obj, dict):
+        return obj
+    return _strip(obj.model_dump(mode="json", exclude_none=True))
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k != "provider_specific_fields"}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def _frame(client: _Client, item: Any, sequence: int) -> bytes:
+    """One stream item from litellm as an SSE event of the client's format."""
+    if isinstance(item, bytes):
+        return item  # litellm's Anthropic adapters yield ready SSE frames
+    data = _plain(item)
+    if client.numbered:
+        data["sequence_number"] = sequence
+    return sse(orjson.dumps(data), data.get("type") if client.named else None)
+
+
+def _failure(fmt: WireFormat, upstream: str, exc: Exception, key: str) -> UpstreamReply:
+    """An upstream error status as a reply in the client's format; transport failures raise UpstreamError."""
+    status, message = _status(exc), _message(exc, key)
+    if status in (502, 504):
+        raise UpstreamError(status, f"upstream {upstream!r}: {message}") from None
+    headers = list(_JSON)
+    retry = _retry_after(exc)
+    if retry or status == 429:
+        headers.append((b"retry-after", (retry or "1").encode()))
+    return UpstreamReply(status, headers, fmt.error_body(status, message), 0.0)
+
+
+def _is_api_error(exc: Exception) -> bool:
+    """Whether litellm raised one of its API errors (all derive from the openai SDK's) rather than a bug."""
+    import openai  # already loaded by litellm
+
+    return isinstance(exc, openai.OpenAIError)
+
+
+def _status(exc: Exception) -> int:
+    """The status the client should see for a litellm exception: the upstream's, except 504 for a timeout, 502
+    for a connection that failed or broke, and 529 for Anthropic's overloaded error."""
+    litellm = litellm_bridge.import_litellm()
+    if isinstance(exc, litellm.Timeout):
+        return 504
+    if isinstance(exc, litellm.exceptions.MidStreamFallbackError):
+        return 502
+    status = getattr(exc, "provider_status_code", None) or getattr(exc, "status_code", None)
+    if isinstance(exc, litellm.APIConnectionError) or not isinstance(status, int):
+        return 502
+    if status == 500 and not getattr(exc, "litellm_response_headers", None):
+        return 502  # litellm reports a refused connection as a 500 without any upstream response
+    if _upstream_error(exc).get("type") == "overloaded_error":
+        return 529  # litellm maps Anthropic's 529 to 500; the body's type keeps what it was
+    return status if 400 <= status <= 599 else 502
+
+
+def _upstream_error(exc: Exception) -> dict[str, Any]:
+    """The upstream's JSON error object quoted in litellm's message (``{"error": {...}}``), or {}."""
+    text = str(getattr(exc, "message", "") or exc)
+    start = text.find("{")
+    if start < 0:
+        return {}
+    try:
+        body, _end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return {}
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def _message(exc: Exception, key: str) -> str:
+    """The upstream's own error message if litellm quotes one, else litellm's without its prefixes; the API key
+    is redacted."""
+    original = getattr(exc, "original_exception", None)
+    exc = original if isinstance(original, Exception) else exc
+    message = _upstream_error(exc).get("message")
+    if not isinstance(message, str) or not message:
+        message = _PREFIX.sub("", str(getattr(exc, "message", "") or exc), count=1) or type(exc).__name__
+    return message.replace(key, "[redacted]") if len(key) >= 4 else message
+
+
+def _retry_after(exc: Exception) -> str | None:
+    """The upstream's Retry-After in whole seconds, from the response headers litellm keeps."""
+    headers = getattr(exc, "litellm_response_headers", None)
+    if not headers:
+        return None
+    lower = {str(k).lower(): str(v) for k, v in dict(headers).items()}
+    if lower.get("retry-after"):
+        return lower["retry-after"]
+    try:
+        return str(max(1, math.ceil(float(lower["retry-after-ms"]) / 1000)))
+    except (KeyError, ValueError):
+        return None
