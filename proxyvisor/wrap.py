@@ -2,7 +2,7 @@
 
 The proxy lives in this process; the agent is a child process whose base-URL variables point at the proxy under
 a fresh session prefix (``/s/{session}``, 128 random bits), so its requests are one session however the agent
-identifies itself.
+identifies itself. Agent CLIs that ignore those variables get arguments instead (:mod:`proxyvisor.agents`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 
 import trio
 
+from .agents import agent_command
 from .config import Config
 from .proxy.service import RunningProxy, running
 from .proxy.sessions import SESSION_ID
@@ -42,6 +43,7 @@ def summary(proxy: RunningProxy, session: str) -> str:
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
         env = agent_env(proxy.url, session)
+        cmd = agent_command(cmd, env["OPENAI_BASE_URL"], env)
         async with trio.open_nursery() as nursery:
             try:
                 process = await nursery.start(lambda task_status: trio.run_process(

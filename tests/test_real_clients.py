@@ -1,0 +1,249 @@
+"""Real agent CLIs (Claude Code, Codex) complete a turn with one tool call through ``proxyvisor wrap``.
+
+Each test runs ``python -m proxyvisor wrap`` as a real subprocess with the built-in default configuration, so the
+agent talks to the embedded scripted upstream in auto mode: the first request gets one call of a shell tool from
+the agent's own tool list with the command ``ls``; the request after it, which carries the tool result, gets the
+text :data:`DONE`. That text can only reach the agent's output if its second request ended with a tool result.
+
+The CLIs come from ``.ci/install-agents`` (binaries in ``$PROXYVISOR_AGENTS_PREFIX/bin``, else the default prefix,
+else ``PATH``). A missing CLI skips the test on a developer machine and fails it in CI (``CI`` set), where the
+installer has run. The agent configuration follows ``../shared/reference/real-clients.md``: private config homes,
+telemetry, update checks and plugin fetches off, so nothing leaves the loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.real_client
+
+DONE = "Done: I ran the tool and read its output."
+"""The scripted upstream's auto-mode answer to a request whose latest turn is a tool result."""
+MARKER = "proxyvisor-marker.txt"
+"""The one file in the agent's working directory: the ``ls`` output the tool result must carry."""
+MODEL = "scripted-model"
+TIMEOUT_S = 180
+"""Per agent run; generous, because a healthy run takes seconds and a hang must fail rather than block CI."""
+
+# Read at import, before the autouse fixture points HOME and XDG_CACHE_HOME into the test's tmp_path.
+_DEFAULT_PREFIX = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "proxyvisor-agents"
+_PREFIX_ENV = os.environ.get("PROXYVISOR_AGENTS_PREFIX")
+_IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+# Variables of the developer's own agent setup that would redirect or reconfigure the CLIs under test.
+_FOREIGN_PREFIXES = ("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_")
+
+# A user's Codex setup, offline: update checks, plugin and app fetches and analytics off. `wrap` itself points
+# Codex at the proxy (proxyvisor/agents.py): Codex 0.171.0 ignores OPENAI_BASE_URL.
+_CODEX_COMMON = """\
+check_for_update_on_startup = false
+# The sandbox depends on the host allowing user namespaces, which CI runners may not; it is not under test, and
+# the only command the scripted model asks for is `ls` in a scratch directory.
+sandbox_mode = "danger-full-access"
+
+[features]
+plugins = false  # else `git ls-remote https://github.com/openai/plugins.git` at startup
+apps = false
+
+[analytics]
+enabled = false
+"""
+_CODEX_BUILT_IN = f'model = "{MODEL}"\n' + _CODEX_COMMON
+"""The built-in ``openai`` provider (API key from ``OPENAI_API_KEY``), which asks for a WebSocket first."""
+_CODEX_OWN_PROVIDER = f"""\
+model = "{MODEL}"
+model_provider = "mine"
+{_CODEX_COMMON}
+[model_providers.mine]
+name = "mine"
+# Not a usable URL: unless wrap redirects the provider, Codex fails in about 25 s (an unreachable address would
+# leave it "waiting for network" until the test times out).
+base_url = "not-redirected:"
+env_key = "PROXYVISOR_TEST_API_KEY"
+wire_api = "responses"
+"""
+"""A provider of the user's own, as ``../shared/reference/real-clients.md`` configures it."""
+
+
+def find_agent(name: str) -> str:
+    """The path of agent CLI ``name``; skips the test (outside CI) or fails it (in CI) when it is absent."""
+    for folder in (Path(_PREFIX_ENV) if _PREFIX_ENV else None, _DEFAULT_PREFIX):
+        if folder is not None and os.access(folder / "bin" / name, os.X_OK):
+            return str(folder / "bin" / name)
+    found = shutil.which(name)
+    if found:
+        return found
+    reason = (f"agent CLI {name!r} not found in {_PREFIX_ENV or '$PROXYVISOR_AGENTS_PREFIX (unset)'}/bin, "
+              f"{_DEFAULT_PREFIX}/bin or PATH; install it with .ci/install-agents")
+    if _IN_CI:
+        pytest.fail(f"{reason} (CI is set, so the CLI must be installed)")
+    pytest.skip(reason)
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Workspace:
+    """Scratch folders of one agent run: the agent's working directory, its config home, the state dir."""
+
+    work: Path
+    home: Path
+    state: Path
+
+    @classmethod
+    def make(cls, tmp_path: Path) -> Workspace:
+        ws = cls(tmp_path / "work", tmp_path / "agent-home", tmp_path / "state")
+        for folder in (ws.work, ws.home, ws.state):
+            folder.mkdir()
+        (ws.work / MARKER).write_text("hello\n")
+        return ws
+
+    def ledger(self, session: str) -> list[dict[str, Any]]:
+        path = self.state / "ledger" / f"{session}.jsonl"
+        assert path.is_file(), f"no ledger at {path}; state dir holds {self.files()}"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def files(self) -> list[str]:
+        return sorted(str(p.relative_to(self.state)) for p in self.state.rglob("*"))
+
+
+def wrap(ws: Workspace, cmd: list[str], env: dict[str, str], *wrap_args: str) -> Run:
+    """Run ``python -m proxyvisor wrap --state-dir ... WRAP_ARGS -- CMD`` in ``ws.work``; fails on a hang.
+
+    The run gets its own process group, so a timeout kills the agent too, not only ``wrap``.
+    """
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)} | env
+    argv = [sys.executable, "-m", "proxyvisor", "wrap", "--state-dir", str(ws.state), *wrap_args, "--", *cmd]
+    proc = subprocess.Popen(argv, cwd=ws.work, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd[0]} through proxyvisor wrap did not finish in {TIMEOUT_S} s\n"
+                    f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
+    return Run(proc.returncode, stdout, stderr)
+
+
+def check_ledger(ws: Workspace, session: str, fmt: str) -> None:
+    """The ledger shows the tool-call round trip: 2+ model requests in ``fmt``, each answered 200."""
+    records = ws.ledger(session)
+    assert len(records) >= 2, records
+    assert {r["format"] for r in records} == {fmt}, records
+    assert [r["status"] for r in records] == [200] * len(records), records
+    assert {r["model"] for r in records} == {MODEL}, records
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# --- Claude Code -----------------------------------------------------------------------------------------------
+
+def claude_run(ws: Workspace, output_format: str, *wrap_args: str) -> Run:
+    cmd = [find_agent("claude"), "-p", "List the files in the current directory.", "--model", MODEL,
+           "--output-format", output_format]
+    if output_format == "stream-json":
+        cmd.append("--verbose")  # required by -p with stream-json; adds the tool call and result events
+    env = {"CLAUDE_CONFIG_DIR": str(ws.home), "ANTHROPIC_API_KEY": "dummy", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+    return wrap(ws, cmd, env, *wrap_args)
+
+
+def test_claude_code_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> None:
+    ws, session = Workspace.make(tmp_path), "claude-code-test"
+    run = claude_run(ws, "stream-json", "--session", session)
+    assert run.returncode == 0, run
+    events = json_lines(run.stdout)
+    blocks = [b for e in events if e.get("type") in ("assistant", "user") for b in e["message"]["content"]]
+    calls = [b for b in blocks if b["type"] == "tool_use"]
+    results = [b for b in blocks if b["type"] == "tool_result"]
+    assert [(c["name"], c["input"]["command"]) for c in calls] == [("Bash", "ls")], calls
+    assert len(results) == 1 and results[0]["tool_use_id"] == calls[0]["id"], results
+    assert MARKER in str(results[0]["content"]) and not results[0]["is_error"], results
+    final = events[-1]
+    assert (final["type"], final["subtype"], final["is_error"], final["result"]) == ("result", "success", False, DONE)
+    check_ledger(ws, session, "messages")
+    assert f"proxyvisor: session {session}: " in run.stderr and "(messages)" in run.stderr, run.stderr
+
+
+def test_claude_code_through_wrap_without_supervision_writes_nothing(tmp_path: Path) -> None:
+    ws = Workspace.make(tmp_path)
+    run = claude_run(ws, "json", "--no-supervision")
+    assert run.returncode == 0, run
+    result = json.loads(run.stdout)
+    assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, DONE), result
+    assert result["num_turns"] == 2, result
+    assert ws.files() == []
+
+
+# --- Codex -----------------------------------------------------------------------------------------------------
+
+def codex_run(ws: Workspace, config: str, *wrap_args: str, as_json: bool = True) -> Run:
+    """``proxyvisor wrap WRAP_ARGS -- codex exec ...`` as a user types it, with ``config`` as Codex's config.toml."""
+    (ws.home / "config.toml").write_text(config)
+    cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", *(["--json"] if as_json else []),
+           "List the files in the current directory."]
+    env = {"CODEX_HOME": str(ws.home), "OPENAI_API_KEY": "dummy", "PROXYVISOR_TEST_API_KEY": "dummy"}
+    return wrap(ws, cmd, env, *wrap_args)
+
+
+def check_codex_turn(events: list[dict[str, Any]]) -> None:
+    """``codex exec --json`` events show one ``ls`` run with the marker in its output, then :data:`DONE`."""
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    commands = [i for i in items if i["type"] == "command_execution"]
+    assert len(commands) == 1, items
+    assert commands[0]["exit_code"] == 0 and MARKER in commands[0]["aggregated_output"], commands
+    messages = [i["text"] for i in items if i["type"] == "agent_message"]
+    assert messages[-1] == DONE, items
+    assert events[-1]["type"] == "turn.completed", events[-1]
+
+
+def test_codex_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> None:
+    ws, session = Workspace.make(tmp_path), "codex-test"
+    run = codex_run(ws, _CODEX_OWN_PROVIDER, "--session", session)
+    assert run.returncode == 0, run
+    check_codex_turn(json_lines(run.stdout))
+    check_ledger(ws, session, "responses")
+    assert f"proxyvisor: session {session}: " in run.stderr and "(responses)" in run.stderr, run.stderr
+
+
+def test_codex_with_the_built_in_openai_provider_falls_back_to_http_at_once(tmp_path: Path) -> None:
+    """The built-in provider first asks for a WebSocket; the proxy's 426 makes it POST at once, with no retries."""
+    ws, session = Workspace.make(tmp_path), "codex-openai-test"
+    run = codex_run(ws, _CODEX_BUILT_IN, "--session", session, "--log-level", "info")
+    assert run.returncode == 0, run
+    events = json_lines(run.stdout)
+    check_codex_turn(events)
+    # Any other answer costs "Reconnecting... n/5" error events, then a "Falling back from WebSockets" item.
+    transport = [e for e in events if e.get("type") == "error" or
+                 (e.get("type") == "item.completed" and e["item"]["type"] == "error"
+                  and "WebSocket" in e["item"]["message"])]
+    assert transport == [], transport
+    assert run.stderr.count("refused a WebSocket upgrade") == 1, run.stderr  # one attempt for the whole session
+    records = ws.ledger(session)
+    assert [(r["format"], r["model"], r["status"]) for r in records] == [("responses", MODEL, 200)] * 2, records
+
+
+def test_codex_through_wrap_without_supervision_writes_nothing(tmp_path: Path) -> None:
+    ws = Workspace.make(tmp_path)
+    run = codex_run(ws, _CODEX_OWN_PROVIDER, "--no-supervision", as_json=False)
+    assert run.returncode == 0, run
+    # Without --json, `codex exec` prints the final agent message alone on stdout.
+    assert run.stdout.strip() == DONE, run
+    assert ws.files() == []
