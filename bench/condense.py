@@ -1,0 +1,268 @@
+"""Condense over the corpus of real large tool outputs: our numbered view against two truncation baselines, and
+the reconstruction a condenser answering the needed lines would produce.
+
+Usage: python bench/condense.py [CORPUS_TOOL_OUTPUTS_DIR] [--write]
+
+The directory defaults to ../shared/corpus/tool_outputs next to the repository. Each output ``X`` has a sidecar
+``X.json`` with the agent's question (``task``) and the lines a good condenser must keep (``needed_lines``; 1-based,
+lines split on ``\\n`` only). For every file:
+
+1. **View recall.** Our deterministic numbered view (``proxyvisor.condense.view``) at the default budget (32,000
+   tokens: a result alone in its round) and at 8,000 and 2,000 (a round shared with other large results), and
+   two baselines cut to the *same token count* as our view: head + tail lines in equal numbers (Codex keeps
+   128 + 128 lines) and a middle cut by characters (OpenHands keeps 30,000 characters, half from each end). Recall
+   is the share of needed lines shown whole (for our view: shown, or clipped but selectable). The baselines at
+   their own fixed sizes are listed too.
+2. **Reconstruction.** The whole condense round (``CondenseEngine``) with a scripted condenser that answers
+   ``extract`` with exactly the needed ranges: the narrowed text is parsed back independently of the code that
+   wrote it, every kept line must equal the original line byte for byte at its original number, every needed line
+   must be kept, and the gap markers must account for every other line. Reported: kept lines and tokens before and
+   after (target: at least 70% fewer tokens for outputs over 20,000 tokens). Files below the 5,000-token threshold
+   are not candidates: the proxy passes them through whole.
+
+Tokens are tiktoken ``cl100k_base``. Exit status 1 when a reconstruction is not byte-exact or misses a needed line.
+``--write`` puts the tables into bench/RESULTS.md under "## Condense (issue 5)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.results import write_section  # noqa: E402
+from proxyvisor.config import CondenseConfig  # noqa: E402
+from proxyvisor.condense.engine import CondenseEngine, ToolResult, effective_threshold  # noqa: E402
+from proxyvisor.condense.protocol import TaskContext  # noqa: E402
+from proxyvisor.condense.signals import focus_terms  # noqa: E402
+from proxyvisor.condense.spill import SpillStore  # noqa: E402
+from proxyvisor.condense.text import body_of, count_each, count_tokens, split_lines  # noqa: E402
+from proxyvisor.condense.view import ROUND_BUDGET, build_view  # noqa: E402
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "tool_outputs"
+BUDGETS = (ROUND_BUDGET, 8_000, 2_000)
+CODEX_LINES = 128
+OPENHANDS_CHARS = 30_000
+LARGE = 20_000
+TARGET = 0.70
+
+
+def needed_of(side: dict) -> set[int]:
+    needed: set[int] = set()
+    for entry in side["needed_lines"]:
+        first, last = (entry, entry) if isinstance(entry, int) else entry
+        needed.update(range(first, last + 1))
+    return needed
+
+
+def head_tail(lines: list[str], k: int) -> tuple[set[int], str]:
+    """Codex-style: the first and last ``k`` lines around an omission marker."""
+    total = len(lines)
+    if 2 * k >= total:
+        return set(range(1, total + 1)), "".join(lines)
+    text = "".join(lines[:k]) + f"[... omitted {total - 2 * k} of {total} lines ...]\n" + "".join(lines[total - k:])
+    return set(range(1, k + 1)) | set(range(total - k + 1, total + 1)), text
+
+
+def middle_cut(lines: list[str], chars: int) -> tuple[set[int], str]:
+    """OpenHands-style: the first and last ``chars // 2`` characters; a line counts only when whole."""
+    text = "".join(lines)
+    if len(text) <= chars:
+        return set(range(1, len(lines) + 1)), text
+    half = chars // 2
+    head_end, tail_start = half, len(text) - half
+    kept, offset = set(), 0
+    for number, line in enumerate(lines, start=1):
+        if offset + len(line) <= head_end or offset >= tail_start:
+            kept.add(number)
+        offset += len(line)
+    return kept, text[:head_end] + "\n[... Observation truncated due to length ...]\n" + text[tail_start:]
+
+
+def largest_within(make, tokens: int, low: int, high: int) -> tuple[set[int], int]:
+    """The baseline ``make(size)`` with the largest size whose text fits ``tokens``: (kept lines, its tokens)."""
+    best = (set(), 0)
+    while low <= high:
+        size = (low + high) // 2
+        kept, text = make(size)
+        used = count_tokens(text)
+        if used <= tokens:
+            best, low = (kept, used), size + 1
+        else:
+            high = size - 1
+    return best
+
+
+def recall(needed: set[int], kept: set[int]) -> float:
+    return len(needed & kept) / len(needed)
+
+
+_MARKER = re.compile(r"\[… (\d+) lines? omitted: original lines? (\d+)(?:-(\d+))? …\]\r?\n")
+
+
+def verify(lines: list[str], narrowed: str, needed: set[int]) -> tuple[bool, int]:
+    """Walk the narrowed text against the original: (byte-exact with every needed line kept, lines kept)."""
+    pieces = split_lines(narrowed)
+    number, kept = 1, set()
+    for piece in pieces:
+        if number > len(lines):
+            break
+        marker = _MARKER.fullmatch(piece)
+        if marker:
+            count, first = int(marker.group(1)), int(marker.group(2))
+            if first != number:
+                return False, len(kept)
+            number += count
+            continue
+        original = lines[number - 1]
+        if piece != original and piece != original + ("\r\n" if original.endswith("\r") else "\n"):
+            return False, len(kept)
+        kept.add(number)
+        number += 1
+    return number == len(lines) + 1 and needed <= kept, len(kept)
+
+
+def scripted_condenser(needed: set[int]):
+    ranges = []
+    for n in sorted(needed):
+        if ranges and ranges[-1][1] == n - 1:
+            ranges[-1][1] = n
+        else:
+            ranges.append([n, n])
+
+    async def answer(messages: list[dict[str, str]]) -> str:
+        payload = json.loads(messages[1]["content"])
+        return json.dumps({"results": [{"id": r["id"], "verdict": "extract",
+                                        "lines": [f"{a}-{b}" for a, b in ranges]} for r in payload["results"]]})
+
+    return answer
+
+
+def evaluate(path: Path, spill_root: Path) -> dict:
+    side = json.loads(path.with_name(path.name + ".json").read_text(encoding="utf-8"))
+    needed = needed_of(side)
+    text = path.read_bytes().decode("utf-8", "surrogateescape")
+    lines = split_lines(text)
+    tokens = count_tokens(text)
+    terms = focus_terms([side["task"]])
+    row: dict = {"file": path.name, "lines": len(lines), "tokens": tokens, "needed": len(needed), "views": []}
+    sizes = None
+    for budget in BUDGETS:
+        started = time.perf_counter()
+        view = build_view(lines, budget, terms)
+        elapsed = (time.perf_counter() - started) * 1000
+        shown = set(view.shown)
+        if view.partial and sizes is None:
+            sizes = count_each([body_of(line) for line in lines])
+        cap = min(256, max(8, budget // 16))
+        clipped = sum(1 for n in needed & shown if view.partial and sizes[n - 1] > cap)
+        codex = largest_within(lambda k: head_tail(lines, k), view.tokens, 0, len(lines))
+        openhands = largest_within(lambda c: middle_cut(lines, c), view.tokens, 0, len(text))
+        row["views"].append({"budget": budget, "tokens": view.tokens, "shown": len(shown), "ms": elapsed,
+                             "recall": recall(needed, shown), "clipped_needed": clipped,
+                             "codex": recall(needed, codex[0]), "codex_tokens": codex[1],
+                             "openhands": recall(needed, openhands[0]), "openhands_tokens": openhands[1]})
+    codex_kept, codex_text = head_tail(lines, CODEX_LINES)
+    oh_kept, oh_text = middle_cut(lines, OPENHANDS_CHARS)
+    row["codex_native"] = (recall(needed, codex_kept), count_tokens(codex_text))
+    row["openhands_native"] = (recall(needed, oh_kept), count_tokens(oh_text))
+
+    threshold = effective_threshold(CondenseConfig().tokens_threshold)
+    row["candidate"] = tokens > threshold
+    if row["candidate"]:
+        engine = CondenseEngine(CondenseConfig(), scripted_condenser(needed), spill=SpillStore(spill_root))
+        report = trio.run(engine.run_round, "bench", [ToolResult("call_1", "bash", text)],
+                          TaskContext(request=side["task"]))
+        decision = report.decisions["call_1"]
+        exact, kept = verify(lines, decision.text or "", needed) if decision.text else (False, 0)
+        spilled = Path(decision.spill_path).read_bytes() == path.read_bytes() if decision.spill_path else False
+        row["reconstruction"] = {"reason": decision.reason, "exact": exact and spilled, "kept": kept,
+                                 "after": decision.tokens_after, "saved": 1 - decision.tokens_after / tokens}
+    return row
+
+
+def tables(rows: list[dict]) -> str:
+    note = ""
+    out = ["### View recall of needed lines, our view against baselines at the same token count", "",
+           "| file | lines | tokens | needed | budget | view tokens | shown | ours | head+tail | middle cut | "
+           "view ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for v in row["views"]:
+            clipped = f" ({v['clipped_needed']} clipped)" if v["clipped_needed"] else ""
+            out.append(f"| {row['file']} | {row['lines']:,} | {row['tokens']:,} | {row['needed']} | {v['budget']:,} | "
+                       f"{v['tokens']:,} | {v['shown']:,} | {v['recall']:.0%}{clipped} | {v['codex']:.0%} | "
+                       f"{v['openhands']:.0%} | {v['ms']:.0f} |")
+    out += ["", "Mean recall by budget (all files), and on how many files ours is below a baseline:", "",
+            "| budget | ours | head+tail | middle cut | files with ours at 100% | files where ours < a baseline |",
+            "|---|---|---|---|---|---|"]
+    for i, budget in enumerate(BUDGETS):
+        views = [row["views"][i] for row in rows]
+        fits = sum(v["shown"] == row["lines"] for v, row in zip(views, rows))
+        worse = sum(v["recall"] < max(v["codex"], v["openhands"]) for v in views)
+        out.append(f"| {budget:,} | {statistics.mean(v['recall'] for v in views):.1%} | "
+                   f"{statistics.mean(v['codex'] for v in views):.1%} | "
+                   f"{statistics.mean(v['openhands'] for v in views):.1%} | "
+                   f"{sum(v['recall'] == 1 for v in views)}/{len(views)} | {worse} |")
+        if budget == ROUND_BUDGET:
+            note = (f"At the default budget {fits} of {len(views)} outputs fit the view whole, so the baselines "
+                    "cut to the same token count keep (nearly) everything too; the budgets below are where views "
+                    "differ, as when several large results share one round.")
+    out += ["", note, "", "The baselines at their own fixed sizes:", "",
+            "| file | Codex 128+128 lines: recall, tokens | OpenHands 30,000 chars: recall, tokens |", "|---|---|---|"]
+    for row in rows:
+        (cr, ct), (orr, ot) = row["codex_native"], row["openhands_native"]
+        out.append(f"| {row['file']} | {cr:.0%}, {ct:,} | {orr:.0%}, {ot:,} |")
+    out += ["", "### Reconstruction with a scripted condenser answering the needed ranges", "",
+            "| file | tokens before | kept lines | tokens after | saved | byte-exact, needed kept, spill = original |",
+            "|---|---|---|---|---|---|"]
+    for row in rows:
+        r = row.get("reconstruction")
+        if r is None:
+            out.append(f"| {row['file']} | {row['tokens']:,} | not a candidate (under 5,000 tokens): passed whole "
+                       "| | | |")
+            continue
+        out.append(f"| {row['file']} | {row['tokens']:,} | {r['kept']:,} of {row['lines']:,} | {r['after']:,} | "
+                   f"{r['saved']:.0%} | {'yes' if r['exact'] else 'NO'} ({r['reason']}) |")
+    large = [row["reconstruction"]["saved"] for row in rows if row["tokens"] > LARGE and "reconstruction" in row]
+    if large:
+        out += ["", f"Outputs over {LARGE:,} tokens: {len(large)}; tokens saved min {min(large):.0%}, mean "
+                    f"{statistics.mean(large):.0%} (target at least {TARGET:.0%} on each)."]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("corpus", nargs="?", default=str(DEFAULT_DIR), help="the corpus tool_outputs folder")
+    parser.add_argument("--write", action="store_true", help="write the tables into bench/RESULTS.md")
+    args = parser.parse_args()
+    files = sorted(p for p in Path(args.corpus).iterdir()
+                   if p.is_file() and p.suffix != ".json" and p.with_name(p.name + ".json").exists())
+    if not files:
+        print(f"no tool outputs with sidecars in {args.corpus}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as spill:
+        rows = [evaluate(path, Path(spill)) for path in files]
+    body = tables(rows)
+    print(body)
+    if args.write:
+        intro = ("Every file of the corpus of real large tool outputs (`../shared/corpus/tool_outputs`), with the "
+                 "needed lines of its sidecar.\n\nCommand: `python bench/condense.py ../shared/corpus/tool_outputs "
+                 "--write`\n\n")
+        write_section("Condense (issue 5)", intro + body)
+    failed = [row["file"] for row in rows if "reconstruction" in row and not row["reconstruction"]["exact"]]
+    for name in failed:
+        print(f"reconstruction failed: {name}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

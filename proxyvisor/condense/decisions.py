@@ -1,0 +1,82 @@
+"""Sticky condense decisions, cached on disk (diskcache) by session, tool call id and content hash.
+
+Agents re-send their whole history on every request. The decision for a tool result is made once, on the first
+request that carries it, and every later request gets the identical bytes: the narrowed text, or the original
+when the decision was to leave it. That keeps the upstream prefix stable for provider prompt caches (DESIGN.md,
+principle 5; mechanics reference, section 11.6). A result that went upstream whole once is never condensed later,
+so failures (timeout, unusable answer) are sticky too. The agent's own copy is never touched.
+
+The key is ``sha256(CONDENSE_VERSION, session, call id, text)``; the version changes whenever the rules would
+narrow the same text differently. The first writer wins (:meth:`DecisionCache.settle`), so two concurrent requests
+of one session end up with one decision. Entries expire after :data:`EXPIRE_S`, long after any provider cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import diskcache
+
+from ..store import private_dir
+
+CONDENSE_VERSION = "1"
+EXPIRE_S = 7 * 24 * 3600.0
+SIZE_LIMIT = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the model's copy of one tool result is.
+
+    ``text``: the narrowed text, or None for the original unchanged. ``reason``: why, in a few words
+    (``condensed``, ``replaced``, or why the original stays). ``tokens_before`` / ``tokens_after``: the
+    original's tokens and the model's copy's. ``kept_lines`` of ``total_lines``. ``spill_path``: where the full
+    original is (empty when it stays inline).
+    """
+
+    text: str | None
+    reason: str
+    tokens_before: int
+    tokens_after: int
+    kept_lines: int
+    total_lines: int
+    spill_path: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.text is not None
+
+
+def decision_key(session: str, call_id: str, text: str) -> str:
+    """The cache key of a tool result (hex sha256; lone surrogates in ``text`` are hashed as-is)."""
+    digest = hashlib.sha256()
+    for part in (CONDENSE_VERSION, session, call_id, text):
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+class DecisionCache:
+    """Decisions in a diskcache folder (created 0700). Thread-safe and process-safe, as diskcache is; the
+    calls are blocking SQLite operations, so trio code runs them in a worker thread."""
+
+    def __init__(self, directory: Path, expire_s: float = EXPIRE_S) -> None:
+        self.expire_s = expire_s
+        self._cache = diskcache.Cache(str(private_dir(Path(directory))), size_limit=SIZE_LIMIT)
+
+    def get(self, key: str) -> Decision | None:
+        raw = self._cache.get(key)
+        return Decision(**json.loads(raw)) if isinstance(raw, str) else None
+
+    def settle(self, key: str, decision: Decision) -> Decision:
+        """Store ``decision`` unless one is already stored; return the stored one (first writer wins)."""
+        # The stdlib's ASCII JSON, not orjson: a tool result may hold lone surrogates, which it escapes.
+        self._cache.add(key, json.dumps(dataclasses.asdict(decision)), expire=self.expire_s)
+        return self.get(key) or decision
+
+    def close(self) -> None:
+        self._cache.close()

@@ -1,0 +1,242 @@
+"""One condense round: the trio shell that feeds the sans-IO core and performs what it decides.
+
+For the tool results of one request (:class:`ToolResult`, format-independent), :meth:`CondenseEngine.run_round`:
+
+1. looks up the sticky decision of every result large enough to matter (:mod:`.decisions`);
+2. takes the undecided results above the threshold (``[supervisor.condense] tokens_threshold``, never below
+   512, optionally adaptive) as candidates, the largest 32 of them (the rest are left whole, for good);
+3. builds their numbered views within the shared budget (:mod:`.view`) and makes **one** condenser call with the
+   trusted task context and the views as untrusted JSON (:mod:`.protocol`);
+4. validates the answer per result, rebuilds each narrowed result verbatim (:mod:`.reconstruct`), spills the
+   original first (:mod:`.spill`; a failed spill keeps the original) and settles every decision in the cache.
+
+A condenser that fails, times out (``timeout_s``) or answers nothing usable leaves the whole round untouched;
+one bad entry leaves only its own result untouched. Cancellation (the client hung up) propagates and settles
+nothing, so the next request decides afresh. No result smaller than the threshold is ever shown to the condenser.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from ..config import CondenseConfig
+from .adaptive import AdaptiveThresholds
+from .decisions import Decision, DecisionCache, decision_key
+from .model import Condenser
+from .protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
+from .reconstruct import Narrowed, narrow
+from .signals import focus_terms
+from .spill import SpillStore
+from .text import count_tokens, line_count, split_lines
+from .view import MAX_CANDIDATES, allocate, build_view
+
+log = logging.getLogger("proxyvisor.condense")
+
+MIN_THRESHOLD = 512
+"""The threshold's floor in tokens (seed 003): smaller results are never worth a model call."""
+_TOKEN_MEMO = 16_384
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One plain-text tool result of a request: the ``call_id`` pairing it with its call, the ``tool`` name,
+    its ``text``, whether it ``is_error``, and the call's ``arguments`` as JSON text."""
+
+    call_id: str
+    tool: str
+    text: str
+    is_error: bool = False
+    arguments: str = ""
+
+
+@dataclass
+class RoundReport:
+    """The outcome of a round. ``decisions``: by call id, for every result that has one (cached or new);
+    ``new``: how many were made now; ``condenser_called``; ``answered``: the condenser returned an answer;
+    ``failure``: why the round gave nothing usable (empty when it did)."""
+
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    new: int = 0
+    condenser_called: bool = False
+    answered: bool = False
+    failure: str = ""
+
+    def replacements(self) -> dict[str, str]:
+        """Call id to the text the model's copy gets, for the results that change."""
+        return {call_id: d.text for call_id, d in self.decisions.items() if d.text is not None}
+
+
+def effective_threshold(tokens_threshold: int) -> int | None:
+    """The candidate threshold in tokens for a configured ``tokens_threshold`` (None = condensing off)."""
+    return None if tokens_threshold <= 0 else max(tokens_threshold, MIN_THRESHOLD)
+
+
+def prepare_items(results: Sequence[tuple[ToolResult, int]], context: TaskContext, budget: int) -> list[Item]:
+    """The condenser's view of ``results`` (each with its token count), ids ``r1``, ``r2``, ...: the views share
+    ``budget`` tokens by size; focus terms come from the task, the round's intent and each call's arguments."""
+    shared = [context.task_text(), context.intent]
+    budgets = allocate([tokens for _, tokens in results], budget)
+    items = []
+    for n, ((result, tokens), view_budget) in enumerate(zip(results, budgets), start=1):
+        terms = focus_terms([*shared, result.arguments])
+        view = build_view(split_lines(result.text), view_budget, terms)
+        items.append(Item(f"r{n}", result.tool, result.is_error, result.arguments, tokens, view))
+    return items
+
+
+class CondenseEngine:
+    """Condense rounds for every session of a proxy (or one offline run).
+
+    ``condenser`` None means no supervisor model: rounds do nothing. ``cache`` None keeps no decisions (the
+    offline tool). ``spill`` names and writes spill files. ``model_name`` resets adaptive state when it changes.
+    """
+
+    def __init__(self, settings: CondenseConfig, condenser: Condenser | None, *, spill: SpillStore,
+                 cache: DecisionCache | None = None, model_name: str = "") -> None:
+        self.settings = settings
+        self.condenser = condenser
+        self.spill = spill
+        self.cache = cache
+        self.model_name = model_name
+        self.adaptive = AdaptiveThresholds()
+        # Token counts of results seen below the threshold, which get no decision but come back every request.
+        self._tokens: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    async def run_round(self, session: str, results: Sequence[ToolResult], context: TaskContext) -> RoundReport:
+        """Decide the model's copy of each of ``results`` (see the module docstring).
+
+        Returns a :class:`RoundReport` whose ``replacements()`` are the texts to put in the model's copy. Never
+        raises for a condenser, answer, spill or cache problem (the affected results stay whole); a cancellation
+        of the calling task propagates, with nothing settled.
+        """
+        report = RoundReport()
+        baseline = effective_threshold(self.settings.tokens_threshold)
+        if not self.settings.enabled or baseline is None or self.condenser is None:
+            return report
+        state = self.adaptive.for_session(session, baseline, self.model_name) if self.settings.adaptive else None
+        threshold = max(state.threshold, MIN_THRESHOLD) if state else baseline
+        # The lowest threshold this session could ever use: a result above it that went upstream whole must
+        # stay whole, so its "below the threshold" decision is recorded too (only when adaptive).
+        floor = max(MIN_THRESHOLD, -(-baseline // 2)) if state else threshold
+        # A text has at most as many tokens as UTF-8 bytes, and at most 4 bytes per character.
+        large = [r for r in results if len(r.text) * 4 > floor]
+        keys = {r.call_id: decision_key(session, r.call_id, r.text) for r in large}
+        known, counts = await trio.to_thread.run_sync(self._lookup, large, keys)
+        pending: list[tuple[ToolResult, int]] = []
+        hidden = False
+        for result in large:
+            key = keys[result.call_id]
+            if key in known:
+                report.decisions[result.call_id] = known[key]
+                continue
+            tokens = counts[key]
+            if tokens > threshold:
+                pending.append((result, tokens))
+            elif tokens > floor:
+                hidden = hidden or tokens > baseline
+                report.decisions[result.call_id] = _untouched("below the session's adaptive threshold", tokens,
+                                                              result.text)
+        if state and hidden:
+            state.reprobe()
+        pending.sort(key=lambda pair: pair[1], reverse=True)
+        chosen, overflow = pending[:MAX_CANDIDATES], pending[MAX_CANDIDATES:]
+        for result, tokens in overflow:
+            report.decisions[result.call_id] = _untouched(f"over {MAX_CANDIDATES} candidates in one round", tokens,
+                                                          result.text)
+        if chosen:
+            report.decisions.update(await self._condense(session, chosen, context, report, keys))
+            if state and report.answered:
+                before = sum(tokens for _, tokens in chosen)
+                after = sum(report.decisions[r.call_id].tokens_after for r, _ in chosen)
+                state.observe(1 - after / before)
+        fresh = {call_id: d for call_id, d in report.decisions.items() if keys[call_id] not in known}
+        report.new = len(fresh)
+        if self.cache is not None and fresh:
+            settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
+            report.decisions.update({c: settled[keys[c]] for c in fresh})
+        return report
+
+    async def _condense(self, session: str, chosen: list[tuple[ToolResult, int]], context: TaskContext,
+                        report: RoundReport, keys: dict[str, str]) -> dict[str, Decision]:
+        items = await trio.to_thread.run_sync(prepare_items, chosen, context, self.settings.view_budget_tokens)
+        log.info("condensing %d tool result(s): %s", len(chosen),
+                 " · ".join(f"{r.tool} {tokens}" for r, tokens in chosen))
+        assert self.condenser is not None
+        report.condenser_called = True
+        answer: str | None = None
+        with trio.move_on_after(self.settings.timeout_s) as scope:
+            try:
+                answer = await self.condenser(build_messages(context, items))
+                report.answered = True
+            except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
+                report.failure = f"condenser failed: {type(exc).__name__}: {str(exc)[:200]}"
+        if scope.cancelled_caught:
+            report.failure = f"condenser timed out after {self.settings.timeout_s:g} s"
+        verdicts: dict[str, Verdict | str] = {}
+        if answer is not None:
+            try:
+                verdicts = parse_answer(answer, items)
+            except AnswerError as exc:
+                report.failure = f"unusable answer: {exc}"
+        if report.failure:
+            log.warning("condense round left untouched: %s", report.failure)
+        decisions = {}
+        for item, (result, tokens) in zip(items, chosen):
+            verdict = verdicts.get(item.id, report.failure or "no answer")
+            decisions[result.call_id] = await self._decide(session, result, tokens, verdict, keys[result.call_id])
+        return decisions
+
+    async def _decide(self, session: str, result: ToolResult, tokens: int, verdict: Verdict | str,
+                      key: str) -> Decision:
+        if isinstance(verdict, str):
+            return _untouched(verdict, tokens, result.text)
+        lines = split_lines(result.text)
+        path = self.spill.path_for(session, result.tool, key)
+        narrowed = narrow(verdict, lines, tool=result.tool, spill_path=str(path), tokens_before=tokens)
+        if not isinstance(narrowed, Narrowed):
+            return _untouched(narrowed, tokens, result.text)
+        try:
+            await trio.to_thread.run_sync(self.spill.write, path, result.text)
+        except OSError as exc:
+            log.warning("spill failed, %s result kept whole: %s", result.tool, exc)
+            return _untouched(f"spill failed: {exc.strerror or exc}", tokens, result.text)
+        log.info("condensed: %s %d→%d tokens", result.tool, tokens, narrowed.tokens)
+        return Decision(narrowed.text, "replaced" if verdict.kind == "replace" else "condensed", tokens,
+                        narrowed.tokens, narrowed.kept_lines, len(lines), str(path))
+
+    def _lookup(self, results: list[ToolResult], keys: dict[str, str]) -> tuple[dict[str, Decision], dict[str, int]]:
+        """(In a worker thread.) The cached decisions by key, and the token counts of the other results."""
+        known: dict[str, Decision] = {}
+        counts: dict[str, int] = {}
+        for result in results:
+            key = keys[result.call_id]
+            decision = self.cache.get(key) if self.cache is not None else None
+            if decision is not None:
+                known[key] = decision
+                continue
+            with self._lock:
+                tokens = self._tokens.pop(key, None)
+            if tokens is None:
+                tokens = count_tokens(result.text)
+            with self._lock:
+                self._tokens[key] = tokens
+                while len(self._tokens) > _TOKEN_MEMO:
+                    self._tokens.popitem(last=False)
+            counts[key] = tokens
+        return known, counts
+
+    def _settle(self, decisions: dict[str, Decision]) -> dict[str, Decision]:
+        assert self.cache is not None
+        return {key: self.cache.settle(key, d) for key, d in decisions.items()}
+
+
+def _untouched(reason: str, tokens: int, text: str) -> Decision:
+    total = line_count(text)
+    return Decision(None, reason, tokens, tokens, total, total)

@@ -1,0 +1,108 @@
+"""``proxyvisor condense FILE``: what the condenser would see of a tool output, and what the model would get.
+
+The file is treated as one plain-text tool result of the current round, alone in it, so its view gets the whole
+round budget (``--budget``, else ``[supervisor.condense] view_budget_tokens``). The numbered view is always
+printed. With ``[supervisor.model] name`` set and the file above the threshold, the condenser is called once and
+the narrowed result is printed too; it names FILE itself as the full original, so nothing is spilled or cached.
+Bytes that are not UTF-8 are kept as they are (``surrogateescape``), so kept lines are byte-exact on stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import trio
+
+from ..config import Config
+from .engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
+from .model import litellm_condenser
+from .protocol import TaskContext
+from .signals import diagnostic_lines
+from .spill import SpillStore
+from .text import ENCODING, count_tokens, split_lines
+
+
+class _FileIsSpill(SpillStore):
+    """The offline tool's "spill": the input file itself, already on disk."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path.parent)
+        self.file = path
+
+    def path_for(self, session: str, tool: str, digest: str) -> Path:
+        return self.file
+
+    def write(self, path: Path, text: str) -> None:
+        return None
+
+
+def condense_command(config: Config, file: str, task: str, budget: int | None, as_json: bool) -> int:
+    """The CLI entry. Exit 0 when the view (and, with a model, the condenser's answer) came out; 1 when the
+    file cannot be read or the condenser call failed; 2 for a budget below 256."""
+    settings = config.supervisor.condense
+    budget = settings.view_budget_tokens if budget is None else budget
+    if budget < 256:
+        print("proxyvisor: --budget must be at least 256 tokens", file=sys.stderr)
+        return 2
+    path = Path(file).resolve()
+    try:
+        text = path.read_bytes().decode("utf-8", "surrogateescape")
+    except OSError as exc:
+        print(f"proxyvisor: cannot read {file}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    result = ToolResult("offline", path.name, text)
+    tokens = count_tokens(text)
+    threshold = effective_threshold(settings.tokens_threshold)
+    candidate = settings.enabled and threshold is not None and tokens > threshold
+    context = TaskContext(request=task)
+    item = prepare_items([(result, tokens)], context, budget)[0]
+    lines = split_lines(text)
+
+    report: RoundReport | None = None
+    model = config.supervisor.model
+    if candidate and model.name:
+        engine = CondenseEngine(dataclasses.replace(settings, view_budget_tokens=budget), litellm_condenser(model),
+                                spill=_FileIsSpill(path), model_name=model.name)
+        report = trio.run(engine.run_round, "offline", [result], context)
+    decision = report.decisions.get("offline") if report else None
+
+    if as_json:
+        print(json.dumps({
+            "file": str(path), "lines": len(lines), "tokens": tokens, "encoding": ENCODING,
+            "threshold": threshold, "candidate": candidate, "budget": budget,
+            "diagnostic_lines": [i + 1 for i in diagnostic_lines(lines)],
+            "view": {"tokens": item.view.tokens, "partial": item.view.partial, "shown_lines": len(item.view.shown),
+                     "visible_ranges": [list(r) for r in item.view.visible_ranges], "text": item.view.text},
+            "model": model.name or None,
+            "condensed": dataclasses.asdict(decision) if decision else None,
+            "failure": report.failure if report else "",
+        }, ensure_ascii=False, indent=1).encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+    else:
+        status = (f"a condense candidate (above the {threshold:,}-token threshold)" if candidate else
+                  "condensing is off" if threshold is None or not settings.enabled else
+                  f"below the {threshold:,}-token threshold: the proxy passes it through unchanged")
+        print(f"{path}: {len(lines):,} lines, {tokens:,} tokens ({ENCODING}); {status}")
+        print(f"view: {len(item.view.shown):,} of {len(lines):,} lines shown, {item.view.tokens:,} tokens of a "
+              f"{budget:,}-token budget; {len(diagnostic_lines(lines))} diagnostic line(s)\n")
+        sys.stdout.write(item.view.text)
+        if not model.name:
+            print("\n(no [supervisor.model] name configured: the deterministic view only)")
+        elif report is not None:
+            _print_outcome(report)
+    return 1 if report is not None and report.failure and not report.answered else 0
+
+
+def _print_outcome(report: RoundReport) -> None:
+    decision = report.decisions["offline"]
+    print()
+    if decision.text is None:
+        print(f"condenser: the result stays unchanged ({report.failure or decision.reason})")
+        return
+    print(f"condenser: {decision.reason}, {decision.tokens_before:,} -> {decision.tokens_after:,} tokens, "
+          f"{decision.kept_lines:,} of {decision.total_lines:,} lines kept\n")
+    sys.stdout.flush()
+    sys.stdout.buffer.write(decision.text.encode("utf-8", "surrogateescape"))
+    sys.stdout.buffer.flush()
