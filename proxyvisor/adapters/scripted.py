@@ -10,6 +10,10 @@ A step is a JSON object, one of:
 
 - ``{"text": "...", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}, "id": "optional"}]}``: an
   assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway);
+- ``{"text": ..., "tool_calls": [...], "until": "some text"}``: an assistant turn played again for every request
+  until a request body contains ``until`` (matched against the raw JSON body, so use text without quotes or
+  backslashes); that request gets the next step instead. It stands for a model that repeats itself until
+  something in its input changes (the demo's looping agent, answering a steer note);
 - ``{"fault": {...}}`` with one of ``"status": 429`` (plus optional ``"retry_after": "3"``; any 4xx/5xx works,
   529 included), ``"first_byte_delay_s": 2.5`` (then the next turn), ``"reset_after_events": 3`` (send 3 SSE
   events, then drop the connection without ending the chunked body), ``"stall_after_events": 3`` (send 3 events,
@@ -54,11 +58,13 @@ def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
     """Validate one script step (see the module docstring). Raises ScriptError."""
     if not isinstance(step, dict):
         raise ScriptError(f"{where}: a step must be a JSON object, got {type(step).__name__}")
-    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens"}
+    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until"}
     if unknown:
         raise ScriptError(f"{where}: unknown key(s) {sorted(unknown)}")
     if "fault" in step and not isinstance(step["fault"], dict):
         raise ScriptError(f"{where}: 'fault' must be an object")
+    if "until" in step and (not isinstance(step["until"], str) or not step["until"]):
+        raise ScriptError(f"{where}: 'until' must be a non-empty string")
     for call in step.get("tool_calls") or ():
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ScriptError(f"{where}: each tool call needs a 'name'")
@@ -162,7 +168,7 @@ class ScriptedUpstream:
         if self.record:
             self.requests.append((request.target, request.body,
                                   {k.decode(): v.decode("latin-1") for k, v in request.headers}))
-        step = self.steps.popleft() if self.steps else None
+        step = self._next_step(request.body)
         fault = (step or {}).get("fault") or {}
         if fault.get("first_byte_delay_s"):
             await trio.sleep(float(fault["first_byte_delay_s"]))
@@ -199,6 +205,15 @@ class ScriptedUpstream:
         if self.record:
             self.responses.append(b"".join(events))
         return Response(200, _SSE, self._play(events))
+
+    def _next_step(self, body: bytes) -> dict[str, Any] | None:
+        """The step for a request with ``body``: the first queued one, which an ``until`` step stays until
+        ``body`` contains its text."""
+        while self.steps and "until" in self.steps[0]:
+            if self.steps[0]["until"].encode() not in body:
+                return self.steps[0]
+            self.steps.popleft()
+        return self.steps.popleft() if self.steps else None
 
     async def _play(self, events: list[bytes], stall_at: int = -1, stall_s: float = 0.0) -> AsyncIterator[bytes]:
         for i, event in enumerate(events):

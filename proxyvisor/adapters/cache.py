@@ -1,0 +1,26 @@
+"""diskcache stores under the state directory, private to the user (folders 0700, files 0600; DESIGN.md).
+
+Nothing is created until :func:`open_cache` is called, so a disabled feature writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import diskcache
+
+from ..store import private_dir
+
+
+def open_cache(path: Path) -> diskcache.Cache:
+    """Open (creating if needed) the diskcache at ``path`` with private permissions.
+
+    SQLite serialises writers across threads and processes; a write waits up to 30 s for the lock.
+    """
+    private_dir(path)
+    cache = diskcache.Cache(str(path), timeout=30)
+    for file in path.iterdir():
+        if file.is_file():
+            os.chmod(file, 0o600)
+    return cache

@@ -1,0 +1,237 @@
+"""Delegation: run one role's child on its resolved runtime, under the breaker, clocks and limits (seeds 000-004).
+
+:meth:`Delegator.delegate` is the trio shell that puts the sans-IO parts together, in this order:
+
+1. :func:`~proxyvisor.adapters.routing.is_supervised` (the one predicate): not supervised -> ``unsupervised``,
+   nothing touched;
+2. the supervision graph: the caller may delegate to the role only along a configured edge;
+3. route resolution and validation against the descriptors (an invalid target is an explicit ``invalid``);
+4. ``suggest`` mode stops here and returns the route (``skipped``), with no child, token or state write;
+5. the fan-out budget and the parallel cap (refused loudly, never queued);
+6. for each candidate (the route, then the policy's fallbacks): readiness, then the pool's breaker; a refused
+   pool is skipped, and when every candidate is refused the caller learns the soonest recovery and who waits;
+7. the child runs under its clocks; its pool is settled whatever happens (a crash or a cancel releases a probe
+   lease at once); a failure moves on to the next candidate only when its outcome is ``known_failed`` and the
+   child accepted no work: never after an unknown outcome;
+8. the result is claim-checked and shaped, with its evidence attributes.
+
+Nothing here is created or written until a supervised delegation needs it, so ``enabled = false`` costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..config import Config, RouteTarget
+from .children import (Budget, BudgetExhausted, ChildHandle, ChildOutcome, Clocks, ParallelGate, ParallelLimitReached,
+                       run_child)
+from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetError, registry_for
+from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, UNKNOWN, Failure
+from .graph import ROOT, may_delegate
+from .health import Admission, Cooldown, fleet_wait
+from .health_store import HealthStore
+from .results import ClaimStore, ToolResult, child_traceparent, claim_check, evidence, shape, trace_id_of
+from .routing import NO_TARGET, Route, is_supervised, plan
+from .runtime import ChildJob, Runtime
+
+log = logging.getLogger("proxyvisor.adapters.delegate")
+
+OK, FAILED, REFUSED, INVALID_STATUS, SKIPPED, UNSUPERVISED = (
+    "ok", "failed", "refused", "invalid", "skipped", "unsupervised")
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """The answer to one delegation.
+
+    ``status``: ``ok`` (the child answered, possibly truncated or stopped: see ``result``), ``failed`` (the child
+    failed), ``refused`` (capacity, parallel cap or budget; nothing ran), ``invalid`` (the request or policy
+    cannot be satisfied), ``skipped`` (``suggest`` mode: ``proposed_route`` holds the route), ``unsupervised``
+    (the policy does not apply: run on the session default). ``record_id``: the claim check of a long result.
+    """
+
+    status: str
+    result: ToolResult
+    evidence: dict[str, Any]
+    proposed_route: dict[str, Any] | None = None
+    record_id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "result": self.result.content, "is_error": self.result.is_error,
+                "evidence": self.evidence, "proposed_route": self.proposed_route, "record_id": self.record_id}
+
+
+class Delegator:
+    """Runs delegations for one process. ``runtimes`` replaces the runtime of an adapter id (tests);
+    ``clocks`` the configured child clocks; ``now`` the wall clock (Unix seconds) used for health deadlines."""
+
+    def __init__(self, config: Config, *, registry: Registry | None = None,
+                 runtimes: Mapping[str, Runtime] | None = None, clocks: Clocks | None = None,
+                 state_dir: Path | None = None, now: Callable[[], float] = time.time) -> None:
+        self.routing = config.model_routing
+        self.registry = registry if registry is not None else registry_for(self.routing.adapters_dir)
+        self.clocks = clocks or Clocks.from_config(self.routing.children)
+        root = Path(state_dir) if state_dir is not None else config.state_dir()
+        cooldown = Cooldown(self.routing.cooldown.default_seconds, self.routing.cooldown.maximum_seconds)
+        self.health = HealthStore(root / "health", cooldown)
+        self.claims = ClaimStore(root / "claims", self.routing.children.claim_retention_s)
+        self.gate = ParallelGate(self.routing.max_parallel)
+        self.now = now
+        self._runtimes: dict[str, Runtime] = dict(runtimes or {})
+        self._readiness: dict[str, str | None] = {}
+
+    def runtime(self, adapter: str) -> Runtime:
+        """The adapter's runtime, built once from its descriptor and options.
+
+        Raises:
+            TargetError: unknown adapter or no dispatch capability. DescriptorError: entrypoint not loadable.
+        """
+        if adapter not in self._runtimes:
+            descriptor = self.registry.get(adapter)
+            self._runtimes[adapter] = descriptor.load_runtime(self.routing.adapter_options.get(adapter, {}))
+        return self._runtimes[adapter]
+
+    def readiness(self, adapter: str) -> str | None:
+        """None when the adapter can run now, else why not; cached for the life of the delegator."""
+        if adapter not in self._readiness:
+            try:
+                self._readiness[adapter] = self.runtime(adapter).readiness()
+            except (TargetError, DescriptorError) as exc:
+                self._readiness[adapter] = str(exc)
+        return self._readiness[adapter]
+
+    def close(self) -> None:
+        self.health.close()
+        self.claims.close()
+
+    def _refuse(self, status: str, role: str, message: str, category: str, route: Route | None = None,
+                traceparent: str = "", retry_after_s: int | None = None,
+                admission: Admission | None = None) -> Delegation:
+        return Delegation(status, ToolResult(f"Tool '{role}' failed: {message}", is_error=True), evidence(
+            role, route.adapter if route else "", route.model if route else "", route.pool if route else "",
+            admission, None, traceparent, error_category=category, retry_after_s=retry_after_s))
+
+    async def delegate(self, role: str, prompt: str, *, caller: str = ROOT, complexity: str | None = None,
+                       override: RouteTarget = NO_TARGET, preset: RouteTarget = NO_TARGET,
+                       role_default: RouteTarget = NO_TARGET, history: RouteTarget = NO_TARGET,
+                       traceparent: str | None = None, budget: Budget | None = None,
+                       handle: ChildHandle | None = None, output_schema: dict[str, Any] | None = None,
+                       cwd: str | None = None) -> Delegation:
+        """Delegate ``prompt`` to ``role`` (module docstring). ``caller``: the delegating role (:data:`ROOT` for
+        the conversation's agent). ``traceparent``: the parent's W3C trace context (the child joins its trace).
+        ``budget``: the fan-out's shared budget (default: a fresh one of ``budget_tokens``). ``handle``: lets the
+        parent cancel the child.
+
+        Never raises for a child's or the policy's failure (see :class:`Delegation`).
+
+        Raises:
+            ValueError: ``complexity`` is not a known rank.
+            trio.Cancelled: the caller's scope was cancelled (the child was stopped and its pool settled first).
+        """
+        if not is_supervised(self.routing, complexity):
+            return Delegation(UNSUPERVISED, ToolResult("supervision does not apply to this request"), {})
+        trace = child_traceparent(traceparent)
+        edges = {r.name: r.supervises for r in self.routing.roles}
+        if role not in edges:
+            return self._refuse(INVALID_STATUS, role, f"invalid: role {role!r} is not configured (configured: "
+                                f"{', '.join(edges) or 'none'})", INVALID, traceparent=trace)
+        if not may_delegate(edges, caller, role):
+            who = "the conversation's agent" if caller == ROOT else f"role {caller!r}"
+            return self._refuse(INVALID_STATUS, role, f"invalid: {who} may not delegate to {role!r} (no such edge "
+                                "in the supervision graph)", INVALID, traceparent=trace)
+        try:
+            route_plan = plan(self.routing, self.registry, role, ready=lambda a: self.readiness(a) is None,
+                              override=override, preset=preset, role_default=role_default, history=history)
+            if output_schema is not None:
+                self.registry.get(route_plan.route.adapter).require(STRUCTURED_OUTPUT, "a structured answer was asked")
+        except TargetError as exc:
+            return self._refuse(INVALID_STATUS, role, f"invalid: {exc}", INVALID, traceparent=trace)
+        route = route_plan.route
+        if self.routing.mode == "suggest":
+            proposal = route_plan.proposal()
+            return Delegation(SKIPPED, ToolResult({"status": SKIPPED, "proposed_route": proposal}), evidence(
+                role, route.adapter, route.model, route.pool, None, None, trace), proposed_route=proposal)
+        budget = budget if budget is not None else Budget(self.routing.children.budget_tokens)
+        try:
+            budget.check()
+            with self.gate.slot():
+                return await self._dispatch(role, prompt, route_plan.candidates, trace, budget, handle,
+                                            output_schema, cwd)
+        except (ParallelLimitReached, BudgetExhausted) as exc:
+            return self._refuse(REFUSED, role, str(exc), UNAVAILABLE, route, trace)
+
+    async def _dispatch(self, role: str, prompt: str, candidates: tuple[Route, ...], trace: str, budget: Budget,
+                        handle: ChildHandle | None, output_schema: dict[str, Any] | None,
+                        cwd: str | None) -> Delegation:
+        refusals: list[Admission] = []
+        unready: list[str] = []
+        last: tuple[Route, Admission, ChildOutcome] | None = None
+        for route in candidates:
+            reason = self.readiness(route.adapter)
+            if reason is not None:
+                unready.append(f"{route.adapter}: {reason}")
+                continue
+            lease_s = self.clocks.wall_s + self.clocks.stop_grace_s
+            admission = await self.health.admit(route.pool, self.now(), lease_s)
+            if not admission.admitted:
+                refusals.append(admission)
+                continue
+            job = ChildJob("child_" + secrets.token_hex(6), role, prompt, route.adapter, route.model, route.effort,
+                           trace, self.clocks.wall_s, self.clocks.stop_grace_s, output_schema, cwd)
+            outcome = await self._run(route, admission, job, handle)
+            budget.spend(outcome.input_tokens + outcome.output_tokens)
+            last = (route, admission, outcome)
+            failure = outcome.failure
+            if outcome.finish_reason is None and failure is not None and failure.outcome == KNOWN_FAILED \
+                    and not outcome.accepted_work:
+                continue
+            break
+        if last is not None:
+            return self._result(role, trace, *last)
+        if refusals:
+            wait = fleet_wait(refusals)
+            now = self.now()
+            return self._refuse(REFUSED, role, wait.message(now), CAPACITY, candidates[0], trace,
+                                retry_after_s=max(1, math.ceil(wait.soonest_at - now)),
+                                admission=next(a for a in refusals if a.pool == wait.soonest_pool))
+        return self._refuse(FAILED, role, "unavailable: no candidate runtime is ready (" + "; ".join(unready) + ")",
+                            UNAVAILABLE, candidates[0], trace)
+
+    async def _run(self, route: Route, admission: Admission, job: ChildJob,
+                   handle: ChildHandle | None) -> ChildOutcome:
+        """Run one child and settle its pool in every case (shielded, so a cancel still releases a lease)."""
+        outcome: ChildOutcome | None = None
+        try:
+            try:
+                runtime = self.runtime(route.adapter)
+            except (TargetError, DescriptorError) as exc:
+                outcome = ChildOutcome("", None, Failure(INVALID, False, KNOWN_FAILED, None, str(exc)))
+                return outcome
+            outcome = await run_child(runtime, job, self.clocks, handle)
+            return outcome
+        finally:
+            failure = outcome.breaker_failure if outcome is not None else Failure(
+                UNAVAILABLE, True, UNKNOWN, None, "the delegation was cancelled")
+            with trio.CancelScope(shield=True):
+                await self.health.settle(route.pool, self.now(), failure, admission.lease_id)
+
+    def _result(self, role: str, trace: str, route: Route, admission: Admission, outcome: ChildOutcome) -> Delegation:
+        record_id = None
+        text = outcome.text
+        if outcome.finish_reason is not None:
+            meta = {"role": role, "adapter": route.adapter, "model": outcome.model or route.model,
+                    "trace_id": trace_id_of(trace)}
+            text, record_id = claim_check(text, self.routing.children.claim_check_chars, self.claims, meta)
+        result = shape(role, outcome, text)
+        status = FAILED if result.is_error else OK
+        return Delegation(status, result, evidence(role, route.adapter, route.model, route.pool, admission, outcome,
+                                                   trace), record_id=record_id)

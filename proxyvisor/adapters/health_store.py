@@ -1,0 +1,114 @@
+"""Persisted pool health: the breaker of :mod:`proxyvisor.adapters.health` over a diskcache in the state dir.
+
+Layout: ``<state dir>/health/`` (diskcache), one entry per pool keyed ``pool:<adapter>[:<bucket>]``. Every admit
+and settle is one read-modify-write inside a SQLite transaction (``BEGIN IMMEDIATE``), serialised across threads
+and processes, so exactly one caller in the whole fleet of proxies sharing the state dir gets a probe lease.
+The async methods run the store in a worker thread, keeping SQLite off the event loop.
+
+State survives restarts (wall-clock deadlines) and is cleared only by :meth:`HealthStore.clear`
+(``proxyvisor health clear``); enabling supervision never clears it. Only normalised categories and numbers are
+stored, never a provider payload or a credential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .cache import open_cache
+from .failures import Failure
+from .health import Admission, Cooldown, PoolHealth, admit, settle
+
+_PREFIX = "pool:"
+
+
+class HealthStore:
+    """Pool health under ``root`` (the state dir's ``health`` folder), created on the first write."""
+
+    def __init__(self, root: Path, cooldown: Cooldown) -> None:
+        self.root = Path(root)
+        self.cooldown = cooldown
+        self._cache: Any = None
+        self._lock = threading.RLock()
+
+    def _db(self) -> Any:
+        with self._lock:
+            if self._cache is None:
+                self._cache = open_cache(self.root)
+            return self._cache
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+    @staticmethod
+    def _load(pool: str, value: Any) -> PoolHealth:
+        if not isinstance(value, dict):
+            return PoolHealth(pool)
+        known = {f.name for f in dataclasses.fields(PoolHealth)}
+        return PoolHealth(**{k: v for k, v in value.items() if k in known} | {"pool": pool})
+
+    def get(self, pool: str) -> PoolHealth:
+        """The pool's health (healthy when never seen). Reading creates nothing if the store does not exist."""
+        if not self.exists():
+            return PoolHealth(pool)
+        return self._load(pool, self._db().get(_PREFIX + pool))
+
+    def all(self) -> list[PoolHealth]:
+        """Every pool with recorded health, by name."""
+        if not self.exists():
+            return []
+        db = self._db()
+        keys = sorted(k for k in db.iterkeys() if isinstance(k, str) and k.startswith(_PREFIX))
+        return [self._load(k[len(_PREFIX):], db.get(k)) for k in keys]
+
+    def admit_sync(self, pool: str, now: float, lease_s: float) -> Admission:
+        """:func:`~proxyvisor.adapters.health.admit`, persisted atomically. A healthy pool costs one read."""
+        with self._lock:
+            db = self._db()
+            with db.transact():
+                current = self._load(pool, db.get(_PREFIX + pool))
+                admission, new = admit(current, now, lease_s)
+                if new != current:
+                    db.set(_PREFIX + pool, dataclasses.asdict(new))
+        return admission
+
+    def settle_sync(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
+        """:func:`~proxyvisor.adapters.health.settle`, persisted atomically. Returns the new health."""
+        with self._lock:
+            db = self._db()
+            with db.transact():
+                current = self._load(pool, db.get(_PREFIX + pool))
+                new = settle(current, now, failure, self.cooldown, lease_id)
+                if new != current:
+                    db.set(_PREFIX + pool, dataclasses.asdict(new))
+        return new
+
+    async def admit(self, pool: str, now: float, lease_s: float) -> Admission:
+        return await trio.to_thread.run_sync(self.admit_sync, pool, now, lease_s)
+
+    async def settle(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
+        return await trio.to_thread.run_sync(self.settle_sync, pool, now, failure, lease_id)
+
+    def clear(self, name: str = "") -> list[str]:
+        """Forget the health of every pool (``name`` empty), of one pool, or of every pool of an adapter (a name
+        without ``:``). Returns the pools cleared."""
+        if not self.exists():
+            return []
+        cleared = []
+        with self._lock:
+            db = self._db()
+            with db.transact():
+                for health in self.all():
+                    if not name or health.pool == name or health.pool.split(":", 1)[0] == name:
+                        db.delete(_PREFIX + health.pool)
+                        cleared.append(health.pool)
+        return cleared

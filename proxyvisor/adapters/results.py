@@ -1,0 +1,149 @@
+"""What a parent gets back from a child: a shaped result, a claim check for long ones, evidence and a trace.
+
+**Shapes** (seed 001): a child that finished (``stop``) gives its text as a bare string; one that ended otherwise
+(``length``, ``tool_calls``, ``suspended``, or stopped: ``timeout``, ``idle_timeout``, ``cancelled``) gives
+``{"text": ..., "finish_reason": ...}`` so a truncated answer never reads as complete; a failing one gives an
+error tool result (``Tool 'reviewer' failed: ...``) so the parent's model replans.
+
+**Claim check** (seed 002): a text over the limit (6,000 characters by default) is stored as a record before the
+reference is handed out; the parent gets the head, the tail and the record id. Records expire after the
+retention time.
+
+**Evidence** (seed 000): OpenTelemetry GenAI attribute names where they exist (``gen_ai.provider.name`` the
+adapter, ``gen_ai.agent.id`` the role, ``gen_ai.request.model`` the model actually used,
+``gen_ai.conversation.id`` the runtime's native session), plus ``capacity_scope``, ``health_state``,
+``health_probe``, ``error_category``, ``retry_after_s`` and the W3C ``trace_id`` shared with the parent.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .cache import open_cache
+from .children import ChildOutcome
+from .health import Admission
+from .runtime import FINISHED
+
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def child_traceparent(parent: str | None) -> str:
+    """A W3C ``traceparent`` for a child: the parent's trace id and flags with a fresh span id; a new trace when
+    ``parent`` is absent or invalid (an all-zero id is invalid), so a child never produces broken spans."""
+    match = _TRACEPARENT.match((parent or "").strip().lower())
+    if match and set(match.group(1)) != {"0"} and set(match.group(2)) != {"0"}:
+        return f"00-{match.group(1)}-{secrets.token_hex(8)}-{match.group(3)}"
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def trace_id_of(traceparent: str) -> str:
+    match = _TRACEPARENT.match(traceparent)
+    return match.group(1) if match else ""
+
+
+class ClaimStore:
+    """Long child results, kept in ``root`` (a diskcache under the state dir) for ``retention_s`` seconds."""
+
+    def __init__(self, root: Path, retention_s: float) -> None:
+        self.root = Path(root)
+        self.retention_s = retention_s
+        self._cache: Any = None
+        self._lock = threading.Lock()
+
+    def _db(self) -> Any:
+        with self._lock:
+            if self._cache is None:
+                self._cache = open_cache(self.root)
+            return self._cache
+
+    def put(self, text: str, meta: dict[str, Any]) -> str:
+        """Store ``text`` with ``meta``; returns the record id (``clm_`` + 20 hex digits)."""
+        record_id = "clm_" + secrets.token_hex(10)
+        self._db().set(record_id, {"text": text, "meta": meta, "stored_at": time.time()}, expire=self.retention_s)
+        return record_id
+
+    def get(self, record_id: str) -> dict[str, Any] | None:
+        """The record (``text``, ``meta``, ``stored_at``) or None if unknown or expired; creates nothing."""
+        if not self.root.is_dir():
+            return None
+        value = self._db().get(record_id)
+        return value if isinstance(value, dict) else None
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+
+def claim_check(text: str, limit: int, store: ClaimStore, meta: dict[str, Any]) -> tuple[str, str | None]:
+    """``text`` itself when it fits in ``limit`` characters; otherwise store it and return its head (a third of
+    the limit), a note with the record id and the omitted length, and its tail (a third), plus the record id."""
+    if len(text) <= limit:
+        return text, None
+    record_id = store.put(text, meta)
+    keep = limit // 3
+    omitted = len(text) - 2 * keep
+    note = (f"\n\n[... {omitted:,} characters omitted: the whole result ({len(text):,} characters) is stored as "
+            f"record {record_id}; print it with `proxyvisor delegate --record {record_id}` ...]\n\n")
+    return text[:keep] + note + text[-keep:], record_id
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A shaped result: ``content`` is a string or ``{"text", "finish_reason"}``; ``is_error`` marks a failure."""
+
+    content: str | dict[str, Any]
+    is_error: bool = False
+
+    def as_text(self) -> str:
+        """The content as a tool result's text (a shaped object as JSON)."""
+        return self.content if isinstance(self.content, str) else orjson.dumps(self.content).decode()
+
+
+def shape(role: str, outcome: ChildOutcome, text: str) -> ToolResult:
+    """Shape ``outcome`` for the parent (module docstring); ``text`` is the (claim-checked) text to hand over."""
+    if outcome.finish_reason is None:
+        failure = outcome.failure
+        detail = f"{failure.category}: {failure.message}" if failure else "no result"
+        if failure and failure.retry_after_s:
+            detail += f" (retry after {failure.retry_after_s} s)"
+        return ToolResult(f"Tool '{role}' failed: {detail}", is_error=True)
+    if outcome.finish_reason == FINISHED:
+        return ToolResult(text)
+    return ToolResult({"text": text, "finish_reason": outcome.finish_reason})
+
+
+def evidence(role: str, adapter: str, model: str, pool: str, admission: Admission | None,
+             outcome: ChildOutcome | None, traceparent: str, error_category: str | None = None,
+             retry_after_s: int | None = None) -> dict[str, Any]:
+    """The evidence attributes of one delegation (module docstring). ``error_category``/``retry_after_s``
+    override the outcome's (for a delegation refused before any child ran)."""
+    failure = outcome.failure if outcome else None
+    attributes: dict[str, Any] = {
+        "gen_ai.provider.name": adapter,
+        "gen_ai.agent.id": role,
+        "gen_ai.request.model": (outcome.model if outcome and outcome.model else model),
+        "capacity_scope": pool,
+        "health_state": admission.state if admission else None,
+        "health_probe": bool(admission and admission.probe),
+        "error_category": error_category or (failure.category if failure else None),
+        "retry_after_s": retry_after_s or (failure.retry_after_s if failure else None),
+        "trace_id": trace_id_of(traceparent),
+    }
+    if outcome is not None:
+        attributes.update({
+            "gen_ai.conversation.id": outcome.native_id or None,
+            "gen_ai.usage.input_tokens": outcome.input_tokens,
+            "gen_ai.usage.output_tokens": outcome.output_tokens,
+            "finish_reason": outcome.finish_reason,
+            "duration_s": round(outcome.duration_s, 3),
+        })
+    return attributes

@@ -1,0 +1,163 @@
+"""Writing the ``[model_routing]`` policy into ``config.toml``: validated, locked, atomic, comment-preserving.
+
+One service behind every writer (``proxyvisor supervision enable|disable|set``; seed 000, "Control surfaces"):
+
+- the file is edited with tomlkit, so comments, formatting and every unrelated or unknown section stay as they
+  were; a missing file is created with only what was set;
+- a file that is not valid TOML, or not a valid configuration, **fails closed**: the write is refused and the
+  file left untouched, never replaced with defaults;
+- the result is validated as a whole (types, ranges, the supervision graph) and the targets the write touches
+  are checked against the adapter descriptors (unknown adapter, undeclared model, effort without
+  ``effort_selection``), so a policy the dispatcher can never satisfy is rejected with the reason at write time;
+- writers are serialised by an exclusive ``flock`` on ``<file>.lock``, and the new text replaces the file
+  atomically (a temporary file in the same folder, fsynced, then ``os.replace``), keeping the file's mode.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
+from ..config import Config, ConfigError, ModelRoutingConfig, RouteTarget, parse
+from .descriptors import Registry, TargetError
+from .routing import resolve
+
+LOCK_TIMEOUT_S = 10.0
+
+
+class SettingsError(ValueError):
+    """A policy write was refused; the message says why. The configuration file was not changed."""
+
+
+@contextmanager
+def locked(path: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``<path>.lock`` for the block.
+
+    Raises:
+        SettingsError: another writer held it for ``timeout_s`` seconds (default :data:`LOCK_TIMEOUT_S`).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SettingsError(f"{path}: another writer holds {path}.lock; nothing written") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically (same folder temp file, fsync, rename; mode kept, new 0600)."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o600
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_document(path: Path) -> tomlkit.TOMLDocument:
+    """The file as an editable document (empty if the file does not exist).
+
+    Raises:
+        SettingsError: the file is unreadable, not TOML, or not a valid configuration (fail closed).
+    """
+    if not path.exists():
+        return tomlkit.document()
+    try:
+        doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, TOMLKitError) as exc:
+        raise SettingsError(f"{path}: cannot read it as TOML ({exc}); fix the file first, nothing written") from None
+    try:
+        parse(doc.unwrap(), source=str(path))
+    except ConfigError as exc:
+        raise SettingsError(f"the configuration is invalid ({exc}); fix it first, nothing written") from None
+    return doc
+
+
+def routing_table(doc: tomlkit.TOMLDocument, *names: str) -> Any:
+    """The (sub-)table ``[model_routing.<names...>]`` of ``doc``, created if missing."""
+    table: Any = doc
+    for name in ("model_routing",) + names:
+        if name not in table:
+            table[name] = tomlkit.table()
+        table = table[name]
+    return table
+
+
+def check_targets(routing: ModelRoutingConfig, registry: Registry, roles: set[str] | None = None,
+                  orchestrator: bool = True) -> None:
+    """Check the orchestrator target (when ``orchestrator``) and each role of ``roles`` (None: every role)
+    against the descriptors, as the dispatcher will resolve them.
+
+    Raises:
+        TargetError: the first target that cannot be satisfied, with the reason.
+    """
+    o = routing.orchestrator
+    if orchestrator and o != RouteTarget():
+        if not o.adapter:
+            raise TargetError("[model_routing.orchestrator] sets a model or effort but no adapter")
+        registry.get(o.adapter).check(o.model, o.effort)
+    for role in routing.roles:
+        if roles is None or role.name in roles:
+            try:
+                resolve(routing, registry, role.name)
+            except TargetError as exc:
+                raise TargetError(f"role {role.name!r}: {exc}") from None
+
+
+def update(path: Path, change: Callable[[tomlkit.TOMLDocument, ModelRoutingConfig], tuple[set[str] | None, bool]],
+           registry: Registry) -> Config:
+    """Apply ``change`` to the file under the lock, validate, and write it atomically.
+
+    ``change(doc, current)`` edits the document and returns which targets to check against the descriptors: the
+    role names (None: all) and whether the orchestrator.
+
+    Returns:
+        The new configuration.
+
+    Raises:
+        SettingsError: the file is malformed, the result is invalid, a target is rejected by the descriptors, or
+            the lock could not be taken; nothing was written.
+    """
+    with locked(path):
+        doc = read_document(path)
+        current = parse(doc.unwrap(), source=str(path)).model_routing
+        roles, orchestrator = change(doc, current)
+        try:
+            config = parse(doc.unwrap(), source=str(path))
+            check_targets(config.model_routing, registry, roles, orchestrator)
+        except (ConfigError, TargetError) as exc:
+            raise SettingsError(f"{exc}; nothing written") from None
+        atomic_write(path, tomlkit.dumps(doc))
+    return config

@@ -1,0 +1,371 @@
+"""Command line of delegation and routing: ``supervision``, ``delegate`` and ``health`` (registered by cli.py).
+
+- ``proxyvisor supervision show|enable|disable|set ...``: read and write ``[model_routing]`` through
+  :mod:`proxyvisor.adapters.settings` (validated against the adapter descriptors, locked, atomic, comments kept,
+  a malformed file fails closed);
+- ``proxyvisor delegate --role R PROMPT``: run one child now and print its shaped result (``--json``: with its
+  evidence); ``proxyvisor delegate --record ID``: print a claim-checked result;
+- ``proxyvisor health show|clear``: per-pool breaker state; clearing is the only way state is forgotten.
+
+Exit codes: 0 done; 1 the child failed or was refused; 2 bad usage, configuration, or a request the policy
+cannot satisfy (also: supervision disabled, or the policy does not apply to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .config import COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES, Config, RouteTarget, find_config_file
+from .adapters.descriptors import Registry, TargetError, registry_for
+
+_SET_HELP = textwrap.dedent("""\
+    Change the routing policy in the configuration file (created if missing). Only the options given change;
+    an empty value ("") removes a field so it is inherited again. Every write is checked against the adapter
+    descriptors: an unknown adapter, a model the adapter does not declare, or an effort on an adapter without
+    effort_selection is refused with the reason, and nothing is written. A model given without an adapter
+    names the adapter whose catalog declares it.
+
+    examples:
+      proxyvisor supervision set --mode adaptive --complexity-threshold COMPLICATED \\
+          --fallback-policy next_eligible --max-parallel 3
+      proxyvisor supervision set --orchestrator-adapter claude-code --orchestrator-model claude-sonnet-5 \\
+          --orchestrator-effort medium
+      proxyvisor supervision set --role reviewer --role-model claude-haiku-4-5 --role-effort low
+      proxyvisor supervision set --role architect --role-supervises reviewer
+      proxyvisor supervision set --remove-role reviewer
+    """)
+
+
+def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
+    """Add the ``supervision``, ``delegate`` and ``health`` commands to the ``proxyvisor`` subparsers; each sets
+    ``handler(args, config) -> exit code``."""
+    sup = commands.add_parser("supervision", help="show or change the delegation and routing policy",
+                              formatter_class=formatter, description=textwrap.dedent("""\
+        Show or change [model_routing]: whether delegation to child runtimes is on, the trigger mode, the
+        orchestrator and per-role targets (adapter, model, effort), fallback, parallelism and cooldowns.
+        Comments and unrelated sections of the file are kept."""))
+    actions = sup.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print the complete policy, resolved routes and adapters",
+                              formatter_class=formatter)
+    show.add_argument("--json", action="store_true", help="print JSON")
+    common(show)
+    for name, text in (("enable", "turn delegation on (health state is never cleared by this)"),
+                       ("disable", "turn delegation off: no child, probe, state write or token")):
+        action = actions.add_parser(name, help=text, formatter_class=formatter)
+        common(action)
+    setter = actions.add_parser("set", help="change policy fields", formatter_class=formatter, description=_SET_HELP)
+    setter.add_argument("--mode", choices=ROUTING_MODES)
+    setter.add_argument("--complexity-threshold", choices=COMPLEXITY)
+    setter.add_argument("--fallback-policy", choices=FALLBACK_POLICIES)
+    setter.add_argument("--max-parallel", type=int, metavar="N")
+    setter.add_argument("--max-depth", type=int, metavar="N")
+    setter.add_argument("--cooldown-default", type=float, metavar="S", help="seconds of the first cooldown")
+    setter.add_argument("--cooldown-maximum", type=float, metavar="S", help="longest cooldown, seconds")
+    setter.add_argument("--wall-clock", type=float, metavar="S", help="a child's wall-clock limit, 30-3600 s")
+    for key in ("adapter", "model", "effort"):
+        setter.add_argument(f"--orchestrator-{key}", metavar=key.upper())
+    setter.add_argument("--role", metavar="R", help="the role the --role-* options change (created if new)")
+    for key in ("adapter", "model", "effort", "description"):
+        setter.add_argument(f"--role-{key}", metavar=key.upper())
+    setter.add_argument("--role-supervises", metavar="R1,R2", help="roles this role may delegate to (replaces)")
+    setter.add_argument("--remove-role", metavar="R", help="delete a role")
+    common(setter)
+    sup.set_defaults(handler=_supervision)
+
+    delegate = commands.add_parser("delegate", help="run one child for a role and print its result",
+                                   formatter_class=formatter, description=textwrap.dedent("""\
+        Run PROMPT as child work of role R on the runtime the policy resolves (supervision must be enabled),
+        under the pool breaker, the child clocks and the claim check, and print the shaped result: the text
+        of a finished child, {text, finish_reason} for a stopped or truncated one, an error for a failure.
+        In suggest mode, print the route instead of running it. TRACEPARENT, when set, is the parent trace."""))
+    delegate.add_argument("prompt", nargs="?", metavar="PROMPT")
+    delegate.add_argument("--role", metavar="R")
+    delegate.add_argument("--record", metavar="ID", help="print a stored (claim-checked) result and exit")
+    delegate.add_argument("--complexity", choices=COMPLEXITY, help="the request's complexity (adaptive mode)")
+    for key in ("adapter", "model", "effort"):
+        delegate.add_argument(f"--{key}", metavar=key.upper(), help=f"explicit request override of the {key}")
+    delegate.add_argument("--json", action="store_true", help="print the result, status and evidence as JSON")
+    common(delegate)
+    delegate.set_defaults(handler=_delegate)
+
+    health = commands.add_parser("health", help="show or clear per-pool breaker state", formatter_class=formatter,
+                                 description=textwrap.dedent("""\
+        Each model pool (<adapter>:<bucket>, or <adapter>) is healthy, cooling_down after a capacity limit, or
+        half_open (one recovery probe allowed). State survives restarts and is forgotten only by 'clear'."""))
+    hactions = health.add_subparsers(dest="action", metavar="ACTION", required=True)
+    hshow = hactions.add_parser("show", help="print every pool's state", formatter_class=formatter)
+    hshow.add_argument("--json", action="store_true", help="print JSON")
+    common(hshow)
+    hclear = hactions.add_parser("clear", help="forget pool state", formatter_class=formatter)
+    hclear.add_argument("name", nargs="?", default="", metavar="POOL|ADAPTER",
+                        help="one pool, or every pool of an adapter (default: all)")
+    common(hclear)
+    health.set_defaults(handler=_health)
+
+
+# ---- supervision ----------------------------------------------------------------------------------------
+
+
+def _config_path(args: argparse.Namespace) -> Path:
+    found = find_config_file(args.config)
+    if found is not None:
+        return found
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.environ.get("HOME", "~"), ".config")
+    return Path(base).expanduser() / "proxyvisor" / "config.toml"
+
+
+def _assign(table: Any, key: str, value: Any) -> None:
+    if value is None:
+        return
+    if value == "":
+        if key in table:
+            del table[key]
+        return
+    table[key] = value
+
+
+def _infer_adapter(registry: Registry, model: str | None, adapter: str) -> str:
+    """The adapter a model belongs to, when the write names none and exactly one catalog declares it."""
+    if not model or adapter:
+        return ""
+    owners = registry.adapter_of_model(model)
+    if len(owners) == 1:
+        return owners[0]
+    raise TargetError(f"model {model!r} is declared by {', '.join(owners) if owners else 'no adapter'}; "
+                      "name the adapter")
+
+
+def _set_change(args: argparse.Namespace, registry: Registry) -> Callable[..., tuple[set[str] | None, bool]]:
+    from .adapters.settings import routing_table
+
+    def change(doc: Any, current: Any) -> tuple[set[str] | None, bool]:
+        top = routing_table(doc)
+        for key in ("mode", "complexity_threshold", "fallback_policy", "max_parallel", "max_depth"):
+            _assign(top, key, getattr(args, key))
+        if args.cooldown_default is not None or args.cooldown_maximum is not None:
+            cooldown = routing_table(doc, "cooldown")
+            _assign(cooldown, "default_seconds", args.cooldown_default)
+            _assign(cooldown, "maximum_seconds", args.cooldown_maximum)
+        if args.wall_clock is not None:
+            _assign(routing_table(doc, "children"), "wall_clock_s", args.wall_clock)
+        roles: set[str] | None = set()
+        orchestrator = False
+        given = {k: getattr(args, f"orchestrator_{k}") for k in ("adapter", "model", "effort")}
+        if any(v is not None for v in given.values()):
+            table = routing_table(doc, "orchestrator")
+            adapter = given["adapter"] if given["adapter"] is not None else current.orchestrator.adapter
+            given["adapter"] = _infer_adapter(registry, given["model"], adapter) or given["adapter"]
+            for key, value in given.items():
+                _assign(table, key, value)
+            roles, orchestrator = None, True
+        if args.role:
+            table = routing_table(doc, "roles", args.role)
+            role = current.role(args.role)
+            adapter = args.role_adapter if args.role_adapter is not None else (role.adapter if role else "")
+            inherited = adapter or current.orchestrator.adapter
+            inferred = _infer_adapter(registry, args.role_model, inherited)
+            _assign(table, "adapter", inferred or args.role_adapter)
+            for key in ("model", "effort", "description"):
+                _assign(table, key, getattr(args, f"role_{key}"))
+            if args.role_supervises is not None:
+                table["supervises"] = [r for r in (s.strip() for s in args.role_supervises.split(",")) if r]
+            if roles is not None:
+                roles.add(args.role)
+        if args.remove_role:
+            existing = routing_table(doc, "roles")
+            if args.remove_role not in existing:
+                raise TargetError(f"role {args.remove_role!r} is not configured")
+            del existing[args.remove_role]
+        return roles, orchestrator
+
+    return change
+
+
+def _policy(routing: Any, registry: Registry) -> dict[str, Any]:
+    from .adapters.routing import resolve
+
+    policy = dataclasses.asdict(routing)
+    policy["roles"] = {r["name"]: {k: v for k, v in r.items() if k != "name"} for r in policy["roles"]}
+    resolved: dict[str, Any] = {}
+    for role in routing.roles:
+        try:
+            resolved[role.name] = resolve(routing, registry, role.name).as_dict()
+        except TargetError as exc:
+            resolved[role.name] = {"unavailable": str(exc)}
+    return {"policy": policy, "resolved": resolved}
+
+
+def _adapters(config: Config, registry: Registry) -> dict[str, Any]:
+    from .adapters.delegate import Delegator
+
+    delegator = Delegator(config, registry=registry)
+    out: dict[str, Any] = {}
+    for d in registry.descriptors.values():
+        out[d.id] = {"ready": delegator.readiness(d.id) is None, "unavailable": delegator.readiness(d.id),
+                     "capabilities": sorted(d.capabilities), "default_model": d.default_model,
+                     "models": [{"id": m.id, "bucket": m.bucket} for m in d.models], "efforts": list(d.efforts),
+                     "description": d.description}
+    return out
+
+
+def _print_policy(config: Config, registry: Registry) -> None:
+    r = config.model_routing
+    state = "enabled" if r.enabled else "disabled (turn on: proxyvisor supervision enable)"
+    print(f"supervision: {state}   [{config.source}]")
+    print(f"mode: {r.mode}   complexity_threshold: {r.complexity_threshold}   fallback_policy: {r.fallback_policy}")
+    print(f"max_parallel: {r.max_parallel}   max_depth: {r.max_depth}   cooldown: {r.cooldown.default_seconds:g} s "
+          f"first, {r.cooldown.maximum_seconds:g} s at most")
+    c = r.children
+    print(f"children: wall clock {c.wall_clock_s:g} s, idle warning {c.idle_warn_s:g} s, idle cancel "
+          f"{c.idle_cancel_s:g} s, stop grace {c.stop_grace_s:g} s, claim check over {c.claim_check_chars} "
+          f"characters, budget {c.budget_tokens or 'unlimited'} tokens")
+    o = r.orchestrator
+    print(f"orchestrator: adapter={o.adapter or '-'} model={o.model or '-'} effort={o.effort or '-'}")
+    resolved = _policy(r, registry)["resolved"]
+    print("roles:" if r.roles else "roles: none")
+    for role in r.roles:
+        route = resolved[role.name]
+        target = (f"{route['adapter']} / {route['model'] or '(runtime default)'} / {route['effort'] or '-'}  "
+                  f"(pool {route['capacity_scope']})") if "adapter" in route else f"UNAVAILABLE: {route['unavailable']}"
+        saved = f"saved: adapter={role.adapter or '-'} model={role.model or '-'} effort={role.effort or '-'}"
+        print(f"  {role.name}: {target}\n    {saved}; supervises: {', '.join(role.supervises) or '-'}")
+    print("adapters:")
+    for adapter_id, a in _adapters(config, registry).items():
+        status = "ready" if a["ready"] else f"unavailable: {a['unavailable']}"
+        models = ", ".join(f"{m['id']} ({m['bucket'] or adapter_id})" for m in a["models"]) or "any model string"
+        print(f"  {adapter_id}: {status}\n    capabilities: {', '.join(a['capabilities'])}; models: {models}; "
+              f"efforts: {', '.join(a['efforts']) or '-'}")
+    for error in registry.errors:
+        print(f"  (skipped) {error}")
+
+
+def _supervision(args: argparse.Namespace, config: Config) -> int:
+    from .adapters.settings import SettingsError, routing_table, update
+
+    registry = registry_for(config.model_routing.adapters_dir)
+    if args.action == "show":
+        if args.json:
+            data = {"source": config.source, "enabled": config.model_routing.enabled,
+                    **_policy(config.model_routing, registry), "adapters": _adapters(config, registry),
+                    "descriptor_errors": registry.errors}
+            print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        else:
+            _print_policy(config, registry)
+        return 0
+    path = _config_path(args)
+    if args.action in ("enable", "disable"):
+        on = args.action == "enable"
+
+        def change(doc: Any, current: Any) -> tuple[set[str] | None, bool]:
+            routing_table(doc)["enabled"] = on
+            return (None, True) if on else (set(), False)
+    else:
+        role_flags = [f for f in ("role_adapter", "role_model", "role_effort", "role_description", "role_supervises")
+                      if getattr(args, f) is not None]
+        if role_flags and not args.role:
+            print("proxyvisor: --role-* options need --role R", file=sys.stderr)
+            return 2
+        change = _set_change(args, registry)
+    try:
+        new = update(path, change, registry)
+    except (SettingsError, TargetError) as exc:
+        print(f"proxyvisor: refused: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: written; supervision is {'enabled' if new.model_routing.enabled else 'disabled'}")
+    return 0
+
+
+# ---- delegate -------------------------------------------------------------------------------------------
+
+
+def _delegate(args: argparse.Namespace, config: Config) -> int:
+    from .adapters.results import ClaimStore
+
+    if args.record:
+        store = ClaimStore(config.state_dir() / "claims", config.model_routing.children.claim_retention_s)
+        record = store.get(args.record)
+        if record is None:
+            print(f"proxyvisor: no stored result {args.record!r} (unknown or expired)", file=sys.stderr)
+            return 1
+        sys.stdout.write(record["text"])
+        return 0
+    if not args.role or not args.prompt:
+        print("proxyvisor: delegate needs --role R and a PROMPT (or --record ID)", file=sys.stderr)
+        return 2
+    if not config.model_routing.enabled:
+        print("proxyvisor: supervision is disabled; nothing ran (turn it on: proxyvisor supervision enable)",
+              file=sys.stderr)
+        return 2
+    import trio
+
+    from .adapters.delegate import FAILED, OK, REFUSED, SKIPPED, Delegator
+
+    delegator = Delegator(config)
+    override = RouteTarget(args.adapter or "", args.model or "", args.effort or "")
+    try:
+        result = trio.run(lambda: delegator.delegate(args.role, args.prompt, complexity=args.complexity,
+                                                     override=override, traceparent=os.environ.get("TRACEPARENT")))
+    finally:
+        delegator.close()
+    if args.json:
+        print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
+    elif result.status in (OK, SKIPPED):
+        print(result.result.as_text())
+    else:
+        print(result.result.as_text(), file=sys.stderr)
+    if result.status in (OK, SKIPPED):
+        return 0
+    return 1 if result.status in (FAILED, REFUSED) else 2
+
+
+# ---- health ---------------------------------------------------------------------------------------------
+
+
+def _health(args: argparse.Namespace, config: Config) -> int:
+    from .adapters.health import Cooldown, adapter_summary
+    from .adapters.health_store import HealthStore
+
+    c = config.model_routing.cooldown
+    store = HealthStore(config.state_dir() / "health", Cooldown(c.default_seconds, c.maximum_seconds))
+    try:
+        if args.action == "clear":
+            cleared = store.clear(args.name)
+            print(f"cleared {len(cleared)} pool(s)" + (f": {', '.join(cleared)}" if cleared else ""))
+            return 0
+        now = time.time()
+        pools = store.all()
+        rows = []
+        for p in pools:
+            recovery = p.recovery_at(now)
+            rows.append({"pool": p.pool, "state": p.effective_state(now), "failure_count": p.failure_count,
+                         "recovery_at": recovery, "recovers_in_s": round(recovery - now, 1) if recovery else None,
+                         "probe_in_flight": p.state == "half_open" and p.lease_until > now,
+                         "last_category": p.last_category or None, "retry_after_s": p.retry_after_s})
+        adapters: dict[str, Any] = {}
+        for adapter in sorted({p.pool.split(":", 1)[0] for p in pools}):
+            state, soonest, limited = adapter_summary([p for p in pools if p.pool.split(":", 1)[0] == adapter], now)
+            adapters[adapter] = {"state": state, "soonest_recovery_at": soonest, "limited_pools": limited}
+        if args.json:
+            print(orjson.dumps({"pools": rows, "adapters": adapters}, option=orjson.OPT_INDENT_2).decode())
+            return 0
+        if not rows:
+            print("no pool has recorded health: every pool is healthy")
+            return 0
+        for row in rows:
+            extra = f", recovers in {row['recovers_in_s']:g} s" if row["recovers_in_s"] is not None else ""
+            extra += " (probe in flight)" if row["probe_in_flight"] else ""
+            last = f", last failure: {row['last_category']}" if row["last_category"] else ""
+            print(f"{row['pool']}: {row['state']}{extra}; failures: {row['failure_count']}{last}")
+        return 0
+    finally:
+        store.close()

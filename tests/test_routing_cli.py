@@ -1,0 +1,228 @@
+"""The command line of routing: ``supervision show|enable|disable|set``, ``delegate`` and ``health``."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from proxyvisor.adapters import settings
+from proxyvisor.adapters.descriptors import registry_for
+from proxyvisor.adapters.failures import Failure
+from proxyvisor.adapters.health import Cooldown
+from proxyvisor.adapters.health_store import HealthStore
+from proxyvisor.cli import main
+from proxyvisor.config import load
+
+from helpers import files_under
+from routing_support import FIXTURE_ADAPTERS
+
+HEADER = f'''# my proxy settings: keep this comment
+[proxy]
+port = 9000   # a trailing comment
+
+[upstreams.main]
+# where models live
+url = "http://127.0.0.1:1/v1"
+
+[model_routing]
+# routing notes the operator wrote
+adapters_dir = "{FIXTURE_ADAPTERS}"
+'''
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "etc" / "config.toml"
+    path.parent.mkdir()
+    path.write_text(HEADER)
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_set_writes_the_policy_and_keeps_every_comment_and_unrelated_section(config_file: Path, capsys) -> None:
+    code, out, err = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "reviewer",
+                         "--role-model", "claude-haiku-4-5", "--role-effort", "low", "--max-parallel", "3",
+                         "--mode", "adaptive", "--complexity-threshold", "COMPLEX")
+    assert code == 0, err
+    text = config_file.read_text()
+    assert text.startswith(HEADER.split("[model_routing]")[0]), "unrelated sections are byte-identical"
+    assert "# routing notes the operator wrote" in text and "# a trailing comment" in text
+    routing = load(str(config_file)).model_routing
+    assert (routing.mode, routing.complexity_threshold, routing.max_parallel) == ("adaptive", "COMPLEX", 3)
+    reviewer = routing.role("reviewer")
+    assert (reviewer.adapter, reviewer.model, reviewer.effort) == ("claude-code", "claude-haiku-4-5", "low"), \
+        "the adapter is named from the catalog that declares the model"
+    code, _, _ = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "reviewer",
+                     "--role-effort", "")
+    assert code == 0 and load(str(config_file)).model_routing.role("reviewer").effort == ""
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--role", "r", "--role-adapter", "ghost"], "unknown adapter 'ghost'"),
+    (["--role", "r", "--role-adapter", "fixture-cli", "--role-model", "gpt-x"], "does not declare model 'gpt-x'"),
+    (["--role", "r", "--role-adapter", "no-effort", "--role-effort", "high"], "does not declare effort_selection"),
+    (["--role", "r", "--role-adapter", "fixture-cli", "--role-effort", "max"], "does not accept effort 'max'"),
+    (["--role", "r", "--role-model", "unknown-model"], "declared by no adapter"),
+    (["--orchestrator-adapter", "codex", "--orchestrator-effort", "warp"], "does not accept effort 'warp'"),
+    (["--role", "r", "--role-adapter", "fixture-cli", "--role-supervises", "r"], "cannot supervise itself"),
+    (["--wall-clock", "5"], "wall_clock_s must be 30-3600"),
+    (["--remove-role", "nobody"], "role 'nobody' is not configured"),
+])
+def test_a_write_the_dispatcher_could_never_satisfy_is_refused_with_the_reason(config_file: Path, capsys,
+                                                                                argv: list[str], reason: str) -> None:
+    before = config_file.read_bytes()
+    code, _, err = cli(capsys, "supervision", "set", "--config", str(config_file), *argv)
+    assert code == 2 and reason in err and "refused" in err
+    assert config_file.read_bytes() == before
+
+
+def test_a_cycle_is_refused_at_write_time_with_a_readable_message(config_file: Path, capsys) -> None:
+    for role, subs in (("leaf", ""), ("mid", "leaf"), ("lead", "mid")):
+        assert cli(capsys, "supervision", "set", "--config", str(config_file), "--orchestrator-adapter",
+                   "fixture-cli", "--role", role, "--role-supervises", subs)[0] == 0
+    before = config_file.read_bytes()
+    code, _, err = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "leaf",
+                       "--role-supervises", "lead")
+    assert code == 2 and "this would make a cycle: mid -> leaf -> lead -> mid" in err
+    assert config_file.read_bytes() == before
+
+
+def test_a_malformed_file_fails_closed(config_file: Path, capsys) -> None:
+    config_file.write_text(HEADER + "[model_routing.roles\nadapter = ")
+    before = config_file.read_bytes()
+    code, _, err = cli(capsys, "supervision", "enable", "--config", str(config_file))
+    assert code == 2 and "not valid TOML" in err
+    with pytest.raises(settings.SettingsError, match="cannot read it as TOML.*nothing written"):
+        settings.update(config_file, lambda doc, current: (set(), False), registry_for(""))
+    assert config_file.read_bytes() == before
+    config_file.write_text(HEADER + 'mode = "sometimes"\n')
+    invalid = config_file.read_bytes()
+    with pytest.raises(settings.SettingsError, match="mode must be one of.*nothing written"):
+        settings.update(config_file, lambda doc, current: (set(), False), registry_for(""))
+    assert config_file.read_bytes() == invalid, "never replaced with defaults"
+
+
+def test_writes_are_serialised_by_a_lock_and_replace_the_file_atomically(config_file: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    config_file.chmod(0o640)
+    registry = registry_for(str(FIXTURE_ADAPTERS))
+
+    def add_role(name: str):
+        def change(doc, current):
+            settings.routing_table(doc, "roles", name)["adapter"] = "fixture-cli"
+            return {name}, False
+        return change
+
+    threads = [threading.Thread(target=settings.update, args=(config_file, add_role(f"r{i}"), registry))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.name for r in load(str(config_file)).model_routing.roles) == [f"r{i}" for i in range(8)]
+    assert oct(config_file.stat().st_mode & 0o777) == "0o640"
+    assert sorted(p.name for p in config_file.parent.iterdir()) == ["config.toml", "config.toml.lock"]
+    monkeypatch.setattr(settings, "LOCK_TIMEOUT_S", 0.2)
+    with settings.locked(config_file):
+        with pytest.raises(settings.SettingsError, match="another writer"):
+            settings.update(config_file, add_role("late"), registry)
+
+
+def test_enable_show_and_disable_round_trip_the_complete_shape(tmp_path: Path, capsys,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = Path(os.environ["XDG_CONFIG_HOME"]) / "proxyvisor" / "config.toml"
+    assert not path.exists()
+    health = HealthStore(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health", Cooldown())
+    health.settle_sync("codex", time.time(), Failure("capacity", True, "known_failed", 600))
+    assert cli(capsys, "supervision", "enable")[0] == 0
+    assert path.read_text() == "[model_routing]\nenabled = true\n", "a new file holds only what was set"
+    code, out, _ = cli(capsys, "supervision", "show", "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["enabled"] is True and shown["source"] == str(path)
+    assert shown["policy"]["cooldown"] == {"default_seconds": 300.0, "maximum_seconds": 3600.0}
+    assert shown["policy"]["children"]["wall_clock_s"] == 600.0 and shown["policy"]["roles"] == {}
+    assert set(shown["adapters"]) == {"claude-code", "codex", "litellm", "scripted"}
+    assert health.get("codex").state == "cooling_down", "enabling supervision never clears health"
+    assert cli(capsys, "supervision", "disable")[0] == 0
+    assert load(str(path)).model_routing.enabled is False
+
+
+def test_a_saved_target_whose_adapter_is_gone_is_shown_not_blanked(config_file: Path, capsys) -> None:
+    config_file.write_text(HEADER + '[model_routing.roles.old]\nadapter = "retired-cli"\nmodel = "m"\n')
+    code, out, _ = cli(capsys, "supervision", "show", "--config", str(config_file))
+    assert code == 0
+    assert "old: UNAVAILABLE: unknown adapter 'retired-cli'" in out and "saved: adapter=retired-cli model=m" in out
+    assert cli(capsys, "supervision", "disable", "--config", str(config_file))[0] == 0, "never blocks disabling"
+    code, _, err = cli(capsys, "supervision", "enable", "--config", str(config_file))
+    assert code == 2 and "role 'old': unknown adapter 'retired-cli'" in err
+
+
+# ---- delegate and health ----------------------------------------------------------------------------------
+
+
+def _enabled(config_file: Path, extra: str = "") -> None:
+    config_file.write_text(HEADER + "enabled = true\n" + extra + '[model_routing.roles.helper]\nadapter = "scripted"\n')
+
+
+def test_delegate_runs_a_child_and_prints_its_result_and_evidence(config_file: Path, tmp_path: Path, capsys,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _enabled(config_file)
+    code, out, _ = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "say hello")
+    assert (code, out) == (0, "Hello from the scripted upstream.\n")
+    monkeypatch.setenv("TRACEPARENT", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    code, out, _ = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "--json", "again")
+    result = json.loads(out)
+    assert result["status"] == "ok" and result["evidence"]["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert result["evidence"]["gen_ai.provider.name"] == "scripted"
+    code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "nobody", "x")
+    assert code == 2 and "role 'nobody' is not configured" in err
+
+
+def test_delegate_claim_checks_a_long_result_and_prints_the_record_later(config_file: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    script = tmp_path / "long.json"
+    long_text = "".join(f"line {i}\n" for i in range(2000))
+    script.write_text(json.dumps([{"text": long_text}]))
+    _enabled(config_file, f'[model_routing.adapter_options.scripted]\nscript = "{script}"\n')
+    code, out, _ = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "--json", "go")
+    result = json.loads(out)
+    record = result["record_id"]
+    assert code == 0 and record and record in result["result"] and len(result["result"]) < 6000
+    code, out, _ = cli(capsys, "delegate", "--config", str(config_file), "--record", record)
+    assert (code, out) == (0, long_text)
+    code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--record", "clm_nothing")
+    assert code == 1 and "no stored result" in err
+
+
+def test_delegate_does_nothing_while_supervision_is_disabled(config_file: Path, capsys) -> None:
+    config_file.write_text(HEADER + '[model_routing.roles.helper]\nadapter = "scripted"\n')
+    code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "hi")
+    assert code == 2 and "supervision is disabled" in err
+    assert files_under(Path(os.environ["PROXYVISOR_STATE_DIR"])) == []
+
+
+def test_health_show_and_clear(capsys) -> None:
+    state = Path(os.environ["PROXYVISOR_STATE_DIR"])
+    assert cli(capsys, "health", "show")[1] == "no pool has recorded health: every pool is healthy\n"
+    assert files_under(state) == [], "showing health creates nothing"
+    store = HealthStore(state / "health", Cooldown())
+    store.settle_sync("claude-code:opus-4x", time.time(), Failure("capacity", True, "known_failed", 120))
+    store.settle_sync("claude-code:haiku-4-5", time.time(), Failure("auth", False, "known_failed"))
+    store.close()
+    code, out, _ = cli(capsys, "health", "show")
+    assert code == 0 and "claude-code:opus-4x: cooling_down, recovers in 1" in out
+    assert "claude-code:haiku-4-5: healthy; failures: 0, last failure: auth" in out
+    code, out, _ = cli(capsys, "health", "clear", "claude-code:opus-4x")
+    assert out == "cleared 1 pool(s): claude-code:opus-4x\n"
+    assert [p["pool"] for p in json.loads(cli(capsys, "health", "show", "--json")[1])["pools"]] == [
+        "claude-code:haiku-4-5"]
