@@ -4,6 +4,11 @@ The agent is the simplest real one: it offers the model a ``bash`` tool, runs th
 (in a scratch folder), sends the result back, and stops at the first answer without tool calls. It speaks each
 wire format in turn, streaming, and the demo prints what passed through the proxy: every request, the model's
 tool call, the tool result, the final answer, the proxy's overhead per request, and the session's ledger.
+
+Then the same agent gets stuck: the scripted model keeps checking a build status that never changes, ending
+each turn with its self-report. The demo shows the self-report the proxy read (and removed: the agent never
+sees it), the loop detector firing on the third identical round, the steer note the proxy added to the next
+request, and the model answering that note by handing back instead of polling on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import Config
+from .detectors.detectors import DESCRIPTIONS
+from .detectors.steer import note_text
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.service import running
 from .proxy.sse import SSEParser
@@ -84,6 +91,67 @@ async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, 
                 return
 
 
+LOOP_TASK = "Wait for the build described in build.status to finish, then tell me how it went."
+LOOP_MARK = "repeated the same calls and got the same results"
+"""A phrase of the loop note (without quotes, as the scripted upstream matches raw JSON): the scripted model
+keeps polling until its input holds it."""
+_REPORT = '<sup>{"state":"%s","focus":"%s","next":%s,"carry":[],"plan":null}</sup>'
+LOOP_SCRIPT = [
+    {"text": "The build is still running; let me check its status again.\n"
+             + _REPORT % ("progressing", "wait for the build to finish", '"check build.status"'),
+     "tool_calls": [{"name": "bash", "arguments": {"command": "cat build.status"}}], "until": LOOP_MARK},
+    {"text": "build.status has not changed in three checks, so polling again will not help: the build looks "
+             "stuck at 3 of 7 modules. I am handing this back rather than waiting on.\n"
+             + _REPORT % ("blocked", "the build is stuck at 3 of 7 modules", "null")},
+]
+
+
+async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: Console,
+                            max_rounds: int = 8) -> None:
+    """The stuck agent (module docstring): prints each round and what the supervisor made of it."""
+    (workdir / "build.status").write_text("building: 3 of 7 modules compiled\n")
+    proxy.scripted[next(iter(proxy.scripted))].queue(*LOOP_SCRIPT)
+    session = f"demo-loop-{fmt.name}-{int(time.time())}"
+    url = f"{proxy.url}/s/{session}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
+                                      {"role": "user", "content": LOOP_TASK}]
+    console.print(f"[bold]An agent that loops[/bold]  ({fmt.label}, streaming)")
+    console.print(f"  [cyan]user[/cyan]       {LOOP_TASK}")
+    saw_token = False
+    async with httpx.AsyncClient(timeout=30) as client:
+        for number in range(1, max_rounds + 1):
+            turn, _overhead, status = await agent_turn(client, url, fmt, messages)
+            record = proxy.pipeline.sessions.get(session).supervision.records[-1]
+            for index, signals in record.firings:
+                for signal in signals:
+                    console.print(f"  [red]supervisor[/red] {signal} fired on the round at history item {index}: "
+                                  f"{DESCRIPTIONS[signal]}")
+            if record.note:
+                console.print(f"  [red]supervisor[/red] added a steer note to this request, after the latest "
+                              f"tool result:\n             [italic]{note_text(record.note)}[/italic]")
+            report = record.report.report if record.report is not None else None
+            state = f"  [dim](self-report, removed before the agent saw it: {report.state} · {report.focus})[/dim]" \
+                if report else ""
+            saw_token = saw_token or "<sup>" in turn.text
+            if status != 200:
+                console.print(f"  [red]error[/red]      {turn.text}")
+                return
+            if not turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      answers: {turn.text.strip()}{state}")
+                break
+            messages.append({"role": "assistant", "content": turn.text or None,
+                             "tool_calls": [{"id": c.id, "type": "function",
+                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                                            for c in turn.tool_calls]})
+            for call in turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      round {number}: calls {call.name}({call.arguments})"
+                              f"{state}")
+                output = run_tool(str(call.arguments.get("command", "")), workdir)
+                console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    console.print(f"  the agent saw a <sup> token: {'yes' if saw_token else 'no'}")
+
+
 def _json(value: Any) -> str:
     import orjson
 
@@ -101,6 +169,9 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
         for name in formats:
             session = f"demo-{name}-{int(time.time())}"
             await run_agent(f"{proxy.url}/s/{session}", BY_NAME[name], workdir, console)
+            console.print()
+        if proxy.scripted and config.supervisor.enabled:
+            await run_looping_agent(proxy, BY_NAME[formats[0]], workdir, console)
             console.print()
     table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
     for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms"):

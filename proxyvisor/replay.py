@@ -83,7 +83,14 @@ def tools_of(messages: list[dict[str, Any]]) -> tuple[ToolSpec, ...]:
 class Round:
     """One replayed assistant turn: its number (1-based), the 0-based line of the assistant message, the tool
     calls (``name: argument summary``), the HTTP status, latency and proxy overhead (ms), and whether the agent
-    got back exactly the recorded turn."""
+    got back exactly the recorded turn.
+
+    With supervision on, also what the supervisor did for this request: ``report``, the state of the reply's
+    self-report when it had a valid one; ``detectors``, the signals that fired in the rounds this request's
+    history completed, as ``signal@position`` (the history position where the round starts: the trajectory's
+    line number in the chat format, the item number of the format's own history otherwise); ``steer``, the
+    signal whose advisory note was added to this request, and ``steer_note`` its text.
+    """
 
     number: int
     message: int
@@ -94,6 +101,10 @@ class Round:
     matches: bool
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    report: str | None = None
+    detectors: list[str] = field(default_factory=list)
+    steer: str | None = None
+    steer_note: str | None = None
 
 
 def _summary(name: str, args: dict[str, Any], width: int = 70) -> str:
@@ -150,16 +161,35 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
                     failure = "the agent got a different turn than the recorded one"
                 result = Round(len(rounds) + 1, index, [_summary(c.name, c.arguments) for c in expected.tool_calls],
                                status, round(latency, 3), overhead, matches, failure)
+                _supervision(result, proxy.pipeline.sessions.get(session))
                 rounds.append(result)
                 if on_round:
                     on_round(result)
     return rounds
 
 
+def _supervision(result: Round, session: Any) -> None:
+    """Copy what the supervisor recorded for the request just sent into ``result`` (nothing when unsupervised)."""
+    state = getattr(session, "supervision", None)
+    if state is None or not state.records:
+        return
+    record = state.records[-1]
+    if record.report is not None and record.report.report is not None:
+        result.report = record.report.report.state
+    result.detectors = [f"{signal}@{index}" for index, signals in record.firings for signal in signals]
+    if record.note is not None:
+        from .detectors.steer import note_text
+
+        result.steer, result.steer_note = record.note, note_text(record.note)
+
+
 def format_round(r: Round) -> str:
     calls = "; ".join(r.tool_calls) if r.tool_calls else "(no tool call: text only)"
     flag = "" if r.matches else f"  MISMATCH: {r.error}"
-    return f"round {r.number:4d}  msg {r.message:4d}  {r.status}  {r.latency_ms:7.1f} ms  {calls}{flag}"
+    notes = "".join(part for part in (f"  | state {r.report}" if r.report else "",
+                                      f"  | fired {' '.join(r.detectors)}" if r.detectors else "",
+                                      f"  | steer note: {r.steer}" if r.steer else ""))
+    return f"round {r.number:4d}  msg {r.message:4d}  {r.status}  {r.latency_ms:7.1f} ms  {calls}{flag}{notes}"
 
 
 def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool) -> int:

@@ -180,7 +180,10 @@ class ScriptedUpstream:
             if "retry_after" in fault:
                 headers.append((b"retry-after", str(fault["retry_after"]).encode()))
             return Response(status, headers, fmt.error_body(status, fault.get("message", f"scripted {status}")))
-        turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
+        try:
+            turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
+        except _UNREADABLE as exc:
+            return _refuse(fmt, exc)
         if not turn.input_tokens:
             turn = dataclasses.replace(turn, input_tokens=max(1, len(request.body) // 4))
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL
@@ -193,7 +196,10 @@ class ScriptedUpstream:
             if self.record:
                 self.responses.append(data)
             return Response(200, _JSON, data)
-        events = fmt.render_stream(turn, model, body)
+        try:
+            events = fmt.render_stream(turn, model, body)
+        except _UNREADABLE as exc:
+            return _refuse(fmt, exc)
         if fault.get("garbage"):
             return Response(200, _SSE, self._play([b"event: ???\ndata: {not json\xff\xfe\n\n", b"data: \x00\x01\n\n"]))
         if "reset_after_events" in fault:
@@ -222,6 +228,15 @@ class ScriptedUpstream:
             if self.chunk_delay_s and i:
                 await trio.sleep(self.chunk_delay_s)
             yield event
+
+
+_UNREADABLE = (AttributeError, IndexError, KeyError, TypeError, ValueError)
+"""What reading a request of unexpected shape raises; a real API answers such a request with a 400."""
+
+
+def _refuse(fmt: WireFormat, exc: Exception) -> Response:
+    return Response(400, _JSON, fmt.error_body(400, f"the scripted upstream cannot read this request "
+                                                    f"({type(exc).__name__}: {exc})"))
 
 
 async def _abort_after(chunks: list[bytes], delay_s: float = 0.0) -> AsyncIterator[bytes]:

@@ -8,10 +8,13 @@ usage and session hints live in its bodies, and how an assistant turn is written
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import orjson
+
+from .transcript import Message, StreamEditor, TextEdit, TextFilter
 
 # status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
 _ERROR_TYPES: dict[int, tuple[str, str]] = {
@@ -109,6 +112,57 @@ def chat_text(content: Any) -> str:
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def leading_system(items: list[Any]) -> dict[str, Any] | None:
+    """The last of the system/developer messages a history starts with (the end of its system prompt), or None
+    when it starts with something else."""
+    last = None
+    for item in items:
+        if not (isinstance(item, dict) and item.get("role") in ("system", "developer")
+                and item.get("type", "message") == "message"):
+            break
+        last = item
+    return last
+
+
+def as_list(value: Any) -> list[Any]:
+    """``value`` if it is a list, else an empty list (bodies come from clients and upstreams: any JSON at all)."""
+    return value if isinstance(value, list) else []
+
+
+def arguments_of(value: Any) -> dict[str, Any]:
+    """Tool-call arguments as an object, whatever the JSON value (:func:`args_of`, total)."""
+    return args_of(value) if isinstance(value, (dict, str)) else {}
+
+
+def interleave(items: list[Any], notes: list[tuple[int, Any]]) -> list[Any]:
+    """``items`` with each note's item placed right after position ``index`` (``notes`` ascending by index)."""
+    out: list[Any] = []
+    start = 0
+    for index, item in notes:
+        out += items[start:index + 1]
+        out.append(item)
+        start = index + 1
+    out += items[start:]
+    return out
+
+
+def has_non_text(content: Any) -> bool:
+    """True when ``content`` is a list of typed parts and one of them is not text (an image, a document...)."""
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") not in ("text", "input_text", "output_text") for p in content)
+
+
+def edit_parts(content: Any, edit: TextEdit) -> Any:
+    """``content`` (a string, or a list of parts with ``text``) with each text rewritten by ``edit``."""
+    if isinstance(content, str):
+        return edit(content)
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                part["text"] = edit(part["text"])
+    return content
 
 
 def sse(data: bytes | str, event: str | None = None) -> bytes:
@@ -210,3 +264,31 @@ class WireFormat:
     @staticmethod
     def now() -> int:
         return int(time.time())
+
+    # ---- supervision: reading a history, adding proxyvisor's text, rewriting replies ---------------------------
+    def history(self, body: dict[str, Any]) -> list[Any]:
+        """The request's history items in order (messages, or Responses input items); the list is the body's own,
+        so positions in it are positions for :meth:`insert_notes`."""
+        raise NotImplementedError
+
+    def message(self, item: Any) -> Message:
+        """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``)."""
+        raise NotImplementedError
+
+    def add_instruction(self, body: dict[str, Any], text: str) -> None:
+        """Append ``text`` to the end of the system prompt, in place, leaving everything before it unchanged."""
+        raise NotImplementedError
+
+    def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
+        """Put each user-side note ``(index, text)`` right after history item ``index`` (positions of the history
+        as sent, ascending, at most one note per position), in place, in one pass over the history."""
+        raise NotImplementedError
+
+    def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
+        """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""
+        raise NotImplementedError
+
+    def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
+        """An editor for this format's SSE stream: each assistant text part's deltas go through their own filter
+        from ``new_filter``; full-text copies of a part (done events, final response objects) go through ``edit``."""
+        raise NotImplementedError

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
-                   split_json, sse, words)
-
-
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, edit_parts,
+                   arguments_of, as_list, error_types, has_non_text, interleave, leading_system, split_json, sse,
+                   words)
+from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
 class ChatFormat(WireFormat):
@@ -32,7 +33,7 @@ class ChatFormat(WireFormat):
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
         system, first_user = "", ""
-        for message in body.get("messages") or ():
+        for message in as_list(body.get("messages")):
             if not isinstance(message, dict):
                 continue
             role = message.get("role")
@@ -45,7 +46,7 @@ class ChatFormat(WireFormat):
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         out = []
-        for tool in body.get("tools") or ():
+        for tool in as_list(body.get("tools")):
             fn = tool.get("function") if isinstance(tool, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                 out.append(ToolSpec(fn["name"], fn.get("parameters") or {}))
@@ -136,6 +137,128 @@ class ChatFormat(WireFormat):
             events.append(sse(dumps({**base, "choices": [], "usage": self._usage(turn)})))
         events.append(b"data: [DONE]\n\n")
         return events
+
+
+    # ---- supervision --------------------------------------------------------------------------------------
+    def history(self, body: dict[str, Any]) -> list[Any]:
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else []
+
+    def message(self, item: Any) -> Message:
+        if not isinstance(item, dict):
+            return Message("other")
+        role, content = item.get("role"), item.get("content")
+        if role in ("system", "developer"):
+            return Message("system", chat_text(content))
+        if role == "user":
+            return Message("user", chat_text(content))
+        if role == "assistant":
+            uses = []
+            for call in as_list(item.get("tool_calls")):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    uses.append(ToolUse(str(call.get("id") or ""), str(fn.get("name") or ""),
+                                        arguments_of(fn.get("arguments"))))
+            legacy = item.get("function_call")  # the pre-tools single call, answered by a role "function" message
+            if isinstance(legacy, dict):
+                name = str(legacy.get("name") or "")
+                uses.append(ToolUse(name, name, arguments_of(legacy.get("arguments"))))
+            return Message("assistant", chat_text(content), tuple(uses))
+        if role in ("tool", "function"):
+            call_id = item.get("tool_call_id") if role == "tool" else item.get("name")
+            flag = item.get("is_error")  # not part of the API, but kept by converters of Anthropic transcripts
+            return Message("tool", tool_outputs=(ToolOutput(str(call_id or ""), chat_text(content),
+                                                            flag if isinstance(flag, bool) else None,
+                                                            has_non_text(content)),))
+        return Message("other")
+
+    def add_instruction(self, body: dict[str, Any], text: str) -> None:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        last = leading_system(messages)
+        if last is None:
+            messages.insert(0, {"role": "system", "content": text})
+            return
+        content = last.get("content")
+        if isinstance(content, list):
+            content.append({"type": "text", "text": text})
+        elif isinstance(content, str) or content is None:
+            last["content"] = f"{content}\n\n{text}" if content else text
+
+    def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
+        if notes:
+            body["messages"] = interleave(body["messages"], [(i, {"role": "user", "content": t}) for i, t in notes])
+
+    def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
+        for choice in as_list(response.get("choices")):
+            message = choice.get("message") if isinstance(choice, dict) else None
+            if isinstance(message, dict) and message.get("content") is not None:
+                message["content"] = edit_parts(message["content"], edit)
+
+    def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
+        return _ChatStream(new_filter)
+
+
+class _ChatStream:
+    """Chat stream rewriting: ``choices[].delta.content`` of each choice through its filter; what a filter still
+    holds at the choice's ``finish_reason`` rides in that same chunk (a chunk may carry content and a finish)."""
+
+    def __init__(self, new_filter: Callable[[], TextFilter]) -> None:
+        self.new_filter = new_filter
+        self.filters: dict[int, TextFilter] = {}
+        self.finished: set[int] = set()
+        self.base: dict[str, Any] = {}
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if not data.startswith("{"):
+            if data.strip() == "[DONE]":
+                tail = self.close()
+                return tail + [sse(data)] if tail else None
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        changed = False
+        for choice in as_list(obj.get("choices")):
+            if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
+                continue
+            index = choice.get("index", 0)
+            delta = choice.get("delta")
+            content = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(content, str) and index not in self.finished:
+                text_filter = self.filters.get(index)
+                if text_filter is None:
+                    text_filter = self.filters[index] = self.new_filter()
+                out = text_filter.feed(content)
+                if out != content:
+                    delta["content"] = out  # type: ignore[index]
+                    changed = True
+            if choice.get("finish_reason") is not None and index in self.filters and index not in self.finished:
+                self.finished.add(index)
+                rest = self.filters[index].finish()
+                if rest:
+                    if not isinstance(delta, dict):
+                        delta = choice["delta"] = {}
+                    delta["content"] = (delta.get("content") or "") + rest
+                    changed = True
+        self.base = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        return [sse(dumps(obj))] if changed else None
+
+    def close(self) -> list[bytes]:
+        out = []
+        for index, text_filter in self.filters.items():
+            if index in self.finished:
+                continue
+            self.finished.add(index)
+            rest = text_filter.finish()
+            if rest:
+                out.append(sse(dumps({**self.base, "choices": [
+                    {"index": index, "delta": {"content": rest}, "finish_reason": None}]})))
+        return out
 
 
 def _call_id() -> str:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
-                   split_json, sse, words)
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list, chat_text,
+                   dumps, error_types, has_non_text, interleave, split_json, sse, words)
+from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
+EMPTIED = "…"
+"""The text left when filtering emptied every block of a response: the API refuses an assistant message without
+content when the agent sends it back."""
 
 
 class MessagesFormat(WireFormat):
@@ -41,14 +47,14 @@ class MessagesFormat(WireFormat):
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
         first_user = ""
-        for message in body.get("messages") or ():
+        for message in as_list(body.get("messages")):
             if isinstance(message, dict) and message.get("role") == "user":
                 first_user = chat_text(message.get("content"))
                 break
         return chat_text(body.get("system")), first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
-        return [ToolSpec(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or ()
+        return [ToolSpec(t["name"], t.get("input_schema") or {}) for t in as_list(body.get("tools"))
                 if isinstance(t, dict) and isinstance(t.get("name"), str)]
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
@@ -174,6 +180,189 @@ class MessagesFormat(WireFormat):
                                  "usage": {"output_tokens": o}}), "message_delta"))
         events.append(sse(b'{"type":"message_stop"}', "message_stop"))
         return events
+
+
+    # ---- supervision --------------------------------------------------------------------------------------
+    def history(self, body: dict[str, Any]) -> list[Any]:
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else []
+
+    def message(self, item: Any) -> Message:
+        if not isinstance(item, dict):
+            return Message("other")
+        role, content = item.get("role"), item.get("content")
+        if role == "system":  # Claude Code sends system messages inside the history too
+            return Message("system", chat_text(content))
+        blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+        if role == "user":
+            if isinstance(content, str):
+                return Message("user", content)
+            text = "\n".join(b["text"] for b in blocks if b.get("type") == "text" and isinstance(b.get("text"), str))
+            outputs = tuple(
+                ToolOutput(str(b.get("tool_use_id") or ""), chat_text(b.get("content")),
+                           b["is_error"] if isinstance(b.get("is_error"), bool) else None,
+                           has_non_text(b.get("content")))
+                for b in blocks if b.get("type") == "tool_result")
+            # Text sent along with tool results (Claude Code's reminders) belongs to the results, not a new turn.
+            return Message("tool", text, tool_outputs=outputs) if outputs else Message("user", text)
+        if role == "assistant":
+            if isinstance(content, str):
+                return Message("assistant", content)
+            text = "".join(b["text"] for b in blocks if b.get("type") == "text" and isinstance(b.get("text"), str))
+            uses = tuple(ToolUse(str(b.get("id") or ""), str(b.get("name") or ""), arguments_of(b.get("input")))
+                         for b in blocks if b.get("type") == "tool_use")
+            return Message("assistant", text, uses)
+        return Message("other")
+
+    def add_instruction(self, body: dict[str, Any], text: str) -> None:
+        system = body.get("system")
+        if isinstance(system, list):
+            system.append({"type": "text", "text": text})
+        elif isinstance(system, str) or system is None:
+            body["system"] = f"{system}\n\n{text}" if system else text
+
+    def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
+        if not notes:
+            return
+        messages = body["messages"]
+        separate = []
+        for index, text in notes:
+            item, block = messages[index], {"type": "text", "text": text}
+            if isinstance(item, dict) and item.get("role") == "user":
+                # Appended to the user message itself: text after tool_result blocks is allowed, and a second
+                # user message in a row would be merged into it by the API anyway.
+                content = item.get("content")
+                if isinstance(content, list):
+                    content.append(block)
+                else:
+                    item["content"] = [{"type": "text", "text": content}, block] if isinstance(content, str) and \
+                        content else [block]
+            else:
+                separate.append((index, {"role": "user", "content": [block]}))
+        if separate:
+            body["messages"] = interleave(messages, separate)
+
+    def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
+        content = response.get("content")
+        if not isinstance(content, list):
+            return
+        kept = []
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                new = edit(block["text"])
+                if new != block["text"] and not new.strip():
+                    continue  # the API refuses an empty text block when the agent sends it back
+                block["text"] = new
+            kept.append(block)
+        content[:] = kept or ([{"type": "text", "text": EMPTIED}] if content else [])
+
+    def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
+        return _MessagesStream(new_filter)
+
+
+@dataclass
+class _TextBlock:
+    index: int  # as the upstream numbered it
+    start: dict[str, Any]  # its content_block_start event, held until it shows something
+    filter: TextFilter
+    pending: str = ""  # filtered whitespace not sent yet
+    sent: bool = False  # the start event went out
+    visible: bool = False  # the upstream's own text had something besides whitespace
+
+
+class _MessagesStream:
+    """Messages stream rewriting: each text block's ``text_delta`` through its own filter.
+
+    A text block is announced (``content_block_start``) only once it has something besides whitespace to show;
+    a block the filter emptied (a response whose text was only the report) is dropped whole and the blocks after
+    it are renumbered, because the API refuses an empty text block when the agent sends it back; when that leaves
+    the response with no block at all, one :data:`EMPTIED` text block goes out before ``message_delta``. Anthropic
+    streams blocks one after another, so holding one block's start holds nothing else.
+    """
+
+    def __init__(self, new_filter: Callable[[], TextFilter]) -> None:
+        self.new_filter = new_filter
+        self.shift = 0
+        self.sent = 0  # blocks announced to the client
+        self.block: _TextBlock | None = None
+
+    def _send(self, obj: dict[str, Any]) -> bytes:
+        return sse(dumps(obj), obj.get("type"))
+
+    def _text(self, block: _TextBlock, out: str, force: bool = False) -> list[bytes]:
+        index = block.index - self.shift
+        if not block.sent:
+            block.pending += out
+            if not (force or block.pending.strip()):
+                return []
+            block.sent = True
+            self.sent += 1
+            block.start["index"] = index
+            events = [self._send(block.start)]
+            out, block.pending = block.pending, ""
+        else:
+            events = []
+        if out:
+            events.append(self._send({"type": "content_block_delta", "index": index,
+                                      "delta": {"type": "text_delta", "text": out}}))
+        return events
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if '"index"' not in data:
+            if self.shift and not self.sent and '"message_delta"' in data:
+                self.sent = 1
+                return [self._send({"type": "content_block_start", "index": 0,
+                                    "content_block": {"type": "text", "text": ""}}),
+                        self._send({"type": "content_block_delta", "index": 0,
+                                    "delta": {"type": "text_delta", "text": EMPTIED}}),
+                        self._send({"type": "content_block_stop", "index": 0}), sse(data, name)]
+            return None  # message_start, message_delta, message_stop, ping, error
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("index"), int):
+            return None
+        kind, index, block = obj.get("type"), obj["index"], self.block
+        start = obj.get("content_block")
+        if kind == "content_block_start" and isinstance(start, dict) and start.get("type") == "text":
+            initial = start.get("text") if isinstance(start.get("text"), str) else ""
+            obj["content_block"]["text"] = ""
+            self.block = block = _TextBlock(index, obj, self.new_filter())
+            block.visible = bool(initial.strip())
+            return self._text(block, block.filter.feed(initial))
+        if block is not None and index == block.index:
+            delta = obj.get("delta")
+            if (kind == "content_block_delta" and isinstance(delta, dict) and delta.get("type") == "text_delta"
+                    and isinstance(delta.get("text"), str)):
+                text = delta["text"]
+                block.visible = block.visible or bool(text.strip())
+                out = block.filter.feed(text)
+                if block.sent and out == text and not self.shift:
+                    return None
+                return self._text(block, out)
+            if kind == "content_block_stop":
+                self.block = None
+                events = self._text(block, block.filter.finish())
+                if not block.sent:
+                    if block.visible:
+                        self.shift += 1  # emptied by the filter: drop the whole block
+                        return []
+                    events = self._text(block, "", force=True)
+                obj["index"] = index - self.shift
+                return events + [self._send(obj)]
+            events = self._text(block, "", force=True)  # any other delta (citations): announce the block first
+            obj["index"] = index - self.shift
+            return events + [self._send(obj)]
+        if kind == "content_block_start":
+            self.sent += 1
+        if not self.shift:
+            return None
+        obj["index"] = index - self.shift
+        return [self._send(obj)]
+
+    def close(self) -> list[bytes]:
+        return []
 
 
 def _input(u: dict[str, Any]) -> int | None:

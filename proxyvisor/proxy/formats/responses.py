@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, error_types,
-                   split_json, sse, words)
+from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, edit_parts,
+                   arguments_of, as_list, error_types, has_non_text, interleave, leading_system, split_json, sse,
+                   words)
+from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
-
-
+_RESPONSE_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress", "response.completed",
+                              "response.incomplete", "response.failed"})
 
 
 class ResponsesFormat(WireFormat):
@@ -47,7 +50,7 @@ class ResponsesFormat(WireFormat):
         if isinstance(items, str):
             return system, items
         first_user = ""
-        for item in items or ():
+        for item in as_list(items):
             if not isinstance(item, dict):
                 continue
             role = item.get("role")
@@ -59,7 +62,7 @@ class ResponsesFormat(WireFormat):
         return system, first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
-        return [ToolSpec(t["name"], t.get("parameters") or {}) for t in body.get("tools") or ()
+        return [ToolSpec(t["name"], t.get("parameters") or {}) for t in as_list(body.get("tools"))
                 if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
@@ -181,6 +184,149 @@ class ResponsesFormat(WireFormat):
             emit("response.output_item.done", output_index=index, item=item)
         emit("response.completed", response=self._response(turn, model, output, "completed", rid, created))
         return events
+
+
+    # ---- supervision --------------------------------------------------------------------------------------
+    def history(self, body: dict[str, Any]) -> list[Any]:
+        items = body.get("input")
+        if isinstance(items, str):  # a bare prompt: one user message (insert_notes makes it a list)
+            return [{"type": "message", "role": "user", "content": items}]
+        return items if isinstance(items, list) else []
+
+    def message(self, item: Any) -> Message:
+        if not isinstance(item, dict):
+            return Message("other")
+        kind, role = item.get("type"), item.get("role")
+        if kind in (None, "message"):
+            text = chat_text(item.get("content"))
+            if role in ("system", "developer"):
+                return Message("system", text)
+            return Message(role, text) if role in ("user", "assistant") else Message("other")
+        call_id = str(item.get("call_id") or "")
+        if kind == "function_call":
+            return Message("assistant", tool_uses=(ToolUse(call_id, str(item.get("name") or ""),
+                                                           arguments_of(item.get("arguments"))),))
+        if kind == "custom_tool_call":
+            return Message("assistant", tool_uses=(ToolUse(call_id, str(item.get("name") or ""),
+                                                           {"input": item.get("input")}),))
+        if kind == "local_shell_call":
+            action = item.get("action")
+            return Message("assistant", tool_uses=(ToolUse(call_id, "local_shell",
+                                                           action if isinstance(action, dict) else {}),))
+        if isinstance(kind, str) and kind.endswith("_call_output"):
+            output = item.get("output")
+            return Message("tool", tool_outputs=(ToolOutput(call_id, chat_text(output), None,
+                                                            has_non_text(output)),))
+        return Message("other")
+
+    def add_instruction(self, body: dict[str, Any], text: str) -> None:
+        instructions = body.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            body["instructions"] = f"{instructions}\n\n{text}"
+            return
+        # Codex sends no instructions but developer messages first in its input: their end is the prompt's end.
+        last = leading_system(body["input"]) if isinstance(body.get("input"), list) else None
+        if last is None:
+            body["instructions"] = text
+        elif isinstance(last.get("content"), list):
+            last["content"].append({"type": "input_text", "text": text})
+        elif isinstance(last.get("content"), str) or last.get("content") is None:
+            last["content"] = f"{last['content']}\n\n{text}" if last.get("content") else text
+
+    def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
+        if notes:
+            body["input"] = interleave(self.history(body), [
+                (i, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})
+                for i, t in notes])
+
+    def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
+        for item in as_list(response.get("output")):
+            if isinstance(item, dict) and item.get("type") == "message":
+                _edit_message(item, edit)
+
+    def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
+        return _ResponsesStream(new_filter, edit)
+
+
+def _edit_message(item: dict[str, Any], edit: TextEdit) -> None:
+    for part in as_list(item.get("content")):
+        if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
+            part["text"] = edit(part["text"])
+
+
+class _ResponsesStream:
+    """Responses stream rewriting: each ``response.output_text.delta`` through the filter of its
+    (output_index, content_index); the full-text copies (``output_text.done``, ``content_part.done``,
+    ``output_item.done`` and the response objects) through ``edit``. Text a filter still holds at its part's
+    ``done`` goes out as one more delta, and the events after it are renumbered to keep ``sequence_number``
+    increasing by one."""
+
+    def __init__(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> None:
+        self.new_filter = new_filter
+        self.edit = edit
+        self.filters: dict[tuple[Any, Any], TextFilter] = {}
+        self.offset = 0
+
+    def _renumber(self, obj: dict[str, Any]) -> None:
+        if self.offset and isinstance(obj.get("sequence_number"), int):
+            obj["sequence_number"] += self.offset
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if not data.startswith("{"):
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        kind = obj.get("type")
+        changed = bool(self.offset)
+        events: list[bytes] = []
+
+        def edit(text: str) -> str:
+            nonlocal changed
+            new = self.edit(text)
+            changed = changed or new != text
+            return new
+
+        key = (obj.get("output_index"), obj.get("content_index"))
+        if not all(k is None or isinstance(k, int) for k in key):
+            return None  # not an event this editor understands: pass it on
+        if kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            text_filter = self.filters.get(key)
+            if text_filter is None:
+                text_filter = self.filters[key] = self.new_filter()
+            out = text_filter.feed(obj["delta"])
+            changed = changed or out != obj["delta"]
+            obj["delta"] = out
+        elif kind == "response.output_text.done":
+            text_filter = self.filters.pop(key, None)
+            rest = text_filter.finish() if text_filter is not None else ""
+            if rest:
+                extra = {"type": "response.output_text.delta", "sequence_number": obj.get("sequence_number", 0),
+                         "item_id": obj.get("item_id"), "output_index": obj.get("output_index"),
+                         "content_index": obj.get("content_index"), "delta": rest, "logprobs": []}
+                self._renumber(extra)
+                events.append(sse(dumps(extra), extra["type"]))
+                self.offset += 1
+                changed = True
+            if isinstance(obj.get("text"), str):
+                obj["text"] = edit(obj["text"])
+        elif kind == "response.content_part.done" and isinstance(obj.get("part"), dict):
+            edit_parts([obj["part"]], edit)
+        elif kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
+            if obj["item"].get("type") == "message":
+                _edit_message(obj["item"], edit)
+        elif kind in _RESPONSE_EVENTS and isinstance(obj.get("response"), dict):
+            RESPONSES.edit_response(obj["response"], edit)
+        if not changed:
+            return None  # keep the upstream's bytes
+        self._renumber(obj)
+        return events + [sse(dumps(obj), name or kind)]
+
+    def close(self) -> list[bytes]:
+        return []
 
 
 RESPONSES = ResponsesFormat()

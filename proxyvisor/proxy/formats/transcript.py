@@ -1,0 +1,93 @@
+"""A format-neutral view of a request's history, for the detectors, and the text filter the formats apply.
+
+Each wire format turns one item of its history (a Chat or Anthropic message, a Responses input item) into one
+:class:`Message` (``WireFormat.message``). The detectors only ever see these, so they know nothing of formats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A tool call the model made: the call id, the tool name and its arguments (a JSON object)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """A tool result the agent sent back. ``is_error`` is the client's own flag (Anthropic ``is_error``), None
+    when it sent none; ``structured`` is True when the result holds more than text (images, documents)."""
+
+    call_id: str
+    text: str
+    is_error: bool | None = None
+    structured: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One history item. ``role`` is ``system``, ``user`` (text the user or harness wrote), ``assistant`` (model
+    text and tool calls), ``tool`` (tool results, with any text sent alongside them) or ``other`` (reasoning items
+    and anything else the detectors ignore)."""
+
+    role: str
+    text: str = ""
+    tool_uses: tuple[ToolUse, ...] = ()
+    tool_outputs: tuple[ToolOutput, ...] = ()
+
+
+_SAMPLE = 256
+
+
+def _sample(text: str) -> str:
+    return text if len(text) <= 2 * _SAMPLE else text[:_SAMPLE] + text[-_SAMPLE:]
+
+
+def fingerprint(message: Message) -> bytes:
+    """A cheap digest (16 bytes) that changes when a history item is replaced or edited.
+
+    It covers the role, ids and names, lengths and the first and last 256 characters of each text, so its cost
+    does not grow with a tool output's size. Used to notice that a history was rewritten (compaction, edits) and
+    to check that a note's anchor is still in place.
+    """
+    parts: list[Any] = [message.role, len(message.text), _sample(message.text)]
+    for use in message.tool_uses:
+        parts += [use.id, use.name]
+    for out in message.tool_outputs:
+        parts += [out.call_id, len(out.text), _sample(out.text), out.is_error]
+    return hashlib.blake2b(orjson.dumps(parts), digest_size=16).digest()
+
+
+class TextFilter(Protocol):
+    """Streaming text rewriting, one instance per text part: ``feed`` returns the text safe to send now,
+    ``finish`` the rest at the end of the part (see ``proxyvisor.detectors.selfreport.Stripper``)."""
+
+    def feed(self, piece: str) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+TextEdit = Callable[[str], str]
+"""Rewrites a whole text (a non-streaming response's text, or a stream's full-text copy)."""
+
+
+class StreamEditor(Protocol):
+    """Rewrites one SSE stream event by event (``WireFormat.stream_editor``).
+
+    ``event`` returns None to pass the event on byte-identical, or the bytes to send instead (possibly none);
+    ``close`` returns what must still be sent at the end of the stream.
+    """
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None: ...
+
+    def close(self) -> list[bytes]: ...

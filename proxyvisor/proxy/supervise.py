@@ -1,0 +1,222 @@
+"""Supervision of one model request: the step before it goes upstream and the step on its reply.
+
+:class:`Supervisor` is called by the pipeline on the supervised path only (with supervision disabled none of
+this runs). For each request, :meth:`Supervisor.begin` returns an :class:`Exchange`:
+
+1. **before forwarding**: the session's state is brought up to date from the request's history (only the items
+   new since the last request; rebuilt when the history was rewritten), the detectors run, the steer policy may
+   add a note, and the upstream body is built: every note of the thread re-inserted at the history position it
+   was first added at (so the upstream prefix stays byte-stable for provider prompt caches), then the
+   self-report instruction appended to the end of the system prompt. Later steps (condensing tool results)
+   plug in here, on the same parsed body, before :meth:`Exchange.upstream_body` serialises it;
+2. **on the reply** (:meth:`Exchange.reply`): the self-report token is stripped from the assistant text, in a
+   JSON body or a stream, and parsed from the model's output; missing and malformed reports are counted, never
+   fatal. A later step (the gate) plugs in here.
+
+Threads: one agent session can interleave histories (Claude Code's title requests and sub-agents share its
+session id), so state is kept per thread, keyed by a hash of the system prompt and first user message, at most
+:data:`THREADS` per session (least recently used dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..config import SupervisorConfig
+from ..detectors.detectors import HistoryTracker
+from ..detectors.receipts import Round, UserTurn
+from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
+from ..detectors.steer import SteerPolicy, note_text
+from .formats import WireFormat
+from .formats.transcript import fingerprint
+from .relay import UpstreamReply
+from .sessions import Session
+from .streamedit import EditedStream
+
+log = logging.getLogger("proxyvisor.supervise")
+
+THREADS = 8
+"""Agent threads (distinct histories) tracked per session."""
+NOTES = 64
+"""Steer notes kept per thread; past it the oldest is no longer re-inserted (one prompt-cache miss)."""
+RECORDS = 256
+"""Request records kept per session (:attr:`SessionSupervision.records`)."""
+
+
+@dataclass(frozen=True)
+class Note:
+    """A steer note: inserted after history item ``index``, whose :func:`fingerprint` was ``anchor``."""
+
+    index: int
+    anchor: bytes
+    signal: str
+    text: str
+
+
+@dataclass
+class RequestRecord:
+    """What supervision did for one request: the detector ``firings`` its history completed, as
+    (history position of the round, signals); the ``note`` added (its signal) and where; whether the thread was
+    ``rebuilt``; and, once the reply is through, the self-report ``report`` (None until then, or when the reply
+    was an error or cut short)."""
+
+    firings: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+    note: str | None = None
+    note_index: int | None = None
+    rebuilt: bool = False
+    report: ReportOutcome | None = None
+
+
+@dataclass
+class Thread:
+    """One agent history's supervision state."""
+
+    tracker: HistoryTracker
+    policy: SteerPolicy = field(default_factory=SteerPolicy)
+    notes: list[Note] = field(default_factory=list)
+    state: str | None = None
+    """The state of the latest self-report (None: the last response had no valid report)."""
+
+
+@dataclass
+class SessionSupervision:
+    """Supervision state of one session (``Session.supervision``): its threads, recent request records and
+    counters: ``reports`` by outcome status (``ok``, ``missing``, ``malformed``), ``signals`` fired and ``notes``
+    added, by signal."""
+
+    threads: OrderedDict[bytes, Thread] = field(default_factory=OrderedDict)
+    records: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=RECORDS))
+    reports: Counter[str] = field(default_factory=Counter)
+    signals: Counter[str] = field(default_factory=Counter)
+    notes: Counter[str] = field(default_factory=Counter)
+
+    def thread(self, key: bytes, mutating_tools: frozenset[str]) -> Thread:
+        thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools))
+        self.threads[key] = thread
+        while len(self.threads) > THREADS:
+            self.threads.popitem(last=False)
+        return thread
+
+
+def _thread_key(fmt: WireFormat, body: dict[str, Any]) -> bytes:
+    system, first_user = fmt.fingerprint_parts(body)
+    return hashlib.blake2b(orjson.dumps([fmt.name, system, first_user]), digest_size=16).digest()
+
+
+class Supervisor:
+    """The supervised path's per-request steps (module docstring); holds no I/O."""
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self.mutating_tools = frozenset(config.detectors.mutating_tools)
+
+    def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Exchange:
+        """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
+        the upstream body (notes, then the instruction). Never raises on odd histories: unknown items are
+        ignored."""
+        if session.supervision is None:
+            session.supervision = SessionSupervision()
+        state: SessionSupervision = session.supervision
+        thread = state.thread(_thread_key(fmt, body), self.mutating_tools)
+        items = fmt.history(body)
+        schemas = {t.name: t.schema for t in fmt.tools(body)}
+        update = thread.tracker.update(items, fmt.message, schemas)
+        record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
+        for firing in update.firings:
+            state.signals.update(firing.signals)
+        if update.rebuilt:
+            thread.notes = [n for n in thread.notes
+                            if n.index < len(items) and fingerprint(fmt.message(items[n.index])) == n.anchor]
+        if isinstance(update.last, UserTurn):
+            thread.policy.reset()
+        elif isinstance(update.last, Round):
+            signal = thread.policy.decide(update.signals, thread.state)
+            tail = fmt.message(items[-1]) if items else None
+            # The safe point: after the latest tool results (or the harness's latest prompt), never inside
+            # the model's own turn.
+            if signal and tail is not None and tail.role in ("tool", "user"):
+                note = Note(len(items) - 1, fingerprint(tail), signal, note_text(signal))
+                thread.notes = (thread.notes + [note])[-NOTES:]
+                record.note, record.note_index = signal, note.index
+                state.notes[signal] += 1
+                log.info("session %s: %s fired at history item %d; steer note added", session.id, signal,
+                         update.last.index)
+        fmt.insert_notes(body, [(note.index, note.text) for note in thread.notes])
+        fmt.add_instruction(body, INSTRUCTION)
+        state.records.append(record)
+        return Exchange(fmt, body, state, thread, record)
+
+
+class Exchange:
+    """One supervised request: ``body`` is the upstream body (parsed; later steps may still change it), and
+    :meth:`reply` rewrites the upstream's reply for the agent."""
+
+    def __init__(self, fmt: WireFormat, body: dict[str, Any], state: SessionSupervision, thread: Thread,
+                 record: RequestRecord) -> None:
+        self.fmt = fmt
+        self.body = body
+        self.state = state
+        self.thread = thread
+        self.record = record
+
+    def upstream_body(self) -> bytes:
+        """The upstream request body as JSON bytes.
+
+        Raises:
+            TypeError: (``orjson.JSONEncodeError``) the body nests deeper than orjson writes (255 levels; it reads
+                1,024); the pipeline then forwards the client's own bytes, unsupervised.
+        """
+        return orjson.dumps(self.body)
+
+    def _finish(self, bodies: list[str]) -> None:
+        result = outcome(bodies)
+        self.record.report = result
+        self.state.reports[result.status] += 1
+        self.thread.state = result.report.state if result.report is not None else None
+
+    def reply(self, reply: UpstreamReply) -> UpstreamReply:
+        """``reply`` with the self-report stripped from its assistant text (an error reply, or one in an
+        encoding proxyvisor did not ask for, passes unchanged). The report is recorded once the JSON body is
+        read, or when the stream ends."""
+        if reply.status >= 400 or any(k.lower() == b"content-encoding" and v.strip().lower() != b"identity"
+                                      for k, v in reply.headers):
+            return reply
+        if reply.streaming:
+            strippers: list[Stripper] = []
+
+            def new_filter() -> Stripper:
+                strippers.append(Stripper())
+                return strippers[-1]
+
+            def on_end(complete: bool) -> None:
+                if complete:
+                    self._finish([b for s in strippers for b in s.bodies])
+
+            editor = self.fmt.stream_editor(new_filter, lambda text: strip(text)[0])
+            return UpstreamReply(reply.status, reply.headers, EditedStream(reply.body, editor, on_end),
+                                 reply.upstream_s)
+        assert isinstance(reply.body, bytes)
+        try:
+            response = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            return reply
+        if not isinstance(response, dict):
+            return reply
+        bodies: list[str] = []
+
+        def edit(text: str) -> str:
+            clean, removed = strip(text)
+            bodies.extend(removed)
+            return clean
+
+        self.fmt.edit_response(response, edit)
+        self._finish(bodies)
+        if not bodies:
+            return reply
+        return UpstreamReply(reply.status, reply.headers, orjson.dumps(response), reply.upstream_s)
