@@ -28,11 +28,14 @@ Figures, per request kind (non-streaming, streaming):
 - p50 and p99 latency at 1 client, and the *added* latency: the arm's percentile minus direct's (ms);
 - on streams, time to the first body byte (TTFB, the first SSE event) and its added p50 and p99;
 - requests per second at 1 and at ``--concurrency`` clients (16 by default), as a ratio to direct;
-- proxyvisor's own ``x-proxyvisor-overhead-ms`` header (p50), for comparison with the outside view.
+- proxyvisor's own ``x-proxyvisor-overhead-ms`` header (p50), for comparison with the outside view;
+- CPU time per request of the arm's own process (the proxy's; the upstream's for ``direct``), from Linux's
+  per-thread schedstat: unlike latency it barely moves when other work shares the machine, so it is the figure
+  to compare when tuning.
 
 Targets (issue 2, item 7): with supervision disabled, added p50 <= 1 ms and p99 <= 5 ms, and at most one tenth
 of the LiteLLM proxy's added latency. The run prints a table and writes the figures and the exact command into
-the "## Overhead (issue 2)" section of ``bench/RESULTS.md`` (between markers; the rest of the file is kept).
+the "## Overhead (issue 2)" section of ``bench/RESULTS.md`` (the other sections are kept).
 """
 
 from __future__ import annotations
@@ -61,12 +64,16 @@ import orjson
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "RESULTS.md"
-SECTION = "## Overhead (issue 2)"
-BEGIN, END = "<!-- overhead.py:begin -->", "<!-- overhead.py:end -->"
+sys.path.insert(0, str(ROOT))
+
+from bench.results import RESULTS, write_section  # noqa: E402
+
+SECTION = "Overhead (issue 2)"
 MODEL = "scripted-model"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "proxyvisor-bench"
 TARGET_P50_MS, TARGET_P99_MS, TARGET_LITELLM_SHARE = 1.0, 5.0, 0.1
+API_KEY = b"sk-bench-" + os.urandom(24).hex().encode()
+"""Sent by the load generator to every arm; the LiteLLM proxy requires it as its master key."""
 
 
 # ---- the request body ---------------------------------------------------------------------------------------
@@ -126,6 +133,9 @@ class BenchError(Exception):
     pass
 
 
+REQUEST_TIMEOUT_S = 30.0
+
+
 class Client:
     """One persistent connection. ``request`` returns a :class:`Sample`; raises BenchError on a bad reply."""
 
@@ -144,6 +154,16 @@ class Client:
             self.stream = None
 
     async def request(self, target: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Sample:
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                return await self._request(target, headers, body)
+        except trio.TooSlowError:
+            await self.aclose()
+            raise BenchError(f"no complete reply within {REQUEST_TIMEOUT_S:g} s") from None
+
+    async def _request(self, target: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Sample:
+        if self.stream is not None and self.stream.socket.is_readable():
+            await self.aclose()  # the server closed this idle connection (its keep-alive ran out): reconnect
         if self.stream is None:
             await self._connect()
         h = self.h
@@ -198,9 +218,38 @@ class Arm:
     samples: dict[str, list[Sample]] = field(default_factory=dict)
     busy_s: dict[str, float] = field(default_factory=dict)
     """Wall time of the 1-client blocks (s), per request kind."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU time of the arm's own process during its 1-client blocks (s), per request kind: the proxy's, or the
+    upstream's for ``direct``. Unlike latency it barely moves when other work shares the machine."""
     concurrent: dict[str, tuple[int, float]] = field(default_factory=dict)
     """(requests, seconds) at ``--concurrency`` clients, per request kind."""
     errors: list[str] = field(default_factory=list)
+
+
+def cpu_time(proc: subprocess.Popen[bytes] | None) -> float:
+    """CPU time used so far by all threads of ``proc`` (s), from Linux's per-thread schedstat (ns resolution;
+    /proc/PID/stat ticks are too coarse for a block of requests). NaN where that is not available."""
+    if proc is None:
+        return float("nan")
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+    except OSError:
+        return float("nan")
+    for task in tasks:
+        try:
+            with open(f"/proc/{proc.pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def _loadavg() -> str:
+    try:
+        return "%.1f" % os.getloadavg()[0]
+    except OSError:
+        return "?"
 
 
 def _free_port() -> int:
@@ -225,8 +274,9 @@ def _spawn_role(role: str, *args: str, log: Path) -> tuple[subprocess.Popen[byte
 def litellm_venv(venv: Path, install: bool) -> tuple[Path | None, str]:
     """(path of the ``litellm`` CLI or None, a note saying what happened)."""
     exe = venv / "bin" / "litellm"
-    probe = [str(venv / "bin" / "python"), "-c", "import litellm.proxy.proxy_server, importlib.metadata as m;"
-             "print(m.version('litellm'))"]
+    # Package metadata, not an import: importing the proxy takes seconds, and a broken install shows at start.
+    probe = [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; m.version('fastapi');"
+             "m.version('uvicorn'); print(m.version('litellm'))"]
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
     ok = exe.exists() and subprocess.run(probe, capture_output=True, env=env).returncode == 0
     if not ok:
@@ -243,12 +293,13 @@ def litellm_venv(venv: Path, install: bool) -> tuple[Path | None, str]:
             return None, f"could not install litellm[proxy]: {exc} {detail.decode(errors='replace')[-500:]}"
     done = subprocess.run(probe, capture_output=True, env=env)
     if done.returncode != 0:
-        return None, f"litellm[proxy] does not import: {done.stderr.decode(errors='replace')[-500:]}"
+        return None, f"litellm[proxy] is incomplete in {venv}: {done.stderr.decode(errors='replace')[-500:]}"
     return exe, f"litellm {done.stdout.decode().strip()}"
 
 
 def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the LiteLLM proxy as a pass-through to the upstream and wait until it answers (<= 120 s)."""
+    """Start the LiteLLM proxy as a pass-through to the upstream, in its default setup (one worker, master key,
+    no database); returns at once: see :func:`wait_litellm`."""
     port = _free_port()
     config = workdir / "litellm.yaml"
     config.write_text(
@@ -258,6 +309,8 @@ def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subproc
         f"      model: openai/{MODEL}\n"
         f"      api_base: http://127.0.0.1:{upstream_port}/v1\n"
         "      api_key: sk-bench\n"
+        "general_settings:\n"
+        f"  master_key: {API_KEY.decode()}\n"
         "litellm_settings:\n"
         "  telemetry: false\n"
         "  set_verbose: false\n"
@@ -270,7 +323,12 @@ def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subproc
     proc = subprocess.Popen([str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
                              "--num_workers", "1"], stdin=subprocess.DEVNULL, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True)
-    deadline = time.monotonic() + 120
+    return proc, port
+
+
+def wait_litellm(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float = 120) -> None:
+    """Wait until the LiteLLM proxy answers ``/health/liveliness``. Raises BenchError when it exits or times out."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise BenchError(f"LiteLLM proxy exited ({proc.returncode}): {log.read_text(errors='replace')[-1500:]}")
@@ -278,12 +336,13 @@ def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subproc
             with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
                 s.sendall(b"GET /health/liveliness HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
                 if s.recv(64).startswith(b"HTTP/1.1 200"):
-                    return proc, port
+                    return
         except OSError:
             pass
         time.sleep(0.25)
     _stop(proc)
-    raise BenchError(f"LiteLLM proxy did not answer within 120 s: {log.read_text(errors='replace')[-1500:]}")
+    raise BenchError(f"LiteLLM proxy did not answer within {timeout_s:g} s: "
+                     f"{log.read_text(errors='replace')[-1500:]}")
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -303,7 +362,7 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 KINDS = ("json", "stream")
 KIND_LABEL = {"json": "non-streaming", "stream": "streaming"}
 HEADERS = [(b"content-type", b"application/json"), (b"accept", b"application/json"),
-           (b"authorization", b"Bearer sk-bench"), (b"user-agent", b"proxyvisor-bench/1"),
+           (b"authorization", b"Bearer " + API_KEY), (b"user-agent", b"proxyvisor-bench/1"),
            (b"x-stainless-lang", b"python")]
 
 
@@ -315,12 +374,13 @@ async def sequential(arms: list[Arm], bodies: dict[str, bytes], count: int, bloc
         for kind in KINDS:
             for arm in arms:
                 arm.samples[kind] = []
-                arm.busy_s[kind] = 0.0
+                arm.busy_s[kind] = arm.cpu_s[kind] = 0.0
             order = list(arms)
             for round_ in range(-(-count // block)):
                 order = order[1:] + order[:1]
                 for arm in order:
                     client = clients[arm.name]
+                    cpu = cpu_time(arm.process)
                     started = time.perf_counter()
                     for _ in range(min(block, count - round_ * block)):
                         try:
@@ -330,6 +390,7 @@ async def sequential(arms: list[Arm], bodies: dict[str, bytes], count: int, bloc
                             arm.errors.append(f"{kind}: {exc}")
                             await client.aclose()
                     arm.busy_s[kind] += time.perf_counter() - started
+                    arm.cpu_s[kind] += cpu_time(arm.process) - cpu
                 progress()
     finally:
         for client in clients.values():
@@ -410,6 +471,7 @@ class Row:
     rpsc_ratio: float | None
     rpsc: float | None
     header_p50: float | None
+    cpu_ms: float | None
     errors: int
 
 
@@ -440,6 +502,7 @@ def rows_of(arms: list[Arm]) -> list[Row]:
                 (len(total) / arm.busy_s[kind]) / b_rps1,
                 (rpsc / (bn / bs)) if rpsc and bn else None, rpsc,
                 pct(heads, 50) if heads else None,
+                arm.cpu_s[kind] * 1000 / len(total) if arm.cpu_s[kind] == arm.cpu_s[kind] else None,
                 sum(1 for e in arm.errors if e.startswith(kind)),
             ))
     return rows
@@ -450,16 +513,17 @@ def _f(value: float | None, fmt: str = "{:.2f}") -> str:
 
 
 COLUMNS = ("arm", "n", "p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB p50", "+TTFB p99", "rps@1 ratio",
-           "rps@{c} ratio", "rps@{c}", "header p50", "errors")
+           "rps@{c} ratio", "rps@{c}", "header p50", "CPU/req", "errors")
 """Table columns: ``+`` is added latency (arm minus direct, ms); ratios are the arm's rps over direct's;
-``header p50`` is proxyvisor's own ``x-proxyvisor-overhead-ms``."""
+``header p50`` is proxyvisor's own ``x-proxyvisor-overhead-ms``; ``CPU/req`` is the CPU time of the arm's own process
+per request at 1 client (ms; the upstream's for direct)."""
 
 
 def table_cells(row: Row) -> list[str]:
     return [row.arm, str(row.n), _f(row.p50), _f(row.p99), _f(row.add_p50, "{:+.2f}"), _f(row.add_p99, "{:+.2f}"),
             _f(row.ttfb_p50), _f(row.add_ttfb_p50, "{:+.2f}"), _f(row.add_ttfb_p99, "{:+.2f}"),
             _f(row.rps1_ratio, "{:.2f}x"), _f(row.rpsc_ratio, "{:.2f}x"), _f(row.rpsc, "{:.0f}"),
-            _f(row.header_p50, "{:.3f}"), str(row.errors)]
+            _f(row.header_p50, "{:.3f}"), _f(row.cpu_ms, "{:.3f}"), str(row.errors)]
 
 
 def verdicts(rows: list[Row]) -> list[tuple[bool, str]]:
@@ -485,7 +549,10 @@ def verdicts(rows: list[Row]) -> list[tuple[bool, str]]:
 
 def markdown(rows: list[Row], concurrency: int, command: str, notes: list[str], setup: str) -> str:
     cols = [c.format(c=concurrency) for c in COLUMNS]
-    lines = [BEGIN, "", f"Command: `{command}`", "", setup, ""]
+    lines = [f"Command: `{command}`", "", setup, "",
+             "*header p50* is proxyvisor's own `x-proxyvisor-overhead-ms`, timed inside the process; the gap to "
+             "*+p50* is the extra hop itself (the body crossing two more sockets, two more process wake-ups), "
+             "which no in-process timer sees. *CPU/req* is the arm's own process (the upstream's for direct).", ""]
     for kind in KINDS:
         lines += [f"**{KIND_LABEL[kind]}** (latency and TTFB in ms; *added* = arm minus direct, same run)", "",
                   "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -494,23 +561,7 @@ def markdown(rows: list[Row], concurrency: int, command: str, notes: list[str], 
     lines += ["Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in verdicts(rows)]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    lines += ["", END]
     return "\n".join(lines)
-
-
-def write_results(block: str, path: Path = RESULTS) -> None:
-    """Put ``block`` into the overhead section of ``path``, keeping everything else (other sections, and any
-    text of this section outside the markers)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    elif SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        text = head + SECTION + "\n\n" + block + "\n" + rest.lstrip("\n")
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
 
 
 def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
@@ -519,7 +570,8 @@ def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
 
     console = Console(width=max(shutil.get_terminal_size().columns, 132))
     for kind in KINDS:
-        table = Table(title=f"{KIND_LABEL[kind]} chat requests (ms; + = added: arm minus direct; ratios: arm rps / direct rps)")
+        table = Table(title=f"{KIND_LABEL[kind]} chat requests (ms; + = added: arm minus direct; "
+                            "ratios: arm rps / direct rps)")
         for i, col in enumerate(COLUMNS):
             table.add_column(col.format(c=concurrency), justify="left" if i == 0 else "right", no_wrap=i == 0)
         for row in rows:
@@ -576,14 +628,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="CI-size run of about 20 s: --count 150 --duration 1 --windows 2 (flags given "
+                   help="CI-size run of about 20 s: --count 100 --duration 0.6 --windows 2 (flags given "
                         "explicitly still win)")
-    p.add_argument("--count", type=int, help="requests per arm and kind at 1 client (default 600; quick 150)")
+    p.add_argument("--count", type=int, help="requests per arm and kind at 1 client (default 600; quick 100)")
     p.add_argument("--block", type=int, default=10, help="requests per arm before switching arm (default 10)")
     p.add_argument("--concurrency", type=int, default=16, help="clients for the throughput figure (default 16)")
     p.add_argument("--duration", type=float, help="seconds per arm and kind at --concurrency clients "
-                                                  "(default 3; quick 1)")
-    p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3)")
+                                                  "(default 3; quick 0.6)")
+    p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3; quick 2)")
     p.add_argument("--body-kb", type=int, default=77, help="request body size in KB (default 77)")
     p.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
     p.add_argument("--no-supervised", action="store_true", help="leave out the supervision-enabled arm")
@@ -596,7 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    quick = {"count": 150, "duration": 1.0, "windows": 2}
+    quick = {"count": 100, "duration": 0.6, "windows": 2}
     full = {"count": 600, "duration": 3.0, "windows": 3}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -612,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/overhead.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                       else argv))
     started = time.monotonic()
+    load_before = _loadavg()
     notes: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
     work = Path(tempfile.mkdtemp(prefix="proxyvisor-bench-"))
@@ -624,17 +677,19 @@ def main(argv: list[str] | None = None) -> int:
         upstream, up_port = _spawn_role("upstream", log=work / "upstream.log")
         procs.append(upstream)
         arms = [Arm("direct", "direct", up_port, upstream)]
+        litellm = start_litellm(exe, up_port, work) if exe is not None else None
+        if litellm is not None:
+            procs.append(litellm[0])
         roles = [("proxyvisor", "proxyvisor")] + ([] if args.no_supervised else [("supervised", "supervised")])
         for role, label in roles:
             proc, port = _spawn_role(role, "--upstream-port", str(up_port), "--state-dir", str(work / role),
                                      log=work / f"{role}.log")
             procs.append(proc)
             arms.append(Arm(role, label, port, proc))
-        if exe is not None:
+        if litellm is not None:
             try:
-                proc, port = start_litellm(exe, up_port, work)
-                procs.append(proc)
-                arms.append(Arm("litellm", "litellm", port, proc))
+                wait_litellm(*litellm, work / "litellm.log")
+                arms.append(Arm("litellm", "litellm", litellm[1], litellm[0]))
             except BenchError as exc:
                 notes.append(f"LiteLLM proxy left out: {exc}")
                 print(f"LiteLLM proxy left out: {exc}", file=sys.stderr)
@@ -659,9 +714,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
                  f"{platform.system()} {platform.release()}"
                  + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
-                 + f"; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s.")
+                 + f"; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; 1-minute load "
+                   f"average {load_before} before, {_loadavg()} after (other work on the machine inflates latency, "
+                   "barely CPU/req).")
         if not args.no_write:
-            write_results(markdown(rows, args.concurrency, command, notes, setup), args.results)
+            write_section(SECTION, markdown(rows, args.concurrency, command, notes, setup), args.results)
             print(f"wrote {args.results}")
         return 0
     finally:

@@ -1,4 +1,4 @@
-"""The ``proxyvisor`` command line: ``serve``, ``wrap``, ``demo``, ``replay``.
+"""The ``proxyvisor`` command line: ``serve``, ``wrap``, ``demo``, ``replay``, ``condense``.
 
 Each command parses its options here and hands a validated :class:`~proxyvisor.config.Config` to the module that
 does the work. Exit codes: 0 success, 1 a failure while running, 2 bad usage or configuration (argparse and
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
               proxyvisor wrap -- claude -p "fix the failing test"
               proxyvisor serve --port 8377         then point ANTHROPIC_BASE_URL / OPENAI_BASE_URL at it
               proxyvisor replay trajectory.jsonl   replay a recorded agent session through the pipeline
+              proxyvisor condense build.log --task "why did it fail?"
+                                                   what the model would see of a large tool output
 
             Run 'proxyvisor COMMAND --help' for a command's options.
             """) + "\n" + _FILES)
@@ -107,10 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
               ANTHROPIC_BASE_URL  http://127.0.0.1:PORT/s/SESSION
               OPENAI_BASE_URL     http://127.0.0.1:PORT/s/SESSION/v1   (also OPENAI_API_BASE)
               PROXYVISOR_URL      the same as ANTHROPIC_BASE_URL, for agents configured by hand
+            Codex ignores OPENAI_BASE_URL, so when CMD is 'codex' wrap inserts, right after it,
+              -c openai_base_url="URL"                  for the built-in openai provider
+              -c model_providers.NAME.base_url="URL"    for each provider in $CODEX_HOME/config.toml (~/.codex)
+            (URL is OPENAI_BASE_URL's value); '-c' options of your own come later and win.
             SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD (a terminal's Ctrl-C reaches it directly).
             At exit, a session summary goes to stderr.
             """),
-        epilog="example:\n  proxyvisor wrap -- claude -p 'list the files'\n  proxyvisor wrap -- codex exec 'say hi'\n\n" + _FILES)
+        epilog=textwrap.dedent("""\
+            examples:
+              proxyvisor wrap -- claude -p 'list the files'
+              proxyvisor wrap -- codex exec 'list the files'
+              proxyvisor wrap -- sh -c 'my-agent --api-base "$OPENAI_BASE_URL"'   an agent set up by hand
+            """) + "\n" + _FILES)
     wrap.add_argument("--session", metavar="ID", type=_session_id,
                       help="session id to use instead of a fresh random one (1-128 of A-Z a-z 0-9 . _ -)")
     wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
@@ -124,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
             Run a small example agent through the proxy against the embedded scripted upstream, in each of
             the three wire formats, streaming, and show what passed through: the requests, the tool call the
             model made, the tool result the agent sent back, the final answer, the proxy's overhead and the
-            session ledger. Needs no API key and no network.
+            session ledger. Then an agent that loops: the model's self-report (hidden from the agent), the
+            loop detector firing, and the steer note that ends the loop. Needs no API key and no network.
             """), epilog=_FILES)
     demo.add_argument("--format", choices=["chat", "messages", "responses", "all"], default="all",
                       help="which wire format(s) to show (default: %(default)s)")
@@ -136,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
             Drive a recorded trajectory (JSON lines, one Chat Completions message per line: the corpus
             format) through the proxy request by request, exactly as the agent sent it: for each assistant
             message, the history before it is sent, and the scripted upstream answers with the recorded
-            assistant turn. Prints a timeline, one line per round (per assistant turn).
+            assistant turn. Prints a timeline, one line per round (per assistant turn); with supervision on,
+            also the state of the reply's self-report, the detectors that fired (signal@line of the round
+            they fired at) and the steer note added to the request. --json gives the same as JSON lines.
             """), epilog=_FILES)
     replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
     replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
@@ -145,6 +159,51 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print the timeline as JSON lines")
     _supervision_flags(replay)
     _common(replay)
+
+    condense = commands.add_parser(
+        "condense", help="show what the condenser sees of a tool output, and what the model would get",
+        formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Treat FILE as one large plain-text tool result and show how proxyvisor condenses it for the
+            model's copy of a request (the agent always keeps its full output).
+
+            First the numbered view, the condenser's input: every shown line keeps its original number
+            ("  42| text"); when FILE does not fit the budget, lines are chosen deterministically (diagnostic
+            lines such as "error:" or "FAILED" with 2 lines of context, lines containing terms of the task,
+            the tail, the head, evenly spaced middle samples, then blocks around those), and hidden stretches
+            are marked "[… original lines A-B not shown in this view …]". Long lines are clipped in the view
+            only. The header gives FILE's size in tokens (tiktoken cl100k_base) and whether it is above
+            [supervisor.condense] tokens_threshold, i.e. whether the proxy would condense it at all.
+
+            Then, when [supervisor.model] name is set and FILE is above the threshold, one condenser call: the
+            model answers line ranges only, and the narrowed result is printed, made of FILE's own lines byte
+            for byte, "[… K lines omitted: original lines A-B …]" markers and a closing notice naming FILE as
+            the full original. Without a model only the view is shown; nothing is written in either case.
+
+            exit status: 0 the view (and the condenser's answer, if called) came out; 1 FILE is unreadable or
+            the condenser call failed or timed out ([supervisor.condense] timeout_s); 2 bad usage or
+            configuration.
+            """),
+        epilog=textwrap.dedent("""\
+            examples:
+              proxyvisor condense build.log --task "Why did the build fail?"
+              proxyvisor condense pytest.txt --task "Which tests fail and why?" --budget 4000
+              proxyvisor condense out.txt --task "Did the install succeed?" --json | jq .view.visible_ranges
+            """) + "\n" + _FILES)
+    condense.add_argument("file", metavar="FILE", help="the tool output to condense (any bytes; read as UTF-8)")
+    condense.add_argument("--task", required=True, metavar="TEXT",
+                          help="the agent's current request: it picks the focus terms of the view and is the "
+                               "condenser's task context")
+    condense.add_argument("--budget", type=int, metavar="N",
+                          help="tokens of numbered view, at least 256 (default: [supervisor.condense] "
+                               "view_budget_tokens, 32000: a result alone in its round gets the whole budget)")
+    condense.add_argument("--json", action="store_true",
+                          help="print one JSON object: sizes, threshold, the view (text, visible_ranges, tokens), "
+                               "diagnostic line numbers and, with a model, the decision")
+    _common(condense)
+    from .routing_cli import register as register_routing
+
+    register_routing(commands, _common, _Formatter)  # supervision, delegate, health: each sets a handler
     return parser
 
 
@@ -174,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .config import validate
 
         validate(config)
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return handler(args, config)
         if args.command == "serve":
             from .serve import serve
 
@@ -193,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .replay import replay_command
 
             return replay_command(config, args.file, args.format, args.stream, args.json)
+        if args.command == "condense":
+            from .condense.offline import condense_command
+
+            return condense_command(config, args.file, args.task, args.budget, args.json)
     except ConfigError as exc:
         print(f"proxyvisor: configuration error: {exc}", file=sys.stderr)
         return 2

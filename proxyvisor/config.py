@@ -40,11 +40,18 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     auth_token: str = ""
     request_header_timeout_s: float = 30.0
+    request_body_timeout_s: float = 120.0
     keepalive_timeout_s: float = 75.0
 
 
 @dataclass(frozen=True)
 class UpstreamConfig:
+    """One ``[upstreams.NAME]`` table.
+
+    ``model``: the model name sent upstream on the translation path (a client format the upstream does not speak,
+    served through litellm) instead of the one the client asked for; empty keeps the client's.
+    """
+
     name: str
     url: str = SCRIPTED_URL
     formats: tuple[str, ...] = FORMATS
@@ -54,6 +61,7 @@ class UpstreamConfig:
     idle_timeout_s: float = 300.0
     script: str = ""
     chunk_delay_ms: float = 0.0
+    model: str = ""
 
     @property
     def scripted(self) -> bool:
@@ -68,8 +76,130 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """``[supervisor.model]``: the model proxyvisor calls itself (the condenser), through litellm.
+
+    ``name`` is a litellm model id (``"anthropic/claude-haiku-4-5"``, ``"openai/gpt-4.1-mini"``); empty means no
+    supervisor model, and every feature that needs one stands aside. ``api_key_env`` names the environment
+    variable holding the key (empty: litellm's own variables, e.g. ``ANTHROPIC_API_KEY``). Empty
+    ``reasoning_effort`` sends none; ``top_p`` is sent only when below 1. The defaults follow seed 003's profile.
+    """
+
+    name: str = ""
+    api_base: str = ""
+    api_key_env: str = ""
+    max_tokens: int = 8192
+    temperature: float = 0.0
+    top_p: float = 1.0
+    reasoning_effort: str = ""
+    max_retries: int = 1
+    request_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class CondenseConfig:
+    """``[supervisor.condense]``: narrowing oversized tool results for the model's copy (seed 003, "Condense").
+
+    A plain-text tool result above ``tokens_threshold`` tokens (0 = off; never below 512) is a candidate; the
+    candidates of a round share ``view_budget_tokens`` of numbered view; the condenser call may take
+    ``timeout_s``, after which the round passes through untouched. ``adaptive`` turns on the per-session 0.5x-2x
+    threshold multiplier (``proxyvisor.condense.adaptive``).
+    """
+
+    enabled: bool = True
+    tokens_threshold: int = 5000
+    adaptive: bool = False
+    view_budget_tokens: int = 32000
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DetectorsConfig:
+    """``[supervisor.detectors]``: ``mutating_tools`` names tools whose successful calls always count as changes
+    (declared mutations), on top of the built-in rules (``proxyvisor.detectors.receipts``). The detectors'
+    thresholds are fixed constants (seed 003)."""
+
+    mutating_tools: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     enabled: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    condense: CondenseConfig = field(default_factory=CondenseConfig)
+    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
+
+
+COMPLEXITY = ("CLEAR", "COMPLICATED", "COMPLEX", "CHAOTIC")
+"""Complexity ranks, lowest first (seed 000). A request with no complexity is below every gate."""
+ROUTING_MODES = ("explicit", "adaptive", "suggest")
+FALLBACK_POLICIES = ("fail_closed", "same_adapter_default", "next_eligible")
+
+
+@dataclass(frozen=True)
+class RouteTarget:
+    """An adapter, model and effort; an empty field is inherited (see ``proxyvisor.adapters.routing``)."""
+
+    adapter: str = ""
+    model: str = ""
+    effort: str = ""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One ``[model_routing.roles.NAME]`` table: the role's target, its description for the delegation tool,
+    and the roles it may delegate to (edges of the supervision graph, seed 004)."""
+
+    name: str
+    adapter: str = ""
+    model: str = ""
+    effort: str = ""
+    description: str = ""
+    supervises: tuple[str, ...] = ()
+
+    @property
+    def target(self) -> RouteTarget:
+        return RouteTarget(self.adapter, self.model, self.effort)
+
+
+@dataclass(frozen=True)
+class CooldownConfig:
+    default_seconds: float = 300.0
+    maximum_seconds: float = 3600.0
+
+
+@dataclass(frozen=True)
+class ChildrenConfig:
+    """Clocks and limits of child runs (seed 002)."""
+
+    wall_clock_s: float = 600.0
+    idle_warn_s: float = 60.0
+    idle_cancel_s: float = 300.0
+    stop_grace_s: float = 5.0
+    claim_check_chars: int = 6000
+    claim_retention_s: float = 604800.0
+    budget_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelRoutingConfig:
+    """``[model_routing]``: delegation to child runtimes, routing policy and per-pool health (seed 000)."""
+
+    enabled: bool = False
+    mode: str = "explicit"
+    complexity_threshold: str = "COMPLICATED"
+    fallback_policy: str = "fail_closed"
+    max_parallel: int = 8
+    max_depth: int = 3
+    adapters_dir: str = ""
+    cooldown: CooldownConfig = field(default_factory=CooldownConfig)
+    orchestrator: RouteTarget = field(default_factory=RouteTarget)
+    children: ChildrenConfig = field(default_factory=ChildrenConfig)
+    roles: tuple[RoleConfig, ...] = ()
+    adapter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def role(self, name: str) -> RoleConfig | None:
+        return next((r for r in self.roles if r.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -78,6 +208,7 @@ class Config:
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(name="scripted"),)
     state: StateConfig = field(default_factory=StateConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    model_routing: ModelRoutingConfig = field(default_factory=ModelRoutingConfig)
     source: str = "built-in defaults"
 
     def state_dir(self, env: dict[str, str] | None = None) -> Path:
@@ -149,13 +280,13 @@ def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
         ConfigError: an unknown section or key, a value of the wrong type, or an invalid value; the message
             names ``source`` and the key.
     """
-    known_sections = {"proxy", "upstreams", "state", "supervisor"}
+    known_sections = {"proxy", "upstreams", "state", "supervisor", "model_routing"}
     unknown = sorted(set(document) - known_sections)
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
     proxy = _build(ProxyConfig, document.get("proxy", {}), f"{source}: [proxy]")
     state = _build(StateConfig, document.get("state", {}), f"{source}: [state]")
-    supervisor = _build(SupervisorConfig, document.get("supervisor", {}), f"{source}: [supervisor]")
+    supervisor = parse_supervisor(document.get("supervisor", {}), f"{source}: [supervisor]")
     raw_upstreams = document.get("upstreams", {"scripted": {}})
     if not isinstance(raw_upstreams, dict) or not raw_upstreams:
         raise ConfigError(f"{source}: [upstreams] must hold at least one [upstreams.NAME] table")
@@ -164,9 +295,125 @@ def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [upstreams.{name}] must be a table")
         upstreams.append(_build(UpstreamConfig, table, f"{source}: [upstreams.{name}]", name=name))
-    config = Config(proxy=proxy, upstreams=tuple(upstreams), state=state, supervisor=supervisor, source=source)
+    model_routing = parse_model_routing(document.get("model_routing", {}), f"{source}: [model_routing]")
+    config = Config(proxy=proxy, upstreams=tuple(upstreams), state=state, supervisor=supervisor,
+                    model_routing=model_routing, source=source)
     validate(config)
     return config
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a table")
+    return value
+
+
+def parse_supervisor(table: Any, where: str = "[supervisor]") -> SupervisorConfig:
+    """Type-check ``[supervisor]`` and its sub-tables ``[supervisor.model]``, ``[supervisor.condense]``,
+    ``[supervisor.detectors]``.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type, or a sub-table that is not a table; the message names it.
+    """
+    table = dict(_table(table, where))
+    nested = {name: _table(table.pop(name), f"{where[:-1]}.{name}]") for name in ("model", "condense", "detectors")
+              if name in table}
+    base = _build(SupervisorConfig, table, where)
+    return dataclasses.replace(
+        base,
+        model=_build(ModelConfig, nested.get("model", {}), f"{where[:-1]}.model]"),
+        condense=_build(CondenseConfig, nested.get("condense", {}), f"{where[:-1]}.condense]"),
+        detectors=_build(DetectorsConfig, nested.get("detectors", {}), f"{where[:-1]}.detectors]"))
+
+
+def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]") -> None:
+    """Check ``[supervisor.*]`` ranges. Raises ConfigError naming the key at fault."""
+    m, c = supervisor.model, supervisor.condense
+    checks = [
+        (m.max_tokens >= 1, "model] max_tokens must be >= 1"),
+        (0.0 <= m.temperature <= 2.0, "model] temperature must be 0-2"),
+        (0.0 < m.top_p <= 1.0, "model] top_p must be in (0, 1]"),
+        (m.max_retries >= 0, "model] max_retries must be >= 0"),
+        (m.request_timeout_s > 0, "model] request_timeout_s must be > 0"),
+        (c.tokens_threshold >= 0, "condense] tokens_threshold must be >= 0 (0 = off)"),
+        (c.view_budget_tokens >= 256, "condense] view_budget_tokens must be >= 256"),
+        (c.timeout_s > 0, "condense] timeout_s must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"{where[:-1]}.{message}")
+
+
+def parse_model_routing(table: Any, where: str = "[model_routing]") -> ModelRoutingConfig:
+    """Type-check the ``[model_routing]`` table and its sub-tables into a :class:`ModelRoutingConfig`.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type, or a sub-table that is not a table; the message names it.
+    """
+    table = dict(_table(table, where))
+    nested = {name: table.pop(name) for name in ("cooldown", "orchestrator", "children", "roles", "adapter_options")
+              if name in table}
+    base = _build(ModelRoutingConfig, table, where)
+    roles = []
+    for name, role in _table(nested.get("roles", {}), f"{where}.roles").items():
+        roles.append(_build(RoleConfig, _table(role, f"{where}.roles.{name}"), f"{where}.roles.{name}", name=name))
+    options: dict[str, dict[str, Any]] = {}
+    for adapter, values in _table(nested.get("adapter_options", {}), f"{where}.adapter_options").items():
+        values = _table(values, f"{where}.adapter_options.{adapter}")
+        for key, value in values.items():
+            scalar = isinstance(value, (str, int, float, bool))
+            if not scalar and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{where}.adapter_options.{adapter}.{key}: expected a string, number, boolean "
+                                  f"or list of strings, got {value!r}")
+        options[adapter] = dict(values)
+    return dataclasses.replace(
+        base,
+        cooldown=_build(CooldownConfig, _table(nested.get("cooldown", {}), f"{where}.cooldown"), f"{where}.cooldown"),
+        orchestrator=_build(RouteTarget, _table(nested.get("orchestrator", {}), f"{where}.orchestrator"),
+                            f"{where}.orchestrator"),
+        children=_build(ChildrenConfig, _table(nested.get("children", {}), f"{where}.children"), f"{where}.children"),
+        roles=tuple(roles), adapter_options=options)
+
+
+def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_routing]") -> None:
+    """Check ``[model_routing]`` values: enums, ranges (a child's wall clock is 30 to 3,600 s, seed 002) and the
+    supervision graph (known roles, no cycle, one supervisor each, depth; seed 004).
+
+    Adapters, models and efforts are checked against the adapter descriptors when a policy is written and when a
+    route is resolved, not here: a saved target whose adapter is gone must still load and show as unavailable.
+
+    Raises:
+        ConfigError: naming the key at fault.
+    """
+    from .adapters.graph import GraphError, check_graph
+
+    if routing.mode not in ROUTING_MODES:
+        raise ConfigError(f"{where} mode must be one of {', '.join(ROUTING_MODES)}, got {routing.mode!r}")
+    if routing.complexity_threshold not in COMPLEXITY:
+        raise ConfigError(f"{where} complexity_threshold must be one of {', '.join(COMPLEXITY)}, "
+                          f"got {routing.complexity_threshold!r}")
+    if routing.fallback_policy not in FALLBACK_POLICIES:
+        raise ConfigError(f"{where} fallback_policy must be one of {', '.join(FALLBACK_POLICIES)}, "
+                          f"got {routing.fallback_policy!r}")
+    if routing.max_parallel < 1 or routing.max_depth < 1:
+        raise ConfigError(f"{where} max_parallel and max_depth must be >= 1")
+    c = routing.cooldown
+    if not 0 < c.default_seconds <= c.maximum_seconds:
+        raise ConfigError(f"{where}.cooldown needs 0 < default_seconds <= maximum_seconds, got "
+                          f"{c.default_seconds} and {c.maximum_seconds}")
+    k = routing.children
+    if not 30 <= k.wall_clock_s <= 3600:
+        raise ConfigError(f"{where}.children wall_clock_s must be 30-3600 s, got {k.wall_clock_s}")
+    if not 0 < k.idle_warn_s <= k.idle_cancel_s:
+        raise ConfigError(f"{where}.children needs 0 < idle_warn_s <= idle_cancel_s")
+    if k.stop_grace_s <= 0 or k.claim_retention_s <= 0:
+        raise ConfigError(f"{where}.children stop_grace_s and claim_retention_s must be > 0")
+    if k.claim_check_chars < 1000 or k.budget_tokens < 0:
+        raise ConfigError(f"{where}.children claim_check_chars must be >= 1000 and budget_tokens >= 0")
+    try:
+        check_graph({r.name: r.supervises for r in routing.roles}, routing.max_depth)
+    except GraphError as exc:
+        raise ConfigError(f"{where}.roles: {exc}") from None
 
 
 def validate(config: Config) -> None:
@@ -181,6 +428,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"{where}: [proxy] port must be 0-65535, got {p.port}")
     if p.max_body_bytes < 1024:
         raise ConfigError(f"{where}: [proxy] max_body_bytes must be at least 1024, got {p.max_body_bytes}")
+    for key in ("request_header_timeout_s", "request_body_timeout_s", "keepalive_timeout_s"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"{where}: [proxy] {key} must be > 0")
     if not is_loopback(p.host) and not p.auth_token:
         raise ConfigError(
             f"{where}: [proxy] host = {p.host!r} is not a loopback address; binding elsewhere requires "
@@ -199,6 +449,8 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{where}: [upstreams.{u.name}] {key} must be > 0")
     if config.state.session_idle_s <= 0 or config.state.max_sessions < 1:
         raise ConfigError(f"{where}: [state] session_idle_s must be > 0 and max_sessions >= 1")
+    validate_supervisor(config.supervisor, f"{where}: [supervisor]")
+    validate_model_routing(config.model_routing, f"{where}: [model_routing]")
 
 
 def is_loopback(host: str) -> bool:

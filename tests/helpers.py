@@ -132,6 +132,19 @@ def assert_error_shape(fmt: str, status: int, body: bytes) -> dict[str, Any]:
     return obj["error"]
 
 
+
+def assert_ends_with_error_event(fmt: str, data: bytes) -> None:
+    """The stream ``data`` ends with ``fmt``'s error event (for Responses, numbered right after the one before)."""
+    events = json_events(data)
+    name, last = events[-1]
+    if fmt == "chat":
+        assert name is None and last["error"]["message"], events[-1]
+    elif fmt == "messages":
+        assert name == "error" and last["type"] == "error" and last["error"]["type"], events[-1]
+    else:
+        assert name == "error" and last["type"] == "error" and last["message"], events[-1]
+        assert last["sequence_number"] == events[-2][1]["sequence_number"] + 1
+
 # ---- real SDK calls ---------------------------------------------------------------------------------------
 
 
@@ -211,3 +224,14 @@ async def raw_stream(base_url: str, fmt: str, body: dict[str, Any] | bytes,
                                                       headers=headers) as r:
         data = b"".join([chunk async for chunk in r.aiter_raw()])
     return r, data
+
+
+def task_count() -> int:
+    """Tasks alive in the current trio run."""
+    count, stack = 0, [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count

@@ -11,23 +11,11 @@ import trio
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.proxy.server import Request, Response
 
-from helpers import (FORMATS, TOOL_STEP, ask, assert_error_shape, closed_port, json_events, path_of, raw_stream,
-                     request_body, serve_handler)
+from helpers import (FORMATS, TOOL_STEP, ask, assert_ends_with_error_event, assert_error_shape, closed_port,
+                     json_events, path_of, raw_stream, request_body, serve_handler, task_count)
 
 MODES = pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "disabled"])
 ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
-
-
-def assert_ends_with_error_event(fmt: str, data: bytes) -> None:
-    events = json_events(data)
-    name, last = events[-1]
-    if fmt == "chat":
-        assert name is None and last["error"]["message"], events[-1]
-    elif fmt == "messages":
-        assert name == "error" and last["type"] == "error" and last["error"]["type"], events[-1]
-    else:
-        assert name == "error" and last["type"] == "error" and last["message"], events[-1]
-        assert last["sequence_number"] == events[-2][1]["sequence_number"] + 1
 
 
 @MODES
@@ -148,17 +136,6 @@ class Observed:
             raise
         finally:
             self.closed.set()
-
-
-def task_count() -> int:
-    """Tasks alive in this trio run."""
-    count, stack = 0, [trio.lowlevel.current_root_task()]
-    while stack:
-        task = stack.pop()
-        count += 1
-        for nursery in task.child_nurseries:
-            stack.extend(nursery.child_tasks)
-    return count
 
 
 @MODES

@@ -14,6 +14,7 @@ client's format and logs the reason.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +29,8 @@ from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
-from .sse import SSEParser
+from .supervise import Exchange, Supervisor
+from .sse import SSEParser, at_event_end
 
 log = logging.getLogger("proxyvisor.pipeline")
 
@@ -38,7 +40,12 @@ AUTH_HEADER = "x-proxyvisor-auth"
 
 
 def format_for_path(path: str) -> WireFormat:
-    """The format whose errors a path should get: Anthropic for ``/v1/messages...``, OpenAI otherwise."""
+    """The format whose errors a path should get: Anthropic for ``/v1/messages...``, OpenAI otherwise.
+
+    A session prefix ``/s/{id}`` is skipped first, valid or not, so a bad id is reported in the client's format.
+    """
+    if path.startswith("/s/"):
+        path = "/" + path[3:].partition("/")[2]
     return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
 
 
@@ -68,6 +75,7 @@ class Pipeline:
         self.translator = translator
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
+        self.supervisor = Supervisor(config.supervisor)
         self.started = time.time()
 
     @property
@@ -76,11 +84,16 @@ class Pipeline:
 
     async def __call__(self, request: Request) -> Response:
         try:
-            return await self._route(request)
+            response = await self._route(request)
         except Exception as exc:  # noqa: BLE001 - the last line of defence: answer, log, keep serving
             log.exception("internal error on %s %s", request.method, request.path)
-            return error(format_for_path(request.path), 500, f"proxyvisor internal error ({type(exc).__name__}); "
-                         "see the proxyvisor log")
+            response = error(format_for_path(request.path), 500, f"proxyvisor internal error "
+                             f"({type(exc).__name__}); see the proxyvisor log")
+        if not any(name == OVERHEAD_HEADER for name, _ in response.headers):
+            # An answer proxyvisor made itself (an error, health) spent all its time here. A new list: the
+            # headers may be a shared constant.
+            response.headers = response.headers + [(OVERHEAD_HEADER, _ms(time.perf_counter() - request.received_at))]
+        return response
 
     async def _route(self, request: Request) -> Response:
         try:
@@ -94,11 +107,21 @@ class Pipeline:
                                                       "supervision": self.supervised}))
         fmt = format_for_path(path)
         token = self.config.proxy.auth_token
-        if token and request.header(AUTH_HEADER) != token:
+        if token and not hmac.compare_digest((request.header(AUTH_HEADER) or "").encode("latin-1"),
+                                             token.encode()):  # constant time: no guessing by timing
             return error(fmt, 401, f"proxyvisor requires the '{AUTH_HEADER}' header on this address")
         model_format = BY_PATH.get(path)
         if model_format is not None:
             if request.method != "POST":
+                if "websocket" in (request.header("upgrade") or "").lower():
+                    # Codex (0.171.0) first asks for the Responses API over a WebSocket. 426 is the one answer it
+                    # takes as "plain HTTP only" and falls back at once, for the whole session (codex-rs
+                    # core/src/client.rs: `UPGRADE_REQUIRED => FallbackToHttp`); any other status it retries 5
+                    # times with backoff, about 6 s, first (both observed). No Upgrade header: the only protocol
+                    # on offer, HTTP, is the one in use.
+                    log.info("refused a WebSocket upgrade on %s (426): the client falls back to POST", path)
+                    return error(fmt, 426, f"proxyvisor serves {path} over HTTP only: POST it; WebSocket "
+                                           "upgrade refused")
                 return error(fmt, 405, f"{path} takes POST")
             return await self._model(request, model_format, path_session, path)
         if path == "/v1/models" and request.method in ("GET", "HEAD"):
@@ -155,31 +178,56 @@ class Pipeline:
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else None
+        exchange = self._supervise(session, fmt, body)
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
-            return await self._translate(request, fmt, upstream, body, session)
-        return await self._relay(request, fmt, path, upstream.name, body, session)
+            return await self._translate(request, fmt, upstream, body, session, exchange)
+        return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+
+    def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any]) -> Exchange | None:
+        """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream and returns
+        the exchange that rewrites the reply. A failure in it is logged and the request goes up unsupervised."""
+        if session is None:
+            return None
+        try:
+            return self.supervisor.begin(session, fmt, body)
+        except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
+            log.exception("supervision failed for session %s; forwarding the request unsupervised", session.id)
+            return None
 
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
-                     body: dict[str, Any] | None, session: Session | None) -> Response:
+                     body: dict[str, Any] | None, session: Session | None,
+                     exchange: Exchange | None = None) -> Response:
         relay = self.relays[upstream_name]
         headers = upstream_headers(request.headers, relay.api_key, _key_header(fmt.name),
                                    accept_identity=session is not None)
+        content = request.body
+        if exchange is not None:
+            try:
+                content = exchange.upstream_body()
+            except TypeError as exc:  # orjson writes 255 levels of nesting, reads 1024: go up as received
+                log.warning("cannot serialise the supervised body of session %s (%s); forwarding it unsupervised",
+                            session.id if session else "-", exc)
+                exchange = None
         try:
-            reply = await relay.send("POST", self._target(request, path), headers, request.body)
+            reply = await relay.send("POST", self._target(request, path), headers, content)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
+        if exchange is not None:
+            reply = exchange.reply(reply)
         return self._respond(request, fmt, reply, body, session)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
-                         session: Session | None) -> Response:
+                         session: Session | None, exchange: Exchange | None = None) -> Response:
         try:
             reply = await self.translator.send(fmt, upstream, body, request.headers)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
+        if exchange is not None:
+            reply = exchange.reply(reply)
         return self._respond(request, fmt, reply, body, session)
 
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
@@ -206,6 +254,8 @@ class Pipeline:
         parser = SSEParser() if session is not None else None
         usage = Usage()
         failure: UpstreamError | None = None
+        last = b""
+        ended = False
         try:
             async for chunk in stream:
                 if parser is not None:
@@ -214,14 +264,24 @@ class Pipeline:
                         if found:
                             usage.add(found)
                 yield chunk
+                last = chunk if len(chunk) > 3 else last[-3:] + chunk
             failure = getattr(stream, "error", None)
+            if failure is None and last and not at_event_end(last):
+                # A clean end of the body in the middle of an event (an upstream framing the stream by closing
+                # the connection): SDKs drop an unfinished event silently, so the client would take a cut-short
+                # answer for a complete one.
+                failure = UpstreamError(502, "upstream stream ended in the middle of an event")
             if failure is not None:
                 log.warning("upstream stream ended early: %s", failure.message)
-                yield fmt.stream_error(failure.status, failure.message, getattr(stream, "last_chunk", b""))
+                # Blank lines first: the error must not join the unfinished event's last line.
+                yield (b"" if not last or at_event_end(last) else b"\n\n") + fmt.stream_error(
+                    failure.status, failure.message, getattr(stream, "last_chunk", b""))
+            ended = True
         finally:
             if session is not None:
+                message = failure.message if failure else None if ended else "client disconnected mid-stream"
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
-                              usage, overhead, failure.message if failure else None)
+                              usage, overhead, message)
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                  status: int, usage: Usage, overhead_s: float, failure: str | None = None) -> None:

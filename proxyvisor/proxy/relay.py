@@ -1,9 +1,12 @@
-"""The byte relay: forwards a request to an upstream that speaks the client's format, with httpx on trio.
+"""The byte relay: forwards a request to an upstream that speaks the client's format, over :mod:`.client`.
 
 Bodies are never re-encoded: the request body goes up as received, and the response body comes back as the
-upstream sent it (``aiter_raw``: even a compressed body is passed through with its ``content-encoding``).
-Server-Sent Event streams are forwarded chunk by chunk as they arrive; other bodies are read whole first (so
-a body cut short becomes a clean 502 instead of a truncated 200).
+upstream sent it (even a compressed body is passed through with its ``content-encoding``). Server-Sent Event
+streams are forwarded as they arrive, each piece as soon as it is read (what arrived together is forwarded
+together); other bodies are read whole first (so a body cut short becomes a clean 502 instead of a truncated
+200). The one change ever made to a body: an error body that quotes the upstream's configured API key gets
+``[redacted]`` in its place. The client's headers go up as they are, less hop-by-hop ones: nothing is added but
+``host`` and ``content-length``.
 
 Failures become :class:`UpstreamError` with the status the client should see: 502 for a refused or reset
 connection or a DNS failure, 504 for a first byte later than ``first_byte_timeout_s``. A stream that breaks
@@ -14,22 +17,28 @@ caller ends the client's stream with the format's error event.
 from __future__ import annotations
 
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-import httpx
+import h11
 import trio
 
 from ..config import UpstreamConfig
+from .client import Connection, ConnectionPool, ConnectTimeout
 
 Headers = list[tuple[bytes, bytes]]
 
-# RFC 9110 hop-by-hop headers, plus the ones httpx/h11 compute themselves.
+# RFC 9110 hop-by-hop headers, plus the ones h11 computes itself.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 _AUTH = frozenset({b"authorization", b"x-api-key", b"api-key"})
 MAX_BUFFERED_BODY = 256 * 1024 * 1024
+# What a broken upstream connection raises: resets and refusals (OSError, including ssl.SSLError and DNS
+# failures), trio's wrappers of them, and h11's verdict on a malformed or truncated message.
+_BROKEN = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 
 
 class UpstreamError(Exception):
@@ -63,47 +72,53 @@ class UpstreamReply:
 
 @dataclass
 class RelayedStream:
-    """An upstream SSE body. Iterate it once; afterwards ``error`` is None or the failure that cut it short."""
+    """An upstream SSE body. Iterate it once; afterwards ``error`` is None or the failure that cut it short.
 
-    response: httpx.Response
+    Each item is what one read brought (several upstream chunks when they arrived together), yielded at once.
+    The connection goes back to the pool when the body ended cleanly, and is closed otherwise.
+    """
+
+    conn: Connection
+    pool: ConnectionPool
     idle_timeout_s: float
     error: UpstreamError | None = None
     last_chunk: bytes = b""
     wait_s: float = 0.0
     """Time spent waiting for upstream chunks (s)."""
     _closed: bool = field(default=False, repr=False)
+    _complete: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        raw = self.response.aiter_raw()
         try:
-            while True:
+            while not self._complete:
                 started = time.perf_counter()
                 try:
                     with trio.fail_after(self.idle_timeout_s):
-                        chunk = await raw.__anext__()
-                except StopAsyncIteration:
-                    return
+                        chunk, self._complete = await self.conn.next_piece()
                 except trio.TooSlowError:
                     self.error = UpstreamError(504, f"upstream sent nothing for {self.idle_timeout_s:g} s mid-stream")
                     return
-                except httpx.HTTPError as exc:
+                except _BROKEN as exc:
                     self.error = UpstreamError(502, f"upstream stream broke: {_describe(exc)}")
                     return
                 finally:
                     self.wait_s += time.perf_counter() - started
-                self.last_chunk = chunk
-                yield chunk
+                if chunk:
+                    self.last_chunk = chunk
+                    yield chunk
         finally:
             await self.aclose()
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            with trio.CancelScope(shield=True):
-                await self.response.aclose()
+            await self.pool.release(self.conn, self._complete)
 
 
 def _describe(exc: BaseException) -> str:
+    # trio wraps the OS or TLS error that broke a stream in a bare BrokenResourceError: its cause says what.
+    while isinstance(exc, trio.BrokenResourceError) and not str(exc) and exc.__cause__ is not None:
+        exc = exc.__cause__
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if str(exc) else text
 
@@ -138,32 +153,32 @@ def upstream_headers(client_headers: Headers, api_key: str | None, key_header: b
     return out
 
 
-def reply_headers(headers: httpx.Headers, status: int) -> Headers:
-    """The upstream's response headers for the client, less hop-by-hop ones; a 429 always gets Retry-After."""
-    out = [(k, v) for k, v in headers.raw if k.lower() not in _HOP_BY_HOP]
+def reply_headers(headers: Headers, status: int) -> Headers:
+    """The upstream's response headers (names as sent) for the client, less hop-by-hop ones; a 429 always gets
+    Retry-After (from ``retry-after-ms`` when the upstream sent only that, else 1 s)."""
+    out = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
     if status == 429 and not any(k.lower() == b"retry-after" for k, _ in out):
-        ms = headers.get("retry-after-ms")
+        ms = next((v.decode("latin-1") for k, v in out if k.lower() == b"retry-after-ms"), None)
         seconds = max(1, math.ceil(float(ms) / 1000)) if ms and ms.replace(".", "", 1).isdigit() else 1
         out.append((b"retry-after", str(seconds).encode()))
     return out
 
 
 class HttpRelay:
-    """A pooled httpx client for one configured upstream. Create inside trio; close with :meth:`aclose`."""
+    """Pooled keep-alive connections to one configured upstream. Create inside trio; close with :meth:`aclose`."""
 
-    def __init__(self, upstream: UpstreamConfig, url: str | None = None, api_key: str | None = None) -> None:
+    def __init__(self, upstream: UpstreamConfig, url: str | None = None, api_key: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.upstream = upstream
         self.base = base_url(url or upstream.url)
         self.api_key = api_key
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=upstream.connect_timeout_s, read=upstream.idle_timeout_s,
-                                  write=upstream.idle_timeout_s, pool=upstream.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
-            trust_env=False, follow_redirects=False,
-        )
+        self.prefix = urlsplit(self.base).path
+        """The upstream URL's path, put before each request's target (``/openai`` in ``https://h/openai/v1``)."""
+        self.pool = ConnectionPool(self.base, upstream.connect_timeout_s, max_idle=256, idle_expiry_s=30.0,
+                                   ssl_context=ssl_context)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.pool.aclose()
 
     async def send(self, method: str, target: str, headers: Headers, body: bytes) -> UpstreamReply:
         """Send one request and return the reply (SSE bodies as a live :class:`RelayedStream`).
@@ -172,36 +187,50 @@ class HttpRelay:
         closes the upstream connection.
 
         Raises:
-            UpstreamError: unreachable (502), first byte later than ``first_byte_timeout_s`` (504), or a
-                non-streaming body cut short (502).
+            UpstreamError: unreachable or broken before the head (502), no connection within
+                ``connect_timeout_s`` or no head within ``first_byte_timeout_s`` (504), a non-streaming body
+                cut short (502) or stalled for ``idle_timeout_s`` (504).
         """
+        name = self.upstream.name
         started = time.perf_counter()
-        request = self.client.build_request(method, self.base + target, headers=headers, content=body)
         try:
             with trio.fail_after(self.upstream.first_byte_timeout_s):
-                response = await self.client.send(request, stream=True)
+                # latin-1: the exact bytes the server decoded the client's target from.
+                conn, head = await self.pool.request(method.encode("latin-1"), (self.prefix + target).encode("latin-1"),
+                                                     headers, body)
         except trio.TooSlowError:
-            raise UpstreamError(504, f"upstream {self.upstream.name!r} sent no response within "
+            raise UpstreamError(504, f"upstream {name!r} sent no response within "
                                      f"{self.upstream.first_byte_timeout_s:g} s") from None
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(504, f"upstream {self.upstream.name!r} timed out: {_describe(exc)}") from None
-        except httpx.HTTPError as exc:
-            raise UpstreamError(502, f"upstream {self.upstream.name!r} unreachable: {_describe(exc)}") from None
-        headers_out = reply_headers(response.headers, response.status_code)
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            return UpstreamReply(response.status_code, headers_out,
-                                 RelayedStream(response, self.upstream.idle_timeout_s),
+        except ConnectTimeout as exc:
+            raise UpstreamError(504, f"upstream {name!r} timed out: {exc}") from None
+        except _BROKEN as exc:
+            raise UpstreamError(502, f"upstream {name!r} unreachable: {_describe(exc)}") from None
+        status = head.status_code
+        headers_out = reply_headers(head.headers.raw_items(), status)
+        ctype = next((v for k, v in head.headers if k == b"content-type"), b"")
+        if ctype.startswith(b"text/event-stream"):
+            return UpstreamReply(status, headers_out, RelayedStream(conn, self.pool, self.upstream.idle_timeout_s),
                                  time.perf_counter() - started)
+        parts: list[bytes] = []
+        size, complete = 0, False
         try:
-            parts, size = [], 0
-            async for chunk in response.aiter_raw():
-                size += len(chunk)
+            while not complete:
+                with trio.fail_after(self.upstream.idle_timeout_s):
+                    piece, complete = await conn.next_piece()
+                size += len(piece)
                 if size > MAX_BUFFERED_BODY:
-                    raise UpstreamError(502, f"upstream {self.upstream.name!r} response exceeds "
-                                             f"{MAX_BUFFERED_BODY} bytes")
-                parts.append(chunk)
-        except httpx.HTTPError as exc:
-            raise UpstreamError(502, f"upstream {self.upstream.name!r} response cut short: {_describe(exc)}") from None
+                    raise UpstreamError(502, f"upstream {name!r} response exceeds {MAX_BUFFERED_BODY} bytes")
+                parts.append(piece)
+        except trio.TooSlowError:
+            raise UpstreamError(504, f"upstream {name!r} sent nothing for {self.upstream.idle_timeout_s:g} s "
+                                     "mid-body") from None
+        except _BROKEN as exc:
+            raise UpstreamError(502, f"upstream {name!r} response cut short: {_describe(exc)}") from None
         finally:
-            await response.aclose()
-        return UpstreamReply(response.status_code, headers_out, b"".join(parts), time.perf_counter() - started)
+            await self.pool.release(conn, complete)
+        data = b"".join(parts)
+        if status >= 400 and self.api_key and len(self.api_key) >= 4 and self.api_key.encode() in data:
+            # An upstream quoting the credential back ("Incorrect API key provided: ...") must not hand the key
+            # configured for proxyvisor to its client (the translation path redacts litellm's errors alike).
+            data = data.replace(self.api_key.encode(), b"[redacted]")
+        return UpstreamReply(status, headers_out, data, time.perf_counter() - started)

@@ -24,6 +24,9 @@ import trio
 log = logging.getLogger("proxyvisor.server")
 
 Headers = list[tuple[bytes, bytes]]
+_READ_SIZE = 65536
+"""Bytes per socket read. Not larger: h11 bounds an incomplete request head (``max_incomplete_event_size``) only
+between reads, so a bigger read could take in an oversized head whole."""
 
 
 @dataclass
@@ -91,24 +94,49 @@ class Connection:
         self.limits = limits
         self.peer = peer
         self.conn = h11.Connection(h11.SERVER)
+        # The reader task hands what it reads to this task; unbuffered, so it reads ahead by one piece at most.
+        self._inbox_in, self._inbox = trio.open_memory_channel[bytes](0)
+        self._handling: trio.CancelScope | None = None
+        self._hung_up = False
+
+    async def _reader(self) -> None:
+        """Owns the socket's receiving side for the connection's whole life, so a hang-up is seen at once, also
+        while a handler runs (then it cancels the handler's scope). One long-lived task per connection: a
+        watcher task per request cost more than the rest of the server's work (``bench/overhead.py``)."""
+        async with self._inbox_in:
+            while True:
+                try:
+                    data = await self.stream.receive_some(_READ_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    data = b""
+                if not data:
+                    self._hung_up = True
+                    if self._handling is not None:
+                        self._handling.cancel()
+                    return
+                await self._inbox_in.send(data)
 
     async def _receive(self) -> None:
         try:
-            data = await self.stream.receive_some(65536)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            data = await self._inbox.receive()
+        except trio.EndOfChannel:
             data = b""
         self.conn.receive_data(data)
 
     async def _next_event(self, timeout: float) -> object:
+        event = self.conn.next_event()
+        if event is not h11.NEED_DATA:  # already buffered: no deadline to set up
+            return event
         with trio.fail_after(timeout):
             while True:
+                await self._receive()
                 event = self.conn.next_event()
                 if event is not h11.NEED_DATA:
                     return event
-                await self._receive()
 
-    async def _send(self, event: object) -> None:
-        data = self.conn.send(event)
+    async def _send(self, *events: object) -> None:
+        # Several events go out in one write: each write wakes the client, and a wake-up costs more than a copy.
+        data = b"".join([self.conn.send(event) or b"" for event in events])
         if data:
             try:
                 await self.stream.send_all(data)
@@ -116,6 +144,20 @@ class Connection:
                 raise _ClientGone() from exc
 
     async def serve(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._reader)
+                await self._serve_requests()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                try:
+                    await self.stream.aclose()
+                except Exception:  # noqa: BLE001 - closing a dead socket may fail in many ways; nothing to do
+                    pass
+
+    async def _serve_requests(self) -> None:
         first = True
         try:
             while True:
@@ -143,13 +185,6 @@ class Connection:
                     return
         except _ClientGone:
             return
-        finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                try:
-                    await self.stream.aclose()
-                except Exception:  # noqa: BLE001 - closing a dead socket may fail in many ways; nothing to do
-                    pass
 
     async def _bad_request(self, exc: Exception) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -158,9 +193,8 @@ class Connection:
         try:
             await self._send(h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
                                                                     (b"content-length", str(len(body)).encode()),
-                                                                    (b"connection", b"close")]))
-            await self._send(h11.Data(data=body))
-            await self._send(h11.EndOfMessage())
+                                                                    (b"connection", b"close")]),
+                             h11.Data(data=body), h11.EndOfMessage())
         except (_ClientGone, h11.LocalProtocolError):
             pass
 
@@ -179,7 +213,7 @@ class Connection:
                     if size > self.limits.max_body_bytes:
                         request.too_large = True
                         return True
-                    parts.append(bytes(event.data))
+                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
                 elif isinstance(event, h11.EndOfMessage):
                     break
                 else:
@@ -194,32 +228,19 @@ class Connection:
 
     async def _respond(self, request: Request) -> None:
         gone = False
-        watcher_done = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, watcher_done)
+        with trio.CancelScope() as scope:
+            # Clients do not send while awaiting a response (no pipelining in practice); EOF means they hung up.
+            self._handling = scope
+            if self._hung_up:
+                scope.cancel()
             try:
                 await self._run_handler(request)
             except (_ClientGone, AbortConnection):
                 gone = True
             finally:
-                nursery.cancel_scope.cancel()
-        if gone or watcher_done.is_set():
+                self._handling = None
+        if gone or self._hung_up:
             raise _ClientGone()
-
-    async def _watch_disconnect(self, scope: trio.CancelScope, done: trio.Event) -> None:
-        # Clients do not send while awaiting a response (no pipelining in practice); EOF means they hung up.
-        buffered = 0
-        while buffered < 65536:
-            try:
-                data = await self.stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                data = b""
-            if not data:
-                done.set()
-                scope.cancel()
-                return
-            buffered += len(data)
-            self.conn.receive_data(data)
 
     async def _run_handler(self, request: Request) -> None:
         response = await self.handler(request)
@@ -230,10 +251,11 @@ class Connection:
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):
                 headers.append((b"content-length", str(len(body)).encode()))
-            await self._send(h11.Response(status_code=response.status, headers=headers))
+            head = h11.Response(status_code=response.status, headers=headers)
             if body and request.method != "HEAD":
-                await self._send(h11.Data(data=body))
-            await self._send(h11.EndOfMessage())
+                await self._send(head, h11.Data(data=body), h11.EndOfMessage())
+            else:
+                await self._send(head, h11.EndOfMessage())
             return
         try:
             if not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers):

@@ -58,6 +58,7 @@ def upstream_keys(config: Config, env: dict[str, str] | None = None) -> dict[str
 def limits_of(config: Config) -> Limits:
     p = config.proxy
     return Limits(max_body_bytes=p.max_body_bytes, header_timeout_s=p.request_header_timeout_s,
+                  body_timeout_s=p.request_body_timeout_s,
                   keepalive_timeout_s=p.keepalive_timeout_s)
 
 

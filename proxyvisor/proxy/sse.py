@@ -81,3 +81,18 @@ class SSEParser:
             self._has_data = True
         elif name == b"event":
             self._event = value.decode("utf-8", "replace")
+
+
+def at_event_end(data: bytes) -> bool:
+    """Whether a stream whose last bytes are ``data`` (non-empty) stops right after an event's blank line.
+
+    Only the tail is looked at: the check is O(1), cheap enough for the byte relay. A CRLF is one line ending
+    (WHATWG), so ``b"x\\r\\n"`` ends a line, not an event.
+    """
+    if data.endswith(b"\r\n"):
+        rest = data[:-2]
+    elif data.endswith((b"\n", b"\r")):
+        rest = data[:-1]
+    else:
+        return False
+    return not rest or rest.endswith((b"\n", b"\r"))
