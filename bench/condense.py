@@ -1,7 +1,7 @@
 """Condense over the corpus of real large tool outputs: our numbered view against two truncation baselines, and
 the reconstruction a condenser answering the needed lines would produce.
 
-Usage: python bench/condense.py [CORPUS_TOOL_OUTPUTS_DIR] [--write]
+Usage: python bench/condense.py [CORPUS_TOOL_OUTPUTS_DIR] [--trajectories CORPUS_TRAJECTORIES_DIR] [--write]
 
 The directory defaults to ../shared/corpus/tool_outputs next to the repository. Each output ``X`` has a sidecar
 ``X.json`` with the agent's question (``task``) and the lines a good condenser must keep (``needed_lines``; 1-based,
@@ -20,8 +20,18 @@ lines split on ``\\n`` only). For every file:
    after (target: at least 70% fewer tokens for outputs over 20,000 tokens). Files below the 5,000-token threshold
    are not candidates: the proxy passes them through whole.
 
-Tokens are tiktoken ``cl100k_base``. Exit status 1 when a reconstruction is not byte-exact or misses a needed line.
-``--write`` puts the tables into bench/RESULTS.md under "## Condense (issue 5)".
+3. **Replay with condense on** (``--trajectories``): every corpus trajectory replayed through the proxy as
+   ``proxyvisor replay --condense`` does (chat format, the scripted upstream playing the recorded turns and, with
+   no ``[supervisor.model]``, answering the condenser calls with its fixed policy: head and tail lines and lines
+   naming the call's terms, plus every diagnostic line kept by the reconstruction). Reported per trajectory: the
+   oversized results and how many were condensed (each must be decided exactly once, on the request that first
+   carries it), their tokens before and after, and the input tokens the narrowed results saved over all
+   requests, against the tokens of the history the requests carried (message text; tool schemas and the
+   self-report instruction not counted). A round fails when the agent does not get exactly the recorded turn.
+
+Tokens are tiktoken ``cl100k_base``. Exit status 1 when a reconstruction is not byte-exact or misses a needed line,
+or a replayed round fails or decides a result twice. ``--write`` puts the tables into bench/RESULTS.md under
+"## Condense (issue 5)".
 """
 
 from __future__ import annotations
@@ -40,7 +50,12 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import write_section  # noqa: E402
-from proxyvisor.config import CondenseConfig  # noqa: E402
+from proxyvisor.config import CondenseConfig, Config  # noqa: E402
+from proxyvisor.condense.model import with_condense  # noqa: E402
+from proxyvisor.proxy.formats import BY_NAME  # noqa: E402
+from proxyvisor.proxy.formats.base import chat_text  # noqa: E402
+from proxyvisor.replay import load_trajectory, replay  # noqa: E402
+from proxyvisor.store import Store  # noqa: E402
 from proxyvisor.condense.engine import CondenseEngine, ToolResult, effective_threshold  # noqa: E402
 from proxyvisor.condense.protocol import TaskContext  # noqa: E402
 from proxyvisor.condense.signals import focus_terms  # noqa: E402
@@ -239,9 +254,63 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+async def replay_condensed(paths: list[Path], state: Path) -> list[dict]:
+    """Replay each trajectory with condense on (docstring, part 3); one row per trajectory."""
+    config = with_condense(Config())
+    rows = []
+    for path in paths:
+        messages = load_trajectory(path)
+        rounds = await replay(config, messages, BY_NAME["chat"], False, session=path.stem[:100],
+                              store=Store(state))
+        decided = [c for r in rounds for c in r.condensed]
+        narrowed = [c for c in decided if c["spill_path"]]
+        history = 0
+        sizes = [count_tokens(chat_text(m.get("content"))) for m in messages]
+        for r in rounds:
+            history += sum(sizes[:r.message])
+        rows.append({"file": path.name, "rounds": len(rounds), "failed": sum(not r.matches for r in rounds),
+                     "oversized": len(decided), "twice": len(decided) - len({c["call_id"] for c in decided}),
+                     "new": sum(r.condense_new for r in rounds), "condensed": len(narrowed),
+                     "before": sum(c["tokens_before"] for c in narrowed),
+                     "after": sum(c["tokens_after"] for c in narrowed),
+                     "saved": sum(r.condense_saved_tokens for r in rounds), "history": history,
+                     "kept_whole": sorted({c["reason"] for c in decided if not c["spill_path"]})})
+        print(f"replayed {path.name}: {rows[-1]['condensed']} condensed, {rows[-1]['saved']:,} tokens saved",
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def replay_table(rows: list[dict]) -> str:
+    out = ["### Replay of the corpus trajectories with condense on", "",
+           "Chat format; the scripted upstream plays the recorded turns and answers the condenser calls with its "
+           "fixed policy (`proxyvisor.adapters.scripted_condenser`: the first and last 10 lines shown, and lines "
+           "naming the round's or the call's terms; the reconstruction adds every diagnostic line with 2 lines of "
+           "context). *saved* counts every request: a narrowed result saves its tokens again in each later request "
+           "that carries it; *history* is the message text all requests carried without condense.", "",
+           "| trajectory | rounds | failed | oversized | condensed | tokens before -> after | saved over all "
+           "requests | history tokens | saved share |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        whole = f" (whole: {', '.join(r['kept_whole'])})" if r["kept_whole"] else ""
+        change = f"{r['before']:,} -> {r['after']:,}" if r["condensed"] else ""
+        out.append(f"| {r['file']} | {r['rounds']} | {r['failed']} | {r['oversized']} | {r['condensed']}{whole} | "
+                   f"{change} | {r['saved']:,} | {r['history']:,} | {r['saved'] / r['history']:.1%} |")
+    total = {k: sum(r[k] for r in rows) for k in ("rounds", "failed", "oversized", "twice", "new", "condensed",
+                                                   "before", "after", "saved", "history")}
+    out += ["", f"{len(rows)} trajectories, {total['rounds']} rounds, {total['failed']} failed; "
+                f"{total['oversized']} oversized results, each decided once ({total['new']} decisions, "
+                f"{total['twice']} results decided twice), {total['condensed']} condensed: "
+                f"{total['before']:,} -> {total['after']:,} tokens "
+                f"({1 - total['after'] / max(1, total['before']):.0%} fewer); "
+                f"{total['saved']:,} input tokens saved over all requests, "
+                f"{total['saved'] / total['history']:.1%} of the {total['history']:,} history tokens sent."]
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("corpus", nargs="?", default=str(DEFAULT_DIR), help="the corpus tool_outputs folder")
+    parser.add_argument("--trajectories", metavar="DIR",
+                        help="also replay the trajectories in DIR with condense on (the corpus trajectories folder)")
     parser.add_argument("--write", action="store_true", help="write the tables into bench/RESULTS.md")
     args = parser.parse_args()
     files = sorted(p for p in Path(args.corpus).iterdir()
@@ -252,15 +321,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as spill:
         rows = [evaluate(path, Path(spill)) for path in files]
     body = tables(rows)
+    replayed: list[dict] = []
+    if args.trajectories:
+        paths = sorted(Path(args.trajectories).glob("*.jsonl"))
+        with tempfile.TemporaryDirectory() as state:
+            replayed = trio.run(replay_condensed, paths, Path(state))
+        body += "\n\n" + replay_table(replayed)
     print(body)
     if args.write:
         intro = ("Every file of the corpus of real large tool outputs (`../shared/corpus/tool_outputs`), with the "
-                 "needed lines of its sidecar.\n\nCommand: `python bench/condense.py ../shared/corpus/tool_outputs "
-                 "--write`\n\n")
+                 "needed lines of its sidecar" + (", and every corpus trajectory replayed with condense on" if
+                                                   replayed else "") + ".\n\nCommand: `python bench/condense.py "
+                 "../shared/corpus/tool_outputs" + (" --trajectories ../shared/corpus/trajectories" if replayed
+                                                     else "") + " --write`\n\n")
         write_section("Condense (issue 5)", intro + body)
     failed = [row["file"] for row in rows if "reconstruction" in row and not row["reconstruction"]["exact"]]
+    failed += [row["file"] for row in replayed if row["failed"] or row["twice"]]
     for name in failed:
-        print(f"reconstruction failed: {name}", file=sys.stderr)
+        print(f"failed: {name}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -70,7 +70,7 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     log = write_log(tmp_path / "build.log")
     answer = {"results": [{"id": "r1", "verdict": "extract", "lines": ["1-2", "1499-"]}]}
-    scripted_server.script.queue({"text": json.dumps(answer)})
+    scripted_server.script.queue({"condense": answer})
     config = tmp_path / "config.toml"
     config.write_text(f'[supervisor.model]\nname = "openai/scripted-model"\napi_base = "{scripted_server.url}/v1"\n'
                       'api_key_env = "PROXYVISOR_TEST_KEY"\n', encoding="utf-8")
@@ -84,7 +84,7 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
     assert ("".join(lines[:2]) + "[… 696 lines omitted: original lines 3-698 …]\n" + "".join(lines[698:703])
             + "[… 795 lines omitted: original lines 704-1498 …]\n" + "".join(lines[1498:]) + "---\n") in out
     assert "kept 9 of 1500 original lines relevant to the current task" in out and f"full original at {log}" in out
-    (request,) = [body for path, body, _ in scripted_server.script.requests if path.endswith("/chat/completions")]
+    (request,) = scripted_server.script.condenser_requests
     sent = json.loads(request)
     assert sent["model"] == "scripted-model" and sent["temperature"] == 0.0
     assert sent["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}

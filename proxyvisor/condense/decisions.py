@@ -19,9 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import diskcache
-
-from ..store import private_dir
+from ..adapters.cache import open_cache
 
 CONDENSE_VERSION = "1"
 EXPIRE_S = 7 * 24 * 3600.0
@@ -61,12 +59,12 @@ def decision_key(session: str, call_id: str, text: str) -> str:
 
 
 class DecisionCache:
-    """Decisions in a diskcache folder (created 0700). Thread-safe and process-safe, as diskcache is; the
+    """Decisions in a diskcache folder (0700, its files 0600). Thread-safe and process-safe, as diskcache is; the
     calls are blocking SQLite operations, so trio code runs them in a worker thread."""
 
     def __init__(self, directory: Path, expire_s: float = EXPIRE_S) -> None:
         self.expire_s = expire_s
-        self._cache = diskcache.Cache(str(private_dir(Path(directory))), size_limit=SIZE_LIMIT)
+        self._cache = open_cache(Path(directory), size_limit=SIZE_LIMIT)  # files 0600 whatever the umask
 
     def get(self, key: str) -> Decision | None:
         raw = self._cache.get(key)

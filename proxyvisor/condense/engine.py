@@ -13,6 +13,9 @@ For the tool results of one request (:class:`ToolResult`, format-independent), :
 A condenser that fails, times out (``timeout_s``) or answers nothing usable leaves the whole round untouched;
 one bad entry leaves only its own result untouched. Cancellation (the client hung up) propagates and settles
 nothing, so the next request decides afresh. No result smaller than the threshold is ever shown to the condenser.
+
+:meth:`CondenseEngine.recall` is the other half, for the results of earlier rounds that a request carries again:
+it only looks up the decisions already made and never makes one, so a result that went upstream whole stays whole.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ log = logging.getLogger("proxyvisor.condense")
 MIN_THRESHOLD = 512
 """The threshold's floor in tokens (seed 003): smaller results are never worth a model call."""
 _TOKEN_MEMO = 16_384
+_DECISION_MEMO = 65_536
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,16 @@ class CondenseEngine:
         self.adaptive = AdaptiveThresholds()
         # Token counts of results seen below the threshold, which get no decision but come back every request.
         self._tokens: OrderedDict[str, int] = OrderedDict()
+        # Every request re-sends the session's earlier results: their decisions (None: there is none) by key, so
+        # a request costs a hash per result rather than a cache read.
+        self._known: OrderedDict[str, Decision | None] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Whether rounds can condense at all: enabled, a threshold above 0 and a condenser."""
+        return (self.settings.enabled and effective_threshold(self.settings.tokens_threshold) is not None
+                and self.condenser is not None)
 
     async def run_round(self, session: str, results: Sequence[ToolResult], context: TaskContext) -> RoundReport:
         """Decide the model's copy of each of ``results`` (see the module docstring).
@@ -118,7 +131,7 @@ class CondenseEngine:
         """
         report = RoundReport()
         baseline = effective_threshold(self.settings.tokens_threshold)
-        if not self.settings.enabled or baseline is None or self.condenser is None:
+        if not self.active or baseline is None:
             return report
         state = self.adaptive.for_session(session, baseline, self.model_name) if self.settings.adaptive else None
         threshold = max(state.threshold, MIN_THRESHOLD) if state else baseline
@@ -162,6 +175,44 @@ class CondenseEngine:
             settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
             report.decisions.update({c: settled[keys[c]] for c in fresh})
         return report
+
+    async def recall(self, session: str, results: Sequence[ToolResult]) -> dict[str, Decision]:
+        """The decisions already made for ``results`` (by call id), for re-applying them byte-identically;
+        a result without one (it went upstream whole, or was never large enough) is absent. Makes no decision and
+        calls no model; never raises for a cache problem (the result is then absent: it stays whole)."""
+        if not self.active or self.cache is None:
+            return {}
+        # Tokens never exceed 4 per character (UTF-8 bytes): shorter results cannot have had a decision.
+        large = [r for r in results if len(r.text) * 4 > MIN_THRESHOLD]
+        if not large:
+            return {}
+        return await trio.to_thread.run_sync(self._recall, session, large)
+
+    def _recall(self, session: str, results: list[ToolResult]) -> dict[str, Decision]:
+        found: dict[str, Decision] = {}
+        for result in results:
+            key = decision_key(session, result.call_id, result.text)
+            with self._lock:
+                hit = key in self._known
+                decision = self._known.get(key)
+            if not hit:
+                assert self.cache is not None
+                try:
+                    decision = self.cache.get(key)
+                except Exception as exc:  # noqa: BLE001 - a broken cache leaves results whole, never fails a request
+                    log.warning("condense cache read failed: %s", exc)
+                    continue
+                self._remember(key, decision)
+            if decision is not None:
+                found[result.call_id] = decision
+        return found
+
+    def _remember(self, key: str, decision: Decision | None) -> None:
+        with self._lock:
+            self._known.pop(key, None)
+            self._known[key] = decision
+            while len(self._known) > _DECISION_MEMO:
+                self._known.popitem(last=False)
 
     async def _condense(self, session: str, chosen: list[tuple[ToolResult, int]], context: TaskContext,
                         report: RoundReport, keys: dict[str, str]) -> dict[str, Decision]:
@@ -219,6 +270,7 @@ class CondenseEngine:
             key = keys[result.call_id]
             decision = self.cache.get(key) if self.cache is not None else None
             if decision is not None:
+                self._remember(key, decision)
                 known[key] = decision
                 continue
             with self._lock:
@@ -234,7 +286,10 @@ class CondenseEngine:
 
     def _settle(self, decisions: dict[str, Decision]) -> dict[str, Decision]:
         assert self.cache is not None
-        return {key: self.cache.settle(key, d) for key, d in decisions.items()}
+        settled = {key: self.cache.settle(key, d) for key, d in decisions.items()}
+        for key, decision in settled.items():
+            self._remember(key, decision)
+        return settled
 
 
 def _untouched(reason: str, tokens: int, text: str) -> Decision:

@@ -27,7 +27,7 @@ class SpillStore:
 
     def path_for(self, session: str, tool: str, digest: str) -> Path:
         """The absolute spill path for a result of ``tool`` whose content hash is ``digest`` (hex)."""
-        folder = _UNSAFE.sub("_", session)[:128] or "_"
+        folder = _UNSAFE.sub("_", session)[:128].lstrip(".") or "_"  # never "." or "..": stay under root
         name = (_UNSAFE.sub("_", tool).strip("._")[:40] or "tool") + f"-{digest[:16]}.txt"
         return self.root.resolve() / folder / name
 

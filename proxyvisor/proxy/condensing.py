@@ -1,0 +1,195 @@
+"""Condensing the tool results of a supervised request: the proxy side of :mod:`proxyvisor.condense`.
+
+Two steps per request, around the supervisor's other edits (``proxyvisor.proxy.supervise``):
+
+1. :meth:`RequestCondenser.collect` (before proxyvisor adds anything to the body) reads the agent's own history,
+   in any format, through ``WireFormat.history`` and ``WireFormat.message``: the tool results of the **latest
+   round** (those after the last assistant item: the ones the agent sends for the first time), the earlier ones,
+   and the trusted task context (system prompt, first and latest user messages, the assistant text sent with the
+   latest tool calls).
+2. :meth:`RequestCondenser.apply` (before forwarding) runs one condense round for the latest results (at most one
+   condenser call, only for results without a decision yet), recalls the decisions made for the earlier ones on
+   the requests where they were latest (never deciding anew, so a result that went upstream whole stays whole,
+   and a narrowed one gets the identical bytes on every later request), and writes the narrowed texts into the
+   upstream body with ``WireFormat.replace_tool_results``: only the text of those results changes, so no tool
+   call is separated from its result and nothing is reordered. The agent's own copy is never touched.
+
+What is left alone, failing open: results holding anything besides text (images, documents, JSON blocks), results
+whose call id is missing or shared by several results, and every result of an agent that cannot read a spill file
+back (:func:`can_read_back`). A condenser that fails or times out leaves the round whole (logged by the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..condense import CondenseEngine, Decision, DecisionCache, SpillStore, TaskContext, ToolResult
+from ..condense.engine import MIN_THRESHOLD
+from ..condense.model import Condenser
+from ..config import SupervisorConfig
+from .formats import ToolSpec, WireFormat
+from .formats.transcript import Message
+
+log = logging.getLogger("proxyvisor.condense")
+
+READ_TOOLS = frozenset({"read", "read_file", "readfile", "view", "view_file", "open", "open_file", "cat",
+                        "read_many_files", "extract_lines", "text_editor", "str_replace_editor",
+                        "str_replace_based_edit_tool"})
+"""Tool names (compared in lower case) that read a file: Claude Code ``Read``, opencode ``read``, Gemini CLI
+``read_file``, OpenHands' and SWE-agent's editors (``view``), seed 003's ``view``/``text_editor``/``extract_lines``."""
+SHELL_TOOLS = frozenset({"bash", "sh", "shell", "zsh", "terminal", "exec_command", "execute_bash", "execute_command",
+                         "run_command", "run_shell_command", "run_terminal_cmd", "shell_command", "local_shell"})
+"""Shell tools (lower case), which read a file with ``sed -n 'A,Bp' PATH``: Claude Code ``Bash``, Codex
+``exec_command``, Gemini CLI ``run_shell_command``, mini-swe-agent and opencode ``bash``, OpenHands ``execute_bash``."""
+
+
+def can_read_back(tools: Sequence[ToolSpec]) -> bool:
+    """Whether an agent offering ``tools`` can read a spill file back, so a result may be condensed.
+
+    The rule (seed 003 asks for a local file-reading tool): a tool named as in :data:`READ_TOOLS` or
+    :data:`SHELL_TOOLS`, ignoring case, or any tool taking a free-form ``command`` or ``cmd`` argument (a string
+    or a list of strings without an ``enum``), which is how shell tools under other names look. The spill file is
+    on the proxy's machine, so this assumes the agent runs there too (proxyvisor listens on loopback by default);
+    turn ``[supervisor.condense] enabled`` off for an agent that does not.
+    """
+    for tool in tools:
+        name = tool.name.lower()
+        if name in READ_TOOLS or name in SHELL_TOOLS:
+            return True
+        properties = tool.schema.get("properties") if isinstance(tool.schema, dict) else None
+        for key in ("command", "cmd"):
+            spec = properties.get(key) if isinstance(properties, dict) else None
+            if isinstance(spec, dict) and "enum" not in spec and spec.get("type") in ("string", "array"):
+                return True
+    return False
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What :meth:`RequestCondenser.collect` found: the ``latest`` round's results, the ``earlier`` ones, and the
+    ``context`` for the condenser."""
+
+    latest: list[ToolResult]
+    earlier: list[ToolResult]
+    context: TaskContext
+
+
+@dataclass(frozen=True)
+class Condensed:
+    """The decision for one result of the latest round (made now or on an earlier request): its ``call_id``,
+    ``tool`` name and :class:`~proxyvisor.condense.Decision`."""
+
+    call_id: str
+    tool: str
+    decision: Decision
+
+
+@dataclass
+class CondenseRecord:
+    """What condensing did for one request: ``round``, the decisions for the latest round's results (each result
+    above the threshold; ``decision.text`` None when it stays whole); ``new``, how many were made on this request;
+    ``condenser_called``; ``failure``, why the round gave nothing (empty when it did); ``applied``, the narrowed
+    results in the upstream body (this round's and earlier ones); ``saved_tokens``, the tokens they saved in it."""
+
+    round: list[Condensed] = field(default_factory=list)
+    new: int = 0
+    condenser_called: bool = False
+    failure: str = ""
+    applied: int = 0
+    saved_tokens: int = 0
+
+
+class RequestCondenser:
+    """The request side of condensing for every session of a proxy, over one :class:`CondenseEngine`."""
+
+    def __init__(self, engine: CondenseEngine) -> None:
+        self.engine = engine
+
+    def collect(self, fmt: WireFormat, body: dict[str, Any]) -> Pending | None:
+        """Read ``body`` (a request in ``fmt``, as the agent sent it); None when there is nothing to do: condensing
+        is off, the agent cannot read a spill back, or no result is large enough to have a decision."""
+        if not self.engine.active or not can_read_back(fmt.tools(body)):
+            return None
+        messages = [fmt.message(item) for item in fmt.history(body)]
+        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        uses = {use.id: use for m in messages for use in m.tool_uses}
+        ids = Counter(out.call_id for m in messages for out in m.tool_outputs)
+        latest: list[ToolResult] = []
+        earlier: list[ToolResult] = []
+        for index, message in enumerate(messages):
+            for out in message.tool_outputs:
+                # A short text has no decision to find: at most 4 tokens per character.
+                if out.structured or not out.call_id or ids[out.call_id] > 1 or len(out.text) * 4 <= MIN_THRESHOLD:
+                    continue
+                use = uses.get(out.call_id)
+                result = ToolResult(out.call_id, use.name if use and use.name else "tool", out.text,
+                                    out.is_error is True, _arguments(use.arguments) if use else "")
+                (latest if index > last else earlier).append(result)
+        if not latest and not earlier:
+            return None
+        return Pending(latest, earlier, _context(fmt, body, messages, last))
+
+    async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending) -> CondenseRecord:
+        """Condense the latest round of ``pending`` for ``session``, recall the earlier decisions, and put every
+        narrowed text into ``body`` (the upstream body, in place). Returns what was done. Never raises for a
+        condenser, cache or spill problem (the results concerned stay whole, logged); cancellation propagates
+        with ``body`` untouched."""
+        record = CondenseRecord()
+        try:
+            report = await self.engine.run_round(session, pending.latest, pending.context)
+            earlier = await self.engine.recall(session, pending.earlier)
+        except Exception as exc:  # noqa: BLE001 - condensing must never cost the agent its request
+            log.exception("condensing failed for session %s; its tool results go upstream whole", session)
+            record.failure = f"{type(exc).__name__}: {exc}"
+            return record
+        record.round = [Condensed(r.call_id, r.tool, report.decisions[r.call_id]) for r in pending.latest
+                        if r.call_id in report.decisions]
+        record.new, record.condenser_called, record.failure = report.new, report.condenser_called, report.failure
+        decisions = {**earlier, **report.decisions}
+        texts = {call_id: d.text for call_id, d in decisions.items() if d.text is not None}
+        if texts:
+            done = fmt.replace_tool_results(body, texts)
+            record.applied = len(done)
+            record.saved_tokens = sum(decisions[c].tokens_before - decisions[c].tokens_after for c in done)
+        return record
+
+
+def request_condenser(settings: SupervisorConfig, state_dir: Path | None,
+                      condenser: Condenser | None) -> RequestCondenser | None:
+    """The request condenser of a proxy: spill files in ``{state_dir}/spill``, decisions in
+    ``{state_dir}/condense``. None (condensing off) without a ``condenser``, without a state directory (nothing
+    may be written) or with ``[supervisor.condense] enabled = false``."""
+    if condenser is None or state_dir is None or not settings.condense.enabled:
+        return None
+    engine = CondenseEngine(settings.condense, condenser, spill=SpillStore(state_dir / "spill"),
+                            cache=DecisionCache(state_dir / "condense"), model_name=settings.model.name)
+    return RequestCondenser(engine)
+
+
+def _arguments(arguments: dict[str, Any]) -> str:
+    if set(arguments) == {"raw"} and isinstance(arguments["raw"], str):
+        return arguments["raw"]  # not JSON: kept as the model wrote it (formats.base.args_of)
+    return orjson.dumps(arguments).decode()
+
+
+def _context(fmt: WireFormat, body: dict[str, Any], messages: list[Message], last: int) -> TaskContext:
+    """The trusted task context: the system prompt, the first user message as the goal, the latest user message
+    as the current request (when it is not the first), and, as the round's intent, the text of the assistant
+    turn that made the latest tool calls (a turn spans several items in the Responses format)."""
+    system, goal = fmt.fingerprint_parts(body)
+    request = next((m.text for m in reversed(messages) if m.role == "user" and m.text), "")
+    intent: list[str] = []
+    index = last
+    while index >= 0 and messages[index].role in ("assistant", "other"):
+        if messages[index].text:
+            intent.append(messages[index].text)
+        index -= 1
+    return TaskContext(agent_context=system, goal=goal, request="" if request == goal else request,
+                       intent="\n".join(reversed(intent)))
