@@ -1,0 +1,105 @@
+"""The delegation part of ``proxyvisor demo``: a child role, and a pool's breaker opening and closing again.
+
+The demo's own policy turns delegation on for one role, ``reviewer``, on the ``scripted`` adapter (no key, no
+network), whatever the configuration says. The same example agent asks four times for a review; the scripted
+parent model calls the ``reviewer`` delegation tool each time, and the child's scripted model answers:
+
+1. with a review: the proxy runs the child, continues the turn with its result, and the agent sees only the
+   parent's continued answer; the request's ledger line carries the child's evidence;
+2. with a 429 and ``Retry-After: 1``: the child's failure goes back to the parent model as an error result, and
+   the pool ``scripted:scripted`` cools down for that second;
+3. not at all: the pool is cooling, so the proxy refuses the delegation without starting a child;
+4. after the cooldown, with a review again: this child is the pool's one half-open probe, and its success makes
+   the pool healthy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import httpx
+import trio
+from rich.console import Console
+
+from .config import Config, ModelRoutingConfig, RoleConfig
+from .demo import agent_turn
+from .proxy.formats import WireFormat
+from .proxy.service import running
+from .store import Store
+
+ROLE = RoleConfig("reviewer", adapter="scripted", description="Reviews a file and reports what is wrong with it.")
+TASK = "Have app.py reviewed, then tell me what the reviewer said."
+COOLDOWN_S = 1
+
+
+def _call(n: int) -> dict[str, Any]:
+    return {"text": "I will ask the reviewer.\n",
+            "tool_calls": [{"name": "reviewer", "arguments": {"prompt": "Review app.py and list its problems."},
+                            "id": f"call_review_{n}"}]}
+
+
+ROUNDS: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = [
+    ("a review", [_call(1), {"text": "The reviewer says app.py is fine, but wants a test for empty input."}],
+     {"text": "app.py is fine; add a test for empty input."}),
+    ("a rate limit", [_call(2), {"text": "The reviewer is rate-limited just now; I will go on without it."}],
+     {"fault": {"status": 429, "retry_after": str(COOLDOWN_S), "message": "rate limit exceeded"}}),
+    ("a cooling pool", [_call(3), {"text": "The reviewer is still cooling down; I will try again later."}], None),
+    ("the half-open probe", [_call(4), {"text": "The reviewer is back: app.py is fine."}],
+     {"text": "app.py is fine."}),
+]
+
+
+def demo_config(config: Config) -> Config:
+    """``config`` with the demo's routing policy: delegation on, the one ``reviewer`` role on ``scripted``."""
+    routing = dataclasses.replace(ModelRoutingConfig(), enabled=True, roles=(ROLE,),
+                                  adapters_dir=config.model_routing.adapters_dir)
+    return dataclasses.replace(config, model_routing=routing).with_overrides(supervisor={"enabled": True})
+
+
+async def run_delegating_agent(config: Config, store: Store, fmt: WireFormat, console: Console) -> None:
+    """The four rounds of the module docstring, printed as they happen."""
+    session = f"demo-delegate-{fmt.name}-{int(time.time())}"
+    async with running(demo_config(config), port=0, store=store) as proxy:
+        parent = proxy.scripted[next(iter(proxy.scripted))]
+        child = proxy.pipeline.delegation.delegator.runtime("scripted").upstream
+        health = proxy.pipeline.delegation.delegator.health
+        console.print(f"[bold]An agent whose model delegates to a child role[/bold]  ({fmt.label}, streaming)")
+        console.print("  role [cyan]reviewer[/cyan] on the scripted adapter: the model is offered one tool, "
+                      "'reviewer', whose input is a prompt; the proxy runs the child, never the agent")
+        async with httpx.AsyncClient(timeout=60) as client:
+            for number, (what, steps, child_step) in enumerate(ROUNDS, 1):
+                if number == len(ROUNDS):
+                    recovery = health.get("scripted:scripted").recovery_at(time.time())
+                    wait = max(0.0, recovery - time.time()) if recovery else 0.0
+                    console.print(f"  [dim]... {wait:.1f} s until the pool's cooldown runs out[/dim]")
+                    await trio.sleep(wait + 0.05)
+                parent.queue(*steps)
+                if child_step is not None:
+                    child.queue(child_step)
+                console.print(f"  round {number} ({what})\n  [cyan]user[/cyan]       {TASK}")
+                messages = [{"role": "system", "content": "You are a careful coding agent."},
+                            {"role": "user", "content": TASK}]
+                turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, messages)
+                calls = ", ".join(c.name for c in turn.tool_calls) or "none"
+                console.print(f"  [magenta]model[/magenta]      answers: {' '.join(turn.text.split())}  "
+                              f"[dim](status {status}; tool calls the agent saw: {calls})[/dim]")
+                for d in store.read_ledger(session)[-1].get("delegations", ()):
+                    _show(d, console)
+                pool = health.get("scripted:scripted")
+                recovery = pool.recovery_at(time.time())
+                until = f", recovers in {recovery - time.time():.1f} s" if recovery else ""
+                console.print(f"  [red]breaker[/red]    pool scripted:scripted is {pool.effective_state(time.time())}"
+                              f"{until}")
+    console.print("  the agent never saw a call of 'reviewer': each turn came back as the model's continued answer")
+
+
+def _show(d: dict[str, Any], console: Console) -> None:
+    probe = ", the half-open probe" if d.get("health_probe") else ""
+    error = f"; {d['error_category']}" if d.get("error_category") else ""
+    wait = f", retry after {d['retry_after_s']} s" if d.get("retry_after_s") else ""
+    console.print(f"  [red]supervisor[/red] ran {d['role']}: {d['status']}{error}{wait}\n"
+                  f"             on {d.get('gen_ai.provider.name')} / {d.get('gen_ai.request.model')}, pool "
+                  f"{d.get('capacity_scope')} {d.get('health_state')} at dispatch{probe}\n"
+                  f"             trace {d.get('trace_id')}")

@@ -1,0 +1,201 @@
+"""Delegation in the proxy: one tool per role offered to the model, run by proxyvisor, never by the agent.
+
+With supervision on and ``[model_routing] enabled`` (both gates, seed 000), :class:`ProxyDelegation` serves:
+
+- **the delegation tools** (seed 001): each role the conversation's agent may delegate to (a role no other role
+  supervises, seed 004) becomes one tool named after the role, described by the role's ``description``, whose
+  input is ``{"prompt": string}`` and nothing else: no parent context passes through. They are added after the
+  agent's own tools on a request that offers tools, ends with a user message or tool results, and to which the
+  policy applies (:func:`~proxyvisor.adapters.routing.is_supervised`: a proxied request carries no complexity,
+  so under ``adaptive`` none is offered). A role named like one of the agent's tools is not offered (logged
+  once): the agent's tool wins.
+- **the turn** (:class:`DelegationTurn`): when the model calls a delegation tool, proxyvisor runs the child
+  itself (:class:`~proxyvisor.adapters.delegate.Delegator`: route, breaker, clocks, claim check, evidence), one
+  child per call, the calls of one response in parallel under one budget, and continues the turn upstream with
+  the shaped results (:mod:`proxyvisor.proxy.continuation`). The agent sees only the model's continued answer.
+  Ordinary tool calls in the same response as a delegation call are left out of the continuation (the model
+  calls them again if it still needs them); on a stream, those that reached the agent before the delegation call
+  stay in its answer, and the agent runs them. What the upstream saw beyond the agent's history is re-inserted
+  at the same place in the agent's later requests (``Delegated``, :mod:`proxyvisor.proxy.supervise`), so the
+  upstream prefix stays stable. Every child shares one trace with the request: the agent's W3C ``traceparent``
+  header when it sends one, else a fresh trace.
+- **``POST /proxyvisor/delegate``**: ``{"role", "prompt"}`` (optional ``complexity``, ``caller`` (the delegating
+  role, for nested delegation along the supervision graph), ``adapter``/``model``/``effort`` overrides) runs one
+  child and answers :meth:`~proxyvisor.adapters.delegate.Delegation.as_dict`; a ``traceparent`` header makes
+  the child join that trace (a nested proxyvisor, a child agent). Status: 200 when a result is given (including
+  a failed child's, ``skipped`` and ``unsupervised``), 400 invalid, 429 with ``Retry-After`` when every pool is
+  cooling, 503 for the parallel cap or the budget.
+
+Each delegation's status, record id and evidence attributes go into the request's ledger line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+import trio
+
+from ..adapters.children import Budget
+from ..adapters.delegate import INVALID_STATUS, REFUSED, Delegator
+from ..adapters.failures import CAPACITY
+from ..adapters.graph import ROOT, may_delegate
+from ..adapters.results import child_traceparent
+from ..adapters.routing import is_supervised
+from ..config import COMPLEXITY, Config, RoleConfig, RouteTarget
+from .continuation import Continuation, Resend
+from .formats import CHAT, ToolSpec, WireFormat
+from .formats.base import CallResult
+from .server import Request, Response
+from .supervise import Delegated
+
+log = logging.getLogger("proxyvisor.delegation")
+
+ROUNDS = 4
+"""Times one agent request's turn may be continued after delegations (each round: the calls of one response)."""
+DELEGATED = 64
+"""Delegations kept per thread for re-insertion; past it the oldest is no longer re-inserted (one cache miss)."""
+PROMPT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"prompt": {"type": "string", "description": "The complete task for the sub-agent: everything "
+                                                               "it needs to know, since it sees nothing else."}},
+    "required": ["prompt"],
+    "additionalProperties": False,
+}
+_JSON = [(b"content-type", b"application/json")]
+
+
+def tool_for(role: RoleConfig) -> ToolSpec:
+    """The delegation tool of ``role`` (seed 001: named after the role, described by its description)."""
+    about = role.description.strip() or f"The {role.name} sub-agent."
+    return ToolSpec(role.name, PROMPT_SCHEMA,
+                    f"{about}\n\nDelegates a task to the '{role.name}' sub-agent, which works on it alone and returns "
+                    "its answer. It sees nothing of this conversation: put everything it needs in `prompt`.")
+
+
+class ProxyDelegation:
+    """Delegation for one proxy (module docstring). ``state_dir`` holds pool health and claim checks."""
+
+    def __init__(self, config: Config, state_dir: Path | None = None) -> None:
+        self.routing = config.model_routing
+        self.delegator = Delegator(config, state_dir=state_dir)
+        edges = {r.name: r.supervises for r in self.routing.roles}
+        self.tools = [tool_for(r) for r in self.routing.roles if may_delegate(edges, ROOT, r.name)]
+        self.offered = bool(self.tools) and is_supervised(self.routing)
+        self._clashes: set[str] = set()
+
+    def close(self) -> None:
+        self.delegator.close()
+
+    def turn(self, exchange: Any, traceparent: str | None = None) -> DelegationTurn | None:
+        """Offer the delegation tools on ``exchange.body`` (in place) and return the request's turn, or None when
+        this request gets none (module docstring)."""
+        if not self.offered or exchange.tail is None or exchange.tail[2] not in ("user", "tool"):
+            return None
+        own = {t.name for t in exchange.fmt.tools(exchange.body)}
+        if not own:
+            return None
+        tools = [t for t in self.tools if t.name not in own]
+        for clash in {t.name for t in self.tools} & own - self._clashes:
+            self._clashes.add(clash)
+            log.warning("the agent has a tool named %r: the delegation tool of role %r is not offered to it",
+                        clash, clash)
+        if not tools:
+            return None
+        exchange.fmt.add_tools(exchange.body, tools)
+        return DelegationTurn(self, exchange, frozenset(t.name for t in tools), traceparent)
+
+    async def endpoint(self, request: Request) -> Response:
+        """``POST /proxyvisor/delegate`` (module docstring)."""
+        try:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(data, dict):
+            return _error(400, "request body must be a JSON object")
+        strings = ("role", "prompt", "complexity", "caller", "adapter", "model", "effort")
+        bad = [k for k in strings if k in data and not isinstance(data[k], str)]
+        unknown = sorted(set(data) - set(strings))
+        if bad or unknown or not data.get("role") or not data.get("prompt"):
+            return _error(400, f"expected {{\"role\": ..., \"prompt\": ...}} with optional {', '.join(strings[2:])} "
+                               f"(strings); got {'unknown keys ' + ', '.join(unknown) if unknown else 'bad values'}")
+        if data.get("complexity") and data["complexity"] not in COMPLEXITY:
+            return _error(400, f"complexity must be one of {', '.join(COMPLEXITY)}")
+        result = await self.delegator.delegate(
+            data["role"], data["prompt"], caller=data.get("caller") or ROOT, complexity=data.get("complexity") or None,
+            override=RouteTarget(data.get("adapter", ""), data.get("model", ""), data.get("effort", "")),
+            traceparent=request.header("traceparent"))
+        status, headers = 200, list(_JSON)
+        if result.status == INVALID_STATUS:
+            status = 400
+        elif result.status == REFUSED:
+            status = 429 if result.evidence.get("error_category") == CAPACITY else 503
+            wait = result.evidence.get("retry_after_s")
+            if status == 429:
+                headers.append((b"retry-after", str(max(1, math.ceil(wait or 1))).encode()))
+        return Response(status, headers, orjson.dumps(result.as_dict()))
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(status, list(_JSON), CHAT.error_body(status, message))
+
+
+class DelegationTurn:
+    """The delegations of one agent request: runs the children the model asks for and builds the items the turn
+    continues with. ``results`` holds, per delegation, its status, record id and evidence (for the ledger)."""
+
+    def __init__(self, owner: ProxyDelegation, exchange: Any, names: frozenset[str],
+                 traceparent: str | None) -> None:
+        self.owner = owner
+        self.exchange = exchange
+        self.fmt: WireFormat = exchange.fmt
+        self.names = names
+        self.trace = child_traceparent(traceparent)
+        """This request's span: a child of the agent's own when it sent a valid ``traceparent``."""
+        self.budget = Budget(owner.routing.children.budget_tokens)
+        self.items: list[Any] = []
+        self.results: list[dict[str, Any]] = []
+
+    def continuation(self, resend: Resend, background: trio.Nursery | None = None) -> Continuation:
+        """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls."""
+        return Continuation(self.fmt, self.exchange.body, resend, self.names.__contains__, self.step, ROUNDS,
+                            background)
+
+    async def step(self, response: dict[str, Any]) -> list[Any]:
+        """Run every delegation call of ``response`` (in parallel, one budget) and return the items that carry
+        the response and the results on; also records them for re-insertion into later requests."""
+        calls = [c for c in self.fmt.parse_response(response).tool_calls if c.name in self.names]
+        results: list[CallResult] = [CallResult(c.id, "") for c in calls]
+
+        async def run(index: int) -> None:
+            results[index] = await self._delegate(calls[index].name, calls[index].id, calls[index].arguments)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(calls)):
+                nursery.start_soon(run, index)
+        items = self.fmt.assistant_items(response, self.names.__contains__) + self.fmt.tool_results(results)
+        self._remember(items)
+        return items
+
+    async def _delegate(self, role: str, call_id: str, arguments: dict[str, Any]) -> CallResult:
+        prompt = arguments.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            self.results.append({"role": role, "call_id": call_id, "status": INVALID_STATUS})
+            return CallResult(call_id, f"Tool '{role}' failed: invalid: the input must be {{\"prompt\": \"...\"}} "
+                                       "with the whole task as a non-empty string", True)
+        done = await self.owner.delegator.delegate(role, prompt, traceparent=self.trace, budget=self.budget)
+        self.results.append({"role": role, "call_id": call_id, "status": done.status, "record_id": done.record_id,
+                             **done.evidence})
+        log.info("delegated to %s (%s): %s on %s", role, call_id, done.status,
+                 done.evidence.get("capacity_scope") or "-")
+        return CallResult(call_id, done.result.as_text(), done.result.is_error)
+
+    def _remember(self, items: list[Any]) -> None:
+        index, anchor, _role = self.exchange.tail
+        self.items = self.items + items
+        thread = self.exchange.thread
+        thread.delegated = ([d for d in thread.delegated if d.index != index]
+                            + [Delegated(index, anchor, self.items)])[-DELEGATED:]
