@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
             the three wire formats, streaming, and show what passed through: the requests, the tool call the
             model made, the tool result the agent sent back, the final answer, the proxy's overhead and the
             session ledger. Then an agent that loops: the model's self-report (hidden from the agent), the
-            loop detector firing, and the steer note that ends the loop. Needs no API key and no network.
+            loop detector firing, and the steer note that ends the loop. Then a model that delegates review
+            work to a child role (the proxy runs the child and continues the turn), and the child's pool
+            cooling down on a 429 and recovering through its half-open probe. Needs no API key and no network.
             """), epilog=_FILES)
     demo.add_argument("--format", choices=["chat", "messages", "responses", "all"], default="all",
                       help="which wire format(s) to show (default: %(default)s)")
@@ -151,12 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
             assistant turn. Prints a timeline, one line per round (per assistant turn); with supervision on,
             also the state of the reply's self-report, the detectors that fired (signal@line of the round
             they fired at) and the steer note added to the request. --json gives the same as JSON lines.
+
+            With --condense, oversized tool results are condensed as the proxy would: with the model of
+            [supervisor.model], or, when none is configured, the scripted upstream's own condenser (a fixed
+            policy: the head and tail lines and those mentioning the call's terms, plus every diagnostic
+            line; no key). Each round then shows the decision for its oversized results (tokens before and
+            after, the spill file holding the original) and the tokens the narrowed results saved in that
+            request.
             """), epilog=_FILES)
     replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
     replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
                         help="wire format to send the history in (default: %(default)s)")
     replay.add_argument("--stream", action="store_true", help="send streaming requests")
     replay.add_argument("--json", action="store_true", help="print the timeline as JSON lines")
+    replay.add_argument("--condense", action="store_true",
+                        help="condense oversized tool results ([supervisor.model], else the scripted condenser)")
     _supervision_flags(replay)
     _common(replay)
 
@@ -254,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "replay":
             from .replay import replay_command
 
-            return replay_command(config, args.file, args.format, args.stream, args.json)
+            return replay_command(config, args.file, args.format, args.stream, args.json, args.condense)
         if args.command == "condense":
             from .condense.offline import condense_command
 

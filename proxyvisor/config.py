@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,10 @@ class ModelConfig:
 
     ``name`` is a litellm model id (``"anthropic/claude-haiku-4-5"``, ``"openai/gpt-4.1-mini"``); empty means no
     supervisor model, and every feature that needs one stands aside. ``api_key_env`` names the environment
-    variable holding the key (empty: litellm's own variables, e.g. ``ANTHROPIC_API_KEY``). Empty
-    ``reasoning_effort`` sends none; ``top_p`` is sent only when below 1. The defaults follow seed 003's profile.
+    variable holding the key (empty: litellm's own variables, e.g. ``ANTHROPIC_API_KEY``). ``api_base =
+    "scripted:"`` is the first embedded scripted upstream, which answers condenser calls with a fixed policy (no
+    key, no network: the demo's). Empty ``reasoning_effort`` sends none; ``top_p`` is sent only when below 1. The
+    defaults follow seed 003's profile.
     """
 
     name: str = ""
@@ -134,6 +137,7 @@ COMPLEXITY = ("CLEAR", "COMPLICATED", "COMPLEX", "CHAOTIC")
 """Complexity ranks, lowest first (seed 000). A request with no complexity is below every gate."""
 ROUTING_MODES = ("explicit", "adaptive", "suggest")
 FALLBACK_POLICIES = ("fail_closed", "same_adapter_default", "next_eligible")
+ROLE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,10 @@ def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_rou
         raise ConfigError(f"{where}.children stop_grace_s and claim_retention_s must be > 0")
     if k.claim_check_chars < 1000 or k.budget_tokens < 0:
         raise ConfigError(f"{where}.children claim_check_chars must be >= 1000 and budget_tokens >= 0")
+    bad = [r.name for r in routing.roles if not ROLE_NAME.match(r.name)]
+    if bad:
+        raise ConfigError(f"{where}.roles: each role becomes a delegation tool named after it, so a role name is 1-64 "
+                          f"of A-Z, a-z, 0-9, _ and - (the tool-name rule of the model APIs); got {', '.join(bad)}")
     try:
         check_graph({r.name: r.supervises for r in routing.roles}, routing.max_depth)
     except GraphError as exc:
@@ -449,6 +457,9 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{where}: [upstreams.{u.name}] {key} must be > 0")
     if config.state.session_idle_s <= 0 or config.state.max_sessions < 1:
         raise ConfigError(f"{where}: [state] session_idle_s must be > 0 and max_sessions >= 1")
+    if config.supervisor.model.api_base == SCRIPTED_URL and not any(u.scripted for u in config.upstreams):
+        raise ConfigError(f"{where}: [supervisor.model] api_base = {SCRIPTED_URL!r} is the embedded scripted "
+                          f"upstream, but no [upstreams.NAME] has url = {SCRIPTED_URL!r}")
     validate_supervisor(config.supervisor, f"{where}: [supervisor]")
     validate_model_routing(config.model_routing, f"{where}: [model_routing]")
 

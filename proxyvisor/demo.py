@@ -9,6 +9,14 @@ Then the same agent gets stuck: the scripted model keeps checking a build status
 each turn with its self-report. The demo shows the self-report the proxy read (and removed: the agent never
 sees it), the loop detector firing on the third identical round, the steer note the proxy added to the next
 request, and the model answering that note by handing back instead of polling on.
+
+Last, the agent reads a test log of about 2,000 lines. The proxy condenses the model's copy of it (the agent's
+own copy is untouched): the demo shows the tokens before and after, the spill file holding the full original,
+and the narrowed text the model got, whose kept lines are the log's own. With no ``[supervisor.model]``
+configured, the embedded scripted upstream is the condenser (``proxyvisor.adapters.scripted_condenser``).
+
+Then delegation (``proxyvisor.demo_delegation``): the model hands review work to a child role, and a child's
+rate limit cools its pool until the half-open probe brings it back.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import httpx
 import trio
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from .condense.model import with_condense
 from .config import Config
 from .detectors.detectors import DESCRIPTIONS
 from .detectors.steer import note_text
@@ -152,6 +162,84 @@ async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console:
     console.print(f"  the agent saw a <sup> token: {'yes' if saw_token else 'no'}")
 
 
+CONDENSE_TASK = "The test suite fails. Find out which test fails and why."
+CONDENSE_SCRIPT = [
+    {"text": "Let me run the test suite and look at the failure.",
+     "tool_calls": [{"name": "bash", "arguments": {"command": "cat test-output.log"}}]},
+    {"text": "One test fails: tests/test_dates.py::test_parse_iso_week, because parse_week('2026-W53') returns "
+             "None where week 53 of 2026 was expected. The other 1,999 tests pass."},
+]
+
+
+def failing_suite_log(tests: int = 2000, failing: int = 1234) -> str:
+    """A pytest-like log: one line per test, a failure in the middle with its traceback, and a summary."""
+    rows = ["============================= test session starts ==============================",
+            "platform linux -- Python 3.11.7, pytest-8.3.2", f"collected {tests} items", ""]
+    for i in range(tests):
+        rows.append(f"tests/test_module_{i // 50:02d}.py::test_case_{i:04d} PASSED"
+                    f"{'':>{8 + i % 5}}[{(i + 1) * 100 // tests:3d}%]")
+        if i == failing:
+            rows[-1] = "tests/test_dates.py::test_parse_iso_week FAILED                         [ 61%]"
+    rows += ["", "=================================== FAILURES ===================================",
+             "___________________________ test_parse_iso_week ___________________________",
+             "    def test_parse_iso_week():",
+             ">       assert parse_week('2026-W53') == Week(2026, 53)",
+             "E       AssertionError: assert None == Week(year=2026, week=53)",
+             "tests/test_dates.py:41: AssertionError",
+             "=========================== short test summary info ============================",
+             "FAILED tests/test_dates.py::test_parse_iso_week - AssertionError: assert None == Week(year=2026, week=53)",
+             f"======================= 1 failed, {tests - 1} passed in 42.17s ======================="]
+    return "\n".join(rows) + "\n"
+
+
+async def run_condensing_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: Console) -> None:
+    """The agent that reads a large log (module docstring): prints what the proxy did to the model's copy."""
+    (workdir / "test-output.log").write_text(failing_suite_log())
+    proxy.scripted[next(iter(proxy.scripted))].queue(*CONDENSE_SCRIPT)
+    session = f"demo-condense-{fmt.name}-{int(time.time())}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
+                                      {"role": "user", "content": CONDENSE_TASK}]
+    console.print(f"[bold]An agent that reads a large tool output[/bold]  ({fmt.label}, streaming)")
+    console.print(f"  [cyan]user[/cyan]       {CONDENSE_TASK}")
+    async with httpx.AsyncClient(timeout=120) as client:
+        for _ in range(3):
+            turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, messages)
+            record = proxy.pipeline.sessions.get(session).supervision.records[-1].condense
+            for done in record.round if record is not None else ():
+                _show_condensed(done, console)
+            if status != 200 or not turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      answers: {_visible(turn.text)}")
+                return
+            messages.append({"role": "assistant", "content": turn.text or None,
+                             "tool_calls": [{"id": c.id, "type": "function",
+                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                                            for c in turn.tool_calls]})
+            for call in turn.tool_calls:
+                console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments})")
+                output = run_tool(str(call.arguments.get("command", "")), workdir)
+                console.print(f"  [green]agent[/green]      runs it: {len(output.splitlines()):,} lines, "
+                              f"{len(output):,} characters, sent back whole")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+
+
+def _show_condensed(done: Any, console: Console) -> None:
+    d = done.decision
+    if d.text is None:
+        console.print(f"  [red]supervisor[/red] left the {done.tool} result whole ({d.reason})")
+        return
+    console.print(f"  [red]supervisor[/red] condensed the {done.tool} result for the model: {d.tokens_before:,} -> "
+                  f"{d.tokens_after:,} tokens\n             {d.kept_lines} of {d.total_lines:,} lines kept verbatim; "
+                  "the agent's own copy is untouched")
+    console.print(f"             full original in {d.spill_path}", no_wrap=True, overflow="ignore", crop=False)
+    console.print("             what the model got:")
+    for line in d.text.splitlines():
+        console.print(Text("             │ ", style="dim") + Text(line), no_wrap=True, overflow="ellipsis")
+
+
+def _visible(text: str) -> str:
+    return text.split("<sup>")[0].strip()
+
+
 def _json(value: Any) -> str:
     import orjson
 
@@ -173,6 +261,14 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
         if proxy.scripted and config.supervisor.enabled:
             await run_looping_agent(proxy, BY_NAME[formats[0]], workdir, console)
             console.print()
+            if proxy.pipeline.supervisor.condenser is not None:
+                await run_condensing_agent(proxy, BY_NAME[formats[0]], workdir, console)
+                console.print()
+    if any(u.scripted for u in config.upstreams):
+        from .demo_delegation import run_delegating_agent  # it builds on this module
+
+        await run_delegating_agent(config, store, BY_NAME[formats[0]], console)
+        console.print()
     table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
     for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms"):
         table.add_column(column, no_wrap=True)
@@ -189,5 +285,7 @@ def demo(config: Config, which: str = "all", console: Console | None = None) -> 
     console = console or Console()
     formats = ["chat", "messages", "responses"] if which == "all" else [which]
     state_dir = Path(config.state.dir) if config.state.dir else Path(tempfile.mkdtemp(prefix="proxyvisor-demo-"))
+    if config.supervisor.condense.enabled:
+        config = with_condense(config)
     trio.run(_demo, config, formats, state_dir, console)
     return 0

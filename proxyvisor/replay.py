@@ -23,6 +23,7 @@ import httpx
 import trio
 
 from .adapters.scripted import ScriptedUpstream
+from .condense.model import Condenser, with_condense
 from .config import Config, ConfigError
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.formats.base import args_of, chat_text
@@ -90,6 +91,13 @@ class Round:
     history completed, as ``signal@position`` (the history position where the round starts: the trajectory's
     line number in the chat format, the item number of the format's own history otherwise); ``steer``, the
     signal whose advisory note was added to this request, and ``steer_note`` its text.
+
+    With condense on: ``condensed``, the decision for each result of the round's tool calls that was large enough
+    to be a candidate (``call_id``, ``tool``, ``reason``: ``condensed``, ``replaced`` or why it stays whole,
+    ``tokens_before``, ``tokens_after``, ``kept_lines``, ``total_lines``, ``spill_path``); ``condense_new``, how many
+    of those were decided on this request (the others come from the decision cache); ``condense_saved_tokens``,
+    the tokens the narrowed results (this round's and earlier ones, re-applied) saved in this request; and
+    ``condense_failure``, why the condenser gave nothing, if it did not.
     """
 
     number: int
@@ -105,6 +113,10 @@ class Round:
     detectors: list[str] = field(default_factory=list)
     steer: str | None = None
     steer_note: str | None = None
+    condensed: list[dict[str, Any]] = field(default_factory=list)
+    condense_new: int = 0
+    condense_saved_tokens: int = 0
+    condense_failure: str | None = None
 
 
 def _summary(name: str, args: dict[str, Any], width: int = 70) -> str:
@@ -130,8 +142,9 @@ async def _send(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: dict
 
 async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat, stream: bool = False,
                  session: str = "replay", store: Store | None = None,
-                 on_round: Callable[[Round], None] | None = None) -> list[Round]:
+                 on_round: Callable[[Round], None] | None = None, condenser: Condenser | None = None) -> list[Round]:
     """Replay ``messages`` through a proxy running ``config`` with a scripted upstream; returns the rounds.
+    ``condenser`` replaces the one ``[supervisor.model]`` describes (see ``proxyvisor.proxy.service.running``).
 
     The first upstream must be scripted (it plays the recorded turns). Raises ConfigError otherwise.
     """
@@ -142,7 +155,8 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
     scripted = ScriptedUpstream(record=False)
     tools = tools_of(messages)
     rounds: list[Round] = []
-    async with running(config, port=0, store=store, scripted={upstream.name: scripted}) as proxy:
+    async with running(config, port=0, store=store, scripted={upstream.name: scripted},
+                       condenser=condenser) as proxy:
         url = f"{proxy.url}/s/{session}"
         async with httpx.AsyncClient(timeout=120) as client:
             for index, message in enumerate(messages):
@@ -181,6 +195,12 @@ def _supervision(result: Round, session: Any) -> None:
         from .detectors.steer import note_text
 
         result.steer, result.steer_note = record.note, note_text(record.note)
+    if record.condense is not None:
+        done = record.condense
+        result.condensed = [{"call_id": c.call_id, "tool": c.tool, **{k: v for k, v in asdict(c.decision).items()
+                                                                        if k != "text"}} for c in done.round]
+        result.condense_new, result.condense_saved_tokens = done.new, done.saved_tokens
+        result.condense_failure = done.failure or None
 
 
 def format_round(r: Round) -> str:
@@ -188,19 +208,33 @@ def format_round(r: Round) -> str:
     flag = "" if r.matches else f"  MISMATCH: {r.error}"
     notes = "".join(part for part in (f"  | state {r.report}" if r.report else "",
                                       f"  | fired {' '.join(r.detectors)}" if r.detectors else "",
-                                      f"  | steer note: {r.steer}" if r.steer else ""))
+                                      f"  | steer note: {r.steer}" if r.steer else "",
+                                      *(f"  | {_condensed(c)}" for c in r.condensed),
+                                      f"  | condense failed: {r.condense_failure}" if r.condense_failure else "",
+                                      f"  | condense saved {r.condense_saved_tokens:,} tokens in this request"
+                                      if r.condense_saved_tokens else ""))
     return f"round {r.number:4d}  msg {r.message:4d}  {r.status}  {r.latency_ms:7.1f} ms  {calls}{flag}{notes}"
 
 
-def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool) -> int:
+def _condensed(c: dict[str, Any]) -> str:
+    if c["reason"] not in ("condensed", "replaced"):
+        return f"{c['tool']} {c['tokens_before']:,} tokens kept whole ({c['reason']})"
+    return (f"{c['reason']} {c['tool']} {c['tokens_before']:,} -> {c['tokens_after']:,} tokens, {c['kept_lines']:,} "
+            f"of {c['total_lines']:,} lines; full original in {c['spill_path']}")
+
+
+def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool,
+                   condense: bool = False) -> int:
     """The CLI entry: prints the timeline; exit 0 when every round came back intact, 1 otherwise, 2 on a bad
-    file."""
+    file. ``condense`` turns condensing on (``proxyvisor.condense.model.with_condense``)."""
     try:
         messages = load_trajectory(path)
     except TrajectoryError as exc:
         print(f"proxyvisor: {exc}", file=sys.stderr)
         return 2
     session = "replay-" + hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    if condense:
+        config = with_condense(config)
 
     def show(r: Round) -> None:
         print(json.dumps(asdict(r)) if as_json else format_round(r), flush=True)
@@ -211,5 +245,8 @@ def replay_command(config: Config, path: str, format_name: str, stream: bool, as
     rounds = trio.run(lambda: replay(config, messages, BY_NAME[format_name], stream, session, on_round=show))
     bad = [r for r in rounds if not r.matches]
     if not as_json:
-        print(f"{len(rounds)} rounds, {sum(len(r.tool_calls) for r in rounds)} tool calls, {len(bad)} failed")
+        saved = sum(r.condense_saved_tokens for r in rounds)
+        print(f"{len(rounds)} rounds, {sum(len(r.tool_calls) for r in rounds)} tool calls, {len(bad)} failed"
+              + (f"; condensed {sum(1 for r in rounds for c in r.condensed if c['spill_path'])} tool result(s), "
+                 f"{saved:,} input tokens saved over all requests" if condense else ""))
     return 1 if bad else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.console import Console
 
 from proxyvisor.cli import build_parser, main
 from proxyvisor.config import Config
-from proxyvisor.demo import demo
+from proxyvisor.demo import demo, failing_suite_log
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.replay import TrajectoryError, load_trajectory, replay
 from proxyvisor.store import Store
@@ -107,8 +108,15 @@ def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> 
         assert label in text
     assert text.count("calls bash({'command': 'ls'})") == 3
     assert text.count("answers: Done: I ran the tool and read its output.") == 3
-    ledgers = [p for p in (tmp_path / "ledger").glob("*.jsonl") if not p.name.startswith("demo-loop-")]
+    ledgers = [p for p in (tmp_path / "ledger").glob("*.jsonl") if not p.name.startswith(("demo-loop-",
+                                                                                          "demo-condense-",
+                                                                                          "demo-delegate-"))]
     assert len(ledgers) == 3 and all(len(p.read_text().splitlines()) == 2 for p in ledgers)
+    # The large log is condensed for the model by the scripted condenser (no key), its original spilled.
+    condensed = re.search(r"condensed the bash result for the model: ([\d,]+) -> ([\d,]+) tokens", text)
+    assert condensed and int(condensed[2].replace(",", "")) * 10 < int(condensed[1].replace(",", ""))
+    spill = Path(re.search(r"full original in (\S+)", text)[1])
+    assert spill.is_relative_to(tmp_path / "spill") and spill.read_text() == failing_suite_log() + "exit code 0"
 
 
 @pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import diskcache
 
 from ..store import private_dir
 
 
-def open_cache(path: Path) -> diskcache.Cache:
-    """Open (creating if needed) the diskcache at ``path`` with private permissions.
+def open_cache(path: Path, **settings: Any) -> diskcache.Cache:
+    """Open (creating if needed) the diskcache at ``path`` with private permissions; ``settings`` go to
+    ``diskcache.Cache`` (e.g. ``size_limit``).
 
-    SQLite serialises writers across threads and processes; a write waits up to 30 s for the lock.
+    SQLite serialises writers across threads and processes; a write waits up to 30 s for the lock. SQLite gives
+    its journal files the database file's mode, so they stay private too.
     """
     private_dir(path)
-    cache = diskcache.Cache(str(path), timeout=30)
+    cache = diskcache.Cache(str(path), timeout=30, **settings)
     for file in path.iterdir():
         if file.is_file():
             os.chmod(file, 0o600)

@@ -18,7 +18,13 @@ A step is a JSON object, one of:
   529 included), ``"first_byte_delay_s": 2.5`` (then the next turn), ``"reset_after_events": 3`` (send 3 SSE
   events, then drop the connection without ending the chunked body), ``"stall_after_events": 3`` (send 3 events,
   then nothing for ``stall_s``, default 3600 s), ``"truncate_body": true`` (a non-streaming JSON body cut in half),
-  ``"garbage": true`` (an SSE stream of undecodable events).
+  ``"garbage": true`` (an SSE stream of undecodable events);
+- ``{"condense": {"results": [...]}}``: the answer to the next condenser call (below), queued apart from the
+  turns, so it never answers an agent's request.
+
+A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
+the next ``condense`` step, or, with none queued, the answer of a fixed policy (:mod:`.scripted_condenser`). So
+``[supervisor.model] api_base = "scripted:"`` is a condenser with no key and no network.
 
 A script file holds a JSON list of steps, or JSON lines. ``POST /_scripted/queue`` with a list of steps appends
 them while the server runs (used by tests that drive real agent CLIs).
@@ -40,6 +46,7 @@ import trio
 from ..proxy.formats.base import args_of
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.server import AbortConnection, Request, Response
+from . import scripted_condenser
 
 log = logging.getLogger("proxyvisor.scripted")
 
@@ -58,9 +65,11 @@ def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
     """Validate one script step (see the module docstring). Raises ScriptError."""
     if not isinstance(step, dict):
         raise ScriptError(f"{where}: a step must be a JSON object, got {type(step).__name__}")
-    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until"}
+    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until", "condense"}
     if unknown:
         raise ScriptError(f"{where}: unknown key(s) {sorted(unknown)}")
+    if "condense" in step and (len(step) > 1 or not isinstance(step["condense"], dict)):
+        raise ScriptError(f"{where}: a 'condense' step is one answer object and nothing else")
     if "fault" in step and not isinstance(step["fault"], dict):
         raise ScriptError(f"{where}: 'fault' must be an object")
     if "until" in step and (not isinstance(step["until"], str) or not step["until"]):
@@ -125,19 +134,23 @@ class ScriptedUpstream:
     """An HTTP handler that plays a script; serve it with :func:`proxyvisor.proxy.server.serve_listeners`.
 
     ``chunk_delay_ms`` spaces SSE events (ms) for realistic streaming. ``requests`` records each model request
-    body as received (bytes), for tests.
+    body as received (bytes), for tests, and ``condenser_requests`` each condenser call's body.
     """
 
     def __init__(self, steps: list[dict[str, Any]] | None = None, chunk_delay_ms: float = 0.0,
                  record: bool = True) -> None:
-        self.steps: deque[dict[str, Any]] = deque(parse_step(s) for s in steps or ())
+        self.steps: deque[dict[str, Any]] = deque()
+        self.condense_steps: deque[dict[str, Any]] = deque()
+        self.queue(*steps or ())
         self.chunk_delay_s = chunk_delay_ms / 1000
         self.record = record
         self.requests: list[tuple[str, bytes, dict[str, str]]] = []
+        self.condenser_requests: list[bytes] = []
         self.responses: list[bytes] = []
 
     def queue(self, *steps: dict[str, Any]) -> None:
-        self.steps.extend(parse_step(s) for s in steps)
+        for step in map(parse_step, steps):
+            (self.condense_steps if "condense" in step else self.steps).append(step)
 
     async def __call__(self, request: Request) -> Response:
         path = request.path
@@ -165,6 +178,8 @@ class ScriptedUpstream:
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
+        if scripted_condenser.is_condenser_request(fmt, body):
+            return self._condense(fmt, body, request.body)
         if self.record:
             self.requests.append((request.target, request.body,
                                   {k.decode(): v.decode("latin-1") for k, v in request.headers}))
@@ -211,6 +226,18 @@ class ScriptedUpstream:
         if self.record:
             self.responses.append(b"".join(events))
         return Response(200, _SSE, self._play(events))
+
+    def _condense(self, fmt: WireFormat, body: dict[str, Any], raw: bytes) -> Response:
+        if self.record:
+            self.condenser_requests.append(raw)
+        try:
+            text = (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
+                    else scripted_condenser.answer(fmt, body))
+        except _UNREADABLE as exc:
+            return _refuse(fmt, exc)
+        turn = AssistantTurn(text)
+        model = body.get("model") if isinstance(body.get("model"), str) else MODEL
+        return Response(200, _JSON, orjson.dumps(fmt.render(turn, model)))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:
         """The step for a request with ``body``: the first queued one, which an ``until`` step stays until

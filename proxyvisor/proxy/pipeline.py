@@ -6,7 +6,9 @@ Two paths (DESIGN.md, principles 3 and 4):
   and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header.
 - **otherwise**: the body is parsed (malformed input gets a 4xx in the client's format), the session is
   identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
-  client's format), usage is read from the reply, and one ledger line is written per request.
+  client's format), usage is read from the reply, and one ledger line is written per request. With
+  ``[model_routing] enabled`` too, the model is offered delegation tools and the turn may be continued upstream
+  after the children ran (``proxyvisor.proxy.delegation``); ``POST /proxyvisor/delegate`` runs one child.
 
 A failure inside proxyvisor's own code never becomes a lost response: the handler turns it into a 500 in the
 client's format and logs the reason.
@@ -22,13 +24,18 @@ from datetime import datetime, timezone
 from typing import Any
 
 import orjson
+import trio
 
+from ..condense.model import Condenser
 from ..config import Config
 from ..store import Store
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
+from .condensing import request_condenser
+from .continuation import Resend
+from .delegation import ProxyDelegation
 from .supervise import Exchange, Supervisor
 from .sse import SSEParser, at_event_end
 
@@ -36,6 +43,8 @@ log = logging.getLogger("proxyvisor.pipeline")
 
 _JSON: Headers = [(b"content-type", b"application/json")]
 OVERHEAD_HEADER = b"x-proxyvisor-overhead-ms"
+_CANCELLED = "cancelled before the answer: the client left (or proxyvisor stopped)"
+"""The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
 AUTH_HEADER = "x-proxyvisor-auth"
 
 
@@ -65,18 +74,31 @@ class Pipeline:
 
     ``relays`` maps each configured upstream's name to its :class:`HttpRelay`. ``store`` is None when nothing
     may be written. ``translator`` serves formats no upstream speaks (see ``proxyvisor.proxy.translate``).
+    ``condenser`` is the supervisor model's condenser call (``proxyvisor.condense.model``; None: no condensing).
     """
 
     def __init__(self, config: Config, relays: dict[str, HttpRelay], store: Store | None,
-                 translator: Any = None, clock: Any = time.monotonic) -> None:
+                 translator: Any = None, clock: Any = time.monotonic, condenser: Condenser | None = None) -> None:
         self.config = config
         self.relays = relays
         self.store = store
         self.translator = translator
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
-        self.supervisor = Supervisor(config.supervisor)
+        self.supervisor = Supervisor(config.supervisor, request_condenser(
+            config.supervisor, store.root if store is not None else None, condenser))
+        # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
+        self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
+            if config.supervisor.enabled and config.model_routing.enabled else None
+        self.background: trio.Nursery | None = None
+        """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
+        set by ``proxyvisor.proxy.service.running``."""
         self.started = time.time()
+
+    def close(self) -> None:
+        """Release what the pipeline holds open (the delegation state stores)."""
+        if self.delegation is not None:
+            self.delegation.close()
 
     @property
     def supervised(self) -> bool:
@@ -130,9 +152,18 @@ class Pipeline:
             if request.method != "POST":
                 return error(fmt, 405, f"{path} takes POST")
             return await self._forward_plain(request, "messages", path, fmt)
+        if path == "/proxyvisor/delegate":
+            if request.method != "POST":
+                return error(fmt, 405, f"{path} takes POST")
+            if self.delegation is None:
+                return error(fmt, 409, "delegation is off: it needs supervision on and [model_routing] enabled = true "
+                                       "(proxyvisor supervision enable)")
+            if bad := self._check_body(request, fmt):
+                return bad
+            return await self.delegation.endpoint(request)
         return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "
                                "/v1/chat/completions, /v1/messages, /v1/responses, /v1/messages/count_tokens, "
-                               "GET /v1/models and /healthz")
+                               "/proxyvisor/delegate, GET /v1/models and /healthz")
 
     def _target(self, request: Request, path: str) -> str:
         return path + ("?" + request.query if request.query else "")
@@ -178,23 +209,30 @@ class Pipeline:
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else None
-        exchange = self._supervise(session, fmt, body)
+        exchange = await self._supervise(session, fmt, body, request.header("traceparent"))
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
             return await self._translate(request, fmt, upstream, body, session, exchange)
         return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
 
-    def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any]) -> Exchange | None:
-        """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream and returns
-        the exchange that rewrites the reply. A failure in it is logged and the request goes up unsupervised."""
+    async def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any],
+                         traceparent: str | None = None) -> Exchange | None:
+        """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (its
+        steps that need I/O, such as condensing, included; the delegation tools, ``proxyvisor.proxy.delegation``)
+        and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
+        unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join."""
         if session is None:
             return None
         try:
-            return self.supervisor.begin(session, fmt, body)
+            exchange = self.supervisor.begin(session, fmt, body)
+            if self.delegation is not None:
+                exchange.delegation = self.delegation.turn(exchange, traceparent)
         except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
             log.exception("supervision failed for session %s; forwarding the request unsupervised", session.id)
             return None
+        await exchange.before_forward()
+        return exchange
 
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
                      body: dict[str, Any] | None, session: Session | None,
@@ -215,9 +253,14 @@ class Pipeline:
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
+        except trio.Cancelled:
+            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
+            raise
         if exchange is not None:
-            reply = exchange.reply(reply)
-        return self._respond(request, fmt, reply, body, session)
+            target = self._target(request, path)
+            reply = exchange.reply(await self._continued(
+                exchange, reply, lambda new: relay.send("POST", target, headers, orjson.dumps(new))))
+        return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
@@ -226,12 +269,23 @@ class Pipeline:
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
+        except trio.Cancelled:
+            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
+            raise
         if exchange is not None:
-            reply = exchange.reply(reply)
-        return self._respond(request, fmt, reply, body, session)
+            reply = exchange.reply(await self._continued(
+                exchange, reply, lambda new: self.translator.send(fmt, upstream, new, request.headers)))
+        return self._respond(request, fmt, reply, body, session, exchange)
+
+    async def _continued(self, exchange: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
+        """``reply``, or, when the model called delegation tools, the turn continued upstream after the children
+        ran (``proxyvisor.proxy.continuation``); ``resend`` sends a body the way the request went."""
+        if exchange.delegation is None:
+            return reply
+        return await exchange.delegation.continuation(resend, self.background).reply(reply)
 
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
-                 session: Session | None) -> Response:
+                 session: Session | None, exchange: Exchange | None = None) -> Response:
         overhead = time.perf_counter() - request.received_at - reply.upstream_s
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
         if not reply.streaming:
@@ -243,12 +297,13 @@ class Pipeline:
                         usage = fmt.usage(orjson.loads(reply.body))
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
-                self._account(session, fmt, body, request, reply.status, usage, overhead)
+                self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange)
             return Response(reply.status, headers, reply.body)
-        return Response(reply.status, headers, self._stream(request, fmt, reply, body, session, overhead))
+        return Response(reply.status, headers, self._stream(request, fmt, reply, body, session, overhead, exchange))
 
     async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
-                      session: Session | None, overhead: float) -> AsyncIterator[bytes]:
+                      session: Session | None, overhead: float,
+                      exchange: Exchange | None = None) -> AsyncIterator[bytes]:
         stream = reply.body
         assert isinstance(stream, RelayedStream) or hasattr(stream, "__aiter__")
         parser = SSEParser() if session is not None else None
@@ -281,10 +336,12 @@ class Pipeline:
             if session is not None:
                 message = failure.message if failure else None if ended else "client disconnected mid-stream"
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
-                              usage, overhead, message)
+                              usage, overhead, message, exchange)
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
-                 status: int, usage: Usage, overhead_s: float, failure: str | None = None) -> None:
+                 status: int, usage: Usage, overhead_s: float, failure: str | None = None,
+                 exchange: Exchange | None = None) -> None:
+        """Count the request in its session and write its ledger line (with the delegations it ran, if any)."""
         if session is None:
             return
         session.requests += 1
@@ -309,6 +366,8 @@ class Pipeline:
         }
         if failure:
             record["error"] = failure
+        if exchange is not None and exchange.delegation is not None and exchange.delegation.results:
+            record["delegations"] = exchange.delegation.results
         try:
             self.store.append_ledger(session.id, record)
         except OSError as exc:

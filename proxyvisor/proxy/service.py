@@ -6,6 +6,7 @@ and the benchmarks, so they all exercise the same code.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..adapters import litellm_bridge
 from ..adapters.scripted import ScriptedUpstream, load_script
+from ..condense.model import Condenser, configured_condenser
 from ..config import Config, ConfigError
 from ..store import Store
 from .pipeline import Pipeline
@@ -64,15 +67,18 @@ def limits_of(config: Config) -> Limits:
 
 @asynccontextmanager
 async def running(config: Config, port: int | None = None, store: Store | None = None,
-                  scripted: dict[str, ScriptedUpstream] | None = None) -> AsyncIterator[RunningProxy]:
+                  scripted: dict[str, ScriptedUpstream] | None = None,
+                  condenser: Condenser | None = None) -> AsyncIterator[RunningProxy]:
     """Serve ``config`` until the block exits; yields the :class:`RunningProxy`.
 
     ``port`` overrides ``[proxy] port`` (0 = a free port). ``store`` overrides the state directory (by default
     the configured one, and none at all when supervision is disabled, so nothing can be written). ``scripted``
-    supplies ready-made scripted upstreams by name (tests queue steps on them).
+    supplies ready-made scripted upstreams by name (tests queue steps on them). ``condenser`` replaces the one
+    ``[supervisor.model]`` describes (``api_base = "scripted:"`` is the first scripted upstream).
 
     Raises:
-        ConfigError: an upstream key variable is missing or a script file is invalid.
+        ConfigError: an upstream key variable is missing, a script file is invalid, or ``[supervisor.model]``
+            asks for a scripted upstream that is not configured.
         OSError: the address is in use.
     """
     keys = upstream_keys(config)
@@ -95,12 +101,19 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
             urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
         relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
+        if condenser is None:
+            condenser = configured_condenser(config.supervisor.model, next(iter(urls.values()), None))
+            if condenser is not None and config.supervisor.enabled:
+                # litellm takes seconds to import: now, rather than inside the first request that condenses.
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
+                                                     abandon_on_cancel=True))
         translator = None
         if any(set(u.formats) != {"chat", "messages", "responses"} for u in config.upstreams):
             from .translate import Translator
 
             translator = Translator(relays)
-        pipeline = Pipeline(config, relays, store, translator)
+        pipeline = Pipeline(config, relays, store, translator, condenser=condenser)
+        pipeline.background = nursery
         host = config.proxy.host
         listeners = await open_listeners(host, config.proxy.port if port is None else port)
         await nursery.start(serve_listeners, listeners, pipeline, limits)
@@ -111,3 +124,4 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             with trio.CancelScope(shield=True):
                 for relay in relays.values():
                     await relay.aclose()
+            pipeline.close()

@@ -6,12 +6,18 @@ this runs). For each request, :meth:`Supervisor.begin` returns an :class:`Exchan
 1. **before forwarding**: the session's state is brought up to date from the request's history (only the items
    new since the last request; rebuilt when the history was rewritten), the detectors run, the steer policy may
    add a note, and the upstream body is built: every note of the thread re-inserted at the history position it
-   was first added at (so the upstream prefix stays byte-stable for provider prompt caches), then the
-   self-report instruction appended to the end of the system prompt. Later steps (condensing tool results)
-   plug in here, on the same parsed body, before :meth:`Exchange.upstream_body` serialises it;
+   was first added at, and every delegation the upstream saw beyond the agent's history (:class:`Delegated`:
+   the model's calls of delegation tools and their results, which the agent never received) put back after
+   the item it followed, before any note there (so the upstream prefix stays byte-stable for provider prompt
+   caches), then the self-report instruction appended to the end of the system prompt. Steps that need I/O run next, in
+   :meth:`Exchange.before_forward`, on the same parsed body, before :meth:`Exchange.upstream_body` serialises it:
+   condensing oversized tool results (``proxyvisor.proxy.condensing``; its candidates and context are read in
+   ``begin``, from the agent's history as sent);
 2. **on the reply** (:meth:`Exchange.reply`): the self-report token is stripped from the assistant text, in a
    JSON body or a stream, and parsed from the model's output; missing and malformed reports are counted, never
-   fatal. A later step (the gate) plugs in here.
+   fatal. Before it, when the request was offered delegation tools (``Exchange.delegation``), the pipeline lets
+   the turn be continued upstream after the children ran (``proxyvisor.proxy.continuation``). A later step
+   (the gate) plugs in here.
 
 Threads: one agent session can interleave histories (Claude Code's title requests and sub-agents share its
 session id), so state is kept per thread, keyed by a hash of the system prompt and first user message, at most
@@ -23,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter, OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +41,7 @@ from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
 from .formats import WireFormat
+from .condensing import CondenseRecord, RequestCondenser
 from .formats.transcript import fingerprint
 from .relay import UpstreamReply
 from .sessions import Session
@@ -59,18 +67,30 @@ class Note:
     text: str
 
 
+@dataclass(frozen=True)
+class Delegated:
+    """History items the upstream saw beyond the agent's history in one turn (a delegation: the model's calls of
+    delegation tools and their results, ``proxyvisor.proxy.delegation``), to go back right after history item
+    ``index`` (whose :func:`fingerprint` was ``anchor``) in every later request that goes on past it."""
+
+    index: int
+    anchor: bytes
+    items: list[Any]
+
+
 @dataclass
 class RequestRecord:
     """What supervision did for one request: the detector ``firings`` its history completed, as
     (history position of the round, signals); the ``note`` added (its signal) and where; whether the thread was
-    ``rebuilt``; and, once the reply is through, the self-report ``report`` (None until then, or when the reply
-    was an error or cut short)."""
+    ``rebuilt``; what condensing did (``condense``; None when it had nothing to do); and, once the reply is
+    through, the self-report ``report`` (None until then, or when the reply was an error or cut short)."""
 
     firings: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     note: str | None = None
     note_index: int | None = None
     rebuilt: bool = False
     report: ReportOutcome | None = None
+    condense: CondenseRecord | None = None
 
 
 @dataclass
@@ -80,6 +100,7 @@ class Thread:
     tracker: HistoryTracker
     policy: SteerPolicy = field(default_factory=SteerPolicy)
     notes: list[Note] = field(default_factory=list)
+    delegated: list[Delegated] = field(default_factory=list)
     state: str | None = None
     """The state of the latest self-report (None: the last response had no valid report)."""
 
@@ -112,9 +133,10 @@ def _thread_key(fmt: WireFormat, body: dict[str, Any]) -> bytes:
 class Supervisor:
     """The supervised path's per-request steps (module docstring); holds no I/O."""
 
-    def __init__(self, config: SupervisorConfig) -> None:
+    def __init__(self, config: SupervisorConfig, condenser: RequestCondenser | None = None) -> None:
         self.config = config
         self.mutating_tools = frozenset(config.detectors.mutating_tools)
+        self.condenser = condenser
 
     def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Exchange:
         """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
@@ -147,23 +169,72 @@ class Supervisor:
                 state.notes[signal] += 1
                 log.info("session %s: %s fired at history item %d; steer note added", session.id, signal,
                          update.last.index)
-        fmt.insert_notes(body, [(note.index, note.text) for note in thread.notes])
+        steps: list[Step] = []
+        pending = self.condenser.collect(fmt, body) if self.condenser is not None else None
+        if pending is not None:
+            condenser = self.condenser
+
+            async def condense(exchange: Exchange) -> None:
+                exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body, pending)
+
+            steps.append(condense)
+        last = fmt.message(items[-1]) if items else None
+        tail = (len(items) - 1, fingerprint(last), last.role) if last is not None else None
+        runs = _live_delegations(fmt, items, thread)
+        fmt.insert_items(body, [(d.index, d.items) for d in runs])
+        # A note at a delegation's position was added before it: it stays right after the agent's item.
+        fmt.insert_notes(body, [(note.index + sum(len(d.items) for d in runs if d.index < note.index), note.text)
+                                for note in thread.notes])
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
-        return Exchange(fmt, body, state, thread, record)
+        return Exchange(fmt, body, state, thread, record, steps, tail)
+
+
+def _live_delegations(fmt: WireFormat, items: list[Any], thread: Thread) -> list[Delegated]:
+    """The thread's delegations that go back into a request with history ``items``, by position: those whose
+    anchor is still in place and that the history goes on past (a retry of the same request gets none). One whose
+    anchor was replaced (the history was rewritten) is forgotten."""
+    kept, live = [], []
+    for d in thread.delegated:
+        if d.index < len(items) and fingerprint(fmt.message(items[d.index])) != d.anchor:
+            continue
+        kept.append(d)
+        if d.index + 1 < len(items):
+            live.append(d)
+    thread.delegated = kept
+    return sorted(live, key=lambda d: d.index)
+
+
+Step = Callable[["Exchange"], Awaitable[None]]
+"""A request-side step that needs I/O, run by :meth:`Exchange.before_forward` on the exchange's body."""
 
 
 class Exchange:
-    """One supervised request: ``body`` is the upstream body (parsed; later steps may still change it), and
-    :meth:`reply` rewrites the upstream's reply for the agent."""
+    """One supervised request: ``body`` is the upstream body (parsed; :meth:`before_forward` may still change it),
+    and :meth:`reply` rewrites the upstream's reply for the agent."""
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], state: SessionSupervision, thread: Thread,
-                 record: RequestRecord) -> None:
+                 record: RequestRecord, steps: list[Step] | None = None,
+                 tail: tuple[int, bytes, str] | None = None) -> None:
         self.fmt = fmt
         self.body = body
         self.state = state
         self.thread = thread
         self.record = record
+        self.steps = steps or []
+        self.tail = tail
+        """The agent's last history item: (position, :func:`fingerprint`, role); None for an empty history."""
+        self.delegation: Any = None
+        """The request's delegation turn (``proxyvisor.proxy.delegation``), when delegation tools were offered."""
+
+    async def before_forward(self) -> None:
+        """Run the request-side steps that need I/O (condensing), in order, on ``body``. A step that fails is
+        logged and skipped (the request goes up without that step's change); cancellation propagates."""
+        for step in self.steps:
+            try:
+                await step(self)
+            except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
+                log.exception("a supervision step failed; forwarding the request without it")
 
     def upstream_body(self) -> bytes:
         """The upstream request body as JSON bytes.

@@ -8,13 +8,13 @@ usage and session hints live in its bodies, and how an assistant turn is written
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import orjson
 
-from .transcript import Message, StreamEditor, TextEdit, TextFilter
+from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
 # status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
 _ERROR_TYPES: dict[int, tuple[str, str]] = {
@@ -86,10 +86,20 @@ class Usage:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A tool the client offers: its name and JSON schema for the arguments."""
+    """A tool: its name, JSON schema for the arguments and, for tools proxyvisor offers itself, a description."""
 
     name: str
     schema: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """The result of one tool call, to be written into a history: the call's id, its text, whether it failed."""
+
+    call_id: str
+    text: str
+    is_error: bool = False
 
 
 def args_of(arguments: Any) -> dict[str, Any]:
@@ -138,11 +148,16 @@ def arguments_of(value: Any) -> dict[str, Any]:
 
 def interleave(items: list[Any], notes: list[tuple[int, Any]]) -> list[Any]:
     """``items`` with each note's item placed right after position ``index`` (``notes`` ascending by index)."""
+    return interleave_runs(items, [(index, [item]) for index, item in notes])
+
+
+def interleave_runs(items: list[Any], runs: list[tuple[int, list[Any]]]) -> list[Any]:
+    """``items`` with each run of items placed right after position ``index`` (``runs`` ascending by index)."""
     out: list[Any] = []
     start = 0
-    for index, item in notes:
+    for index, run in runs:
         out += items[start:index + 1]
-        out.append(item)
+        out += run
         start = index + 1
     out += items[start:]
     return out
@@ -163,6 +178,16 @@ def edit_parts(content: Any, edit: TextEdit) -> Any:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 part["text"] = edit(part["text"])
     return content
+
+
+def retext(content: Any, text: str, part_type: str) -> Any:
+    """A tool result's ``content`` holding ``text`` instead, in the same shape: a string (or nothing) becomes
+    ``text``; a list of text parts becomes its last part alone with ``text`` (its other keys, such as Anthropic's
+    ``cache_control`` breakpoint, kept); ``part_type`` is the text part's type for a list without a usable part."""
+    if isinstance(content, list):
+        last = content[-1] if content and isinstance(content[-1], dict) else {"type": part_type}
+        return [{**last, "text": text}]
+    return text
 
 
 def sse(data: bytes | str, event: str | None = None) -> bytes:
@@ -284,6 +309,13 @@ class WireFormat:
         as sent, ascending, at most one note per position), in place, in one pass over the history."""
         raise NotImplementedError
 
+    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
+        """Put ``texts[call_id]`` in place of the text of each tool result whose call id is a key (the model's copy
+        of a condensed result), in place. Only text changes: no item is added, removed or reordered, so every tool
+        call keeps its result, and a result holding non-text parts (images, documents) is left alone. Returns the
+        call ids replaced."""
+        raise NotImplementedError
+
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""
         raise NotImplementedError
@@ -291,4 +323,42 @@ class WireFormat:
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         """An editor for this format's SSE stream: each assistant text part's deltas go through their own filter
         from ``new_filter``; full-text copies of a part (done events, final response objects) go through ``edit``."""
+        raise NotImplementedError
+
+    # ---- continuing a turn: proxyvisor's own tools, a reply written back as history, spliced streams ------------
+    history_field: ClassVar[str]
+    """The body key holding the history (:meth:`history`)."""
+
+    def add_tools(self, body: dict[str, Any], tools: list[ToolSpec]) -> None:
+        """Offer ``tools`` (with their descriptions) after the client's own tools, in place."""
+        raise NotImplementedError
+
+    def insert_items(self, body: dict[str, Any], runs: list[tuple[int, list[Any]]]) -> None:
+        """Put each run of history items right after history item ``index`` (positions of the history as sent,
+        ascending, at most one run per position), in place."""
+        if runs:
+            body[self.history_field] = interleave_runs(self.history(body), runs)
+
+    def extend_history(self, body: dict[str, Any], items: list[Any]) -> None:
+        """Append ``items`` to the history, in place (a new list: the old one may be shared)."""
+        body[self.history_field] = self.history(body) + list(items)
+
+    def stream_response(self, events: list[tuple[str | None, str]]) -> dict[str, Any]:
+        """The non-streaming response body equivalent to a complete SSE stream, given its events as (event name,
+        data) pairs: everything a history needs to carry the reply on (thinking blocks and their signatures,
+        reasoning items, tool calls with their ids), not only what :meth:`parse_response` reads."""
+        raise NotImplementedError
+
+    def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
+        """A non-streaming response body as the history items that carry it in a next request, without the tool
+        calls whose name ``keep`` rejects."""
+        raise NotImplementedError
+
+    def tool_results(self, results: list[CallResult]) -> list[Any]:
+        """History items that answer tool calls with ``results`` (in the order given), as a client would send."""
+        raise NotImplementedError
+
+    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
+        """A :class:`~.transcript.StreamSplice` for this format's streams, holding back from the first call of a
+        tool whose name ``hold`` selects."""
         raise NotImplementedError

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, edit_parts,
-                   arguments_of, as_list, error_types, has_non_text, interleave, leading_system, split_json, sse,
-                   words)
-from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
+from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
+                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system, retext,
+                   split_json, sse, words)
+from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
 class ChatFormat(WireFormat):
     name = "chat"
     path = "/v1/chat/completions"
     label = "OpenAI Chat Completions"
+    history_field = "messages"
 
     def error_body(self, status: int, message: str) -> bytes:
         kind = error_types(status)[0]
@@ -80,23 +81,7 @@ class ChatFormat(WireFormat):
         return AssistantTurn(chat_text(message.get("content")), calls)
 
     def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        text: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
-        for _name, data in events:
-            if not data.startswith("{"):
-                continue
-            for choice in orjson.loads(data).get("choices") or ():
-                delta = choice.get("delta") or {}
-                if isinstance(delta.get("content"), str):
-                    text.append(delta["content"])
-                for c in delta.get("tool_calls") or ():
-                    slot = calls.setdefault(c.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                    slot["id"] = c.get("id") or slot["id"]
-                    fn = c.get("function") or {}
-                    slot["name"] = fn.get("name") or slot["name"]
-                    slot["arguments"] += fn.get("arguments") or ""
-        return AssistantTurn("".join(text), tuple(ToolCall(c["name"], args_of(c["arguments"]), c["id"])
-                                                  for _, c in sorted(calls.items())))
+        return self.parse_response(self.stream_response(events))
 
     def _usage(self, turn: AssistantTurn) -> dict[str, int]:
         i, o = turn.usage
@@ -190,6 +175,17 @@ class ChatFormat(WireFormat):
         if notes:
             body["messages"] = interleave(body["messages"], [(i, {"role": "user", "content": t}) for i, t in notes])
 
+    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
+        done = set()
+        for item in self.history(body):
+            if not isinstance(item, dict) or item.get("role") not in ("tool", "function"):
+                continue
+            call_id = item.get("tool_call_id") if item["role"] == "tool" else item.get("name")  # as in message()
+            if isinstance(call_id, str) and call_id in texts and not has_non_text(item.get("content")):
+                item["content"] = retext(item.get("content"), texts[call_id], "text")
+                done.add(call_id)
+        return done
+
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for choice in as_list(response.get("choices")):
             message = choice.get("message") if isinstance(choice, dict) else None
@@ -198,6 +194,68 @@ class ChatFormat(WireFormat):
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _ChatStream(new_filter)
+
+
+    # ---- continuing a turn --------------------------------------------------------------------------------
+    def add_tools(self, body: dict[str, Any], tools: list[ToolSpec]) -> None:
+        body["tools"] = as_list(body.get("tools")) + [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.schema}}
+            for t in tools]
+
+    def stream_response(self, events: list[tuple[str | None, str]]) -> dict[str, Any]:
+        head: dict[str, Any] = {}
+        text: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        finish, usage = None, None
+        for _name, data in events:
+            if not data.startswith("{"):
+                continue
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            head = head or {k: obj[k] for k in ("id", "created", "model") if k in obj}
+            usage = obj["usage"] if isinstance(obj.get("usage"), dict) else usage
+            for choice in as_list(obj.get("choices")):
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                finish = choice.get("finish_reason") or finish
+                delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+                if isinstance(delta.get("content"), str):
+                    text.append(delta["content"])
+                for c in as_list(delta.get("tool_calls")):
+                    if not isinstance(c, dict):
+                        continue
+                    slot = calls.setdefault(c.get("index", 0) if isinstance(c.get("index", 0), int) else 0,
+                                            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                    slot["id"] = c.get("id") or slot["id"]
+                    fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+                    slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        if calls:
+            message["tool_calls"] = [c for _, c in sorted(calls.items())]
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+
+    def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
+        choice = (as_list(response.get("choices")) or [{}])[0]
+        message = choice.get("message") if isinstance(choice, dict) and isinstance(choice.get("message"), dict) \
+            else {}
+        item: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        calls = [c for c in as_list(message.get("tool_calls"))
+                 if isinstance(c, dict) and keep(str((c.get("function") or {}).get("name") or ""))]
+        if calls:
+            item["tool_calls"] = calls
+        return [item]
+
+    def tool_results(self, results: list[CallResult]) -> list[Any]:
+        return [{"role": "tool", "tool_call_id": r.call_id, "content": r.text} for r in results]
+
+    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
+        return _ChatSplice(hold)
 
 
 class _ChatStream:
@@ -259,6 +317,63 @@ class _ChatStream:
                 out.append(sse(dumps({**self.base, "choices": [
                     {"index": index, "delta": {"content": rest}, "finish_reason": None}]})))
         return out
+
+
+class _ChatSplice:
+    """Chat stream splicing (:class:`~.transcript.StreamSplice`): holds from the chunk that starts a held tool
+    call; in a continuation, each tool call's ``index`` is shifted past the calls the client already has (the
+    client's accumulator keys calls by index), and its first text starts with a blank line when the client
+    already has text (both land in one ``content`` string). Role, finish, usage and ``[DONE]`` chunks of a
+    continuation pass as they are: the held stream's own never reached the client."""
+
+    def __init__(self, hold: Callable[[str], bool]) -> None:
+        self.hold = hold
+        self.held = False
+        self.base = 0  # client-side index of the current stream's call 0
+        self.calls = 0  # tool calls the client has: the next stream's base
+        self.text = False  # the client has text
+        self.join = False  # the next text starts a continuation's text after earlier text
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if self.held:
+            return []
+        if not data.startswith("{") or ('"tool_calls"' not in data and '"content"' not in data):
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        changed = False
+        for choice in as_list(obj.get("choices") if isinstance(obj, dict) else None):
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict):
+                continue
+            if isinstance(delta.get("content"), str) and delta["content"]:
+                if self.join:
+                    delta["content"] = "\n\n" + delta["content"]
+                    self.join, changed = False, True
+                self.text = True
+            for call in as_list(delta.get("tool_calls")):
+                if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
+                    continue
+                fn = call.get("function")
+                if isinstance(fn, dict) and isinstance(fn.get("name"), str) and self.hold(fn["name"]):
+                    self.held = True
+                    return []
+                index = call.get("index", 0) + self.base
+                self.calls = max(self.calls, index + 1)
+                if self.base:
+                    call["index"] = index
+                    changed = True
+        return [sse(dumps(obj))] if changed else None
+
+    def next_response(self) -> None:
+        self.held = False
+        self.base = self.calls
+        self.join = self.text
+
+    def close(self) -> list[bytes]:
+        return []
 
 
 def _call_id() -> str:

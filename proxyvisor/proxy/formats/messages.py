@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list, chat_text,
-                   dumps, error_types, has_non_text, interleave, split_json, sse, words)
-from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
+from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list,
+                   chat_text, dumps, error_types, has_non_text, interleave, retext, split_json, sse, words)
+from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
 EMPTIED = "…"
@@ -23,6 +23,7 @@ class MessagesFormat(WireFormat):
     name = "messages"
     path = "/v1/messages"
     label = "Anthropic Messages"
+    history_field = "messages"
 
     def error_body(self, status: int, message: str) -> bytes:
         return dumps({"type": "error", "error": {"type": error_types(status)[1], "message": message}})
@@ -119,24 +120,7 @@ class MessagesFormat(WireFormat):
         return AssistantTurn(text, calls)
 
     def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        blocks: dict[int, dict[str, Any]] = {}
-        for _name, data in events:
-            obj = orjson.loads(data) if data.startswith("{") else {}
-            kind, index = obj.get("type"), obj.get("index", 0)
-            if kind == "content_block_start":
-                blocks[index] = {**obj.get("content_block", {}), "partial": ""}
-            elif kind == "content_block_delta" and index in blocks:
-                delta = obj.get("delta") or {}
-                if delta.get("type") == "text_delta":
-                    blocks[index]["text"] = blocks[index].get("text", "") + delta.get("text", "")
-                elif delta.get("type") == "input_json_delta":
-                    blocks[index]["partial"] += delta.get("partial_json", "")
-        content = []
-        for _, b in sorted(blocks.items()):
-            if b.get("type") == "tool_use" and b["partial"]:
-                b["input"] = args_of(b["partial"])
-            content.append(b)
-        return self.parse_response({"content": content})
+        return self.parse_response(self.stream_response(events))
 
     def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
@@ -242,6 +226,20 @@ class MessagesFormat(WireFormat):
         if separate:
             body["messages"] = interleave(messages, separate)
 
+    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
+        done = set()
+        for item in self.history(body):
+            if not isinstance(item, dict) or item.get("role") != "user":
+                continue
+            for block in as_list(item.get("content")):
+                if not (isinstance(block, dict) and block.get("type") == "tool_result"):
+                    continue
+                call_id = block.get("tool_use_id")
+                if isinstance(call_id, str) and call_id in texts and not has_non_text(block.get("content")):
+                    block["content"] = retext(block.get("content"), texts[call_id], "text")
+                    done.add(call_id)
+        return done
+
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         content = response.get("content")
         if not isinstance(content, list):
@@ -258,6 +256,62 @@ class MessagesFormat(WireFormat):
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _MessagesStream(new_filter)
+
+
+    # ---- continuing a turn --------------------------------------------------------------------------------
+    def add_tools(self, body: dict[str, Any], tools: list[ToolSpec]) -> None:
+        body["tools"] = as_list(body.get("tools")) + [
+            {"name": t.name, "description": t.description, "input_schema": t.schema} for t in tools]
+
+    def stream_response(self, events: list[tuple[str | None, str]]) -> dict[str, Any]:
+        message: dict[str, Any] = {}
+        blocks: dict[int, dict[str, Any]] = {}
+        partial: dict[int, str] = {}
+        for _name, data in events:
+            try:
+                obj = orjson.loads(data) if data.startswith("{") else None
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            kind, index = obj.get("type"), obj.get("index")
+            if kind == "message_start" and isinstance(obj.get("message"), dict):
+                message = dict(obj["message"])
+            elif kind == "message_delta":
+                message.update(obj.get("delta") if isinstance(obj.get("delta"), dict) else {})
+                if isinstance(obj.get("usage"), dict):
+                    message["usage"] = {**(message.get("usage") or {}), **obj["usage"]}
+            elif kind == "content_block_start" and isinstance(index, int):
+                blocks[index] = dict(obj["content_block"]) if isinstance(obj.get("content_block"), dict) else {}
+            elif kind == "content_block_delta" and index in blocks and isinstance(obj.get("delta"), dict):
+                block, delta = blocks[index], obj["delta"]
+                if delta.get("type") == "input_json_delta":
+                    partial[index] = partial.get(index, "") + str(delta.get("partial_json") or "")
+                elif delta.get("type") == "citations_delta":
+                    block["citations"] = as_list(block.get("citations")) + [delta.get("citation")]
+                else:  # text_delta, thinking_delta, signature_delta: the block field the delta is named after
+                    for key in ("text", "thinking", "signature"):
+                        if isinstance(delta.get(key), str):
+                            block[key] = (block.get(key) or "") + delta[key] if key != "signature" else delta[key]
+        for index, text in partial.items():
+            blocks[index]["input"] = args_of(text)
+        return {**message, "content": [b for _, b in sorted(blocks.items())]}
+
+    def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
+        content = [b for b in as_list(response.get("content")) if isinstance(b, dict)
+                   and not (b.get("type") == "tool_use" and not keep(str(b.get("name") or "")))]
+        return [{"role": "assistant", "content": content}]
+
+    def tool_results(self, results: list[CallResult]) -> list[Any]:
+        blocks: list[dict[str, Any]] = []
+        for r in results:
+            blocks.append({"type": "tool_result", "tool_use_id": r.call_id, "content": r.text})
+            if r.is_error:
+                blocks[-1]["is_error"] = True
+        return [{"role": "user", "content": blocks}]
+
+    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
+        return _MessagesSplice(hold)
 
 
 @dataclass
@@ -360,6 +414,50 @@ class _MessagesStream:
             return None
         obj["index"] = index - self.shift
         return [self._send(obj)]
+
+    def close(self) -> list[bytes]:
+        return []
+
+
+class _MessagesSplice:
+    """Messages stream splicing (:class:`~.transcript.StreamSplice`): holds from the ``content_block_start`` of a
+    held ``tool_use`` block; a continuation loses its ``message_start`` (the client has one) and its block
+    indexes are shifted past the blocks the client already has, so its blocks, ``message_delta`` (stop reason,
+    usage) and ``message_stop`` end the one message the client is reading."""
+
+    def __init__(self, hold: Callable[[str], bool]) -> None:
+        self.hold = hold
+        self.held = False
+        self.continuing = False
+        self.base = 0  # client-side index of the current stream's block 0
+        self.blocks = 0  # blocks the client has: the next stream's base
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if self.held:
+            return []
+        if '"index"' not in data:  # message_start, message_delta, message_stop, ping, error
+            return [] if self.continuing and '"message_start"' in data else None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("index"), int):
+            return None
+        block = obj.get("content_block")
+        if obj.get("type") == "content_block_start" and isinstance(block, dict):
+            if block.get("type") == "tool_use" and self.hold(str(block.get("name") or "")):
+                self.held = True
+                return []
+            self.blocks = max(self.blocks, obj["index"] + self.base + 1)
+        if not self.base:
+            return None
+        obj["index"] += self.base
+        return [sse(dumps(obj), name)]
+
+    def next_response(self) -> None:
+        self.held = False
+        self.continuing = True
+        self.base = self.blocks
 
     def close(self) -> list[bytes]:
         return []

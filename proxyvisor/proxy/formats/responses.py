@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps, edit_parts,
-                   arguments_of, as_list, error_types, has_non_text, interleave, leading_system, split_json, sse,
-                   words)
-from .transcript import Message, StreamEditor, TextEdit, TextFilter, ToolOutput, ToolUse
+from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
+                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system, retext,
+                   split_json, sse, words)
+from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
-_RESPONSE_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress", "response.completed",
-                              "response.incomplete", "response.failed"})
+_HEAD_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress"})
+_FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_RESPONSE_EVENTS = _HEAD_EVENTS | _FINAL_EVENTS
 
 
 class ResponsesFormat(WireFormat):
     name = "responses"
     path = "/v1/responses"
     label = "OpenAI Responses"
+    history_field = "input"
 
     def error_body(self, status: int, message: str) -> bytes:
         kind = error_types(status)[0]
@@ -119,11 +121,7 @@ class ResponsesFormat(WireFormat):
         return AssistantTurn("".join(text), tuple(calls))
 
     def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        for _name, data in reversed(events):
-            obj = orjson.loads(data) if data.startswith("{") else {}
-            if obj.get("type") in ("response.completed", "response.incomplete"):
-                return self.parse_response(obj.get("response") or {})
-        return AssistantTurn()
+        return self.parse_response(self.stream_response(events))
 
     def _output(self, turn: AssistantTurn) -> list[dict[str, Any]]:
         output: list[dict[str, Any]] = []
@@ -239,6 +237,17 @@ class ResponsesFormat(WireFormat):
                 (i, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})
                 for i, t in notes])
 
+    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
+        done = set()
+        for item in as_list(body.get("input")):
+            if not (isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output")):
+                continue
+            call_id = item.get("call_id")
+            if isinstance(call_id, str) and call_id in texts and not has_non_text(item.get("output")):
+                item["output"] = retext(item.get("output"), texts[call_id], "input_text")
+                done.add(call_id)
+        return done
+
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for item in as_list(response.get("output")):
             if isinstance(item, dict) and item.get("type") == "message":
@@ -246,6 +255,40 @@ class ResponsesFormat(WireFormat):
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _ResponsesStream(new_filter, edit)
+
+
+    # ---- continuing a turn --------------------------------------------------------------------------------
+    def add_tools(self, body: dict[str, Any], tools: list[ToolSpec]) -> None:
+        body["tools"] = as_list(body.get("tools")) + [
+            {"type": "function", "name": t.name, "description": t.description, "parameters": t.schema,
+             "strict": False} for t in tools]
+
+    def stream_response(self, events: list[tuple[str | None, str]]) -> dict[str, Any]:
+        """The response object of the stream's last ``response.completed`` / ``incomplete`` / ``failed`` event;
+        without one (a stream cut short), the items of its ``response.output_item.done`` events."""
+        done: list[Any] = []
+        for _name, data in reversed(events):
+            try:
+                obj = orjson.loads(data) if data.startswith("{") else None
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if obj.get("type") in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
+                return obj["response"]
+            if obj.get("type") == "response.output_item.done":
+                done.insert(0, obj.get("item"))
+        return {"output": done}
+
+    def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
+        return [item for item in as_list(response.get("output")) if isinstance(item, dict)
+                and not (item.get("type") == "function_call" and not keep(str(item.get("name") or "")))]
+
+    def tool_results(self, results: list[CallResult]) -> list[Any]:
+        return [{"type": "function_call_output", "call_id": r.call_id, "output": r.text} for r in results]
+
+    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
+        return _ResponsesSplice(hold)
 
 
 def _edit_message(item: dict[str, Any], edit: TextEdit) -> None:
@@ -324,6 +367,66 @@ class _ResponsesStream:
             return None  # keep the upstream's bytes
         self._renumber(obj)
         return events + [sse(dumps(obj), name or kind)]
+
+    def close(self) -> list[bytes]:
+        return []
+
+
+class _ResponsesSplice:
+    """Responses stream splicing (:class:`~.transcript.StreamSplice`): holds from the ``output_item.added`` of a
+    held ``function_call``; a continuation loses its ``response.created`` / ``queued`` / ``in_progress`` (the
+    client has them), its ``output_index`` values are shifted past the items the client already has, its
+    ``sequence_number`` values go on from the last one sent, and its final response object carries the first
+    response's id and lists the items sent before it followed by its own, which is what the client's snapshot
+    holds (the openai SDK checks both)."""
+
+    def __init__(self, hold: Callable[[str], bool]) -> None:
+        self.hold = hold
+        self.held = False
+        self.continuing = False
+        self.base = 0  # client-side output_index of the current stream's item 0
+        self.sent: dict[int, Any] = {}  # client-side output_index -> the item as done
+        self.before: list[Any] = []  # items sent by earlier streams, in order
+        self.seq = 0  # the next sequence_number the client expects
+        self.id: Any = None  # the response id the client has (SDKs check that it never changes)
+
+    def event(self, name: str | None, data: str) -> list[bytes] | None:
+        if self.held:
+            return []
+        try:
+            obj = orjson.loads(data) if data.startswith("{") else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        kind, item = obj.get("type"), obj.get("item")
+        if kind == "response.output_item.added" and isinstance(item, dict) and item.get("type") == "function_call" \
+                and self.hold(str(item.get("name") or "")):
+            self.held = True
+            return []
+        if self.continuing and kind in _HEAD_EVENTS:
+            return []
+        if kind in _HEAD_EVENTS and isinstance(obj.get("response"), dict) and self.id is None:
+            self.id = obj["response"].get("id")
+        if isinstance(obj.get("output_index"), int):
+            obj["output_index"] += self.base
+            if kind in ("response.output_item.added", "response.output_item.done"):
+                self.sent[obj["output_index"]] = item
+        if self.continuing and kind in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
+            obj["response"]["output"] = self.before + as_list(obj["response"].get("output"))
+            if self.id is not None:
+                obj["response"]["id"] = self.id
+        if isinstance(obj.get("sequence_number"), int):
+            if self.continuing:
+                obj["sequence_number"] = self.seq
+            self.seq = obj["sequence_number"] + 1
+        return [sse(dumps(obj), name or kind)] if self.continuing else None
+
+    def next_response(self) -> None:
+        self.held = False
+        self.continuing = True
+        self.base = max(self.sent, default=-1) + 1
+        self.before = [self.sent[i] for i in sorted(self.sent)]
 
     def close(self) -> list[bytes]:
         return []

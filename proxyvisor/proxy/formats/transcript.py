@@ -91,3 +91,20 @@ class StreamEditor(Protocol):
     def event(self, name: str | None, data: str) -> list[bytes] | None: ...
 
     def close(self) -> list[bytes]: ...
+
+
+class StreamSplice(StreamEditor, Protocol):
+    """Joins upstream streams into one stream for the client (``WireFormat.stream_splice``): a
+    :class:`StreamEditor` fed the events of one upstream stream after another.
+
+    On the first stream, events pass unchanged until one starts a call of a tool the splice holds; from there on
+    :attr:`held` is True and every event of that stream is held back (returned as ``[]``). After
+    :meth:`next_response`, the events of the next upstream stream (the turn continued upstream) are rewritten to
+    continue what the client already has: no second response head, block, tool-call and output positions shifted
+    past those already sent, sequence numbers going on, and a final response object listing everything sent.
+    """
+
+    held: bool
+
+    def next_response(self) -> None:
+        """The events that follow belong to the next upstream stream, which continues this one."""
