@@ -63,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="proxyvisor", formatter_class=_Formatter,
         description=textwrap.dedent("""\
             proxyvisor sits between an LLM agent and its model endpoint. It speaks the three wire formats
-            agents use (OpenAI Chat Completions, Anthropic Messages, OpenAI Responses), streaming and not,
-            relays them byte for byte when supervision is off, and keeps a per-session ledger when it is on.
+            agents use (OpenAI Chat Completions, Anthropic Messages, OpenAI Responses), streaming and not.
+            With supervision off it is a byte relay that writes nothing. With it on, it keeps a ledger per
+            session, reads and hides the model's self-report, runs loop / no-progress / recovery detectors
+            and steers with advisory notes, condenses oversized tool output for the model's copy (with a
+            supervisor model configured), and runs delegated child work under per-pool breakers (with
+            [model_routing] enabled).
             """),
         epilog=textwrap.dedent("""\
             examples:
