@@ -1,0 +1,685 @@
+"""Load and soak: many concurrent agent sessions through proxyvisor (supervision on) for minutes, against the
+direct upstream and the LiteLLM proxy in the same run.
+
+Usage (from the repository root, in the project's environment)::
+
+    python bench/load.py                     # 200 sessions: 60 s direct, 300 s proxyvisor, 60 s LiteLLM
+    python bench/load.py --quick             # a CI-size run of about 30 s (no LiteLLM arm unless --litellm)
+    python bench/load.py --sessions 50 --duration 120 --compare-duration 30 --no-litellm
+
+Processes: the scripted upstream (auto mode: it calls a tool after a prompt and answers text after a tool
+result, streaming with ``--chunk-delay-ms`` between events) runs in its own process; ``python -m proxyvisor
+serve`` with supervision enabled in another; the LiteLLM proxy (``litellm[proxy]``, installed and started by
+``bench/overhead.py``'s helpers, pass-through ``openai/scripted-model``) in a third; this process is the load
+generator. Its concurrency is trio tasks, one per session, as is proxyvisor's: no thread per stream.
+
+Each session is an agent loop in one wire format (the three formats in turn, every other session streaming):
+send the history, read the reply, and when the model called a tool, append the call and a tool result of a few KB
+after a think time (the tool running), else append the answer and a new prompt. The history grows to
+``--max-messages`` messages, then the agent compacts it (a new thread of the same session). Every reply is
+checked: status 200, a complete stream (the format's last event), and the turn the scripted model must give.
+
+The arms run one after another against the same upstream: ``direct`` (the baseline), ``proxyvisor``, ``litellm``.
+Figures per arm, after a warm-up: errors (target 0), p50/p99 latency and time to first byte, and the *added*
+latency (the arm's percentile minus direct's), requests per second; for the proxy processes: peak RSS and its
+growth from the end of the warm-up to the end of the run (target < 10 %), open file descriptors before the load
+and after it (clients gone), and threads; for proxyvisor also its own ``x-proxyvisor-overhead-ms`` and whether
+every request has its ledger line. The figures and the command go into the "Load and soak (issue 7)" section of
+``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import re
+import select
+import shlex
+import shutil
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.overhead import (API_KEY, CACHE, MODEL, BenchError, _loadavg, _stop, cpu_time, litellm_venv, pct,
+                            start_litellm, wait_litellm)
+from bench.results import RESULTS, write_section
+from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
+from proxyvisor.proxy.sse import SSEParser
+
+SECTION = "Load and soak (issue 7)"
+FORMATS = ("chat", "messages", "responses")
+TARGET_RSS_GROWTH = 0.10
+SOAK_S = 120.0
+"""Shortest proxyvisor arm whose RSS growth is judged: in a shorter run the histories are still growing towards
+``--max-messages`` (an agent adds two messages per request, one every 2-3 s), so growth there is not a leak."""
+_TERMINAL = {"chat": "[DONE]", "messages": "message_stop", "responses": "response.completed"}
+"""What the last event of a complete stream is: chat's data, or the others' event name."""
+_LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+DELAY = re.compile(rb"\(model delay (\d+) ms\)")
+"""How long the upstream waits before answering (the model's time to first token), chosen by the agent and written
+at the end of its newest message: plain text survives every proxy and translation unchanged, and the agent knows
+what it asked for. The upstream obeys the last one in the request."""
+
+
+# ---- the agent's requests ----------------------------------------------------------------------------------
+_WORDS = ("the file path command output tool agent returns string list integer optional default run shell "
+          "working directory timeout lines pattern glob search replace edit write read notebook task status "
+          "pending completed description example must should never always use instead prefer — café naïve "
+          "✓").split()
+
+
+def _prose(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def agent_tools(rng: random.Random) -> tuple[ToolSpec, ...]:
+    """A coding agent's tool set (about 20 KB of schemas), ``Bash`` first so the scripted model calls it."""
+    names = ["Bash", "Read", "Edit", "Write", "Grep", "Glob", "TodoWrite", "WebFetch", "NotebookEdit", "Task"]
+    tools = []
+    for name in names:
+        props = {"command" if name == "Bash" else "path": {"type": "string", "description": _prose(rng, 30)},
+                 "description": {"type": "string", "description": _prose(rng, 20)}}
+        props.update({f"option_{j}": {"type": rng.choice(["string", "integer", "boolean"]),
+                                      "description": _prose(rng, 25)} for j in range(4)})
+        tools.append(ToolSpec(name, {"type": "object", "description": _prose(rng, 60), "properties": props,
+                                     "required": [next(iter(props))]}))
+    return tuple(tools)
+
+
+def tool_output(rng: random.Random, kb: float) -> str:
+    lines, size = [], 0
+    while size < kb * 1024:
+        line = f"{rng.randint(1, 9999):>5}  {_prose(rng, rng.randint(3, 14))}"
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)
+
+
+# ---- one request ---------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    arm: str
+    fmt: str
+    stream: bool
+    started: float
+    """Seconds since the arm started."""
+    total_ms: float
+    ttfb_ms: float
+    """Time to the whole reply and to its first byte, both less the model delay the agent asked for (ms): what
+    the path to the model costs, without the model's own think time, which varies from request to request."""
+    overhead_ms: float | None
+    error: str | None = None
+
+
+def complete(fmt: str, events: list[tuple[str | None, str]]) -> bool:
+    """Whether a stream ends as a whole one does: chat with ``[DONE]``, the others with their last event, named by
+    its ``event:`` line or only by its ``type`` (LiteLLM's Responses stream), perhaps followed by ``[DONE]``."""
+    terminal = _TERMINAL[fmt]
+    for name, data in events[-2:]:
+        if name == terminal or data == terminal:
+            return True
+        if fmt != "chat" and data.startswith("{"):
+            try:
+                if orjson.loads(data).get("type") == terminal:
+                    return True
+            except orjson.JSONDecodeError:
+                pass
+    return False
+
+
+async def exchange(client: httpx.AsyncClient, fmt: str, body: dict[str, Any], headers: dict[str, str],
+                   expect_tool_call: bool, model_s: float, arm: str, t0: float) -> tuple[Sample, Any]:
+    """Send one request (whose newest message asks for ``model_s`` of model delay) and check the reply; (the
+    sample, the assistant turn or None on error)."""
+    spec = BY_NAME[fmt]
+    stream = bool(body.get("stream"))
+    content = orjson.dumps(body)
+    started = time.perf_counter()
+    ttfb = 0.0
+    overhead = None
+    turn = None
+    error = None
+    try:
+        with trio.fail_after(120):
+            async with client.stream("POST", spec.path, content=content, headers=headers) as reply:
+                parts = []
+                async for chunk in reply.aiter_raw():
+                    if not ttfb:
+                        ttfb = time.perf_counter() - started
+                    parts.append(chunk)
+                header = reply.headers.get("x-proxyvisor-overhead-ms")
+                overhead = float(header) if header else None
+                status = reply.status_code
+        data = b"".join(parts)
+        if status != 200:
+            error = f"HTTP {status}"
+        elif stream:
+            events = [(e.event, e.data) for e in SSEParser().feed(data)]
+            if not complete(fmt, events):
+                error = "stream ended without its last event"
+            else:
+                turn = spec.assemble(events)
+        else:
+            turn = spec.parse_response(orjson.loads(data))
+        if turn is not None and bool(turn.tool_calls) != expect_tool_call:
+            error, turn = ("no tool call" if expect_tool_call else "unexpected tool call"), None
+    except trio.TooSlowError:
+        error = "timeout (120 s)"
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"[:200]
+    total = time.perf_counter() - started
+    model_s = model_s if error is None else 0.0
+    sample = Sample(arm, fmt, stream, started - t0, (total - model_s) * 1000, ((ttfb or total) - model_s) * 1000,
+                    overhead, error)
+    return sample, turn
+
+
+# ---- an agent session ------------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    sessions: int
+    think_s: tuple[float, float]
+    model_delay_s: tuple[float, float]
+    max_messages: int
+    tool_output_kb: float
+    system: str
+    tools: tuple[ToolSpec, ...]
+
+
+async def agent(index: int, base_url: str, arm: str, settings: Settings, deadline: float, t0: float,
+                samples: list[Sample], tls: ssl.SSLContext) -> None:
+    """One agent session until ``deadline`` (perf_counter): prompt, tool round, answer, prompt..."""
+    rng = random.Random(index)
+    fmt = FORMATS[index % 3]
+    stream = (index // 3) % 2 == 0
+    session = f"load-{index:04d}"
+    headers = {"content-type": "application/json", "authorization": "Bearer " + API_KEY.decode(),
+               "x-api-key": API_KEY.decode(), "anthropic-version": "2023-06-01", "x-proxyvisor-session": session}
+    task = 0
+
+    def fresh() -> list[dict[str, Any]]:
+        nonlocal task
+        task += 1
+        return [{"role": "system", "content": settings.system},
+                {"role": "user", "content": f"Task {task} of {session}: {_prose(rng, 30)}"}]
+
+    def delay() -> tuple[str, float]:
+        seconds = round(rng.uniform(*settings.model_delay_s), 3)
+        return f"\n(model delay {int(seconds * 1000)} ms)", int(seconds * 1000) / 1000
+
+    messages = fresh()
+    await trio.sleep(rng.uniform(0, settings.think_s[1]))  # the sessions do not start in lockstep
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, trust_env=False, verify=tls,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+        while time.perf_counter() < deadline:
+            expect_tool_call = messages[-1]["role"] == "user"
+            marker, model_s = delay()
+            messages[-1]["content"] += marker  # kept: a history only grows at its end, as an agent's does
+            body = BY_NAME[fmt].request_from_chat(messages, MODEL, stream, settings.tools)
+            sample, turn = await exchange(client, fmt, body, headers, expect_tool_call, model_s, arm, t0)
+            samples.append(sample)
+            if turn is None:  # an error: the agent starts the task over, as a real one retries
+                messages = fresh()
+                await trio.sleep(rng.uniform(*settings.think_s))
+                continue
+            if turn.tool_calls:
+                messages.append({"role": "assistant", "content": turn.text or None, "tool_calls": [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.name, "arguments": orjson.dumps(c.arguments).decode()}}
+                    for c in turn.tool_calls]})
+                await trio.sleep(rng.uniform(*settings.think_s))  # the tool runs
+                messages += [{"role": "tool", "tool_call_id": c.id,
+                              "content": tool_output(rng, rng.uniform(0.2, 2) * settings.tool_output_kb)}
+                             for c in turn.tool_calls]
+            else:
+                messages.append({"role": "assistant", "content": turn.text})
+                await trio.sleep(rng.uniform(*settings.think_s))  # the human, or the harness, types
+                if len(messages) >= settings.max_messages:
+                    messages = fresh()  # compaction: a new thread of the same session
+                else:
+                    messages.append({"role": "user", "content": _prose(rng, rng.randint(5, 40))})
+
+
+# ---- process figures -----------------------------------------------------------------------------------------
+@dataclass
+class Usage:
+    t: float
+    rss_kb: int
+    hwm_kb: int
+    threads: int
+    fds: int
+    cpu_s: float
+
+
+def usage_of(proc: subprocess.Popen[bytes], t: float) -> Usage | None:
+    """RSS, peak RSS (VmHWM), threads, open descriptors and CPU time of ``proc`` from /proc; None when it is
+    gone."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+    except OSError:
+        return None
+    values = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    rss, hwm = (int(values.get(key, "0 kB").split()[0]) for key in ("VmRSS", "VmHWM"))
+    return Usage(t, rss, hwm, int(values.get("Threads", "0")), fds, cpu_time(proc))
+
+
+async def sample_usage(proc: subprocess.Popen[bytes], t0: float, out: list[Usage], every_s: float = 1.0) -> None:
+    while (u := usage_of(proc, time.perf_counter() - t0)) is not None:
+        out.append(u)
+        await trio.sleep(every_s)
+
+
+# ---- one arm ----------------------------------------------------------------------------------------------------
+@dataclass
+class Arm:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes] | None
+    duration_s: float
+    warmup_s: float
+    samples: list[Sample] = field(default_factory=list)
+    usage: list[Usage] = field(default_factory=list)
+    fds_before: int | None = None
+    fds_after: int | None = None
+    ledger_lines: int | None = None
+    machine: dict[str, float] = field(default_factory=dict)
+    """CPU used over the arm, as a share of one core: ``load generator``, ``upstream`` (and the proxy's in
+    :func:`process_of`). On a small machine the three compete, and latency shows it."""
+
+
+async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: subprocess.Popen[bytes]) -> None:
+    t0 = time.perf_counter()
+    deadline = t0 + arm.duration_s
+    cpu = time.process_time(), cpu_time(upstream)
+    if arm.proc is not None:
+        first = usage_of(arm.proc, 0.0)
+        arm.fds_before = first.fds if first else None
+    async with trio.open_nursery() as nursery:
+        if arm.proc is not None:
+            nursery.start_soon(sample_usage, arm.proc, t0, arm.usage)
+        async with trio.open_nursery() as agents:
+            for i in range(settings.sessions):
+                agents.start_soon(agent, i, f"http://127.0.0.1:{arm.port}", arm.name, settings, deadline, t0,
+                                  arm.samples, tls)
+        elapsed = time.perf_counter() - t0
+        arm.machine = {"load generator": (time.process_time() - cpu[0]) / elapsed,
+                       "upstream": (cpu_time(upstream) - cpu[1]) / elapsed}
+        await trio.sleep(1.0)  # the clients are gone: give the proxy a moment to close its ends
+        if arm.proc is not None:
+            last = usage_of(arm.proc, time.perf_counter() - t0)
+            arm.fds_after = last.fds if last else None
+            if last:
+                arm.usage.append(last)
+        nursery.cancel_scope.cancel()
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    arm: str
+    kind: str
+    n: int
+    errors: int
+    rps: float
+    p50: float
+    p99: float
+    add_p50: float | None
+    add_p99: float | None
+    ttfb_p50: float
+    add_ttfb_p50: float | None
+    add_ttfb_p99: float | None
+    header_p50: float | None
+    header_p99: float | None
+
+
+def rows_of(arms: list[Arm]) -> list[Row]:
+    base = {kind: [s for s in arms[0].samples if s.started >= arms[0].warmup_s and not s.error
+                   and s.stream == (kind == "stream")] for kind in ("json", "stream")}
+    rows = []
+    for arm in arms:
+        for kind in ("json", "stream"):
+            chosen = [s for s in arm.samples if s.started >= arm.warmup_s and s.stream == (kind == "stream")]
+            ok = [s for s in chosen if not s.error]
+            if not ok:
+                rows.append(Row(arm.name, kind, len(chosen), len(chosen), 0, *(float("nan"),) * 2, None, None,
+                                float("nan"), None, None, None, None))
+                continue
+            total, ttfb = [s.total_ms for s in ok], [s.ttfb_ms for s in ok]
+            b_total, b_ttfb = [s.total_ms for s in base[kind]], [s.ttfb_ms for s in base[kind]]
+            heads = [s.overhead_ms for s in ok if s.overhead_ms is not None]
+
+            def diff(mine: list[float], theirs: list[float], q: float) -> float | None:
+                return pct(mine, q) - pct(theirs, q) if theirs else None
+
+            rows.append(Row(arm.name, kind, len(chosen), len(chosen) - len(ok),
+                            len(chosen) / (arm.duration_s - arm.warmup_s), pct(total, 50), pct(total, 99),
+                            diff(total, b_total, 50), diff(total, b_total, 99), pct(ttfb, 50),
+                            diff(ttfb, b_ttfb, 50), diff(ttfb, b_ttfb, 99),
+                            pct(heads, 50) if heads else None, pct(heads, 99) if heads else None))
+    return rows
+
+
+@dataclass
+class Process:
+    peak_mb: float
+    start_mb: float
+    end_mb: float
+    growth: float
+    cpu_ms: float
+    cpu_share: float
+    threads_max: int
+    fds_before: int | None
+    fds_peak: int
+    fds_after: int | None
+
+
+def process_of(arm: Arm) -> Process | None:
+    """A proxy process's figures after the warm-up. RSS growth compares the medians of the first and last 10 %
+    of the samples (at least 3 each), so one sample's noise does not count as growth; CPU is per request made in
+    that span, and as a share of one core."""
+    steady = [u for u in arm.usage if u.t >= arm.warmup_s]
+    if len(steady) < 6:
+        return None
+    k = max(3, len(steady) // 10)
+    start = statistics.median(u.rss_kb for u in steady[:k])
+    end = statistics.median(u.rss_kb for u in steady[-k:])
+    requests = sum(1 for s in arm.samples if s.started >= steady[0].t) or 1
+    cpu = steady[-1].cpu_s - steady[0].cpu_s
+    return Process(max(u.hwm_kb for u in arm.usage) / 1024, start / 1024, end / 1024, (end - start) / start,
+                   cpu * 1000 / requests, cpu / (steady[-1].t - steady[0].t), max(u.threads for u in arm.usage),
+                   arm.fds_before, max(u.fds for u in arm.usage), arm.fds_after)
+
+
+def _f(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None or math.isnan(value) else fmt.format(value)
+
+
+def markdown(arms: list[Arm], rows: list[Row], command: str, setup: str, notes: list[str],
+             errors: dict[str, dict[str, int]]) -> str:
+    cols = ["arm", "kind", "requests", "errors", "req/s", "p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB p50",
+            "+TTFB p99", "overhead header p50 / p99"]
+    lines = [f"Command: `{command}`", "", setup, "",
+             ("**Latency** (ms, after the warm-up, less the upstream's model delay; *+* = added: the arm's "
+              "percentile minus direct's, same run)"), "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r.arm, r.kind, str(r.n), str(r.errors), _f(r.rps), _f(r.p50), _f(r.p99), _f(r.add_p50, "{:+.1f}"),
+            _f(r.add_p99, "{:+.1f}"), _f(r.ttfb_p50), _f(r.add_ttfb_p50, "{:+.1f}"), _f(r.add_ttfb_p99, "{:+.1f}"),
+            f"{_f(r.header_p50, '{:.2f}')} / {_f(r.header_p99, '{:.2f}')}" if r.header_p50 is not None else "-"])
+            + " |")
+    lines += ["", "**Proxy process** (from /proc; growth: end of warm-up to end of run; CPU after the warm-up)", "",
+              ("| arm | peak RSS MB | RSS after warm-up MB | RSS at end MB | growth | CPU ms/request | CPU (one core) "
+               "| threads (max) | fds before load | fds peak | fds after load |"), "|" + "---|" * 11]
+    for arm in arms:
+        m = process_of(arm)
+        if m is not None:
+            lines.append(f"| {arm.name} | {m.peak_mb:.1f} | {m.start_mb:.1f} | {m.end_mb:.1f} | {m.growth:+.1%} | "
+                         f"{m.cpu_ms:.2f} | {m.cpu_share:.0%} | {m.threads_max} | {m.fds_before} | {m.fds_peak} | "
+                         f"{m.fds_after} |")
+    lines += ["", "CPU of the other processes, as a share of one core: " + "; ".join(
+        f"{arm.name} arm: " + ", ".join(f"{k} {v:.0%}" for k, v in arm.machine.items()) for arm in arms) + "."]
+    lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in verdicts(arms, errors)]
+    notes = notes + [("The arms run one after another (a soak cannot be interleaved): other work on the machine "
+                      "during one arm shows as added latency, or as negative added latency; the overhead header is "
+                      "proxyvisor's own time, measured inside the process."),
+                     ("fds after load: the clients are gone; what stays is mostly idle upstream connections kept "
+                      "for reuse (at most 256 per upstream).")]
+    if any(a.name == "proxyvisor" and a.duration_s < SOAK_S for a in arms):
+        notes.append(f"RSS growth not judged: the proxyvisor arm is shorter than {SOAK_S:g} s, so the histories "
+                     "are still growing (not a leak).")
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def error_kinds(arm: Arm) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for s in arm.samples:
+        if s.error:
+            kind = f"{s.fmt}{' stream' if s.stream else ''}: {s.error}"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[bool, str]]:
+    out = []
+    for arm in arms:
+        if arm.name != "proxyvisor":
+            continue
+        n = len(arm.samples)
+        failed = sum(errors[arm.name].values())
+        detail = ", ".join(f"{count}x {kind}" for kind, count in sorted(errors[arm.name].items())) or "none"
+        out.append((failed == 0, f"proxyvisor: {failed} errors in {n} requests (target 0; {detail})"))
+        m = process_of(arm)
+        if m is not None and arm.duration_s >= SOAK_S:
+            out.append((m.growth < TARGET_RSS_GROWTH, (f"proxyvisor: RSS growth after warm-up {m.growth:+.1%} "
+                                                       f"(target < {TARGET_RSS_GROWTH:.0%})")))
+        if arm.ledger_lines is not None:
+            out.append((arm.ledger_lines == n, (f"proxyvisor: {arm.ledger_lines} ledger lines for {n} requests "
+                                                "(every request accounted for)")))
+    return out
+
+
+def print_report(text: str) -> None:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console(width=max(shutil.get_terminal_size().columns, 140)).print(Markdown(text))
+
+
+# ---- the processes -------------------------------------------------------------------------------------------
+def _exit_on_stdin_eof() -> None:
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class ThinkingModel:
+    """The scripted upstream with a model's time to first token: a request waits as long as the last
+    :data:`DELAY` marker in it asks before the scripted answer starts."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __call__(self, request: Any) -> Any:
+        found = DELAY.findall(request.body)
+        if found:
+            await trio.sleep(int(found[-1]) / 1000)
+        return await self.inner(request)
+
+
+async def serve_upstream(chunk_delay_ms: float) -> None:
+    handler = ThinkingModel(ScriptedUpstream(chunk_delay_ms=chunk_delay_ms, record=False))
+    listeners = await open_listeners("127.0.0.1", 0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_listeners, listeners, handler, Limits())
+        print(f"PORT {bound_port(listeners)}", flush=True)
+
+
+def start_upstream(chunk_delay_ms: float, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """This script as the scripted upstream in its own process (it exits when its stdin closes)."""
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--chunk-delay-ms", str(chunk_delay_ms)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=ROOT)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else b""
+    if not line.startswith(b"PORT "):
+        proc.kill()
+        raise BenchError(f"the upstream did not start: {log.read_text(errors='replace')[-2000:]}")
+    return proc, int(line.split()[1])
+
+
+def start_proxyvisor(upstream_port: int, work: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m proxyvisor serve`` with supervision on, on a free port, relaying to the upstream."""
+    config = work / "proxyvisor.toml"
+    config.write_text(f'[proxy]\nport = 0\n\n[state]\ndir = "{work / "state"}"\n\n[supervisor]\nenabled = true\n\n'
+                      f'[upstreams.bench]\nurl = "http://127.0.0.1:{upstream_port}"\n')
+    log = work / "proxyvisor.log"
+    proc = subprocess.Popen([sys.executable, "-m", "proxyvisor", "serve", "--config", str(config)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log.open("wb"), cwd=ROOT,
+                            env=dict(os.environ, NO_PROXY="*"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = _LISTENING.search(log.read_bytes())
+        if found:
+            return proc, int(found.group(1))
+        time.sleep(0.05)
+    proc.kill()
+    raise BenchError(f"proxyvisor serve did not start: {log.read_text(errors='replace')[-2000:]}")
+
+
+def ledger_lines(state: Path) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in (state / "ledger").glob("*.jsonl"))
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CI-size run of about 30 s: --duration 18 --compare-duration 8, no LiteLLM arm unless "
+                        "--litellm (flags given explicitly still win)")
+    p.add_argument("--sessions", type=int, default=200, help="concurrent agent sessions (default 200)")
+    p.add_argument("--duration", type=float, help="seconds of the proxyvisor arm (default 300; quick 18)")
+    p.add_argument("--compare-duration", type=float,
+                   help="seconds of the direct and LiteLLM arms (default 60; quick 8)")
+    p.add_argument("--chunk-delay-ms", type=float, default=20.0, help="upstream delay between SSE events (20)")
+    p.add_argument("--model-delay-ms", default="500,2500",
+                   help="min,max of the model's time to first token, drawn per request by the agent and played "
+                        "by the upstream; taken out of the latency figures (default 500,2500)")
+    p.add_argument("--think-ms", default="200,2000",
+                   help="min,max of the pause between an answer and the agent's next request: the tool running or "
+                        "the next prompt (default 200,2000)")
+    p.add_argument("--max-messages", type=int, default=60, help="history length at which an agent compacts (60)")
+    p.add_argument("--tool-output-kb", type=float, default=2.0, help="mean tool result size in KB (default 2)")
+    p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
+    p.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
+    p.add_argument("--no-install", action="store_true", help="do not install litellm[proxy] when missing")
+    p.add_argument("--litellm-venv", type=Path, default=CACHE / "litellm-venv",
+                   help=f"venv holding litellm[proxy] (default {CACHE / 'litellm-venv'})")
+    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to write (default bench/RESULTS.md)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    p.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = {"duration": 18.0, "compare_duration": 8.0} if args.quick else {"duration": 300.0,
+                                                                                "compare_duration": 60.0}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.think_s = tuple(float(v) / 1000 for v in args.think_ms.split(","))
+    args.model_delay_s = tuple(float(v) / 1000 for v in args.model_delay_ms.split(","))
+    args.with_litellm = not args.no_litellm and (args.litellm or not args.quick)
+    return args
+
+
+def setup_text(args: argparse.Namespace, settings: Settings, arms: list[Arm], litellm_version: str,
+               started: float, load_before: str) -> str:
+    base = BY_NAME["chat"].request_from_chat([{"role": "system", "content": settings.system}], MODEL, False,
+                                             settings.tools)
+    arms_text = ", ".join(f"{a.name} {a.duration_s:g} s (warm-up {a.warmup_s:g} s)" for a in arms)
+    return (f"Setup: {args.sessions} concurrent agent sessions (the three formats in turn, every other one "
+            f"streaming; tool rounds with {args.tool_output_kb:g} KB results on average; think time "
+            f"{args.think_ms} ms; histories growing to {args.max_messages} messages, then compacted; "
+            f"{len(orjson.dumps(base)) // 1024} KB of system prompt and tool schemas in every request). Scripted "
+            f"upstream in its own process: a model delay of {args.model_delay_ms} ms before each answer (taken "
+            f"out of the latencies), {args.chunk_delay_ms:g} ms between SSE events. `proxyvisor serve` "
+            f"(supervision on) in its own process; load generator (trio, httpx, one task and connection per "
+            f"session) in another. Arms in sequence: {arms_text}"
+            + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
+            + f". {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()} "
+              f"{platform.release()}; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; "
+              f"1-minute load average {load_before} before, {_loadavg()} after.")
+
+
+def warmup_of(duration_s: float) -> float:
+    return min(60.0, max(3.0, 0.2 * duration_s))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "upstream":
+        _exit_on_stdin_eof()
+        trio.run(serve_upstream, args.chunk_delay_ms)
+        return 0
+    command = "python bench/load.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
+                                                                                   else argv))
+    started = time.monotonic()
+    load_before = _loadavg()
+    rng = random.Random(7)
+    settings = Settings(args.sessions, args.think_s, args.model_delay_s, args.max_messages, args.tool_output_kb,
+                        "You are a coding agent. " + _prose(rng, 1200), agent_tools(rng))
+    tls = ssl.create_default_context()  # one for all the clients: the URLs are plain HTTP anyway
+    notes: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    work = Path(tempfile.mkdtemp(prefix="proxyvisor-load-"))
+    try:
+        exe, litellm_note = (None, "LiteLLM arm left out") if not args.with_litellm else \
+            litellm_venv(args.litellm_venv, not args.no_install)
+        if exe is None:
+            notes.append(litellm_note)
+        upstream, up_port = start_upstream(args.chunk_delay_ms, work / "upstream.log")
+        procs.append(upstream)
+        arms = [Arm("direct", up_port, None, args.compare_duration, warmup_of(args.compare_duration))]
+        pv_proc, pv_port = start_proxyvisor(up_port, work)
+        procs.append(pv_proc)
+        arms.append(Arm("proxyvisor", pv_port, pv_proc, args.duration, warmup_of(args.duration)))
+        if exe is not None:
+            ll_proc, ll_port = start_litellm(exe, up_port, work)
+            procs.append(ll_proc)
+            try:
+                wait_litellm(ll_proc, ll_port, work / "litellm.log")
+                arms.append(Arm("litellm", ll_port, ll_proc, args.compare_duration,
+                                warmup_of(args.compare_duration)))
+            except BenchError as exc:
+                notes.append(f"LiteLLM proxy left out: {exc}"[:500])
+        print(f"{args.sessions} sessions; arms: " + ", ".join(f"{a.name} {a.duration_s:g} s" for a in arms),
+              flush=True)
+        for arm in arms:
+            print(f"  {arm.name} ...", end="", flush=True)
+            trio.run(run_arm, arm, settings, tls, upstream)
+            if arm.name == "proxyvisor":
+                arm.ledger_lines = ledger_lines(work / "state")
+            print(f" {len(arm.samples)} requests, {sum(1 for s in arm.samples if s.error)} errors", flush=True)
+        errors = {arm.name: error_kinds(arm) for arm in arms}
+        for arm in arms:
+            if arm.name != "proxyvisor" and errors[arm.name]:
+                by_count = sorted(errors[arm.name].items(), key=lambda item: -item[1])
+                detail = ", ".join(f"{n}x {kind}" for kind, n in by_count)
+                notes.append(f"{arm.name}: errors: {detail}"[:600])
+        rows = rows_of(arms)
+        setup = setup_text(args, settings, arms, litellm_note if exe is not None else "", started, load_before)
+        text = markdown(arms, rows, command, setup, notes, errors)
+        print_report(text)
+        if not args.no_write:
+            write_section(SECTION, text, args.results)
+            print(f"wrote {args.results}")
+        return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
