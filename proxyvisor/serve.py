@@ -8,7 +8,7 @@ import sys
 import trio
 
 from .config import Config
-from .proxy.service import running
+from .proxy.service import running, tune_gc
 
 
 async def _serve(config: Config) -> None:
@@ -25,6 +25,7 @@ async def _serve(config: Config) -> None:
 def serve(config: Config) -> int:
     """Serve until interrupted. Returns the exit code (0). Raises ConfigError or OSError (address in use)."""
     try:
+        tune_gc()
         trio.run(_serve, config)
     except OSError as exc:
         print(f"proxyvisor: cannot listen on {config.proxy.host}:{config.proxy.port}: {exc.strerror or exc}",

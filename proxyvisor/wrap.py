@@ -16,7 +16,7 @@ import trio
 
 from .agents import agent_command
 from .config import Config
-from .proxy.service import RunningProxy, running
+from .proxy.service import RunningProxy, running, tune_gc
 from .proxy.sessions import SESSION_ID
 
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -78,6 +78,7 @@ def wrap(config: Config, cmd: list[str], session: str | None = None, quiet: bool
     session = session or secrets.token_hex(16)
     if not SESSION_ID.match(session):
         raise ValueError(f"invalid session id {session!r}: use 1-128 of [A-Za-z0-9._-]")
+    tune_gc()
     return trio.run(_wrap, config, cmd, session, quiet)
 
 
