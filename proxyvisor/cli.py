@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -244,41 +245,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="proxyvisor %(levelname)s %(name)s: %(message)s")
     try:
-        config = _config(args)
-        from .config import validate
+        return _dispatch(parser, args)
+    except BaseException as exc:  # noqa: BLE001 - turn what trio wraps in exception groups into clear exits
+        leaf = _leaf(exc)
+        if isinstance(leaf, ConfigError):
+            print(f"proxyvisor: configuration error: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, KeyboardInterrupt):
+            return 130
+        if isinstance(leaf, BrokenPipeError):
+            # The reader went away (e.g. `| head`): stop quietly, and keep Python from complaining at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        if isinstance(leaf, OSError) and leaf.errno is not None:
+            print(f"proxyvisor: {leaf.strerror or leaf}" + (f": {leaf.filename}" if leaf.filename else ""),
+                  file=sys.stderr)
+            return 1
+        raise
 
-        validate(config)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return handler(args, config)
-        if args.command == "serve":
-            from .serve import serve
 
-            return serve(config)
-        if args.command == "wrap":
-            from .wrap import wrap
+def _leaf(exc: BaseException) -> BaseException:
+    """The first exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
-            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            if not cmd:
-                parser.error("wrap needs a command, e.g. proxyvisor wrap -- claude -p 'hi'")
-            return wrap(config, cmd, session=args.session, quiet=args.quiet)
-        if args.command == "demo":
-            from .demo import demo
 
-            return demo(config, args.format)
-        if args.command == "replay":
-            from .replay import replay_command
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.command in ("wrap", "demo"):
+        # Their proxy is private to this process and its child: loopback only, so no token is needed (the agent
+        # could not send one anyway).
+        config = config.with_overrides(proxy={"host": "127.0.0.1", "auth_token": ""})
+    from .config import validate
 
-            return replay_command(config, args.file, args.format, args.stream, args.json, args.condense)
-        if args.command == "condense":
-            from .condense.offline import condense_command
+    validate(config)
+    handler = getattr(args, "handler", None)
+    if handler is not None:
+        return handler(args, config)
+    if args.command == "serve":
+        from .serve import serve
 
-            return condense_command(config, args.file, args.task, args.budget, args.json)
-    except ConfigError as exc:
-        print(f"proxyvisor: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return serve(config)
+    if args.command == "wrap":
+        from .wrap import wrap
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            parser.error("wrap needs a command, e.g. proxyvisor wrap -- claude -p 'hi'")
+        return wrap(config, cmd, session=args.session, quiet=args.quiet)
+    if args.command == "demo":
+        from .demo import demo
+
+        return demo(config, args.format)
+    if args.command == "replay":
+        from .replay import replay_command
+
+        return replay_command(config, args.file, args.format, args.stream, args.json, args.condense)
+    if args.command == "condense":
+        from .condense.offline import condense_command
+
+        return condense_command(config, args.file, args.task, args.budget, args.json)
+    parser.error(f"unknown command {args.command}")
+    return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -25,6 +25,7 @@ import trio
 from .adapters.scripted import ScriptedUpstream
 from .condense.model import Condenser, with_condense
 from .config import Config, ConfigError
+from .detectors.selfreport import strip
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.formats.base import args_of, chat_text
 from .proxy.service import running
@@ -53,7 +54,14 @@ def load_trajectory(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise TrajectoryError(f"{path}:{number + 1}: not JSON: {exc}") from None
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
-            raise TrajectoryError(f"{path}:{number + 1}: not a chat message (needs a role)")
+            raise TrajectoryError(f"{path}:{number + 1}: not a chat message (needs a role: system, user, "
+                                  "assistant or tool)")
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls)):
+            raise TrajectoryError(f"{path}:{number + 1}: tool_calls must be a list of "
+                                  '{"id", "type": "function", "function": {"name", "arguments"}} objects')
         messages.append(message)
     return messages
 
@@ -168,7 +176,9 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
                 started = time.perf_counter()
                 status, got, failure, overhead = await _send(client, url, fmt, body, stream)
                 latency = (time.perf_counter() - started) * 1000
-                matches = got is not None and got.text == expected.text and [
+                # With supervision on, the agent gets the text without the model's self-report token.
+                wanted = strip(expected.text)[0] if config.supervisor.enabled else expected.text
+                matches = got is not None and got.text == wanted and [
                     (c.name, c.arguments, c.id) for c in got.tool_calls] == [
                     (c.name, c.arguments, c.id) for c in expected.tool_calls]
                 if got is not None and not matches and failure is None:

@@ -23,11 +23,21 @@ async def _serve(config: Config) -> None:
 
 
 def serve(config: Config) -> int:
-    """Serve until interrupted. Returns the exit code (0). Raises ConfigError or OSError (address in use)."""
+    """Serve until interrupted. Returns the exit code: 0, or 1 when the address cannot be bound.
+
+    Raises:
+        ConfigError: an upstream key variable is unset or a script file is invalid (inside an exception group).
+    """
+    tune_gc()
     try:
-        tune_gc()
         trio.run(_serve, config)
-    except OSError as exc:
+    except BaseExceptionGroup as group:
+        bind_error = group.subgroup(lambda e: isinstance(e, OSError) and not isinstance(e, BaseExceptionGroup))
+        if bind_error is None:
+            raise
+        exc = bind_error.exceptions[0]
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
         print(f"proxyvisor: cannot listen on {config.proxy.host}:{config.proxy.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1

@@ -147,3 +147,54 @@ def test_replay_names_the_bad_line(tmp_path: Path) -> None:
         load_trajectory(path)
     done = run_cli("replay", str(path))
     assert done.returncode == 2 and "bad.jsonl:2" in done.stderr
+
+
+def test_serve_on_a_taken_port_says_so_and_exits_1() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli("serve", "--port", str(port))
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_missing_script_file_is_a_configuration_error(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[upstreams.scripted]\nscript = "/nonexistent/steps.json"\n')
+    for command in (["serve", "--port", "0"], ["demo"], ["wrap", "--", "true"]):
+        done = run_cli(*command[:1], "--config", str(config), *command[1:])
+        assert done.returncode == 2, (command, done.stderr)
+        assert "script" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_wrap_ignores_the_auth_token_of_a_public_serve_config(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[proxy]\nhost = "0.0.0.0"\nauth_token = "s3cret"\n')
+    script = ("import os, urllib.request, json\n"
+              "body = json.dumps({'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}).encode()\n"
+              "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', body,"
+              " {'content-type': 'application/json'})\n"
+              "print(os.environ['OPENAI_BASE_URL'].split('/')[2].split(':')[0])\n"
+              "print(json.load(urllib.request.urlopen(req))['choices'][0]['message']['content'])\n")
+    done = run_cli("wrap", "--config", str(config), "--quiet", "--", sys.executable, "-c", script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "127.0.0.1"
+    assert "Hello from the scripted upstream." in done.stdout
+
+
+async def test_replay_matches_turns_whose_self_report_the_agent_never_sees(tmp_path: Path) -> None:
+    report = '<sup>{"state":"done","focus":"fix app.py","next":null,"carry":[],"plan":null}</sup>'
+    messages = [*TRAJECTORY[:-1], {"role": "assistant", "content": "Fixed. " + report}]
+    for fmt in ("chat", "messages", "responses"):
+        rounds = await replay(Config(), messages, BY_NAME[fmt], True, store=Store(tmp_path))
+        assert all(r.matches for r in rounds), [r.error for r in rounds]
+
+
+def test_replay_names_a_line_with_malformed_tool_calls(tmp_path: Path) -> None:
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps({"role": "assistant", "content": None, "tool_calls": "bash ls"}) + "\n")
+    with pytest.raises(TrajectoryError, match=r"calls.jsonl:1: tool_calls must be a list"):
+        load_trajectory(path)

@@ -37,7 +37,8 @@ class RunningProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 def upstream_keys(config: Config, env: dict[str, str] | None = None) -> dict[str, str | None]:
