@@ -20,7 +20,6 @@ judged). Exits 1 when a target is missed. ``--write`` puts the table into bench/
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import corpus_parser, trajectories  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import Config  # noqa: E402
 from proxyvisor.detectors.receipts import Round, read_rounds  # noqa: E402
@@ -39,7 +39,6 @@ from proxyvisor.proxy.formats import CHAT  # noqa: E402
 from proxyvisor.replay import load_trajectory, replay  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "trajectories"
 STUCK = frozenset({"loop", "no_progress", "monologue", "alternation"})
 """What the INDEX calls "loop" or "loop/no-progress": any of the repetition detectors."""
 FAILING = frozenset({"recovery", "loop"})
@@ -170,13 +169,9 @@ async def run(paths: list[Path]) -> list[Result]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("corpus", nargs="?", default=str(DEFAULT_DIR), help="folder of trajectory .jsonl files")
-    parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
-    args = parser.parse_args()
-    paths = sorted(Path(args.corpus).glob("*.jsonl"))
+    args = corpus_parser(__doc__).parse_args()
+    paths = trajectories(args.corpus)
     if not paths:
-        print(f"no trajectories in {args.corpus}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     results = trio.run(run, paths)

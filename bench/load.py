@@ -36,7 +36,6 @@ import os
 import platform
 import random
 import re
-import select
 import shlex
 import shutil
 import ssl
@@ -44,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +52,10 @@ import httpx
 import orjson
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.overhead import (API_KEY, CACHE, MODEL, BenchError, _loadavg, _stop, cpu_time, litellm_venv, pct,
-                            start_litellm, wait_litellm)
+from bench.common import (API_KEY, CACHE, MODEL, ROOT, BenchError, cpu_time, exit_on_stdin_eof, litellm_venv, loadavg,
+                          pct, prose, spawn_role, start_litellm, stop, wait_litellm)
 from bench.results import RESULTS, write_section
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
@@ -81,26 +78,16 @@ what it asked for. The upstream obeys the last one in the request."""
 
 
 # ---- the agent's requests ----------------------------------------------------------------------------------
-_WORDS = ("the file path command output tool agent returns string list integer optional default run shell "
-          "working directory timeout lines pattern glob search replace edit write read notebook task status "
-          "pending completed description example must should never always use instead prefer — café naïve "
-          "✓").split()
-
-
-def _prose(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
 def agent_tools(rng: random.Random) -> tuple[ToolSpec, ...]:
     """A coding agent's tool set (about 20 KB of schemas), ``Bash`` first so the scripted model calls it."""
     names = ["Bash", "Read", "Edit", "Write", "Grep", "Glob", "TodoWrite", "WebFetch", "NotebookEdit", "Task"]
     tools = []
     for name in names:
-        props = {"command" if name == "Bash" else "path": {"type": "string", "description": _prose(rng, 30)},
-                 "description": {"type": "string", "description": _prose(rng, 20)}}
+        props = {"command" if name == "Bash" else "path": {"type": "string", "description": prose(rng, 30)},
+                 "description": {"type": "string", "description": prose(rng, 20)}}
         props.update({f"option_{j}": {"type": rng.choice(["string", "integer", "boolean"]),
-                                      "description": _prose(rng, 25)} for j in range(4)})
-        tools.append(ToolSpec(name, {"type": "object", "description": _prose(rng, 60), "properties": props,
+                                      "description": prose(rng, 25)} for j in range(4)})
+        tools.append(ToolSpec(name, {"type": "object", "description": prose(rng, 60), "properties": props,
                                      "required": [next(iter(props))]}))
     return tuple(tools)
 
@@ -108,7 +95,7 @@ def agent_tools(rng: random.Random) -> tuple[ToolSpec, ...]:
 def tool_output(rng: random.Random, kb: float) -> str:
     lines, size = [], 0
     while size < kb * 1024:
-        line = f"{rng.randint(1, 9999):>5}  {_prose(rng, rng.randint(3, 14))}"
+        line = f"{rng.randint(1, 9999):>5}  {prose(rng, rng.randint(3, 14))}"
         lines.append(line)
         size += len(line) + 1
     return "\n".join(lines)
@@ -220,7 +207,7 @@ async def agent(index: int, base_url: str, arm: str, settings: Settings, deadlin
         nonlocal task
         task += 1
         return [{"role": "system", "content": settings.system},
-                {"role": "user", "content": f"Task {task} of {session}: {_prose(rng, 30)}"}]
+                {"role": "user", "content": f"Task {task} of {session}: {prose(rng, 30)}"}]
 
     def delay() -> tuple[str, float]:
         seconds = round(rng.uniform(*settings.model_delay_s), 3)
@@ -256,7 +243,7 @@ async def agent(index: int, base_url: str, arm: str, settings: Settings, deadlin
                 if len(messages) >= settings.max_messages:
                     messages = fresh()  # compaction: a new thread of the same session
                 else:
-                    messages.append({"role": "user", "content": _prose(rng, rng.randint(5, 40))})
+                    messages.append({"role": "user", "content": prose(rng, rng.randint(5, 40))})
 
 
 # ---- process figures -----------------------------------------------------------------------------------------
@@ -488,14 +475,6 @@ def print_report(text: str) -> None:
 
 
 # ---- the processes -------------------------------------------------------------------------------------------
-def _exit_on_stdin_eof() -> None:
-    def watch() -> None:
-        sys.stdin.buffer.read()
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 class ThinkingModel:
     """The scripted upstream with a model's time to first token: a request waits as long as the last
     :data:`DELAY` marker in it asks before the scripted answer starts."""
@@ -516,18 +495,6 @@ async def serve_upstream(chunk_delay_ms: float) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_listeners, listeners, handler, Limits())
         print(f"PORT {bound_port(listeners)}", flush=True)
-
-
-def start_upstream(chunk_delay_ms: float, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """This script as the scripted upstream in its own process (it exits when its stdin closes)."""
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--chunk-delay-ms", str(chunk_delay_ms)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=ROOT)
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else b""
-    if not line.startswith(b"PORT "):
-        proc.kill()
-        raise BenchError(f"the upstream did not start: {log.read_text(errors='replace')[-2000:]}")
-    return proc, int(line.split()[1])
 
 
 def start_proxyvisor(upstream_port: int, work: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -609,7 +576,7 @@ def setup_text(args: argparse.Namespace, settings: Settings, arms: list[Arm], li
             + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
             + f". {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()} "
               f"{platform.release()}; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; "
-              f"1-minute load average {load_before} before, {_loadavg()} after.")
+              f"1-minute load average {load_before} before, {loadavg()} after.")
 
 
 def warmup_of(duration_s: float) -> float:
@@ -619,16 +586,16 @@ def warmup_of(duration_s: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.role == "upstream":
-        _exit_on_stdin_eof()
+        exit_on_stdin_eof()
         trio.run(serve_upstream, args.chunk_delay_ms)
         return 0
     command = "python bench/load.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                    else argv))
     started = time.monotonic()
-    load_before = _loadavg()
+    load_before = loadavg()
     rng = random.Random(7)
     settings = Settings(args.sessions, args.think_s, args.model_delay_s, args.max_messages, args.tool_output_kb,
-                        "You are a coding agent. " + _prose(rng, 1200), agent_tools(rng))
+                        "You are a coding agent. " + prose(rng, 1200), agent_tools(rng))
     tls = ssl.create_default_context()  # one for all the clients: the URLs are plain HTTP anyway
     notes: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
@@ -638,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             litellm_venv(args.litellm_venv, not args.no_install)
         if exe is None:
             notes.append(litellm_note)
-        upstream, up_port = start_upstream(args.chunk_delay_ms, work / "upstream.log")
+        upstream, up_port = spawn_role(__file__, "upstream", "--chunk-delay-ms", str(args.chunk_delay_ms),
+                                       log=work / "upstream.log")
         procs.append(upstream)
         arms = [Arm("direct", up_port, None, args.compare_duration, warmup_of(args.compare_duration))]
         pv_proc, pv_port = start_proxyvisor(up_port, work)
@@ -677,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -44,16 +44,11 @@ import argparse
 import os
 import platform
 import random
-import select
 import shlex
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,30 +58,17 @@ import h11
 import orjson
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import (API_KEY, CACHE, MODEL, BenchError, cpu_time, exit_on_stdin_eof,  # noqa: E402
+                          litellm_venv, loadavg, pct, prose, spawn_role, start_litellm, stop, wait_litellm)
 from bench.results import RESULTS, write_section  # noqa: E402
 
 SECTION = "Overhead (issue 2)"
-MODEL = "scripted-model"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "proxyvisor-bench"
 TARGET_P50_MS, TARGET_P99_MS, TARGET_LITELLM_SHARE = 1.0, 5.0, 0.1
-API_KEY = b"sk-bench-" + os.urandom(24).hex().encode()
-"""Sent by the load generator to every arm; the LiteLLM proxy requires it as its master key."""
 
 
 # ---- the request body ---------------------------------------------------------------------------------------
-_WORDS = ("the file path command output tool agent returns string list integer optional default when run shell "
-          "working directory timeout lines pattern glob search replace edit write read notebook cell task todo "
-          "status pending completed description example must should never always use instead of prefer — café "
-          "naïve ✓ résumé").split()
-
-
-def _prose(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
 def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
     """A Chat Completions request of about ``size_kb`` KB shaped like an agent's: a long system prompt, tool
     schemas for most of the bytes, and one finished tool round (so the scripted model answers with text)."""
@@ -96,7 +78,7 @@ def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [
-            {"role": "system", "content": _prose(rng, 1200)},
+            {"role": "system", "content": prose(rng, 1200)},
             {"role": "user", "content": "List the files in this directory and tell me what the project does."},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_0", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
@@ -111,10 +93,10 @@ def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
         body["stream_options"] = {"include_usage": True}
     i = 0
     while len(orjson.dumps(body)) < target:
-        props = {f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]), "description": _prose(rng, 40)}
+        props = {f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]), "description": prose(rng, 40)}
                  for j in range(6)}
         tools.append({"type": "function", "function": {
-            "name": "Bash" if i == 0 else f"tool_{i}", "description": _prose(rng, 120),
+            "name": "Bash" if i == 0 else f"tool_{i}", "description": prose(rng, 120),
             "parameters": {"type": "object", "properties": {"command": {"type": "string"}, **props},
                            "required": ["command"], "additionalProperties": False}}})
         i += 1
@@ -127,10 +109,6 @@ class Sample:
     total_s: float
     ttfb_s: float
     overhead_ms: float | None
-
-
-class BenchError(Exception):
-    pass
 
 
 REQUEST_TIMEOUT_S = 30.0
@@ -226,138 +204,6 @@ class Arm:
     errors: list[str] = field(default_factory=list)
 
 
-def cpu_time(proc: subprocess.Popen[bytes] | None) -> float:
-    """CPU time used so far by all threads of ``proc`` (s), from Linux's per-thread schedstat (ns resolution;
-    /proc/PID/stat ticks are too coarse for a block of requests). NaN where that is not available."""
-    if proc is None:
-        return float("nan")
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{proc.pid}/task")
-    except OSError:
-        return float("nan")
-    for task in tasks:
-        try:
-            with open(f"/proc/{proc.pid}/task/{task}/schedstat", "rb") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
-
-
-def _loadavg() -> str:
-    try:
-        return "%.1f" % os.getloadavg()[0]
-    except OSError:
-        return "?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_role(role: str, *args: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Start this script in ``role`` as a child process; returns it and the port it printed. The child exits
-    when its stdin closes, so it never outlives this process."""
-    proc = subprocess.Popen([sys.executable, __file__, "--role", role, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=ROOT)
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else b""
-    if not line.startswith(b"PORT "):
-        proc.kill()
-        raise BenchError(f"{role} did not start: {log.read_text(errors='replace')[-2000:]}")
-    return proc, int(line.split()[1])
-
-
-def litellm_venv(venv: Path, install: bool) -> tuple[Path | None, str]:
-    """(path of the ``litellm`` CLI or None, a note saying what happened)."""
-    exe = venv / "bin" / "litellm"
-    # Package metadata, not an import: importing the proxy takes seconds, and a broken install shows at start.
-    probe = [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; m.version('fastapi');"
-             "m.version('uvicorn'); print(m.version('litellm'))"]
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
-    ok = exe.exists() and subprocess.run(probe, capture_output=True, env=env).returncode == 0
-    if not ok:
-        if not install:
-            return None, f"LiteLLM proxy not installed in {venv} (and --no-install given)"
-        print(f"installing litellm[proxy] into {venv} (once; about a minute) ...", flush=True)
-        try:
-            if not (venv / "bin" / "python").exists():
-                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
-                           capture_output=True, timeout=900)
-        except (subprocess.SubprocessError, OSError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            return None, f"could not install litellm[proxy]: {exc} {detail.decode(errors='replace')[-500:]}"
-    done = subprocess.run(probe, capture_output=True, env=env)
-    if done.returncode != 0:
-        return None, f"litellm[proxy] is incomplete in {venv}: {done.stderr.decode(errors='replace')[-500:]}"
-    return exe, f"litellm {done.stdout.decode().strip()}"
-
-
-def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the LiteLLM proxy as a pass-through to the upstream, in its default setup (one worker, master key,
-    no database); returns at once: see :func:`wait_litellm`."""
-    port = _free_port()
-    config = workdir / "litellm.yaml"
-    config.write_text(
-        "model_list:\n"
-        f"  - model_name: {MODEL}\n"
-        "    litellm_params:\n"
-        f"      model: openai/{MODEL}\n"
-        f"      api_base: http://127.0.0.1:{upstream_port}/v1\n"
-        "      api_key: sk-bench\n"
-        "general_settings:\n"
-        f"  master_key: {API_KEY.decode()}\n"
-        "litellm_settings:\n"
-        "  telemetry: false\n"
-        "  set_verbose: false\n"
-    )
-    log = workdir / "litellm.log"
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_TELEMETRY="False",
-               NO_PROXY="*", no_proxy="*")
-    for var in ("DATABASE_URL", "REDIS_HOST", "REDIS_URL", "LITELLM_MASTER_KEY"):
-        env.pop(var, None)
-    proc = subprocess.Popen([str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                             "--num_workers", "1"], stdin=subprocess.DEVNULL, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True)
-    return proc, port
-
-
-def wait_litellm(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float = 120) -> None:
-    """Wait until the LiteLLM proxy answers ``/health/liveliness``. Raises BenchError when it exits or times out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"LiteLLM proxy exited ({proc.returncode}): {log.read_text(errors='replace')[-1500:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"GET /health/liveliness HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                if s.recv(64).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    _stop(proc)
-    raise BenchError(f"LiteLLM proxy did not answer within {timeout_s:g} s: "
-                     f"{log.read_text(errors='replace')[-1500:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        if proc.stdin:
-            proc.stdin.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(5)
-    except (subprocess.TimeoutExpired, OSError):
-        proc.kill()
-        proc.wait()
-
-
 # ---- measuring ---------------------------------------------------------------------------------------------
 KINDS = ("json", "stream")
 KIND_LABEL = {"json": "non-streaming", "stream": "streaming"}
@@ -448,13 +294,6 @@ async def warm_up(arms: list[Arm], bodies: dict[str, bytes], n: int) -> None:
 
 
 # ---- reporting ---------------------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation (statistics.quantiles, inclusive)."""
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1]
-
-
 @dataclass
 class Row:
     arm: str
@@ -585,14 +424,6 @@ def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
 
 
 # ---- the child processes ------------------------------------------------------------------------------------
-def _exit_on_stdin_eof() -> None:
-    def watch() -> None:
-        sys.stdin.buffer.read()
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 async def serve_upstream() -> None:
     from proxyvisor.adapters.scripted import ScriptedUpstream
     from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
@@ -616,7 +447,7 @@ async def serve_proxy(upstream_port: int, supervised: bool, state_dir: str) -> N
 
 
 def run_role(args: argparse.Namespace) -> None:
-    _exit_on_stdin_eof()
+    exit_on_stdin_eof()
     if args.role == "upstream":
         trio.run(serve_upstream)
     else:
@@ -664,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/overhead.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                       else argv))
     started = time.monotonic()
-    load_before = _loadavg()
+    load_before = loadavg()
     notes: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
     work = Path(tempfile.mkdtemp(prefix="proxyvisor-bench-"))
@@ -674,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         litellm_version = note if exe else ""
         if exe is None:
             notes.append(note)
-        upstream, up_port = _spawn_role("upstream", log=work / "upstream.log")
+        upstream, up_port = spawn_role(__file__, "upstream", log=work / "upstream.log")
         procs.append(upstream)
         arms = [Arm("direct", "direct", up_port, upstream)]
         litellm = start_litellm(exe, up_port, work) if exe is not None else None
@@ -682,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(litellm[0])
         roles = [("proxyvisor", "proxyvisor")] + ([] if args.no_supervised else [("supervised", "supervised")])
         for role, label in roles:
-            proc, port = _spawn_role(role, "--upstream-port", str(up_port), "--state-dir", str(work / role),
+            proc, port = spawn_role(__file__, role, "--upstream-port", str(up_port), "--state-dir", str(work / role),
                                      log=work / f"{role}.log")
             procs.append(proc)
             arms.append(Arm(role, label, port, proc))
@@ -715,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{platform.system()} {platform.release()}"
                  + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
                  + f"; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; 1-minute load "
-                   f"average {load_before} before, {_loadavg()} after (other work on the machine inflates latency, "
+                   f"average {load_before} before, {loadavg()} after (other work on the machine inflates latency, "
                    "barely CPU/req).")
         if not args.no_write:
             write_section(SECTION, markdown(rows, args.concurrency, command, notes, setup), args.results)
@@ -723,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -11,7 +11,6 @@ any round failed. ``--write`` puts the table into bench/RESULTS.md under "## Rep
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -22,13 +21,13 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import corpus_parser, trajectories  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import Config  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME  # noqa: E402
 from proxyvisor.replay import load_trajectory, replay  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "trajectories"
 
 
 def p99(values: list[float]) -> float:
@@ -57,14 +56,11 @@ async def run(paths: list[Path], formats: list[str]) -> tuple[list[str], int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("corpus", nargs="?", default=str(DEFAULT_DIR), help="folder of trajectory .jsonl files")
+    parser = corpus_parser(__doc__)
     parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
-    parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
     args = parser.parse_args()
-    paths = sorted(Path(args.corpus).glob("*.jsonl"))
+    paths = trajectories(args.corpus)
     if not paths:
-        print(f"no trajectories in {args.corpus}", file=sys.stderr)
         return 2
     header = ["| trajectory | format | mode | rounds | tool calls | failed | median ms | p99 ms | overhead ms |",
               "|---|---|---|---|---|---|---|---|---|"]

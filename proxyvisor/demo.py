@@ -90,11 +90,7 @@ async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, 
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
                 console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
                 call_msgs.append({"role": "tool", "tool_call_id": call.id, "content": output})
-            messages.append({"role": "assistant", "content": turn.text or None,
-                             "tool_calls": [{"id": c.id, "type": "function",
-                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
-                                            for c in turn.tool_calls]} if turn.tool_calls else
-                            {"role": "assistant", "content": turn.text})
+            messages.append(_assistant_message(turn))
             messages += call_msgs
             if not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {turn.text} {note}")
@@ -149,10 +145,7 @@ async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console:
             if not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {turn.text.strip()}{state}")
                 break
-            messages.append({"role": "assistant", "content": turn.text or None,
-                             "tool_calls": [{"id": c.id, "type": "function",
-                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
-                                            for c in turn.tool_calls]})
+            messages.append(_assistant_message(turn))
             for call in turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      round {number}: calls {call.name}({call.arguments})"
                               f"{state}")
@@ -210,10 +203,7 @@ async def run_condensing_agent(proxy: Any, fmt: WireFormat, workdir: Path, conso
             if status != 200 or not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {_visible(turn.text)}")
                 return
-            messages.append({"role": "assistant", "content": turn.text or None,
-                             "tool_calls": [{"id": c.id, "type": "function",
-                                             "function": {"name": c.name, "arguments": _json(c.arguments)}}
-                                            for c in turn.tool_calls]})
+            messages.append(_assistant_message(turn))
             for call in turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments})")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
@@ -238,6 +228,15 @@ def _show_condensed(done: Any, console: Console) -> None:
 
 def _visible(text: str) -> str:
     return text.split("<sup>")[0].strip()
+
+
+def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
+    """``turn`` as the Chat Completions assistant message that carries it on in the next request's history."""
+    if not turn.tool_calls:
+        return {"role": "assistant", "content": turn.text}
+    return {"role": "assistant", "content": turn.text or None,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                           for c in turn.tool_calls]}
 
 
 def _json(value: Any) -> str:

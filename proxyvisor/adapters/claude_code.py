@@ -21,9 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
-from .process import CliRuntime
+from .process import CliRuntime, json_event
 from .runtime import ChildJob, ChildProgress, NativeError
 
 _FINISH = {"success": "stop", "error_max_turns": "length"}
@@ -41,13 +39,8 @@ class ClaudeCodeRuntime(CliRuntime):
         return argv + self.extra_args + ["--", job.prompt]
 
     def on_line(self, line: bytes, progress: ChildProgress, state: dict[str, Any]) -> None:
-        try:
-            event = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            progress.event()
-            return
-        if not isinstance(event, dict):
-            progress.event()
+        event = json_event(line, progress)
+        if event is None:
             return
         kind = event.get("type")
         if kind == "system" and event.get("subtype") == "init":

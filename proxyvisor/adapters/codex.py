@@ -18,9 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
-from .process import CliRuntime
+from .process import CliRuntime, json_event
 from .runtime import ChildJob, ChildProgress, NativeError
 
 _WORK_ITEMS = {"command_execution", "file_change", "mcp_tool_call", "web_search"}
@@ -38,12 +36,10 @@ class CodexRuntime(CliRuntime):
         return argv + self.extra_args + ["--", job.prompt]
 
     def on_line(self, line: bytes, progress: ChildProgress, state: dict[str, Any]) -> None:
-        try:
-            event = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            progress.event()
+        event = json_event(line, progress)
+        if event is None:
             return
-        kind = event.get("type") if isinstance(event, dict) else None
+        kind = event.get("type")
         item = event.get("item") if kind else None
         item = item if isinstance(item, dict) else {}
         if kind == "thread.started":

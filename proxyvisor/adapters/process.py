@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import trio
 
 from .failures import Failure
@@ -136,6 +137,19 @@ async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
                 if stream is not None:
                     await stream.aclose()
     return ProcessExit(process.returncode, tail.decode("utf-8", "replace"))
+
+
+def json_event(line: bytes, progress: ChildProgress) -> dict[str, Any] | None:
+    """One line of a CLI's JSON-lines output as an object; None, after counting the line as a bare event on
+    ``progress``, when it is not JSON or not an object."""
+    try:
+        event = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        event = None
+    if not isinstance(event, dict):
+        progress.event()
+        return None
+    return event
 
 
 class CliRuntime:

@@ -8,7 +8,7 @@ usage and session hints live in its bodies, and how an assistant turn is written
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -293,8 +293,10 @@ class WireFormat:
     # ---- supervision: reading a history, adding proxyvisor's text, rewriting replies ---------------------------
     def history(self, body: dict[str, Any]) -> list[Any]:
         """The request's history items in order (messages, or Responses input items); the list is the body's own,
-        so positions in it are positions for :meth:`insert_notes`."""
-        raise NotImplementedError
+        so positions in it are positions for :meth:`insert_notes`. By default the list under
+        :attr:`history_field` (an empty list when that is not a list)."""
+        items = body.get(self.history_field)
+        return items if isinstance(items, list) else []
 
     def message(self, item: Any) -> Message:
         """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``)."""
@@ -314,6 +316,19 @@ class WireFormat:
         of a condensed result), in place. Only text changes: no item is added, removed or reordered, so every tool
         call keeps its result, and a result holding non-text parts (images, documents) is left alone. Returns the
         call ids replaced."""
+        done = set()
+        for holder, key, call_id in self.tool_result_slots(body):
+            if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)):
+                holder[key] = retext(holder.get(key), texts[call_id], self.result_part_type)
+                done.add(call_id)
+        return done
+
+    result_part_type: ClassVar[str]
+    """The ``type`` of a text part in a tool result's content (what :func:`retext` writes)."""
+
+    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
+        """Each tool result of the request as (the dict holding it, the key of its content, its call id as sent,
+        unchecked), for :meth:`replace_tool_results`."""
         raise NotImplementedError
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:

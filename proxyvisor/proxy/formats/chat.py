@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system, retext,
+                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system,
                    split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
@@ -19,6 +19,7 @@ class ChatFormat(WireFormat):
     path = "/v1/chat/completions"
     label = "OpenAI Chat Completions"
     history_field = "messages"
+    result_part_type = "text"
 
     def error_body(self, status: int, message: str) -> bytes:
         kind = error_types(status)[0]
@@ -125,10 +126,6 @@ class ChatFormat(WireFormat):
 
 
     # ---- supervision --------------------------------------------------------------------------------------
-    def history(self, body: dict[str, Any]) -> list[Any]:
-        messages = body.get("messages")
-        return messages if isinstance(messages, list) else []
-
     def message(self, item: Any) -> Message:
         if not isinstance(item, dict):
             return Message("other")
@@ -175,16 +172,10 @@ class ChatFormat(WireFormat):
         if notes:
             body["messages"] = interleave(body["messages"], [(i, {"role": "user", "content": t}) for i, t in notes])
 
-    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
-        done = set()
+    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
         for item in self.history(body):
-            if not isinstance(item, dict) or item.get("role") not in ("tool", "function"):
-                continue
-            call_id = item.get("tool_call_id") if item["role"] == "tool" else item.get("name")  # as in message()
-            if isinstance(call_id, str) and call_id in texts and not has_non_text(item.get("content")):
-                item["content"] = retext(item.get("content"), texts[call_id], "text")
-                done.add(call_id)
-        return done
+            if isinstance(item, dict) and item.get("role") in ("tool", "function"):
+                yield item, "content", item.get("tool_call_id") if item["role"] == "tool" else item.get("name")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for choice in as_list(response.get("choices")):

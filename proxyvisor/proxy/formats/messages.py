@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list,
-                   chat_text, dumps, error_types, has_non_text, interleave, retext, split_json, sse, words)
+                   chat_text, dumps, error_types, has_non_text, interleave, split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -24,6 +24,7 @@ class MessagesFormat(WireFormat):
     path = "/v1/messages"
     label = "Anthropic Messages"
     history_field = "messages"
+    result_part_type = "text"
 
     def error_body(self, status: int, message: str) -> bytes:
         return dumps({"type": "error", "error": {"type": error_types(status)[1], "message": message}})
@@ -167,10 +168,6 @@ class MessagesFormat(WireFormat):
 
 
     # ---- supervision --------------------------------------------------------------------------------------
-    def history(self, body: dict[str, Any]) -> list[Any]:
-        messages = body.get("messages")
-        return messages if isinstance(messages, list) else []
-
     def message(self, item: Any) -> Message:
         if not isinstance(item, dict):
             return Message("other")
@@ -226,19 +223,12 @@ class MessagesFormat(WireFormat):
         if separate:
             body["messages"] = interleave(messages, separate)
 
-    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
-        done = set()
+    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
         for item in self.history(body):
-            if not isinstance(item, dict) or item.get("role") != "user":
-                continue
-            for block in as_list(item.get("content")):
-                if not (isinstance(block, dict) and block.get("type") == "tool_result"):
-                    continue
-                call_id = block.get("tool_use_id")
-                if isinstance(call_id, str) and call_id in texts and not has_non_text(block.get("content")):
-                    block["content"] = retext(block.get("content"), texts[call_id], "text")
-                    done.add(call_id)
-        return done
+            if isinstance(item, dict) and item.get("role") == "user":
+                for block in as_list(item.get("content")):
+                    if isinstance(block, dict) and block.get("type") == "tool_result":
+                        yield block, "content", block.get("tool_use_id")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         content = response.get("content")
@@ -314,6 +304,15 @@ class MessagesFormat(WireFormat):
         return _MessagesSplice(hold)
 
 
+def _indexed(data: str) -> dict[str, Any] | None:
+    """A stream event's data as a JSON object with an integer ``index`` (a content block event), else None."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("index"), int) else None
+
+
 @dataclass
 class _TextBlock:
     index: int  # as the upstream numbered it
@@ -371,11 +370,8 @@ class _MessagesStream:
                                     "delta": {"type": "text_delta", "text": EMPTIED}}),
                         self._send({"type": "content_block_stop", "index": 0}), sse(data, name)]
             return None  # message_start, message_delta, message_stop, ping, error
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("index"), int):
+        obj = _indexed(data)
+        if obj is None:
             return None
         kind, index, block = obj.get("type"), obj["index"], self.block
         start = obj.get("content_block")
@@ -437,11 +433,8 @@ class _MessagesSplice:
             return []
         if '"index"' not in data:  # message_start, message_delta, message_stop, ping, error
             return [] if self.continuing and '"message_start"' in data else None
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("index"), int):
+        obj = _indexed(data)
+        if obj is None:
             return None
         block = obj.get("content_block")
         if obj.get("type") == "content_block_start" and isinstance(block, dict):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system, retext,
+                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system,
                    split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
@@ -25,6 +25,7 @@ class ResponsesFormat(WireFormat):
     path = "/v1/responses"
     label = "OpenAI Responses"
     history_field = "input"
+    result_part_type = "input_text"
 
     def error_body(self, status: int, message: str) -> bytes:
         kind = error_types(status)[0]
@@ -237,16 +238,10 @@ class ResponsesFormat(WireFormat):
                 (i, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})
                 for i, t in notes])
 
-    def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
-        done = set()
+    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
         for item in as_list(body.get("input")):
-            if not (isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output")):
-                continue
-            call_id = item.get("call_id")
-            if isinstance(call_id, str) and call_id in texts and not has_non_text(item.get("output")):
-                item["output"] = retext(item.get("output"), texts[call_id], "input_text")
-                done.add(call_id)
-        return done
+            if isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output"):
+                yield item, "output", item.get("call_id")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for item in as_list(response.get("output")):

@@ -1,0 +1,205 @@
+"""What the benchmarks share: the processes they start and stop (roles, the LiteLLM proxy), how they measure
+them (CPU time, load average, percentiles), and the filler text of their synthetic requests."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT.parent / "shared" / "corpus" / "trajectories"
+"""Where the corpus benchmarks look for trajectories when given no folder."""
+MODEL = "scripted-model"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "proxyvisor-bench"
+API_KEY = b"sk-bench-" + os.urandom(24).hex().encode()
+"""Sent by the load generator to every arm; the LiteLLM proxy requires it as its master key."""
+
+
+class BenchError(Exception):
+    pass
+
+
+WORDS = ("the file path command output tool agent returns string list integer optional default when run shell "
+         "working directory timeout lines pattern glob search replace edit write read notebook cell task todo "
+         "status pending completed description example must should never always use instead of prefer — café "
+         "naïve ✓ résumé").split()
+
+
+def prose(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def cpu_time(proc: subprocess.Popen[bytes] | None) -> float:
+    """CPU time used so far by all threads of ``proc`` (s), from Linux's per-thread schedstat (ns resolution;
+    /proc/PID/stat ticks are too coarse for a block of requests). NaN where that is not available."""
+    if proc is None:
+        return float("nan")
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+    except OSError:
+        return float("nan")
+    for task in tasks:
+        try:
+            with open(f"/proc/{proc.pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def loadavg() -> str:
+    try:
+        return "%.1f" % os.getloadavg()[0]
+    except OSError:
+        return "?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_role(script: str, role: str, *args: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start bench ``script`` in ``role`` as a child process; returns it and the port it printed as ``PORT n``.
+    The child exits when its stdin closes (see :func:`exit_on_stdin_eof`), so it never outlives this process.
+    Raises BenchError when no port line comes within 60 s."""
+    proc = subprocess.Popen([sys.executable, script, "--role", role, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=ROOT)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else b""
+    if not line.startswith(b"PORT "):
+        proc.kill()
+        raise BenchError(f"{role} did not start: {log.read_text(errors='replace')[-2000:]}")
+    return proc, int(line.split()[1])
+
+
+def litellm_venv(venv: Path, install: bool) -> tuple[Path | None, str]:
+    """(path of the ``litellm`` CLI or None, a note saying what happened)."""
+    exe = venv / "bin" / "litellm"
+    # Package metadata, not an import: importing the proxy takes seconds, and a broken install shows at start.
+    probe = [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; m.version('fastapi');"
+             "m.version('uvicorn'); print(m.version('litellm'))"]
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    ok = exe.exists() and subprocess.run(probe, capture_output=True, env=env).returncode == 0
+    if not ok:
+        if not install:
+            return None, f"LiteLLM proxy not installed in {venv} (and --no-install given)"
+        print(f"installing litellm[proxy] into {venv} (once; about a minute) ...", flush=True)
+        try:
+            if not (venv / "bin" / "python").exists():
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
+                           capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            return None, f"could not install litellm[proxy]: {exc} {detail.decode(errors='replace')[-500:]}"
+    done = subprocess.run(probe, capture_output=True, env=env)
+    if done.returncode != 0:
+        return None, f"litellm[proxy] is incomplete in {venv}: {done.stderr.decode(errors='replace')[-500:]}"
+    return exe, f"litellm {done.stdout.decode().strip()}"
+
+
+def start_litellm(exe: Path, upstream_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the LiteLLM proxy as a pass-through to the upstream, in its default setup (one worker, master key,
+    no database); returns at once: see :func:`wait_litellm`."""
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{upstream_port}/v1\n"
+        "      api_key: sk-bench\n"
+        "general_settings:\n"
+        f"  master_key: {API_KEY.decode()}\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "  set_verbose: false\n"
+    )
+    log = workdir / "litellm.log"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_TELEMETRY="False",
+               NO_PROXY="*", no_proxy="*")
+    for var in ("DATABASE_URL", "REDIS_HOST", "REDIS_URL", "LITELLM_MASTER_KEY"):
+        env.pop(var, None)
+    proc = subprocess.Popen([str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                             "--num_workers", "1"], stdin=subprocess.DEVNULL, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True)
+    return proc, port
+
+
+def wait_litellm(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float = 120) -> None:
+    """Wait until the LiteLLM proxy answers ``/health/liveliness``. Raises BenchError when it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"LiteLLM proxy exited ({proc.returncode}): {log.read_text(errors='replace')[-1500:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /health/liveliness HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    stop(proc)
+    raise BenchError(f"LiteLLM proxy did not answer within {timeout_s:g} s: "
+                     f"{log.read_text(errors='replace')[-1500:]}")
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(5)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait()
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation (statistics.quantiles, inclusive)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1]
+
+
+def exit_on_stdin_eof() -> None:
+    """End this process (exit status 0) as soon as its stdin closes: how a spawned role dies with its parent."""
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def corpus_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a corpus benchmark: the trajectories folder (positional, default :data:`CORPUS`) and
+    ``--write``; the caller adds its own options."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("corpus", nargs="?", default=str(CORPUS), help="folder of trajectory .jsonl files")
+    parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    return parser
+
+
+def trajectories(folder: str) -> list[Path]:
+    """The ``*.jsonl`` files of ``folder``, sorted; empty, after saying so on stderr, when there are none."""
+    paths = sorted(Path(folder).glob("*.jsonl"))
+    if not paths:
+        print(f"no trajectories in {folder}", file=sys.stderr)
+    return paths
