@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
               POST /v1/messages               Anthropic Messages (the query string, e.g. ?beta=true, is kept)
               POST /v1/responses              OpenAI Responses
               POST /v1/messages/count_tokens  GET /v1/models
+              POST /proxyvisor/delegate       run one child for a role ([model_routing] enabled)
               HEAD /   GET /healthz           liveness, no authentication
 
             Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:8377 (no /v1) or
