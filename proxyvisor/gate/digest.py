@@ -1,0 +1,349 @@
+"""The verifier's input: a compact, bounded digest of one turn, never the whole transcript.
+
+:func:`build` renders one ``<verification_request>`` document from plain data. Its contract:
+
+- **Never over budget**: the result has at most ``budget`` tokens (counted with
+  :func:`proxyvisor.condense.text.count_tokens`, cl100k_base). Blocks are filled in priority order, each clipped
+  to its own cap and to what is left; whatever does not fit is clipped (head 2/3, tail 1/3, with an omission
+  marker) or dropped. :data:`DEFAULT_BUDGET` (16,384) is proxyvisor's own bound: the reference bounds each block
+  but not their sum, which can reach about 20k tokens.
+- **Untrusted text stays data**: every inserted text is XML-escaped (``&``, ``<``, ``>``), so no tool output or
+  model text can close a block or open one (DESIGN.md principle 6; reference section 3, "untrusted text
+  XML-escaped"). Blocks with agent-produced content carry ``trust="untrusted"``.
+
+Blocks, in priority order (reference ``in-session-supervisor-mechanics.md`` section 3, "Verifier input"):
+
+=============================== =====================================================================================
+``<current_user_turn>``         the latest genuine user turn, authority; at most 8,000 characters (the reference's
+                                resolved-request limit) and a quarter of the budget.
+``<agent_final_result>``        all finals of the turn joined by a "continued after supervisor feedback" separator,
+                                filled newest first, at most 8,192 tokens (the supervisor profile's ``max_tokens``)
+                                and a quarter of the budget.
+``<prohibitions>``              the user's prohibitions (:mod:`.prohibitions`), binding on the verifier.
+``<agent_state>``               the self-report state and ``focus`` (the stated claim), at most 500 characters.
+``<previously_flagged_gaps>``   the previous pass's gaps, at most a sixteenth of the budget.
+``<active_plan>``               only when given; at most an eighth of the budget.
+``<standing_instructions>``     the system prompt, truncated to 4,000 characters (reference) and an eighth of the
+                                budget.
+``<recorded_actions>``          one line per action, ``#N [mut|read] tool args → ok|ERROR (N chars) ×K``, arguments
+                                at most 120 characters, at most 128 lines (newest kept); an identical successful
+                                consecutive call collapses into ``×K``, errors never do (reference). At most a quarter
+                                of the budget.
+``<provenance>``                one sentence: whether a check succeeded since the last change (reference).
+``<tool_outputs>``              result heads (1,000 characters) and tails (2,000, the reference's command-output
+                                tail) of at most 8 actions, one per distinct call (its latest run), failures and
+                                command executions first, newest first, while they fit; shown in action order.
+=============================== =====================================================================================
+
+Pure functions over plain data; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from xml.sax.saxutils import escape
+
+import orjson
+
+from ..condense.text import clip_chars, clip_tokens, count_tokens
+from ..detectors.receipts import NONE, Receipt, receipt
+from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
+from .prohibitions import prohibitions
+
+DEFAULT_BUDGET = 16_384
+MIN_BUDGET = 1_024
+"""Below this many tokens the request and the answer could not both be shown; :func:`build` refuses."""
+REQUEST_CHARS = 8_000
+INSTRUCTIONS_CHARS = 4_000
+FINAL_TOKENS = 8_192
+CLAIM_CHARS = 500
+ARG_CHARS = 120
+MAX_ACTION_LINES = 128
+HEAD_CHARS = 1_000
+TAIL_CHARS = 2_000
+MAX_OUTPUTS = 8
+CONTINUED = "\n--- continued after supervisor feedback ---\n"
+
+INSPECTION_COMMANDS = frozenset({
+    "ls", "cat", "head", "tail", "less", "more", "grep", "rg", "ag", "find", "fd", "pwd", "echo", "printf", "wc",
+    "which", "type", "file", "stat", "tree", "du", "df", "sed", "awk", "diff", "cd", "true"})
+"""First words of commands that only re-read state; a successful command after the last change that is none of
+these exercises behaviour and counts as a recognised check (reference section 3, provenance: "cleared only by
+re-reading the artifact: content only, not behavior"). ``git status|diff|log|show|blame`` are re-reads as well.
+A compound command (``&&``, ``||``, ``;``, ``|``, newlines) is a re-read only when every part is one; leading
+``NAME=value`` assignments are skipped."""
+_GIT_READS = frozenset({"status", "diff", "log", "show", "blame"})
+_COMPOUND = re.compile(r"&&|\|\||[;|\n]")
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One tool call of the turn: the call, its result (None if it never arrived) and its receipt."""
+
+    use: ToolUse
+    output: ToolOutput | None
+    receipt: Receipt
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What the turn's actions establish. ``changed``: a mutation succeeded. ``checked``: after the last successful
+    mutation, a command that is not a re-read (:data:`INSPECTION_COMMANDS`) succeeded. ``seq``: the number of
+    actions, the ledger sequence whose movement between passes is "new evidence" (reference section 3, stall)."""
+
+    changed: bool
+    checked: bool
+    seq: int
+
+
+def turn_actions(messages: Sequence[Message], schemas: Mapping[str, Mapping[str, Any]] | None = None,
+                 mutating_tools: frozenset[str] = frozenset()) -> list[Action]:
+    """The tool calls in ``messages`` (one turn's history, after its user message) paired with their results by
+    id, in call order, each with its :func:`~proxyvisor.detectors.receipts.receipt`."""
+    uses: list[ToolUse] = []
+    outputs: dict[str, ToolOutput] = {}
+    for message in messages:
+        uses += message.tool_uses
+        for result in message.tool_outputs:
+            outputs.setdefault(result.call_id, result)
+    schemas = schemas or {}
+    return [Action(u, outputs.get(u.id), receipt(u, outputs.get(u.id), schemas.get(u.name), mutating_tools))
+            for u in uses]
+
+
+def _is_reread(command: str) -> bool:
+    for part in _COMPOUND.split(command):
+        argv = part.split()
+        while argv and _ASSIGNMENT.match(argv[0]):
+            argv.pop(0)
+        if not argv:
+            continue
+        if argv[0] == "git":
+            if len(argv) < 2 or argv[1] not in _GIT_READS:
+                return False
+        elif argv[0].rsplit("/", 1)[-1] not in INSPECTION_COMMANDS:
+            return False
+    return True
+
+
+def evidence(actions: Sequence[Action]) -> Evidence:
+    """The :class:`Evidence` of a turn's actions."""
+    last_change = max((i for i, a in enumerate(actions) if a.receipt.mutation != NONE and not a.receipt.error),
+                      default=-1)
+    checked = last_change >= 0 and any(
+        a.receipt.command is not None and a.receipt.mutation == NONE and not a.receipt.error
+        and not _is_reread(a.receipt.command) for a in actions[last_change + 1:])
+    return Evidence(last_change >= 0, checked, len(actions))
+
+
+def _arguments(use: ToolUse) -> str:
+    text = orjson.dumps(use.arguments, option=orjson.OPT_SORT_KEYS).decode() if use.arguments else ""
+    return clip_chars(" ".join(text.split()), ARG_CHARS)
+
+
+def action_lines(actions: Sequence[Action]) -> list[str]:
+    """The ledger lines of ``actions`` (module docstring, ``<recorded_actions>``), unescaped, oldest first."""
+    lines: list[tuple[int, Action, int]] = []
+    for number, action in enumerate(actions, 1):
+        previous = lines[-1][1] if lines else None
+        r = action.receipt
+        if (previous is not None and not r.error and not previous.receipt.error
+                and previous.receipt.call_key == r.call_key and previous.receipt.result_key == r.result_key):
+            first, _, repeats = lines[-1]
+            lines[-1] = (first, previous, repeats + 1)
+            continue
+        lines.append((number, action, 1))
+    out = []
+    for number, action, repeats in lines:
+        r = action.receipt
+        size = f"{len(action.output.text)} chars" if action.output is not None else "no result"
+        kind = "mut" if r.mutation != NONE else "read"
+        out.append(f"#{number} [{kind}] {r.tool} {_arguments(action.use)} → {'ERROR' if r.error else 'ok'} "
+                   f"({size})" + (f" ×{repeats}" if repeats > 1 else ""))
+    return out
+
+
+def provenance(ev: Evidence) -> str:
+    """The one provenance sentence (reference section 3)."""
+    if not ev.changed:
+        return "No state change was recorded in this turn."
+    if ev.checked:
+        return "A check succeeded after the last change."
+    return "No check succeeded since the last change; anything after it was cleared only by re-reading the " \
+           "artifact: content only, not behavior."
+
+
+def _head_tail(text: str) -> str:
+    if len(text) <= HEAD_CHARS + TAIL_CHARS:
+        return text
+    return (text[:HEAD_CHARS] + f"\n[... {len(text) - HEAD_CHARS - TAIL_CHARS} chars omitted ...]\n"
+            + text[-TAIL_CHARS:])
+
+
+def _picked_outputs(actions: Sequence[Action]) -> list[int]:
+    """Indexes of actions whose outputs are shown, in priority order (module docstring)."""
+    latest: dict[bytes, int] = {}
+    for i, action in enumerate(actions):
+        if action.output is not None:
+            latest[action.receipt.call_key] = i
+    newest = sorted(latest.values(), reverse=True)
+    urgent = [i for i in newest if actions[i].receipt.error or actions[i].receipt.command is not None]
+    return (urgent + [i for i in newest if i not in urgent])[:MAX_OUTPUTS]
+
+
+def _fit(text: str, tokens: int) -> str:
+    """``text`` clipped so that it has at most ``tokens`` tokens (empty when ``tokens`` < 1)."""
+    if tokens < 1:
+        return ""
+    if count_tokens(text) <= tokens:
+        return text
+    target = tokens - 16  # room for clip_tokens' omission marker
+    while target > 0:
+        clipped = clip_tokens(text, target)
+        over = count_tokens(clipped) - tokens
+        if over <= 0:
+            return clipped
+        target -= over
+    return ""
+
+
+def _element(tag: str, attrs: str, body: str) -> str:
+    return f"<{tag}{attrs}>\n{body}\n</{tag}>"
+
+
+@dataclass(frozen=True)
+class _Block:
+    tag: str
+    attrs: str
+    cap: int
+    render: Callable[[int], str]
+    """Escaped body fitting the given number of tokens (empty when nothing fits)."""
+
+
+def _fit_tail(text: str, tokens: int) -> str:
+    """The longest suffix of ``text`` that fits ``tokens`` tokens behind an omission marker (binary search)."""
+    if count_tokens(text) <= tokens:
+        return text
+    marker = "[... earlier text omitted ...]\n"
+    low, high = 0, len(text)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count_tokens(marker + text[len(text) - mid:]) <= tokens:
+            low = mid
+        else:
+            high = mid - 1
+    return marker + text[len(text) - low:] if low else ""
+
+
+def _text_block(tag: str, attrs: str, text: str, cap: int, newest_first: bool = False) -> _Block:
+    body = escape(text)
+    return _Block(tag, attrs, cap, lambda tokens: (_fit_tail if newest_first else _fit)(body, tokens))
+
+
+def _lines_block(tag: str, attrs: str, lines: list[str], cap: int) -> _Block:
+    escaped = [escape(line) for line in lines[-MAX_ACTION_LINES:]]
+    dropped = len(lines) - len(escaped)
+
+    def render(tokens: int) -> str:
+        kept = list(escaped)
+        while kept:
+            omitted = dropped + len(escaped) - len(kept)
+            body = (f"[{omitted} earlier lines omitted]\n" if omitted else "") + "\n".join(kept)
+            if count_tokens(body) <= tokens:
+                return body
+            kept.pop(0)
+        return ""
+
+    return _Block(tag, attrs, cap, render)
+
+
+def _outputs_block(actions: Sequence[Action], cap: int) -> _Block:
+    picked = _picked_outputs(actions)
+
+    def one(i: int) -> str:
+        a = actions[i]
+        assert a.output is not None
+        return (f'<output action="{i + 1}" tool={orjson.dumps(escape(a.receipt.tool)).decode()} '
+                f'status="{"ERROR" if a.receipt.error else "ok"}">\n{escape(_head_tail(a.output.text))}\n</output>')
+
+    def render(tokens: int) -> str:
+        chosen: dict[int, str] = {}
+        left = tokens
+        for i in picked:
+            text = one(i)
+            size = count_tokens(text) + 1
+            if size > left:
+                if not chosen and left > 64:  # the most urgent output is shown clipped rather than not at all
+                    chosen[i] = _fit(text, left - 1)
+                continue
+            chosen[i] = text
+            left -= size
+        return "\n".join(chosen[i] for i in sorted(chosen) if chosen[i])
+
+    return _Block("tool_outputs", ' trust="untrusted"', cap, render)
+
+
+def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *, instructions: str = "",
+          plan: str | None = None, state: str | None = None, claim: str = "",
+          previous_gaps: Sequence[str] = (), budget: int = DEFAULT_BUDGET) -> str:
+    """The verifier's input document for one turn, at most ``budget`` tokens.
+
+    ``request``: the latest genuine user turn; ``finals``: the turn's final answers, oldest first (one per
+    re-entry); ``actions``: :func:`turn_actions`; ``instructions``: the agent's system prompt; ``plan``: the
+    rendered live plan, or None; ``state``/``claim``: the self-report state (None when absent) and ``focus``;
+    ``previous_gaps``: the previous pass's gaps. Raises ValueError when ``budget`` < :data:`MIN_BUDGET`.
+    """
+    if budget < MIN_BUDGET:
+        raise ValueError(f"digest budget {budget} is below the minimum of {MIN_BUDGET} tokens")
+    found = prohibitions(request)
+    ev = evidence(actions)
+    blocks = [
+        _text_block("current_user_turn", ' authority="true"', request[:REQUEST_CHARS], budget // 4),
+        _text_block("agent_final_result", ' trust="untrusted"', CONTINUED.join(finals),
+                    min(FINAL_TOKENS, budget // 4), newest_first=True),
+    ]
+    if found:
+        blocks.append(_lines_block("prohibitions", ' authority="user"', [f"- {p}" for p in found], budget // 8))
+    blocks.append(_text_block("agent_state", ' trust="untrusted"',
+                              f"state: {state or 'none'}" + (f"\nclaim: {claim[:CLAIM_CHARS]}" if claim else ""),
+                              budget // 16))
+    if previous_gaps:
+        blocks.append(_lines_block("previously_flagged_gaps", "", [f"- {g}" for g in previous_gaps], budget // 16))
+    if plan:
+        blocks.append(_text_block("active_plan", "", plan, budget // 8))
+    if instructions:
+        blocks.append(_text_block("standing_instructions", "", instructions[:INSTRUCTIONS_CHARS], budget // 8))
+    blocks.append(_lines_block("recorded_actions", ' trust="untrusted"', action_lines(actions) or ["(none)"],
+                               budget // 4))
+    blocks.append(_text_block("provenance", "", provenance(ev), 128))
+    if any(a.output is not None for a in actions):
+        blocks.append(_outputs_block(actions, budget))
+    return _assemble(blocks, budget)
+
+
+def _assemble(blocks: list[_Block], budget: int) -> str:
+    open_tag, close_tag = "<verification_request>", "</verification_request>"
+    slack = 8
+    while True:
+        left = budget - count_tokens(open_tag + "\n" + close_tag) - slack
+        parts = [open_tag]
+        for block in blocks:
+            overhead = count_tokens(_element(block.tag, block.attrs, "")) + 1
+            body = block.render(min(block.cap, left - overhead))
+            if not body:
+                continue
+            element = _element(block.tag, block.attrs, body)
+            left -= count_tokens(element) + 1
+            parts.append(element)
+        parts.append(close_tag)
+        text = "\n".join(parts)
+        over = count_tokens(text) - budget
+        if over <= 0:
+            return text
+        # Tokens can merge or split across block boundaries; retry with the overflow reserved.
+        slack += over + 8
+

@@ -1,0 +1,234 @@
+"""The per-turn gate state machine: every path of issue 4's acceptance list, driven with parsed verifier answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxyvisor.gate.digest import Evidence, build, evidence, turn_actions
+from proxyvisor.gate.outcome import (
+    DONE,
+    FAIL_OPEN,
+    FAILED,
+    MAX_REENTRIES,
+    NUDGE_BUDGET,
+    UNKNOWN,
+    UNVERIFIED,
+    VERIFIED,
+    Answered,
+    Deliver,
+    GatePolicy,
+    GateProtocolError,
+    Malformed,
+    Nudge,
+    Reenter,
+    Refute,
+    Refuted,
+    Stop,
+    TurnGate,
+    Unavailable,
+    Verify,
+    answer_event,
+)
+from proxyvisor.gate.verdict import Gap, parse, refute
+from proxyvisor.proxy.formats.transcript import Message, ToolOutput, ToolUse
+
+CHANGED_AND_CHECKED = Evidence(changed=True, checked=True, seq=4)
+UNCHECKED = Evidence(changed=True, checked=False, seq=2)
+GAP = {"requirement": 1, "gap": "pytest still fails", "settles": "a passing pytest run"}
+
+
+def verifier(gaps=(), verdict=None, handback=None, handback_judged=False) -> Answered | Malformed:
+    status = "unmatched" if gaps else "matched"
+    data = {"requirements": [{"id": 1, "requirement": "tests pass", "status": status, "basis": "recorded_output"}],
+            "gaps": list(gaps), "handback": handback, "verdict": verdict or ("gaps" if gaps else "pass")}
+    return answer_event(parse(json.dumps(data), handback=handback_judged))
+
+
+def gaps_round(gate: TurnGate, gaps=(GAP,), evidence=UNCHECKED, refuter: str | None = None):
+    """One stop -> verify -> gaps -> refutation, returning the decision after refutation."""
+    assert isinstance(gate.handle(Stop("done", evidence)), Verify)
+    refute_decision = gate.handle(verifier(gaps))
+    assert isinstance(refute_decision, Refute)
+    return gate.handle(Refuted(refute(refute_decision.gaps, refuter).kept))
+
+
+def test_pass_with_change_and_check_is_verified() -> None:
+    gate = TurnGate()
+    assert gate.handle(Stop("done", CHANGED_AND_CHECKED)) == Verify(handback=False)
+    decision = gate.handle(verifier())
+    assert decision == gate.outcome and isinstance(decision, Deliver)
+    assert (decision.outcome, decision.passed, gate.state) == (VERIFIED, True, DONE)
+
+
+@pytest.mark.parametrize("evidence", [Evidence(False, False, 0), UNCHECKED])
+def test_pass_on_reading_alone_is_unknown(evidence: Evidence) -> None:
+    gate = TurnGate()
+    gate.handle(Stop(None, evidence))  # a stop without a status is gated too
+    assert gate.handle(verifier()) == Deliver(UNKNOWN, True, "completion passed on reading alone")
+
+
+def test_gaps_then_pass() -> None:
+    gate = TurnGate()
+    decision = gaps_round(gate)
+    assert isinstance(decision, Reenter) and decision.gaps == (Gap("pytest still fails", "a passing pytest run", 1),)
+    assert "pytest still fails" in decision.advisory and "a passing pytest run" in decision.advisory
+    assert gate.handle(Stop("done", CHANGED_AND_CHECKED)) == Verify(False, previous_gaps=decision.gaps)
+    final = gate.handle(verifier())
+    assert isinstance(final, Deliver) and final.outcome == VERIFIED and gate.reentries == 1
+
+
+def test_same_gaps_after_new_evidence_stop_early_as_failed() -> None:
+    gate = TurnGate()
+    assert isinstance(gaps_round(gate, evidence=Evidence(True, False, 2)), Reenter)
+    moved = Evidence(True, False, 5)
+    reworded = {**GAP, "gap": "  PYTEST still   fails"}
+    decision = gaps_round(gate, gaps=(reworded,), evidence=moved)
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
+    assert decision.gaps and decision.notice and "PYTEST still   fails" in decision.notice
+
+
+def test_same_gaps_without_new_evidence_re_enter_until_the_budget() -> None:
+    gate = TurnGate()
+    assert isinstance(gaps_round(gate), Reenter)
+    assert isinstance(gaps_round(gate), Reenter)  # nothing new was done: not a stall, spend the budget
+    decision = gaps_round(gate)
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNVERIFIED, False)
+    assert "budget spent" in decision.reason and gate.reentries == 2
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, MAX_REENTRIES])
+def test_budget_spent_after_the_configured_reentries(budget: int) -> None:
+    gate = TurnGate(GatePolicy(reentry_budget=budget))
+    for n in range(budget):
+        gap = {**GAP, "gap": f"gap {n}"}  # different gaps each time, with new evidence: never a stall
+        assert isinstance(gaps_round(gate, gaps=(gap,), evidence=Evidence(True, False, n)), Reenter)
+    decision = gaps_round(gate, gaps=({**GAP, "gap": "last"},), evidence=Evidence(True, False, 99))
+    assert isinstance(decision, Deliver) and decision.outcome == UNVERIFIED and gate.reentries == budget
+
+
+@pytest.mark.parametrize("policy", [
+    {"reentry_budget": -1}, {"reentry_budget": MAX_REENTRIES + 1}, {"failure_policy": "ignore"}])
+def test_invalid_policy_is_refused(policy: dict) -> None:
+    with pytest.raises(ValueError):
+        GatePolicy(**policy)
+
+
+def test_refutation_drops_a_finding_and_the_rest_re_enter() -> None:
+    gate = TurnGate()
+    second = {"requirement": 1, "gap": "README not updated", "settles": "a README diff"}
+    reply = json.dumps({"findings": [{"id": 2, "status": "refuted", "citation": "#5 edited README.md"}]})
+    decision = gaps_round(gate, gaps=(GAP, second), refuter=reply)
+    assert isinstance(decision, Reenter) and [g.text for g in decision.gaps] == ["pytest still fails"]
+    assert "README" not in decision.advisory
+
+
+def test_refutation_dropping_every_finding_passes() -> None:
+    gate = TurnGate()
+    reply = json.dumps({"findings": [{"id": 1, "status": "refuted", "citation": "#4 pytest: 13 passed"}]})
+    decision = gaps_round(gate, evidence=CHANGED_AND_CHECKED, refuter=reply)
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (VERIFIED, True)
+
+
+def test_failed_refuter_leaves_gaps_standing() -> None:
+    assert isinstance(gaps_round(TurnGate(), refuter=None), Reenter)
+
+
+def test_malformed_then_repaired() -> None:
+    gate = TurnGate()
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
+    bad = answer_event(parse("Looks complete to me. PASS"))
+    assert isinstance(bad, Malformed)
+    assert gate.handle(bad) == Verify(handback=False, format_retry=True)
+    decision = gate.handle(verifier())
+    assert isinstance(decision, Deliver) and decision.outcome == VERIFIED
+
+
+@pytest.mark.parametrize(("policy", "passed"), [(GatePolicy(), False), (GatePolicy(failure_policy=FAIL_OPEN), True)])
+def test_malformed_twice_counts_as_verifier_down(policy: GatePolicy, passed: bool) -> None:
+    gate = TurnGate(policy)
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
+    gate.handle(Malformed("not JSON"))
+    decision = gate.handle(Malformed("not JSON"))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNVERIFIED, passed)
+    assert "format retry" in decision.reason
+
+
+def test_verifier_down_fail_closed_is_labelled_and_never_silently_passed() -> None:
+    gate = TurnGate()  # fail_closed is the default
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
+    decision = gate.handle(Unavailable("connect timeout"))
+    assert isinstance(decision, Deliver)
+    assert (decision.outcome, decision.passed) == (UNVERIFIED, False) and decision.notice
+    assert "fail_closed" in decision.reason and "connect timeout" in decision.reason
+
+
+def test_verifier_down_fail_open_passes_but_stays_unverified() -> None:
+    gate = TurnGate(GatePolicy(failure_policy=FAIL_OPEN))
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
+    decision = gate.handle(Unavailable("HTTP 503"))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed, decision.notice) == (
+        UNVERIFIED, True, None)
+
+
+@pytest.mark.parametrize("state", ["blocked", "need_input"])
+def test_legitimate_handback_passes(state: str) -> None:
+    gate = TurnGate(GatePolicy(headless=True))
+    assert gate.handle(Stop(state, UNCHECKED)) == Verify(handback=True)
+    decision = gate.handle(verifier(handback={"needs_user": True, "reason": "needs the deploy key"},
+                                    handback_judged=True))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNKNOWN, True)
+    assert "hand-back accepted" in decision.reason
+
+
+def test_illegitimate_handback_is_sent_back_to_work() -> None:
+    gate = TurnGate()
+    gate.handle(Stop("blocked", UNCHECKED))
+    refute_decision = gate.handle(verifier(handback={"needs_user": False, "reason": "pip install works here"},
+                                           handback_judged=True))
+    assert isinstance(refute_decision, Refute)
+    decision = gate.handle(Refuted(refute_decision.gaps))
+    assert isinstance(decision, Reenter) and "hand-back not needed: pip install works here" in decision.advisory
+    assert gate.handle(Stop("done", CHANGED_AND_CHECKED)) == Verify(False, previous_gaps=decision.gaps)
+
+
+def test_prohibition_honoured_a_missing_test_run_is_not_charged() -> None:
+    # "Do not run tests": the verifier marks the test requirement matched (compliance), so the turn passes; with no
+    # check run the label is unknown, never verified and never failed.
+    actions = turn_actions([
+        Message("assistant", tool_uses=(ToolUse("c1", "Edit", {"file_path": "README.md"}),)),
+        Message("tool", tool_outputs=(ToolOutput("c1", "The file README.md has been updated."),))])
+    doc = build("Make the documentation edits. Do not run tests; I will test myself.", ["Edited README.md."], actions)
+    assert '<prohibitions authority="user">\n- Do not run tests;\n</prohibitions>' in doc
+    gate = TurnGate()
+    gate.handle(Stop("done", evidence(actions)))
+    decision = gate.handle(verifier())
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNKNOWN, True)
+
+
+@pytest.mark.parametrize("state", ["exploring", "progressing"])
+def test_headless_in_progress_stop_is_nudged_twice_then_verified(state: str) -> None:
+    gate = TurnGate(GatePolicy(headless=True))
+    for _ in range(NUDGE_BUDGET):
+        assert isinstance(gate.handle(Stop(state, UNCHECKED)), Nudge)
+    assert gate.handle(Stop(state, UNCHECKED)) == Verify(handback=False)
+    assert gate.nudges == NUDGE_BUDGET
+
+
+@pytest.mark.parametrize(("headless", "state"), [(False, "exploring"), (False, "progressing"), (True, "done"),
+                                                 (True, None), (True, "blocked")])
+def test_no_nudge_when_interactive_or_not_in_progress(headless: bool, state: str | None) -> None:
+    assert isinstance(TurnGate(GatePolicy(headless=headless)).handle(Stop(state, UNCHECKED)), Verify)
+
+
+def test_events_out_of_order_are_protocol_errors() -> None:
+    gate = TurnGate()
+    with pytest.raises(GateProtocolError):
+        gate.handle(Answered(parse(json.dumps({}))))  # type: ignore[arg-type]
+    gate.handle(Stop("done", UNCHECKED))
+    with pytest.raises(GateProtocolError):
+        gate.handle(Stop("done", UNCHECKED))
+    gate.handle(Unavailable("down"))
+    with pytest.raises(GateProtocolError):
+        gate.handle(Stop("done", UNCHECKED))
