@@ -113,9 +113,9 @@ class ConnectionPool:
             raise ValueError(f"not an http(s) URL: {url!r}")
         self.https = parts.scheme == "https"
         self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
-        host = f"[{self.host}]" if ":" in self.host else self.host
         default_port = 443 if self.https else 80
+        self.port = parts.port or default_port
+        host = f"[{self.host}]" if ":" in self.host else self.host
         host = host if self.port == default_port else f"{host}:{self.port}"
         self.host_header = host.encode("ascii") if host.isascii() else host.encode("idna")
         self.connect_timeout_s = connect_timeout_s

@@ -30,6 +30,7 @@ from ..condense.model import Condenser
 from ..config import Config
 from ..store import Store
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
+from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
@@ -321,7 +322,8 @@ class Pipeline:
                 yield chunk
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
             failure = getattr(stream, "error", None)
-            if failure is None and last and not at_event_end(last):
+            mid_event = bool(last) and not at_event_end(last)
+            if failure is None and mid_event:
                 # A clean end of the body in the middle of an event (an upstream framing the stream by closing
                 # the connection): SDKs drop an unfinished event silently, so the client would take a cut-short
                 # answer for a complete one.
@@ -329,7 +331,7 @@ class Pipeline:
             if failure is not None:
                 log.warning("upstream stream ended early: %s", failure.message)
                 # Blank lines first: the error must not join the unfinished event's last line.
-                yield (b"" if not last or at_event_end(last) else b"\n\n") + fmt.stream_error(
+                yield (b"\n\n" if mid_event else b"") + fmt.stream_error(
                     failure.status, failure.message, getattr(stream, "last_chunk", b""))
             ended = True
         finally:
@@ -380,10 +382,5 @@ def _key_header(fmt_name: str) -> bytes:
 
 
 def _event_usage(fmt: WireFormat, name: str | None, data: str) -> Usage | None:
-    if '"usage"' not in data:
-        return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return fmt.stream_usage(name, obj) if isinstance(obj, dict) else None
+    obj = event_object(data) if '"usage"' in data else None
+    return fmt.stream_usage(name, obj) if obj is not None else None

@@ -202,6 +202,19 @@ def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
+def event_object(data: str) -> dict[str, Any] | None:
+    """An SSE event's data as a JSON object, or None when it is not one (``[DONE]``, a keep-alive, bad JSON).
+
+    The ``{`` check first makes a non-object cost no parse, and makes a successful parse always a dict.
+    """
+    if not data.startswith("{"):
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
 def words(text: str) -> list[str]:
     """Split text into word-sized deltas that join back to exactly ``text``."""
     if not text:
@@ -275,7 +288,7 @@ class WireFormat:
 
     def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
         """The assistant turn of a complete SSE stream, given its events as (event name, data) pairs."""
-        raise NotImplementedError
+        return self.parse_response(self.stream_response(events))
 
     # ---- writing responses --------------------------------------------------------------------------------
     def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system,
-                   split_json, sse, words)
+                   edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
+                   leading_system, split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -80,9 +80,6 @@ class ChatFormat(WireFormat):
         calls = tuple(ToolCall(c["function"]["name"], args_of(c["function"].get("arguments")), c.get("id", ""))
                       for c in message.get("tool_calls") or ())
         return AssistantTurn(chat_text(message.get("content")), calls)
-
-    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        return self.parse_response(self.stream_response(events))
 
     def _usage(self, turn: AssistantTurn) -> dict[str, int]:
         i, o = turn.usage
@@ -199,13 +196,8 @@ class ChatFormat(WireFormat):
         calls: dict[int, dict[str, Any]] = {}
         finish, usage = None, None
         for _name, data in events:
-            if not data.startswith("{"):
-                continue
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
+            obj = event_object(data)
+            if obj is None:
                 continue
             head = head or {k: obj[k] for k in ("id", "created", "model") if k in obj}
             usage = obj["usage"] if isinstance(obj.get("usage"), dict) else usage
@@ -257,19 +249,14 @@ class _ChatStream:
         self.new_filter = new_filter
         self.filters: dict[int, TextFilter] = {}
         self.finished: set[int] = set()
-        self.base: dict[str, Any] = {}
+        self.last: dict[str, Any] = {}  # the last chunk: close() copies its id, created, model
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
-        if not data.startswith("{"):
+        obj = event_object(data)
+        if obj is None:
             if data.strip() == "[DONE]":
                 tail = self.close()
                 return tail + [sse(data)] if tail else None
-            return None
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict):
             return None
         changed = False
         for choice in as_list(obj.get("choices")):
@@ -294,18 +281,19 @@ class _ChatStream:
                         delta = choice["delta"] = {}
                     delta["content"] = (delta.get("content") or "") + rest
                     changed = True
-        self.base = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        self.last = obj
         return [sse(dumps(obj))] if changed else None
 
     def close(self) -> list[bytes]:
         out = []
+        base = {k: self.last[k] for k in ("id", "object", "created", "model") if k in self.last}
         for index, text_filter in self.filters.items():
             if index in self.finished:
                 continue
             self.finished.add(index)
             rest = text_filter.finish()
             if rest:
-                out.append(sse(dumps({**self.base, "choices": [
+                out.append(sse(dumps({**base, "choices": [
                     {"index": index, "delta": {"content": rest}, "finish_reason": None}]})))
         return out
 
@@ -328,14 +316,11 @@ class _ChatSplice:
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         if self.held:
             return []
-        if not data.startswith("{") or ('"tool_calls"' not in data and '"content"' not in data):
-            return None
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
+        obj = event_object(data) if '"tool_calls"' in data or '"content"' in data else None
+        if obj is None:
             return None
         changed = False
-        for choice in as_list(obj.get("choices") if isinstance(obj, dict) else None):
+        for choice in as_list(obj.get("choices")):
             delta = choice.get("delta") if isinstance(choice, dict) else None
             if not isinstance(delta, dict):
                 continue

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list,
-                   chat_text, dumps, error_types, has_non_text, interleave, split_json, sse, words)
+                   chat_text, dumps, error_types, event_object, has_non_text, interleave, split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -119,9 +119,6 @@ class MessagesFormat(WireFormat):
         calls = tuple(ToolCall(b["name"], args_of(b.get("input")), b.get("id", ""))
                       for b in blocks if b.get("type") == "tool_use")
         return AssistantTurn(text, calls)
-
-    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        return self.parse_response(self.stream_response(events))
 
     def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
@@ -258,11 +255,8 @@ class MessagesFormat(WireFormat):
         blocks: dict[int, dict[str, Any]] = {}
         partial: dict[int, str] = {}
         for _name, data in events:
-            try:
-                obj = orjson.loads(data) if data.startswith("{") else None
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
+            obj = event_object(data)
+            if obj is None:
                 continue
             kind, index = obj.get("type"), obj.get("index")
             if kind == "message_start" and isinstance(obj.get("message"), dict):
@@ -306,11 +300,8 @@ class MessagesFormat(WireFormat):
 
 def _indexed(data: str) -> dict[str, Any] | None:
     """A stream event's data as a JSON object with an integer ``index`` (a content block event), else None."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) and isinstance(obj.get("index"), int) else None
+    obj = event_object(data)
+    return obj if obj is not None and isinstance(obj.get("index"), int) else None
 
 
 @dataclass

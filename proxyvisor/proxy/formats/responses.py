@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, has_non_text, interleave, leading_system,
-                   split_json, sse, words)
+                   edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
+                   leading_system, split_json, sse, words)
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
@@ -120,9 +120,6 @@ class ResponsesFormat(WireFormat):
             elif item.get("type") == "function_call":
                 calls.append(ToolCall(item.get("name", ""), args_of(item.get("arguments")), item.get("call_id", "")))
         return AssistantTurn("".join(text), tuple(calls))
-
-    def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:
-        return self.parse_response(self.stream_response(events))
 
     def _output(self, turn: AssistantTurn) -> list[dict[str, Any]]:
         output: list[dict[str, Any]] = []
@@ -263,11 +260,8 @@ class ResponsesFormat(WireFormat):
         without one (a stream cut short), the items of its ``response.output_item.done`` events."""
         done: list[Any] = []
         for _name, data in reversed(events):
-            try:
-                obj = orjson.loads(data) if data.startswith("{") else None
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
+            obj = event_object(data)
+            if obj is None:
                 continue
             if obj.get("type") in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
                 return obj["response"]
@@ -310,13 +304,8 @@ class _ResponsesStream:
             obj["sequence_number"] += self.offset
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
-        if not data.startswith("{"):
-            return None
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict):
+        obj = event_object(data)
+        if obj is None:
             return None
         kind = obj.get("type")
         changed = bool(self.offset)
@@ -388,11 +377,8 @@ class _ResponsesSplice:
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         if self.held:
             return []
-        try:
-            obj = orjson.loads(data) if data.startswith("{") else None
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict):
+        obj = event_object(data)
+        if obj is None:
             return None
         kind, item = obj.get("type"), obj.get("item")
         if kind == "response.output_item.added" and isinstance(item, dict) and item.get("type") == "function_call" \
