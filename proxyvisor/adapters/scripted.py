@@ -43,8 +43,8 @@ from typing import Any
 import orjson
 import trio
 
-from ..proxy.formats.base import args_of
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
+from ..proxy.formats.base import args_of
 from ..proxy.server import AbortConnection, Request, Response
 from . import scripted_condenser
 
@@ -201,7 +201,7 @@ class ScriptedUpstream:
             return _refuse(fmt, exc)
         if not turn.input_tokens:
             turn = dataclasses.replace(turn, input_tokens=max(1, len(request.body) // 4))
-        model = body.get("model") if isinstance(body.get("model"), str) else MODEL
+        model = _model(body)
         if fault.get("truncate_body"):
             data = orjson.dumps(fmt.render(turn, model))
             return Response(200, _JSON + [(b"content-length", str(len(data)).encode())],
@@ -236,7 +236,7 @@ class ScriptedUpstream:
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
         turn = AssistantTurn(text)
-        model = body.get("model") if isinstance(body.get("model"), str) else MODEL
+        model = _model(body)
         return Response(200, _JSON, orjson.dumps(fmt.render(turn, model)))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:
@@ -255,6 +255,11 @@ class ScriptedUpstream:
             if self.chunk_delay_s and i:
                 await trio.sleep(self.chunk_delay_s)
             yield event
+
+
+def _model(body: dict[str, Any]) -> str:
+    """The model a response names: the request's, else :data:`MODEL`."""
+    return body["model"] if isinstance(body.get("model"), str) else MODEL
 
 
 _UNREADABLE = (AttributeError, IndexError, KeyError, TypeError, ValueError)

@@ -112,12 +112,15 @@ class RequestCondenser:
     def __init__(self, engine: CondenseEngine) -> None:
         self.engine = engine
 
-    def collect(self, fmt: WireFormat, body: dict[str, Any]) -> Pending | None:
-        """Read ``body`` (a request in ``fmt``, as the agent sent it); None when there is nothing to do: condensing
-        is off, the agent cannot read a spill back, or no result is large enough to have a decision."""
-        if not self.engine.active or not can_read_back(fmt.tools(body)):
+    def collect(self, fmt: WireFormat, items: list[Any], tools: Sequence[ToolSpec],
+                parts: tuple[str, str]) -> Pending | None:
+        """Read a request in ``fmt`` as the agent sent it, from what the supervisor already read of it: its history
+        ``items`` (``WireFormat.history``), ``tools`` (``WireFormat.tools``) and (system prompt, first user
+        message) ``parts`` (``WireFormat.fingerprint_parts``). None when there is nothing to do: condensing is
+        off, the agent cannot read a spill back, or no result is large enough to have a decision."""
+        if not self.engine.active or not can_read_back(tools):
             return None
-        messages = [fmt.message(item) for item in fmt.history(body)]
+        messages = [fmt.message(item) for item in items]
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         uses = {use.id: use for m in messages for use in m.tool_uses}
         ids = Counter(out.call_id for m in messages for out in m.tool_outputs)
@@ -134,7 +137,7 @@ class RequestCondenser:
                 (latest if index > last else earlier).append(result)
         if not latest and not earlier:
             return None
-        return Pending(latest, earlier, _context(fmt, body, messages, last))
+        return Pending(latest, earlier, _context(parts, messages, last))
 
     async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending) -> CondenseRecord:
         """Condense the latest round of ``pending`` for ``session``, recall the earlier decisions, and put every
@@ -179,11 +182,11 @@ def _arguments(arguments: dict[str, Any]) -> str:
     return orjson.dumps(arguments).decode()
 
 
-def _context(fmt: WireFormat, body: dict[str, Any], messages: list[Message], last: int) -> TaskContext:
+def _context(parts: tuple[str, str], messages: list[Message], last: int) -> TaskContext:
     """The trusted task context: the system prompt, the first user message as the goal, the latest user message
     as the current request (when it is not the first), and, as the round's intent, the text of the assistant
     turn that made the latest tool calls (a turn spans several items in the Responses format)."""
-    system, goal = fmt.fingerprint_parts(body)
+    system, goal = parts
     request = next((m.text for m in reversed(messages) if m.role == "user" and m.text), "")
     intent: list[str] = []
     index = last

@@ -18,8 +18,9 @@ mechanism, in three parts:
   model had answered that way at once. Ordinary tool-call rounds stream through unbuffered: nothing is held until
   a held call starts.
 - :attr:`Continuation.items` is then what the upstream saw beyond the client's history. The client's next
-  request lacks it, so the caller re-inserts it at the same place (``Delegated`` in
-  :mod:`proxyvisor.proxy.supervise`) and the upstream prefix stays byte-stable for provider prompt caches.
+  request lacks it, so each time it grows it goes to ``remember`` (``Exchange.remember`` in
+  :mod:`proxyvisor.proxy.supervise`), which re-inserts it at the same place in later requests, and the upstream
+  prefix stays byte-stable for provider prompt caches.
 
 While ``step`` runs on a stream (a child can take minutes), the client gets an SSE comment every
 :data:`KEEPALIVE_S` seconds so its read timeout does not fire. ``step`` then runs in ``background``, a nursery
@@ -62,16 +63,25 @@ KEEPALIVE = b": proxyvisor is running part of this turn\n\n"
 _JSON = [(b"content-type", b"application/json")]
 
 
+def rewritable(reply: UpstreamReply) -> bool:
+    """Whether proxyvisor may read and rewrite ``reply``: a success in no content encoding but ``identity`` (an
+    error, or an encoding proxyvisor did not ask for, passes unchanged)."""
+    return reply.status < 400 and not any(k.lower() == b"content-encoding" and v.strip().lower() != b"identity"
+                                          for k, v in reply.headers)
+
+
 class Continuation:
     """One turn that proxyvisor may continue upstream (module docstring).
 
     ``body``: the upstream body as first sent (not modified). ``hold(name)``: whether a tool call is proxyvisor's
     to run. ``rounds``: how many times the turn may be continued; a reply still holding a held call after that is
-    answered with an error (502), never passed on (the agent does not have those tools).
+    answered with an error (502), never passed on (the agent does not have those tools). ``remember`` is given
+    :attr:`items` each time they grow, before they are sent.
     """
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], resend: Resend, hold: Callable[[str], bool],
-                 step: Step, rounds: int = 4, background: trio.Nursery | None = None) -> None:
+                 step: Step, rounds: int = 4, background: trio.Nursery | None = None,
+                 remember: Callable[[list[Any]], None] | None = None) -> None:
         self.fmt = fmt
         self.body = body
         self.resend = resend
@@ -79,6 +89,7 @@ class Continuation:
         self.step = step
         self.rounds = rounds
         self.background = background
+        self.remember = remember
         self.items: list[Any] = []
         self.done = 0
         """Rounds continued so far."""
@@ -92,6 +103,8 @@ class Continuation:
             UpstreamError: as ``resend``.
         """
         self.items = self.items + list(items)
+        if self.remember is not None:
+            self.remember(self.items)
         body = dict(self.body)
         self.fmt.extend_history(body, self.items)
         started = time.perf_counter()
@@ -125,8 +138,7 @@ class Continuation:
         Raises:
             trio.Cancelled: the caller's scope was cancelled (a running ``step`` is cancelled with it).
         """
-        if reply.status >= 400 or any(k.lower() == b"content-encoding" and v.strip().lower() != b"identity"
-                                      for k, v in reply.headers):
+        if not rewritable(reply):
             return reply
         if reply.streaming:
             return UpstreamReply(reply.status, reply.headers, ContinuedStream(self, reply.body), reply.upstream_s)
@@ -177,7 +189,7 @@ class _Job:
         self.items: list[Any] | None = None
         self.error: Exception | None = None
 
-    async def run(self, step: Callable[[dict[str, Any]], Awaitable[list[Any]]], response: dict[str, Any]) -> None:
+    async def run(self, step: Step, response: dict[str, Any]) -> None:
         try:
             with self.scope:
                 self.items = await step(response)

@@ -50,14 +50,11 @@ from .continuation import Continuation, Resend
 from .formats import CHAT, ToolSpec, WireFormat
 from .formats.base import CallResult
 from .server import Request, Response
-from .supervise import Delegated
 
 log = logging.getLogger("proxyvisor.delegation")
 
 ROUNDS = 4
 """Times one agent request's turn may be continued after delegations (each round: the calls of one response)."""
-DELEGATED = 64
-"""Delegations kept per thread for re-insertion; past it the oldest is no longer re-inserted (one cache miss)."""
 PROMPT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"prompt": {"type": "string", "description": "The complete task for the sub-agent: everything "
@@ -84,6 +81,7 @@ class ProxyDelegation:
         self.delegator = Delegator(config, state_dir=state_dir)
         edges = {r.name: r.supervises for r in self.routing.roles}
         self.tools = [tool_for(r) for r in self.routing.roles if may_delegate(edges, ROOT, r.name)]
+        self.names = frozenset(t.name for t in self.tools)
         self.offered = bool(self.tools) and is_supervised(self.routing)
         self._clashes: set[str] = set()
 
@@ -95,11 +93,11 @@ class ProxyDelegation:
         this request gets none (module docstring)."""
         if not self.offered or exchange.tail is None or exchange.tail[2] not in ("user", "tool"):
             return None
-        own = {t.name for t in exchange.fmt.tools(exchange.body)}
+        own = exchange.tools
         if not own:
             return None
         tools = [t for t in self.tools if t.name not in own]
-        for clash in {t.name for t in self.tools} & own - self._clashes:
+        for clash in self.names & own - self._clashes:
             self._clashes.add(clash)
             log.warning("the agent has a tool named %r: the delegation tool of role %r is not offered to it",
                         clash, clash)
@@ -156,17 +154,17 @@ class DelegationTurn:
         self.trace = child_traceparent(traceparent)
         """This request's span: a child of the agent's own when it sent a valid ``traceparent``."""
         self.budget = Budget(owner.routing.children.budget_tokens)
-        self.items: list[Any] = []
         self.results: list[dict[str, Any]] = []
 
     def continuation(self, resend: Resend, background: trio.Nursery | None = None) -> Continuation:
-        """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls."""
+        """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls,
+        and what it sends beyond the agent's history is re-inserted into later requests (``Exchange.remember``)."""
         return Continuation(self.fmt, self.exchange.body, resend, self.names.__contains__, self.step, ROUNDS,
-                            background)
+                            background, self.exchange.remember)
 
     async def step(self, response: dict[str, Any]) -> list[Any]:
         """Run every delegation call of ``response`` (in parallel, one budget) and return the items that carry
-        the response and the results on; also records them for re-insertion into later requests."""
+        the response and the results on."""
         calls = [c for c in self.fmt.parse_response(response).tool_calls if c.name in self.names]
         results: list[CallResult] = [CallResult(c.id, "") for c in calls]
 
@@ -176,9 +174,7 @@ class DelegationTurn:
         async with trio.open_nursery() as nursery:
             for index in range(len(calls)):
                 nursery.start_soon(run, index)
-        items = self.fmt.assistant_items(response, self.names.__contains__) + self.fmt.tool_results(results)
-        self._remember(items)
-        return items
+        return self.fmt.assistant_items(response, self.names.__contains__) + self.fmt.tool_results(results)
 
     async def _delegate(self, role: str, call_id: str, arguments: dict[str, Any]) -> CallResult:
         prompt = arguments.get("prompt")
@@ -192,10 +188,3 @@ class DelegationTurn:
         log.info("delegated to %s (%s): %s on %s", role, call_id, done.status,
                  done.evidence.get("capacity_scope") or "-")
         return CallResult(call_id, done.result.as_text(), done.result.is_error)
-
-    def _remember(self, items: list[Any]) -> None:
-        index, anchor, _role = self.exchange.tail
-        self.items = self.items + items
-        thread = self.exchange.thread
-        thread.delegated = ([d for d in thread.delegated if d.index != index]
-                            + [Delegated(index, anchor, self.items)])[-DELEGATED:]

@@ -40,8 +40,9 @@ from ..detectors.detectors import HistoryTracker
 from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
-from .formats import WireFormat
 from .condensing import CondenseRecord, RequestCondenser
+from .continuation import rewritable
+from .formats import WireFormat
 from .formats.transcript import fingerprint
 from .relay import UpstreamReply
 from .sessions import Session
@@ -55,6 +56,9 @@ NOTES = 64
 """Steer notes kept per thread; past it the oldest is no longer re-inserted (one prompt-cache miss)."""
 RECORDS = 256
 """Request records kept per session (:attr:`SessionSupervision.records`)."""
+DELEGATED = 64
+"""Continued turns kept per thread for re-insertion (:class:`Delegated`); past it the oldest is no longer
+re-inserted (one prompt-cache miss)."""
 
 
 @dataclass(frozen=True)
@@ -125,9 +129,13 @@ class SessionSupervision:
         return thread
 
 
-def _thread_key(fmt: WireFormat, body: dict[str, Any]) -> bytes:
-    system, first_user = fmt.fingerprint_parts(body)
-    return hashlib.blake2b(orjson.dumps([fmt.name, system, first_user]), digest_size=16).digest()
+def _thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
+    return hashlib.blake2b(orjson.dumps([fmt.name, *parts]), digest_size=16).digest()
+
+
+def _anchored(fmt: WireFormat, items: list[Any], index: int, anchor: bytes) -> bool:
+    """Whether history item ``index`` of ``items`` is still the one whose :func:`fingerprint` was ``anchor``."""
+    return fingerprint(fmt.message(items[index])) == anchor
 
 
 class Supervisor:
@@ -145,32 +153,35 @@ class Supervisor:
         if session.supervision is None:
             session.supervision = SessionSupervision()
         state: SessionSupervision = session.supervision
-        thread = state.thread(_thread_key(fmt, body), self.mutating_tools)
+        # Read once: the thread key, the detectors, condensing and delegation all use them.
+        parts = fmt.fingerprint_parts(body)
+        tools = fmt.tools(body)
+        thread = state.thread(_thread_key(fmt, parts), self.mutating_tools)
         items = fmt.history(body)
-        schemas = {t.name: t.schema for t in fmt.tools(body)}
-        update = thread.tracker.update(items, fmt.message, schemas)
+        update = thread.tracker.update(items, fmt.message, {t.name: t.schema for t in tools})
         record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
         for firing in update.firings:
             state.signals.update(firing.signals)
         if update.rebuilt:
             thread.notes = [n for n in thread.notes
-                            if n.index < len(items) and fingerprint(fmt.message(items[n.index])) == n.anchor]
+                            if n.index < len(items) and _anchored(fmt, items, n.index, n.anchor)]
+        last = fmt.message(items[-1]) if items else None
+        tail = (len(items) - 1, fingerprint(last), last.role) if last is not None else None
         if isinstance(update.last, UserTurn):
             thread.policy.reset()
         elif isinstance(update.last, Round):
             signal = thread.policy.decide(update.signals, thread.state)
-            tail = fmt.message(items[-1]) if items else None
             # The safe point: after the latest tool results (or the harness's latest prompt), never inside
             # the model's own turn.
-            if signal and tail is not None and tail.role in ("tool", "user"):
-                note = Note(len(items) - 1, fingerprint(tail), signal, note_text(signal))
+            if signal and tail is not None and tail[2] in ("tool", "user"):
+                note = Note(tail[0], tail[1], signal, note_text(signal))
                 thread.notes = (thread.notes + [note])[-NOTES:]
                 record.note, record.note_index = signal, note.index
                 state.notes[signal] += 1
                 log.info("session %s: %s fired at history item %d; steer note added", session.id, signal,
                          update.last.index)
         steps: list[Step] = []
-        pending = self.condenser.collect(fmt, body) if self.condenser is not None else None
+        pending = self.condenser.collect(fmt, items, tools, parts) if self.condenser is not None else None
         if pending is not None:
             condenser = self.condenser
 
@@ -178,8 +189,6 @@ class Supervisor:
                 exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body, pending)
 
             steps.append(condense)
-        last = fmt.message(items[-1]) if items else None
-        tail = (len(items) - 1, fingerprint(last), last.role) if last is not None else None
         runs = _live_delegations(fmt, items, thread)
         fmt.insert_items(body, [(d.index, d.items) for d in runs])
         # A note at a delegation's position was added before it: it stays right after the agent's item.
@@ -187,7 +196,7 @@ class Supervisor:
                                 for note in thread.notes])
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
-        return Exchange(fmt, body, state, thread, record, steps, tail)
+        return Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
 
 
 def _live_delegations(fmt: WireFormat, items: list[Any], thread: Thread) -> list[Delegated]:
@@ -196,7 +205,7 @@ def _live_delegations(fmt: WireFormat, items: list[Any], thread: Thread) -> list
     anchor was replaced (the history was rewritten) is forgotten."""
     kept, live = [], []
     for d in thread.delegated:
-        if d.index < len(items) and fingerprint(fmt.message(items[d.index])) != d.anchor:
+        if d.index < len(items) and not _anchored(fmt, items, d.index, d.anchor):
             continue
         kept.append(d)
         if d.index + 1 < len(items):
@@ -215,7 +224,7 @@ class Exchange:
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], state: SessionSupervision, thread: Thread,
                  record: RequestRecord, steps: list[Step] | None = None,
-                 tail: tuple[int, bytes, str] | None = None) -> None:
+                 tail: tuple[int, bytes, str] | None = None, tools: frozenset[str] = frozenset()) -> None:
         self.fmt = fmt
         self.body = body
         self.state = state
@@ -224,8 +233,21 @@ class Exchange:
         self.steps = steps or []
         self.tail = tail
         """The agent's last history item: (position, :func:`fingerprint`, role); None for an empty history."""
+        self.tools = tools
+        """The names of the agent's own tools in the request."""
         self.delegation: Any = None
         """The request's delegation turn (``proxyvisor.proxy.delegation``), when delegation tools were offered."""
+
+    def remember(self, items: list[Any]) -> None:
+        """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
+        :attr:`Continuation.items <proxyvisor.proxy.continuation.Continuation.items>`) for re-insertion right
+        after the agent's last item in the thread's later requests (:class:`Delegated`); replaces what an earlier
+        round of the same turn recorded."""
+        if self.tail is None:
+            return
+        index, anchor, _role = self.tail
+        self.thread.delegated = ([d for d in self.thread.delegated if d.index != index]
+                                 + [Delegated(index, anchor, items)])[-DELEGATED:]
 
     async def before_forward(self) -> None:
         """Run the request-side steps that need I/O (condensing), in order, on ``body``. A step that fails is
@@ -255,8 +277,7 @@ class Exchange:
         """``reply`` with the self-report stripped from its assistant text (an error reply, or one in an
         encoding proxyvisor did not ask for, passes unchanged). The report is recorded once the JSON body is
         read, or when the stream ends."""
-        if reply.status >= 400 or any(k.lower() == b"content-encoding" and v.strip().lower() != b"identity"
-                                      for k, v in reply.headers):
+        if not rewritable(reply):
             return reply
         if reply.streaming:
             strippers: list[Stripper] = []
