@@ -44,10 +44,6 @@ class Decision:
     total_lines: int
     spill_path: str = ""
 
-    @property
-    def changed(self) -> bool:
-        return self.text is not None
-
 
 def decision_key(session: str, call_id: str, text: str) -> str:
     """The cache key of a tool result (hex sha256; lone surrogates in ``text`` are hashed as-is)."""

@@ -89,7 +89,7 @@ def prepare_items(results: Sequence[tuple[ToolResult, int]], context: TaskContex
     items = []
     for n, ((result, tokens), view_budget) in enumerate(zip(results, budgets), start=1):
         terms = focus_terms([*shared, result.arguments])
-        view = build_view(split_lines(result.text), view_budget, terms)
+        view = build_view(split_lines(result.text), view_budget, terms, tokens)
         items.append(Item(f"r{n}", result.tool, result.is_error, result.arguments, tokens, view))
     return items
 

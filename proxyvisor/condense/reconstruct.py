@@ -47,13 +47,12 @@ def narrow(verdict: Verdict, lines: list[str], *, tool: str, spill_path: str,
     """The narrowed result for a valid ``verdict`` on ``lines`` (from :func:`~.text.split_lines`), or the reason
     the original stays (``keep``, everything retained, or too small a saving)."""
     total = len(lines)
-    newline = newline_of(lines)
     if verdict.kind == "keep":
         return "kept in full"
     if verdict.kind == "replace":
         kept: set[int] = set()
         text = (f"{TAG}: omitted the complete {total}-line successful `{tool}` result because none of it advances "
-                f"the current task; nothing summarized; full original at {spill_path}{newline}")
+                f"the current task; nothing summarized; full original at {spill_path}{newline_of(lines)}")
     else:
         kept = set(verdict.lines) | retained(lines)
         if len(kept) == total:

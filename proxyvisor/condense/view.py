@@ -86,15 +86,17 @@ def allocate(sizes: list[int], total: int = ROUND_BUDGET, floor: int = MIN_VIEW_
     return [max(floor, total * size // whole) for size in sizes]
 
 
-def build_view(lines: list[str], budget: int, terms: Sequence[str] = ()) -> NumberedView:
+def build_view(lines: list[str], budget: int, terms: Sequence[str] = (),
+               text_tokens: int | None = None) -> NumberedView:
     """The numbered view of ``lines`` (from :func:`~.text.split_lines`) in at most ``budget`` tokens.
 
-    ``terms`` are lowercase focus terms (:func:`~.signals.focus_terms`). The whole text is shown when it fits;
-    otherwise see the module docstring. A view always shows at least one line.
+    ``terms`` are lowercase focus terms (:func:`~.signals.focus_terms`); ``text_tokens`` is the token count of the
+    lines' text when the caller has it (else it is counted). The whole text is shown when it fits; otherwise see
+    the module docstring. A view always shows at least one line.
     """
     total = len(lines)
     width = len(str(max(total, 1)))
-    if count_tokens("".join(lines)) <= budget:
+    if (count_tokens("".join(lines)) if text_tokens is None else text_tokens) <= budget:
         full = _render(lines, list(range(total)), width, None)
         tokens = count_tokens(full)
         if tokens <= budget:

@@ -240,11 +240,6 @@ class Round:
             return digest(sorted(r.identity.hex() for r in self.receipts))
         return digest("text", (self.text_key or b"").hex())
 
-    @property
-    def call_set(self) -> bytes:
-        """Order-free digest of the calls alone (tool and arguments), results left out."""
-        return digest(sorted(r.call_key.hex() for r in self.receipts))
-
 
 @dataclass(frozen=True, slots=True)
 class UserTurn:
