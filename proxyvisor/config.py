@@ -250,14 +250,19 @@ def _check_keys(table: dict[str, Any], cls: type, where: str, extra: tuple[str, 
         raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
-def _build(cls: type, table: dict[str, Any], where: str, **fixed: Any) -> Any:
-    _check_keys(table, cls, where, extra=())
+def _build(cls: type, table: Any, where: str, **fixed: Any) -> Any:
+    """Type-check ``table`` into ``cls``; a field whose default is a dataclass is a sub-table (``[where.name]``),
+    built the same way. ``fixed`` fields are set as given (e.g. the table's own name)."""
+    _check_keys(_table(table, where), cls, where, extra=())
     values: dict[str, Any] = dict(fixed)
     for f in dataclasses.fields(cls):
         if f.name not in table:
             continue
         value = table[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(kind := f.default_factory):
+            values[f.name] = _build(kind, value, f"{where[:-1]}.{f.name}]")
+            continue
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, float):
@@ -290,7 +295,7 @@ def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
     proxy = _build(ProxyConfig, document.get("proxy", {}), f"{source}: [proxy]")
     state = _build(StateConfig, document.get("state", {}), f"{source}: [state]")
-    supervisor = parse_supervisor(document.get("supervisor", {}), f"{source}: [supervisor]")
+    supervisor = _build(SupervisorConfig, document.get("supervisor", {}), f"{source}: [supervisor]")
     raw_upstreams = document.get("upstreams", {"scripted": {}})
     if not isinstance(raw_upstreams, dict) or not raw_upstreams:
         raise ConfigError(f"{source}: [upstreams] must hold at least one [upstreams.NAME] table")
@@ -310,24 +315,6 @@ def _table(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a table")
     return value
-
-
-def parse_supervisor(table: Any, where: str = "[supervisor]") -> SupervisorConfig:
-    """Type-check ``[supervisor]`` and its sub-tables ``[supervisor.model]``, ``[supervisor.condense]``,
-    ``[supervisor.detectors]``.
-
-    Raises:
-        ConfigError: an unknown key, a wrong type, or a sub-table that is not a table; the message names it.
-    """
-    table = dict(_table(table, where))
-    nested = {name: _table(table.pop(name), f"{where[:-1]}.{name}]") for name in ("model", "condense", "detectors")
-              if name in table}
-    base = _build(SupervisorConfig, table, where)
-    return dataclasses.replace(
-        base,
-        model=_build(ModelConfig, nested.get("model", {}), f"{where[:-1]}.model]"),
-        condense=_build(CondenseConfig, nested.get("condense", {}), f"{where[:-1]}.condense]"),
-        detectors=_build(DetectorsConfig, nested.get("detectors", {}), f"{where[:-1]}.detectors]"))
 
 
 def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]") -> None:
@@ -355,14 +342,10 @@ def parse_model_routing(table: Any, where: str = "[model_routing]") -> ModelRout
         ConfigError: an unknown key, a wrong type, or a sub-table that is not a table; the message names it.
     """
     table = dict(_table(table, where))
-    nested = {name: table.pop(name) for name in ("cooldown", "orchestrator", "children", "roles", "adapter_options")
-              if name in table}
-    base = _build(ModelRoutingConfig, table, where)
-    roles = []
-    for name, role in _table(nested.get("roles", {}), f"{where}.roles").items():
-        roles.append(_build(RoleConfig, _table(role, f"{where}.roles.{name}"), f"{where}.roles.{name}", name=name))
+    roles = _table(table.pop("roles", {}), f"{where}.roles")
+    adapter_options = _table(table.pop("adapter_options", {}), f"{where}.adapter_options")
     options: dict[str, dict[str, Any]] = {}
-    for adapter, values in _table(nested.get("adapter_options", {}), f"{where}.adapter_options").items():
+    for adapter, values in adapter_options.items():
         values = _table(values, f"{where}.adapter_options.{adapter}")
         for key, value in values.items():
             scalar = isinstance(value, (str, int, float, bool))
@@ -371,12 +354,9 @@ def parse_model_routing(table: Any, where: str = "[model_routing]") -> ModelRout
                                   f"or list of strings, got {value!r}")
         options[adapter] = dict(values)
     return dataclasses.replace(
-        base,
-        cooldown=_build(CooldownConfig, _table(nested.get("cooldown", {}), f"{where}.cooldown"), f"{where}.cooldown"),
-        orchestrator=_build(RouteTarget, _table(nested.get("orchestrator", {}), f"{where}.orchestrator"),
-                            f"{where}.orchestrator"),
-        children=_build(ChildrenConfig, _table(nested.get("children", {}), f"{where}.children"), f"{where}.children"),
-        roles=tuple(roles), adapter_options=options)
+        _build(ModelRoutingConfig, table, where),
+        roles=tuple(_build(RoleConfig, role, f"{where}.roles.{name}", name=name) for name, role in roles.items()),
+        adapter_options=options)
 
 
 def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_routing]") -> None:
@@ -403,17 +383,17 @@ def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_rou
         raise ConfigError(f"{where} max_parallel and max_depth must be >= 1")
     c = routing.cooldown
     if not 0 < c.default_seconds <= c.maximum_seconds:
-        raise ConfigError(f"{where}.cooldown needs 0 < default_seconds <= maximum_seconds, got "
+        raise ConfigError(f"{where[:-1]}.cooldown] needs 0 < default_seconds <= maximum_seconds, got "
                           f"{c.default_seconds} and {c.maximum_seconds}")
     k = routing.children
     if not 30 <= k.wall_clock_s <= 3600:
-        raise ConfigError(f"{where}.children wall_clock_s must be 30-3600 s, got {k.wall_clock_s}")
+        raise ConfigError(f"{where[:-1]}.children] wall_clock_s must be 30-3600 s, got {k.wall_clock_s}")
     if not 0 < k.idle_warn_s <= k.idle_cancel_s:
-        raise ConfigError(f"{where}.children needs 0 < idle_warn_s <= idle_cancel_s")
+        raise ConfigError(f"{where[:-1]}.children] needs 0 < idle_warn_s <= idle_cancel_s")
     if k.stop_grace_s <= 0 or k.claim_retention_s <= 0:
-        raise ConfigError(f"{where}.children stop_grace_s and claim_retention_s must be > 0")
+        raise ConfigError(f"{where[:-1]}.children] stop_grace_s and claim_retention_s must be > 0")
     if k.claim_check_chars < 1000 or k.budget_tokens < 0:
-        raise ConfigError(f"{where}.children claim_check_chars must be >= 1000 and budget_tokens >= 0")
+        raise ConfigError(f"{where[:-1]}.children] claim_check_chars must be >= 1000 and budget_tokens >= 0")
     bad = [r.name for r in routing.roles if not ROLE_NAME.match(r.name)]
     if bad:
         raise ConfigError(f"{where}.roles: each role becomes a delegation tool named after it, so a role name is 1-64 "
@@ -479,9 +459,15 @@ def find_config_file(explicit: str | None, env: dict[str, str] | None = None) ->
         return Path(explicit).expanduser()
     if env.get("PROXYVISOR_CONFIG"):
         return Path(env["PROXYVISOR_CONFIG"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME", "~"), ".config")
-    candidate = Path(base).expanduser() / "proxyvisor" / "config.toml"
+    candidate = default_config_path(env)
     return candidate if candidate.exists() else None
+
+
+def default_config_path(env: dict[str, str] | None = None) -> Path:
+    """``$XDG_CONFIG_HOME/proxyvisor/config.toml`` (``~/.config/proxyvisor/config.toml``), existing or not."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME", "~"), ".config")
+    return Path(base).expanduser() / "proxyvisor" / "config.toml"
 
 
 def load(explicit: str | None = None, env: dict[str, str] | None = None) -> Config:

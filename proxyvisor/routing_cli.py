@@ -25,7 +25,8 @@ from typing import Any
 
 import orjson
 
-from .config import COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES, Config, RouteTarget, find_config_file
+from .config import (COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES, Config, RouteTarget, default_config_path,
+                     find_config_file)
 from .adapters.descriptors import Registry, TargetError, registry_for
 
 _SET_HELP = textwrap.dedent("""\
@@ -117,11 +118,7 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
 
 
 def _config_path(args: argparse.Namespace) -> Path:
-    found = find_config_file(args.config)
-    if found is not None:
-        return found
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.environ.get("HOME", "~"), ".config")
-    return Path(base).expanduser() / "proxyvisor" / "config.toml"
+    return find_config_file(args.config) or default_config_path()
 
 
 def _assign(table: Any, key: str, value: Any) -> None:
@@ -211,7 +208,8 @@ def _adapters(config: Config, registry: Registry) -> dict[str, Any]:
     delegator = Delegator(config, registry=registry)
     out: dict[str, Any] = {}
     for d in registry.descriptors.values():
-        out[d.id] = {"ready": delegator.readiness(d.id) is None, "unavailable": delegator.readiness(d.id),
+        unavailable = delegator.readiness(d.id)
+        out[d.id] = {"ready": unavailable is None, "unavailable": unavailable,
                      "capabilities": sorted(d.capabilities), "default_model": d.default_model,
                      "models": [{"id": m.id, "bucket": m.bucket} for m in d.models], "efforts": list(d.efforts),
                      "description": d.description}

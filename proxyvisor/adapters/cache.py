@@ -6,6 +6,7 @@ Nothing is created until :func:`open_cache` is called, so a disabled feature wri
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,3 +28,27 @@ def open_cache(path: Path, **settings: Any) -> diskcache.Cache:
         if file.is_file():
             os.chmod(file, 0o600)
     return cache
+
+
+class LazyCache:
+    """A diskcache at ``root``, opened on first use by :meth:`_db` (so reading an absent store creates nothing);
+    ``_lock`` (re-entrant) also serves subclasses' read-modify-write sections."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._cache: diskcache.Cache | None = None
+        self._lock = threading.RLock()
+
+    def _db(self) -> diskcache.Cache:
+        with self._lock:
+            if self._cache is None:
+                self._cache = open_cache(self.root)
+            return self._cache
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None

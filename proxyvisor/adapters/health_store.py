@@ -13,41 +13,24 @@ stored, never a provider payload or a credential.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from .cache import open_cache
+from .cache import LazyCache
 from .failures import Failure
 from .health import Admission, Cooldown, PoolHealth, admit, settle
 
 _PREFIX = "pool:"
 
 
-class HealthStore:
+class HealthStore(LazyCache):
     """Pool health under ``root`` (the state dir's ``health`` folder), created on the first write."""
 
     def __init__(self, root: Path, cooldown: Cooldown) -> None:
-        self.root = Path(root)
+        super().__init__(root)
         self.cooldown = cooldown
-        self._cache: Any = None
-        self._lock = threading.RLock()
-
-    def _db(self) -> Any:
-        with self._lock:
-            if self._cache is None:
-                self._cache = open_cache(self.root)
-            return self._cache
-
-    def exists(self) -> bool:
-        return self.root.is_dir()
-
-    def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
 
     @staticmethod
     def _load(pool: str, value: Any) -> PoolHealth:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from .cache import open_cache
+from .cache import LazyCache
 from .children import ChildOutcome
 from .health import Admission
 from .runtime import FINISHED
@@ -49,20 +48,12 @@ def trace_id_of(traceparent: str) -> str:
     return match.group(1) if match else ""
 
 
-class ClaimStore:
+class ClaimStore(LazyCache):
     """Long child results, kept in ``root`` (a diskcache under the state dir) for ``retention_s`` seconds."""
 
     def __init__(self, root: Path, retention_s: float) -> None:
-        self.root = Path(root)
+        super().__init__(root)
         self.retention_s = retention_s
-        self._cache: Any = None
-        self._lock = threading.Lock()
-
-    def _db(self) -> Any:
-        with self._lock:
-            if self._cache is None:
-                self._cache = open_cache(self.root)
-            return self._cache
 
     def put(self, text: str, meta: dict[str, Any]) -> str:
         """Store ``text`` with ``meta``; returns the record id (``clm_`` + 20 hex digits)."""
@@ -72,15 +63,10 @@ class ClaimStore:
 
     def get(self, record_id: str) -> dict[str, Any] | None:
         """The record (``text``, ``meta``, ``stored_at``) or None if unknown or expired; creates nothing."""
-        if not self.root.is_dir():
+        if not self.exists():
             return None
         value = self._db().get(record_id)
         return value if isinstance(value, dict) else None
-
-    def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
 
 
 def claim_check(text: str, limit: int, store: ClaimStore, meta: dict[str, Any]) -> tuple[str, str | None]:

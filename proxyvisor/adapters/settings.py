@@ -86,23 +86,20 @@ def atomic_write(path: Path, text: str) -> None:
         os.close(dir_fd)
 
 
-def read_document(path: Path) -> tomlkit.TOMLDocument:
-    """The file as an editable document (empty if the file does not exist).
+def read_document(path: Path) -> tuple[tomlkit.TOMLDocument, Config]:
+    """The file as an editable document (empty if the file does not exist) and the configuration it holds.
 
     Raises:
         SettingsError: the file is unreadable, not TOML, or not a valid configuration (fail closed).
     """
-    if not path.exists():
-        return tomlkit.document()
     try:
-        doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+        doc = tomlkit.parse(path.read_text(encoding="utf-8")) if path.exists() else tomlkit.document()
     except (OSError, UnicodeDecodeError, TOMLKitError) as exc:
         raise SettingsError(f"{path}: cannot read it as TOML ({exc}); fix the file first, nothing written") from None
     try:
-        parse(doc.unwrap(), source=str(path))
+        return doc, parse(doc.unwrap(), source=str(path))
     except ConfigError as exc:
         raise SettingsError(f"the configuration is invalid ({exc}); fix it first, nothing written") from None
-    return doc
 
 
 def routing_table(doc: tomlkit.TOMLDocument, *names: str) -> Any:
@@ -151,9 +148,8 @@ def update(path: Path, change: Callable[[tomlkit.TOMLDocument, ModelRoutingConfi
             the lock could not be taken; nothing was written.
     """
     with locked(path):
-        doc = read_document(path)
-        current = parse(doc.unwrap(), source=str(path)).model_routing
-        roles, orchestrator = change(doc, current)
+        doc, current = read_document(path)
+        roles, orchestrator = change(doc, current.model_routing)
         try:
             config = parse(doc.unwrap(), source=str(path))
             check_targets(config.model_routing, registry, roles, orchestrator)
