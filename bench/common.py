@@ -4,17 +4,24 @@ them (CPU time, load average, percentiles), and the filler text of their synthet
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import select
+import shlex
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from bench.results import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT.parent / "shared" / "corpus" / "trajectories"
@@ -203,3 +210,33 @@ def trajectories(folder: str) -> list[Path]:
     if not paths:
         print(f"no trajectories in {folder}", file=sys.stderr)
     return paths
+
+
+def add_arm_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that runs arms through proxies: the LiteLLM arm and where the figures go."""
+    parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
+    parser.add_argument("--no-install", action="store_true", help="do not install litellm[proxy] when missing")
+    parser.add_argument("--litellm-venv", type=Path, default=CACHE / "litellm-venv",
+                        help=f"venv holding litellm[proxy] (default {CACHE / 'litellm-venv'})")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="markdown file to write (default bench/RESULTS.md)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How to rerun this benchmark: ``python {script}`` and its arguments, quoted for a shell."""
+    return f"python {script}" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+
+@contextlib.contextmanager
+def workspace(prefix: str) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
+    """A scratch folder and a list to put started processes in; on leaving, the processes are stopped (last
+    started first) and the folder removed."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield work, procs
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+        shutil.rmtree(work, ignore_errors=True)

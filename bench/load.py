@@ -36,13 +36,11 @@ import os
 import platform
 import random
 import re
-import shlex
 import shutil
 import ssl
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +52,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (API_KEY, CACHE, MODEL, ROOT, BenchError, cpu_time, exit_on_stdin_eof, litellm_venv, loadavg,
-                          pct, prose, spawn_role, start_litellm, stop, wait_litellm)
-from bench.results import RESULTS, write_section
+from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, command_line, cpu_time, exit_on_stdin_eof,
+                          litellm_venv, loadavg, pct, prose, spawn_role, start_litellm, wait_litellm, workspace)
+from bench.results import write_section
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
@@ -541,12 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-messages", type=int, default=60, help="history length at which an agent compacts (60)")
     p.add_argument("--tool-output-kb", type=float, default=2.0, help="mean tool result size in KB (default 2)")
     p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
-    p.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
-    p.add_argument("--no-install", action="store_true", help="do not install litellm[proxy] when missing")
-    p.add_argument("--litellm-venv", type=Path, default=CACHE / "litellm-venv",
-                   help=f"venv holding litellm[proxy] (default {CACHE / 'litellm-venv'})")
-    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to write (default bench/RESULTS.md)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    add_arm_options(p)
     p.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     defaults = {"duration": 18.0, "compare_duration": 8.0} if args.quick else {"duration": 300.0,
@@ -589,8 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_stdin_eof()
         trio.run(serve_upstream, args.chunk_delay_ms)
         return 0
-    command = "python bench/load.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
-                                                                                   else argv))
+    command = command_line("bench/load.py", argv)
     started = time.monotonic()
     load_before = loadavg()
     rng = random.Random(7)
@@ -598,9 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                         "You are a coding agent. " + prose(rng, 1200), agent_tools(rng))
     tls = ssl.create_default_context()  # one for all the clients: the URLs are plain HTTP anyway
     notes: list[str] = []
-    procs: list[subprocess.Popen[bytes]] = []
-    work = Path(tempfile.mkdtemp(prefix="proxyvisor-load-"))
-    try:
+    with workspace("proxyvisor-load-") as (work, procs):
         exe, litellm_note = (None, "LiteLLM arm left out") if not args.with_litellm else \
             litellm_venv(args.litellm_venv, not args.no_install)
         if exe is None:
@@ -643,10 +633,6 @@ def main(argv: list[str] | None = None) -> int:
             write_section(SECTION, text, args.results)
             print(f"wrote {args.results}")
         return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
-    finally:
-        for proc in reversed(procs):
-            stop(proc)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

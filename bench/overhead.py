@@ -44,11 +44,9 @@ import argparse
 import os
 import platform
 import random
-import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +58,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (API_KEY, CACHE, MODEL, BenchError, cpu_time, exit_on_stdin_eof,  # noqa: E402
-                          litellm_venv, loadavg, pct, prose, spawn_role, start_litellm, stop, wait_litellm)
-from bench.results import RESULTS, write_section  # noqa: E402
+from bench.common import (API_KEY, MODEL, BenchError, add_arm_options, command_line, cpu_time,  # noqa: E402
+                          exit_on_stdin_eof, litellm_venv, loadavg, pct, prose, spawn_role, start_litellm,
+                          wait_litellm, workspace)
+from bench.results import write_section  # noqa: E402
 
 SECTION = "Overhead (issue 2)"
 TARGET_P50_MS, TARGET_P99_MS, TARGET_LITELLM_SHARE = 1.0, 5.0, 0.1
@@ -468,13 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "(default 3; quick 0.6)")
     p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3; quick 2)")
     p.add_argument("--body-kb", type=int, default=77, help="request body size in KB (default 77)")
-    p.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")
     p.add_argument("--no-supervised", action="store_true", help="leave out the supervision-enabled arm")
-    p.add_argument("--no-install", action="store_true", help="do not install litellm[proxy] when missing")
-    p.add_argument("--litellm-venv", type=Path, default=CACHE / "litellm-venv",
-                   help=f"venv holding litellm[proxy] (default {CACHE / 'litellm-venv'})")
-    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to write (default bench/RESULTS.md)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    add_arm_options(p)
     p.add_argument("--role", choices=("upstream", "proxyvisor", "supervised"), help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
@@ -492,14 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         run_role(args)
         return 0
-    command = "python bench/overhead.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
-                                                                                      else argv))
+    command = command_line("bench/overhead.py", argv)
     started = time.monotonic()
     load_before = loadavg()
     notes: list[str] = []
-    procs: list[subprocess.Popen[bytes]] = []
-    work = Path(tempfile.mkdtemp(prefix="proxyvisor-bench-"))
-    try:
+    with workspace("proxyvisor-bench-") as (work, procs):
         exe, note = (None, "LiteLLM arm left out (--no-litellm)") if args.no_litellm else \
             litellm_venv(args.litellm_venv, not args.no_install)
         litellm_version = note if exe else ""
@@ -552,10 +543,6 @@ def main(argv: list[str] | None = None) -> int:
             write_section(SECTION, markdown(rows, args.concurrency, command, notes, setup), args.results)
             print(f"wrote {args.results}")
         return 0
-    finally:
-        for proc in reversed(procs):
-            stop(proc)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import trio
 from rich.console import Console
 from rich.table import Table
@@ -39,11 +40,17 @@ from .detectors.detectors import DESCRIPTIONS
 from .detectors.steer import note_text
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.service import running
-from .proxy.sse import SSEParser
+from .replay import send_turn
 from .store import Store
 
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]})
 TASK = "What files are in the project folder?"
+SYSTEM = "You are a careful coding agent."
+
+
+def opening(task: str) -> list[dict[str, Any]]:
+    """The history an agent starts a turn with: its system prompt and ``task`` from the user."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
 
 
 def run_tool(command: str, cwd: Path) -> str:
@@ -59,22 +66,12 @@ async def agent_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, messa
                      stream: bool = True) -> tuple[AssistantTurn, float, int]:
     """Send one request; returns (the assistant turn, the proxy's overhead in ms, the HTTP status)."""
     body = fmt.request_from_chat(messages, "scripted-model", stream, (BASH,))
-    async with client.stream("POST", url + fmt.path, json=body) as response:
-        overhead = float(response.headers.get("x-proxyvisor-overhead-ms", "nan"))
-        if response.status_code != 200:
-            await response.aread()
-            return AssistantTurn(f"error {response.status_code}: {response.text}"), overhead, response.status_code
-        if not stream:
-            return fmt.parse_response(response.json()), overhead, 200
-        parser, events = SSEParser(), []
-        async for chunk in response.aiter_bytes():
-            events += [(e.event, e.data) for e in parser.feed(chunk)]
-        return fmt.assemble(events), overhead, 200
+    status, turn, failure, overhead = await send_turn(client, url, fmt, body, stream)
+    return (turn if turn is not None else AssistantTurn(f"error {status}: {failure}")), overhead, status
 
 
 async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, max_rounds: int = 4) -> None:
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
-                                      {"role": "user", "content": TASK}]
+    messages = opening(TASK)
     console.print(f"[bold]{fmt.label}[/bold]  POST {fmt.path}  (streaming)")
     console.print(f"  [cyan]user[/cyan]       {TASK}")
     async with httpx.AsyncClient(timeout=30) as client:
@@ -119,8 +116,7 @@ async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console:
     proxy.scripted[next(iter(proxy.scripted))].queue(*LOOP_SCRIPT)
     session = f"demo-loop-{fmt.name}-{int(time.time())}"
     url = f"{proxy.url}/s/{session}"
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
-                                      {"role": "user", "content": LOOP_TASK}]
+    messages = opening(LOOP_TASK)
     console.print(f"[bold]An agent that loops[/bold]  ({fmt.label}, streaming)")
     console.print(f"  [cyan]user[/cyan]       {LOOP_TASK}")
     saw_token = False
@@ -190,8 +186,7 @@ async def run_condensing_agent(proxy: Any, fmt: WireFormat, workdir: Path, conso
     (workdir / "test-output.log").write_text(failing_suite_log())
     proxy.scripted[next(iter(proxy.scripted))].queue(*CONDENSE_SCRIPT)
     session = f"demo-condense-{fmt.name}-{int(time.time())}"
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
-                                      {"role": "user", "content": CONDENSE_TASK}]
+    messages = opening(CONDENSE_TASK)
     console.print(f"[bold]An agent that reads a large tool output[/bold]  ({fmt.label}, streaming)")
     console.print(f"  [cyan]user[/cyan]       {CONDENSE_TASK}")
     async with httpx.AsyncClient(timeout=120) as client:
@@ -235,14 +230,11 @@ def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
     if not turn.tool_calls:
         return {"role": "assistant", "content": turn.text}
     return {"role": "assistant", "content": turn.text or None,
-            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json(c.arguments)}}
+            "tool_calls": [{"id": c.id, "type": "function",
+                            "function": {"name": c.name, "arguments": orjson.dumps(c.arguments).decode()}}
                            for c in turn.tool_calls]}
 
 
-def _json(value: Any) -> str:
-    import orjson
-
-    return orjson.dumps(value).decode()
 
 
 async def _demo(config: Config, formats: list[str], state_dir: Path, console: Console) -> None:

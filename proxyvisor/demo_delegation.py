@@ -24,7 +24,7 @@ import trio
 from rich.console import Console
 
 from .config import Config, ModelRoutingConfig, RoleConfig
-from .demo import agent_turn
+from .demo import agent_turn, opening
 from .proxy.formats import WireFormat
 from .proxy.service import running
 from .store import Store
@@ -79,9 +79,7 @@ async def run_delegating_agent(config: Config, store: Store, fmt: WireFormat, co
                 if child_step is not None:
                     child.queue(child_step)
                 console.print(f"  round {number} ({what})\n  [cyan]user[/cyan]       {TASK}")
-                messages = [{"role": "system", "content": "You are a careful coding agent."},
-                            {"role": "user", "content": TASK}]
-                turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, messages)
+                turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, opening(TASK))
                 calls = ", ".join(c.name for c in turn.tool_calls) or "none"
                 console.print(f"  [magenta]model[/magenta]      answers: {' '.join(turn.text.split())}  "
                               f"[dim](status {status}; tool calls the agent saw: {calls})[/dim]")

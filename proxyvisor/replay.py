@@ -134,13 +134,15 @@ def _summary(name: str, args: dict[str, Any], width: int = 70) -> str:
     return f"{name}: {text[:width] + '…' if len(text) > width else text}"
 
 
-async def _send(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: dict[str, Any],
-                stream: bool) -> tuple[int, AssistantTurn | None, str | None, float]:
+async def send_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: dict[str, Any],
+                    stream: bool) -> tuple[int, AssistantTurn | None, str | None, float]:
+    """POST ``body`` to ``url`` in ``fmt``, as an agent does; returns (the HTTP status, the assistant turn or None
+    on an error status, the error body or None, the proxy's overhead in ms from its header)."""
     async with client.stream("POST", url + fmt.path, json=body) as response:
         overhead = float(response.headers.get("x-proxyvisor-overhead-ms", "nan"))
         data = await response.aread()
         if response.status_code != 200:
-            return response.status_code, None, data.decode("utf-8", "replace")[:300], overhead
+            return response.status_code, None, data.decode("utf-8", "replace"), overhead
         if not stream:
             return 200, fmt.parse_response(json.loads(data)), None, overhead
         parser = SSEParser()
@@ -174,7 +176,8 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
                 scripted.queue(_step(expected))
                 body = fmt.request_from_chat(messages[:index], MODEL, stream, tools)
                 started = time.perf_counter()
-                status, got, failure, overhead = await _send(client, url, fmt, body, stream)
+                status, got, failure, overhead = await send_turn(client, url, fmt, body, stream)
+                failure = failure and failure[:300]
                 latency = (time.perf_counter() - started) * 1000
                 # With supervision on, the agent gets the text without the model's self-report token.
                 wanted = strip(expected.text)[0] if config.supervisor.enabled else expected.text

@@ -38,8 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .digest import Evidence
-from .verdict import GAPS, Gap, Verdict, same_gaps
-from .verdict import Malformed as MalformedAnswer
+from .verdict import GAPS, Gap, Malformed, Verdict, same_gaps
 
 NUDGE_BUDGET = 2
 DEFAULT_REENTRIES = 2
@@ -94,13 +93,6 @@ class Answered:
 
 
 @dataclass(frozen=True, slots=True)
-class Malformed:
-    """The verifier's answer broke the protocol (:class:`~.verdict.Malformed`)."""
-
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
 class Unavailable:
     """The verifier call failed (transport error, timeout, breaker open); ``reason`` is for the ledger."""
 
@@ -115,6 +107,7 @@ class Refuted:
 
 
 Event = Stop | Answered | Malformed | Unavailable | Refuted
+"""The events; :class:`~.verdict.Malformed` (the verifier's answer broke the protocol) is fed as it was parsed."""
 
 
 # Decisions (performed by the shell).
@@ -237,12 +230,11 @@ class TurnGate:
         if not kept:
             return self._passed()
         moved = self.previous_seq is not None and self.evidence.seq != self.previous_seq
+        notice = "verification gaps remain: " + "; ".join(g.text for g in kept)
         if moved and same_gaps(self.previous_gaps, kept):
-            return Deliver(FAILED, False, "the same gaps returned after new evidence", kept,
-                           notice="verification gaps remain: " + "; ".join(g.text for g in kept))
+            return Deliver(FAILED, False, "the same gaps returned after new evidence", kept, notice=notice)
         if self.reentries >= self.policy.reentry_budget:
-            return Deliver(UNVERIFIED, False, "verification gaps remain: re-entry budget spent", kept,
-                           notice="verification gaps remain: " + "; ".join(g.text for g in kept))
+            return Deliver(UNVERIFIED, False, "verification gaps remain: re-entry budget spent", kept, notice=notice)
         self.reentries += 1
         self.previous_gaps, self.previous_seq = kept, self.evidence.seq
         self.state = WORKING
@@ -258,6 +250,6 @@ TABLE = {
 """State -> event type -> handler: the only place transitions are decided."""
 
 
-def answer_event(parsed: Verdict | MalformedAnswer) -> Answered | Malformed:
+def answer_event(parsed: Verdict | Malformed) -> Answered | Malformed:
     """The event for a parsed verifier answer (:func:`~.verdict.parse`'s result)."""
-    return Answered(parsed) if isinstance(parsed, Verdict) else Malformed(parsed.error)
+    return Answered(parsed) if isinstance(parsed, Verdict) else parsed
