@@ -238,28 +238,29 @@ def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
 
 
 async def _demo(config: Config, formats: list[str], state_dir: Path, console: Console) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="proxyvisor-demo-project-"))
-    for name in ("README.md", "app.py", "test_app.py"):
-        (workdir / name).write_text(f"# {name}\n")
-    store = Store(state_dir)
-    async with running(config, port=0, store=store) as proxy:
-        console.print(f"proxyvisor is serving on {proxy.url}; upstream: the embedded scripted model "
-                      f"(no API key, no network)\n")
-        for name in formats:
-            session = f"demo-{name}-{int(time.time())}"
-            await run_agent(f"{proxy.url}/s/{session}", BY_NAME[name], workdir, console)
-            console.print()
-        if proxy.scripted and config.supervisor.enabled:
-            await run_looping_agent(proxy, BY_NAME[formats[0]], workdir, console)
-            console.print()
-            if proxy.pipeline.supervisor.condenser is not None:
-                await run_condensing_agent(proxy, BY_NAME[formats[0]], workdir, console)
+    with tempfile.TemporaryDirectory(prefix="proxyvisor-demo-project-") as scratch:
+        workdir = Path(scratch)
+        for name in ("README.md", "app.py", "test_app.py"):
+            (workdir / name).write_text(f"# {name}\n")
+        store = Store(state_dir)
+        async with running(config, port=0, store=store) as proxy:
+            console.print(f"proxyvisor is serving on {proxy.url}; upstream: the embedded scripted model "
+                          f"(no API key, no network)\n")
+            for name in formats:
+                session = f"demo-{name}-{int(time.time())}"
+                await run_agent(f"{proxy.url}/s/{session}", BY_NAME[name], workdir, console)
                 console.print()
-    if any(u.scripted for u in config.upstreams):
-        from .demo_delegation import run_delegating_agent  # it builds on this module
+            if proxy.scripted and config.supervisor.enabled:
+                await run_looping_agent(proxy, BY_NAME[formats[0]], workdir, console)
+                console.print()
+                if proxy.pipeline.supervisor.condenser is not None:
+                    await run_condensing_agent(proxy, BY_NAME[formats[0]], workdir, console)
+                    console.print()
+        if any(u.scripted for u in config.upstreams):
+            from .demo_delegation import run_delegating_agent  # it builds on this module
 
-        await run_delegating_agent(config, store, BY_NAME[formats[0]], console)
-        console.print()
+            await run_delegating_agent(config, store, BY_NAME[formats[0]], console)
+            console.print()
     table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
     for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms"):
         table.add_column(column, no_wrap=True)
