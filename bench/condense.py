@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import CondenseConfig, Config  # noqa: E402
-from proxyvisor.condense.model import with_condense  # noqa: E402
+from proxyvisor.supervisor_model import with_condense  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME  # noqa: E402
 from proxyvisor.proxy.formats.base import chat_text  # noqa: E402
 from proxyvisor.replay import load_trajectory, replay  # noqa: E402

@@ -126,11 +126,48 @@ class DetectorsConfig:
 
 
 @dataclass(frozen=True)
+class GateConfig:
+    """``[supervisor.gate]``: the verify-gate (seed 003 "Verify-gate"; ``proxyvisor.gate``).
+
+    Every response that ends a turn without tool calls is checked by one verifier call (``[supervisor.model]``)
+    before the agent gets it. ``reentry_budget``: times per turn the turn is continued upstream to close gaps
+    (0-8, issue 4). ``failure_policy``: ``fail_closed`` labels a turn whose verifier is unavailable not passed
+    (still delivered, labelled ``unverified``); ``fail_open`` passes it. ``headless``: the agent runs with no user
+    present (``proxyvisor batch`` sets it), so a turn ending ``exploring``/``progressing`` with no action gets a
+    continue nudge (at most 2). ``digest_budget_tokens``: the verifier input's bound (at least 1,024).
+    ``timeout_s``: seconds one verifier call may take before it counts as unavailable.
+    """
+
+    enabled: bool = True
+    reentry_budget: int = 2
+    failure_policy: str = "fail_closed"
+    headless: bool = False
+    digest_budget_tokens: int = 16384
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """``[supervisor.plan]``: the supervisor-owned plan (seed 003 "Adaptive external planning", "Recite").
+
+    ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: the
+    goal, the live plan and the user's prohibitions are recited near the request tail on every request.
+    ``timeout_s``: seconds one planner call may take (then the plan is left as it was).
+    """
+
+    enabled: bool = True
+    recite: bool = True
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     enabled: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     condense: CondenseConfig = field(default_factory=CondenseConfig)
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 COMPLEXITY = ("CLEAR", "COMPLICATED", "COMPLEX", "CHAOTIC")
@@ -319,7 +356,7 @@ def _table(value: Any, where: str) -> dict[str, Any]:
 
 def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]") -> None:
     """Check ``[supervisor.*]`` ranges. Raises ConfigError naming the key at fault."""
-    m, c = supervisor.model, supervisor.condense
+    m, c, g = supervisor.model, supervisor.condense, supervisor.gate
     checks = [
         (m.max_tokens >= 1, "model] max_tokens must be >= 1"),
         (0.0 <= m.temperature <= 2.0, "model] temperature must be 0-2"),
@@ -329,6 +366,12 @@ def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]
         (c.tokens_threshold >= 0, "condense] tokens_threshold must be >= 0 (0 = off)"),
         (c.view_budget_tokens >= 256, "condense] view_budget_tokens must be >= 256"),
         (c.timeout_s > 0, "condense] timeout_s must be > 0"),
+        (0 <= g.reentry_budget <= 8, "gate] reentry_budget must be 0-8"),
+        (g.failure_policy in ("fail_open", "fail_closed"), "gate] failure_policy must be \"fail_open\" or "
+                                                             "\"fail_closed\""),
+        (g.digest_budget_tokens >= 1024, "gate] digest_budget_tokens must be >= 1024"),
+        (g.timeout_s > 0, "gate] timeout_s must be > 0"),
+        (supervisor.plan.timeout_s > 0, "plan] timeout_s must be > 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .condense.model import with_condense
+from .supervisor_model import with_condense
 from .config import Config
 from .detectors.detectors import DESCRIPTIONS
 from .detectors.steer import note_text

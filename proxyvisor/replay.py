@@ -23,7 +23,7 @@ import httpx
 import trio
 
 from .adapters.scripted import ScriptedUpstream
-from .condense.model import Condenser, with_condense
+from .supervisor_model import ModelCall, with_condense
 from .config import Config, ConfigError
 from .detectors.selfreport import strip
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
@@ -152,9 +152,9 @@ async def send_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: 
 
 async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat, stream: bool = False,
                  session: str = "replay", store: Store | None = None,
-                 on_round: Callable[[Round], None] | None = None, condenser: Condenser | None = None) -> list[Round]:
+                 on_round: Callable[[Round], None] | None = None, model: ModelCall | None = None) -> list[Round]:
     """Replay ``messages`` through a proxy running ``config`` with a scripted upstream; returns the rounds.
-    ``condenser`` replaces the one ``[supervisor.model]`` describes (see ``proxyvisor.proxy.service.running``).
+    ``model`` replaces the one ``[supervisor.model]`` describes (see ``proxyvisor.proxy.service.running``).
 
     The first upstream must be scripted (it plays the recorded turns). Raises ConfigError otherwise.
     """
@@ -166,7 +166,7 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
     tools = tools_of(messages)
     rounds: list[Round] = []
     async with running(config, port=0, store=store, scripted={upstream.name: scripted},
-                       condenser=condenser) as proxy:
+                       model=model) as proxy:
         url = f"{proxy.url}/s/{session}"
         async with httpx.AsyncClient(timeout=120) as client:
             for index, message in enumerate(messages):
@@ -239,7 +239,7 @@ def _condensed(c: dict[str, Any]) -> str:
 def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool,
                    condense: bool = False) -> int:
     """The CLI entry: prints the timeline; exit 0 when every round came back intact, 1 otherwise, 2 on a bad
-    file. ``condense`` turns condensing on (``proxyvisor.condense.model.with_condense``)."""
+    file. ``condense`` turns condensing on (``proxyvisor.supervisor_model.with_condense``)."""
     try:
         messages = load_trajectory(path)
     except TrajectoryError as exc:

@@ -136,7 +136,7 @@ async def test_each_oversized_result_is_condensed_once_and_carried_identically(
         tmp_path: Path, fmt_name: str, stream: bool) -> None:
     fmt, condenser = BY_NAME[fmt_name], Scripted()
     async with running(Config(), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=condenser) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         sent = await drive(proxy, fmt, TRAJECTORY, "s1", stream)
         upstream = [body for _, body, _ in proxy.scripted["scripted"].requests]
         records = [r.condense for r in proxy.pipeline.sessions.get("s1").supervision.records]
@@ -167,7 +167,7 @@ async def test_decisions_outlive_a_restart_of_the_proxy(tmp_path: Path) -> None:
     condenser, bodies = Scripted(), []
     for messages in (TRAJECTORY[:5], TRAJECTORY):  # the second proxy gets the whole session again
         async with running(Config(), port=0, store=Store(tmp_path / "state"),
-                           scripted={"scripted": ScriptedUpstream()}, condenser=condenser) as proxy:
+                           scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
             await drive(proxy, CHAT, messages, "s1")
             bodies.append(proxy.scripted["scripted"].requests[-1][1])
     assert len(condenser.payloads) == 2  # call_a once (first proxy), call_c once (second proxy)
@@ -178,7 +178,7 @@ async def test_nothing_is_condensed_for_an_agent_that_cannot_read_a_file_back(tm
     condenser = Scripted()
     search = ToolSpec("web_search", {"type": "object", "properties": {"query": {"type": "string"}}})
     async with running(Config(), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=condenser) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         await drive(proxy, CHAT, TRAJECTORY[:5], "s1", tools=(search,))
         upstream = proxy.scripted["scripted"].requests
     assert condenser.payloads == [] and outputs(CHAT, upstream[-1][1])["call_a"] == BIG_A
@@ -217,7 +217,7 @@ async def test_structured_results_and_ambiguous_ids_fail_open(tmp_path: Path, fm
     duplicated = [*TRAJECTORY[:4], {"role": "assistant", "content": None, "tool_calls": [call("call_a", "bash")]},
                   {"role": "tool", "tool_call_id": "call_a", "content": BIG_C}]
     async with running(Config(), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=condenser) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         async with httpx.AsyncClient(timeout=30) as client:
             for n, body in enumerate([image_result(fmt), request(fmt, duplicated)]):
                 await send(client, f"{proxy.url}/s/s{n}", fmt, body, False)
@@ -238,7 +238,7 @@ async def test_a_condenser_timeout_leaves_the_round_whole_for_good(tmp_path: Pat
         raise AssertionError("unreachable")
 
     async with running(config_with(timeout_s=0.05), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=hangs) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=hangs) as proxy:
         with caplog.at_level(logging.WARNING, logger="proxyvisor.condense"):
             await drive(proxy, MESSAGES, TRAJECTORY, "s1", stream=True)
         upstream = proxy.scripted["scripted"].requests
@@ -253,7 +253,7 @@ async def test_a_condenser_timeout_leaves_the_round_whole_for_good(tmp_path: Pat
 async def test_a_result_the_proxy_first_sees_in_an_earlier_round_is_never_condensed(tmp_path: Path) -> None:
     condenser = Scripted()
     async with running(Config(), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=condenser) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         async with httpx.AsyncClient(timeout=30) as client:
             # The proxy's first request of this session already holds two rounds (a restart, a resumed session):
             # call_a may have gone upstream whole before, so only the latest round's call_c is a candidate.
@@ -268,7 +268,7 @@ async def test_a_result_the_proxy_first_sees_in_an_earlier_round_is_never_conden
 async def test_the_adaptive_threshold_is_learned_per_session(tmp_path: Path) -> None:
     mid = build_log(255, error_at=3)
     async with running(config_with(adaptive=True), port=0, store=Store(tmp_path / "state"),
-                       scripted={"scripted": ScriptedUpstream()}, condenser=Scripted()) as proxy:
+                       scripted={"scripted": ScriptedUpstream()}, model=Scripted()) as proxy:
         await drive(proxy, CHAT, TRAJECTORY[:5], "a")  # condensed with a large saving: session a lowers its bar
         engine = proxy.pipeline.supervisor.condenser.engine
         learned, fresh = engine.adaptive.for_session("a", 5000, ""), engine.adaptive.for_session("b", 5000, "")
@@ -302,7 +302,7 @@ def test_replace_tool_results_changes_only_the_named_texts(fmt_name: str) -> Non
 
 
 async def test_replay_shows_per_round_what_was_condensed(tmp_path: Path) -> None:
-    rounds = await replay(Config(), TRAJECTORY, RESPONSES, True, store=Store(tmp_path), condenser=Scripted())
+    rounds = await replay(Config(), TRAJECTORY, RESPONSES, True, store=Store(tmp_path), model=Scripted())
     assert all(r.matches for r in rounds)
     assert [[c["tool"] for c in r.condensed] for r in rounds] == [[], ["bash"], ["Read"], []]
     first = rounds[1].condensed[0]

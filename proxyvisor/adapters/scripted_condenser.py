@@ -1,6 +1,6 @@
 """The scripted upstream as a condenser: a fixed, deterministic answer to proxyvisor's own condenser requests.
 
-With ``[supervisor.model] api_base = "scripted:"`` the condenser call (``proxyvisor.condense.model``) goes to the
+With ``[supervisor.model] api_base = "scripted:"`` the condenser call (``proxyvisor.supervisor_model``) goes to the
 embedded scripted upstream, which recognises it by its system prompt (``proxyvisor.condense.protocol``) and
 answers it without taking a script step. For every result it answers ``extract`` with the first :data:`HEAD` and
 last :data:`TAIL` lines it was shown, plus every shown line that mentions a focus term of the round's intent or

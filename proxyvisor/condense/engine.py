@@ -31,7 +31,7 @@ import trio
 from ..config import CondenseConfig
 from .adaptive import AdaptiveThresholds
 from .decisions import Decision, DecisionCache, decision_key
-from .model import Condenser
+from ..supervisor_model import ModelCall
 from .protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
 from .reconstruct import Narrowed, narrow
 from .signals import focus_terms
@@ -101,7 +101,7 @@ class CondenseEngine:
     offline tool). ``spill`` names and writes spill files. ``model_name`` resets adaptive state when it changes.
     """
 
-    def __init__(self, settings: CondenseConfig, condenser: Condenser | None, *, spill: SpillStore,
+    def __init__(self, settings: CondenseConfig, condenser: ModelCall | None, *, spill: SpillStore,
                  cache: DecisionCache | None = None, model_name: str = "") -> None:
         self.settings = settings
         self.condenser = condenser

@@ -18,7 +18,7 @@ import trio
 
 from ..config import Config
 from .engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
-from .model import litellm_condenser
+from ..supervisor_model import litellm_model
 from .protocol import TaskContext
 from .signals import diagnostic_lines
 from .spill import SpillStore
@@ -64,7 +64,7 @@ def condense_command(config: Config, file: str, task: str, budget: int | None, a
     report: RoundReport | None = None
     model = config.supervisor.model
     if candidate and model.name:
-        engine = CondenseEngine(dataclasses.replace(settings, view_budget_tokens=budget), litellm_condenser(model),
+        engine = CondenseEngine(dataclasses.replace(settings, view_budget_tokens=budget), litellm_model(model),
                                 spill=_FileIsSpill(path), model_name=model.name)
         report = trio.run(engine.run_round, "offline", [result], context)
     decision = report.decisions.get("offline") if report else None

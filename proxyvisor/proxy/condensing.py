@@ -32,7 +32,7 @@ import orjson
 
 from ..condense import CondenseEngine, Decision, DecisionCache, SpillStore, TaskContext, ToolResult
 from ..condense.engine import MIN_THRESHOLD
-from ..condense.model import Condenser
+from ..supervisor_model import ModelCall
 from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
 from .formats.transcript import Message
@@ -165,7 +165,7 @@ class RequestCondenser:
 
 
 def request_condenser(settings: SupervisorConfig, state_dir: Path | None,
-                      condenser: Condenser | None) -> RequestCondenser | None:
+                      condenser: ModelCall | None) -> RequestCondenser | None:
     """The request condenser of a proxy: spill files in ``{state_dir}/spill``, decisions in
     ``{state_dir}/condense``. None (condensing off) without a ``condenser``, without a state directory (nothing
     may be written) or with ``[supervisor.condense] enabled = false``."""

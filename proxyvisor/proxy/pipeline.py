@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 import trio
 
-from ..condense.model import Condenser
+from ..supervisor_model import ModelCall
 from ..config import Config
 from ..store import Store
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
@@ -75,11 +75,11 @@ class Pipeline:
 
     ``relays`` maps each configured upstream's name to its :class:`HttpRelay`. ``store`` is None when nothing
     may be written. ``translator`` serves formats no upstream speaks (see ``proxyvisor.proxy.translate``).
-    ``condenser`` is the supervisor model's condenser call (``proxyvisor.condense.model``; None: no condensing).
+    ``model`` is the supervisor model call (``proxyvisor.supervisor_model``; None: no condensing, no verifier).
     """
 
     def __init__(self, config: Config, relays: dict[str, HttpRelay], store: Store | None,
-                 translator: Any = None, clock: Any = time.monotonic, condenser: Condenser | None = None) -> None:
+                 translator: Any = None, clock: Any = time.monotonic, model: ModelCall | None = None) -> None:
         self.config = config
         self.relays = relays
         self.store = store
@@ -87,7 +87,8 @@ class Pipeline:
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
-            config.supervisor, store.root if store is not None else None, condenser))
+            config.supervisor, store.root if store is not None else None, model))
+        self.model = model
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
             if config.supervisor.enabled and config.model_routing.enabled else None

@@ -17,7 +17,7 @@ import trio
 
 from ..adapters import litellm_bridge
 from ..adapters.scripted import ScriptedUpstream, load_script
-from ..condense.model import Condenser, configured_condenser
+from ..supervisor_model import ModelCall, configured_model
 from ..config import Config, ConfigError
 from ..store import Store
 from .pipeline import Pipeline
@@ -81,12 +81,12 @@ def limits_of(config: Config) -> Limits:
 @asynccontextmanager
 async def running(config: Config, port: int | None = None, store: Store | None = None,
                   scripted: dict[str, ScriptedUpstream] | None = None,
-                  condenser: Condenser | None = None) -> AsyncIterator[RunningProxy]:
+                  model: ModelCall | None = None) -> AsyncIterator[RunningProxy]:
     """Serve ``config`` until the block exits; yields the :class:`RunningProxy`.
 
     ``port`` overrides ``[proxy] port`` (0 = a free port). ``store`` overrides the state directory (by default
     the configured one, and none at all when supervision is disabled, so nothing can be written). ``scripted``
-    supplies ready-made scripted upstreams by name (tests queue steps on them). ``condenser`` replaces the one
+    supplies ready-made scripted upstreams by name (tests queue steps on them). ``model`` (the supervisor model call: condenser, verifier, planner) replaces the one
     ``[supervisor.model]`` describes (``api_base = "scripted:"`` is the first scripted upstream).
 
     Raises:
@@ -114,9 +114,9 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
             urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
         relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
-        if condenser is None:
-            condenser = configured_condenser(config.supervisor.model, next(iter(urls.values()), None))
-            if condenser is not None and config.supervisor.enabled:
+        if model is None:
+            model = configured_model(config.supervisor.model, next(iter(urls.values()), None))
+            if model is not None and config.supervisor.enabled:
                 # litellm takes seconds to import: now, rather than inside the first request that condenses.
                 nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
                                                      abandon_on_cancel=True))
@@ -125,7 +125,7 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             from .translate import Translator
 
             translator = Translator(relays)
-        pipeline = Pipeline(config, relays, store, translator, condenser=condenser)
+        pipeline = Pipeline(config, relays, store, translator, model=model)
         pipeline.background = nursery
         host = config.proxy.host
         listeners = await open_listeners(host, config.proxy.port if port is None else port)

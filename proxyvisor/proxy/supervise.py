@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from ..config import SupervisorConfig
+from ..supervisor_model import usage_of
 from ..detectors.detectors import HistoryTracker
 from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
@@ -110,16 +111,44 @@ class Thread:
 
 
 @dataclass
+class ModelUse:
+    """The supervisor model's calls in one session: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
+    ``plan``), their tokens and cost in USD (litellm's cost map; ``proxyvisor.supervisor_model.usage_of``)."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+
+    def record(self, purpose: str, answer: str | None) -> None:
+        """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed)."""
+        self.calls[purpose] += 1
+        if answer is not None:
+            tokens_in, tokens_out, cost = usage_of(answer)
+            self.input_tokens += tokens_in
+            self.output_tokens += tokens_out
+            self.cost_usd += cost
+
+
+@dataclass
 class SessionSupervision:
     """Supervision state of one session (``Session.supervision``): its threads, recent request records and
-    counters: ``reports`` by outcome status (``ok``, ``missing``, ``malformed``), ``signals`` fired and ``notes``
-    added, by signal."""
+    counters: ``reports`` by outcome status (``ok``, ``missing``, ``malformed``) and ``states`` by self-report
+    state, ``signals`` fired and ``notes`` added, by signal; ``gate`` events (``runs``, ``passes``, ``gaps``,
+    ``nudges``, ``reentries``, ``refuted``, ``format_retries``, ``unavailable``) and turn ``outcomes``
+    (``verified``, ``unknown``, ``failed``, ``unverified``); ``condensed`` (``results``, ``saved_tokens``); the
+    supervisor ``model``'s calls."""
 
     threads: OrderedDict[bytes, Thread] = field(default_factory=OrderedDict)
     records: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=RECORDS))
     reports: Counter[str] = field(default_factory=Counter)
+    states: Counter[str] = field(default_factory=Counter)
     signals: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
+    gate: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    condensed: Counter[str] = field(default_factory=Counter)
+    model: ModelUse = field(default_factory=ModelUse)
 
     def thread(self, key: bytes, mutating_tools: frozenset[str]) -> Thread:
         thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools))
@@ -272,6 +301,8 @@ class Exchange:
         self.record.report = result
         self.state.reports[result.status] += 1
         self.thread.state = result.report.state if result.report is not None else None
+        if self.thread.state is not None:
+            self.state.states[self.thread.state] += 1
 
     def reply(self, reply: UpstreamReply) -> UpstreamReply:
         """``reply`` with the self-report stripped from its assistant text (an error reply, or one in an
