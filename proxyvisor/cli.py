@@ -50,6 +50,26 @@ def _supervision_flags(parser: argparse.ArgumentParser) -> None:
                        help="enable supervision (overrides [supervisor] enabled)")
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
 def _session_id(value: str) -> str:
     from .proxy.sessions import SESSION_ID
 
@@ -75,10 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
             examples:
               proxyvisor demo                      an example agent through the proxy, no API key needed
               proxyvisor wrap -- claude -p "fix the failing test"
+              proxyvisor batch tasks.jsonl --agent 'claude -p {prompt}'
+                                                   run each task, verified, and report the outcomes
               proxyvisor serve --port 8377         then point ANTHROPIC_BASE_URL / OPENAI_BASE_URL at it
               proxyvisor replay trajectory.jsonl   replay a recorded agent session through the pipeline
               proxyvisor condense build.log --task "why did it fail?"
                                                    what the model would see of a large tool output
+              proxyvisor info                      the latest session's counters (the agent can send /info)
 
             Run 'proxyvisor COMMAND --help' for a command's options.
             """) + "\n" + _FILES)
@@ -96,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
               POST /v1/responses              OpenAI Responses
               POST /v1/messages/count_tokens  GET /v1/models
               POST /proxyvisor/delegate       run one child for a role ([model_routing] enabled)
+              GET  /proxyvisor/sessions       sessions; .../sessions/ID/info and .../ID/plan as JSON
               HEAD /   GET /healthz           liveness, no authentication
 
             Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:8377 (no /v1) or
@@ -142,9 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
             the three wire formats, streaming, and show what passed through: the requests, the tool call the
             model made, the tool result the agent sent back, the final answer, the proxy's overhead and the
             session ledger. Then an agent that loops: the model's self-report (hidden from the agent), the
-            loop detector firing, and the steer note that ends the loop. Then a model that delegates review
-            work to a child role (the proxy runs the child and continues the turn), and the child's pool
-            cooling down on a 429 and recovering through its half-open probe. Needs no API key and no network.
+            loop detector firing, and the steer note that ends the loop. Then a large tool output condensed
+            for the model. Then a premature "done" (a fix claimed without running the tests) held by the
+            verify-gate, the turn reworked until the tests pass and verified, and /info answered by proxyvisor
+            itself. Then a model that delegates review work to a child role (the proxy runs the child and
+            continues the turn), and the child's pool cooling down on a 429 and recovering through its
+            half-open probe. Needs no API key and no network.
             """), epilog=_FILES)
     demo.add_argument("--format", choices=["chat", "messages", "responses", "all"], default="all",
                       help="which wire format(s) to show (default: %(default)s)")
@@ -218,9 +245,92 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print one JSON object: sizes, threshold, the view (text, visible_ranges, tokens), "
                                "diagnostic line numbers and, with a model, the decision")
     _common(condense)
+    batch = commands.add_parser(
+        "batch", help="run a file of agent tasks, each verified by the gate, and report the outcomes",
+        formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            Run an agent once per task of TASKS.jsonl, each run through its own proxied session with the
+            verify-gate on and headless (no user: a turn that stops while still in progress is nudged on), and
+            write a report of each task's outcome. One proxy serves every task on a free loopback port; the
+            agent gets ANTHROPIC_BASE_URL, OPENAI_BASE_URL and OPENAI_API_BASE pointing at its session, as with
+            'proxyvisor wrap' (and Codex its -c overrides). Supervision is on whatever the configuration says.
+
+            task file: JSON lines, one object per task (blank lines skipped):
+              {"id": "fix-calc", "prompt": "Fix add() in calc.py and run its test."}
+              id         required; 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit, unique: it names
+                         the task's session (ID-RANDOM), log files and --workdir-template folder
+              prompt     required; the task text
+              workdir    optional; the folder to run this task's agent in (created if missing; relative to
+                         the task file's folder)
+              timeout_s  optional; seconds for this task (overrides --timeout)
+              env        optional; {"NAME": "value"} added to this task's agent environment
+            Any other key, a line that is not a JSON object, or a repeated id is an error naming the line,
+            reported before any task runs.
+
+            agent command: --agent is one command line. Its placeholders are replaced by the task's values,
+            shell-quoted: {prompt}, {id}, {workdir}, {session}; the line is then split into words as a POSIX
+            shell would and run directly, not through a shell (so do not quote the placeholders yourself).
+            The agent also gets PROXYVISOR_TASK_ID, PROXYVISOR_PROMPT, PROXYVISOR_URL and PROXYVISOR_SESSION in
+            its environment: for pipes and redirections use sh -c '... "$PROXYVISOR_PROMPT" ...'. Each agent
+            runs in its working directory (the task's workdir, else --workdir-template, else a fresh folder
+            under the temporary directory, kept afterwards), with stdin empty and in its own process group.
+            Past its timeout, or on Ctrl-C / SIGTERM, the group gets SIGTERM, then SIGKILL 5 s later (at once on
+            a second Ctrl-C); whatever an agent leaves running in its group is killed when it exits.
+
+            outcome of a task: the label the gate gave the last turn of its session that ended with a verdict:
+              verified     the state changed and a recognised check ran after it, and the verifier passed it
+              unknown      the verifier passed it on reading alone (no change, e.g. a question answered)
+              failed       the same gaps came back after new evidence
+              unverified   the re-entry budget was spent with gaps left, or the verifier was unavailable
+              no_verdict   no turn ended with a verdict: the agent crashed, timed out or was stopped before
+                           its answer, or made no model request offering it tools (only those are gated)
+            The gate needs [supervisor.model] name; without one every turn ends unverified. With
+            api_base = "scripted:" the embedded scripted upstream answers as a fixed-policy verifier (offline).
+
+            report files (--report PREFIX; default batch-YYYYMMDD-HHMMSS in the current folder):
+              PREFIX.jsonl   one JSON object per task that started, in task-file order: id, session, outcome,
+                             exit_code, error, seconds, gate_rounds (verifier passes), gaps, reentries, nudges,
+                             detector_fires, steers, requests, input_tokens, output_tokens, cost_usd (upstream
+                             plus supervisor model), cost_known, workdir, stdout, stderr
+              PREFIX.md      the same as a Markdown table with totals, and each task's session and files
+              PREFIX-logs/   ID.stdout and ID.stderr of every agent
+            The session ledgers stay in the state directory (ledger/SESSION.jsonl): 'proxyvisor info SESSION'.
+            A progress bar (tasks done, verified, running) and one line per finished task go to stderr.
+
+            exit status: 0 every task's agent exited 0 (with --require-verified: and every task is verified);
+            1 some agent exited non-zero, timed out or could not start (with --require-verified: or some task is
+            not verified, i.e. not outcome verified with exit 0); 2 bad usage, task file or configuration
+            (nothing ran); 130 interrupted by Ctrl-C, 143 by SIGTERM (the report covers the tasks that started).
+            """),
+        epilog=textwrap.dedent("""\
+            examples:
+              proxyvisor batch tasks.jsonl --agent 'claude -p {prompt} --allowedTools Bash' --parallel 4
+              proxyvisor batch tasks.jsonl --agent 'codex exec --skip-git-repo-check {prompt}' \\
+                  --workdir-template 'runs/{id}' --require-verified --report reports/nightly
+              proxyvisor batch examples/batch/tasks.jsonl --config examples/batch/config.toml \\
+                  --agent 'python -m proxyvisor.example_agent {prompt}'     offline: the scripted model
+            """) + "\n" + _FILES)
+    batch.add_argument("tasks", metavar="TASKS.jsonl", help="the task file (see 'task file' above)")
+    batch.add_argument("--agent", required=True, metavar="CMD",
+                       help="the agent command line, with {prompt} (see 'agent command' above)")
+    batch.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
+                       help="tasks to run at once (default: %(default)s)")
+    batch.add_argument("--timeout", type=_positive_float, default=1800.0, metavar="S",
+                       help="seconds each task's agent may run (default: %(default)g); a task's timeout_s wins")
+    batch.add_argument("--workdir-template", metavar="DIR",
+                       help="each task's working directory, with {id}, e.g. 'runs/{id}' (created if missing; "
+                            "default: a fresh temporary folder per task, kept)")
+    batch.add_argument("--require-verified", action="store_true",
+                       help="exit 1 unless every task's outcome is verified and its agent exited 0")
+    batch.add_argument("--report", metavar="PREFIX",
+                       help="write PREFIX.jsonl, PREFIX.md and PREFIX-logs/ (default: batch-YYYYMMDD-HHMMSS)")
+    _common(batch)
     from .routing_cli import register as register_routing
 
     register_routing(commands, _common, _Formatter)  # supervision, delegate, health: each sets a handler
+    from .info_cli import register as register_info
+
+    register_info(commands, _common, _Formatter)  # info, plan: each sets a handler
     return parser
 
 
@@ -274,7 +384,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = _config(args)
-    if args.command in ("wrap", "demo"):
+    if args.command in ("wrap", "demo", "batch"):
         # Their proxy is private to this process and its child: loopback only, so no token is needed (the agent
         # could not send one anyway).
         config = config.with_overrides(proxy={"host": "127.0.0.1", "auth_token": ""})
@@ -303,6 +413,15 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .replay import replay_command
 
         return replay_command(config, args.file, args.format, args.stream, args.json, args.condense)
+    if args.command == "batch":
+        from .batch import BatchError, Options, batch_command
+
+        options = Options(args.agent, args.parallel, args.timeout, args.workdir_template)
+        try:
+            return batch_command(config, args.tasks, options, args.require_verified, args.report)
+        except BatchError as exc:
+            print(f"proxyvisor: {exc}", file=sys.stderr)
+            return 2
     if args.command == "condense":
         from .condense.offline import condense_command
 

@@ -150,8 +150,10 @@ class GateConfig:
 class PlanConfig:
     """``[supervisor.plan]``: the supervisor-owned plan (seed 003 "Adaptive external planning", "Recite").
 
-    ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: the
-    goal, the live plan and the user's prohibitions are recited near the request tail on every request.
+    ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: a block
+    near the request tail re-anchors the model on every request that has something to recite: the live plan, the
+    user's prohibitions once the request stating them is no longer the last message, and the goal once the agent
+    compacted its history (reference section 4, "Recitation"; ``proxyvisor.proxy.planning``).
     ``timeout_s``: seconds one planner call may take (then the plan is left as it was).
     """
 

@@ -8,20 +8,31 @@ tool call, the tool result, the final answer, the proxy's overhead per request, 
 Then the same agent gets stuck: the scripted model keeps checking a build status that never changes, ending
 each turn with its self-report. The demo shows the self-report the proxy read (and removed: the agent never
 sees it), the loop detector firing on the third identical round, the steer note the proxy added to the next
-request, and the model answering that note by handing back instead of polling on.
+request, and the model answering that note by handing back instead of polling on: it asks the user whether to
+restart the build, so the verify-gate lets the hand-back through (the remaining work needs the user).
 
 Last, the agent reads a test log of about 2,000 lines. The proxy condenses the model's copy of it (the agent's
 own copy is untouched): the demo shows the tokens before and after, the spill file holding the full original,
 and the narrowed text the model got, whose kept lines are the log's own. With no ``[supervisor.model]``
 configured, the embedded scripted upstream is the condenser (``proxyvisor.adapters.scripted_condenser``).
 
+Then the verify-gate (``proxyvisor.demo_gate``): asked to fix a bug, the model edits ``app.py`` and claims
+"done" without running the tests; the gate holds that answer, the verifier finds the gap, the turn is continued
+upstream with an advisory, the model runs the tests and its second "done" is verified. The agent never receives
+the premature answer. Its ``/info`` is answered by proxyvisor itself, and the session's ledger shows the gate's
+outcome per request. With no ``[supervisor.model]`` configured, the scripted upstream is the verifier
+(``proxyvisor.adapters.scripted_verifier``).
+
 Then delegation (``proxyvisor.demo_delegation``): the model hands review work to a child role, and a child's
-rate limit cools its pool until the half-open probe brings it back.
+rate limit cools its pool until the half-open probe brings it back. The closing table lists every request of
+every session with the gate's label.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .supervisor_model import with_condense
+from .adapters import litellm_bridge
 from .config import Config
 from .detectors.detectors import DESCRIPTIONS
 from .detectors.steer import note_text
@@ -42,6 +53,7 @@ from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.service import running
 from .replay import send_turn
 from .store import Store
+from .supervisor_model import with_model
 
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]})
 TASK = "What files are in the project folder?"
@@ -54,9 +66,12 @@ def opening(task: str) -> list[dict[str, Any]]:
 
 
 def run_tool(command: str, cwd: Path) -> str:
-    """Run the model's shell command in ``cwd`` (10 s limit) and return its combined output with the exit code."""
+    """Run the model's shell command in ``cwd`` (10 s limit) and return its combined output with the exit code.
+    The Python running proxyvisor comes first on ``PATH``, so ``python`` works where only ``python3`` exists."""
+    path = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
     try:
-        done = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=10,
+                              env={**os.environ, "PATH": path, "PYTHONDONTWRITEBYTECODE": "1"})
     except subprocess.TimeoutExpired:
         return "command timed out after 10 s"
     return f"{done.stdout}{done.stderr}exit code {done.returncode}"
@@ -87,7 +102,7 @@ async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, 
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
                 console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
                 call_msgs.append({"role": "tool", "tool_call_id": call.id, "content": output})
-            messages.append(_assistant_message(turn))
+            messages.append(assistant_message(turn))
             messages += call_msgs
             if not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {turn.text} {note}")
@@ -104,7 +119,7 @@ LOOP_SCRIPT = [
              + _REPORT % ("progressing", "wait for the build to finish", '"check build.status"'),
      "tool_calls": [{"name": "bash", "arguments": {"command": "cat build.status"}}], "until": LOOP_MARK},
     {"text": "build.status has not changed in three checks, so polling again will not help: the build looks "
-             "stuck at 3 of 7 modules. I am handing this back rather than waiting on.\n"
+             "stuck at 3 of 7 modules. I am handing this back rather than waiting on: should I restart it?\n"
              + _REPORT % ("blocked", "the build is stuck at 3 of 7 modules", "null")},
 ]
 
@@ -140,8 +155,11 @@ async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console:
                 return
             if not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {turn.text.strip()}{state}")
+                if record.gate and record.gate.get("outcome"):
+                    console.print(f"  [red]supervisor[/red] verify-gate: {record.gate['reason']} "
+                                  f"(outcome {record.gate['outcome']})")
                 break
-            messages.append(_assistant_message(turn))
+            messages.append(assistant_message(turn))
             for call in turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      round {number}: calls {call.name}({call.arguments})"
                               f"{state}")
@@ -198,7 +216,7 @@ async def run_condensing_agent(proxy: Any, fmt: WireFormat, workdir: Path, conso
             if status != 200 or not turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      answers: {_visible(turn.text)}")
                 return
-            messages.append(_assistant_message(turn))
+            messages.append(assistant_message(turn))
             for call in turn.tool_calls:
                 console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments})")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
@@ -225,7 +243,7 @@ def _visible(text: str) -> str:
     return text.split("<sup>")[0].strip()
 
 
-def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
+def assistant_message(turn: AssistantTurn) -> dict[str, Any]:
     """``turn`` as the Chat Completions assistant message that carries it on in the next request's history."""
     if not turn.tool_calls:
         return {"role": "assistant", "content": turn.text}
@@ -246,6 +264,10 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
         async with running(config, port=0, store=store) as proxy:
             console.print(f"proxyvisor is serving on {proxy.url}; upstream: the embedded scripted model "
                           f"(no API key, no network)\n")
+            if proxy.pipeline.model is not None:
+                # The supervisor model goes through litellm, whose import takes seconds: done now, it does not
+                # show up as the first gated turn's latency.
+                await trio.to_thread.run_sync(litellm_bridge.import_litellm)
             for name in formats:
                 session = f"demo-{name}-{int(time.time())}"
                 await run_agent(f"{proxy.url}/s/{session}", BY_NAME[name], workdir, console)
@@ -256,19 +278,32 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
                 if proxy.pipeline.supervisor.condenser is not None:
                     await run_condensing_agent(proxy, BY_NAME[formats[0]], workdir, console)
                     console.print()
+                if proxy.pipeline.model is not None and config.supervisor.gate.enabled:
+                    from .demo_gate import run_gated_agent  # it builds on this module
+
+                    await run_gated_agent(proxy, BY_NAME[formats[0]], workdir, console)
+                    console.print()
         if any(u.scripted for u in config.upstreams):
             from .demo_delegation import run_delegating_agent  # it builds on this module
 
             await run_delegating_agent(config, store, BY_NAME[formats[0]], console)
             console.print()
     table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
-    for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms"):
+    for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms", "gate"):
         table.add_column(column, no_wrap=True)
     for session in store.sessions():
         for r in store.read_ledger(session):
             table.add_row(r["format"], str(r["status"]), f"{r['input_tokens']}/{r['output_tokens']}",
-                          f"{r['latency_ms']:.2f}", f"{r['overhead_ms']:.2f}")
+                          f"{r['latency_ms']:.2f}", f"{r['overhead_ms']:.2f}", _gate_label(r))
     console.print(table)
+
+
+def _gate_label(line: dict[str, Any]) -> str:
+    """What the verify-gate did for a ledger line: the turn's outcome label, a re-entry, or nothing."""
+    gate = line.get("gate") or {}
+    if gate.get("outcome"):
+        return gate["outcome"]
+    return "re-entered" if gate.get("reentries") else ""
 
 
 def demo(config: Config, which: str = "all", console: Console | None = None) -> int:
@@ -277,7 +312,7 @@ def demo(config: Config, which: str = "all", console: Console | None = None) -> 
     console = console or Console()
     formats = ["chat", "messages", "responses"] if which == "all" else [which]
     state_dir = Path(config.state.dir) if config.state.dir else Path(tempfile.mkdtemp(prefix="proxyvisor-demo-"))
-    if config.supervisor.condense.enabled:
-        config = with_condense(config)
+    if config.supervisor.condense.enabled or config.supervisor.gate.enabled:
+        config = with_model(config)  # the condenser's and verifier's: the scripted policies unless configured
     trio.run(_demo, config, formats, state_dir, console)
     return 0

@@ -14,7 +14,12 @@ from .proxy.service import running, tune_gc
 async def _serve(config: Config) -> None:
     async with running(config) as proxy:
         upstreams = ", ".join(f"{u.name} ({u.url}, {'/'.join(u.formats)})" for u in config.upstreams)
-        mode = "supervision on" if config.supervisor.enabled else "supervision off: byte relay, nothing written"
+        mode = "supervision off: byte relay, nothing written"
+        if config.supervisor.enabled:
+            gate = config.supervisor.gate
+            mode = "supervision on; verify-gate " + (
+                "off" if not gate.enabled else f"on ({gate.failure_policy})" if proxy.pipeline.model is not None
+                else "idle: no [supervisor.model] name")
         print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:

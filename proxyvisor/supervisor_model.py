@@ -8,7 +8,7 @@ timeout) cancels the litellm call.
 
 ``api_base = "scripted:"`` points the model at the embedded scripted upstream (no key, no network), which answers
 condenser, verifier and planner requests with fixed policies (``proxyvisor.adapters.scripted_condenser``,
-``proxyvisor.adapters.scripted_supervisor``): the demo, ``proxyvisor replay --condense`` and the tests use it.
+``proxyvisor.adapters.scripted_verifier``, ``proxyvisor.adapters.scripted_planner``): the demo, ``proxyvisor replay --condense`` and the tests use it.
 """
 
 from __future__ import annotations

@@ -31,6 +31,15 @@ def agent_env(proxy_url: str, session: str, base: dict[str, str] | None = None) 
     return env
 
 
+def agent_invocation(proxy_url: str, session: str, cmd: list[str],
+                     base: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``cmd`` as session ``session`` of the proxy at ``proxy_url``: the
+    base-URL variables of :func:`agent_env` (over ``base``, default ours), and for a CLI that ignores them the
+    arguments of :func:`proxyvisor.agents.agent_command`. Used by ``wrap`` and ``batch``."""
+    env = agent_env(proxy_url, session, base)
+    return agent_command(cmd, env["OPENAI_BASE_URL"], env), env
+
+
 def summary(proxy: RunningProxy, session: str) -> str:
     s = proxy.pipeline.sessions.get(session)
     if s is None:
@@ -42,8 +51,7 @@ def summary(proxy: RunningProxy, session: str) -> str:
 
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
-        env = agent_env(proxy.url, session)
-        cmd = agent_command(cmd, env["OPENAI_BASE_URL"], env)
+        cmd, env = agent_invocation(proxy.url, session, cmd)
         async with trio.open_nursery() as nursery:
             try:
                 process = await nursery.start(lambda task_status: trio.run_process(
@@ -82,4 +90,4 @@ def wrap(config: Config, cmd: list[str], session: str | None = None, quiet: bool
     return trio.run(_wrap, config, cmd, session, quiet)
 
 
-__all__ = ["agent_env", "wrap"]
+__all__ = ["agent_env", "agent_invocation", "wrap"]

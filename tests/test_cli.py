@@ -110,8 +110,14 @@ def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> 
     assert text.count("answers: Done: I ran the tool and read its output.") == 3
     ledgers = [p for p in (tmp_path / "ledger").glob("*.jsonl") if not p.name.startswith(("demo-loop-",
                                                                                           "demo-condense-",
+                                                                                          "demo-gate-",
                                                                                           "demo-delegate-"))]
     assert len(ledgers) == 3 and all(len(p.read_text().splitlines()) == 2 for p in ledgers)
+    # Each of those turns ends at an answer the verify-gate passed on reading alone (nothing was changed).
+    assert [json.loads(p.read_text().splitlines()[-1])["gate"]["outcome"] for p in ledgers] == ["unknown"] * 3
+    # The gate scene runs once, in the first format, and the closing table labels its verified turn.
+    assert text.count('the agent never received the premature "done"') == 1
+    assert re.search(r"│ chat +│ 200 +│ [\d/]+ +│ [\d.]+ +│ [\d.]+ +│ verified +│", text)
     # The large log is condensed for the model by the scripted condenser (no key), its original spilled.
     condensed = re.search(r"condensed the bash result for the model: ([\d,]+) -> ([\d,]+) tokens", text)
     assert condensed and int(condensed[2].replace(",", "")) * 10 < int(condensed[1].replace(",", ""))

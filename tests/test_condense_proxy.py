@@ -20,7 +20,7 @@ from proxyvisor.cli import main
 from proxyvisor.condense.engine import ToolResult, prepare_items
 from proxyvisor.condense.protocol import TaskContext, build_messages
 from proxyvisor.condense.text import count_tokens
-from proxyvisor.config import CondenseConfig, Config, ModelConfig
+from proxyvisor.config import CondenseConfig, Config, GateConfig, ModelConfig
 from proxyvisor.proxy.condensing import can_read_back
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES, ToolSpec, WireFormat
 from proxyvisor.proxy.service import running
@@ -31,6 +31,8 @@ from proxyvisor.store import Store
 FORMATS = ("chat", "messages", "responses")
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}})
 READ = ToolSpec("Read", {"type": "object", "properties": {"file_path": {"type": "string"}}})
+NO_GATE = Config().with_overrides(supervisor={"gate": GateConfig(enabled=False)})
+"""These tests count condenser calls; the verify-gate (which would use the same model) is tested elsewhere."""
 
 
 def build_log(lines: int = 1500, *, error_at: int = 700, tag: str = "module") -> str:
@@ -84,7 +86,7 @@ def request(fmt: WireFormat, messages: list[dict[str, Any]], stream: bool = Fals
 
 
 def config_with(**condense: Any) -> Config:
-    return Config().with_overrides(supervisor={"condense": CondenseConfig(**condense)})
+    return NO_GATE.with_overrides(supervisor={"condense": CondenseConfig(**condense)})
 
 
 async def send(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: dict[str, Any], stream: bool) -> Any:
@@ -135,7 +137,7 @@ def pairing(fmt: WireFormat, body: dict[str, Any] | bytes) -> list[tuple[str, li
 async def test_each_oversized_result_is_condensed_once_and_carried_identically(
         tmp_path: Path, fmt_name: str, stream: bool) -> None:
     fmt, condenser = BY_NAME[fmt_name], Scripted()
-    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+    async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         sent = await drive(proxy, fmt, TRAJECTORY, "s1", stream)
         upstream = [body for _, body, _ in proxy.scripted["scripted"].requests]
@@ -166,7 +168,7 @@ async def test_each_oversized_result_is_condensed_once_and_carried_identically(
 async def test_decisions_outlive_a_restart_of_the_proxy(tmp_path: Path) -> None:
     condenser, bodies = Scripted(), []
     for messages in (TRAJECTORY[:5], TRAJECTORY):  # the second proxy gets the whole session again
-        async with running(Config(), port=0, store=Store(tmp_path / "state"),
+        async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                            scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
             await drive(proxy, CHAT, messages, "s1")
             bodies.append(proxy.scripted["scripted"].requests[-1][1])
@@ -177,7 +179,7 @@ async def test_decisions_outlive_a_restart_of_the_proxy(tmp_path: Path) -> None:
 async def test_nothing_is_condensed_for_an_agent_that_cannot_read_a_file_back(tmp_path: Path) -> None:
     condenser = Scripted()
     search = ToolSpec("web_search", {"type": "object", "properties": {"query": {"type": "string"}}})
-    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+    async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         await drive(proxy, CHAT, TRAJECTORY[:5], "s1", tools=(search,))
         upstream = proxy.scripted["scripted"].requests
@@ -216,7 +218,7 @@ async def test_structured_results_and_ambiguous_ids_fail_open(tmp_path: Path, fm
     fmt, condenser = BY_NAME[fmt_name], Scripted()
     duplicated = [*TRAJECTORY[:4], {"role": "assistant", "content": None, "tool_calls": [call("call_a", "bash")]},
                   {"role": "tool", "tool_call_id": "call_a", "content": BIG_C}]
-    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+    async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         async with httpx.AsyncClient(timeout=30) as client:
             for n, body in enumerate([image_result(fmt), request(fmt, duplicated)]):
@@ -252,7 +254,7 @@ async def test_a_condenser_timeout_leaves_the_round_whole_for_good(tmp_path: Pat
 
 async def test_a_result_the_proxy_first_sees_in_an_earlier_round_is_never_condensed(tmp_path: Path) -> None:
     condenser = Scripted()
-    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+    async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         async with httpx.AsyncClient(timeout=30) as client:
             # The proxy's first request of this session already holds two rounds (a restart, a resumed session):
@@ -302,7 +304,7 @@ def test_replace_tool_results_changes_only_the_named_texts(fmt_name: str) -> Non
 
 
 async def test_replay_shows_per_round_what_was_condensed(tmp_path: Path) -> None:
-    rounds = await replay(Config(), TRAJECTORY, RESPONSES, True, store=Store(tmp_path), model=Scripted())
+    rounds = await replay(NO_GATE, TRAJECTORY, RESPONSES, True, store=Store(tmp_path), model=Scripted())
     assert all(r.matches for r in rounds)
     assert [[c["tool"] for c in r.condensed] for r in rounds] == [[], ["bash"], ["Read"], []]
     first = rounds[1].condensed[0]

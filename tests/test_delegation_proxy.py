@@ -23,7 +23,7 @@ from proxyvisor.config import Config, SupervisorConfig, UpstreamConfig
 from proxyvisor.demo_delegation import run_delegating_agent
 from proxyvisor.proxy import continuation
 from proxyvisor.proxy.delegation import ROUNDS
-from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
 from proxyvisor.proxy.formats.transcript import fingerprint
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sessions import Session
@@ -339,7 +339,7 @@ async def test_a_stream_waiting_on_a_child_gets_keepalives_and_then_the_answer(
             with trio.fail_after(10):
                 async for chunk in r.aiter_raw():
                     got += chunk
-                    if continuation.KEEPALIVE in got and not gated.release.is_set():
+                    if CHAT.keepalive in got and not gated.release.is_set():
                         gated.release.set()  # the child answers only after the agent saw a keep-alive
     events = json_events(got)
     assert events[-1] == (None, "[DONE]")

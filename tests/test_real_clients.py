@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from proxyvisor.gate import plan as plans
+from proxyvisor.proxy.info import render_text, summarize
 
 pytestmark = pytest.mark.real_client
 
@@ -121,23 +125,33 @@ class Workspace:
         return sorted(str(p.relative_to(self.state)) for p in self.state.rglob("*"))
 
 
-def wrap(ws: Workspace, cmd: list[str], env: dict[str, str], *wrap_args: str) -> Run:
-    """Run ``python -m proxyvisor wrap --state-dir ... WRAP_ARGS -- CMD`` in ``ws.work``; fails on a hang.
+def proxyvisor(ws: Workspace, args: list[str], env: dict[str, str], timeout_s: float = TIMEOUT_S) -> Run:
+    """Run ``python -m proxyvisor ARGS`` in ``ws.work`` with ``env`` added; fails on a hang.
 
-    The run gets its own process group, so a timeout kills the agent too, not only ``wrap``.
+    The run gets its own process group, so a timeout kills ``wrap``'s agent too; ``batch`` runs each agent in a
+    group of its own, so it first gets SIGTERM, on which it stops them.
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)} | env
-    argv = [sys.executable, "-m", "proxyvisor", "wrap", "--state-dir", str(ws.state), *wrap_args, "--", *cmd]
-    proc = subprocess.Popen(argv, cwd=ws.work, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "proxyvisor", *args], cwd=ws.work, env=full_env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd[0]} through proxyvisor wrap did not finish in {TIMEOUT_S} s\n"
+        pytest.fail(f"proxyvisor {args[0]} did not finish in {timeout_s} s\n"
                     f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
     return Run(proc.returncode, stdout, stderr)
+
+
+def wrap(ws: Workspace, cmd: list[str], env: dict[str, str], *wrap_args: str) -> Run:
+    """Run ``python -m proxyvisor wrap --state-dir ... WRAP_ARGS -- CMD`` (:func:`proxyvisor`)."""
+    return proxyvisor(ws, ["wrap", "--state-dir", str(ws.state), *wrap_args, "--", *cmd], env)
 
 
 def check_ledger(ws: Workspace, session: str, fmt: str) -> None:
@@ -155,14 +169,17 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 # --- Claude Code -----------------------------------------------------------------------------------------------
 
+def claude_env(ws: Workspace) -> dict[str, str]:
+    return {"CLAUDE_CONFIG_DIR": str(ws.home), "ANTHROPIC_API_KEY": "dummy", "DISABLE_TELEMETRY": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
 def claude_run(ws: Workspace, output_format: str, *wrap_args: str) -> Run:
     cmd = [find_agent("claude"), "-p", "List the files in the current directory.", "--model", MODEL,
            "--output-format", output_format]
     if output_format == "stream-json":
         cmd.append("--verbose")  # required by -p with stream-json; adds the tool call and result events
-    env = {"CLAUDE_CONFIG_DIR": str(ws.home), "ANTHROPIC_API_KEY": "dummy", "DISABLE_TELEMETRY": "1",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
-    return wrap(ws, cmd, env, *wrap_args)
+    return wrap(ws, cmd, claude_env(ws), *wrap_args)
 
 
 def test_claude_code_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> None:
@@ -190,6 +207,74 @@ def test_claude_code_through_wrap_without_supervision_writes_nothing(tmp_path: P
     assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, DONE), result
     assert result["num_turns"] == 2, result
     assert ws.files() == []
+
+
+def test_claude_code_gets_proxyvisors_answer_to_info_and_plan(tmp_path: Path) -> None:
+    """Three headless runs in one proxied session: a tool-call turn, then ``/info``, then ``/plan``.
+
+    Claude Code runs a prompt that starts with ``/`` as its own slash command, without any request
+    (``-p /info`` prints "Unknown command: /info", ``-p /plan`` "/plan isn't available in this environment"; so
+    does ``/info`` on stdin); with a leading space the text reaches the API verbatim, in the prompt's own text
+    block after a ``<system-reminder>`` block, and proxyvisor answers it."""
+    ws, session = Workspace.make(tmp_path), "claude-commands-test"
+    claude = [find_agent("claude"), "--model", MODEL, "--output-format", "json", "-p"]
+    runs = " && ".join(shlex.join(claude + [prompt])
+                       for prompt in ("List the files in the current directory.", " /info", " /plan"))
+    run = wrap(ws, ["sh", "-c", runs], claude_env(ws), "--session", session)
+    assert run.returncode == 0, run
+    work, info, plan = (json.loads(line) for line in run.stdout.splitlines())
+    assert work["result"] == DONE, work
+    lines = ws.ledger(session)
+    assert [line.get("local") for line in lines] == [None, None, "/info", "/plan"], lines
+    expected = {"session": session, **summarize(lines[:2])}
+    assert (info["subtype"], info["is_error"], info["num_turns"]) == ("success", False, 1), info
+    assert info["result"] == render_text(expected), info["result"]
+    assert "| model requests   | 2 (tool rounds 1, errors 0) |" in info["result"]
+    assert (plan["subtype"], plan["result"]) == ("success", plans.NO_PLAN), plan
+
+
+def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Path) -> None:
+    """``proxyvisor batch`` runs ``claude -p`` once per task, in parallel, each in its own session with the gate
+    on (streams held until the verdict). The scripted model follows one script per task, picked by the marker in
+    the task's prompt; the scripted verifier gives the outcomes."""
+    ws = Workspace.make(tmp_path)
+
+    def bash(command: str) -> list[dict[str, Any]]:
+        return [{"name": "Bash", "arguments": {"command": command, "description": "run it"}}]
+
+    write = "printf 'def add(a, b):\\n    return a + b\\n' > calc.py"
+    check = "python3 -c 'import calc; assert calc.add(2, 3) == 5'"
+    finals = {"edit": "calc.py has add(); its check passed.", "rework": "calc.py has add(); checked now.",
+              "question": "Idempotent: twice has the same effect as once."}
+    steps = [{"tool_calls": bash(write)}, {"tool_calls": bash(check)}, {"text": finals["edit"]},  # edit
+             {"tool_calls": bash(write)}, {"text": "Done."}, {"tool_calls": bash(check)}, {"text": finals["rework"]},
+             {"text": finals["question"]}]
+    markers = ["edit"] * 3 + ["rework"] * 4 + ["question"]
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": f"[task:{m}]", **step}) + "\n" for m, step in zip(markers, steps)))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n'
+                      '[supervisor.model]\nname = "scripted-model"\napi_base = "scripted:"\n')
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": m, "prompt": f"{text} [task:{m}]"}) + "\n" for m, text in (
+        ("edit", "Write calc.py with add(a, b) and check it."), ("rework", "Write calc.py with add(a, b)."),
+        ("question", "What does idempotent mean?"))))
+    agent = (f"{shlex.quote(find_agent('claude'))} -p {{prompt}} --model {MODEL} --output-format json "
+             "--allowedTools Bash")
+    run = proxyvisor(ws, ["batch", str(tasks), "--config", str(config), "--agent", agent, "--parallel", "3",
+                          "--state-dir", str(ws.state), "--workdir-template", str(ws.work / "{id}"),
+                          "--report", str(tmp_path / "report")], claude_env(ws))
+    assert run.returncode == 0, run
+    report = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["outcome"], r["exit_code"], r["reentries"]) for r in report] == [
+        ("edit", "verified", 0, 0), ("rework", "verified", 0, 1), ("question", "unknown", 0, 0)], report
+    for r in report:
+        result = json.loads(Path(r["stdout"]).read_text())
+        assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, finals[r["id"]]), result
+        lines = ws.ledger(r["session"])
+        assert len(lines) == r["requests"] and {line["format"] for line in lines} == {"messages"}, lines
+        assert all(line.get("stream") for line in lines if line.get("gate")), lines  # Claude Code streams
+    assert (ws.work / "edit" / "calc.py").is_file() and (ws.work / "rework" / "calc.py").is_file()
 
 
 # --- Codex -----------------------------------------------------------------------------------------------------

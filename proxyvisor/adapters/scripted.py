@@ -22,9 +22,18 @@ A step is a JSON object, one of:
 - ``{"condense": {"results": [...]}}``: the answer to the next condenser call (below), queued apart from the
   turns, so it never answers an agent's request.
 
+Any turn or fault step may carry ``"marker": "[task:fix-calc]"``: it then belongs to the script of the
+conversations whose requests contain that text (matched against the raw JSON body like ``until``, so ASCII text
+without quotes or backslashes), played in order apart from the unmarked steps. A request containing a marker
+(the first one queued that it contains) takes that marker's next step, or, once they are used up, an auto-mode
+answer, never an unmarked step. So conversations running in parallel (``proxyvisor batch`` tasks, each prompt
+carrying its own marker) each follow their own script.
+
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
-the next ``condense`` step, or, with none queued, the answer of a fixed policy (:mod:`.scripted_condenser`). So
-``[supervisor.model] api_base = "scripted:"`` is a condenser with no key and no network.
+the next ``condense`` step, or, with none queued, the answer of a fixed policy (:mod:`.scripted_condenser`). The
+verify-gate's verifier and refuter calls, and the planner's, likewise get a fixed policy's answer
+(:mod:`.scripted_verifier`, :mod:`.scripted_planner`). So
+``[supervisor.model] api_base = "scripted:"`` is a supervisor model with no key and no network.
 
 A script file holds a JSON list of steps, or JSON lines. ``POST /_scripted/queue`` with a list of steps appends
 them while the server runs (used by tests that drive real agent CLIs).
@@ -36,7 +45,7 @@ import dataclasses
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +55,7 @@ import trio
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
 from ..proxy.server import AbortConnection, Request, Response
-from . import scripted_condenser
+from . import scripted_condenser, scripted_planner, scripted_verifier
 
 log = logging.getLogger("proxyvisor.scripted")
 
@@ -65,15 +74,17 @@ def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
     """Validate one script step (see the module docstring). Raises ScriptError."""
     if not isinstance(step, dict):
         raise ScriptError(f"{where}: a step must be a JSON object, got {type(step).__name__}")
-    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until", "condense"}
+    unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until", "condense",
+                           "marker"}
     if unknown:
         raise ScriptError(f"{where}: unknown key(s) {sorted(unknown)}")
     if "condense" in step and (len(step) > 1 or not isinstance(step["condense"], dict)):
         raise ScriptError(f"{where}: a 'condense' step is one answer object and nothing else")
     if "fault" in step and not isinstance(step["fault"], dict):
         raise ScriptError(f"{where}: 'fault' must be an object")
-    if "until" in step and (not isinstance(step["until"], str) or not step["until"]):
-        raise ScriptError(f"{where}: 'until' must be a non-empty string")
+    for key in ("until", "marker"):
+        if key in step and (not isinstance(step[key], str) or not step[key]):
+            raise ScriptError(f"{where}: '{key}' must be a non-empty string")
     for call in step.get("tool_calls") or ():
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ScriptError(f"{where}: each tool call needs a 'name'")
@@ -134,23 +145,32 @@ class ScriptedUpstream:
     """An HTTP handler that plays a script; serve it with :func:`proxyvisor.proxy.server.serve_listeners`.
 
     ``chunk_delay_ms`` spaces SSE events (ms) for realistic streaming. ``requests`` records each model request
-    body as received (bytes), for tests, and ``condenser_requests`` each condenser call's body.
+    body as received (bytes), for tests, ``condenser_requests`` each condenser call's body and
+    ``supervisor_requests`` each other supervisor model call's (verifier, refuter, planner).
     """
 
     def __init__(self, steps: list[dict[str, Any]] | None = None, chunk_delay_ms: float = 0.0,
                  record: bool = True) -> None:
         self.steps: deque[dict[str, Any]] = deque()
         self.condense_steps: deque[dict[str, Any]] = deque()
+        self.marked: dict[str, deque[dict[str, Any]]] = {}
+        """Each marker's own script (module docstring), in the order the markers were first queued."""
         self.queue(*steps or ())
         self.chunk_delay_s = chunk_delay_ms / 1000
         self.record = record
         self.requests: list[tuple[str, bytes, dict[str, str]]] = []
         self.condenser_requests: list[bytes] = []
+        self.supervisor_requests: list[bytes] = []
         self.responses: list[bytes] = []
 
     def queue(self, *steps: dict[str, Any]) -> None:
         for step in map(parse_step, steps):
-            (self.condense_steps if "condense" in step else self.steps).append(step)
+            if "condense" in step:
+                self.condense_steps.append(step)
+            elif "marker" in step:
+                self.marked.setdefault(step["marker"], deque()).append(step)
+            else:
+                self.steps.append(step)
 
     async def __call__(self, request: Request) -> Response:
         path = request.path
@@ -180,6 +200,9 @@ class ScriptedUpstream:
             return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
         if scripted_condenser.is_condenser_request(fmt, body):
             return self._condense(fmt, body, request.body)
+        for policy in _POLICIES:
+            if policy.is_request(fmt, body):
+                return self._supervisor_answer(fmt, body, policy.answer, self.supervisor_requests, request.body)
         if self.record:
             self.requests.append((request.target, request.body,
                                   {k.decode(): v.decode("latin-1") for k, v in request.headers}))
@@ -187,7 +210,7 @@ class ScriptedUpstream:
         fault = (step or {}).get("fault") or {}
         if fault.get("first_byte_delay_s"):
             await trio.sleep(float(fault["first_byte_delay_s"]))
-            step = self.steps.popleft() if self.steps else None
+            step = self._next_step(request.body)
             fault = (step or {}).get("fault") or {}
         if "status" in fault:
             status = int(fault["status"])
@@ -228,25 +251,35 @@ class ScriptedUpstream:
         return Response(200, _SSE, self._play(events))
 
     def _condense(self, fmt: WireFormat, body: dict[str, Any], raw: bytes) -> Response:
-        if self.record:
-            self.condenser_requests.append(raw)
-        try:
-            text = (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
+        def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
+            return (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
                     else scripted_condenser.answer(fmt, body))
+
+        return self._supervisor_answer(fmt, body, answer, self.condenser_requests, raw)
+
+    def _supervisor_answer(self, fmt: WireFormat, body: dict[str, Any],
+                           answer: Callable[[WireFormat, dict[str, Any]], str], record: list[bytes],
+                           raw: bytes) -> Response:
+        """A JSON answer to one of proxyvisor's own supervisor model calls; ``raw`` is recorded in ``record``."""
+        if self.record:
+            record.append(raw)
+        try:
+            text = answer(fmt, body)
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
-        turn = AssistantTurn(text)
-        model = _model(body)
-        return Response(200, _JSON, orjson.dumps(fmt.render(turn, model)))
+        turn = AssistantTurn(text, input_tokens=max(1, len(raw) // 4))  # the estimate agent requests get
+        return Response(200, _JSON, orjson.dumps(fmt.render(turn, _model(body))))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:
-        """The step for a request with ``body``: the first queued one, which an ``until`` step stays until
-        ``body`` contains its text."""
-        while self.steps and "until" in self.steps[0]:
-            if self.steps[0]["until"].encode() not in body:
-                return self.steps[0]
-            self.steps.popleft()
-        return self.steps.popleft() if self.steps else None
+        """The step for a request with ``body``: the first one queued on the script it plays (that of the first
+        marker it contains, else the unmarked steps), which an ``until`` step stays until ``body`` contains its
+        text."""
+        steps = next((s for marker, s in self.marked.items() if marker.encode() in body), self.steps)
+        while steps and "until" in steps[0]:
+            if steps[0]["until"].encode() not in body:
+                return steps[0]
+            steps.popleft()
+        return steps.popleft() if steps else None
 
     async def _play(self, events: list[bytes], stall_at: int = -1, stall_s: float = 0.0) -> AsyncIterator[bytes]:
         for i, event in enumerate(events):
@@ -255,6 +288,11 @@ class ScriptedUpstream:
             if self.chunk_delay_s and i:
                 await trio.sleep(self.chunk_delay_s)
             yield event
+
+
+_POLICIES = (scripted_verifier, scripted_planner)
+"""Fixed answers to proxyvisor's own supervisor model calls other than the condenser's (each module has
+``is_request(fmt, body)`` and ``answer(fmt, body)``)."""
 
 
 def _model(body: dict[str, Any]) -> str:

@@ -177,6 +177,8 @@ class HistoryTracker:
         self.reader = RoundReader(self.mutating_tools)
         self.detectors = Detectors()
         self.fed = 0
+        self.turn_start: int | None = None
+        """History position of the latest genuine user turn (None before the first)."""
         self._first: bytes | None = None
         self._last: bytes | None = None
 
@@ -206,6 +208,7 @@ class HistoryTracker:
                 update.last = event
                 if isinstance(event, UserTurn):
                     self.detectors.user_turn()
+                    self.turn_start = event.index
                     continue
                 update.rounds.append(event)
                 signals = self.detectors.observe(event)

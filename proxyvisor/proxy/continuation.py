@@ -22,7 +22,7 @@ mechanism, in three parts:
   :mod:`proxyvisor.proxy.supervise`), which re-inserts it at the same place in later requests, and the upstream
   prefix stays byte-stable for provider prompt caches.
 
-While ``step`` runs on a stream (a child can take minutes), the client gets an SSE comment every
+While ``step`` runs on a stream (a child can take minutes), the client gets a keep-alive every
 :data:`KEEPALIVE_S` seconds so its read timeout does not fire. ``step`` then runs in ``background``, a nursery
 that outlives one iteration of the stream (an async generator must not yield inside a nursery of its own), and
 is cancelled as soon as the stream is closed, e.g. when the client goes away. Without ``background`` it runs
@@ -58,8 +58,7 @@ Step = Callable[[dict[str, Any]], Awaitable[list[Any]]]
 to continue with: the response's own items (held calls only), then the calls' results."""
 
 KEEPALIVE_S = 10.0
-KEEPALIVE = b": proxyvisor is running part of this turn\n\n"
-"""An SSE comment: every SSE client skips it, and it resets the client's read timeout."""
+"""Seconds between keep-alives (``WireFormat.keepalive``) on a stream held while proxyvisor works."""
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -74,13 +73,13 @@ class Continuation:
     """One turn that proxyvisor may continue upstream (module docstring).
 
     ``body``: the upstream body as first sent (not modified). ``hold(name)``: whether a tool call is proxyvisor's
-    to run. ``rounds``: how many times the turn may be continued; a reply still holding a held call after that is
+    to run, and ``step`` runs it (None when nothing is held: then only :meth:`send` is used). ``rounds``: how many times the turn may be continued; a reply still holding a held call after that is
     answered with an error (502), never passed on (the agent does not have those tools). ``remember`` is given
     :attr:`items` each time they grow, before they are sent.
     """
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], resend: Resend, hold: Callable[[str], bool],
-                 step: Step, rounds: int = 4, background: trio.Nursery | None = None,
+                 step: Step | None = None, rounds: int = 4, background: trio.Nursery | None = None,
                  remember: Callable[[list[Any]], None] | None = None) -> None:
         self.fmt = fmt
         self.body = body
@@ -124,6 +123,7 @@ class Continuation:
                 "proxyvisor stopped the turn rather than pass those calls to the agent")
 
     async def _step(self, response: dict[str, Any]) -> list[Any]:
+        assert self.step is not None, "a held call needs a step"
         started = time.perf_counter()
         try:
             return await self.step(response)
@@ -255,8 +255,8 @@ class ContinuedStream:
                         with trio.move_on_after(KEEPALIVE_S):
                             await job.done.wait()
                         if not job.done.is_set():
-                            self.last_chunk = KEEPALIVE
-                            yield KEEPALIVE
+                            self.last_chunk = c.fmt.keepalive
+                            yield c.fmt.keepalive
                     if job.error is not None:
                         log.error("continuing a turn failed", exc_info=job.error)
                     items = job.items

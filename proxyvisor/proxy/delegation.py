@@ -159,8 +159,9 @@ class DelegationTurn:
     def continuation(self, resend: Resend, background: trio.Nursery | None = None) -> Continuation:
         """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls,
         and what it sends beyond the agent's history is re-inserted into later requests (``Exchange.remember``)."""
-        return Continuation(self.fmt, self.exchange.body, resend, self.names.__contains__, self.step, ROUNDS,
-                            background, self.exchange.remember)
+        self.exchange.continuation = Continuation(self.fmt, self.exchange.body, resend, self.names.__contains__,
+                                                  self.step, ROUNDS, background, self.exchange.remember)
+        return self.exchange.continuation
 
     async def step(self, response: dict[str, Any]) -> list[Any]:
         """Run every delegation call of ``response`` (in parallel, one budget) and return the items that carry

@@ -9,6 +9,9 @@ Two paths (DESIGN.md, principles 3 and 4):
   client's format), usage is read from the reply, and one ledger line is written per request. With
   ``[model_routing] enabled`` too, the model is offered delegation tools and the turn may be continued upstream
   after the children ran (``proxyvisor.proxy.delegation``); ``POST /proxyvisor/delegate`` runs one child.
+  A request whose last user message is ``/plan`` or ``/info`` is answered by proxyvisor itself, and earlier such
+  exchanges are kept from the upstream (``proxyvisor.proxy.commands``, which also serves
+  ``GET /proxyvisor/sessions...``).
 
 A failure inside proxyvisor's own code never becomes a lost response: the handler turns it into a 500 in the
 client's format and logs the reason.
@@ -35,8 +38,11 @@ from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstr
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
+from . import commands
+from .info import ledger_fields
 from .continuation import Resend
 from .delegation import ProxyDelegation
+from .gating import Gating, eligible
 from .supervise import Exchange, Supervisor
 from .sse import SSEParser, at_event_end
 
@@ -87,7 +93,7 @@ class Pipeline:
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
-            config.supervisor, store.root if store is not None else None, model))
+            config.supervisor, store.root if store is not None else None, model), model)
         self.model = model
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
@@ -163,9 +169,12 @@ class Pipeline:
             if bad := self._check_body(request, fmt):
                 return bad
             return await self.delegation.endpoint(request)
+        if path.startswith("/proxyvisor/sessions"):
+            return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock())
         return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "
                                "/v1/chat/completions, /v1/messages, /v1/responses, /v1/messages/count_tokens, "
-                               "/proxyvisor/delegate, GET /v1/models and /healthz")
+                               "/proxyvisor/delegate, GET /v1/models, /proxyvisor/sessions[/{id}/info|plan] "
+                               "and /healthz")
 
     def _target(self, request: Request, path: str) -> str:
         return path + ("?" + request.query if request.query else "")
@@ -211,12 +220,24 @@ class Pipeline:
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else None
+        if session is not None:
+            if command := commands.command_of(fmt, body):
+                return await self._command(request, fmt, body, session, command)
+            commands.strip_exchanges(fmt, body)
         exchange = await self._supervise(session, fmt, body, request.header("traceparent"))
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
             return await self._translate(request, fmt, upstream, body, session, exchange)
         return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+
+    async def _command(self, request: Request, fmt: WireFormat, body: dict[str, Any], session: Session,
+                       command: str) -> Response:
+        """Answer ``/plan`` or ``/info`` without the model (``proxyvisor.proxy.commands``); one ledger line."""
+        response = await commands.answer(command, fmt, body, session, self.store, self.clock())
+        self._account(session, fmt, body, request, 200, Usage(0, 0), time.perf_counter() - request.received_at,
+                      local=command)
+        return response
 
     async def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any],
                          traceparent: str | None = None) -> Exchange | None:
@@ -260,8 +281,11 @@ class Pipeline:
             raise
         if exchange is not None:
             target = self._target(request, path)
-            reply = exchange.reply(await self._continued(
-                exchange, reply, lambda new: relay.send("POST", target, headers, orjson.dumps(new))))
+
+            async def resend(new: dict[str, Any]) -> UpstreamReply:
+                return await relay.send("POST", target, headers, orjson.dumps(new))
+
+            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply, resend), resend))
         return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
@@ -275,8 +299,10 @@ class Pipeline:
             self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
             raise
         if exchange is not None:
-            reply = exchange.reply(await self._continued(
-                exchange, reply, lambda new: self.translator.send(fmt, upstream, new, request.headers)))
+            async def resend(new: dict[str, Any]) -> UpstreamReply:
+                return await self.translator.send(fmt, upstream, new, request.headers)
+
+            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply, resend), resend))
         return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _continued(self, exchange: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
@@ -285,6 +311,16 @@ class Pipeline:
         if exchange.delegation is None:
             return reply
         return await exchange.delegation.continuation(resend, self.background).reply(reply)
+
+    async def _gated(self, exchange: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
+        """``reply``, or, when it ends the agent's turn, what the verify-gate makes of it
+        (``proxyvisor.proxy.gating``)."""
+        gate = self.config.supervisor.gate
+        if not eligible(exchange, self.model, gate):
+            return reply
+        assert self.model is not None
+        return await Gating(exchange, gate, self.model, resend, self.supervisor.mutating_tools,
+                            self.background).reply(reply)
 
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                  session: Session | None, exchange: Exchange | None = None) -> Response:
@@ -343,17 +379,20 @@ class Pipeline:
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                  status: int, usage: Usage, overhead_s: float, failure: str | None = None,
-                 exchange: Exchange | None = None) -> None:
-        """Count the request in its session and write its ledger line (with the delegations it ran, if any)."""
+                 exchange: Exchange | None = None, local: str | None = None) -> None:
+        """Count the request in its session and write its ledger line: with the delegations it ran and what
+        supervision did (``proxyvisor.proxy.info.ledger_fields``), or, for ``local``, the command proxyvisor
+        answered itself (``proxyvisor.proxy.commands``; not counted as a model request)."""
         if session is None:
             return
-        session.requests += 1
-        session.formats.add(fmt.name)
-        session.input_tokens += usage.input_tokens or 0
-        session.output_tokens += usage.output_tokens or 0
-        session.overhead_ms += overhead_s * 1000
-        if status >= 400:
-            session.errors += 1
+        if local is None:
+            session.requests += 1
+            session.formats.add(fmt.name)
+            session.input_tokens += usage.input_tokens or 0
+            session.output_tokens += usage.output_tokens or 0
+            session.overhead_ms += overhead_s * 1000
+            if status >= 400:
+                session.errors += 1
         if self.store is None:
             return
         record = {
@@ -371,6 +410,12 @@ class Pipeline:
             record["error"] = failure
         if exchange is not None and exchange.delegation is not None and exchange.delegation.results:
             record["delegations"] = exchange.delegation.results
+        if local is not None:
+            record["local"] = local
+        elif exchange is not None:
+            record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail[2] == "tool"))
+        elif body is not None:
+            record["tool_round"] = fmt.ends_with_tool_result(body)
         try:
             self.store.append_ledger(session.id, record)
         except OSError as exc:

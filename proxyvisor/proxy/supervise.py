@@ -12,7 +12,8 @@ this runs). For each request, :meth:`Supervisor.begin` returns an :class:`Exchan
    caches), then the self-report instruction appended to the end of the system prompt. Steps that need I/O run next, in
    :meth:`Exchange.before_forward`, on the same parsed body, before :meth:`Exchange.upstream_body` serialises it:
    condensing oversized tool results (``proxyvisor.proxy.condensing``; its candidates and context are read in
-   ``begin``, from the agent's history as sent);
+   ``begin``, from the agent's history as sent), then the planner call for a pending plan signal and the
+   recitation of the plan at the request tail (``proxyvisor.proxy.planning``);
 2. **on the reply** (:meth:`Exchange.reply`): the self-report token is stripped from the assistant text, in a
    JSON body or a stream, and parsed from the model's output; missing and malformed reports are counted, never
    fatal. Before it, when the request was offered delegation tools (``Exchange.delegation``), the pipeline lets
@@ -36,15 +37,17 @@ from typing import Any
 import orjson
 
 from ..config import SupervisorConfig
-from ..supervisor_model import usage_of
+from ..supervisor_model import ModelCall, usage_of
 from ..detectors.detectors import HistoryTracker
 from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
+from ..gate.plan import Plan
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
 from .formats.transcript import fingerprint
+from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session
 from .streamedit import EditedStream
@@ -84,35 +87,8 @@ class Delegated:
 
 
 @dataclass
-class RequestRecord:
-    """What supervision did for one request: the detector ``firings`` its history completed, as
-    (history position of the round, signals); the ``note`` added (its signal) and where; whether the thread was
-    ``rebuilt``; what condensing did (``condense``; None when it had nothing to do); and, once the reply is
-    through, the self-report ``report`` (None until then, or when the reply was an error or cut short)."""
-
-    firings: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
-    note: str | None = None
-    note_index: int | None = None
-    rebuilt: bool = False
-    report: ReportOutcome | None = None
-    condense: CondenseRecord | None = None
-
-
-@dataclass
-class Thread:
-    """One agent history's supervision state."""
-
-    tracker: HistoryTracker
-    policy: SteerPolicy = field(default_factory=SteerPolicy)
-    notes: list[Note] = field(default_factory=list)
-    delegated: list[Delegated] = field(default_factory=list)
-    state: str | None = None
-    """The state of the latest self-report (None: the last response had no valid report)."""
-
-
-@dataclass
 class ModelUse:
-    """The supervisor model's calls in one session: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
+    """The supervisor model's calls for one request: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
     ``plan``), their tokens and cost in USD (litellm's cost map; ``proxyvisor.supervisor_model.usage_of``)."""
 
     calls: Counter[str] = field(default_factory=Counter)
@@ -131,24 +107,58 @@ class ModelUse:
 
 
 @dataclass
+class RequestRecord:
+    """What supervision did for one request: the detector ``firings`` its history completed, as
+    (history position of the round, signals); the ``note`` added (its signal) and where; whether the thread was
+    ``rebuilt``; what condensing did (``condense``; None when it had nothing to do); the supervisor ``model``
+    calls made for it; what the verify-gate did (``gate``, a ledger object, ``proxyvisor.proxy.gating``; None
+    when it did not run); and, once the reply is through, the self-report ``report`` (None until then, or when
+    the reply was an error or cut short)."""
+
+    firings: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+    note: str | None = None
+    note_index: int | None = None
+    rebuilt: bool = False
+    report: ReportOutcome | None = None
+    condense: CondenseRecord | None = None
+    model: ModelUse = field(default_factory=ModelUse)
+    gate: dict[str, Any] | None = None
+
+
+@dataclass
+class Thread:
+    """One agent history's supervision state."""
+
+    tracker: HistoryTracker
+    policy: SteerPolicy = field(default_factory=SteerPolicy)
+    notes: list[Note] = field(default_factory=list)
+    delegated: list[Delegated] = field(default_factory=list)
+    state: str | None = None
+    """The state of the latest self-report (None: the last response had no valid report)."""
+    carry: tuple[str, ...] = ()
+    """The ``carry`` items of the latest valid self-report: what /plan shows as retained critical knowledge
+    (a response without a valid report keeps them)."""
+    gate_turn: Any = None
+    """The current turn's verify-gate (``proxyvisor.proxy.gating.GateTurn``), once one of its stops was judged."""
+    plan: Plan | None = None
+    """The supervisor-owned plan (``proxyvisor.gate.plan``; ``proxyvisor.proxy.planning``), None without one."""
+    plan_signal: str | None = None
+    """The self-report's plan signal waiting for the planner (``request``, ``phase_complete``, ``reassess``)."""
+    planning: PlanningState = field(default_factory=PlanningState)
+    """The rest of the plan's bookkeeping: the goal, the request latch, the phase's evidence window."""
+
+
+@dataclass
 class SessionSupervision:
     """Supervision state of one session (``Session.supervision``): its threads, recent request records and
-    counters: ``reports`` by outcome status (``ok``, ``missing``, ``malformed``) and ``states`` by self-report
-    state, ``signals`` fired and ``notes`` added, by signal; ``gate`` events (``runs``, ``passes``, ``gaps``,
-    ``nudges``, ``reentries``, ``refuted``, ``format_retries``, ``unavailable``) and turn ``outcomes``
-    (``verified``, ``unknown``, ``failed``, ``unverified``); ``condensed`` (``results``, ``saved_tokens``); the
-    supervisor ``model``'s calls."""
+    counters: ``reports`` by outcome status (``ok``, ``missing``, ``malformed``), ``signals`` fired and ``notes``
+    added, by signal. (What /info shows is summed from the ledger, ``proxyvisor.proxy.info``.)"""
 
     threads: OrderedDict[bytes, Thread] = field(default_factory=OrderedDict)
     records: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=RECORDS))
     reports: Counter[str] = field(default_factory=Counter)
-    states: Counter[str] = field(default_factory=Counter)
     signals: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
-    gate: Counter[str] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)
-    condensed: Counter[str] = field(default_factory=Counter)
-    model: ModelUse = field(default_factory=ModelUse)
 
     def thread(self, key: bytes, mutating_tools: frozenset[str]) -> Thread:
         thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools))
@@ -170,10 +180,12 @@ def _anchored(fmt: WireFormat, items: list[Any], index: int, anchor: bytes) -> b
 class Supervisor:
     """The supervised path's per-request steps (module docstring); holds no I/O."""
 
-    def __init__(self, config: SupervisorConfig, condenser: RequestCondenser | None = None) -> None:
+    def __init__(self, config: SupervisorConfig, condenser: RequestCondenser | None = None,
+                 model: ModelCall | None = None) -> None:
         self.config = config
         self.mutating_tools = frozenset(config.detectors.mutating_tools)
         self.condenser = condenser
+        self.planner = Planner(config.plan, model, self.mutating_tools)
 
     def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Exchange:
         """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
@@ -187,6 +199,7 @@ class Supervisor:
         tools = fmt.tools(body)
         thread = state.thread(_thread_key(fmt, parts), self.mutating_tools)
         items = fmt.history(body)
+        sent = list(items)  # the agent's history: the insertions below go into this same list
         update = thread.tracker.update(items, fmt.message, {t.name: t.schema for t in tools})
         record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
         for firing in update.firings:
@@ -218,6 +231,7 @@ class Supervisor:
                 exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body, pending)
 
             steps.append(condense)
+        steps += self.planner.begin(fmt, items, update, thread, state, tail)
         runs = _live_delegations(fmt, items, thread)
         fmt.insert_items(body, [(d.index, d.items) for d in runs])
         # A note at a delegation's position was added before it: it stays right after the agent's item.
@@ -225,7 +239,11 @@ class Supervisor:
                                 for note in thread.notes])
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
-        return Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
+        exchange = Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
+        exchange.items, exchange.parts = sent, parts
+        exchange.schemas = {t.name: t.schema for t in tools}
+        exchange.planning = self.planner.turn()
+        return exchange
 
 
 def _live_delegations(fmt: WireFormat, items: list[Any], thread: Thread) -> list[Delegated]:
@@ -266,6 +284,17 @@ class Exchange:
         """The names of the agent's own tools in the request."""
         self.delegation: Any = None
         """The request's delegation turn (``proxyvisor.proxy.delegation``), when delegation tools were offered."""
+        self.continuation: Any = None
+        """The turn's :class:`~proxyvisor.proxy.continuation.Continuation` once one was made (delegation's first;
+        the verify-gate continues through the same one, so what the upstream saw accumulates in one place)."""
+        self.items: list[Any] = []
+        """The agent's history as sent (before notes and re-inserted items)."""
+        self.parts: tuple[str, str] = ("", "")
+        """The agent's system prompt and first user message (``WireFormat.fingerprint_parts``)."""
+        self.schemas: dict[str, Any] = {}
+        self.planning: PlanTurn | None = None
+        """The plan's part in the request (``proxyvisor.proxy.planning``); None when signals call no planner."""
+        """The agent's tools' argument schemas, by name."""
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
@@ -301,8 +330,11 @@ class Exchange:
         self.record.report = result
         self.state.reports[result.status] += 1
         self.thread.state = result.report.state if result.report is not None else None
-        if self.thread.state is not None:
-            self.state.states[self.thread.state] += 1
+        if result.report is not None:
+            self.thread.carry = result.report.carry
+        if self.planning is not None:
+            self.planning.observe(self.thread, result.report)
+
 
     def reply(self, reply: UpstreamReply) -> UpstreamReply:
         """``reply`` with the self-report stripped from its assistant text (an error reply, or one in an

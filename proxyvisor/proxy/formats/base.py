@@ -241,6 +241,9 @@ class WireFormat:
     name: ClassVar[str]
     path: ClassVar[str]
     label: ClassVar[str]
+    keepalive: ClassVar[bytes] = b": proxyvisor is working on this turn\n\n"
+    """What keeps a held stream alive while proxyvisor works (a child runs, the verifier judges): an SSE
+    comment, which every SSE client skips and which resets its read timeout."""
 
     # ---- errors -------------------------------------------------------------------------------------------
     def error_body(self, status: int, message: str) -> bytes:
@@ -366,6 +369,10 @@ class WireFormat:
         ascending, at most one run per position), in place."""
         if runs:
             body[self.history_field] = interleave_runs(self.history(body), runs)
+
+    def user_item(self, text: str) -> Any:
+        """A history item carrying ``text`` as a user message (the same shape in all three formats)."""
+        return {"role": "user", "content": text}
 
     def extend_history(self, body: dict[str, Any], items: list[Any]) -> None:
         """Append ``items`` to the history, in place (a new list: the old one may be shared)."""

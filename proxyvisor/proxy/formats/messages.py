@@ -24,6 +24,8 @@ class MessagesFormat(WireFormat):
     path = "/v1/messages"
     label = "Anthropic Messages"
     history_field = "messages"
+    keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'
+    """Anthropic's own keep-alive event (its API sends it; the SDKs skip it anywhere in a stream)."""
     result_part_type = "text"
 
     def error_body(self, status: int, message: str) -> bytes:

@@ -1,0 +1,413 @@
+"""``proxyvisor batch``: run a file of tasks, each agent run through its own proxied session with the verify-gate on,
+and report each task's outcome.
+
+One proxy runs in this process (:func:`proxyvisor.proxy.service.running`) with supervision on and the gate on and
+``headless`` (no user is present: a turn that stops while still in progress is nudged on). Each task gets a fresh
+session, ``TASKID-RANDOM``; its agent command is run with the base-URL variables pointing at that session, as
+``proxyvisor wrap`` does (:func:`proxyvisor.wrap.agent_invocation`). When the agent exits, the task's result is
+read from the session's ledger (:mod:`proxyvisor.batch_report`).
+
+The task file (:func:`load_tasks`) is JSON lines, one task object per line; blank lines are skipped. Keys:
+``id`` (required; 1-64 of ``A-Za-z0-9._-``, starting with a letter or digit, unique: it names the task's session,
+log files and default working directory), ``prompt`` (required, non-empty), and optionally ``workdir`` (the
+folder to run the agent in, created if missing; a relative path is relative to the task file's folder),
+``timeout_s`` (seconds, overrides ``--timeout``) and ``env`` (an object of extra environment variables, string
+values). Other keys are an error, so a misspelt key is never silently ignored.
+
+The agent command (:func:`agent_argv`) is a command line: ``{prompt}``, ``{id}``, ``{workdir}`` and
+``{session}`` are replaced by the task's values, shell-quoted (:func:`shlex.quote`), the line is split into words
+the way a POSIX shell would (:func:`shlex.split`), and the words are run directly, not through a shell. The agent
+also gets ``PROXYVISOR_TASK_ID`` and ``PROXYVISOR_PROMPT`` in its environment (for ``sh -c '...'`` commands).
+
+Agents run with ``cwd`` = the task's working directory, stdin empty, stdout and stderr to files, each in a new
+process group (session). A task past its timeout, and every running task on SIGINT or SIGTERM, gets SIGTERM on
+its whole process group, then SIGKILL after :data:`GRACE_S` seconds (at once on a second Ctrl-C); whatever an
+agent leaves running in its group when it exits is killed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import secrets
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+import trio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import batch_report
+from .batch_report import TaskResult
+from .config import Config
+from .proxy.info import summarize
+from .proxy.service import running
+from .store import Store
+from .wrap import agent_invocation
+
+TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+TASK_KEYS = frozenset({"id", "prompt", "workdir", "timeout_s", "env"})
+PLACEHOLDER = re.compile(r"\{(prompt|id|workdir|session)\}")
+DEFAULT_TIMEOUT_S = 1800.0
+GRACE_S = 5.0
+"""Seconds an agent's process group has between SIGTERM and SIGKILL when it is stopped."""
+ERROR_CHARS = 300
+
+
+class BatchError(ValueError):
+    """A batch cannot start: its task file or its agent command is not usable (nothing has run)."""
+
+
+class TaskFileError(BatchError):
+    """The task file cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the file (module docstring); ``line`` is its line number (1-based)."""
+
+    id: str
+    prompt: str
+    line: int
+    workdir: Path | None = None
+    timeout_s: float | None = None
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Read and check the whole task file (module docstring) before anything runs.
+
+    Raises:
+        TaskFileError: the file cannot be read as UTF-8 text; a line is not a JSON object, lacks ``id`` or
+            ``prompt``, has a key or value that is not allowed, or repeats an id (the message starts
+            ``PATH:LINE:``); or the file holds no task.
+    """
+    path = Path(path)
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskFileError(f"{path}: cannot read the task file: {getattr(exc, 'strerror', None) or exc}") from None
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise TaskFileError(f"{where}: not JSON: {exc}") from None
+        task = _task(obj, where, number, path.parent)
+        if task.id in seen:
+            raise TaskFileError(f"{where}: task id {task.id!r} is already used on line {seen[task.id]}")
+        seen[task.id] = number
+        tasks.append(task)
+    if not tasks:
+        raise TaskFileError(f"{path}: no tasks (one JSON object per line: {{\"id\": ..., \"prompt\": ...}})")
+    return tasks
+
+
+def _task(obj: Any, where: str, number: int, base: Path) -> Task:
+    if not isinstance(obj, dict):
+        raise TaskFileError(f"{where}: a task must be a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - TASK_KEYS
+    if unknown:
+        raise TaskFileError(f"{where}: unknown key(s) {sorted(unknown)}; a task has {sorted(TASK_KEYS)}")
+    task_id, prompt = obj.get("id"), obj.get("prompt")
+    if not isinstance(task_id, str) or not TASK_ID.match(task_id):
+        raise TaskFileError(f"{where}: 'id' must be 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit, "
+                            f"got {task_id!r}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise TaskFileError(f"{where}: 'prompt' must be a non-empty string")
+    workdir = obj.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir):
+        raise TaskFileError(f"{where}: 'workdir' must be a non-empty string")
+    timeout = obj.get("timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise TaskFileError(f"{where}: 'timeout_s' must be a positive number of seconds")
+    env = obj.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise TaskFileError(f"{where}: 'env' must be an object of variable names to string values")
+    return Task(task_id, prompt, number, base / workdir if workdir else None,
+                float(timeout) if timeout is not None else None, env)
+
+
+def check_template(template: str) -> None:
+    """Raise :class:`BatchError` unless ``template`` is a usable ``--agent`` command line (module docstring):
+    words a shell would split, and the prompt passed on (``{prompt}``, or ``$PROXYVISOR_PROMPT`` in a command of
+    the user's)."""
+    try:
+        words = shlex.split(template)
+    except ValueError as exc:
+        raise BatchError(f"--agent: cannot split the command line: {exc}") from None
+    if not words:
+        raise BatchError("--agent: the command is empty")
+    if "{prompt}" not in template and "PROXYVISOR_PROMPT" not in template:
+        raise BatchError("--agent: the command must contain {prompt} (or read $PROXYVISOR_PROMPT), e.g. "
+                         "--agent 'claude -p {prompt}'")
+
+
+def agent_argv(template: str, task: Task, workdir: Path, session: str) -> list[str]:
+    """The words of ``template`` with its placeholders filled in, shell-quoted (module docstring)."""
+    values = {"prompt": task.prompt, "id": task.id, "workdir": str(workdir), "session": session}
+    return shlex.split(PLACEHOLDER.sub(lambda m: shlex.quote(values[m[1]]), template))
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to run a batch. ``parallel``: tasks at once; ``timeout_s``: a task's default limit;
+    ``workdir_template``: a folder per task with ``{id}`` (None: a fresh temporary folder, kept); ``logs``: the
+    folder for the agents' stdout and stderr."""
+
+    agent: str
+    parallel: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    workdir_template: str | None = None
+    logs: Path = Path("batch-logs")
+
+
+def batch_config(config: Config) -> Config:
+    """``config`` with what a batch needs: supervision on, and the gate on and headless."""
+    gate = dataclasses.replace(config.supervisor.gate, enabled=True, headless=True)
+    return config.with_overrides(supervisor={"enabled": True, "gate": gate})
+
+
+class Batch:
+    """One batch run: :meth:`run` runs the tasks and returns their results (module docstring)."""
+
+    def __init__(self, config: Config, tasks: Sequence[Task], options: Options, store: Store,
+                 progress: Progress) -> None:
+        self.config = config
+        self.tasks = tasks
+        self.options = options
+        self.store = store
+        self.progress = progress
+        self.results: dict[int, TaskResult] = {}
+        self.interrupted: int | None = None
+        """The signal that stopped the run (SIGINT or SIGTERM), if one did."""
+        self.hurry = trio.Event()
+        """Set by a second signal: stopped agents get SIGKILL at once."""
+        self._bar = progress.add_task("batch", total=len(tasks), verified=0, running=0)
+        self._running = 0
+
+    async def run(self) -> list[TaskResult]:
+        """Run every task (at most ``parallel`` at once, started in file order) and return the results of those
+        that started, in task order. SIGINT or SIGTERM stops the running agents and starts no more
+        (:attr:`interrupted`)."""
+        limiter = trio.CapacityLimiter(self.options.parallel)
+        async with running(self.config, port=0, store=self.store) as proxy:
+            async with trio.open_nursery() as outer:
+                async with trio.open_nursery() as tasks:
+                    outer.start_soon(self._watch_signals, tasks.cancel_scope)
+                    for index, task in enumerate(self.tasks):
+                        # Taken here, not in the task, so that tasks start in file order.
+                        await limiter.acquire_on_behalf_of(index)
+                        tasks.start_soon(self._run_one, proxy.url, limiter, index, task)
+                outer.cancel_scope.cancel()
+        return [self.results[i] for i in sorted(self.results)]
+
+    async def _watch_signals(self, tasks: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.interrupted is None:
+                    self.interrupted = signum
+                    self._say(f"{signal.Signals(signum).name}: stopping the running agents "
+                              "(again to kill them at once); the report covers the tasks that started")
+                    tasks.cancel()
+                else:
+                    self.hurry.set()
+
+    async def _run_one(self, proxy_url: str, limiter: trio.CapacityLimiter, index: int, task: Task) -> None:
+        self._count_running(+1)
+        try:
+            await self._agent(proxy_url, index, task)
+        finally:
+            self._count_running(-1)
+            limiter.release_on_behalf_of(index)
+        result = self.results[index]
+        self._say(f"{task.id}: {result.outcome}, exit {batch_report.cell(result, 'exit_code')}, "
+                  f"{result.seconds:.1f} s" + (f" ({result.error})" if result.error else ""))
+        verified = sum(r.verified for r in self.results.values())
+        self.progress.update(self._bar, advance=1, verified=verified)
+
+    async def _agent(self, proxy_url: str, index: int, task: Task) -> None:
+        """Run ``task``'s agent to its end and record its result as ``results[index]``; cancelled (an
+        interrupt), it stops the agent and still records the result, with the error "interrupted"."""
+        session = f"{task.id}-{secrets.token_hex(8)}"
+        workdir = self._workdir(task)
+        logs = self.options.logs
+        logs.mkdir(parents=True, exist_ok=True)
+        out_path, err_path = logs / f"{task.id}.stdout", logs / f"{task.id}.stderr"
+        base = {**os.environ, **task.env, "PROXYVISOR_TASK_ID": task.id, "PROXYVISOR_PROMPT": task.prompt}
+        cmd, env = agent_invocation(proxy_url, session, agent_argv(self.options.agent, task, workdir, session), base)
+        run = _Run()
+        started = time.monotonic()
+        finished = False
+        try:
+            with out_path.open("wb") as out, err_path.open("wb") as err:
+                await self._process(cmd, workdir, env, out, err, task.timeout_s or self.options.timeout_s, run)
+            finished = True
+        finally:
+            seconds = round(time.monotonic() - started, 3)
+            if not finished:
+                run.error = run.error or "interrupted"
+            elif run.code not in (0, None) and run.error is None:
+                run.error = _last_line(err_path)
+            with trio.CancelScope(shield=True):  # an interrupted task is reported too
+                info = await trio.to_thread.run_sync(summarize, self.store.read_ledger(session))
+            self.results[index] = batch_report.from_summary(
+                info, id=task.id, session=session, exit_code=run.code, error=run.error, seconds=seconds,
+                workdir=str(workdir), stdout=str(out_path), stderr=str(err_path))
+
+    def _workdir(self, task: Task) -> Path:
+        if task.workdir is not None:
+            folder = task.workdir
+        elif self.options.workdir_template is not None:
+            folder = Path(self.options.workdir_template.replace("{id}", task.id))
+        else:
+            return Path(tempfile.mkdtemp(prefix=f"proxyvisor-batch-{task.id}-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder.resolve()
+
+    async def _process(self, cmd: list[str], workdir: Path, env: dict[str, str], out: Any, err: Any,
+                       timeout_s: float, run: _Run) -> None:
+        """Run the agent to its end, or past ``timeout_s`` stop it; its exit status and any error go to ``run``.
+        Cancelled, it stops the agent's process group before it returns."""
+        process: trio.Process | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    process = await nursery.start(functools.partial(
+                        trio.run_process, cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                        stderr=err, check=False, start_new_session=True,
+                        deliver_cancel=functools.partial(_stop_group, hurry=self.hurry)))
+                except OSError as exc:
+                    run.code, run.error = 127, f"cannot run {cmd[0]!r}: {exc.strerror or exc}"
+                    return
+                with trio.move_on_after(timeout_s) as deadline:
+                    await process.wait()
+                if deadline.cancelled_caught:
+                    run.error = f"timed out after {timeout_s:g} s"
+                    nursery.cancel_scope.cancel()
+        finally:
+            if process is not None:
+                _signal_group(process.pid, signal.SIGKILL)  # whatever the agent left running in its group
+                if process.returncode is not None:
+                    run.code = 128 - process.returncode if process.returncode < 0 else process.returncode
+
+    def _count_running(self, delta: int) -> None:
+        self._running += delta
+        self.progress.update(self._bar, running=self._running)
+
+    def _say(self, text: str) -> None:
+        self.progress.console.print(text, markup=False, highlight=False)
+
+
+@dataclass
+class _Run:
+    """What became of one agent process: its exit status (128+N for signal N; 127: it could not start) and the
+    error that ended the task early, if any."""
+
+    code: int | None = None
+    error: str | None = None
+
+
+async def _stop_group(process: trio.Process, hurry: trio.Event) -> None:
+    """``deliver_cancel`` for an agent: SIGTERM to its process group, SIGKILL after :data:`GRACE_S` seconds or
+    as soon as ``hurry`` is set."""
+    _signal_group(process.pid, signal.SIGTERM)
+    with trio.move_on_after(GRACE_S):
+        async with trio.open_nursery() as nursery:
+            async def first(wait: Any) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, process.wait)
+            nursery.start_soon(first, hurry.wait)
+    _signal_group(process.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _last_line(path: Path) -> str | None:
+    """The last non-blank line of a log file, clipped; None when there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:ERROR_CHARS] if lines else None
+
+
+def batch_command(config: Config, tasks_file: str, options: Options, require_verified: bool = False,
+                  report: str | None = None) -> int:
+    """``proxyvisor batch``: check the task file and the command, run the batch with a progress bar on stderr,
+    write ``REPORT.jsonl``, ``REPORT.md`` and the agents' output under ``REPORT-logs/``, and return the exit status:
+    0 every agent exited 0 (and, with ``require_verified``, every task is verified); 1 otherwise; 128+N when
+    signal N (SIGINT, SIGTERM) stopped the run.
+
+    Raises:
+        BatchError: the task file (:class:`TaskFileError`) or the ``--agent`` command is not usable (nothing has
+            run).
+        OSError: a report file cannot be written.
+        ConfigError: the configuration cannot be served (nothing has run).
+    """
+    tasks = load_tasks(tasks_file)
+    check_template(options.agent)
+    config = batch_config(config)
+    started = datetime.now(timezone.utc)
+    prefix = Path(report or f"batch-{started:%Y%m%d-%H%M%S}")
+    options = dataclasses.replace(options, logs=prefix.with_name(prefix.name + "-logs"))
+    console = Console(stderr=True)
+    if not config.supervisor.model.name:
+        console.print("proxyvisor: no [supervisor.model] name is configured, so the gate cannot verify: every "
+                      "turn ends unverified", markup=False, highlight=False)
+    clock = time.monotonic()
+    with Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("verified {task.fields[verified]}"), TextColumn("running {task.fields[running]}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        batch = Batch(config, tasks, options, Store(config.state_dir()), progress)
+        results = trio.run(batch.run)
+    facts = [("tasks", f"{tasks_file} ({len(tasks)} tasks, {len(results)} run)"),
+             ("agent", f"`{options.agent}`"),
+             ("started", f"{started:%Y-%m-%d %H:%M:%S} UTC, {time.monotonic() - clock:.1f} s, "
+                         f"{options.parallel} at a time, timeout {options.timeout_s:g} s per task"),
+             ("supervisor model", config.supervisor.model.name or "none (every turn unverified)"),
+             ("ledgers", str(config.state_dir() / "ledger"))]
+    if batch.interrupted is not None:
+        facts.append(("interrupted", f"by {signal.Signals(batch.interrupted).name} after {len(results)} of "
+                                     f"{len(tasks)} tasks started"))
+    jsonl, md = batch_report.write(prefix, results, facts)
+    counts = batch_report.outcome_counts(results)
+    console.print(f"proxyvisor batch: {len(results)} of {len(tasks)} tasks: "
+                  f"{', '.join(f'{k} {v}' for k, v in counts.items()) or 'none run'}; report {md} and {jsonl}",
+                  markup=False, highlight=False)
+    if batch.interrupted is not None:
+        return 128 + batch.interrupted
+    clean = len(results) == len(tasks) and all(r.exit_code == 0 and r.error is None for r in results)
+    if require_verified and not (len(results) == len(tasks) and all(r.verified for r in results)):
+        return 1
+    return 0 if clean else 1
+
+
+__all__ = ["Batch", "BatchError", "Options", "Task", "TaskFileError", "agent_argv", "batch_command", "batch_config",
+           "check_template", "load_tasks"]

@@ -1,0 +1,216 @@
+"""Command line of ``proxyvisor info`` and ``proxyvisor plan`` (registered by cli.py).
+
+Both ask the running proxy first (``GET /proxyvisor/sessions...``, ``proxyvisor.proxy.commands``) and, when none
+answers, read the state directory: ``info`` sums the session's ledger itself (``proxyvisor.proxy.info``), ``plan``
+says that a plan lives only in a running proxy. Exit codes: 0 shown; 1 no such session, no plan to show (no
+proxy answers) or the proxy refused; 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from .cli import _session_id
+from .config import Config
+
+_TIMEOUT_S = 5.0
+"""How long to wait for the proxy (seconds); an /info that prices a long ledger may import litellm first."""
+
+_WHERE = """\
+where the answer comes from:
+  First the proxy at --url, else http://[proxy] host:port of the configuration (default
+  http://127.0.0.1:8377; a wildcard host is asked on loopback, with [proxy] auth_token sent
+  as x-proxyvisor-auth when set). When nothing answers there, the state directory
+  ([state] dir, --state-dir, else $PROXYVISOR_STATE_DIR, else ~/.local/state/proxyvisor) is
+  read directly: its ledger/SESSION.jsonl holds one line per request, which is all /info
+  needs. A proxy run by 'proxyvisor wrap' listens on a random port, printed nowhere: ask it
+  with --url, or let the state directory answer (its ledger is written as the agent works).
+
+SESSION:
+  A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it.
+  Default: the session with the most recent activity (the proxy's list, else the ledger
+  written last). GET /proxyvisor/sessions lists the ids, and so does STATE_DIR/ledger/.
+
+exit status:
+  0 the answer was shown; 1 no such session, no plan to show (no proxy answers) or the proxy
+  refused (a wrong auth token); 2 bad usage or configuration.
+"""
+
+_INFO_HELP = textwrap.dedent("""\
+    Show a session's counters, the same as the agent gets by sending the message /info: model
+    requests, tool rounds and errors; self-reports by status and reported state; detector fires and
+    steer notes by signal; verify-gate runs, passes, gaps, nudges, re-entries, refutations and turn
+    outcomes (verified, unknown, failed, unverified); condensed tool results and the input tokens they
+    saved; planner calls; supervisor model calls by purpose with their tokens and cost; upstream tokens
+    and their cost (litellm's cost map, priced when shown; a model it does not price counts $0 and is
+    named); and the proxy's overhead per request (total, mean, median, max; milliseconds).
+
+    Everything is summed from the session's ledger, so a session of a stopped proxy shows the same.
+    --json prints the object that GET /proxyvisor/sessions/SESSION/info returns (the schema is in
+    proxyvisor/proxy/info.py), with "live" (the proxy's in-memory counters) null when it came from the
+    ledger or the session is no longer in the proxy's memory.
+    """)
+_PLAN_HELP = textwrap.dedent("""\
+    Show a session's plan, the same as the agent gets by sending the message /plan: the
+    supervisor-owned plan of the session's latest thread with each phase's status ([x] done, [>] in
+    progress, [ ] pending) and its done-when condition, or "No plan" when the work has not needed one;
+    then the retained critical knowledge: the carry items of the latest self-report.
+
+    A plan lives in the memory of the proxy that serves the session, so this needs that proxy running:
+    without one it says so and exits 1. --json prints the object that
+    GET /proxyvisor/sessions/SESSION/plan returns: session, plan (phases and status, or null), carry
+    (list of strings), text (what is shown without --json).
+    """)
+
+
+def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
+    """Add ``info`` and ``plan`` to the ``proxyvisor`` subparsers; each sets ``handler(args, config)``."""
+    for name, short, help_text, handler, example in (
+            ("info", "show a session's counters (requests, detectors, gate, tokens, cost, overhead)", _INFO_HELP,
+             _info, "proxyvisor info --json | jq .gate.outcomes"),
+            ("plan", "show a session's plan and retained critical knowledge", _PLAN_HELP, _plan,
+             "proxyvisor plan --url http://127.0.0.1:8377 my-session")):
+        parser = commands.add_parser(name, help=short, formatter_class=formatter, description=help_text,
+                                     epilog=_WHERE + textwrap.dedent(f"""
+                                         examples:
+                                           proxyvisor {name}                 the most recently active session
+                                           proxyvisor {name} my-session
+                                           {example}
+                                         """))
+        parser.add_argument("session", nargs="?", metavar="SESSION", type=_session_id,
+                            help="the session (default: the most recently active one)")
+        parser.add_argument("--json", action="store_true", help="print the JSON object instead of the text")
+        parser.add_argument("--url", metavar="URL", help="the proxy to ask (default: http://[proxy] host:port)")
+        common(parser)
+        parser.set_defaults(handler=handler)
+
+
+def _base_url(args: argparse.Namespace, config: Config) -> str:
+    if args.url:
+        return args.url.rstrip("/")
+    host = config.proxy.host
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    return f"http://[{host}]:{config.proxy.port}" if ":" in host else f"http://{host}:{config.proxy.port}"
+
+
+class _Refused(Exception):
+    """The proxy answered, but not with what was asked (the message says what it said)."""
+
+
+class _Proxy:
+    """The running proxy's session endpoints; :meth:`get` returns None when nothing (or no proxyvisor) answers."""
+
+    def __init__(self, url: str, config: Config) -> None:
+        token = config.proxy.auth_token
+        self.url = url
+        self.client = httpx.Client(base_url=url, timeout=_TIMEOUT_S, trust_env=False,
+                                   headers={"x-proxyvisor-auth": token} if token else {})
+
+    def get(self, path: str, probe: bool = False) -> dict[str, Any] | None:
+        """The JSON object at ``path``; None when nothing answers or the answer is not JSON (not proxyvisor),
+        and, when ``probe``, for an error other than 401 (a proxyvisor answers its session list with 200).
+
+        Raises:
+            _Refused: the proxy answered with an error (its message; 404 for an unknown session).
+        """
+        try:
+            reply = self.client.get(path)
+            body = reply.json()
+        except (httpx.TransportError, ValueError):
+            return None
+        if not isinstance(body, dict) or (probe and reply.status_code not in (200, 401)):
+            return None
+        if reply.status_code != 200:
+            error = body.get("error")
+            raise _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {reply.status_code}")
+        return body
+
+
+def _ask(args: argparse.Namespace, config: Config, what: str) -> tuple[str | None, dict[str, Any] | None, str]:
+    """(session, the proxy's answer for it or None when no proxy answers, the proxy's URL).
+
+    Raises:
+        _Refused: the proxy refused, or it knows no session to show.
+    """
+    url = _base_url(args, config)
+    proxy = _Proxy(url, config)
+    with proxy.client:
+        listing = proxy.get("/proxyvisor/sessions", probe=True)
+        if listing is None or not isinstance(listing.get("sessions"), list):
+            return args.session, None, url
+        session = args.session or next((s.get("id") for s in listing["sessions"] if isinstance(s, dict)), None)
+        if session is None:
+            raise _Refused(f"the proxy at {url} has no sessions yet")
+        answer = proxy.get(f"/proxyvisor/sessions/{session}/{what}")
+        if answer is None:
+            raise _Refused(f"the proxy at {url} stopped answering")
+        return session, answer, url
+
+
+def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:
+    """``obj`` as JSON with --json, else ``text``; ``markdown`` text is rendered by rich on a terminal."""
+    if args.json:
+        sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+    elif markdown and sys.stdout.isatty():
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(text))
+    else:
+        sys.stdout.write(text + "\n")
+
+
+def _latest(config: Config) -> tuple[Any, str | None]:
+    from .store import Store
+
+    store = Store(config.state_dir())
+    sessions = store.sessions()
+    return store, sessions[-1] if sessions else None
+
+
+def _info(args: argparse.Namespace, config: Config) -> int:
+    from .proxy.info import render_text, summarize
+
+    try:
+        session, info, url = _ask(args, config, "info")
+    except _Refused as exc:
+        print(f"proxyvisor info: {exc}", file=sys.stderr)
+        return 1
+    if info is None:
+        store, latest = _latest(config)
+        session = session or latest
+        lines = store.read_ledger(session) if session else []
+        if not lines:
+            where = f"no ledger for session {session!r}" if session else "no session ledgers"
+            print(f"proxyvisor info: no proxy answers at {url}, and {where} in {store.root}", file=sys.stderr)
+            return 1
+        print(f"proxyvisor info: no proxy answers at {url}; summing the ledger in {store.root}", file=sys.stderr)
+        info = {"session": session, **summarize(lines), "live": None}
+    _print(args, info, render_text(info), markdown=True)
+    return 0
+
+
+def _plan(args: argparse.Namespace, config: Config) -> int:
+    try:
+        session, plan, url = _ask(args, config, "plan")
+    except _Refused as exc:
+        print(f"proxyvisor plan: {exc}", file=sys.stderr)
+        return 1
+    if plan is None:
+        session = session or _latest(config)[1]
+        text = (f"No proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"
+                f"{f' ({session})' if session else ''}. Start it, or give its address with --url.")
+        if args.json:
+            _print(args, {"session": session, "plan": None, "carry": [], "text": text}, text)
+        else:
+            print(f"proxyvisor plan: {text}", file=sys.stderr)
+        return 1
+    _print(args, plan, plan["text"])
+    return 0

@@ -1,0 +1,242 @@
+"""``/plan`` and ``/info``: questions to proxyvisor that the agent's user types in the chat, and the session
+endpoints that answer the same as JSON.
+
+A model request whose **last user message** is exactly ``/plan`` or ``/info`` is answered by proxyvisor itself,
+in the request's format, streamed or not, without calling the model (issue 4, "/plan and /info"; seed 003's
+``commands/plan.rs`` and ``commands/info.rs``):
+
+- "last user message": the history's last item that is not a system message (Claude Code puts one after the
+  prompt) must be a user message, not tool results; its text, without the harness's
+  ``<system-reminder>...</system-reminder>`` blocks (Claude Code sends its context as such a block in the same
+  message) and surrounding whitespace, must equal the command;
+- ``/info``: the session's counters, summed from its ledger (``proxyvisor.proxy.info``);
+- ``/plan``: the plan of the request's thread with phase status (``proxyvisor.gate.plan.render_text``), or "no
+  plan", and the retained critical knowledge: the ``carry`` items of the thread's latest valid self-report. The
+  thread is the one the request's history belongs to, else the session's most recently used one (a new
+  conversation asking ``/plan`` in the same session).
+
+The answer is one ledger line with ``"local": COMMAND``, status 200 and 0 tokens, which ``/info`` does not count
+as a model request. Earlier command exchanges (the command message and the assistant message right after it)
+are removed from the history of every later request before supervision reads it (:func:`strip_exchanges`), so
+the model never sees them; the agent keeps them in its own history. With supervision disabled (the byte relay)
+nothing is parsed, so commands are not intercepted: the model gets them like any other message.
+
+Agents that run slash commands themselves (Claude Code answers an unknown ``/info`` with "Unknown command"
+without any request) need the command sent as a message, e.g. ``claude -p " /info"`` (a leading space reaches the
+API verbatim, and is stripped here).
+
+Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
+
+- ``GET /proxyvisor/sessions``: ``{"sessions": [{"id", "last_activity" (ISO 8601, UTC), "in_memory"}]}``, most
+  recent first: the sessions with a ledger and those in memory;
+- ``GET /proxyvisor/sessions/{id}/info``: :func:`proxyvisor.proxy.info.summarize` of the session's ledger plus
+  ``session`` and ``live`` (the in-memory counters, None when the session is not in memory);
+- ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "carry": [str],
+  "text": the /plan answer}``.
+
+An unknown session is a 404, an invalid id (``proxyvisor.proxy.sessions.SESSION_ID``) a 400.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+import trio
+
+from ..gate import plan as plans
+from ..store import Store
+from .formats import CHAT, AssistantTurn, WireFormat
+from .formats.base import has_non_text
+from .info import render_text, summarize
+from .server import Headers, Response
+from .sessions import SESSION_ID, Session, SessionTable
+from .supervise import SessionSupervision, Thread, _thread_key
+
+COMMANDS = ("/plan", "/info")
+_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
+_JSON: Headers = [(b"content-type", b"application/json")]
+_SSE: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_PATH = re.compile(r"^/proxyvisor/sessions(?:/([^/]*)/(info|plan))?$")
+
+
+def _command(text: str) -> str | None:
+    text = _REMINDER.sub("", text).strip()
+    return text if text in COMMANDS else None
+
+
+def command_of(fmt: WireFormat, body: dict[str, Any]) -> str | None:
+    """The command (``/plan`` or ``/info``) that the request ``body`` in ``fmt`` asks, or None (module docstring).
+    A Responses ``input`` given as a plain string is the user message."""
+    raw = body.get(fmt.history_field)
+    if isinstance(raw, str):
+        return _command(raw)
+    for item in reversed(fmt.history(body)):
+        message = fmt.message(item)
+        if message.role != "system":
+            return _command(message.text) if message.role == "user" else None
+    return None
+
+
+def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
+    """Remove every command exchange from the history of ``body`` (in place): each user message that is a
+    command, and the assistant message (text only) that follows it, system messages between them aside.
+    Returns how many items were removed. Call it only when the request is not itself a command."""
+    items = fmt.history(body)
+    drop: set[int] = set()
+    for index, item in enumerate(items):
+        # A command is an object with role "user" and text content in all three formats (an Anthropic tool result
+        # is a user message too, with a non-text part): only those are read, as reading every item on every
+        # request would cost more than parsing the body.
+        if not (isinstance(item, dict) and item.get("role") == "user") or has_non_text(item.get("content")):
+            continue
+        message = fmt.message(item)
+        if message.role != "user" or _command(message.text) is None:
+            continue
+        drop.add(index)
+        after = index + 1
+        while after < len(items) and fmt.message(items[after]).role == "system":
+            after += 1
+        if after < len(items):
+            answer = fmt.message(items[after])
+            if answer.role == "assistant" and not answer.tool_uses:
+                drop.add(after)
+    if drop:
+        body[fmt.history_field] = [item for index, item in enumerate(items) if index not in drop]
+    return len(drop)
+
+
+# ---- answers ---------------------------------------------------------------------------------------------------
+
+def thread_for(session: Session | None, fmt: WireFormat | None = None,
+               body: dict[str, Any] | None = None) -> Thread | None:
+    """The supervision thread a request ``body`` belongs to (its system prompt and first user message), else the
+    session's most recently used thread; None when the session has none. Does not change the threads' order."""
+    state = session.supervision if session is not None else None
+    if not isinstance(state, SessionSupervision) or not state.threads:
+        return None
+    if fmt is not None and body is not None:
+        thread = state.threads.get(_thread_key(fmt, fmt.fingerprint_parts(body)))
+        if thread is not None:
+            return thread
+    return next(reversed(state.threads.values()))
+
+
+def plan_json(session_id: str, session: Session | None, thread: Thread | None) -> dict[str, Any]:
+    """The ``/plan`` answer as JSON (module docstring) for ``thread`` of ``session`` (None: not in memory)."""
+    plan = thread.plan if thread is not None else None
+    carry = list(thread.carry) if thread is not None else []
+    lines = [plans.render_text(plan)]
+    if session is None:
+        lines.append("(A plan and the retained knowledge live only in the memory of the proxy that serves the "
+                     "session; this proxy does not hold it.)")
+    if carry:
+        lines += ["", "Retained critical knowledge (from the latest self-report):"] + [f"- {c}" for c in carry]
+    return {"session": session_id,
+            "plan": plans.as_json(plan) if plan is not None else None,
+            "carry": carry, "text": "\n".join(lines)}
+
+
+def live(session: Session | None, clock: float) -> dict[str, Any] | None:
+    """The in-memory counters of ``session`` (None when it is not in memory); ``clock`` is the table's now."""
+    if session is None:
+        return None
+    out: dict[str, Any] = {"requests": session.requests, "errors": session.errors,
+                           "input_tokens": session.input_tokens, "output_tokens": session.output_tokens,
+                           "overhead_ms": round(session.overhead_ms, 3), "formats": sorted(session.formats),
+                           "idle_s": round(max(0.0, clock - session.last_seen), 3)}
+    state = session.supervision
+    if isinstance(state, SessionSupervision):
+        thread = thread_for(session)
+        out.update(threads=len(state.threads), state=thread.state if thread else None,
+                   self_reports=dict(state.reports), fires=dict(state.signals), steers=dict(state.notes))
+    return out
+
+
+async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float) -> dict[str, Any]:
+    """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger is read from disk and
+    pricing may import litellm), with ``session`` and ``live``."""
+    info = await trio.to_thread.run_sync(lambda: summarize(store.read_ledger(session_id) if store else []))
+    return {"session": session_id, **info, "live": live(session, clock)}
+
+
+async def answer(command: str, fmt: WireFormat, body: dict[str, Any], session: Session, store: Store | None,
+                 clock: float) -> Response:
+    """The local answer to ``command`` for a request ``body`` in ``fmt``: the format's response, streamed when the
+    request asks for a stream."""
+    if command == "/info":
+        text = render_text(await info_json(store, session.id, session, clock))
+    else:
+        stripped = dict(body)
+        strip_exchanges(fmt, stripped)
+        text = plan_json(session.id, session, thread_for(session, fmt, stripped))["text"]
+    model = body["model"] if isinstance(body.get("model"), str) else "proxyvisor"
+    turn = AssistantTurn(text)
+    if not body.get("stream"):
+        return Response(200, list(_JSON), orjson.dumps(fmt.render(turn, model)))
+    return Response(200, list(_SSE), _play(fmt.render_stream(turn, model, body)))
+
+
+async def _play(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
+
+
+# ---- endpoints -------------------------------------------------------------------------------------------------
+
+def _error(status: int, message: str) -> Response:
+    return Response(status, list(_JSON), CHAT.error_body(status, message))
+
+
+def _iso(wall: float) -> str:
+    return datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _ledger_mtime(store: Store | None, session_id: str) -> float | None:
+    try:
+        return store.ledger_path(session_id).stat().st_mtime if store is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def sessions_json(table: SessionTable, store: Store | None, clock: float) -> dict[str, Any]:
+    """``GET /proxyvisor/sessions`` (module docstring)."""
+    wall_now = time.time()
+    seen: dict[str, float] = {}
+    for session_id in store.sessions() if store is not None else ():
+        if (mtime := _ledger_mtime(store, session_id)) is not None:
+            seen[session_id] = mtime
+    in_memory = set()
+    for session in table.all():
+        in_memory.add(session.id)
+        seen[session.id] = max(seen.get(session.id, 0.0), wall_now - (clock - session.last_seen))
+    ordered = sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
+    return {"sessions": [{"id": sid, "last_activity": _iso(wall), "in_memory": sid in in_memory}
+                         for sid, wall in ordered]}
+
+
+async def endpoint(method: str, path: str, table: SessionTable, store: Store | None, clock: float) -> Response:
+    """Answer a request for ``/proxyvisor/sessions...`` (module docstring); ``clock`` is the table's now."""
+    match = _PATH.match(path)
+    if match is None:
+        return _error(404, f"no such endpoint: {path}. Use GET /proxyvisor/sessions, "
+                           "/proxyvisor/sessions/{id}/info or /proxyvisor/sessions/{id}/plan")
+    if method not in ("GET", "HEAD"):
+        return _error(405, f"{path} takes GET")
+    session_id, what = match.groups()
+    if session_id is None:
+        return Response(200, list(_JSON), orjson.dumps(sessions_json(table, store, clock)))
+    if not SESSION_ID.match(session_id):
+        return _error(400, "invalid session id: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+    session = table.get(session_id)
+    if session is None and _ledger_mtime(store, session_id) is None:
+        return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
+    if what == "info":
+        body = await info_json(store, session_id, session, clock)
+    else:
+        body = plan_json(session_id, session, thread_for(session))
+    return Response(200, list(_JSON), orjson.dumps(body))

@@ -1,0 +1,385 @@
+"""The verify-gate's trio shell: hold a turn-ending response, ask the verifier, deliver it or continue the turn.
+
+The rules live in the sans-IO :mod:`proxyvisor.gate` (:class:`~proxyvisor.gate.outcome.TurnGate` decides,
+:mod:`~proxyvisor.gate.digest` builds the verifier's input, :mod:`~proxyvisor.gate.verdict` reads its answers);
+this module feeds them and performs their decisions for one supervised request (:class:`Gating`):
+
+- **What is gated**: a successful reply without tool calls to a request that offered the agent tools (a request
+  without tools is a plain completion, such as Claude Code's title requests, not an agent's turn). Tool-call
+  rounds pass untouched.
+- **JSON**: the reply is read; a turn-ending one is judged before it is returned.
+- **Streams never fail open** (issue 4): a stream's events are held until the first tool call starts (then
+  everything held is sent and the rest streams through) or the stream ends; a stream that ended without a tool
+  call is judged while the client gets a keep-alive (``WireFormat.keepalive``: an SSE comment, Anthropic's
+  ``ping``) every :data:`~proxyvisor.proxy.continuation.KEEPALIVE_S` seconds, and only then is it sent, byte for
+  byte, or replaced. Its stop event is never sent before the verdict.
+- **Nudge / re-entry**: the held answer (self-report stripped) and a user note (the nudge, or the advisory
+  listing the gaps) continue the turn upstream through the exchange's
+  :class:`~proxyvisor.proxy.continuation.Continuation` (delegation's, when it made one), so they are re-inserted
+  into the thread's later requests like any continued turn. The continued reply is the agent's answer: judged
+  again when it ends the turn, passed on when it calls tools (the gate's budget then carries over to the turn's
+  next stop, in a later request).
+- **Plan**: a plan signal in the held answer's self-report is reconciled first (``proxyvisor.proxy.planning``),
+  the live plan goes into the digest, and a passed completion clears it.
+- **Never lose the answer**: a verifier that fails or times out is ``Unavailable`` to the state machine (the
+  answer is delivered, labelled ``unverified``); a continuation that fails delivers the held answer, labelled
+  ``unverified``.
+
+What happened goes into the request's ledger line as ``gate`` (``RequestRecord.gate``)::
+
+    {"verdicts": ["gaps", "pass"],  # each verifier pass: pass | gaps | malformed | unavailable
+     "nudges": 0, "reentries": 1, "refuted": 0,
+     "outcome": "verified",         # when the turn ended here: verified | unknown | failed | unverified
+     "passed": true, "reason": "...", "gaps": ["..."]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import trio
+
+from ..config import GateConfig
+from ..detectors.selfreport import outcome as report_outcome
+from ..detectors.selfreport import strip
+from ..gate import digest
+from ..gate.outcome import (DONE, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge, Reenter, Refute, Refuted, Stop,
+                            TurnGate, Unavailable, Verify, answer_event)
+from ..gate.plan import render_text
+from ..gate.verdict import (FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse, refutation_input,
+                            refute)
+from ..supervisor_model import ModelCall
+from . import continuation, planning
+from .continuation import Continuation, Resend, rewritable
+from .relay import UpstreamError, UpstreamReply
+from .sse import SSEParser
+from .streamedit import EventSplitter
+from .supervise import Exchange
+
+log = logging.getLogger("proxyvisor.gate")
+
+EMPTY_ANSWER = "(no answer text)"
+"""Stands in for a held answer with no text when it is carried on upstream (providers refuse empty text)."""
+
+
+@dataclass
+class GateTurn:
+    """One turn's gate, kept in the thread (``Thread.gate_turn``) across the turn's requests: its state machine,
+    the genuine user turn it belongs to (history position) and the turn's final answers so far, oldest first."""
+
+    turn_start: int | None
+    gate: TurnGate
+    finals: list[str] = field(default_factory=list)
+
+
+def eligible(exchange: Exchange, model: ModelCall | None, config: GateConfig) -> bool:
+    """Whether the request's reply goes through the gate: the gate on, a supervisor model, agent tools offered."""
+    return config.enabled and model is not None and bool(exchange.tools)
+
+
+class Gating:
+    """The gate for one supervised request (module docstring). ``resend`` sends a body the way the request went;
+    ``background`` runs the verdict of a held stream while keep-alives go out (None: inline, no keep-alives)."""
+
+    def __init__(self, exchange: Exchange, config: GateConfig, model: ModelCall, resend: Resend,
+                 mutating_tools: frozenset[str] = frozenset(), background: trio.Nursery | None = None) -> None:
+        self.exchange = exchange
+        self.fmt = exchange.fmt
+        self.config = config
+        self.model = model
+        self.resend = resend
+        self.mutating_tools = mutating_tools
+        self.background = background
+        self.policy = GatePolicy(config.reentry_budget, config.failure_policy, config.headless)
+        self.record: dict[str, Any] | None = None
+
+    # ---- the reply ----------------------------------------------------------------------------------------------
+    async def reply(self, reply: UpstreamReply) -> UpstreamReply:
+        """The reply for the agent: ``reply`` itself, or the turn's continued reply (module docstring). Never
+        raises for a verifier or upstream failure; cancellation propagates."""
+        if not rewritable(reply):
+            return reply
+        if reply.streaming:
+            return UpstreamReply(reply.status, reply.headers, GatedStream(self, reply.body), reply.upstream_s)
+        first_s = reply.upstream_s
+        while True:
+            assert isinstance(reply.body, bytes)
+            try:
+                response = orjson.loads(reply.body)
+            except orjson.JSONDecodeError:
+                return reply
+            if not isinstance(response, dict) or self._calls_tools(response):
+                return reply
+            items = await self.judged(response)
+            if items is None:
+                return reply
+            continued = await self.carry_on(items)
+            if continued is None:
+                return reply
+            reply = dataclasses.replace(continued, upstream_s=first_s + self._waited())
+            if reply.streaming:  # an upstream that streamed unasked: pass it on as it is
+                return reply
+
+    def _waited(self) -> float:
+        cont = self.exchange.continuation
+        return cont.waited_s if cont is not None else 0.0
+
+    def _calls_tools(self, response: dict[str, Any]) -> bool:
+        try:
+            return bool(self.fmt.parse_response(response).tool_calls)
+        except (AttributeError, IndexError, KeyError, TypeError):  # not a response this format reads: not ours
+            return True
+
+    # ---- judging one held answer -----------------------------------------------------------------------------------
+    def _turn(self) -> GateTurn:
+        thread = self.exchange.thread
+        start = thread.tracker.turn_start
+        turn = thread.gate_turn
+        if turn is None or turn.turn_start != start or turn.gate.state == DONE:
+            turn = thread.gate_turn = GateTurn(start, TurnGate(self.policy))
+        return turn
+
+    def _ledger(self) -> dict[str, Any]:
+        if self.record is None:
+            self.record = {"verdicts": [], "nudges": 0, "reentries": 0, "refuted": 0}
+            self.exchange.record.gate = self.record
+        return self.record
+
+    def _actions(self, start: int | None) -> list[digest.Action]:
+        ex = self.exchange
+        items = ex.items[start + 1:] if start is not None else ex.items
+        if ex.continuation is not None:
+            items = items + ex.continuation.items
+        return digest.turn_actions([self.fmt.message(i) for i in items], ex.schemas, self.mutating_tools)
+
+    async def judged(self, response: dict[str, Any]) -> list[Any] | None:
+        """:meth:`judge`, with a failure of the gate's own code delivering the answer unverified."""
+        try:
+            return await self.judge(response)
+        except Exception as exc:  # noqa: BLE001 - the agent's answer must never be lost to a supervisor bug
+            log.exception("the verify-gate failed; delivering the answer unverified")
+            self.abandon(f"the verify-gate failed ({type(exc).__name__})")
+            return None
+
+    async def judge(self, response: dict[str, Any]) -> list[Any] | None:
+        """Run the gate on a held turn-ending ``response`` (a non-streaming response body). Returns None to
+        deliver it, or the history items to continue the turn with (the held answer, then a user note)."""
+        turn = self._turn()
+        record = self._ledger()
+        text = self.fmt.parse_response(response).text
+        clean, bodies = strip(text)
+        report = report_outcome(bodies).report
+        turn.finals.append(clean)
+        await planning.reconcile(self.exchange, report)  # the plan as the turn left it, before it is judged
+        actions = self._actions(turn.turn_start)
+        decision: Any = turn.gate.handle(Stop(report.state if report else None, digest.evidence(actions)))
+        document: str | None = None
+        previous: str | None = None
+        while True:
+            if isinstance(decision, Nudge):
+                record["nudges"] += 1
+                return self._carried(response, decision.note)
+            if isinstance(decision, Verify):
+                if document is None:
+                    document = self._digest(turn, actions, report, decision)
+                answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
+                                         previous if decision.format_retry else None)
+                if answer is None:
+                    record["verdicts"].append("unavailable")
+                    decision = turn.gate.handle(Unavailable("the verifier call failed or timed out"))
+                    continue
+                previous = answer
+                parsed = parse(answer, decision.handback)
+                record["verdicts"].append("malformed" if isinstance(parsed, Malformed) else parsed.outcome)
+                decision = turn.gate.handle(answer_event(parsed))
+            elif isinstance(decision, Refute):
+                assert document is not None
+                answer = await self._ask("refute", REFUTER_INSTRUCTIONS, refutation_input(document, decision.gaps))
+                result = refute(decision.gaps, answer)
+                record["refuted"] += len(result.refuted)
+                decision = turn.gate.handle(Refuted(result.kept))
+            elif isinstance(decision, Reenter):
+                record["reentries"] += 1
+                record["gaps"] = [g.text for g in decision.gaps]
+                log.info("session turn gated: %d gap(s); continuing the turn upstream", len(decision.gaps))
+                return self._carried(response, decision.advisory)
+            else:
+                assert isinstance(decision, Deliver)
+                self._deliver(decision)
+                if decision.passed and decision.outcome in (VERIFIED, UNKNOWN) and not turn.gate.handback:
+                    planning.clear(self.exchange.thread)  # a passed completion closes the plan (reference 4)
+                return None
+
+    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
+        ex = self.exchange
+        start = turn.turn_start
+        request = self.fmt.message(ex.items[start]).text if start is not None and start < len(ex.items) \
+            else ex.parts[1]
+        plan = ex.thread.plan
+        return digest.build(request, turn.finals, actions, instructions=ex.parts[0],
+                            plan=render_text(plan) if plan is not None else None,
+                            state=report.state if report else None, claim=report.focus if report else "",
+                            previous_gaps=[g.text for g in decision.previous_gaps],
+                            budget=self.config.digest_budget_tokens)
+
+    def _deliver(self, decision: Deliver) -> None:
+        record = self._ledger()
+        record.update(outcome=decision.outcome, passed=decision.passed, reason=decision.reason)
+        if decision.gaps:
+            record["gaps"] = [g.text for g in decision.gaps]
+        (log.info if decision.passed else log.warning)("turn %s: %s", decision.outcome, decision.reason)
+
+    def abandon(self, reason: str) -> None:
+        """The turn could not be continued: the held answer is delivered, labelled ``unverified``."""
+        record = self._ledger()
+        record.update(outcome="unverified", passed=False, reason=reason)
+        self.exchange.thread.gate_turn = None
+        log.warning("turn unverified: %s", reason)
+
+    async def _ask(self, purpose: str, system: str, document: str, retry_of: str | None = None) -> str | None:
+        """The supervisor model's answer to one gate call, or None when it failed or took longer than
+        ``[supervisor.gate] timeout_s``; counted in the request's record either way."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
+        if retry_of is not None:
+            messages += [{"role": "assistant", "content": retry_of}, {"role": "user", "content": FORMAT_RETRY}]
+        answer: str | None = None
+        with trio.move_on_after(self.config.timeout_s):
+            try:
+                answer = await self.model(messages)
+            except Exception as exc:  # noqa: BLE001 - any failure of the verifier is "unavailable", never fatal
+                log.warning("the %s call failed: %s: %s", purpose, type(exc).__name__, exc)
+        self.exchange.record.model.record(purpose, answer)
+        return answer
+
+    def _carried(self, response: dict[str, Any], note: str) -> list[Any]:
+        """The held answer as history items (self-report stripped), then ``note`` as a user message."""
+        self.fmt.edit_response(response, lambda text: strip(text)[0].strip() or EMPTY_ANSWER)
+        return self.fmt.assistant_items(response, lambda _name: False) + [self.fmt.user_item(note)]
+
+    async def carry_on(self, items: list[Any]) -> UpstreamReply | None:
+        """Continue the turn upstream with ``items``; None (after :meth:`abandon`) when that failed."""
+        ex = self.exchange
+        if ex.continuation is None:
+            ex.continuation = Continuation(self.fmt, ex.body, self.resend, lambda _name: False,
+                                           background=self.background, remember=ex.remember)
+        cont = ex.continuation
+        try:
+            reply = await cont.send(items)
+        except UpstreamError as exc:
+            self.abandon(f"continuing the turn upstream failed ({exc.status}): {exc.message}")
+            return None
+        if reply.status >= 400 or not rewritable(reply):
+            await continuation._close(reply.body)
+            self.abandon(f"upstream refused to continue the turn ({reply.status})")
+            return None
+        if ex.delegation is not None:  # the continued answer may call delegation tools in turn
+            reply = await cont.reply(reply)
+        return reply
+
+
+class GatedStream:
+    """The agent's stream of a gated request (module docstring). Like a ``RelayedStream``: iterate it once;
+    afterwards ``error`` is None or what cut it short, and ``last_chunk`` is the last bytes sent."""
+
+    def __init__(self, gating: Gating, first: Any) -> None:
+        self.gating = gating
+        self.first = first
+        self.error: UpstreamError | None = None
+        self.last_chunk = b""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        g = self.gating
+        stream = self.first
+        while True:
+            splitter = EventSplitter()
+            detector = g.fmt.stream_splice(lambda _name: True)  # .held turns True when a tool call starts
+            held: list[bytes] = []
+            events: list[tuple[str | None, str]] = []
+            passing = False
+            async for chunk in stream:
+                if passing:
+                    self.last_chunk = chunk
+                    yield chunk
+                    continue
+                blocks = splitter.feed(chunk)
+                for n, block in enumerate(blocks):
+                    parsed = SSEParser().feed(block)
+                    if parsed:
+                        events.append((parsed[0].event, parsed[0].data))
+                        detector.event(parsed[0].event, parsed[0].data)
+                    if detector.held:  # a tool-call round: everything held goes out, the rest streams through
+                        out = b"".join(held + blocks[n:]) + splitter.rest()
+                        held, passing = [], True
+                        self.last_chunk = out
+                        yield out
+                        break
+                    held.append(block)
+            if passing:
+                self.error = getattr(stream, "error", None)
+                return
+            rest = splitter.rest()
+            self.error = getattr(stream, "error", None)
+            if self.error is not None or rest:
+                # A broken stream is not judged: the agent gets what came and the error.
+                out = b"".join(held) + rest
+                if out:
+                    self.last_chunk = out
+                    yield out
+                if self.error is None:
+                    self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
+                return
+            verdict = _Verdict()
+            async for keepalive in _judging(g, g.fmt.stream_response(events), verdict):
+                self.last_chunk = keepalive
+                yield keepalive
+            reply = await g.carry_on(verdict.items) if verdict.items is not None else None
+            if reply is None:
+                out = b"".join(held)
+                self.last_chunk = out
+                yield out
+                return
+            if not reply.streaming:  # an upstream that answered a stream with JSON: nothing to splice
+                assert isinstance(reply.body, bytes)
+                g.abandon("upstream continued the turn without a stream")
+                out = b"".join(held)
+                self.last_chunk = out
+                yield out
+                return
+            stream = reply.body
+
+
+@dataclass
+class _Verdict:
+    items: list[Any] | None = None
+
+
+async def _judging(g: Gating, response: dict[str, Any], verdict: _Verdict) -> AsyncIterator[bytes]:
+    """Judge ``response`` into ``verdict``, yielding keep-alives while it is pending (inline, without any, when
+    there is no background nursery). The judging is cancelled if the agent's stream is closed meanwhile."""
+    if g.background is None:
+        verdict.items = await g.judged(response)
+        return
+    done = trio.Event()
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        try:
+            with scope:
+                verdict.items = await g.judged(response)
+        finally:
+            done.set()
+
+    g.background.start_soon(run)
+    try:
+        while not done.is_set():
+            with trio.move_on_after(continuation.KEEPALIVE_S):
+                await done.wait()
+            if not done.is_set():
+                yield g.fmt.keepalive
+    finally:
+        scope.cancel()

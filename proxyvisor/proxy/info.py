@@ -1,0 +1,263 @@
+"""The /info counters of a session, summed from its ledger: the ledger is the source of /info.
+
+Every supervised request writes one ledger line (``Pipeline._account``, ``proxyvisor.store``), so what /info,
+``GET /proxyvisor/sessions/{id}/info`` and ``proxyvisor info`` show survives a restart of the proxy and never
+mixes sessions. The fields of a ledger line read here (all optional but ``status``):
+
+- ``status``: HTTP status of the answer (499: the client left before it); ``format``: ``chat``, ``messages`` or
+  ``responses``; ``model``: the model the request named (str, or None);
+- ``input_tokens``, ``output_tokens``: upstream tokens the answer reported (int, or None when it reported none);
+- ``overhead_ms``: time proxyvisor added to the request (ms);
+- ``local``: ``"/info"`` or ``"/plan"``: answered by proxyvisor itself (``proxyvisor.proxy.commands``), no model
+  call; such a line is counted under ``local`` and nowhere else;
+- ``tool_round``: true when the agent's history ended with tool results (as the agent sent it, before notes);
+- ``report``: the reply's self-report, ``{"status": "ok"|"missing"|"malformed", "state": str|None}`` (absent for an
+  error reply or one cut short);
+- ``signals``: the detector signals that fired on this request's history (list of str); ``steer``: the signal of
+  the steer note added to this request (str);
+- ``condensed``: ``{"results": n, "saved_tokens": n}``: tool results narrowed for the first time on this request,
+  and the tokens the narrowed results (new and earlier ones) saved in its upstream body;
+- ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd"}``: the supervisor
+  model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when it made any;
+- ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
+  ``malformed``, ``unavailable``), ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``,
+  ``unknown``, ``failed``, ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str).
+
+The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
+are milliseconds:
+
+- ``requests``: model requests (lines without ``local``); ``errors``: of them answered with status >= 400;
+  ``tool_rounds``: of them whose history ended with tool results; ``local``: ``{command: n}`` answered locally;
+  ``first``, ``last``: the times (ISO 8601) of the first and last line, or None;
+- ``self_report``: ``{"by_status": {status: n}, "by_state": {state: n}}``;
+- ``detectors``: ``{"fires": {signal: n}, "steers": {signal: n}}``;
+- ``gate``: ``{"runs", "passes", "gaps", "malformed", "unavailable", "nudges", "reentries", "refuted",
+  "outcomes": {label: n}, "last_outcome": label or None}``: ``runs`` counts requests the gate checked,
+  ``passes`` those it passed, ``gaps`` / ``malformed`` / ``unavailable`` verifier verdicts of that kind;
+- ``condense``: ``{"results", "saved_tokens"}``: ``saved_tokens`` sums every request's saving, i.e. the input
+  tokens not sent upstream over the session;
+- ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
+- ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd"}``
+  (cost as litellm reported it when the call was made);
+- ``upstream``: ``{"input_tokens", "output_tokens", "cost_usd", "cost_known", "unpriced": [model]}``: the cost
+  is litellm's cost map applied per request when the summary is made; a model the map does not price (the
+  scripted upstream, a local model) counts 0 USD, is listed in ``unpriced`` and makes ``cost_known`` false;
+- ``overhead_ms``: ``{"total", "mean", "p50", "max"}`` over model requests (0 without any).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .supervise import RequestRecord
+
+Price = Callable[[str, int, int], "float | None"]
+"""The cost in USD of one request to a model, given (model, input tokens, output tokens); None: not priced."""
+
+
+def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
+    """The ledger fields (module docstring) for what supervision did for one request, from its ``record``
+    (``proxyvisor.proxy.supervise.RequestRecord``, complete once the reply is through); ``tool_round``: the
+    agent's history ended with tool results. Fields with nothing to say are left out."""
+    out: dict[str, Any] = {"tool_round": tool_round}
+    if record.report is not None:
+        out["report"] = {"status": record.report.status,
+                         "state": record.report.report.state if record.report.report is not None else None}
+    signals = [signal for _index, fired in record.firings for signal in fired]
+    if signals:
+        out["signals"] = signals
+    if record.note is not None:
+        out["steer"] = record.note
+    if record.condense is not None:
+        # A retried request recalls its round's decisions: only those made now count as newly narrowed.
+        narrowed = sum(1 for c in record.condense.round if c.decision.text is not None)
+        out["condensed"] = {"results": min(record.condense.new, narrowed),
+                            "saved_tokens": record.condense.saved_tokens}
+    model = record.model
+    if model.calls:
+        out["supervisor_model"] = {"calls": dict(model.calls), "input_tokens": model.input_tokens,
+                                   "output_tokens": model.output_tokens, "cost_usd": model.cost_usd}
+    if record.gate is not None:
+        out["gate"] = record.gate
+    return out
+
+
+def litellm_price(model: str, input_tokens: int, output_tokens: int) -> float | None:
+    """The cost of one request from litellm's cost map (``litellm.cost_per_token``); None for a model it does
+    not price. Imports litellm on first use (seconds: call it off the event loop)."""
+    from ..adapters.litellm_bridge import import_litellm
+
+    litellm = import_litellm()
+    try:
+        prompt, completion = litellm.cost_per_token(model=model, prompt_tokens=input_tokens,
+                                                    completion_tokens=output_tokens)
+    except Exception:  # noqa: BLE001 - litellm raises several types for a model missing from its map
+        return None
+    return float(prompt) + float(completion)
+
+
+def _num(value: Any) -> float:
+    """A number from a ledger field; anything else (None, a string, a bool) counts as 0."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _int(value: Any) -> int:
+    return int(_num(value))
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _ms(value: float) -> float:
+    return round(value, 3)
+
+
+def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) -> dict[str, Any]:
+    """The /info object (module docstring) of one session's ledger ``lines`` (in ledger order).
+
+    ``price`` prices the upstream tokens (default :func:`litellm_price`, only called when there are tokens);
+    each model is asked once per line until it proves unpriced. Odd field values count as absent; never raises
+    for a line's content.
+    """
+    requests = errors = tool_rounds = 0
+    local: Counter[str] = Counter()
+    first = last = None
+    by_status: Counter[str] = Counter()
+    by_state: Counter[str] = Counter()
+    fires: Counter[str] = Counter()
+    steers: Counter[str] = Counter()
+    gate: Counter[str] = Counter()
+    outcomes: Counter[str] = Counter()
+    last_outcome = None
+    condensed: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    sup_in = sup_out = 0
+    sup_cost = 0.0
+    tokens_in = tokens_out = 0
+    cost = 0.0
+    unpriced: set[str] = set()
+    overheads: list[float] = []
+    price = price or litellm_price
+    for line in lines:
+        first = first or line.get("time")
+        last = line.get("time") or last
+        if isinstance(line.get("local"), str):
+            local[line["local"]] += 1
+            continue
+        requests += 1
+        errors += _int(line.get("status")) >= 400
+        tool_rounds += line.get("tool_round") is True
+        overheads.append(_num(line.get("overhead_ms")))
+        report = _dict(line.get("report"))
+        if isinstance(report.get("status"), str):
+            by_status[report["status"]] += 1
+        if isinstance(report.get("state"), str):
+            by_state[report["state"]] += 1
+        fires.update(s for s in _list(line.get("signals")) if isinstance(s, str))
+        if isinstance(line.get("steer"), str):
+            steers[line["steer"]] += 1
+        g = line.get("gate")
+        if isinstance(g, dict):
+            gate["runs"] += 1
+            gate["passes"] += g.get("passed") is True
+            verdicts = [v for v in _list(g.get("verdicts")) if isinstance(v, str)]
+            for kind in ("gaps", "malformed", "unavailable"):
+                gate[kind] += verdicts.count(kind)
+            for key in ("nudges", "reentries", "refuted"):
+                gate[key] += _int(g.get(key))
+            if isinstance(g.get("outcome"), str):
+                outcomes[g["outcome"]] += 1
+                last_outcome = g["outcome"]
+        c = _dict(line.get("condensed"))
+        condensed["results"] += _int(c.get("results"))
+        condensed["saved_tokens"] += _int(c.get("saved_tokens"))
+        m = _dict(line.get("supervisor_model"))
+        calls.update({k: _int(v) for k, v in _dict(m.get("calls")).items()})
+        sup_in += _int(m.get("input_tokens"))
+        sup_out += _int(m.get("output_tokens"))
+        sup_cost += _num(m.get("cost_usd"))
+        t_in, t_out = _int(line.get("input_tokens")), _int(line.get("output_tokens"))
+        tokens_in += t_in
+        tokens_out += t_out
+        if t_in or t_out:
+            model = line.get("model")
+            usd = price(model, t_in, t_out) if isinstance(model, str) and model not in unpriced else None
+            if usd is None:
+                unpriced.add(model if isinstance(model, str) else "(no model)")
+            else:
+                cost += usd
+    return {
+        "requests": requests,
+        "errors": errors,
+        "tool_rounds": tool_rounds,
+        "local": dict(local),
+        "first": first,
+        "last": last,
+        "self_report": {"by_status": dict(by_status), "by_state": dict(by_state)},
+        "detectors": {"fires": dict(fires), "steers": dict(steers)},
+        "gate": {**{k: gate[k] for k in ("runs", "passes", "gaps", "malformed", "unavailable", "nudges",
+                                         "reentries", "refuted")},
+                 "outcomes": dict(outcomes), "last_outcome": last_outcome},
+        "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"]},
+        "planner_calls": calls["plan"],
+        "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
+                             "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost},
+        "upstream": {"input_tokens": tokens_in, "output_tokens": tokens_out, "cost_usd": cost,
+                     "cost_known": not unpriced, "unpriced": sorted(unpriced)},
+        "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
+                        "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
+                        "max": _ms(max(overheads, default=0.0))},
+    }
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    """``a 3 · b 1``, largest first; ``none`` when empty."""
+    items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return " · ".join(f"{k} {v:,}" for k, v in items) or "none"
+
+
+def _usd(value: float) -> str:
+    return f"${value:,.4f}"
+
+
+def render_text(info: Mapping[str, Any]) -> str:
+    """``info`` (a :func:`summarize` object, with ``session`` when known) as a compact Markdown table that reads
+    as plain text too: the text of proxyvisor's /info answer and of ``proxyvisor info``."""
+    gate, up, sup, over = info["gate"], info["upstream"], info["supervisor_model"], info["overhead_ms"]
+    report = info["self_report"]
+    local = sum(info["local"].values())
+    rows = [
+        ("model requests", f"{info['requests']:,} (tool rounds {info['tool_rounds']:,}, errors {info['errors']:,})"
+                           + (f"; {local:,} answered by proxyvisor" if local else "")),
+        ("self-reports", _counts(report["by_status"])),
+        ("reported states", _counts(report["by_state"])),
+        ("detector fires", _counts(info["detectors"]["fires"])),
+        ("steer notes", _counts(info["detectors"]["steers"])),
+        ("gate", (f"runs {gate['runs']:,} · passes {gate['passes']:,} · gaps {gate['gaps']:,} · nudges "
+                  f"{gate['nudges']:,} · re-entries {gate['reentries']:,} · refuted {gate['refuted']:,} · "
+                  f"unavailable {gate['unavailable']:,}")),
+        ("gate outcomes", _counts(gate["outcomes"])
+         + (f" (last: {gate['last_outcome']})" if gate["last_outcome"] else "")),
+        ("condensed", f"results {info['condense']['results']:,} · saved {info['condense']['saved_tokens']:,} tokens"),
+        ("planner calls", f"{info['planner_calls']:,}"),
+        ("supervisor model", (f"{sup['total_calls']:,} calls ({_counts(sup['calls'])}) · {sup['input_tokens']:,} "
+                              f"in / {sup['output_tokens']:,} out tokens · {_usd(sup['cost_usd'])}")),
+        ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens · {_usd(up['cost_usd'])}"
+                     + ("" if up["cost_known"] else f" (not priced: {', '.join(up['unpriced'])})")),
+        ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
+                            f"max {over['max']:,.1f} ms")),
+    ]
+    width = max(len(name) for name, _ in rows)
+    head = "proxyvisor /info" + (f" · session {info['session']}" if info.get("session") else "")
+    lines = [f"**{head}**", "", f"| {'counter'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+    return "\n".join(lines)

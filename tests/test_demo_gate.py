@@ -1,0 +1,68 @@
+"""The demo's verify-gate scene: a premature "done" held, the gap, the rework, the verified label, /info."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from proxyvisor.config import Config
+from proxyvisor.demo_gate import PREMATURE, run_gated_agent
+from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.service import running
+from proxyvisor.store import Store
+from proxyvisor.supervisor_model import with_model
+
+
+async def _scene(tmp_path: Path, fmt: str, config: Config) -> tuple[str, list[dict], Path]:
+    """Run the gate scene in ``fmt``; returns (what it printed, the session's ledger, the scratch folder)."""
+    out = io.StringIO()
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    store = Store(tmp_path / "state")
+    async with running(with_model(config), port=0, store=store) as proxy:
+        await run_gated_agent(proxy, BY_NAME[fmt], workdir, Console(file=out, width=200))
+    [session] = store.sessions()
+    return out.getvalue(), store.read_ledger(session), workdir
+
+
+@pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
+async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified(tmp_path: Path, fmt: str) -> None:
+    text, ledger, workdir = await _scene(tmp_path, fmt, Config())
+    held = text.index("held the model's turn-ending answer; the agent never got it")
+    assert PREMATURE in text[held:]
+    # The gap and what would settle it, as the model got them in the advisory.
+    assert re.search(r"the verifier found a gap \(a refutation pass let it stand\):\n\s+no check ran after the last "
+                     r"change\n", text)
+    assert "1. no check ran after the last change (would be settled by: run the tests" in text
+    # The rework: the tests ran for real in the scratch folder, after the fix, and passed.
+    rework = text.index("calls bash({'command': 'python test_app.py'})")
+    assert held < rework < text.index("runs it: test_app.py: 1 test passed | exit code 0")
+    assert "return a + b" in (workdir / "app.py").read_text()
+    assert "the verifier said pass:\n             completion verified: state changed and a check ran" in text
+    assert "turn outcome: verified" in text
+    assert 'the agent never received the premature "done": it got the reworked turn' in text
+    # /info, answered by proxyvisor with no model call, counts the gate's work.
+    assert "proxyvisor answers /info itself (status 200, model calls: 0):" in text
+    assert re.search(r"gate\s+runs 2 · passes 1 · gaps 1 · nudges 0 · re-entries 1", text)
+    assert re.search(r"gate outcomes\s+verified 1 \(last: verified\)", text)
+    # The ledger: one line per request, the gate's outcome on the turn's last model request.
+    gates = [(line.get("gate") or {}) for line in ledger]
+    assert [g.get("verdicts") for g in gates] == [None, None, ["gaps"], ["pass"], None]
+    assert [g.get("outcome") for g in gates] == [None, None, None, "verified", None]
+    assert ledger[-1]["local"] == "/info" and ledger[-1]["input_tokens"] == 0
+    assert re.search(r"tool result\s+done\s+pass\s+verified", text)
+    assert re.search(r"/info\s+-\s+-\s+answered locally", text)
+
+
+async def test_without_the_gate_the_agent_gets_the_premature_done(tmp_path: Path) -> None:
+    config = Config()
+    config = config.with_overrides(supervisor={"gate": dataclasses.replace(config.supervisor.gate, enabled=False)})
+    text, ledger, _workdir = await _scene(tmp_path, "chat", config)
+    assert f"answers: {PREMATURE}" in text
+    assert 'the agent received the premature "done"' in text and "never received" not in text
+    assert "python test_app.py" not in text and all("gate" not in line for line in ledger)

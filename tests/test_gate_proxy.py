@@ -1,0 +1,456 @@
+"""The verify-gate through a running proxy: every gate path in all three formats, streamed and not.
+
+The verifier is a scripted stand-in (:class:`Verifier`, passed as the supervisor model): it answers the gate's
+calls from a queue per purpose and records what it was asked. The agent's model is the scripted upstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from proxyvisor.adapters import scripted_verifier
+from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.config import Config, GateConfig
+from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
+from proxyvisor.proxy import continuation
+from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
+from proxyvisor.proxy.formats.base import CallResult
+from proxyvisor.proxy.service import RunningProxy, running
+from proxyvisor.store import Store
+
+from helpers import FORMATS, MODEL, http_client, request_body, sse_events
+
+MODES = [(f, s) for f in FORMATS for s in (False, True)]
+IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
+DONE = {"text": "Done: the bug is fixed.", "output_tokens": 7}
+REWORKED = {"text": "Fixed, and the tests pass now.", "output_tokens": 8}
+
+
+def verdict(verdict: str = "pass", gaps: tuple[tuple[str, str], ...] = (), handback: bool | None = None) -> str:
+    requirement = {"id": 1, "requirement": "fix the bug", "status": "unmatched" if gaps else "matched",
+                   "basis": "recorded_output" if gaps else None, "evidence": "x"}
+    return orjson.dumps({"requirements": [requirement],
+                         "gaps": [{"requirement": 1, "gap": g, "settles": s} for g, s in gaps],
+                         "handback": None if handback is None else {"needs_user": handback, "reason": "r"},
+                         "verdict": verdict}).decode()
+
+
+GAP = ("the tests were not run", "a passing test run")
+OTHER_GAP = ("the docs were not updated", "the updated README")
+
+
+class Verifier:
+    """A supervisor model double: ``verify`` and ``refute`` answers, in order (an exception instance is raised;
+    ``None`` from a callable means "hang until cancelled"); every call's messages are kept in ``calls``."""
+
+    def __init__(self, verify: list[Any] | None = None, refute: list[Any] | None = None) -> None:
+        self.answers = {"verify": list(verify or []), "refute": list(refute or [])}
+        self.calls: list[tuple[str, list[dict[str, str]]]] = []
+        self.release: trio.Event | None = None
+
+    async def __call__(self, messages: list[dict[str, str]]) -> str:
+        system = messages[0]["content"]
+        purpose = "verify" if system == VERIFIER_INSTRUCTIONS else "refute" if system == REFUTER_INSTRUCTIONS else "?"
+        self.calls.append((purpose, messages))
+        if self.release is not None:
+            await self.release.wait()
+        queue = self.answers[purpose]
+        answer = queue.pop(0) if queue else (verdict() if purpose == "verify" else '{"findings": []}')
+        if isinstance(answer, Exception):
+            raise answer
+        if callable(answer):
+            return answer(messages)
+        return answer
+
+    def purposes(self) -> list[str]:
+        return [p for p, _ in self.calls]
+
+
+@dataclasses.dataclass
+class Run:
+    proxy: RunningProxy
+    store: Store
+    upstream: ScriptedUpstream
+    verifier: Verifier
+
+    def ledger(self) -> list[dict[str, Any]]:
+        (session,) = self.store.sessions()
+        return self.store.read_ledger(session)
+
+    def gate(self) -> dict[str, Any]:
+        """The ``gate`` object of the last ledger line that has one."""
+        return [line["gate"] for line in self.ledger() if "gate" in line][-1]
+
+    def upstream_bodies(self) -> list[dict[str, Any]]:
+        return [orjson.loads(body) for _target, body, _headers in self.upstream.requests]
+
+
+@asynccontextmanager
+async def gated(tmp_path: Path, steps: list[dict[str, Any]], verifier: Verifier,
+                **gate: Any) -> AsyncIterator[Run]:
+    config = Config().with_overrides(supervisor={"gate": GateConfig(**gate)})
+    upstream = ScriptedUpstream(steps)
+    store = Store(tmp_path / "state")
+    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=verifier) as proxy:
+        yield Run(proxy, store, upstream, verifier)
+
+
+async def send(run: Run, fmt: str, stream: bool, body: dict[str, Any] | None = None,
+               on_chunk: Callable[[bytes], None] | None = None) -> tuple[str, list[str], bytes]:
+    """Send one agent request; returns the answer's text, its tool call names and the raw bytes received."""
+    body = body or request_body(fmt, stream)
+    got = b""
+    async with http_client() as client, client.stream(
+            "POST", run.proxy.url + BY_NAME[fmt].path, content=orjson.dumps(body),
+            headers={"content-type": "application/json", "x-proxyvisor-session": "gate-test"}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for chunk in response.aiter_raw():
+            got += chunk
+            if on_chunk is not None:
+                on_chunk(got)
+    w = BY_NAME[fmt]
+    if stream:
+        turn = w.assemble([(e.event, e.data) for e in sse_events(got)])
+    else:
+        turn = w.parse_response(orjson.loads(got))
+    # A stripped self-report leaves the newline before it; the agent's text is otherwise as the model wrote it.
+    return turn.text.rstrip("\n"), [c.name for c in turn.tool_calls], got
+
+
+def with_history(fmt: str, stream: bool, prompt: str, mutation: bool = True, check: str | None = None) -> dict[str, Any]:
+    """An agent request whose turn holds an edit (``mutation``) and optionally a test command's result."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                      {"role": "user", "content": prompt}]
+    calls = []
+    if mutation:
+        calls.append(("c1", {"command": "sed -i 's/a/b/' app.py"}, ""))
+    if check is not None:
+        calls.append(("c2", {"command": "pytest -q"}, check))
+    for call_id, arguments, result in calls:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "Bash", "arguments": orjson.dumps(arguments).decode()}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+    tools = (ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}, "Run a command"),)
+    return BY_NAME[fmt].request_from_chat(messages, MODEL, stream, tools)
+
+
+def with_report(text: str, state: str) -> str:
+    report = {"state": state, "focus": "the fix", "next": None, "carry": [], "plan": None}
+    return f"{text}\n<sup>{orjson.dumps(report).decode()}</sup>"
+
+
+# ---- pass --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_passing_answer_is_delivered_unchanged_and_labelled(tmp_path: Path, fmt: str, stream: bool) -> None:
+    async with gated(tmp_path, [DONE], Verifier([verdict()])) as run:
+        text, calls, _ = await send(run, fmt, stream)
+    assert (text, calls) == (DONE["text"], [])
+    assert run.verifier.purposes() == ["verify"]
+    assert len(run.upstream.requests) == 1
+    gate = run.gate()
+    assert (gate["verdicts"], gate["outcome"], gate["passed"], gate["reentries"]) == (["pass"], "unknown", True, 0)
+    assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 1}
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_an_edit_followed_by_a_passing_check_is_verified(tmp_path: Path, fmt: str, stream: bool) -> None:
+    body = with_history(fmt, stream, "Fix the bug in app.py.", check="3 passed")
+    async with gated(tmp_path, [DONE], Verifier([verdict()])) as run:
+        text, _, _ = await send(run, fmt, stream, body)
+    assert text == DONE["text"]
+    assert run.gate()["outcome"] == "verified"
+    digest = run.verifier.calls[0][1][1]["content"]
+    assert "3 passed" in digest and "Fix the bug in app.py." in digest
+
+
+# ---- gaps then pass ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_gaps_continue_the_turn_and_the_agent_gets_the_reworked_answer(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    verifier = Verifier([verdict("gaps", (GAP,)), verdict()])
+    async with gated(tmp_path, [DONE, REWORKED], verifier) as run:
+        text, calls, raw = await send(run, fmt, stream)
+    assert (text, calls) == (REWORKED["text"], [])
+    assert DONE["text"].encode() not in raw  # the held answer never reached the agent
+    assert verifier.purposes() == ["verify", "refute", "verify"]
+    first, second = run.upstream_bodies()
+    continued = orjson.dumps(second).decode()
+    assert "the tests were not run" in continued and "a passing test run" in continued  # the advisory
+    assert DONE["text"] in continued  # the held answer, carried on
+    assert "the tests were not run" not in orjson.dumps(first).decode()
+    gate = run.gate()
+    assert (gate["verdicts"], gate["reentries"], gate["outcome"], gate["passed"]) == (["gaps", "pass"], 1, "unknown",
+                                                                                       True)
+    # The second verifier pass saw both finals and the previous gaps.
+    second_digest = verifier.calls[2][1][1]["content"]
+    assert DONE["text"] in second_digest and REWORKED["text"] in second_digest
+    assert "previously_flagged_gaps" in second_digest
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_continued_turn_that_calls_tools_goes_to_the_agent_and_is_remembered(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    tool_turn = {"tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}, "id": "call_t1"}]}
+    verifier = Verifier([verdict("gaps", (GAP,))])
+    async with gated(tmp_path, [DONE, tool_turn, REWORKED], verifier) as run:
+        _, calls, _ = await send(run, fmt, stream)
+        assert calls == ["Bash"]
+        assert run.gate()["reentries"] == 1 and "outcome" not in run.gate()
+        # The agent runs the test and sends its history on: the held answer and the advisory go back in place.
+        w = BY_NAME[fmt]
+        first = request_body(fmt, stream)
+        response_items = _tool_call_items(fmt, "call_t1")
+        w.extend_history(first, response_items + w.tool_results([CallResult("call_t1", "3 passed")]))
+        text, _, _ = await send(run, fmt, stream, first)
+    assert text == REWORKED["text"]
+    third = orjson.dumps(run.upstream_bodies()[2]).decode()
+    assert DONE["text"] in third and "the tests were not run" in third
+    assert verifier.purposes() == ["verify", "refute", "verify"]
+
+
+def _tool_call_items(fmt: str, call_id: str) -> list[Any]:
+    w = BY_NAME[fmt]
+    response = w.render(AssistantTurn("", (ToolCall("Bash", {"command": "pytest -q"}, call_id),)), MODEL)
+    return w.assistant_items(response, lambda _name: True)
+
+
+# ---- the same gaps after new evidence: failed ----------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_the_same_gaps_after_new_evidence_end_the_turn_failed(tmp_path: Path, fmt: str, stream: bool) -> None:
+    tool_turn = {"tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}, "id": "call_t1"}]}
+    verifier = Verifier([verdict("gaps", (GAP,)), verdict("gaps", (GAP,))])
+    async with gated(tmp_path, [DONE, tool_turn, REWORKED], verifier) as run:
+        await send(run, fmt, stream)
+        w = BY_NAME[fmt]
+        body = request_body(fmt, stream)
+        w.extend_history(body, _tool_call_items(fmt, "call_t1") + w.tool_results([CallResult("call_t1", "1 failed")]))
+        text, _, _ = await send(run, fmt, stream, body)
+    assert text == REWORKED["text"]  # delivered, labelled
+    gate = run.gate()
+    assert (gate["outcome"], gate["passed"], gate["gaps"]) == ("failed", False, [GAP[0]])
+    assert len(run.upstream.requests) == 3  # no further re-entry
+
+
+# ---- budget spent: unverified -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_spent_reentry_budget_delivers_the_last_answer_unverified(tmp_path: Path, fmt: str, stream: bool) -> None:
+    answers = [{"text": f"Attempt {n}."} for n in range(1, 5)]
+    verifier = Verifier([verdict("gaps", (GAP,))] * 3)
+    async with gated(tmp_path, answers, verifier, reentry_budget=2) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == "Attempt 3."
+    assert len(run.upstream.requests) == 3  # the first answer and two re-entries
+    gate = run.gate()
+    assert (gate["outcome"], gate["passed"], gate["reentries"]) == ("unverified", False, 2)
+    assert gate["verdicts"] == ["gaps"] * 3 and "budget spent" in gate["reason"]
+
+
+async def test_a_budget_of_zero_never_continues(tmp_path: Path) -> None:
+    async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))]), reentry_budget=0) as run:
+        text, _, _ = await send(run, "chat", False)
+    assert text == DONE["text"] and len(run.upstream.requests) == 1
+    assert run.gate()["outcome"] == "unverified"
+
+
+# ---- refutation -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_refuted_finding_is_dropped_from_the_advisory(tmp_path: Path, fmt: str, stream: bool) -> None:
+    refutation = orjson.dumps({"findings": [{"id": 1, "status": "stands", "citation": ""},
+                                            {"id": 2, "status": "refuted", "citation": "the request never asks for docs"}]}
+                              ).decode()
+    verifier = Verifier([verdict("gaps", (GAP, OTHER_GAP)), verdict()], [refutation])
+    async with gated(tmp_path, [DONE, REWORKED], verifier) as run:
+        await send(run, fmt, stream)
+    continued = orjson.dumps(run.upstream_bodies()[1]).decode()
+    assert GAP[0] in continued and OTHER_GAP[0] not in continued
+    refuter_input = verifier.calls[1][1][1]["content"]
+    assert "charged_findings" in refuter_input and OTHER_GAP[0] in refuter_input
+    assert run.gate()["refuted"] == 1
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_refuting_every_finding_passes_the_answer(tmp_path: Path, fmt: str, stream: bool) -> None:
+    refutation = '{"findings": [{"id": 1, "status": "refuted", "citation": "action #1 ran the tests"}]}'
+    async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))], [refutation])) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == DONE["text"] and len(run.upstream.requests) == 1
+    assert (run.gate()["passed"], run.gate()["refuted"]) == (True, 1)
+
+
+# ---- malformed then repaired --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_malformed_answer_gets_one_format_retry(tmp_path: Path, fmt: str, stream: bool) -> None:
+    verifier = Verifier(["I think it is fine.", verdict()])
+    async with gated(tmp_path, [DONE], verifier) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == DONE["text"]
+    assert verifier.purposes() == ["verify", "verify"]
+    retry = verifier.calls[1][1]
+    assert retry[-1]["content"] == FORMAT_RETRY and retry[-2] == {"role": "assistant", "content": "I think it is fine."}
+    assert run.gate()["verdicts"] == ["malformed", "pass"] and run.gate()["passed"]
+
+
+async def test_malformed_twice_counts_as_unavailable(tmp_path: Path) -> None:
+    async with gated(tmp_path, [DONE], Verifier(["nope", "still nope"])) as run:
+        text, _, _ = await send(run, "messages", True)
+    assert text == DONE["text"]
+    gate = run.gate()
+    assert (gate["verdicts"], gate["outcome"], gate["passed"]) == (["malformed", "malformed"], "unverified", False)
+
+
+# ---- verifier down ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_verifier_that_is_down_never_costs_the_answer(tmp_path: Path, fmt: str, stream: bool,
+                                                              policy: str) -> None:
+    async with gated(tmp_path, [DONE], Verifier([ConnectionError("verifier down")]), failure_policy=policy) as run:
+        text, calls, _ = await send(run, fmt, stream)
+    assert (text, calls) == (DONE["text"], [])
+    gate = run.gate()
+    assert (gate["verdicts"], gate["outcome"]) == (["unavailable"], "unverified")
+    assert gate["passed"] is (policy == "fail_open")
+    assert run.ledger()[-1]["status"] == 200
+
+
+async def test_a_verifier_that_hangs_times_out_as_unavailable(tmp_path: Path) -> None:
+    verifier = Verifier()
+    verifier.release = trio.Event()  # never set
+    async with gated(tmp_path, [DONE], verifier, timeout_s=0.2) as run:
+        text, _, _ = await send(run, "responses", True)
+    assert text == DONE["text"] and run.gate()["outcome"] == "unverified"
+
+
+# ---- hand-backs --------------------------------------------------------------------------------------------------------
+NEEDS_INPUT = {"text": with_report("Which database should I migrate, staging or production?", "need_input")}
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_handback_that_needs_the_user_passes(tmp_path: Path, fmt: str, stream: bool) -> None:
+    verifier = Verifier([verdict(handback=True)])
+    async with gated(tmp_path, [NEEDS_INPUT, REWORKED], verifier) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == "Which database should I migrate, staging or production?"
+    assert "state: need_input" in verifier.calls[0][1][1]["content"]
+    assert (run.gate()["outcome"], run.gate()["passed"]) == ("unknown", True)
+    assert "hand-back" in run.gate()["reason"]
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_handback_the_agent_could_clear_itself_is_sent_back(tmp_path: Path, fmt: str, stream: bool) -> None:
+    verifier = Verifier([verdict(handback=False), verdict()])
+    async with gated(tmp_path, [NEEDS_INPUT, REWORKED], verifier) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == REWORKED["text"]
+    assert run.gate()["reentries"] == 1
+
+
+# ---- prohibitions -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_forbidden_check_is_compliance_not_a_gap(tmp_path: Path, fmt: str, stream: bool) -> None:
+    policy = Verifier([scripted_verifier_answer] * 3)
+    forbidden = with_history(fmt, stream, "Fix the typo in app.py. Do not run tests, the suite takes an hour.")
+    async with gated(tmp_path, [DONE, REWORKED], policy) as run:
+        text, _, _ = await send(run, fmt, stream, forbidden)
+    digest = policy.calls[0][1][1]["content"]
+    assert "<prohibitions" in digest and "Do not run tests, the suite takes an hour." in digest
+    assert text == DONE["text"] and run.gate()["passed"]
+    # The same turn without the prohibition: the missing check is a gap.
+    async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([scripted_verifier_answer, verdict()])) as run:
+        text, _, _ = await send(run, fmt, stream, with_history(fmt, stream, "Fix the typo in app.py."))
+    assert text == REWORKED["text"] and run.gate()["verdicts"][0] == "gaps"
+
+
+def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:
+    """The scripted upstream's fixed verifier policy, as a model double."""
+    fmt = BY_NAME["chat"]
+    return scripted_verifier.answer(fmt, {"messages": messages})
+
+
+# ---- streams: held, kept alive, tool rounds untouched ---------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_held_stream_gets_keepalives_and_nothing_else_until_the_verdict(
+        tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
+    verifier = Verifier([verdict()])
+    verifier.release = trio.Event()
+    keepalive = BY_NAME[fmt].keepalive
+    seen_before_release: list[bytes] = []
+
+    def on_chunk(got: bytes) -> None:
+        if not verifier.release.is_set():
+            seen_before_release.append(got)
+            if got.count(keepalive) >= 2:
+                verifier.release.set()
+
+    async with gated(tmp_path, [DONE], verifier) as run:
+        with trio.fail_after(10):
+            text, _, raw = await send(run, fmt, True, on_chunk=on_chunk)
+    assert text == DONE["text"]
+    held = seen_before_release[-1]
+    assert held.replace(keepalive, b"") == b""  # only keep-alives went out while the verdict was pending
+    assert raw.startswith(held)
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_tool_call_rounds_are_not_gated(tmp_path: Path, fmt: str, stream: bool) -> None:
+    tool_turn = {"text": "Let me look.", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}}]}
+    verifier = Verifier()
+    async with gated(tmp_path, [tool_turn], verifier) as run:
+        text, calls, _ = await send(run, fmt, stream)
+    assert (text, calls) == ("Let me look.", ["Bash"])
+    assert verifier.calls == [] and all("gate" not in line for line in run.ledger())
+
+
+async def test_a_request_without_tools_is_not_gated(tmp_path: Path) -> None:
+    verifier = Verifier()
+    body = request_body("messages", True)
+    del body["tools"]
+    async with gated(tmp_path, [DONE], verifier) as run:
+        text, _, _ = await send(run, "messages", True, body)
+    assert text == DONE["text"] and verifier.calls == []
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_an_upstream_that_refuses_the_continuation_leaves_the_held_answer(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    async with gated(tmp_path, [DONE, {"fault": {"status": 429}}], Verifier([verdict("gaps", (GAP,))])) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == DONE["text"]
+    gate = run.gate()
+    assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "429" in gate["reason"]
+
+
+async def test_the_gate_off_holds_nothing(tmp_path: Path) -> None:
+    verifier = Verifier()
+    async with gated(tmp_path, [DONE], verifier, enabled=False) as run:
+        text, _, _ = await send(run, "chat", True)
+    assert text == DONE["text"] and verifier.calls == []
+
+
+# ---- headless nudges --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_headless_a_turn_ending_in_progress_is_nudged_twice_then_verified(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    progressing = [{"text": with_report(f"Still working ({n}).", "progressing")} for n in (1, 2, 3)]
+    verifier = Verifier([verdict()])
+    async with gated(tmp_path, progressing, verifier, headless=True) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert text == "Still working (3)."
+    assert len(run.upstream.requests) == 3 and verifier.purposes() == ["verify"]
+    assert "Continue the work" in orjson.dumps(run.upstream_bodies()[1]).decode()
+    assert run.gate()["nudges"] == 2
+
+
+async def test_interactive_sessions_are_not_nudged(tmp_path: Path) -> None:
+    progressing = {"text": with_report("Still working.", "progressing")}
+    async with gated(tmp_path, [progressing], Verifier([verdict()])) as run:
+        text, _, _ = await send(run, "chat", False)
+    assert text == "Still working." and run.gate()["nudges"] == 0

@@ -1,0 +1,220 @@
+"""/info counters: the ledger fields a supervised request writes, and their sum (``proxyvisor.proxy.info``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.condense import Decision
+from proxyvisor.config import Config, ModelConfig
+from proxyvisor.detectors.detectors import LOOP
+from proxyvisor.detectors.selfreport import ReportOutcome, SelfReport
+from proxyvisor.proxy.condensing import Condensed, CondenseRecord
+from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.info import ledger_fields, litellm_price, render_text, summarize
+from proxyvisor.proxy.service import running
+from proxyvisor.proxy.supervise import ModelUse, RequestRecord
+from proxyvisor.store import Store
+
+from helpers import FORMATS, MODEL, http_client, request_body, sse_events
+
+REPORT = '<sup>{"state":"progressing","focus":"poll","next":"poll again","carry":["build id 42"],"plan":null}</sup>'
+GATE = {"verdicts": ["gaps", "pass"], "nudges": 1, "reentries": 1, "refuted": 0, "outcome": "verified",
+        "passed": True, "reason": "", "gaps": []}
+
+LINES: list[dict[str, Any]] = [
+    {"time": "2026-01-01T00:00:00.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
+     "input_tokens": 1000, "output_tokens": 100, "overhead_ms": 1.0, "tool_round": False,
+     "report": {"status": "ok", "state": "exploring"}},
+    {"time": "2026-01-01T00:00:01.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
+     "input_tokens": 2000, "output_tokens": 50, "overhead_ms": 3.0, "tool_round": True,
+     "report": {"status": "ok", "state": "progressing"}, "signals": ["loop", "no_progress"], "steer": "loop",
+     "condensed": {"results": 1, "saved_tokens": 900},
+     "supervisor_model": {"calls": {"condense": 1}, "input_tokens": 400, "output_tokens": 20, "cost_usd": 0.01}},
+    {"time": "2026-01-01T00:00:02.000+00:00", "format": "chat", "model": "local-llm", "status": 200,
+     "input_tokens": 10, "output_tokens": 5, "overhead_ms": 2.0, "tool_round": True,
+     "report": {"status": "ok", "state": "done"}, "signals": ["loop"], "condensed": {"results": 0, "saved_tokens": 900},
+     "gate": GATE,
+     "supervisor_model": {"calls": {"verify": 2, "plan": 1}, "input_tokens": 100, "output_tokens": 10,
+                          "cost_usd": 0.005}},
+    {"time": "2026-01-01T00:00:03.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 529,
+     "input_tokens": None, "output_tokens": None, "overhead_ms": 0.5, "error": "overloaded",
+     "gate": {"verdicts": ["unavailable"], "outcome": "unverified", "passed": False}},
+    {"time": "2026-01-01T00:00:04.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
+     "input_tokens": 0, "output_tokens": 0, "overhead_ms": 40.0, "local": "/info"},
+    {"time": "2026-01-01T00:00:05.000+00:00", "format": "chat", "status": 200, "overhead_ms": 9,
+     "report": {"status": "missing", "state": None}, "signals": "not a list", "condensed": "odd",
+     "input_tokens": "many"},
+]
+PRICES = {"gpt-4o-mini": (1e-6, 2e-6)}
+
+
+def price(model: str, tokens_in: int, tokens_out: int) -> float | None:
+    rates = PRICES.get(model)
+    return None if rates is None else tokens_in * rates[0] + tokens_out * rates[1]
+
+
+def test_summarize_sums_every_counter_of_a_session() -> None:
+    info = summarize(LINES, price)
+    assert (info["requests"], info["errors"], info["tool_rounds"], info["local"]) == (5, 1, 2, {"/info": 1})
+    assert (info["first"], info["last"]) == (LINES[0]["time"], LINES[-1]["time"])
+    assert info["self_report"] == {"by_status": {"ok": 3, "missing": 1},
+                                   "by_state": {"exploring": 1, "progressing": 1, "done": 1}}
+    assert info["detectors"] == {"fires": {"loop": 2, "no_progress": 1}, "steers": {"loop": 1}}
+    assert info["gate"] == {"runs": 2, "passes": 1, "gaps": 1, "malformed": 0, "unavailable": 1, "nudges": 1,
+                            "reentries": 1, "refuted": 0, "outcomes": {"verified": 1, "unverified": 1},
+                            "last_outcome": "unverified"}
+    assert info["condense"] == {"results": 1, "saved_tokens": 1800}
+    assert info["planner_calls"] == 1
+    assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,
+                                        "input_tokens": 500, "output_tokens": 30, "cost_usd": pytest.approx(0.015)}
+    up = info["upstream"]
+    assert (up["input_tokens"], up["output_tokens"]) == (3010, 155)
+    assert up["cost_usd"] == pytest.approx(3000e-6 + 150 * 2e-6)  # local-llm is not priced: 0, and named
+    assert (up["cost_known"], up["unpriced"]) == (False, ["local-llm"])
+    # Model requests only: the local answer's 40 ms is not proxy overhead on a model request.
+    assert info["overhead_ms"] == {"total": 15.5, "mean": 3.1, "p50": 2.0, "max": 9.0}
+
+
+def test_an_empty_ledger_sums_to_zero_and_prices_nothing() -> None:
+    def no_price(*_: Any) -> float:
+        raise AssertionError("nothing to price")
+
+    info = summarize([], no_price)
+    assert info["requests"] == 0 and info["first"] is None
+    assert info["upstream"] == {"input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0, "cost_known": True,
+                                "unpriced": []}
+    assert info["overhead_ms"] == {"total": 0.0, "mean": 0.0, "p50": 0.0, "max": 0.0}
+    assert "none" in render_text(info)
+
+
+def test_an_unpriced_model_is_asked_once() -> None:
+    asked: Counter[str] = Counter()
+
+    def counting(model: str, tokens_in: int, tokens_out: int) -> float | None:
+        asked[model] += 1
+        return price(model, tokens_in, tokens_out)
+
+    summarize(LINES + [LINES[2]] * 3, counting)
+    assert asked == {"gpt-4o-mini": 2, "local-llm": 1}
+
+
+def test_litellm_prices_known_models_and_not_unknown_ones() -> None:
+    assert litellm_price("gpt-4o-mini", 1_000_000, 0) == pytest.approx(0.15)
+    assert litellm_price("scripted-model", 1000, 10) is None
+
+
+def test_render_text_is_a_table_with_every_counter() -> None:
+    text = render_text({"session": "s-1", **summarize(LINES, price)})
+    lines = text.splitlines()
+    assert lines[0] == "**proxyvisor /info · session s-1**"
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in lines[4:]}
+    assert len({line.index("|", 1) for line in lines[2:]}) == 1  # the value column lines up, header included
+    assert rows["model requests"] == "5 (tool rounds 2, errors 1); 1 answered by proxyvisor"
+    assert rows["self-reports"] == "ok 3 · missing 1"
+    assert rows["detector fires"] == "loop 2 · no_progress 1"
+    assert rows["steer notes"] == "loop 1"
+    assert rows["gate"].startswith("runs 2 · passes 1 · gaps 1 · nudges 1 · re-entries 1")
+    assert rows["gate outcomes"] == "unverified 1 · verified 1 (last: unverified)"
+    assert rows["condensed"] == "results 1 · saved 1,800 tokens"
+    assert rows["planner calls"] == "1"
+    assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out")
+    assert rows["upstream"] == "3,010 in / 155 out tokens · $0.0033 (not priced: local-llm)"
+    assert rows["proxy overhead"] == "total 15.5 ms · mean 3.1 · p50 2.0 · max 9.0 ms"
+
+
+def test_ledger_fields_of_a_request_record() -> None:
+    record = RequestRecord([(3, (LOOP,)), (5, (LOOP, "no_progress"))], note=LOOP, note_index=5,
+                           report=ReportOutcome("ok", SelfReport("done", "x", None, ("a",))))
+    whole = Decision(None, "below threshold", 10, 10, 1, 1)
+    narrowed = Decision("short", "condensed", 900, 100, 3, 90)
+    record.condense = CondenseRecord([Condensed("c1", "bash", narrowed), Condensed("c2", "bash", whole)], new=2,
+                                     applied=2, saved_tokens=1500)
+    record.model = ModelUse(Counter({"verify": 1}), 100, 20, 0.5)
+    record.gate = GATE
+    assert ledger_fields(record, True) == {
+        "tool_round": True, "report": {"status": "ok", "state": "done"}, "signals": [LOOP, LOOP, "no_progress"],
+        "steer": LOOP, "condensed": {"results": 1, "saved_tokens": 1500},
+        "supervisor_model": {"calls": {"verify": 1}, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.5},
+        "gate": GATE}
+    # Nothing to say: only the tool round; a malformed report has no state.
+    bare = RequestRecord(report=ReportOutcome("malformed", error="bad"))
+    assert ledger_fields(bare, False) == {"tool_round": False, "report": {"status": "malformed", "state": None}}
+    # A retry recalls its round's decisions: none of them is new.
+    record.condense.new = 0
+    assert ledger_fields(record, True)["condensed"] == {"results": 0, "saved_tokens": 1500}
+
+
+def _poll(fmt_name: str, rounds: int, stream: bool) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                      {"role": "user", "content": "Wait for the build."}]
+    for n in range(rounds):
+        messages.append({"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": f"c{n}", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"cat s"}'}}]})
+        messages.append({"role": "tool", "tool_call_id": f"c{n}", "content": "building: 3 of 7"})
+    return BY_NAME[fmt_name].request_from_chat(messages, MODEL, stream, (ToolSpec("Bash", {}),))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_real_run_writes_what_supervision_did_and_info_sums_it(tmp_path: Path, fmt: str,
+                                                                        stream: bool) -> None:
+    """A polling agent through the proxy: the loop detector fires and steers, the reports are read (at the end
+    of the stream for streams), and the ledger says so line by line."""
+    poll = {"text": f"Still building.\n{REPORT}", "tool_calls": [{"name": "Bash", "arguments": {"command": "cat s"}}],
+            "input_tokens": 100, "output_tokens": 10}
+    store = Store(tmp_path / "state")
+    async with running(Config(), port=0, store=store, scripted={"scripted": ScriptedUpstream([poll] * 4)}) as rp, \
+            http_client() as client:
+        for rounds in range(4):
+            reply = await client.post(f"{rp.url}/s/poller{BY_NAME[fmt].path}", json=_poll(fmt, rounds, stream))
+            assert reply.status_code == 200
+        listing = (await client.get(f"{rp.url}/proxyvisor/sessions/poller/info")).json()
+    lines = store.read_ledger("poller")
+    assert [line["tool_round"] for line in lines] == [False, True, True, True]
+    assert [line["report"] for line in lines] == [{"status": "ok", "state": "progressing"}] * 4
+    assert [line.get("signals") for line in lines] == [None, None, None, [LOOP]]
+    assert [line.get("steer") for line in lines] == [None, None, None, LOOP]
+    assert not any("gate" in line or "supervisor_model" in line or "local" in line for line in lines)
+    info = summarize(lines)
+    assert (info["requests"], info["tool_rounds"], info["errors"]) == (4, 3, 0)
+    assert info["detectors"] == {"fires": {LOOP: 1}, "steers": {LOOP: 1}}
+    assert info["self_report"]["by_state"] == {"progressing": 4}
+    assert info["upstream"] == {"input_tokens": 400, "output_tokens": 40, "cost_usd": 0.0, "cost_known": False,
+                                "unpriced": [MODEL]}
+    # The endpoint gives the same sum, with the in-memory counters.
+    assert {k: v for k, v in listing.items() if k not in ("session", "live")} == orjson.loads(orjson.dumps(info))
+    assert listing["session"] == "poller" and listing["live"]["requests"] == 4
+    assert listing["live"]["steers"] == {LOOP: 1} and listing["live"]["state"] == "progressing"
+
+
+@pytest.mark.parametrize("fmt,stream", [("chat", False), ("messages", True), ("responses", True)])
+async def test_the_gate_and_the_supervisor_model_reach_the_ledger_and_info(tmp_path: Path, fmt: str,
+                                                                           stream: bool) -> None:
+    """A turn-ending answer goes through the verify-gate (the scripted verifier); its line says so."""
+    config = Config().with_overrides(supervisor={"model": ModelConfig(name="openai/scripted-model",
+                                                                      api_base="scripted:")})
+    done = '<sup>{"state":"done","focus":"answer","next":null,"carry":[],"plan":null}</sup>'
+    store = Store(tmp_path / "state")
+    f = BY_NAME[fmt]
+    async with running(config, port=0, store=store,
+                       scripted={"scripted": ScriptedUpstream([{"text": f"Three files.\n{done}"}])}) as rp, \
+            http_client(rp.url) as client:
+        reply = await client.post(f"/s/gated{f.path}", json=request_body(fmt, stream))
+        assert reply.status_code == 200
+        turn = f.assemble([(e.event, e.data) for e in sse_events(reply.content)]) if stream \
+            else f.parse_response(reply.json())
+        assert turn.text == "Three files.\n"
+    (line,) = store.read_ledger("gated")
+    assert line["gate"]["verdicts"] == ["pass"] and line["gate"]["passed"] is True
+    assert line["supervisor_model"]["calls"] == {"verify": 1}
+    assert line["report"] == {"status": "ok", "state": "done"}
+    info = summarize([line])
+    assert (info["gate"]["runs"], info["gate"]["passes"], info["gate"]["last_outcome"]) == \
+        (1, 1, line["gate"]["outcome"])
+    assert info["supervisor_model"]["calls"] == {"verify": 1} and info["planner_calls"] == 0

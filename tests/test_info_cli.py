@@ -1,0 +1,115 @@
+"""``proxyvisor info`` and ``proxyvisor plan``: from a running proxy, and from the ledger when none answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from proxyvisor.cli import main
+from proxyvisor.gate import plan as plans
+from proxyvisor.store import Store
+
+from helpers import closed_port, http_client, request_body
+
+REPORT = '<sup>{"state":"exploring","focus":"look","next":null,"carry":["config in etc/app.toml"],"plan":null}</sup>'
+PLAN = plans.Plan("Ship it", (plans.Phase("Build", "make succeeds", plans.IN_PROGRESS),
+                              plans.Phase("Test", "make test passes")))
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``proxyvisor ARGV`` in a thread (it blocks on HTTP to a proxy served by this test's event loop)."""
+    code = await trio.to_thread.run_sync(main, list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(text: str) -> dict[str, str]:
+    return {row[1].strip(): row[2].strip() for row in (line.split("|") for line in text.splitlines()[4:])}
+
+
+async def test_info_and_plan_ask_the_running_proxy(start_proxy, capsys) -> None:
+    async with start_proxy([{"text": f"Looking.\n{REPORT}", "input_tokens": 50, "output_tokens": 5}] * 2) as rp:
+        async with http_client(rp.url) as client:
+            for session in ("older", "newer"):
+                reply = await client.post(f"/s/{session}/v1/chat/completions", json=request_body("chat"))
+                assert reply.status_code == 200
+        code, out, err = await cli(capsys, "info", "--url", rp.url)
+        assert code == 0 and err == ""
+        assert out.startswith("**proxyvisor /info · session newer**")  # the most recently active session
+        assert rows(out)["model requests"] == "1 (tool rounds 0, errors 0)"
+        assert rows(out)["upstream"].startswith("50 in / 5 out tokens")
+
+        code, out, _ = await cli(capsys, "info", "older", "--url", rp.url, "--json")
+        info = json.loads(out)
+        assert code == 0 and (info["session"], info["requests"], info["live"]["requests"]) == ("older", 1, 1)
+        assert info["self_report"]["by_state"] == {"exploring": 1}
+
+        thread = next(iter(rp.pipeline.sessions.get("older").supervision.threads.values()))
+        thread.plan = PLAN
+        code, out, _ = await cli(capsys, "plan", "older", "--url", rp.url)
+        assert code == 0
+        assert out == (plans.render_text(PLAN) + "\n\nRetained critical knowledge (from the latest self-report):\n"
+                       "- config in etc/app.toml\n")
+        code, out, _ = await cli(capsys, "plan", "older", "--url", rp.url, "--json")
+        got = json.loads(out)
+        assert (got["plan"]["plan_title"], got["carry"]) == ("Ship it", ["config in etc/app.toml"])
+
+        code, out, err = await cli(capsys, "info", "nobody", "--url", rp.url)
+        assert (code, out) == (1, "") and "no session 'nobody'" in err
+
+
+async def test_the_configured_address_and_token_are_used(start_proxy, capsys, tmp_path: Path) -> None:
+    async with start_proxy(proxy={"auth_token": "tok-123"}) as rp:
+        async with http_client(rp.url) as client:
+            await client.post("/s/guarded/v1/messages", json=request_body("messages"),
+                              headers={"x-proxyvisor-auth": "tok-123"})
+        config = tmp_path / "config.toml"
+        config.write_text(f'[proxy]\nhost = "127.0.0.1"\nport = {rp.port}\nauth_token = "tok-123"\n')
+        code, out, _ = await cli(capsys, "info", "--config", str(config), "--json")
+        assert code == 0 and json.loads(out)["session"] == "guarded"
+        config.write_text(f'[proxy]\nport = {rp.port}\nauth_token = "wrong-1"\n')
+        code, out, err = await cli(capsys, "info", "--config", str(config))
+        assert code == 1 and "x-proxyvisor-auth" in err
+
+
+def _ledger(state: Path, session: str, lines: list[dict[str, Any]]) -> None:
+    store = Store(state)
+    for line in lines:
+        store.append_ledger(session, line)
+
+
+async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys, tmp_path: Path) -> None:
+    state, url = tmp_path / "state", f"http://127.0.0.1:{closed_port()}"
+    _ledger(state, "first", [{"status": 200, "model": "m", "input_tokens": 1, "output_tokens": 1}])
+    _ledger(state, "second", [{"status": 200, "tool_round": True, "signals": ["loop"], "steer": "loop",
+                               "report": {"status": "ok", "state": "progressing"}, "overhead_ms": 2.5},
+                              {"status": 500, "error": "upstream", "overhead_ms": 0.5}])
+    code, out, err = await cli(capsys, "info", "--url", url, "--state-dir", str(state))
+    assert code == 0 and f"no proxy answers at {url}" in err
+    assert out.startswith("**proxyvisor /info · session second**")  # the ledger written last
+    assert rows(out)["model requests"] == "2 (tool rounds 1, errors 1)"
+    assert rows(out)["steer notes"] == "loop 1"
+    assert rows(out)["proxy overhead"] == "total 3.0 ms · mean 1.5 · p50 1.5 · max 2.5 ms"
+
+    code, out, _ = await cli(capsys, "info", "first", "--url", url, "--state-dir", str(state), "--json")
+    info = json.loads(out)
+    assert code == 0 and (info["session"], info["requests"], info["live"]) == ("first", 1, None)
+
+    code, out, err = await cli(capsys, "info", "third", "--url", url, "--state-dir", str(state))
+    assert code == 1 and out == "" and "no ledger for session 'third'" in err
+
+    code, out, err = await cli(capsys, "plan", "--url", url, "--state-dir", str(state))
+    assert code == 1 and out == "" and "a plan lives only in the memory of the proxy" in err and "(second)" in err
+    code, out, _ = await cli(capsys, "plan", "--url", url, "--state-dir", str(state), "--json")
+    assert code == 1 and json.loads(out)["plan"] is None
+
+
+async def test_something_else_on_the_port_counts_as_no_proxy(capsys, tmp_path: Path, scripted_server) -> None:
+    """A server that is not proxyvisor (here the scripted upstream, which 404s the path) is not asked further."""
+    _ledger(tmp_path / "state", "only", [{"status": 200}])
+    code, out, err = await cli(capsys, "info", "--url", scripted_server.url, "--state-dir", str(tmp_path / "state"))
+    assert code == 0 and "summing the ledger" in err and "session only" in out
