@@ -163,6 +163,10 @@ async def test_each_oversized_result_is_condensed_once_and_carried_identically(
         assert pairing(fmt, body) == pairing(fmt, sent[n])  # nothing split, dropped or reordered
     assert records[3].saved_tokens == records[2].saved_tokens > records[1].saved_tokens > 0
     assert records[3].applied == 2 and records[3].round == []
+    # Each condenser call is counted in its request's ledger line (what /info sums).
+    ledger = Store(tmp_path / "state").read_ledger("s1")
+    assert [line.get("supervisor_model", {}).get("calls") for line in ledger] == [None, {"condense": 1},
+                                                                                  {"condense": 1}, None]
 
 
 async def test_decisions_outlive_a_restart_of_the_proxy(tmp_path: Path) -> None:

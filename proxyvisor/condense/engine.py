@@ -62,14 +62,20 @@ class ToolResult:
 @dataclass
 class RoundReport:
     """The outcome of a round. ``decisions``: by call id, for every result that has one (cached or new);
-    ``new``: how many were made now; ``condenser_called``; ``answered``: the condenser returned an answer;
-    ``failure``: why the round gave nothing usable (empty when it did)."""
+    ``new``: how many were made now; ``condenser_called``; ``answer``: the condenser's answer (None when it gave
+    none; a ``ModelAnswer`` carries the call's usage); ``failure``: why the round gave nothing usable (empty when
+    it did)."""
 
     decisions: dict[str, Decision] = field(default_factory=dict)
     new: int = 0
     condenser_called: bool = False
-    answered: bool = False
+    answer: str | None = None
     failure: str = ""
+
+    @property
+    def answered(self) -> bool:
+        """The condenser returned an answer."""
+        return self.answer is not None
 
     def replacements(self) -> dict[str, str]:
         """Call id to the text the model's copy gets, for the results that change."""
@@ -224,8 +230,7 @@ class CondenseEngine:
         answer: str | None = None
         with trio.move_on_after(self.settings.timeout_s) as scope:
             try:
-                answer = await self.condenser(build_messages(context, items))
-                report.answered = True
+                answer = report.answer = await self.condenser(build_messages(context, items))
             except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
                 report.failure = f"condenser failed: {type(exc).__name__}: {str(exc)[:200]}"
         if scope.cancelled_caught:

@@ -95,12 +95,14 @@ class Condensed:
 class CondenseRecord:
     """What condensing did for one request: ``round``, the decisions for the latest round's results (each result
     above the threshold; ``decision.text`` None when it stays whole); ``new``, how many were made on this request;
-    ``condenser_called``; ``failure``, why the round gave nothing (empty when it did); ``applied``, the narrowed
+    ``condenser_called`` and its ``answer`` (for its usage); ``failure``, why the round gave nothing (empty when
+    it did); ``applied``, the narrowed
     results in the upstream body (this round's and earlier ones); ``saved_tokens``, the tokens they saved in it."""
 
     round: list[Condensed] = field(default_factory=list)
     new: int = 0
     condenser_called: bool = False
+    answer: str | None = None
     failure: str = ""
     applied: int = 0
     saved_tokens: int = 0
@@ -155,6 +157,7 @@ class RequestCondenser:
         record.round = [Condensed(r.call_id, r.tool, report.decisions[r.call_id]) for r in pending.latest
                         if r.call_id in report.decisions]
         record.new, record.condenser_called, record.failure = report.new, report.condenser_called, report.failure
+        record.answer = report.answer
         decisions = {**earlier, **report.decisions}
         texts = {call_id: d.text for call_id, d in decisions.items() if d.text is not None}
         if texts:

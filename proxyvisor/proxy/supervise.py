@@ -228,7 +228,10 @@ class Supervisor:
             condenser = self.condenser
 
             async def condense(exchange: Exchange) -> None:
-                exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body, pending)
+                record = exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body,
+                                                                          pending)
+                if record is not None and record.condenser_called:
+                    exchange.record.model.record("condense", record.answer)
 
             steps.append(condense)
         steps += self.planner.begin(fmt, items, update, thread, state, tail)
