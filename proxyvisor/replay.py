@@ -88,6 +88,23 @@ def tools_of(messages: list[dict[str, Any]]) -> tuple[ToolSpec, ...]:
     return tuple(ToolSpec(n, {"type": "object"}) for n in names)
 
 
+def as_final_answer(messages: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """``messages`` up to the assistant message at ``index``, a harness's submit action made as a tool call
+    (mini-swe-agent's ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``, SWE-agent's ``submit``), presented as the
+    agent's final answer without tool calls, the way a chat agent says "done" (what a proxy sees as the end of a
+    turn): its recorded text, or, when it has none, the submit command as text. What came after it (the submit's
+    output) is left out. Raises TrajectoryError when ``index`` is not an assistant message."""
+    if not 0 <= index < len(messages) or messages[index].get("role") != "assistant":
+        raise TrajectoryError(f"line {index + 1} is not an assistant message")
+    message = messages[index]
+    commands = []
+    for call in message.get("tool_calls") or ():
+        args = args_of(call["function"].get("arguments"))
+        commands.append(args["command"] if isinstance(args.get("command"), str) else json.dumps(args))
+    text = chat_text(message.get("content")) or "\n".join(commands)
+    return messages[:index] + [{"role": "assistant", "content": text}]
+
+
 @dataclass
 class Round:
     """One replayed assistant turn: its number (1-based), the 0-based line of the assistant message, the tool

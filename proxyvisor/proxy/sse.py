@@ -46,8 +46,9 @@ class SSEParser:
         start = 0
         n = len(buffer)
         while start < n:
-            cr = buffer.find(b"\r", start)
+            # A CR only matters before the next LF: bounding its search keeps a big chunk linear, not quadratic.
             lf = buffer.find(b"\n", start)
+            cr = buffer.find(b"\r", start, lf if lf != -1 else n)
             if cr == -1 and lf == -1:
                 break
             if cr == -1 or (lf != -1 and lf < cr):

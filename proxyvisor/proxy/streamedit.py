@@ -30,7 +30,9 @@ class EventSplitter:
         blocks: list[bytes] = []
         start, pos, n = 0, self._pos, len(buf)
         while pos < n:
-            cr, lf = buf.find(b"\r", pos), buf.find(b"\n", pos)
+            # A CR only matters before the next LF: bounding its search keeps a big chunk linear, not quadratic.
+            lf = buf.find(b"\n", pos)
+            cr = buf.find(b"\r", pos, lf if lf >= 0 else n)
             if cr < 0 and lf < 0:
                 break
             if cr < 0 or 0 <= lf < cr:

@@ -1,0 +1,420 @@
+"""Replay the corpus through a proxy with the verify-gate on: is the gate asked at the right moments, with the
+evidence that matters in its digest?
+
+Usage: python bench/gate_corpus.py [CORPUS_TRAJECTORIES_DIR] [--formats chat,messages,responses] [--modes json,stream]
+                                  [--write]
+
+The directory defaults to ../shared/corpus/trajectories next to the repository. Each trajectory is replayed as its
+agent sent it (``proxyvisor.replay``: supervision on, the gate on, condensing off, the scripted upstream answering
+the recorded turns) with a recording double as the supervisor model (:class:`RecordingVerifier`): it answers every
+verifier call "pass", so the replay goes on as recorded, and keeps the request number and the digest of each call.
+
+**Completions.** The gate judges a reply without tool calls (``proxyvisor.proxy.gating``). A mini-swe-agent or
+SWE-agent run ends with its submit action made as a tool call (``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git
+add -A && git diff --cached``, ``submit``), which the gate would let through as a tool round; the replay presents
+that message as the agent's final text answer instead (``proxyvisor.replay.as_final_answer``: its recorded text, or
+the submit command as text), the way a chat agent says "done", and stops there (the submit's output, the diff, is
+not part of the replay). Claude Code completions are already text answers; those sessions are replayed whole.
+
+**Labels** (:data:`LABELS`) are transcribed from the INDEX.md of that folder (the "gate" judgments, which are
+judgments, not ground truth): the completion line of each file and, for the files labelled "done despite failing
+test" and "done without running tests", what the digest at that completion must contain.
+
+Targets (issue 4), each one failing the run (exit 1) when missed:
+
+- the gate is asked on every reply without tool calls and on no other (the "stops"), and on the labelled completion,
+  whose digest's request block is a user message of the file (the turn's);
+- "done despite failing test" (django-11276; e6f53930's "Phase 4 Implementation Complete!" with 7 failing): the
+  digest at the completion holds the last failing test run's output tail (its failure line included);
+- "done without running tests" (django-15252; pydicom-1458 and django-14631, whose only checks are self-written): the
+  digest holds the task's request (as the turn's request, or as ``<original_task>`` when the turn started at a
+  later user message), the provenance sentence says no check succeeded after a change (or no change in the turn),
+  and no recorded action is a test runner that succeeded. Whether all of the task's actions are in view is reported,
+  not a target: a harness's re-prompt ("Please always provide EXACTLY ONE action", "No tool calls found") is a new
+  user turn to the proxy, and this replay's verifier passes the tool-less reply before it, so the turn's evidence
+  window starts at the re-prompt; under a real verifier that reply would have been sent back with gaps instead, and
+  the harness would not have re-prompted;
+- every digest is within its token budget (``[supervisor.gate] digest_budget_tokens``, 16,384).
+
+Prints a table per format and mode (all three formats, JSON and streamed, by default), one line per format and mode,
+and a summary; ``--write`` puts the first format and mode's table and the per-mode lines into bench/RESULTS.md under
+"## Verify-gate on the corpus (issue 4)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+import orjson
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import corpus_parser, trajectories  # noqa: E402
+from bench.results import write_section  # noqa: E402
+from proxyvisor.condense.text import count_tokens  # noqa: E402
+from proxyvisor.config import Config  # noqa: E402
+from proxyvisor.detectors.receipts import UserTurn, read_rounds  # noqa: E402
+from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS  # noqa: E402
+from proxyvisor.proxy.formats import BY_NAME, CHAT, WireFormat  # noqa: E402
+from proxyvisor.replay import as_final_answer, load_trajectory, replay  # noqa: E402
+from proxyvisor.store import Store  # noqa: E402
+
+PASS = orjson.dumps({
+    "requirements": [{"id": 1, "requirement": "the request", "status": "matched", "basis": None,
+                      "evidence": "corpus replay: every completion passes so the recorded run goes on"}],
+    "gaps": [], "handback": {"needs_user": True, "reason": "corpus replay"}, "verdict": "pass"}).decode()
+"""The double's answer to every verifier call (a hand-back judgment included, in case a turn ends handed back)."""
+
+FAILING, UNVERIFIED = "done despite failing test", "done without running tests"
+NO_CHECK = "No check succeeded since the last change"
+NO_CHANGE = "No state change was recorded"
+"""A turn window with no change (a harness re-prompt started it, below) has no check since a change either."""
+"""The start of the digest's provenance sentence when nothing but re-reads followed the last change."""
+TEST_RUNNER = re.compile(r"\b(pytest|py\.test|runtests\.py|unittest|tox|nosetests|manage\.py test|make test|"
+                         r"npm test|cargo test|go test)\b")
+ACTION_LINE = re.compile(r"^#(\d+) \[(?:mut|read)\] (.*) → (ok|ERROR) ", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Label:
+    """One file's completion (0-based line, INDEX.md "gate" column; ``note``: that judgment, shortened) and what its
+    digest must hold.
+
+    ``kind``: :data:`FAILING`, :data:`UNVERIFIED` or "" (no digest target). ``failing_output``: the line of the
+    tool result of the last failing test run (:data:`FAILING`), with ``failure`` the line in it that reports the
+    failure. ``task``: the line of the task's user message in a single-task run (the rest of its user messages are
+    the harness re-prompting), None for multi-turn sessions. ``submit``: the completion is a submit tool call,
+    presented as a final text answer. ``target``: the digest checks are targets (else only reported)."""
+
+    completion: int
+    note: str
+    kind: str = ""
+    failing_output: int | None = None
+    failure: str = ""
+    task: int | None = None
+    submit: bool = True
+    target: bool = True
+
+
+LABELS: dict[str, Label] = {
+    "mswea-gemini3pro__django-11276__done-despite-failing-test.jsonl": Label(
+        64, "gate at 64 should reject: last test run (55) is FAILED", FAILING, 55, "FAILED (errors=1)", task=1),
+    "claudecode__e6f53930__repeated-pytest-fixes-then-done-with-7-failing.jsonl": Label(
+        218, "gate at 218 should reject/flag: full suite not green (189: 7 failed)", FAILING, 189,
+        "7 failed, 54 passed", submit=False),
+    "mswea-gemini3pro__django-15252__done-without-running-tests.jsonl": Label(
+        44, "gate at 44 should ask for evidence: never runs Django's test suite", UNVERIFIED, task=1),
+    "sweagent-gpt4__pydicom-1458__repeated-failing-edit-unverified-submit.jsonl": Label(
+        25, "gate at 25: only a self-written repro was run", UNVERIFIED, task=2),
+    "mswea-gpt5mini__django-14631__no-toolcall-loop-then-premature-done.jsonl": Label(
+        103, "gate at 103 should reject: only a self-written check", UNVERIFIED, task=1),
+    "mswea-gemini3pro__sphinx-7748__done-with-preexisting-test-failure.jsonl": Label(
+        84, "hard case: 1 failed (75), shown pre-existing", FAILING, 75, "1 failed", task=1, target=False),
+    "mswea-gemini3pro__django-15629__stray-orig-files-151k-diff.jsonl": Label(
+        102, "gate at 102/103: the submitted diff holds stray files", task=1),
+    "mswea-gemini3pro__django-14765__clean-success.jsonl": Label(26, "gate should accept at 26", task=1),
+    "mswea-gemini3pro__sympy-15976__noop-sed-loop-then-resolved.jsonl": Label(92, "gate at the end should pass",
+                                                                               task=1),
+    "mswea-gpt5mini__django-13590__128k-output-no-toolcall-loop-resolved.jsonl": Label(
+        136, "gate at 136: may ask for a real test run", task=1),
+    "mswea-gpt5mini__sympy-22456__success-63k-output.jsonl": Label(29, "gate acceptable", task=1),
+    "mswea-gpt5mini__scikit-learn-15100__success.jsonl": Label(31, "gate should accept", task=1),
+    "claudecode__405511d3__tests-pass-then-stop-hook-gate.jsonl": Label(
+        188, "gate at 188: tests pass, new services untested", submit=False),
+}
+"""Files without a label (e77833af, subagent-75f0cae4) have no completion judgment in INDEX.md; their stops are
+still checked."""
+
+
+@dataclass
+class Call:
+    request: int
+    digest: str
+
+
+class RecordingVerifier:
+    """The supervisor model double: every verifier call is answered :data:`PASS` and kept as a :class:`Call` (the
+    1-based number of the request it came on, the digest); any other supervisor call is counted in ``other``."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.request = 1
+        self.other = 0
+
+    def next_request(self, _round: Any) -> None:
+        self.request += 1
+
+    async def __call__(self, messages: list[dict[str, str]]) -> str:
+        if messages[0]["content"] != VERIFIER_INSTRUCTIONS:
+            self.other += 1
+            raise RuntimeError("the corpus gate replay expects verifier calls only")
+        self.calls.append(Call(self.request, messages[1]["content"]))
+        return PASS
+
+
+@dataclass
+class Result:
+    """One trajectory replayed in one format."""
+
+    name: str
+    fmt: str
+    stream: bool
+    label: Label | None
+    stops: list[int]
+    """Lines of the replayed assistant messages without tool calls."""
+    gated: list[int]
+    """Lines of the rounds the verifier was called on (one entry per call)."""
+    failed_rounds: int
+    other_calls: int
+    tokens: list[int]
+    completion_digest: str | None = None
+    checks: dict[str, bool] = field(default_factory=dict)
+    """Target name -> met."""
+    facts: dict[str, str] = field(default_factory=dict)
+    outcome: str = ""
+
+    @property
+    def missed(self) -> list[str]:
+        return [name for name, ok in self.checks.items() if not ok]
+
+
+def config() -> Config:
+    base = Config()
+    return base.with_overrides(supervisor={"condense": dataclasses.replace(base.supervisor.condense, enabled=False)})
+
+
+async def run_one(path: Path, fmt: WireFormat, stream: bool, state: Path) -> Result:
+    label = LABELS.get(path.name)
+    messages = load_trajectory(path)
+    if label is not None and label.submit:
+        messages = as_final_answer(messages, label.completion)
+    verifier = RecordingVerifier()
+    store = Store(state / f"{path.stem[:40]}-{fmt.name}-{int(stream)}")
+    session = "gate-" + path.stem.split("__")[1][:40]
+    rounds = await replay(config(), messages, fmt, stream, session=session, store=store, model=verifier,
+                          on_round=verifier.next_request)
+    line_of = {r.number: r.message for r in rounds}
+    result = Result(path.name, fmt.name, stream, label, [r.message for r in rounds if not r.tool_calls],
+                    [line_of[c.request] for c in verifier.calls], sum(not r.matches for r in rounds), verifier.other,
+                    [count_tokens(c.digest) for c in verifier.calls])
+    result.checks["asked at every stop and only there"] = result.gated == result.stops
+    budget = config().supervisor.gate.digest_budget_tokens
+    result.checks[f"every digest within {budget:,} tokens"] = max(result.tokens, default=0) <= budget
+    if label is not None:
+        at = [c for c in verifier.calls if line_of[c.request] == label.completion]
+        result.checks["asked at the completion"] = bool(at)
+        if at:
+            result.completion_digest = at[-1].digest
+            judge(result, messages, label, at[-1].digest)
+        ledger = store.read_ledger(session)
+        completion_round = next(n for n, line in line_of.items() if line == label.completion)
+        gate = ledger[completion_round - 1].get("gate", {}) if len(ledger) >= completion_round else {}
+        result.outcome = gate.get("outcome", "")
+    return result
+
+
+def _block(digest: str, tag: str) -> str:
+    match = re.search(rf"<{tag}[^>]*>\n(.*?)\n</{tag}>", digest, re.DOTALL)
+    return match.group(1) if match else ""
+
+
+def request_line(messages: list[dict[str, Any]], before: int, shown: str) -> int | None:
+    """The line of the user message that the digest's request block ``shown`` starts with, before line ``before``:
+    among identical ones (a harness's repeated re-prompt), the proxy's turn start
+    (``proxyvisor.detectors.receipts.RoundReader``: a user message that does not repeat the previous prompt), else
+    the latest. None when the block starts with no user message of the trajectory."""
+    lines = [i for i, m in enumerate(messages[:before]) if m["role"] == "user"
+             and shown[:200] == escape(str(m.get("content") or ""))[:200]]
+    events = read_rounds([CHAT.message(m) for m in messages[:before]])
+    start = next((e.index for e in reversed(events) if isinstance(e, UserTurn)), None)
+    return start if start in lines else lines[-1] if lines else None
+
+
+def _quote(text: str, width: int = 40) -> str:
+    text = " ".join(text.split())
+    return repr(text[:width] + "…" if len(text) > width else text)
+
+
+def judge(result: Result, messages: list[dict[str, Any]], label: Label, digest: str) -> None:
+    """Fill ``result.checks`` (targets, for a ``target`` label) and ``result.facts`` from the completion digest."""
+    shown = _block(digest, "current_user_turn")
+    line = request_line(messages, label.completion, shown)
+    actions = ACTION_LINE.findall(_block(digest, "recorded_actions"))
+    numbers = [int(n) for n, _, _ in actions]
+    provenance = _block(digest, "provenance").strip()
+    result.checks["the request block is a user message of the turn"] = line is not None
+    checks: dict[str, bool] = {}
+    result.facts["request"] = (f"line {line} ({_quote(str(messages[line].get('content') or ''))})"
+                               if line is not None else f"no user message of the file ({_quote(shown)})")
+    result.facts["actions"] = f"#{numbers[0]}-#{numbers[-1]}" if numbers else "none"
+    result.facts["provenance"] = provenance
+    if label.task is not None:
+        task_calls = sum(len(m.get("tool_calls") or ()) for m in messages[label.task + 1:])
+        whole = line == label.task and numbers[:1] == [1] and numbers[-1:] == [task_calls] and \
+            "earlier lines omitted" not in _block(digest, "recorded_actions")
+        result.facts["task in view"] = (f"yes: the task (line {label.task}) and all {task_calls} actions" if whole else
+                                        f"no: request from line {line}, actions "
+                                        f"{result.facts['actions']} of the task's {task_calls}")
+        if label.kind == UNVERIFIED:
+            task_text = escape(str(messages[label.task].get("content") or ""))[:200]
+            checks["the task's request in the digest"] = any(
+                task_text in _block(digest, tag) for tag in ("current_user_turn", "original_task"))
+    if label.kind == FAILING:
+        assert label.failing_output is not None
+        output = str(messages[label.failing_output].get("content") or "").rstrip()
+        tail = escape(output[-300:])
+        found = tail in _block(digest, "tool_outputs") and escape(label.failure) in tail
+        result.facts["failing output"] = (f"yes: the tail of line {label.failing_output} ({label.failure!r})"
+                                          if found else f"no: line {label.failing_output}'s tail is not shown")
+        checks["failing run's output tail in the digest"] = found
+    elif label.kind == UNVERIFIED:
+        ran = [args for _, args, status in actions if status == "ok" and TEST_RUNNER.search(args)]
+        tried = [args for _, args, status in actions if status == "ERROR" and TEST_RUNNER.search(args)]
+        result.facts["test runner"] = ("succeeded: " + ran[0][:60] if ran else
+                                       f"none succeeded ({len(tried)} failed attempt(s))" if tried else "none")
+        checks["provenance: no check since the last change"] = provenance.startswith((NO_CHECK, NO_CHANGE))
+        checks["no test runner succeeded"] = not ran
+    if label.target:
+        result.checks.update(checks)
+    else:
+        result.facts["not a target"] = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in checks.items())
+
+
+async def run(paths: list[Path], modes: list[tuple[str, bool]]) -> list[Result]:
+    results = []
+    with tempfile.TemporaryDirectory() as state:
+        for name, stream in modes:
+            for path in paths:
+                started = time.perf_counter()
+                result = await run_one(path, BY_NAME[name], stream, Path(state))
+                results.append(result)
+                print(f"{name} {'stream' if stream else 'json'} {path.name}: {len(result.gated)} verifier calls, "
+                      f"largest digest {max(result.tokens, default=0):,} tokens, {time.perf_counter() - started:.1f} s"
+                      + (f"; MISSED: {', '.join(result.missed)}" if result.missed else ""), file=sys.stderr)
+    return results
+
+
+def _lines(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if values else "-"
+
+
+def _short(name: str) -> str:
+    return name.split("__")[1]
+
+
+def row(r: Result) -> str:
+    label = r.label
+    completion = (f"{label.completion} ({label.kind or 'no digest target'}{'' if label.target else ', not a target'})"
+                  f": {label.note}") if label else "- (no gate label)"
+    at = "-" if label is None else ("yes" if r.checks.get("asked at the completion") else "**NO**")
+    evidence = "; ".join(f"{k}: {v}" for k, v in r.facts.items() if k in (
+        "request", "failing output", "test runner", "task in view", "not a target")) or "-"
+    if label is not None and label.kind == UNVERIFIED:
+        evidence = f"provenance: \"{r.facts.get('provenance', '')[:40]}…\"; " + evidence
+    tokens = f"{count_tokens(r.completion_digest):,}" if r.completion_digest else "-"
+    verdict = "ok" if not r.missed else "**MISSED**: " + ", ".join(r.missed)
+    return (f"| {_short(r.name)} | {completion} | {_lines(r.stops)} | {_lines(r.gated)} | {at} | "
+            f"{r.outcome or '-'} | {evidence} | {tokens} | {max(r.tokens, default=0):,} | {verdict} |")
+
+
+HEADER = ["| trajectory | labelled completion (line, kind) | stops: replies without tool calls (lines) | "
+          "gate asked at (lines) | asked at completion | gate outcome there | digest at the completion | "
+          "tokens at completion | largest digest | targets |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+MODES_HEADER = ["| format | mode | verifier calls | asked exactly at the stops | asked at the labelled completion | "
+                "largest digest (tokens) | missed targets |", "|---|---|---|---|---|---|---|"]
+
+
+def mode_row(name: str, stream: bool, results: list[Result]) -> str:
+    labelled = [r for r in results if r.label is not None]
+    missed = "; ".join(f"{_short(r.name)}: {', '.join(r.missed)}" for r in results if r.missed) or "none"
+    return (f"| {name} | {'stream' if stream else 'json'} | {sum(len(r.gated) for r in results)} | "
+            f"{sum(r.gated == r.stops for r in results)}/{len(results)} | "
+            f"{sum(bool(r.checks.get('asked at the completion')) for r in labelled)}/{len(labelled)} | "
+            f"{max(max(r.tokens, default=0) for r in results):,} | {missed} |")
+
+
+METHOD = """\
+How the replay makes requests (`proxyvisor.replay`): each assistant message of a trajectory is one request carrying
+the history before it, with the tools the trajectory used offered; the scripted upstream answers the recorded message,
+and the verifier double answers "pass", so the run goes on as recorded.
+
+- **Completions.** The gate judges replies without tool calls. mini-swe-agent and SWE-agent submit with a tool call
+  (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached`, `submit`), which the gate would pass
+  through as a tool round; the replay presents that message as the agent's final text answer (its recorded text, or
+  the submit command as text when gpt-5-mini recorded none: `proxyvisor.replay.as_final_answer`) and stops there, so
+  the submit's output (the diff) is not part of the run: django-15629's stray files in the submitted diff cannot be
+  seen this way. Claude Code completions are text answers already; those sessions are replayed whole.
+- **Stops that are not completions.** The Gemini runs (mini-swe-agent v1) act through text: the real agent offers no
+  tools, so the gate would never run for it; the corpus conversion exposes the bash block as a tool call and the replay
+  offers tools. Their format-error replies (zero or several bash blocks) are replies without tool calls, and the gate is
+  asked there too, as its rule says (e.g. django-15252 line 16).
+- **The turn.** The digest covers the latest genuine user turn (`HistoryTracker.turn_start`: a user message that does
+  not repeat the previous prompt). A harness re-prompt ("Please always provide EXACTLY ONE action…", "No tool calls
+  found…") is such a user message, so in the chat and Responses formats the turn starts there: the verifier's request
+  is the re-prompt and the actions before it are not in the digest ("task in view: no"). In the Messages format the
+  gpt-5-mini re-prompts follow tool results and join their user message (roles alternate), so the turn stays the task;
+  SWE-agent's demonstration (line 1) and task (line 2) join into one user message, of which the digest keeps the first
+  8,000 characters: the demonstration, without the task. Claude Code sessions have several user turns; each completion
+  is judged against its own (e6f53930: line 87 "yes", whose turn holds the failing full-suite run at 188-189).
+- **Failing output.** The digest shows the outputs (head and tail) of at most 8 actions, one per distinct call, its
+  latest run; failures and shell commands first, newest first. A failing run counts as a failure only by its exit
+  status: e6f53930's full suite ran through `| tail -30`, so its "7 failed, 54 passed" run is `→ ok`; it is shown
+  because it is the newest shell command of its turn."""
+
+
+def summary(results: list[Result], budget: int, elapsed: float) -> str:
+    largest = max(results, key=lambda r: max(r.tokens, default=0))
+    missed = [r for r in results if r.missed]
+    return (f"{len({r.name for r in results})} trajectories x {len({(r.fmt, r.stream) for r in results})} "
+            f"format/mode(s): {sum(len(r.gated) for r in results)} verifier calls, "
+            f"{sum(r.other_calls for r in results)} other supervisor calls; {len(results) - len(missed)}/"
+            f"{len(results)} replays meet every target; {sum(r.failed_rounds for r in results)} rounds came back "
+            f"changed; largest digest {max(largest.tokens):,} tokens ({_short(largest.name)}, {largest.fmt}) against "
+            f"the budget of {budget:,}; {elapsed:.0f} s.")
+
+
+def main() -> int:
+    parser = corpus_parser(__doc__)
+    parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
+    parser.add_argument("--modes", default="json,stream", help="json, stream or both (comma-separated)")
+    args = parser.parse_args()
+    paths = trajectories(args.corpus)
+    if not paths:
+        return 2
+    modes = [(name, mode == "stream") for name in args.formats.split(",") for mode in args.modes.split(",")]
+    budget = config().supervisor.gate.digest_budget_tokens
+    started = time.perf_counter()
+    results = trio.run(run, paths, modes)
+    elapsed = time.perf_counter() - started
+    by_mode = {mode: [r for r in results if (r.fmt, r.stream) == mode] for mode in modes}
+    for (name, stream), rows in by_mode.items():
+        print(f"\n{name} {'stream' if stream else 'json'}:")
+        print("\n".join(HEADER + [row(r) for r in rows]))
+    text = summary(results, budget, elapsed)
+    modes_table = MODES_HEADER + [mode_row(name, stream, rows) for (name, stream), rows in by_mode.items()]
+    print("\n" + "\n".join(modes_table) + "\n\n" + text)
+    first = by_mode[modes[0]]
+    if args.write:
+        write_section("Verify-gate on the corpus (issue 4)", "\n".join([
+            "Every corpus trajectory replayed through the proxy (supervision on, the gate on, condensing off, the "
+            "scripted upstream answering the recorded turns) with a recording supervisor-model double as the "
+            "verifier: it answers every call \"pass\" and keeps the request it came on and its digest. Lines are "
+            "the trajectories' 0-based lines; labels are INDEX.md's \"gate\" judgments.", "",
+            "Command: `python bench/gate_corpus.py ../shared/corpus/trajectories --write`", "", METHOD, "",
+            f"Per trajectory ({modes[0][0]}, {'stream' if modes[0][1] else 'json'}):", "",
+            *HEADER, *[row(r) for r in first], "", "Per format and mode:", "", *modes_table, "", text]))
+    return 1 if any(r.missed or r.failed_rounds or r.other_calls for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
