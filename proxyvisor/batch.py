@@ -265,8 +265,11 @@ class Batch:
                 run.error = run.error or "interrupted"
             elif run.code not in (0, None) and run.error is None:
                 run.error = _last_line(err_path)
+            # Complete for an agent that exited on its own: the proxy writes a request's line before the client
+            # can see the end of its response (a stream's line is written before the body's end marker is sent).
+            # A stopped agent's open request is written (499) once the proxy sees its connection close.
             with trio.CancelScope(shield=True):  # an interrupted task is reported too
-                info = await trio.to_thread.run_sync(summarize, self.store.read_ledger(session))
+                info = await trio.to_thread.run_sync(lambda: summarize(self.store.read_ledger(session)))
             self.results[index] = batch_report.from_summary(
                 info, id=task.id, session=session, exit_code=run.code, error=run.error, seconds=seconds,
                 workdir=str(workdir), stdout=str(out_path), stderr=str(err_path))

@@ -70,7 +70,7 @@ def _positive_float(value: str) -> float:
     return number
 
 
-def _session_id(value: str) -> str:
+def session_id_arg(value: str) -> str:
     from .proxy.sessions import SESSION_ID
 
     if not SESSION_ID.match(value):
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
               proxyvisor wrap -- codex exec 'list the files'
               proxyvisor wrap -- sh -c 'my-agent --api-base "$OPENAI_BASE_URL"'   an agent set up by hand
             """) + "\n" + _FILES)
-    wrap.add_argument("--session", metavar="ID", type=_session_id,
+    wrap.add_argument("--session", metavar="ID", type=session_id_arg,
                       help="session id to use instead of a fresh random one (1-128 of A-Z a-z 0-9 . _ -)")
     wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
     _supervision_flags(wrap)

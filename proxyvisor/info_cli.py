@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import orjson
 
-from .cli import _session_id
+from .cli import session_id_arg
 from .config import Config
 
 _TIMEOUT_S = 5.0
@@ -84,7 +84,7 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
                                            proxyvisor {name} my-session
                                            {example}
                                          """))
-        parser.add_argument("session", nargs="?", metavar="SESSION", type=_session_id,
+        parser.add_argument("session", nargs="?", metavar="SESSION", type=session_id_arg,
                             help="the session (default: the most recently active one)")
         parser.add_argument("--json", action="store_true", help="print the JSON object instead of the text")
         parser.add_argument("--url", metavar="URL", help="the proxy to ask (default: http://[proxy] host:port)")

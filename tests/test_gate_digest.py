@@ -214,3 +214,26 @@ def test_digest_of_huge_adversarial_turn_stays_within_budget(unit: str, budget: 
                 state="done", claim=huge, previous_gaps=[huge[:300]] * 8, budget=budget)
     assert budget * 0.9 <= count_tokens(doc) <= budget  # filled, never over
     assert "<current_user_turn" in doc and "<agent_final_result" in doc
+
+
+def test_a_failed_run_outranks_later_commands_for_the_shown_outputs() -> None:
+    turn = done_despite_failing_test()
+    for n in range(12):  # more distinct successful commands than outputs are shown
+        turn.bash(f"sed -n '{n},{n + 5}p' calc.py", f"line {n}")
+    doc = build("Fix parse()", ["Done."], turn.actions())
+    assert "FAILED tests/test_calc.py::test_parse" in doc
+
+
+def test_a_follow_up_turn_shows_the_original_task_and_its_prohibitions() -> None:
+    task = "Fix parse() in calc.py. Do not touch the tests."
+    doc = build("yes", ["Done."], done_despite_failing_test().actions(), task=task)
+    assert blocks(doc)[1:3] == ["current_user_turn", "original_task"]
+    assert task in doc and "- Do not touch the tests." in doc
+    same = build(task, ["Done."], done_despite_failing_test().actions(), task=task)
+    assert "original_task" not in blocks(same)
+
+
+def test_a_long_request_keeps_its_head_and_tail() -> None:
+    request = "Here is the context. " + "lorem ipsum " * 2000 + "THE ACTUAL TASK: fix parse()."
+    doc = build(request, ["Done."])
+    assert "Here is the context." in doc and "THE ACTUAL TASK: fix parse()." in doc

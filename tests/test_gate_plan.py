@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxyvisor.detectors.receipts import receipt
-from proxyvisor.gate.digest import Action
+from proxyvisor.gate.digest import REQUEST_CHARS, Action
 from proxyvisor.gate.plan import (ACTION_LINES, ALLOWED, COMPLETED, FILE_ABSENT, FILE_EXISTS, IN_PROGRESS, MAX_PHASES,
                                   NO_PLAN, PENDING, PLANNER_INSTRUCTIONS, REASON_CHARS, Advance, Assumption, Create,
                                   Hold, NoPlan, Phase, Plan, Revise, apply, as_json, assumption, assumption_note,
@@ -269,7 +269,7 @@ def test_planner_input_is_bounded_json() -> None:
                          actions=[action(i) for i in range(200)])
     data = json.loads(text)
     assert data["signal"] == "phase_complete" and data["allowed_decisions"] == ["advance", "hold", "revise"]
-    assert len(data["current_request"]) < 8_100 and len(data["agent_instructions"]) < 4_100
+    assert len(data["current_request"]) < REQUEST_CHARS + 100 and len(data["agent_instructions"]) < 4_100
     assert len(data["agent_tools"]) == 64 and all(len(t) <= 64 for t in data["agent_tools"])
     assert data["active_plan"]["current_phase"] == 1
     assert len(data["agent_handoff"]["focus"]) < 600 and len(data["agent_handoff"]["carry"]) == 8

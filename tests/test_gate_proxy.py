@@ -20,7 +20,7 @@ from proxyvisor.adapters import scripted_verifier
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
-from proxyvisor.proxy import continuation
+from proxyvisor.proxy import continuation, gating
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.service import RunningProxy, running
@@ -454,3 +454,125 @@ async def test_interactive_sessions_are_not_nudged(tmp_path: Path) -> None:
     async with gated(tmp_path, [progressing], Verifier([verdict()])) as run:
         text, _, _ = await send(run, "chat", False)
     assert text == "Still working." and run.gate()["nudges"] == 0
+
+
+# ---- a supervisor failure never costs the answer ------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["digest", "continuation"])
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_bug_in_the_gate_delivers_the_answer_unverified(tmp_path: Path, fmt: str, stream: bool, where: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("a supervisor bug")
+
+    if where == "digest":
+        monkeypatch.setattr(gating.digest, "build", broken)
+    else:
+        monkeypatch.setattr(BY_NAME[fmt], "extend_history", broken)
+    async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
+        text, calls, _ = await send(run, fmt, stream)
+    assert (text, calls) == (DONE["text"], [])
+    gate = run.gate()
+    assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "RuntimeError" in gate["reason"]
+    assert run.ledger()[-1]["status"] == 200
+
+
+async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_afresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
+    cancelled = trio.Event()
+
+    class Hanging(Verifier):
+        async def __call__(self, messages: list[dict[str, str]]) -> str:
+            try:
+                return await super().__call__(messages)
+            except trio.Cancelled:
+                cancelled.set()
+                raise
+
+    verifier = Hanging([verdict()])
+    verifier.release = trio.Event()
+    body = request_body("messages", True)
+    async with gated(tmp_path, [DONE, DONE], verifier) as run:
+        async with http_client() as client, client.stream(
+                "POST", run.proxy.url + BY_NAME["messages"].path, content=orjson.dumps(body),
+                headers={"content-type": "application/json", "x-proxyvisor-session": "gate-test"}) as response:
+            async for chunk in response.aiter_raw():
+                assert chunk.replace(BY_NAME["messages"].keepalive, b"") == b""
+                break  # a keep-alive came: the verdict is pending; the client goes away
+        with trio.fail_after(10):
+            await cancelled.wait()
+        verifier.release.set()
+        text, _, _ = await send(run, "messages", True, body)
+    assert text == DONE["text"]
+    assert (run.gate()["verdicts"], run.gate()["passed"]) == (["pass"], True)
+
+
+# ---- GatedStream on arbitrary chunking ----------------------------------------------------------------------------------
+class _Chunks:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.error = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+
+
+def _chunked(data: bytes, size: int) -> list[bytes]:
+    return [data[i:i + size] for i in range(0, len(data), size)]
+
+
+class _Judge:
+    """A stand-in ``Gating`` for :class:`GatedStream`: records the held responses it is asked to judge and
+    delivers each unchanged."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = BY_NAME[fmt]
+        self.background = None
+        self.judged_texts: list[str] = []
+
+    async def judged(self, held: Callable[[], dict[str, Any]]) -> None:
+        self.judged_texts.append(self.fmt.parse_response(held()).text)
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1 << 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_held_stream_split_anywhere_is_judged_whole_and_sent_byte_for_byte(fmt: str, size: int) -> None:
+    w = BY_NAME[fmt]
+    data = b"".join(w.render_stream(AssistantTurn("Done: the bug is fixed, all \u00e9 of it."), MODEL,
+                                    request_body(fmt, True)))
+    judge = _Judge(fmt)
+    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    out = b"".join([chunk async for chunk in stream])
+    assert out == data and stream.error is None
+    assert judge.judged_texts == ["Done: the bug is fixed, all \u00e9 of it."]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1 << 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_tool_call_starting_mid_chunk_flushes_everything_held_and_streams_the_rest(fmt: str,
+                                                                                          size: int) -> None:
+    w = BY_NAME[fmt]
+    turn = AssistantTurn("Let me look.", (ToolCall("Bash", {"command": "ls"}, "call_1"),))
+    data = b"".join(w.render_stream(turn, MODEL, request_body(fmt, True)))
+    judge = _Judge(fmt)
+    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    out = b"".join([chunk async for chunk in stream])
+    assert out == data and stream.error is None
+    assert judge.judged_texts == []
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_a_failed_continuation_is_not_put_back_into_later_requests(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    # The agent received the held answer itself: its next request carries it, and the advisory that was never
+    # answered must not come back in front of it.
+    async with gated(tmp_path, [DONE, {"fault": {"status": 500}}, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
+        text, _, _ = await send(run, fmt, stream)
+        assert text == DONE["text"]
+        w = BY_NAME[fmt]
+        body = request_body(fmt, stream)
+        w.extend_history(body, [{"role": "assistant", "content": DONE["text"]}, w.user_item("Thanks. Next, add docs.")])
+        await send(run, fmt, stream, body)
+    last = orjson.dumps(run.upstream_bodies()[-1]).decode()
+    assert GAP[0] not in last and last.count(DONE["text"]) == 1

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters import scripted_planner
+from proxyvisor.adapters import scripted, scripted_planner
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, PlanConfig
 from proxyvisor.detectors.selfreport import SelfReport
@@ -313,7 +313,7 @@ def planner_call(document: str) -> dict[str, Any]:
 
 def test_the_scripted_policy_creates_advances_and_holds() -> None:
     body = planner_call(planner_input("request", "Add a --json flag to the CLI\nand document it"))
-    assert scripted_planner.is_request(CHAT, body)
+    assert scripted.policy(CHAT, body) is scripted_planner.answer
     created = json.loads(scripted_planner.answer(CHAT, body))
     assert created["decision"] == "create" and created["title"] == "Add a --json flag to the CLI"
     assert [t["title"].split(":")[0] for t in created["tasks"]] == ["Understand", "Change", "Verify"]
@@ -325,8 +325,8 @@ def test_the_scripted_policy_creates_advances_and_holds() -> None:
     held = json.loads(scripted_planner.answer(CHAT, planner_call(planner_input("phase_complete", "r"))))
     assert held["decision"] == "hold"
     assert json.loads(scripted_planner.answer(CHAT, planner_call(planner_input("reassess", "r"))))["decision"] == "hold"
-    assert not scripted_planner.is_request(CHAT, CHAT.request_from_chat(
-        [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "{}"}], "m", False, ()))
+    assert scripted.policy(CHAT, CHAT.request_from_chat(
+        [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "{}"}], "m", False, ())) is None
 
 
 def _actions(exchange: Any) -> list[Any]:

@@ -200,9 +200,9 @@ class ScriptedUpstream:
             return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
         if scripted_condenser.is_condenser_request(fmt, body):
             return self._condense(fmt, body, request.body)
-        for policy in _POLICIES:
-            if policy.is_request(fmt, body):
-                return self._supervisor_answer(fmt, body, policy.answer, self.supervisor_requests, request.body)
+        answer = policy(fmt, body)
+        if answer is not None:
+            return self._supervisor_answer(fmt, body, answer, self.supervisor_requests, request.body)
         if self.record:
             self.requests.append((request.target, request.body,
                                   {k.decode(): v.decode("latin-1") for k, v in request.headers}))
@@ -292,7 +292,14 @@ class ScriptedUpstream:
 
 _POLICIES = (scripted_verifier, scripted_planner)
 """Fixed answers to proxyvisor's own supervisor model calls other than the condenser's (each module has
-``is_request(fmt, body)`` and ``answer(fmt, body)``)."""
+``MARKS``, the prefixes its calls' system prompts start with, and ``answer(fmt, body)``)."""
+
+
+def policy(fmt: WireFormat, body: dict[str, Any]) -> Callable[[WireFormat, dict[str, Any]], str] | None:
+    """The ``answer`` function of the fixed policy whose call ``body`` (a request in ``fmt``) is, recognised by its
+    system prompt (:data:`_POLICIES`); None for any other request."""
+    system = fmt.fingerprint_parts(body)[0]
+    return next((p.answer for p in _POLICIES if system.startswith(p.MARKS)), None)
 
 
 def _model(body: dict[str, Any]) -> str:

@@ -24,14 +24,10 @@ from ..gate.plan import PHASE_COMPLETE, PLANNER_INSTRUCTIONS, REQUEST
 from ..proxy.formats import WireFormat
 
 SUBJECT_CHARS = 80
-_MARK = PLANNER_INSTRUCTIONS.split(".", 1)[0]
+MARKS = (PLANNER_INSTRUCTIONS.split(".", 1)[0],)
+"""How the system prompt of a planner call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
 _OK = "\u2192 ok"
 """How a successful action's line reads (``proxyvisor.gate.digest.action_lines``)."""
-
-
-def is_request(fmt: WireFormat, body: dict[str, Any]) -> bool:
-    """Whether ``body`` (a request in ``fmt``) is a planner call: its system prompt is the planner's."""
-    return fmt.fingerprint_parts(body)[0].startswith(_MARK)
 
 
 def answer(fmt: WireFormat, body: dict[str, Any]) -> str:

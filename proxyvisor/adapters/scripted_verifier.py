@@ -32,16 +32,14 @@ _ACTION = re.compile(r"^#\d+ \[(mut|read)\] .* → (ok|ERROR) ")
 _FORBIDS_CHECKS = re.compile(r"\b(test|tests|check|checks|verify|build)\b", re.IGNORECASE)
 
 
-def is_request(fmt: WireFormat, body: dict[str, Any]) -> bool:
-    """Whether ``body`` (a request in ``fmt``) is a verifier or refuter call."""
-    system = fmt.fingerprint_parts(body)[0]
-    return system.startswith(VERIFIER_INSTRUCTIONS[:60]) or system.startswith(REFUTER_INSTRUCTIONS[:60])
+MARKS = (VERIFIER_INSTRUCTIONS[:60], REFUTER_INSTRUCTIONS[:60])
+"""How the system prompt of a verifier or refuter call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
 
 
 def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
     """The answer text (one JSON object) to a verifier or refuter call (module docstring)."""
     system, document = fmt.fingerprint_parts(body)
-    if system.startswith(REFUTER_INSTRUCTIONS[:60]):
+    if system.startswith(MARKS[1]):
         ids = [int(n) for n in re.findall(r"^(\d+)\. ", document, re.MULTILINE)] or [1]
         return orjson.dumps({"findings": [{"id": n, "status": "stands", "citation": ""} for n in ids]}).decode()
     blocks = {name: text for name, text in _BLOCK.findall(document)}

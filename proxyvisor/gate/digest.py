@@ -14,8 +14,13 @@
 Blocks, in priority order (reference ``in-session-supervisor-mechanics.md`` section 3, "Verifier input"):
 
 =============================== =====================================================================================
-``<current_user_turn>``         the latest genuine user turn, authority; at most 8,000 characters (the reference's
-                                resolved-request limit) and a quarter of the budget.
+``<current_user_turn>``         the latest genuine user turn, authority; at most 16,000 characters
+                                (:data:`REQUEST_CHARS`; head 2/3 and tail 1/3 of a longer one) and a quarter of the
+                                budget.
+``<original_task>``             the thread's first user message, when the turn's request is another one (a follow-up
+                                such as "yes" or "test it", or a harness's re-prompt): what the follow-up refers to
+                                (a stand-in for the reference's task resolution); same limits, an eighth of the
+                                budget.
 ``<agent_final_result>``        all finals of the turn joined by a "continued after supervisor feedback" separator,
                                 filled newest first, at most 8,192 tokens (the supervisor profile's ``max_tokens``)
                                 and a quarter of the budget.
@@ -31,8 +36,9 @@ Blocks, in priority order (reference ``in-session-supervisor-mechanics.md`` sect
                                 of the budget.
 ``<provenance>``                one sentence: whether a check succeeded since the last change (reference).
 ``<tool_outputs>``              result heads (1,000 characters) and tails (2,000, the reference's command-output
-                                tail) of at most 8 actions, one per distinct call (its latest run), failures and
-                                command executions first, newest first, while they fit; shown in action order.
+                                tail) of at most 8 actions, one per distinct call (its latest run): failures first,
+                                then command executions, then the rest, each newest first, while they fit; shown in
+                                action order.
 =============================== =====================================================================================
 
 Pure functions over plain data; no I/O, no clock.
@@ -56,7 +62,10 @@ from .prohibitions import prohibitions
 DEFAULT_BUDGET = 16_384
 MIN_BUDGET = 1_024
 """Below this many tokens the request and the answer could not both be shown; :func:`build` refuses."""
-REQUEST_CHARS = 8_000
+REQUEST_CHARS = 16_000
+"""The request's clip (head 2/3, tail 1/3). Twice the reference's 8,000 for a *resolved* request: ours is the raw
+message, which a harness may prefix with pages of context (SWE-agent's demonstration, 19k characters, merged with
+the task into one Messages user message); the block's token cap (a quarter of the budget) still bounds it."""
 INSTRUCTIONS_CHARS = 4_000
 FINAL_TOKENS = 8_192
 CLAIM_CHARS = 500
@@ -191,8 +200,9 @@ def _picked_outputs(actions: Sequence[Action]) -> list[int]:
         if action.output is not None:
             latest[action.receipt.call_key] = i
     newest = sorted(latest.values(), reverse=True)
-    urgent = [i for i in newest if actions[i].receipt.error or actions[i].receipt.command is not None]
-    return (urgent + [i for i in newest if i not in urgent])[:MAX_OUTPUTS]
+    failed = [i for i in newest if actions[i].receipt.error]
+    commands = [i for i in newest if actions[i].receipt.command is not None and i not in failed]
+    return (failed + commands + [i for i in newest if i not in failed and i not in commands])[:MAX_OUTPUTS]
 
 
 def _fit(text: str, tokens: int) -> str:
@@ -288,24 +298,31 @@ def _outputs_block(actions: Sequence[Action], cap: int) -> _Block:
 
 
 def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *, instructions: str = "",
-          plan: str | None = None, state: str | None = None, claim: str = "",
+          plan: str | None = None, state: str | None = None, claim: str = "", task: str = "",
           previous_gaps: Sequence[str] = (), budget: int = DEFAULT_BUDGET) -> str:
     """The verifier's input document for one turn, at most ``budget`` tokens.
 
     ``request``: the latest genuine user turn; ``finals``: the turn's final answers, oldest first (one per
-    re-entry); ``actions``: :func:`turn_actions`; ``instructions``: the agent's system prompt; ``plan``: the
+    re-entry); ``actions``: :func:`turn_actions`; ``task``: the thread's first user message (shown only when it is
+    not ``request``); ``instructions``: the agent's system prompt; ``plan``: the
     rendered live plan, or None; ``state``/``claim``: the self-report state (None when absent) and ``focus``;
     ``previous_gaps``: the previous pass's gaps. Raises ValueError when ``budget`` < :data:`MIN_BUDGET`.
     """
     if budget < MIN_BUDGET:
         raise ValueError(f"digest budget {budget} is below the minimum of {MIN_BUDGET} tokens")
+    follow_up = bool(task.strip()) and task.strip() != request.strip()
     found = prohibitions(request)
+    if follow_up:  # the task's prohibitions still bind a follow-up turn
+        found += tuple(p for p in prohibitions(task) if p not in found)
     ev = evidence(actions)
     blocks = [
-        _text_block("current_user_turn", ' authority="true"', request[:REQUEST_CHARS], budget // 4),
+        _text_block("current_user_turn", ' authority="true"', clip_chars(request, REQUEST_CHARS), budget // 4),
         _text_block("agent_final_result", ' trust="untrusted"', CONTINUED.join(finals),
                     min(FINAL_TOKENS, budget // 4), newest_first=True),
     ]
+    if follow_up:
+        blocks.insert(1, _text_block("original_task", ' authority="true"', clip_chars(task, REQUEST_CHARS),
+                                     budget // 8))
     if found:
         blocks.append(_lines_block("prohibitions", ' authority="user"', [f"- {p}" for p in found], budget // 8))
     blocks.append(_text_block("agent_state", ' trust="untrusted"',

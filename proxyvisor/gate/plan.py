@@ -47,7 +47,7 @@ import orjson
 
 from ..condense.text import clip_chars
 from .digest import INSTRUCTIONS_CHARS, REQUEST_CHARS, Action, action_lines
-from .verdict import Malformed, _json_object
+from .verdict import Malformed, json_object
 
 MIN_PHASES = 2
 MAX_PHASES = 6
@@ -229,7 +229,7 @@ def parse_decision(signal: str, answer: str) -> Decision | Malformed:
     if signal not in ALLOWED:
         raise ValueError(f"unknown plan signal {signal!r}")
     try:
-        data = _json_object(answer)
+        data = json_object(answer)
     except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
         return Malformed(f"not JSON: {exc}")
     if not isinstance(data, dict):
@@ -322,7 +322,7 @@ def planner_input(signal: str, request: str, *, instructions: str = "", tools: S
     """The planner's user message: one JSON object (keys in this order, byte-stable for the same input).
 
     ``signal``: the self-report's plan signal; ``request``: the latest genuine user request (at most
-    :data:`~.digest.REQUEST_CHARS`, 8,000, characters); ``instructions``: the agent's system prompt (at most
+    :data:`~.digest.REQUEST_CHARS`, 16,000, characters); ``instructions``: the agent's system prompt (at most
     :data:`~.digest.INSTRUCTIONS_CHARS`, 4,000); ``tools``: the agent's tool names (at most :data:`MAX_TOOLS`,
     each :data:`TOOL_CHARS`); ``plan``: the active plan (:func:`as_json`); ``focus``/``next_step``/``carry``: the
     self-report that raised the signal (:data:`HANDOFF_CHARS`; at most :data:`MAX_CARRY` entries of

@@ -122,7 +122,14 @@ class Refutation:
     refuted: tuple[tuple[Gap, str], ...] = field(default=())
 
 
-def _json_object(text: str) -> Any:
+def json_object(text: str) -> Any:
+    """The JSON value of a model's answer ``text``: the fenced block when there is one, else the span from the
+    first ``{`` to the last ``}`` (models wrap JSON in prose or fences). Shared by every structured supervisor
+    answer (verifier, refuter, planner).
+
+    Raises:
+        ValueError: no braces, or the span is not JSON (``orjson.JSONDecodeError`` is a ValueError).
+    """
     fenced = _FENCE.search(text)
     if fenced:
         text = fenced.group(1)
@@ -140,7 +147,7 @@ def parse(answer: str, handback: bool = False) -> Verdict | Malformed:
     """The verdict of a verifier ``answer`` (module docstring). ``handback`` is True when the turn ended in
     ``blocked`` or ``need_input``: a ``handback`` object with a boolean ``needs_user`` is then required."""
     try:
-        data = _json_object(answer)
+        data = json_object(answer)
     except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
         return Malformed(f"not JSON: {exc}")
     if not isinstance(data, dict):
@@ -200,7 +207,7 @@ def refute(gaps: Sequence[Gap], answer: str | None) -> Refutation:
     """Apply the refuter's ``answer`` (None when the call failed) to ``gaps`` (module docstring)."""
     refuted: dict[int, str] = {}
     try:
-        data = _json_object(answer) if answer is not None else {}
+        data = json_object(answer) if answer is not None else {}
     except ValueError:
         data = {}
     findings = data.get("findings") if isinstance(data, dict) else None

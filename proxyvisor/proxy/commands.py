@@ -55,7 +55,7 @@ from .formats.base import has_non_text
 from .info import render_text, summarize
 from .server import Headers, Response
 from .sessions import SESSION_ID, Session, SessionTable
-from .supervise import SessionSupervision, Thread, _thread_key
+from .supervise import SessionSupervision, Thread, thread_key
 
 COMMANDS = ("/plan", "/info")
 _REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
@@ -120,7 +120,7 @@ def thread_for(session: Session | None, fmt: WireFormat | None = None,
     if not isinstance(state, SessionSupervision) or not state.threads:
         return None
     if fmt is not None and body is not None:
-        thread = state.threads.get(_thread_key(fmt, fmt.fingerprint_parts(body)))
+        thread = state.threads.get(thread_key(fmt, fmt.fingerprint_parts(body)))
         if thread is not None:
             return thread
     return next(reversed(state.threads.values()))

@@ -180,23 +180,40 @@ class _Recorder:
         return self.splice.close()
 
 
-class _Job:
-    """``step`` run in a background nursery; ``done`` is set however it ends."""
+class Job:
+    """``work(arg)`` run for a held stream; afterwards ``result`` is what it returned (None if it raised, with
+    ``error`` what it raised), ``done`` is set however it ended, and cancelling ``scope`` stops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: Callable[[Any], Awaitable[Any]], arg: Any) -> None:
+        self.work = work
+        self.arg = arg
         self.done = trio.Event()
         self.scope = trio.CancelScope()
-        self.items: list[Any] | None = None
+        self.result: Any = None
         self.error: Exception | None = None
 
-    async def run(self, step: Step, response: dict[str, Any]) -> None:
+    async def run(self) -> None:
         try:
             with self.scope:
-                self.items = await step(response)
-        except Exception as exc:  # noqa: BLE001 - reported to the stream, which ends with an error event
+                self.result = await self.work(self.arg)
+        except Exception as exc:  # noqa: BLE001 - reported to the stream, which decides what the client gets
             self.error = exc
         finally:
             self.done.set()
+
+    async def keepalives(self, fmt: WireFormat, background: trio.Nursery | None) -> AsyncIterator[bytes]:
+        """Run the job, yielding ``fmt.keepalive`` every :data:`KEEPALIVE_S` seconds until it ends: in
+        ``background`` (the stream owning the job cancels ``scope`` when it is closed), or inline with no
+        keep-alive when ``background`` is None (an async generator must not yield inside a nursery of its own)."""
+        if background is None:
+            await self.run()
+            return
+        background.start_soon(self.run)
+        while not self.done.is_set():
+            with trio.move_on_after(KEEPALIVE_S):
+                await self.done.wait()
+            if not self.done.is_set():
+                yield fmt.keepalive
 
 
 def _error_text(body: Any) -> str:
@@ -225,7 +242,7 @@ class ContinuedStream:
         c = self.continuation
         splice = c.fmt.stream_splice(c.hold)
         stream: Any = self.first
-        job: _Job | None = None
+        job: Job | None = None
         try:
             while True:
                 recorder = _Recorder(splice)
@@ -241,25 +258,13 @@ class ContinuedStream:
                 if c.done >= c.rounds:
                     self.error = UpstreamError(502, c._too_many())
                     return
-                response = c.fmt.stream_response(recorder.events)
-                if c.background is None:
-                    try:
-                        items: list[Any] | None = await c._step(response)
-                    except Exception:  # noqa: BLE001 - the stream ends with an error event instead
-                        log.exception("continuing a turn failed")
-                        items = None
-                else:
-                    job = _Job()
-                    c.background.start_soon(job.run, c._step, response)
-                    while not job.done.is_set():
-                        with trio.move_on_after(KEEPALIVE_S):
-                            await job.done.wait()
-                        if not job.done.is_set():
-                            self.last_chunk = c.fmt.keepalive
-                            yield c.fmt.keepalive
-                    if job.error is not None:
-                        log.error("continuing a turn failed", exc_info=job.error)
-                    items = job.items
+                job = Job(c._step, c.fmt.stream_response(recorder.events))
+                async for keepalive in job.keepalives(c.fmt, c.background):
+                    self.last_chunk = keepalive
+                    yield keepalive
+                if job.error is not None:  # the stream ends with an error event instead
+                    log.error("continuing a turn failed", exc_info=job.error)
+                items: list[Any] | None = job.result
                 if items is None:
                     self.error = UpstreamError(500, "proxyvisor failed while running part of this turn; see the "
                                                     "proxyvisor log")

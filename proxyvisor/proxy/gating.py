@@ -36,8 +36,9 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ from ..gate.verdict import (FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUC
                             refute)
 from ..supervisor_model import ModelCall
 from . import continuation, planning
-from .continuation import Continuation, Resend, rewritable
+from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
 from .sse import SSEParser
 from .streamedit import EventSplitter
@@ -115,7 +116,7 @@ class Gating:
                 return reply
             if not isinstance(response, dict) or self._calls_tools(response):
                 return reply
-            items = await self.judged(response)
+            items = await self.judged(lambda: response)
             if items is None:
                 return reply
             continued = await self.carry_on(items)
@@ -157,14 +158,20 @@ class Gating:
             items = items + ex.continuation.items
         return digest.turn_actions([self.fmt.message(i) for i in items], ex.schemas, self.mutating_tools)
 
-    async def judged(self, response: dict[str, Any]) -> list[Any] | None:
-        """:meth:`judge`, with a failure of the gate's own code delivering the answer unverified."""
+    async def judged(self, held: Callable[[], dict[str, Any]]) -> list[Any] | None:
+        """:meth:`judge` of the response ``held()`` builds, with a failure of the gate's own code (reading the
+        held response included) delivering the answer unverified."""
         try:
-            return await self.judge(response)
+            return await self.judge(held())
         except Exception as exc:  # noqa: BLE001 - the agent's answer must never be lost to a supervisor bug
             log.exception("the verify-gate failed; delivering the answer unverified")
             self.abandon(f"the verify-gate failed ({type(exc).__name__})")
             return None
+        except trio.Cancelled:
+            # The client went away mid-verdict: its retry of this request must be judged afresh, not meet a
+            # state machine still waiting for this verdict (which would refuse the retry's stop).
+            self.exchange.thread.gate_turn = None
+            raise
 
     async def judge(self, response: dict[str, Any]) -> list[Any] | None:
         """Run the gate on a held turn-ending ``response`` (a non-streaming response body). Returns None to
@@ -218,12 +225,15 @@ class Gating:
     def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
         ex = self.exchange
         start = turn.turn_start
-        request = self.fmt.message(ex.items[start]).text if start is not None and start < len(ex.items) \
-            else ex.parts[1]
+        # What the user wrote, without the harness's <system-reminder> blocks (Claude Code adds them).
+        task = planning.goal_text(ex.parts[1])
+        request = planning.goal_text(self.fmt.message(ex.items[start]).text) \
+            if start is not None and start < len(ex.items) else task
         plan = ex.thread.plan
         return digest.build(request, turn.finals, actions, instructions=ex.parts[0],
                             plan=render_text(plan) if plan is not None else None,
                             state=report.state if report else None, claim=report.focus if report else "",
+                            task=task,
                             previous_gaps=[g.text for g in decision.previous_gaps],
                             budget=self.config.digest_budget_tokens)
 
@@ -261,25 +271,37 @@ class Gating:
         self.fmt.edit_response(response, lambda text: strip(text)[0].strip() or EMPTY_ANSWER)
         return self.fmt.assistant_items(response, lambda _name: False) + [self.fmt.user_item(note)]
 
-    async def carry_on(self, items: list[Any]) -> UpstreamReply | None:
-        """Continue the turn upstream with ``items``; None (after :meth:`abandon`) when that failed."""
+    async def carry_on(self, items: list[Any], stream: bool = False) -> UpstreamReply | None:
+        """Continue the turn upstream with ``items``; None (after :meth:`abandon`) when that failed or, for a
+        ``stream``, when upstream answered without one. A failed continuation is also taken back from what the
+        thread's later requests get re-inserted: the agent receives the held answer itself."""
         ex = self.exchange
         if ex.continuation is None:
             ex.continuation = Continuation(self.fmt, ex.body, self.resend, lambda _name: False,
                                            background=self.background, remember=ex.remember)
         cont = ex.continuation
+        before = cont.items
+        reason = ""
         try:
             reply = await cont.send(items)
+            if reply.status >= 400 or not rewritable(reply):
+                await continuation._close(reply.body)
+                reason = f"upstream refused to continue the turn ({reply.status})"
+            elif stream and not reply.streaming:
+                reason = "upstream continued the turn without a stream"
+            elif ex.delegation is not None:  # the continued answer may call delegation tools in turn
+                reply = await cont.reply(reply)
         except UpstreamError as exc:
-            self.abandon(f"continuing the turn upstream failed ({exc.status}): {exc.message}")
-            return None
-        if reply.status >= 400 or not rewritable(reply):
-            await continuation._close(reply.body)
-            self.abandon(f"upstream refused to continue the turn ({reply.status})")
-            return None
-        if ex.delegation is not None:  # the continued answer may call delegation tools in turn
-            reply = await cont.reply(reply)
-        return reply
+            reason = f"continuing the turn upstream failed ({exc.status}): {exc.message}"
+        except Exception as exc:  # noqa: BLE001 - the agent's answer must never be lost to a supervisor bug
+            log.exception("continuing a gated turn failed; delivering the held answer")
+            reason = f"continuing the turn failed ({type(exc).__name__})"
+        if not reason:
+            return reply
+        cont.items = before
+        ex.remember(before)
+        self.abandon(reason)
+        return None
 
 
 class GatedStream:
@@ -295,91 +317,57 @@ class GatedStream:
     async def __aiter__(self) -> AsyncIterator[bytes]:
         g = self.gating
         stream = self.first
-        while True:
-            splitter = EventSplitter()
-            detector = g.fmt.stream_splice(lambda _name: True)  # .held turns True when a tool call starts
-            held: list[bytes] = []
-            events: list[tuple[str | None, str]] = []
-            passing = False
-            async for chunk in stream:
+        job: Job | None = None
+        try:
+            while True:
+                splitter = EventSplitter()
+                parser = SSEParser()  # fed whole blocks, so one parser serves the whole stream
+                detector = g.fmt.stream_splice(lambda _name: True)  # .held turns True when a tool call starts
+                held: list[bytes] = []
+                events: list[tuple[str | None, str]] = []
+                passing = False
+                async for chunk in stream:
+                    if passing:
+                        self.last_chunk = chunk
+                        yield chunk
+                        continue
+                    blocks = splitter.feed(chunk)
+                    for n, block in enumerate(blocks):
+                        for event in parser.feed(block):
+                            events.append((event.event, event.data))
+                            detector.event(event.event, event.data)
+                        if detector.held:  # a tool-call round: everything held goes out, the rest streams through
+                            out = b"".join(held + blocks[n:]) + splitter.rest()
+                            held, passing = [], True
+                            self.last_chunk = out
+                            yield out
+                            break
+                        held.append(block)
+                self.error = getattr(stream, "error", None)
                 if passing:
-                    self.last_chunk = chunk
-                    yield chunk
-                    continue
-                blocks = splitter.feed(chunk)
-                for n, block in enumerate(blocks):
-                    parsed = SSEParser().feed(block)
-                    if parsed:
-                        events.append((parsed[0].event, parsed[0].data))
-                        detector.event(parsed[0].event, parsed[0].data)
-                    if detector.held:  # a tool-call round: everything held goes out, the rest streams through
-                        out = b"".join(held + blocks[n:]) + splitter.rest()
-                        held, passing = [], True
+                    return
+                rest = splitter.rest()
+                if self.error is not None or rest:
+                    # A broken stream is not judged: the agent gets what came and the error.
+                    out = b"".join(held) + rest
+                    if out:
                         self.last_chunk = out
                         yield out
-                        break
-                    held.append(block)
-            if passing:
-                self.error = getattr(stream, "error", None)
-                return
-            rest = splitter.rest()
-            self.error = getattr(stream, "error", None)
-            if self.error is not None or rest:
-                # A broken stream is not judged: the agent gets what came and the error.
-                out = b"".join(held) + rest
-                if out:
+                    if self.error is None:
+                        self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
+                    return
+                job = Job(g.judged, functools.partial(g.fmt.stream_response, events))
+                async for keepalive in job.keepalives(g.fmt, g.background):
+                    self.last_chunk = keepalive
+                    yield keepalive
+                # judged() never raises but for cancellation; result None: deliver the held answer.
+                reply = await g.carry_on(job.result, stream=True) if job.result is not None else None
+                if reply is None:
+                    out = b"".join(held)
                     self.last_chunk = out
                     yield out
-                if self.error is None:
-                    self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
-                return
-            verdict = _Verdict()
-            async for keepalive in _judging(g, g.fmt.stream_response(events), verdict):
-                self.last_chunk = keepalive
-                yield keepalive
-            reply = await g.carry_on(verdict.items) if verdict.items is not None else None
-            if reply is None:
-                out = b"".join(held)
-                self.last_chunk = out
-                yield out
-                return
-            if not reply.streaming:  # an upstream that answered a stream with JSON: nothing to splice
-                assert isinstance(reply.body, bytes)
-                g.abandon("upstream continued the turn without a stream")
-                out = b"".join(held)
-                self.last_chunk = out
-                yield out
-                return
-            stream = reply.body
-
-
-@dataclass
-class _Verdict:
-    items: list[Any] | None = None
-
-
-async def _judging(g: Gating, response: dict[str, Any], verdict: _Verdict) -> AsyncIterator[bytes]:
-    """Judge ``response`` into ``verdict``, yielding keep-alives while it is pending (inline, without any, when
-    there is no background nursery). The judging is cancelled if the agent's stream is closed meanwhile."""
-    if g.background is None:
-        verdict.items = await g.judged(response)
-        return
-    done = trio.Event()
-    scope = trio.CancelScope()
-
-    async def run() -> None:
-        try:
-            with scope:
-                verdict.items = await g.judged(response)
+                    return
+                stream = reply.body
         finally:
-            done.set()
-
-    g.background.start_soon(run)
-    try:
-        while not done.is_set():
-            with trio.move_on_after(continuation.KEEPALIVE_S):
-                await done.wait()
-            if not done.is_set():
-                yield g.fmt.keepalive
-    finally:
-        scope.cancel()
+            if job is not None:
+                job.scope.cancel()

@@ -168,7 +168,9 @@ class SessionSupervision:
         return thread
 
 
-def _thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
+def thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
+    """The key of the :class:`Thread` a request in ``fmt`` belongs to in :attr:`SessionSupervision.threads`;
+    ``parts`` is ``fmt.fingerprint_parts(body)`` (its system prompt and first user message)."""
     return hashlib.blake2b(orjson.dumps([fmt.name, *parts]), digest_size=16).digest()
 
 
@@ -197,7 +199,7 @@ class Supervisor:
         # Read once: the thread key, the detectors, condensing and delegation all use them.
         parts = fmt.fingerprint_parts(body)
         tools = fmt.tools(body)
-        thread = state.thread(_thread_key(fmt, parts), self.mutating_tools)
+        thread = state.thread(thread_key(fmt, parts), self.mutating_tools)
         items = fmt.history(body)
         sent = list(items)  # the agent's history: the insertions below go into this same list
         update = thread.tracker.update(items, fmt.message, {t.name: t.schema for t in tools})
