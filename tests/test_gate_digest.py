@@ -237,3 +237,19 @@ def test_a_long_request_keeps_its_head_and_tail() -> None:
     request = "Here is the context. " + "lorem ipsum " * 2000 + "THE ACTUAL TASK: fix parse()."
     doc = build(request, ["Done."])
     assert "Here is the context." in doc and "THE ACTUAL TASK: fix parse()." in doc
+
+
+def test_receipts_the_detectors_made_are_reused_and_reset_at_each_user_turn() -> None:
+    from proxyvisor.detectors.receipts import RoundReader
+
+    turn = done_despite_failing_test()
+    reader = RoundReader()
+    for index, message in enumerate(turn.messages):
+        reader.feed(index, message, SCHEMAS)
+    known = dict(reader.turn_receipts)
+    assert len(known) == 4
+    actions = turn_actions(turn.messages, SCHEMAS, known=known)
+    assert [a.receipt for a in actions] == [known[a.use.id] for a in actions]
+    assert [a.receipt for a in actions] == [a.receipt for a in turn.actions()]  # the same as computed afresh
+    reader.feed(len(turn.messages), Message("user", "Thanks. Now the docs."), SCHEMAS)
+    assert reader.turn_receipts == {}

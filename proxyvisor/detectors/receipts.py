@@ -278,6 +278,9 @@ class RoundReader:
         self._last_prompt: str | None = None
         self._rounds_since_prompt = 0
         self._tool_rounds_since_prompt = 0
+        self.turn_receipts: dict[str, Receipt] = {}
+        """The receipts of the current user turn's calls, by call id (the verify-gate reads them instead of
+        computing them again); emptied at each genuine user turn."""
 
     def feed(self, index: int, message: Message, schemas: Mapping[str, Mapping[str, Any]]) -> list[Round | UserTurn]:
         """The rounds and user turns completed by ``message`` (at history position ``index``)."""
@@ -307,6 +310,7 @@ class RoundReader:
                 out.append(Round(index, text_key=UNRECORDED, implied=True))
             elif not repeated:
                 out.append(UserTurn(index))
+                self.turn_receipts = {}
             self._last_prompt = message.text
             self._rounds_since_prompt = self._tool_rounds_since_prompt = 0
         return out
@@ -320,6 +324,7 @@ class RoundReader:
         self._tool_rounds_since_prompt += 1
         receipts = tuple(receipt(u, open_round.outputs.get(u.id), schemas.get(u.name), self.mutating_tools)
                          for u in open_round.uses)
+        self.turn_receipts.update((u.id, r) for u, r in zip(open_round.uses, receipts))
         return [Round(open_round.index, receipts)]
 
 

@@ -110,9 +110,11 @@ class Evidence:
 
 
 def turn_actions(messages: Sequence[Message], schemas: Mapping[str, Mapping[str, Any]] | None = None,
-                 mutating_tools: frozenset[str] = frozenset()) -> list[Action]:
+                 mutating_tools: frozenset[str] = frozenset(),
+                 known: Mapping[str, Receipt] | None = None) -> list[Action]:
     """The tool calls in ``messages`` (one turn's history, after its user message) paired with their results by
-    id, in call order, each with its :func:`~proxyvisor.detectors.receipts.receipt`."""
+    id, in call order, each with its :func:`~proxyvisor.detectors.receipts.receipt`; ``known`` receipts by call id
+    (``RoundReader.turn_receipts``, already computed from the same history) are used as they are."""
     uses: list[ToolUse] = []
     outputs: dict[str, ToolOutput] = {}
     for message in messages:
@@ -120,7 +122,9 @@ def turn_actions(messages: Sequence[Message], schemas: Mapping[str, Mapping[str,
         for result in message.tool_outputs:
             outputs.setdefault(result.call_id, result)
     schemas = schemas or {}
-    return [Action(u, outputs.get(u.id), receipt(u, outputs.get(u.id), schemas.get(u.name), mutating_tools))
+    known = known or {}
+    return [Action(u, outputs.get(u.id), known.get(u.id) or receipt(u, outputs.get(u.id), schemas.get(u.name),
+                                                                     mutating_tools))
             for u in uses]
 
 

@@ -156,7 +156,8 @@ class Gating:
         items = ex.items[start + 1:] if start is not None else ex.items
         if ex.continuation is not None:
             items = items + ex.continuation.items
-        return digest.turn_actions([self.fmt.message(i) for i in items], ex.schemas, self.mutating_tools)
+        return digest.turn_actions([self.fmt.message(i) for i in items], ex.schemas, self.mutating_tools,
+                                   ex.thread.tracker.reader.turn_receipts)
 
     async def judged(self, held: Callable[[], dict[str, Any]]) -> list[Any] | None:
         """:meth:`judge` of the response ``held()`` builds, with a failure of the gate's own code (reading the
