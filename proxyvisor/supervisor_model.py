@@ -8,7 +8,8 @@ timeout) cancels the litellm call.
 
 ``api_base = "scripted:"`` points the model at the embedded scripted upstream (no key, no network), which answers
 condenser, verifier and planner requests with fixed policies (``proxyvisor.adapters.scripted_condenser``,
-``proxyvisor.adapters.scripted_verifier``, ``proxyvisor.adapters.scripted_planner``): the demo, ``proxyvisor replay --condense`` and the tests use it.
+``proxyvisor.adapters.scripted_verifier``, ``proxyvisor.adapters.scripted_planner``): the demo,
+``proxyvisor replay --condense`` and the tests use it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def usage_of(answer: str) -> tuple[int, int, float]:
 
 
 def configured_model(model: ModelConfig, scripted_url: str | None = None,
-                         env: Mapping[str, str] | None = None) -> ModelCall | None:
+                     env: Mapping[str, str] | None = None) -> ModelCall | None:
     """The model call ``[supervisor.model]`` describes: None when ``name`` is empty; with ``api_base =
     "scripted:"``, the embedded scripted upstream serving at ``scripted_url`` (``http://host:port``), called as an
     OpenAI-compatible endpoint whatever provider prefix ``name`` has.

@@ -117,3 +117,17 @@ def test_rendered_turns_read_back_as_the_same_turn(fmt: str) -> None:
         assembled = f.assemble(events)
         assert (parsed.text, parsed.tool_calls) == expected
         assert (assembled.text, assembled.tool_calls) == expected
+
+
+def test_notes_never_change_the_agents_own_messages() -> None:
+    from proxyvisor.proxy.formats import MESSAGES
+
+    user = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}
+    plain = {"role": "user", "content": "Fix it."}
+    body = {"messages": [plain, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "x",
+                                                                   "input": {}}]}, user]}
+    agent = [plain, body["messages"][1], user]
+    MESSAGES.insert_notes(body, [(0, "note A"), (2, "note B")])
+    assert user == {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}
+    assert plain == {"role": "user", "content": "Fix it."} and body["messages"][0] is not agent[0]
+    assert body["messages"][2]["content"][-1] == {"type": "text", "text": "note B"}

@@ -286,9 +286,12 @@ async def test_reconcile_runs_the_final_answers_signal_before_the_gate_and_clear
     assert any("pytest" in line for line in planner.inputs[0]["recent_actions"])
     thread = exchange.thread
     assert thread.plan is not None and thread.plan_signal is None
-    # The reply's report, taken by reconcile already, is not taken again when the exchange finishes.
-    exchange._finish(['{"state":"done","focus":"x","next":null,"carry":[],"plan":"reassess"}'])
+    # The reply's report, taken by reconcile already, is not taken again when the exchange finishes...
+    exchange._finish(['{"state":"done","focus":"parser split","next":null,"carry":[],"plan":"request"}'])
     assert thread.plan_signal is None
+    # ...but a reply continued past it (a gate re-entry that ended in tool calls) has its own signal, taken.
+    exchange._finish(['{"state":"progressing","focus":"x","next":null,"carry":[],"plan":"phase_complete"}'])
+    assert thread.plan_signal == "phase_complete"
     clear(thread)
     assert thread.plan is None and thread.plan_signal is None
 

@@ -53,19 +53,19 @@ from ..store import Store
 from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import has_non_text
 from .info import render_text, summarize
+from .planning import goal_text
 from .server import Headers, Response
 from .sessions import SESSION_ID, Session, SessionTable
 from .supervise import SessionSupervision, Thread, thread_key
 
 COMMANDS = ("/plan", "/info")
-_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 _JSON: Headers = [(b"content-type", b"application/json")]
 _SSE: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _PATH = re.compile(r"^/proxyvisor/sessions(?:/([^/]*)/(info|plan))?$")
 
 
 def _command(text: str) -> str | None:
-    text = _REMINDER.sub("", text).strip()
+    text = goal_text(text)
     return text if text in COMMANDS else None
 
 

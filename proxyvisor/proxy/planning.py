@@ -107,13 +107,14 @@ class PlanTurn:
 
     def __init__(self, planner: Planner) -> None:
         self.planner = planner
-        self.reconciled = False
-        """:func:`reconcile` already took the turn-ending responses' reports, so the reply's is not taken twice."""
+        self.reconciled: list[SelfReport | None] = []
+        """The turn-ending responses' reports :func:`reconcile` took, so the delivered reply's is not taken twice
+        (a reply continued past them after a gate re-entry has its own, which is taken)."""
 
     def observe(self, thread: Thread, report: SelfReport | None) -> None:
         """Record ``report`` (the reply's self-report; None: none) as the thread's pending signal (module
-        docstring, 1), unless :func:`reconcile` did already."""
-        if not self.reconciled:
+        docstring, 1), unless :func:`reconcile` took that same report already."""
+        if not (self.reconciled and report in self.reconciled):
             self.planner.observe(thread, report)
 
 
@@ -225,7 +226,8 @@ class Planner:
         start = planning.phase_start if signal != REQUEST and planning.phase_start is not None \
             else thread.tracker.turn_start
         items = exchange.items[start + 1:] if start is not None else exchange.items
-        actions = turn_actions([exchange.fmt.message(i) for i in items], exchange.schemas, self.mutating_tools)
+        actions = turn_actions([exchange.fmt.message(i) for i in items], exchange.schemas, self.mutating_tools,
+                               thread.tracker.reader.turn_receipts)
         document = planner_input(signal, planning.goal, instructions=exchange.parts[0], tools=sorted(exchange.tools),
                                  plan=thread.plan, focus=report.focus if report else "",
                                  next_step=report.next if report else None, carry=report.carry if report else (),
@@ -298,7 +300,7 @@ async def reconcile(exchange: Exchange, report: SelfReport | None = None) -> Non
     if turn is None:
         return
     turn.planner.observe(exchange.thread, report)
-    turn.reconciled = True
+    turn.reconciled.append(report)
     await turn.planner.run(exchange, final=True)
 
 

@@ -202,7 +202,8 @@ class Supervisor:
         thread = state.thread(thread_key(fmt, parts), self.mutating_tools)
         items = fmt.history(body)
         sent = list(items)  # the agent's history: the insertions below go into this same list
-        update = thread.tracker.update(items, fmt.message, {t.name: t.schema for t in tools})
+        schemas = {t.name: t.schema for t in tools}
+        update = thread.tracker.update(items, fmt.message, schemas)
         record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
         for firing in update.firings:
             state.signals.update(firing.signals)
@@ -246,7 +247,7 @@ class Supervisor:
         state.records.append(record)
         exchange = Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
         exchange.items, exchange.parts = sent, parts
-        exchange.schemas = {t.name: t.schema for t in tools}
+        exchange.schemas = schemas
         exchange.planning = self.planner.turn()
         return exchange
 
@@ -297,9 +298,9 @@ class Exchange:
         self.parts: tuple[str, str] = ("", "")
         """The agent's system prompt and first user message (``WireFormat.fingerprint_parts``)."""
         self.schemas: dict[str, Any] = {}
+        """The agent's tools' argument schemas, by name."""
         self.planning: PlanTurn | None = None
         """The plan's part in the request (``proxyvisor.proxy.planning``); None when signals call no planner."""
-        """The agent's tools' argument schemas, by name."""
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
@@ -339,7 +340,6 @@ class Exchange:
             self.thread.carry = result.report.carry
         if self.planning is not None:
             self.planning.observe(self.thread, result.report)
-
 
     def reply(self, reply: UpstreamReply) -> UpstreamReply:
         """``reply`` with the self-report stripped from its assistant text (an error reply, or one in an

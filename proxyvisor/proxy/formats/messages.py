@@ -210,13 +210,15 @@ class MessagesFormat(WireFormat):
             item, block = messages[index], {"type": "text", "text": text}
             if isinstance(item, dict) and item.get("role") == "user":
                 # Appended to the user message itself: text after tool_result blocks is allowed, and a second
-                # user message in a row would be merged into it by the API anyway.
+                # user message in a row would be merged into it by the API anyway. A copy: the agent's own message
+                # (which supervision reads as "the history as sent") stays as the agent sent it.
                 content = item.get("content")
                 if isinstance(content, list):
-                    content.append(block)
+                    content = [*content, block]
                 else:
-                    item["content"] = [{"type": "text", "text": content}, block] if isinstance(content, str) and \
-                        content else [block]
+                    content = [{"type": "text", "text": content}, block] if isinstance(content, str) and content \
+                        else [block]
+                messages[index] = {**item, "content": content}
             else:
                 separate.append((index, {"role": "user", "content": [block]}))
         if separate:
