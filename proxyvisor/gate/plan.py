@@ -230,10 +230,8 @@ def parse_decision(signal: str, answer: str) -> Decision | Malformed:
         raise ValueError(f"unknown plan signal {signal!r}")
     try:
         data = json_object(answer)
-    except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
-        return Malformed(f"not JSON: {exc}")
-    if not isinstance(data, dict):
-        return Malformed("the answer is not a JSON object")
+    except ValueError as exc:
+        return Malformed(f"not a JSON object: {exc}")
     kind = data.get("decision")
     if kind not in ALLOWED[signal]:
         return Malformed(f"decision {kind!r} is not allowed for signal {signal} "

@@ -122,13 +122,13 @@ class Refutation:
     refuted: tuple[tuple[Gap, str], ...] = field(default=())
 
 
-def json_object(text: str) -> Any:
-    """The JSON value of a model's answer ``text``: the fenced block when there is one, else the span from the
+def json_object(text: str) -> dict[str, Any]:
+    """The JSON object of a model's answer ``text``: the fenced block when there is one, else the span from the
     first ``{`` to the last ``}`` (models wrap JSON in prose or fences). Shared by every structured supervisor
     answer (verifier, refuter, planner).
 
     Raises:
-        ValueError: no braces, or the span is not JSON (``orjson.JSONDecodeError`` is a ValueError).
+        ValueError: no braces, the span is not JSON (``orjson.JSONDecodeError`` is a ValueError), or not an object.
     """
     fenced = _FENCE.search(text)
     if fenced:
@@ -136,7 +136,10 @@ def json_object(text: str) -> Any:
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end < start:
         raise ValueError("no JSON object")
-    return orjson.loads(text[start:end + 1])
+    data = orjson.loads(text[start:end + 1])
+    if not isinstance(data, dict):
+        raise ValueError("the answer is not a JSON object")
+    return data
 
 
 def _text(value: Any) -> str:
@@ -148,10 +151,8 @@ def parse(answer: str, handback: bool = False) -> Verdict | Malformed:
     ``blocked`` or ``need_input``: a ``handback`` object with a boolean ``needs_user`` is then required."""
     try:
         data = json_object(answer)
-    except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
-        return Malformed(f"not JSON: {exc}")
-    if not isinstance(data, dict):
-        return Malformed("the answer is not a JSON object")
+    except ValueError as exc:
+        return Malformed(f"not a JSON object: {exc}")
     requirements, gaps = data.get("requirements"), data.get("gaps", [])
     if not isinstance(requirements, list) or not requirements or not isinstance(gaps, list):
         return Malformed("requirements must be a non-empty list and gaps a list")
@@ -210,7 +211,7 @@ def refute(gaps: Sequence[Gap], answer: str | None) -> Refutation:
         data = json_object(answer) if answer is not None else {}
     except ValueError:
         data = {}
-    findings = data.get("findings") if isinstance(data, dict) else None
+    findings = data.get("findings")
     for item in findings if isinstance(findings, list) else ():
         if not isinstance(item, dict):
             continue
