@@ -210,9 +210,15 @@ async def test_traversal_attempts_in_urls_are_refused_and_write_nothing(proxy, s
         answer = await raw_request(proxy.port, head, body)
         assert answer.startswith(b"HTTP/1.1 400 "), (session, answer[:200])
     for value in ("../x", "..", "/etc/passwd", "a\\b"):
-        reply, _ = await raw_stream(proxy.url, "chat", request_body("chat"), headers={"session-id": value})
+        reply, _ = await raw_stream(proxy.url, "chat", request_body("chat"), headers={"x-proxyvisor-session": value})
         assert reply.status_code == 400, value
     assert files_under(state_dir) == [] and not (tmp_path / "x").exists()
+    for value in ("../x", "..", "/etc/passwd", "a\\b"):  # a client's own header: hashed into a safe id
+        reply, _ = await raw_stream(proxy.url, "chat", request_body("chat"), headers={"session-id": value})
+        assert reply.status_code == 200, value
+    ledgers = sorted((state_dir / "ledger").glob("*.jsonl"))
+    assert len(ledgers) == 4 and all(inside(path, state_dir) for path in files_under(state_dir))
+    assert not (tmp_path / "x").exists()
 
 
 # ---- credentials --------------------------------------------------------------------------------------------

@@ -73,9 +73,12 @@ def test_invalid_ids_are_refused_everywhere(bad: str) -> None:
         with pytest.raises(InvalidSession):
             split_prefix(f"/s/{bad}/v1/messages")
     if bad:  # an empty header counts as absent
-        for name in ("x-proxyvisor-session", "x-claude-code-session-id", "session-id", "x-session-id"):
-            with pytest.raises(InvalidSession):
-                identify(None, headers_of({name: bad}), CHAT, {})
+        with pytest.raises(InvalidSession):
+            identify(None, headers_of({"x-proxyvisor-session": bad}), CHAT, {})
+        for name in ("x-claude-code-session-id", "session-id", "x-session-id"):
+            # A client's own header is its business: hashed into a valid id, never refused.
+            session, source = identify(None, headers_of({name: bad}), CHAT, {})
+            assert SESSION_ID.match(session) and session != bad and source == "header:" + name
     with pytest.raises(ValueError):
         Store("/tmp/unused").ledger_path(bad)
 

@@ -25,7 +25,8 @@ from .formats import WireFormat
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
-_HEADERS = ("x-proxyvisor-session", "x-claude-code-session-id", "session-id", "x-session-id")
+_OURS = "x-proxyvisor-session"
+_HEADERS = (_OURS, "x-claude-code-session-id", "session-id", "x-session-id")
 
 
 class InvalidSession(ValueError):
@@ -56,17 +57,25 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
 
     ``header`` is a callable ``name -> str | None``.
 
+    A client's own session header (Claude Code's, Codex's, opencode's) holding a value that is not a valid id is
+    hashed into one (it is the client's format, not a request to proxyvisor); ``x-proxyvisor-session`` and the
+    path prefix are proxyvisor's own and must be valid.
+
     Raises:
-        InvalidSession: a session header holds an invalid id.
+        InvalidSession: ``x-proxyvisor-session`` holds an invalid id.
     """
     if path_session:
         return path_session, "path"
     for name in _HEADERS:
         value = header(name)
         if value:
-            if not SESSION_ID.match(value):
-                raise InvalidSession(f"invalid session id in header {name}: use 1-128 of [A-Za-z0-9._-]")
-            return value, "header:" + name
+            if SESSION_ID.match(value):
+                return value, "header:" + name
+            if name == _OURS:
+                raise InvalidSession(f"invalid session id in header {name}: use 1-128 of [A-Za-z0-9._-], "
+                                     "starting with a letter or digit")
+            # A client's own header (a timestamp, "sess:123") is its business: hashed, never refused.
+            return _hashed("c", value), "header:" + name
     hint = fmt.session_hint(body)
     if hint:
         return (hint if SESSION_ID.match(hint) else _hashed("b", hint)), "body"
