@@ -279,3 +279,20 @@ def test_litellm_is_not_ready_without_its_key_variable(monkeypatch: pytest.Monke
     monkeypatch.delenv("PV_NO_SUCH_KEY", raising=False)
     runtime = LiteLLMRuntime(registry_for("").get("litellm"), {"api_key_env": "PV_NO_SUCH_KEY"})
     assert runtime.readiness() == "$PV_NO_SUCH_KEY is not set"
+
+
+def test_the_scripted_auto_mode_reads_past_proxyvisor_notes_after_a_tool_result() -> None:
+    from proxyvisor.adapters.scripted import auto_turn
+    from proxyvisor.proxy.formats import CHAT
+
+    body = CHAT.request_from_chat([
+        {"role": "user", "content": "List the files."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"}], "m", False, ())
+    body["tools"] = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    assert not auto_turn(CHAT, body).tool_calls
+    body["messages"].append({"role": "user", "content": '<supervisor-note signal="recite">goal</supervisor-note>'})
+    assert not auto_turn(CHAT, body).tool_calls  # a note is context, not a new request
+    body["messages"].append({"role": "user", "content": "Now count them."})
+    assert auto_turn(CHAT, body).tool_calls

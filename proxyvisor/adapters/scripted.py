@@ -127,9 +127,22 @@ def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def _answers_a_tool_result(fmt: WireFormat, body: dict[str, Any]) -> bool:
+    """Whether the latest turn holds a tool result, reading past proxyvisor's own notes after it (a steer note or a
+    recitation sent as a user message of its own), which a model reads as context, not as a new request."""
+    if fmt.ends_with_tool_result(body):
+        return True
+    for item in reversed(fmt.history(body)):
+        message = fmt.message(item)
+        if message.role == "user" and message.text.lstrip().startswith("<supervisor-note"):
+            continue
+        return message.role == "tool"
+    return False
+
+
 def auto_turn(fmt: WireFormat, body: dict[str, Any]) -> AssistantTurn:
     """What the scripted model says with no script step left (see the module docstring)."""
-    if fmt.ends_with_tool_result(body):
+    if _answers_a_tool_result(fmt, body):
         return AssistantTurn("Done: I ran the tool and read its output.")
     tools: list[ToolSpec] = fmt.tools(body)
     if not tools:
