@@ -361,15 +361,19 @@ and the verifier double answers "pass", so the run goes on as recorded.
 - **The turn.** The digest covers the latest genuine user turn (`HistoryTracker.turn_start`: a user message that does
   not repeat the previous prompt). A harness re-prompt ("Please always provide EXACTLY ONE action…", "No tool calls
   found…") is such a user message, so in the chat and Responses formats the turn starts there: the verifier's request
-  is the re-prompt and the actions before it are not in the digest ("task in view: no"). In the Messages format the
-  gpt-5-mini re-prompts follow tool results and join their user message (roles alternate), so the turn stays the task;
-  SWE-agent's demonstration (line 1) and task (line 2) join into one user message, of which the digest keeps the first
-  8,000 characters: the demonstration, without the task. Claude Code sessions have several user turns; each completion
-  is judged against its own (e6f53930: line 87 "yes", whose turn holds the failing full-suite run at 188-189).
+  is the re-prompt, the task is shown beside it as `<original_task>` (the thread's first user message, shown whenever
+  the turn's request is another one: re-prompts and follow-ups such as "yes"), and the actions before the re-prompt
+  are not in the digest ("task in view: no", reported, not a target). Under a real verifier the tool-less reply before
+  a re-prompt would have been sent back with gaps, so the harness would not have re-prompted; this replay's verifier
+  passes everything. In the Messages format the gpt-5-mini re-prompts follow tool results and join their user message
+  (roles alternate), so the turn stays the task; SWE-agent's demonstration (line 1, 19,388 characters) and task (line
+  2) join into one user message, which the digest clips to its head and tail (16,000 characters), keeping the task.
+  Claude Code sessions have several user turns; each completion is judged against its own (e6f53930: line 87 "yes",
+  whose turn holds the failing full-suite run at 188-189).
 - **Failing output.** The digest shows the outputs (head and tail) of at most 8 actions, one per distinct call, its
-  latest run; failures and shell commands first, newest first. A failing run counts as a failure only by its exit
-  status: e6f53930's full suite ran through `| tail -30`, so its "7 failed, 54 passed" run is `→ ok`; it is shown
-  because it is the newest shell command of its turn."""
+  latest run: failures first, then shell commands, then the rest, each newest first. A failing run counts as a failure
+  only by its exit status: e6f53930's full suite ran through `| tail -30`, so its "7 failed, 54 passed" run is `→ ok`;
+  it is shown because it is the newest shell command of its turn."""
 
 
 def summary(results: list[Result], budget: int, elapsed: float) -> str:
