@@ -12,12 +12,17 @@ The task file (:func:`load_tasks`) is JSON lines, one task object per line; blan
 log files and default working directory), ``prompt`` (required, non-empty), and optionally ``workdir`` (the
 folder to run the agent in, created if missing; a relative path is relative to the task file's folder),
 ``timeout_s`` (seconds, overrides ``--timeout``) and ``env`` (an object of extra environment variables, string
-values). Other keys are an error, so a misspelt key is never silently ignored.
+values). Other keys are an error, so a misspelt key is never silently ignored. No string may hold a NUL byte, and
+the prompt (which the agent gets as an argument and in ``PROXYVISOR_PROMPT``) and each ``env`` entry must fit in one
+Linux argument or environment string (:data:`MAX_ARG_STRLEN`).
 
-The agent command (:func:`agent_argv`) is a command line: ``{prompt}``, ``{id}``, ``{workdir}`` and
-``{session}`` are replaced by the task's values, shell-quoted (:func:`shlex.quote`), the line is split into words
-the way a POSIX shell would (:func:`shlex.split`), and the words are run directly, not through a shell. The agent
-also gets ``PROXYVISOR_TASK_ID`` and ``PROXYVISOR_PROMPT`` in its environment (for ``sh -c '...'`` commands).
+The agent command (:func:`agent_argv`) is a command line, split into words the way a POSIX shell would
+(:func:`shlex.split`) once; in each word, ``{prompt}``, ``{id}``, ``{workdir}`` and ``{session}`` are then replaced
+by the task's values as they are (a value is never split or re-read), and the words are run directly, not through
+a shell; any other ``{name}`` is an error. The agent also gets ``PROXYVISOR_TASK_ID`` and ``PROXYVISOR_PROMPT`` in
+its environment (for ``sh -c '...'`` commands, where a value pasted into the script would be read as code).
+
+A task whose working directory cannot be made ends with that error (outcome ``no_verdict``); the others run.
 
 Agents run with ``cwd`` = the task's working directory, stdin empty, stdout and stderr to files, each in a new
 process group (session). A task past its timeout, and every running task on SIGINT or SIGTERM, gets SIGTERM on
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import re
 import secrets
@@ -58,7 +64,14 @@ from .wrap import agent_invocation
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 TASK_KEYS = frozenset({"id", "prompt", "workdir", "timeout_s", "env"})
+PLACEHOLDERS = ("prompt", "id", "workdir", "session")
 PLACEHOLDER = re.compile(r"\{(prompt|id|workdir|session)\}")
+_NAMED = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
+"""A ``{name}`` in a word of the agent command (``${NAME}`` is the shell's, left alone)."""
+MAX_ARG_STRLEN = 131_072
+"""Linux's limit on one argument or environment string, in bytes with its closing NUL (``MAX_ARG_STRLEN`` in
+``include/uapi/linux/binfmts.h``: 32 pages of 4 KiB); a longer one fails ``execve`` with E2BIG."""
+_PROMPT_VAR = "PROXYVISOR_PROMPT"
 DEFAULT_TIMEOUT_S = 1800.0
 GRACE_S = 5.0
 """Seconds an agent's process group has between SIGTERM and SIGKILL when it is stopped."""
@@ -140,29 +153,54 @@ def _task(obj: Any, where: str, number: int, base: Path) -> Task:
     if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
                                             for k, v in env.items()):
         raise TaskFileError(f"{where}: 'env' must be an object of variable names to string values")
+    for name, value in (("prompt", prompt), ("workdir", workdir or ""),
+                        *((f"env {k!r}", f"{k}={v}") for k, v in env.items())):
+        if "\0" in value:
+            raise TaskFileError(f"{where}: {name} contains a NUL byte, which no program argument, path or "
+                                "environment variable can hold")
+    # The prompt is passed both as an argument and as PROXYVISOR_PROMPT=...; the variable is the longer of the two.
+    for name, value in (("prompt", f"{_PROMPT_VAR}={prompt}"), *((f"env {k!r}", f"{k}={v}") for k, v in env.items())):
+        size = len(value.encode("utf-8", "surrogatepass")) + 1
+        if size > MAX_ARG_STRLEN:
+            raise TaskFileError(f"{where}: {name} is too long to pass to a program: {size:,} bytes as the "
+                                f"environment string {value.partition('=')[0]}=..., over Linux's limit of "
+                                f"{MAX_ARG_STRLEN:,} bytes per argument or environment string (MAX_ARG_STRLEN); "
+                                "put long text in a file and name the file in the prompt")
     return Task(task_id, prompt, number, base / workdir if workdir else None,
                 float(timeout) if timeout is not None else None, env)
 
 
 def check_template(template: str) -> None:
     """Raise :class:`BatchError` unless ``template`` is a usable ``--agent`` command line (module docstring):
-    words a shell would split, and the prompt passed on (``{prompt}``, or ``$PROXYVISOR_PROMPT`` in a command of
-    the user's)."""
+    words a shell would split, no placeholder but the known ones, and the prompt passed on (``{prompt}``, or
+    ``$PROXYVISOR_PROMPT`` in a command of the user's)."""
     try:
-        words = shlex.split(template)
+        words = _words(template)
     except ValueError as exc:
         raise BatchError(f"--agent: cannot split the command line: {exc}") from None
     if not words:
         raise BatchError("--agent: the command is empty")
-    if "{prompt}" not in template and "PROXYVISOR_PROMPT" not in template:
+    unknown = sorted({m[1] for word in words for m in _NAMED.finditer(word)} - set(PLACEHOLDERS))
+    if unknown:
+        raise BatchError(f"--agent: unknown placeholder(s) {', '.join(f'{{{n}}}' for n in unknown)}; the known ones "
+                         f"are {', '.join(f'{{{n}}}' for n in PLACEHOLDERS)}")
+    if "{prompt}" not in template and _PROMPT_VAR not in template:
         raise BatchError("--agent: the command must contain {prompt} (or read $PROXYVISOR_PROMPT), e.g. "
                          "--agent 'claude -p {prompt}'")
 
 
+@functools.lru_cache(maxsize=4)
+def _words(template: str) -> tuple[str, ...]:
+    """``template`` split as a POSIX shell would, once per template (not per task: the values are never split).
+    Raises ValueError (an unclosed quote)."""
+    return tuple(shlex.split(template))
+
+
 def agent_argv(template: str, task: Task, workdir: Path, session: str) -> list[str]:
-    """The words of ``template`` with its placeholders filled in, shell-quoted (module docstring)."""
+    """The words of ``template`` with the placeholders in each filled in as they are (module docstring).
+    Raises ValueError when ``template`` cannot be split (:func:`check_template` refuses it first)."""
     values = {"prompt": task.prompt, "id": task.id, "workdir": str(workdir), "session": session}
-    return shlex.split(PLACEHOLDER.sub(lambda m: shlex.quote(values[m[1]]), template))
+    return [PLACEHOLDER.sub(lambda m: values[m[1]], word) for word in _words(template)]
 
 
 @dataclass(frozen=True)
@@ -246,18 +284,23 @@ class Batch:
         """Run ``task``'s agent to its end and record its result as ``results[index]``; cancelled (an
         interrupt), it stops the agent and still records the result, with the error "interrupted"."""
         session = f"{task.id}-{secrets.token_hex(8)}"
-        workdir = self._workdir(task)
-        logs = self.options.logs
-        logs.mkdir(parents=True, exist_ok=True)
-        out_path, err_path = logs / f"{task.id}.stdout", logs / f"{task.id}.stderr"
-        base = {**os.environ, **task.env, "PROXYVISOR_TASK_ID": task.id, "PROXYVISOR_PROMPT": task.prompt}
-        cmd, env = agent_invocation(proxy_url, session, agent_argv(self.options.agent, task, workdir, session), base)
+        out_path, err_path = self.options.logs / f"{task.id}.stdout", self.options.logs / f"{task.id}.stderr"
+        workdir: Path | None = None
         run = _Run()
         started = time.monotonic()
         finished = False
         try:
             with out_path.open("wb") as out, err_path.open("wb") as err:
-                await self._process(cmd, workdir, env, out, err, task.timeout_s or self.options.timeout_s, run)
+                try:
+                    workdir = self._workdir(task)
+                except OSError as exc:  # this task's own problem: the others still run
+                    run.error = (f"cannot make the working directory {exc.filename or ''}: "
+                                 f"{exc.strerror or exc}").replace(" :", ":")
+                else:
+                    base = {**os.environ, **task.env, "PROXYVISOR_TASK_ID": task.id, _PROMPT_VAR: task.prompt}
+                    cmd, env = agent_invocation(proxy_url, session,
+                                                agent_argv(self.options.agent, task, workdir, session), base)
+                    await self._process(cmd, workdir, env, out, err, task.timeout_s or self.options.timeout_s, run)
             finished = True
         finally:
             seconds = round(time.monotonic() - started, 3)
@@ -272,7 +315,7 @@ class Batch:
                 info = await trio.to_thread.run_sync(lambda: summarize(self.store.read_ledger(session)))
             self.results[index] = batch_report.from_summary(
                 info, id=task.id, session=session, exit_code=run.code, error=run.error, seconds=seconds,
-                workdir=str(workdir), stdout=str(out_path), stderr=str(err_path))
+                workdir=str(workdir or ""), stdout=str(out_path), stderr=str(err_path))
 
     def _workdir(self, task: Task) -> Path:
         if task.workdir is not None:
@@ -315,7 +358,7 @@ class Batch:
         self.progress.update(self._bar, running=self._running)
 
     def _say(self, text: str) -> None:
-        self.progress.console.print(text, markup=False, highlight=False)
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 @dataclass
@@ -363,14 +406,14 @@ def _last_line(path: Path) -> str | None:
 
 def batch_command(config: Config, tasks_file: str, options: Options, require_verified: bool = False,
                   report: str | None = None) -> int:
-    """``proxyvisor batch``: check the task file and the command, run the batch with a progress bar on stderr,
-    write ``REPORT.jsonl``, ``REPORT.md`` and the agents' output under ``REPORT-logs/``, and return the exit status:
-    0 every agent exited 0 (and, with ``require_verified``, every task is verified); 1 otherwise; 128+N when
-    signal N (SIGINT, SIGTERM) stopped the run.
+    """``proxyvisor batch``: check the task file, the command and the report's folder, run the batch with a
+    progress bar on stderr, write ``REPORT.jsonl``, ``REPORT.md`` and the agents' output under ``REPORT-logs/``, and
+    return the exit status: 0 every agent exited 0 (and, with ``require_verified``, every task is verified: the
+    tasks that are not are named on stderr); 1 otherwise; 128+N when signal N (SIGINT, SIGTERM) stopped the run.
 
     Raises:
-        BatchError: the task file (:class:`TaskFileError`) or the ``--agent`` command is not usable (nothing has
-            run).
+        BatchError: the task file (:class:`TaskFileError`), the ``--agent`` command or the ``--report`` folder is
+            not usable (nothing has run).
         OSError: a report file cannot be written.
         ConfigError: the configuration cannot be served (nothing has run).
     """
@@ -380,36 +423,71 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     started = datetime.now(timezone.utc)
     prefix = Path(report or f"batch-{started:%Y%m%d-%H%M%S}")
     options = dataclasses.replace(options, logs=prefix.with_name(prefix.name + "-logs"))
+    try:  # made now, so that a report that cannot be written is known before any agent runs
+        options.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BatchError(f"--report: cannot make the folder {exc.filename or options.logs}: "
+                         f"{exc.strerror or exc}") from None
+    if not os.access(prefix.parent, os.W_OK | os.X_OK):
+        raise BatchError(f"--report: cannot write in the folder {prefix.parent}")
     console = Console(stderr=True)
-    if not config.supervisor.model.name:
-        console.print("proxyvisor: no [supervisor.model] name is configured, so the gate cannot verify: every "
-                      "turn ends unverified", markup=False, highlight=False)
+    idle = not config.supervisor.model.name
+    if idle:
+        console.print(f"proxyvisor: no [supervisor.model] name is configured, so the gate is idle: {_IDLE}",
+                      markup=False, highlight=False, soft_wrap=True)
     clock = time.monotonic()
-    with Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("verified {task.fields[verified]}"), TextColumn("running {task.fields[running]}"),
-                  TimeElapsedColumn(), console=console) as progress:
-        batch = Batch(config, tasks, options, Store(config.state_dir()), progress)
-        results = trio.run(batch.run)
+    quiet_gate = _GateAsInfo()
+    logging.getLogger("proxyvisor.gate").addFilter(quiet_gate)
+    try:
+        with Progress(TextColumn("batch"), BarColumn(), TextColumn("done"), MofNCompleteColumn(),
+                      TextColumn("· verified {task.fields[verified]}"), TextColumn("· running {task.fields[running]}"),
+                      TimeElapsedColumn(), console=console) as progress:
+            batch = Batch(config, tasks, options, Store(config.state_dir()), progress)
+            results = trio.run(batch.run)
+    finally:
+        logging.getLogger("proxyvisor.gate").removeFilter(quiet_gate)
+    unverified = [r for r in results if not r.verified]
     facts = [("tasks", f"{tasks_file} ({len(tasks)} tasks, {len(results)} run)"),
              ("agent", f"`{options.agent}`"),
-             ("started", f"{started:%Y-%m-%d %H:%M:%S} UTC, {time.monotonic() - clock:.1f} s, "
-                         f"{options.parallel} at a time, timeout {options.timeout_s:g} s per task"),
-             ("supervisor model", config.supervisor.model.name or "none (every turn unverified)"),
+             ("started", (f"{started:%Y-%m-%d %H:%M:%S} UTC, {options.parallel} at a time, timeout "
+                          f"{options.timeout_s:g} s per task")),
+             ("wall time", (f"{time.monotonic() - clock:.1f} s for the whole batch (the agent seconds column is each "
+                            "agent's own time; its total is their sum)")),
+             ("supervisor model", config.supervisor.model.name or f"none: the gate is idle ({_IDLE})"),
+             ("require verified", (f"yes: {len(results) - len(unverified)} of {len(tasks)} verified"
+                                   if require_verified else "no")),
              ("ledgers", str(config.state_dir() / "ledger"))]
     if batch.interrupted is not None:
-        facts.append(("interrupted", f"by {signal.Signals(batch.interrupted).name} after {len(results)} of "
-                                     f"{len(tasks)} tasks started"))
+        facts.append(("interrupted", (f"by {signal.Signals(batch.interrupted).name} after {len(results)} of "
+                                      f"{len(tasks)} tasks started")))
     jsonl, md = batch_report.write(prefix, results, facts)
     counts = batch_report.outcome_counts(results)
     console.print(f"proxyvisor batch: {len(results)} of {len(tasks)} tasks: "
                   f"{', '.join(f'{k} {v}' for k, v in counts.items()) or 'none run'}; report {md} and {jsonl}",
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)
     if batch.interrupted is not None:
         return 128 + batch.interrupted
     clean = len(results) == len(tasks) and all(r.exit_code == 0 and r.error is None for r in results)
-    if require_verified and not (len(results) == len(tasks) and all(r.verified for r in results)):
+    if require_verified and unverified:
+        listed = ", ".join(f"{r.id} ({r.outcome}, exit {batch_report.cell(r, 'exit_code')})" for r in unverified)
+        console.print(f"proxyvisor batch: --require-verified: {len(unverified)} of {len(tasks)} tasks not verified "
+                      f"(outcome verified with exit 0): {listed}", markup=False, highlight=False, soft_wrap=True)
         return 1
     return 0 if clean else 1
+
+
+_IDLE = "nothing is held or checked and no turn gets a label, so every task ends no_verdict"
+
+
+class _GateAsInfo(logging.Filter):
+    """Shows the gate's per-turn warnings ("turn unverified: ...") as INFO during a batch: there a turn's label is
+    an expected outcome, which the task's own line and the report give, not a problem of the batch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
 
 
 __all__ = ["Batch", "BatchError", "Options", "Task", "TaskFileError", "agent_argv", "batch_command", "batch_config",

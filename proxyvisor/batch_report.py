@@ -77,8 +77,11 @@ FIELDS = tuple(f.name for f in dataclasses.fields(TaskResult))
 COLUMNS = (("task", "id"), ("outcome", "outcome"), ("exit", "exit_code"), ("gate rounds", "gate_rounds"),
            ("gaps", "gaps"), ("re-entries", "reentries"), ("nudges", "nudges"), ("detector fires", "detector_fires"),
            ("steers", "steers"), ("requests", "requests"), ("input tokens", "input_tokens"),
-           ("output tokens", "output_tokens"), ("cost (USD)", "cost_usd"), ("seconds", "seconds"), ("error", "error"))
-"""The Markdown table's columns: (heading, :class:`TaskResult` field)."""
+           ("output tokens", "output_tokens"), ("cost (USD)", "cost_usd"), ("agent seconds", "seconds"),
+           ("error", "error"))
+"""The Markdown table's columns: (heading, :class:`TaskResult` field). The totals row sums each column, so its
+agent seconds add up the agents' times, which overlap when tasks run in parallel (the report's facts give the
+batch's wall time)."""
 _SUMMED = ("gate_rounds", "gaps", "reentries", "nudges", "detector_fires", "steers", "requests", "input_tokens",
            "output_tokens", "cost_usd", "seconds")
 

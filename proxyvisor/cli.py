@@ -35,7 +35,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="PATH", help="configuration file to use (see 'files' below)")
+    parser.add_argument("--config", metavar="PATH", help="configuration file to use (see 'files and environment' below)")
     parser.add_argument("--state-dir", metavar="DIR", help="state directory (overrides [state] dir)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                         help="log verbosity on stderr (default: %(default)s); logs never contain credentials")
@@ -264,16 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
                          the task file's folder)
               timeout_s  optional; seconds for this task (overrides --timeout)
               env        optional; {"NAME": "value"} added to this task's agent environment
-            Any other key, a line that is not a JSON object, or a repeated id is an error naming the line,
+            Any other key, a line that is not a JSON object, a repeated id, a NUL byte in a value, or a prompt
+            or env entry longer than Linux passes to a program (131,072 bytes per argument or environment
+            string, MAX_ARG_STRLEN; the prompt goes in PROXYVISOR_PROMPT too) is an error naming the line,
             reported before any task runs.
 
-            agent command: --agent is one command line. Its placeholders are replaced by the task's values,
-            shell-quoted: {prompt}, {id}, {workdir}, {session}; the line is then split into words as a POSIX
-            shell would and run directly, not through a shell (so do not quote the placeholders yourself).
-            The agent also gets PROXYVISOR_TASK_ID, PROXYVISOR_PROMPT, PROXYVISOR_URL and PROXYVISOR_SESSION in
-            its environment: for pipes and redirections use sh -c '... "$PROXYVISOR_PROMPT" ...'. Each agent
-            runs in its working directory (the task's workdir, else --workdir-template, else a fresh folder
-            under the temporary directory, kept afterwards), with stdin empty and in its own process group.
+            agent command: --agent is one command line, split into words as a POSIX shell would, then run
+            directly, not through a shell. In each word, {prompt}, {id}, {workdir} and {session} are replaced
+            by the task's values as they are: a value is never split or re-read, so {prompt} and '{prompt}'
+            are the same one word (with text around it, e.g. --task={prompt}, still one word). Any other {name}
+            is an error. The agent also gets PROXYVISOR_TASK_ID, PROXYVISOR_PROMPT, PROXYVISOR_URL and
+            PROXYVISOR_SESSION in its environment: for pipes and redirections use
+            sh -c '... "$PROXYVISOR_PROMPT" ...' (a {prompt} pasted into a shell script would be read as code).
+            Each agent runs in its working directory (the task's workdir, else --workdir-template, else a fresh
+            folder under the temporary directory, kept afterwards), with stdin empty and in its own process
+            group; a task whose folder cannot be made ends with that error (no_verdict) and the others run.
             Past its timeout, or on Ctrl-C / SIGTERM, the group gets SIGTERM, then SIGKILL 5 s later (at once on
             a second Ctrl-C); whatever an agent leaves running in its group is killed when it exits.
 
@@ -282,25 +287,32 @@ def build_parser() -> argparse.ArgumentParser:
               unknown      the verifier passed it on reading alone (no change, e.g. a question answered)
               failed       the same gaps came back after new evidence
               unverified   the re-entry budget was spent with gaps left, or the verifier was unavailable
-              no_verdict   no turn ended with a verdict: the agent crashed, timed out or was stopped before
-                           its answer, or made no model request offering it tools (only those are gated)
-            The gate needs [supervisor.model] name; without one every turn ends unverified. With
-            api_base = "scripted:" the embedded scripted upstream answers as a fixed-policy verifier (offline).
+              no_verdict   no turn ended with a verdict: no [supervisor.model] is configured (the gate is
+                           idle), the agent crashed, timed out or was stopped before its answer (or its folder
+                           could not be made), or it made no model request offering it tools (only those are
+                           gated)
+            The gate needs [supervisor.model] name; without one it is idle: nothing is held or checked, no turn
+            gets a label, and every task ends no_verdict. With api_base = "scripted:" the embedded scripted
+            upstream answers as a fixed-policy verifier (offline).
 
-            report files (--report PREFIX; default batch-YYYYMMDD-HHMMSS in the current folder):
+            report files (--report PREFIX; default batch-YYYYMMDD-HHMMSS in the current folder; its folder is
+            made, or found unwritable, before any task runs):
               PREFIX.jsonl   one JSON object per task that started, in task-file order: id, session, outcome,
                              exit_code, error, seconds, gate_rounds (verifier passes), gaps, reentries, nudges,
                              detector_fires, steers, requests, input_tokens, output_tokens, cost_usd (upstream
                              plus supervisor model), cost_known, workdir, stdout, stderr
-              PREFIX.md      the same as a Markdown table with totals, and each task's session and files
+              PREFIX.md      the run's facts (wall time, --require-verified, ...), the same values as a
+                             Markdown table with totals (agent seconds: summed over tasks), and each task's
+                             session and files
               PREFIX-logs/   ID.stdout and ID.stderr of every agent
             The session ledgers stay in the state directory (ledger/SESSION.jsonl): 'proxyvisor info SESSION'.
-            A progress bar (tasks done, verified, running) and one line per finished task go to stderr.
+            A progress bar ("done 3/7 · verified 2 · running 4") and one line per finished task go to
+            stderr; the gate's per-turn messages are logged at info level, as the outcome is in the report.
 
             exit status: 0 every task's agent exited 0 (with --require-verified: and every task is verified);
             1 some agent exited non-zero, timed out or could not start (with --require-verified: or some task is
-            not verified, i.e. not outcome verified with exit 0); 2 bad usage, task file or configuration
-            (nothing ran); 130 interrupted by Ctrl-C, 143 by SIGTERM (the report covers the tasks that started).
+            not verified, i.e. not outcome verified with exit 0; those tasks are named on stderr); 2 bad usage,
+            task file, agent command, report folder or configuration (nothing ran); 130 interrupted by Ctrl-C, 143 by SIGTERM (the report covers the tasks that started).
             """),
         epilog=textwrap.dedent("""\
             examples:
@@ -331,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .info_cli import register as register_info
 
     register_info(commands, _common, _Formatter)  # info, plan: each sets a handler
+    for command in commands.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -349,7 +363,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would name them with the top-level usage; the command's own is the useful one
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

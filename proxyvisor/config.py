@@ -516,7 +516,8 @@ def default_config_path(env: dict[str, str] | None = None) -> Path:
 
 
 def load(explicit: str | None = None, env: dict[str, str] | None = None) -> Config:
-    """Find, read and validate the configuration (see the module docstring for the search order).
+    """Find, read and validate the configuration (see the module docstring for the search order). A relative
+    ``[upstreams.NAME] script`` path is taken relative to the file's folder (``~`` is expanded).
 
     Raises:
         ConfigError: the named file is missing or unreadable, is not valid TOML, or fails validation.
@@ -534,4 +535,8 @@ def load(explicit: str | None = None, env: dict[str, str] | None = None) -> Conf
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse(document, source=str(path))
+    config = parse(document, source=str(path))
+    # A script named in a file belongs with that file: relative to its folder, not to wherever proxyvisor runs.
+    return dataclasses.replace(config, upstreams=tuple(
+        dataclasses.replace(u, script=str(path.parent / Path(u.script).expanduser())) if u.script else u
+        for u in config.upstreams))

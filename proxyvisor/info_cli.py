@@ -1,9 +1,9 @@
 """Command line of ``proxyvisor info`` and ``proxyvisor plan`` (registered by cli.py).
 
 Both ask the running proxy first (``GET /proxyvisor/sessions...``, ``proxyvisor.proxy.commands``) and, when none
-answers, read the state directory: ``info`` sums the session's ledger itself (``proxyvisor.proxy.info``), ``plan``
-says that a plan lives only in a running proxy. Exit codes: 0 shown; 1 no such session, no plan to show (no
-proxy answers) or the proxy refused; 2 bad usage or configuration.
+answers, ``info`` reads the state directory and sums the session's ledger itself (``proxyvisor.proxy.info``), and
+``plan`` says that a plan lives only in a running proxy and exits 1. Exit codes: :data:`_INFO_EXIT` and
+:data:`_PLAN_EXIT`.
 """
 
 from __future__ import annotations
@@ -11,37 +11,68 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import orjson
 
-from .cli import session_id_arg
+from .cli import _FILES, session_id_arg
 from .config import Config
 
 _TIMEOUT_S = 5.0
 """How long to wait for the proxy (seconds); an /info that prices a long ledger may import litellm first."""
 
-_WHERE = """\
+_ASKED = """\
 where the answer comes from:
   First the proxy at --url, else http://[proxy] host:port of the configuration (default
   http://127.0.0.1:8377; a wildcard host is asked on loopback, with [proxy] auth_token sent
-  as x-proxyvisor-auth when set). When nothing answers there, the state directory
-  ([state] dir, --state-dir, else $PROXYVISOR_STATE_DIR, else ~/.local/state/proxyvisor) is
-  read directly: its ledger/SESSION.jsonl holds one line per request, which is all /info
-  needs. A proxy run by 'proxyvisor wrap' listens on a random port, printed nowhere: ask it
-  with --url, or let the state directory answer (its ledger is written as the agent works).
-
+  as x-proxyvisor-auth when set). A proxy run by 'proxyvisor wrap' listens on a random port,
+  printed nowhere: ask it with --url.
+"""
+_INFO_FALLBACK = """\
+  When no proxy answers there, the state directory ([state] dir, --state-dir, else
+  $PROXYVISOR_STATE_DIR, else ~/.local/state/proxyvisor) is read directly: its
+  ledger/SESSION.jsonl holds one line per request, which is all /info needs (a wrapped agent's
+  ledger is written as it works, so no --url is needed for it either).
+"""
+_PLAN_FALLBACK = """\
+  When no proxy answers there, plan exits 1: a plan lives only in the memory of the proxy that
+  serves the session, never in the state directory.
+"""
+_SESSION = """\
 SESSION:
   A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it.
-  Default: the session with the most recent activity (the proxy's list, else the ledger
-  written last). GET /proxyvisor/sessions lists the ids, and so does STATE_DIR/ledger/.
-
-exit status:
-  0 the answer was shown; 1 no such session, no plan to show (no proxy answers) or the proxy
-  refused (a wrong auth token); 2 bad usage or configuration.
+  GET /proxyvisor/sessions lists the ids{listed}.
+  Default: the session with the most recent activity ({latest}).
 """
+_INFO_EXIT = """\
+exit status:
+  0 the counters were shown; 1 no such session (neither the proxy nor, without one, the ledgers
+  know it) or the proxy refused (e.g. a wrong auth token); 2 bad usage or configuration.
+"""
+_PLAN_EXIT = """\
+exit status:
+  0 the plan (or "No plan") was shown; 1 no proxy answers, the proxy knows no such session, or it
+  refused (e.g. a wrong auth token); 2 bad usage or configuration.
+"""
+
+
+def _epilog(name: str, example: str) -> str:
+    """The help's epilog of ``info`` or ``plan``: the parts they share, and each one's own."""
+    info = name == "info"
+    session = _SESSION.format(listed=", and so does STATE_DIR/ledger/" if info else "",
+                              latest="the proxy's list, else the ledger written last" if info else "the proxy's list")
+    examples = textwrap.dedent(f"""\
+        examples:
+          proxyvisor {name}                 the most recently active session
+          proxyvisor {name} my-session
+          {example}
+        """)
+    return "\n".join((_ASKED + (_INFO_FALLBACK if info else _PLAN_FALLBACK), session,
+                      _INFO_EXIT if info else _PLAN_EXIT, examples, _FILES))
+
 
 _INFO_HELP = textwrap.dedent("""\
     Show a session's counters, the same as the agent gets by sending the message /info: model
@@ -78,18 +109,27 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
             ("plan", "show a session's plan and retained critical knowledge", _PLAN_HELP, _plan,
              "proxyvisor plan --url http://127.0.0.1:8377 my-session")):
         parser = commands.add_parser(name, help=short, formatter_class=formatter, description=help_text,
-                                     epilog=_WHERE + textwrap.dedent(f"""
-                                         examples:
-                                           proxyvisor {name}                 the most recently active session
-                                           proxyvisor {name} my-session
-                                           {example}
-                                         """))
+                                     epilog=_epilog(name, example))
         parser.add_argument("session", nargs="?", metavar="SESSION", type=session_id_arg,
                             help="the session (default: the most recently active one)")
         parser.add_argument("--json", action="store_true", help="print the JSON object instead of the text")
-        parser.add_argument("--url", metavar="URL", help="the proxy to ask (default: http://[proxy] host:port)")
+        parser.add_argument("--url", metavar="URL", type=_url_arg,
+                            help="the proxy to ask, http(s)://HOST[:PORT] (default: http://[proxy] host:port)")
         common(parser)
         parser.set_defaults(handler=handler)
+
+
+def _url_arg(value: str) -> str:
+    """``--url``: an ``http(s)://HOST[:PORT]`` address (a trailing ``/`` allowed), else ArgumentTypeError."""
+    try:
+        url = urllib.parse.urlsplit(value)
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/") \
+            or url.query or url.fragment or url.username is not None:
+        raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT] or https://HOST[:PORT], got {value!r}")
+    return value
 
 
 def _base_url(args: argparse.Namespace, config: Config) -> str:
@@ -205,7 +245,7 @@ def _plan(args: argparse.Namespace, config: Config) -> int:
         return 1
     if plan is None:
         session = session or _latest(config)[1]
-        text = (f"No proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"
+        text = (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"
                 f"{f' ({session})' if session else ''}. Start it, or give its address with --url.")
         if args.json:
             _print(args, {"session": session, "plan": None, "carry": [], "text": text}, text)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from proxyvisor.adapters.scripted import ScriptedUpstream, load_script
-from proxyvisor.batch import Task, agent_argv
+from proxyvisor.batch import MAX_ARG_STRLEN, Task, agent_argv, check_template, load_tasks
 from proxyvisor.batch_report import COLUMNS
 from proxyvisor.cli import main
 from proxyvisor.detectors.selfreport import strip
@@ -48,8 +48,8 @@ FILES = {"edit-and-test": "calc.py", "nudged": "hello.sh", "rework": "greet.py",
 
 
 def batch(tmp_path: Path, tasks: Path | str, *args: str, agent: str = AGENT) -> tuple[int, list[dict[str, Any]], str]:
-    """Run ``proxyvisor batch`` with the example configuration in the repository (its script path is relative);
-    returns (exit status, the JSONL report, the Markdown report)."""
+    """Run ``proxyvisor batch`` with the example configuration in the repository; returns (exit status, the JSONL
+    report, the Markdown report)."""
     prefix = tmp_path / "report"
     code = main(["batch", str(tasks), "--config", str(EXAMPLE / "config.toml"), "--agent", agent,
                  "--workdir-template", str(tmp_path / "runs" / "{id}"), "--report", str(prefix), *args])
@@ -122,7 +122,8 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
         row = rows[r["id"]]
         for heading, field in COLUMNS:
             if field in ("cost_usd", "seconds"):
-                assert float(row[heading].rstrip("*")) == pytest.approx(r[field], abs=0.05), (r["id"], field)
+                # Rounded to 1 decimal (seconds) or 4 (cost); 0.051 as a float's half-way case (1.25) may round down.
+                assert float(row[heading].rstrip("*")) == pytest.approx(r[field], abs=0.051), (r["id"], field)
             elif r[field] is None:
                 assert row[heading] == "–"
             else:
@@ -136,8 +137,10 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
     assert "- outcomes: verified 3, unknown 1, failed 1, unverified 1, no_verdict 1" in md
     for r in report:  # the second table: where each task's session and files are
         assert f"| {r['id']} | {r['session']} | {r['workdir']} | {r['stdout']} | {r['stderr']} |" in md
+    assert "- wall time: " in md and "- require verified: no" in md
     err = capsys.readouterr().err
-    assert "7/7" in err and "edit-and-test: verified, exit 0" in err and "crash: no_verdict, exit 1" in err
+    assert "edit-and-test: verified, exit 0" in err and "crash: no_verdict, exit 1" in err
+    assert "done 7/7 · verified 3 · running 0" in err  # not "7/7 verified 3"
 
 
 def subset(tmp_path: Path, *ids: str) -> Path:
@@ -148,13 +151,82 @@ def subset(tmp_path: Path, *ids: str) -> Path:
     return path
 
 
-def test_require_verified_exits_0_only_when_every_task_is_verified(tmp_path: Path) -> None:
-    code, report, _ = batch(tmp_path / "a", subset(tmp_path, "edit-and-test", "rework"), "--require-verified")
+def test_require_verified_exits_0_only_when_every_task_is_verified(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report, md = batch(tmp_path / "a", subset(tmp_path, "edit-and-test", "rework"), "--require-verified")
     assert code == 0 and [r["outcome"] for r in report] == ["verified", "verified"]
-    code, report, _ = batch(tmp_path / "b", subset(tmp_path, "edit-and-test", "question"), "--require-verified",
-                            "--parallel", "2")
+    assert "- require verified: yes: 2 of 2 verified" in md
+    assert "not verified" not in capsys.readouterr().err
+    code, report, md = batch(tmp_path / "b", subset(tmp_path, "edit-and-test", "question"), "--require-verified",
+                             "--parallel", "2")
     assert [(r["outcome"], r["exit_code"]) for r in report] == [("verified", 0), ("unknown", 0)]
-    assert code == 1  # every agent exited 0: only --require-verified fails it
+    assert code == 1  # every agent exited 0: only --require-verified fails it, and says so
+    assert "--require-verified: 1 of 2 tasks not verified (outcome verified with exit 0): question (unknown, " \
+           "exit 0)" in capsys.readouterr().err
+    assert "- require verified: yes: 1 of 2 verified" in md
+
+
+def test_the_example_runs_from_any_folder_and_its_gate_messages_are_not_warnings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The example configuration names its script relative to itself (config.py resolves it against the file's
+    folder); an expected outcome ("unverified") is logged as info, not as a warning among the task lines."""
+    import logging
+
+    from proxyvisor.config import load
+
+    monkeypatch.chdir(tmp_path)
+    assert load(str(EXAMPLE / "config.toml")).upstreams[0].script == str(EXAMPLE / "script.jsonl")
+    caplog.set_level(logging.INFO)
+    code, report, _ = batch(tmp_path, subset(tmp_path, "question", "no-check"))
+    assert code == 0 and [r["outcome"] for r in report] == ["unknown", "unverified"]
+    gate = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "proxyvisor.gate"]
+    assert any(level == "INFO" and text.startswith("turn unverified") for level, text in gate), gate
+    assert not [g for g in gate if g[0] == "WARNING"]
+
+
+def test_a_task_whose_folder_cannot_be_made_fails_alone_and_the_report_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "bad", "prompt": "x", "workdir": "/proc/nope"}) + "\n"
+                     + json.dumps({"id": "good", "prompt": "y"}) + "\n")
+    code, report, md = batch(tmp_path, tasks, agent="true {prompt}")
+    assert code == 1
+    assert [(r["id"], r["outcome"], r["exit_code"], r["error"]) for r in report] == [
+        ("bad", "no_verdict", None, "cannot make the working directory /proc/nope: No such file or directory"),
+        ("good", "no_verdict", 0, None)]
+    assert "| bad | no_verdict |" in md
+    assert "bad: no_verdict, exit –" in capsys.readouterr().err
+    # The same from --workdir-template: every task fails on its own, and the report still comes out.
+    prefix = tmp_path / "again"
+    code = main(["batch", str(tasks), "--agent", "true {prompt}", "--workdir-template", "/proc/{id}",
+                 "--report", str(prefix)])
+    report = [json.loads(line) for line in prefix.with_suffix(".jsonl").read_text().splitlines()]
+    assert code == 1 and [r["error"] for r in report] == [
+        "cannot make the working directory /proc/nope: No such file or directory",
+        "cannot make the working directory /proc/good: No such file or directory"]
+
+
+def test_a_report_folder_that_cannot_be_made_is_refused_before_anything_runs(
+        tmp_path: Path, state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tasks = subset(tmp_path, "question")
+    code = main(["batch", str(tasks), "--agent", "true {prompt}", "--report", "/proc/x/r",
+                 "--workdir-template", str(tmp_path / "runs" / "{id}")])
+    assert code == 2
+    assert "--report: cannot make the folder /proc/x: No such file or directory" in capsys.readouterr().err
+    assert not state_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def test_without_a_supervisor_model_the_gate_is_said_to_be_idle(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tasks = subset(tmp_path, "question")
+    prefix = tmp_path / "report"
+    code = main(["batch", str(tasks), "--agent", "true {prompt}", "--report", str(prefix),
+                 "--workdir-template", str(tmp_path / "runs" / "{id}")])
+    assert code == 0
+    err, md = capsys.readouterr().err, prefix.with_suffix(".md").read_text()
+    for text in (err, md):
+        assert "the gate is idle" in text and "every task ends no_verdict" in text
+        assert "unverified" not in text
 
 
 # An agent that proves how many tasks run at once. Agents arrive in groups of `want` (by arrival order, a file in
@@ -274,6 +346,9 @@ def test_ctrl_c_stops_the_running_agent_and_reports_what_started(tmp_path: Path)
     ('{"id": "a", "prompt": "x"}\n\n{"id": "a", "prompt": "y"}\n',
      r"tasks.jsonl:3: task id 'a' is already used on line 1"),
     ("\n\n", r"tasks.jsonl: no tasks"),
+    ('{"id": "a", "prompt": "a\\u0000b"}\n', r"tasks.jsonl:1: prompt contains a NUL byte"),
+    ('{"id": "a", "prompt": "x", "env": {"X": "a\\u0000b"}}\n', r"tasks.jsonl:1: env 'X' contains a NUL byte"),
+    ('{"id": "a", "prompt": "x", "workdir": "w\\u0000"}\n', r"tasks.jsonl:1: workdir contains a NUL byte"),
 ])
 def test_a_bad_task_file_is_refused_naming_the_line_before_anything_runs(
         tmp_path: Path, state_dir: Path, capsys: pytest.CaptureFixture[str], content: str, message: str) -> None:
@@ -291,6 +366,8 @@ def test_a_bad_task_file_is_refused_naming_the_line_before_anything_runs(
     ("my-agent --quiet", "--agent: the command must contain {prompt}"),
     ("my-agent 'unclosed {prompt}", "--agent: cannot split the command line"),
     ("", "--agent: the command is empty"),
+    ("my-agent {prompt} --out {bogus}",
+     "--agent: unknown placeholder(s) {bogus}; the known ones are {prompt}, {id}, {workdir}, {session}"),
 ])
 def test_an_unusable_agent_command_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], agent: str,
                                               message: str) -> None:
@@ -299,10 +376,33 @@ def test_an_unusable_agent_command_is_refused(tmp_path: Path, capsys: pytest.Cap
     assert message in capsys.readouterr().err
 
 
-def test_placeholders_are_filled_in_shell_quoted_and_never_run_through_a_shell() -> None:
-    task = Task("t-1", "it's \"$HOME\" `rm -rf /`; {id}", 1)
+def test_placeholders_are_filled_in_as_they_are_and_never_run_through_a_shell() -> None:
+    task = Task("t-1", "it's \"$HOME\" `rm -rf /`; {id} 'unclosed", 1)
     argv = agent_argv("agent -p {prompt} --tag={id} --cwd {workdir} {session}", task, Path("/w d"), "t-1-abc")
-    assert argv == ["agent", "-p", "it's \"$HOME\" `rm -rf /`; {id}", "--tag=t-1", "--cwd", "/w d", "t-1-abc"]
+    assert argv == ["agent", "-p", task.prompt, "--tag=t-1", "--cwd", "/w d", "t-1-abc"]
+    # Quoted by the user or not, a placeholder is the same word: the command line is split before it is filled in.
+    assert agent_argv("agent '{prompt}' \"--t={id}\" x{session}y", task, Path("/w"), "s") == \
+        ["agent", task.prompt, "--t=t-1", "xsy"]
+    check_template("sh -c 'echo ${HOME} \"$1\"' sh {prompt}")  # the shell's own ${NAME} is not a placeholder
+
+
+def test_a_prompt_must_fit_in_one_argument_and_environment_string(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Linux refuses an argument or environment string of MAX_ARG_STRLEN bytes or more (with its NUL); the prompt
+    is passed in PROXYVISOR_PROMPT=... too, so the longest prompt is shorter by that name."""
+    longest = MAX_ARG_STRLEN - 1 - len("PROXYVISOR_PROMPT=")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "big", "prompt": "é" * (longest // 2) + "x" * (longest % 2)}) + "\n")
+    code, report, _ = batch(tmp_path, tasks, agent='sh -c \'test "$1" = "$PROXYVISOR_PROMPT"\' sh {prompt}')
+    assert code == 0 and report[0]["exit_code"] == 0  # the longest prompt reaches the agent, both ways
+    tasks.write_text(json.dumps({"id": "big", "prompt": "x" * (longest + 1)}) + "\n")
+    code, report, _ = batch(tmp_path / "b", tasks)
+    assert (code, report) == (2, [])
+    assert f"tasks.jsonl:1: prompt is too long to pass to a program: {MAX_ARG_STRLEN + 1:,} bytes" \
+        in capsys.readouterr().err
+    with pytest.raises(ValueError, match="env 'X' is too long"):
+        tasks.write_text(json.dumps({"id": "a", "prompt": "x", "env": {"X": "x" * MAX_ARG_STRLEN}}) + "\n")
+        load_tasks(tasks)
 
 
 async def test_each_marker_plays_its_own_script_and_unmarked_requests_the_rest() -> None:
@@ -331,8 +431,11 @@ def test_batch_help_documents_every_option_the_task_file_and_the_exit_status() -
         for flag in action.option_strings:
             assert flag in text
     for part in ("task file:", "agent command:", "outcome of a task:", "report files", "exit status:", "examples:",
-                 "{prompt}", "no_verdict", "PREFIX.jsonl", "PREFIX-logs/"):
+                 "{prompt}", "no_verdict", "PREFIX.jsonl", "PREFIX-logs/", "files and environment:"):
         assert part in text, part
+    # Without a supervisor model the gate is idle (README, "The verify-gate"): no turn is labelled at all.
+    assert "every turn ends unverified" not in text and "shell-quoted" not in text
+    assert "without one it is idle" in text and "no_verdict   no turn ended with a verdict: no [supervisor.model]" in text
 
 
 def test_the_example_agent_reports_exit_codes_and_kills_a_command_past_its_timeout(tmp_path: Path) -> None:

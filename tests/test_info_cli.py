@@ -104,6 +104,7 @@ async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys
 
     code, out, err = await cli(capsys, "plan", "--url", url, "--state-dir", str(state))
     assert code == 1 and out == "" and "a plan lives only in the memory of the proxy" in err and "(second)" in err
+    assert err.startswith(f"proxyvisor plan: no proxy answers at {url}")  # worded as info words it
     code, out, _ = await cli(capsys, "plan", "--url", url, "--state-dir", str(state), "--json")
     assert code == 1 and json.loads(out)["plan"] is None
 
@@ -113,3 +114,35 @@ async def test_something_else_on_the_port_counts_as_no_proxy(capsys, tmp_path: P
     _ledger(tmp_path / "state", "only", [{"status": 200}])
     code, out, err = await cli(capsys, "info", "--url", scripted_server.url, "--state-dir", str(tmp_path / "state"))
     assert code == 0 and "summing the ledger" in err and "session only" in out
+
+
+def _help(command: str) -> str:
+    from proxyvisor.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices[command].format_help()  # noqa: SLF001
+
+
+def test_info_and_plan_each_document_their_own_fallback_and_exit_status() -> None:
+    info, plan = _help("info"), _help("plan")
+    assert "which is all /info needs" in info and "no plan to show" not in info
+    assert "which is all /info needs" not in plan and "plan exits 1" in plan
+    assert "1 no proxy answers" in plan and "1 no proxy answers" not in info
+    for text in (info, plan):  # the options point at a section that is there
+        assert "(see 'files and environment' below)" in text and "\nfiles and environment:\n" in text
+
+
+@pytest.mark.parametrize("argv", [["info", "--bogus"], ["plan", "--url", "notaurl"], ["info", "--url", "ftp://h"],
+                                  ["info", "--url", "http://h:99999"], ["info", "--url", "http://h/path"]])
+def test_bad_options_get_the_commands_own_usage(capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"usage: proxyvisor {argv[0]} ")
+    assert ("unrecognized arguments: --bogus" if "--bogus" in argv else "expected http://HOST[:PORT]") in err
+
+
+def test_a_url_with_a_port_and_a_trailing_slash_is_accepted() -> None:
+    from proxyvisor.info_cli import _url_arg
+
+    for url in ("http://127.0.0.1:8377", "https://proxy.example/", "http://[::1]:8377"):
+        assert _url_arg(url) == url
