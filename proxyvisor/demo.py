@@ -41,7 +41,8 @@ from typing import Any
 import httpx
 import orjson
 import trio
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -88,25 +89,67 @@ async def agent_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, messa
 async def run_agent(url: str, fmt: WireFormat, workdir: Path, console: Console, max_rounds: int = 4) -> None:
     messages = opening(TASK)
     console.print(f"[bold]{fmt.label}[/bold]  POST {fmt.path}  (streaming)")
-    console.print(f"  [cyan]user[/cyan]       {TASK}")
+    say(console, "[cyan]user[/cyan]", TASK)
     async with httpx.AsyncClient(timeout=30) as client:
         for _ in range(max_rounds):
             turn, overhead, status = await agent_turn(client, url, fmt, messages)
             note = f"[dim](proxy overhead {overhead:.2f} ms)[/dim]"
             if status != 200:
-                console.print(f"  [red]error[/red]      {turn.text} {note}")
+                say(console, "[red]error[/red]", f"{escape(turn.text)} {note}")
                 return
             call_msgs = []
             for call in turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments}) {note}")
+                say(console, "[magenta]model[/magenta]", f"calls {call_text(call)} {note}")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
-                console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
+                say(console, "[green]agent[/green]", f"runs it: {output_text(output)}")
                 call_msgs.append({"role": "tool", "tool_call_id": call.id, "content": output})
             messages.append(assistant_message(turn))
             messages += call_msgs
             if not turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      answers: {turn.text} {note}")
+                say(console, "[magenta]model[/magenta]", f"answers: {escape(turn.text)} {note}")
                 return
+
+
+TEXT_COLUMN = 13
+"""Where a scene's text starts: two spaces, then the speaker's label (``user``, ``model``, ...) padded to 11."""
+
+
+def say(console: Console, label: str | None, body: RenderableType, *, bar: bool = False) -> None:
+    """Print one line of a scene: ``label`` (rich markup such as ``"[cyan]user[/cyan]"``; ``""`` goes on under
+    the text column, ``None`` is a narrator's line two columns in), then ``body`` (rich markup, or any renderable)
+    wrapped within the console width with a hanging indent: every wrapped line starts under the first.
+
+    ``bar`` quotes the body behind a dim ``│``. Leading and trailing blank lines are dropped and runs of them
+    kept as one (a rendered Markdown answer ends in blank lines). Lines are right-stripped, so nothing is printed
+    past the text it holds."""
+    column = 2 if label is None else TEXT_COLUMN
+    head = Text.from_markup(f"  {label or ''}")
+    head.truncate(column, pad=True)
+    rest = Text(" " * column)
+    if bar:
+        head, rest = (part + Text("│ ", style="dim") for part in (head, rest))
+    options = console.options.update(width=max(20, console.width - len(rest)))
+    lines: list[Text] = []
+    for segments in console.render_lines(Text.from_markup(body) if isinstance(body, str) else body, options,
+                                         pad=False):
+        text = Text.assemble(*((segment.text, segment.style) for segment in segments if not segment.control))
+        text.rstrip()
+        if text.plain or (lines and lines[-1].plain):
+            lines.append(text)
+    for number, text in enumerate(lines[:-1] if lines and not lines[-1].plain else lines):
+        line = (rest if number else head) + text
+        line.rstrip()
+        console.print(line, no_wrap=True, overflow="ellipsis")
+
+
+def call_text(call: Any) -> str:
+    """A tool call as the scenes show it: ``name({arguments})``, as rich markup."""
+    return escape(f"{call.name}({call.arguments})")
+
+
+def output_text(output: str) -> str:
+    """A short tool output on one line (``|`` between its lines), as rich markup."""
+    return escape(output.strip().replace("\n", " | "))
 
 
 LOOP_TASK = "Wait for the build described in build.status to finish, then tell me how it went."
@@ -133,40 +176,41 @@ async def run_looping_agent(proxy: Any, fmt: WireFormat, workdir: Path, console:
     url = f"{proxy.url}/s/{session}"
     messages = opening(LOOP_TASK)
     console.print(f"[bold]An agent that loops[/bold]  ({fmt.label}, streaming)")
-    console.print(f"  [cyan]user[/cyan]       {LOOP_TASK}")
+    say(console, "[cyan]user[/cyan]", LOOP_TASK)
     saw_token = False
     async with httpx.AsyncClient(timeout=30) as client:
         for number in range(1, max_rounds + 1):
             turn, _overhead, status = await agent_turn(client, url, fmt, messages)
             record = proxy.pipeline.sessions.get(session).supervision.records[-1]
-            for index, signals in record.firings:
+            for _index, signals in record.firings:
                 for signal in signals:
-                    console.print(f"  [red]supervisor[/red] {signal} fired on the round at history item {index}: "
-                                  f"{DESCRIPTIONS[signal]}")
+                    # This request carries the rounds so far, so the detector fired on the latest of them.
+                    say(console, "[red]supervisor[/red]",
+                        f"the {signal} detector fired on round {number - 1}: {DESCRIPTIONS[signal]}")
             if record.note:
-                console.print(f"  [red]supervisor[/red] added a steer note to this request, after the latest "
-                              f"tool result:\n             [italic]{note_text(record.note)}[/italic]")
+                say(console, "[red]supervisor[/red]", "added a steer note to this request, after the latest tool "
+                    f"result:\n[italic]{escape(note_text(record.note))}[/italic]")
             report = record.report.report if record.report is not None else None
-            state = f"  [dim](self-report, removed before the agent saw it: {report.state} · {report.focus})[/dim]" \
-                if report else ""
+            state = (f"  [dim](self-report, removed before the agent saw it: {escape(report.state)} · "
+                     f"{escape(report.focus)})[/dim]") if report else ""
             saw_token = saw_token or "<sup>" in turn.text
             if status != 200:
-                console.print(f"  [red]error[/red]      {turn.text}")
+                say(console, "[red]error[/red]", escape(turn.text))
                 return
             if not turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      answers: {turn.text.strip()}{state}")
+                say(console, "[magenta]model[/magenta]", f"answers: {escape(turn.text.strip())}{state}")
                 if record.gate and record.gate.get("outcome"):
-                    console.print(f"  [red]supervisor[/red] verify-gate: {record.gate['reason']} "
-                                  f"(outcome {record.gate['outcome']})")
+                    say(console, "[red]supervisor[/red]",
+                        f"the verify-gate, which reads each answer that ends a turn before the agent gets it, let "
+                        f"this one through: {record.gate['reason']} (turn outcome: {record.gate['outcome']})")
                 break
             messages.append(assistant_message(turn))
             for call in turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      round {number}: calls {call.name}({call.arguments})"
-                              f"{state}")
+                say(console, "[magenta]model[/magenta]", f"round {number}: calls {call_text(call)}{state}")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
-                console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
+                say(console, "[green]agent[/green]", f"runs it: {output_text(output)}")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-    console.print(f"  the agent saw a <sup> token: {'yes' if saw_token else 'no'}")
+    say(console, None, f"the agent saw a <sup> token: {'yes' if saw_token else 'no'}")
 
 
 CONDENSE_TASK = "The test suite fails. Find out which test fails and why."
@@ -206,37 +250,41 @@ async def run_condensing_agent(proxy: Any, fmt: WireFormat, workdir: Path, conso
     session = f"demo-condense-{fmt.name}-{int(time.time())}"
     messages = opening(CONDENSE_TASK)
     console.print(f"[bold]An agent that reads a large tool output[/bold]  ({fmt.label}, streaming)")
-    console.print(f"  [cyan]user[/cyan]       {CONDENSE_TASK}")
+    say(console, "[cyan]user[/cyan]", CONDENSE_TASK)
     async with httpx.AsyncClient(timeout=120) as client:
         for _ in range(3):
             turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, messages)
             record = proxy.pipeline.sessions.get(session).supervision.records[-1].condense
             for done in record.round if record is not None else ():
-                _show_condensed(done, console)
+                _show_condensed(done, proxy.pipeline.store, console)
             if status != 200 or not turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      answers: {_visible(turn.text)}")
+                say(console, "[magenta]model[/magenta]", f"answers: {escape(_visible(turn.text))}")
                 return
             messages.append(assistant_message(turn))
             for call in turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments})")
+                say(console, "[magenta]model[/magenta]", f"calls {call_text(call)}")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
-                console.print(f"  [green]agent[/green]      runs it: {len(output.splitlines()):,} lines, "
-                              f"{len(output):,} characters, sent back whole")
+                say(console, "[green]agent[/green]",
+                    f"runs it: {len(output.splitlines()):,} lines, {len(output):,} characters, sent back whole")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
 
 
-def _show_condensed(done: Any, console: Console) -> None:
+def _show_condensed(done: Any, store: Store | None, console: Console) -> None:
+    """One condensed tool result: the tokens saved, where the original went (relative to the state dir, which
+    the demo's first line names, so that the path fits the text column), and the text the model got, one line
+    per log line (cut short with an ellipsis, never wrapped)."""
     d = done.decision
     if d.text is None:
-        console.print(f"  [red]supervisor[/red] left the {done.tool} result whole ({d.reason})")
+        say(console, "[red]supervisor[/red]", f"left the {done.tool} result whole ({escape(d.reason)})")
         return
-    console.print(f"  [red]supervisor[/red] condensed the {done.tool} result for the model: {d.tokens_before:,} -> "
-                  f"{d.tokens_after:,} tokens\n             {d.kept_lines} of {d.total_lines:,} lines kept verbatim; "
-                  "the agent's own copy is untouched")
-    console.print(f"             full original in {d.spill_path}", no_wrap=True, overflow="ignore", crop=False)
-    console.print("             what the model got:")
-    for line in d.text.splitlines():
-        console.print(Text("             │ ", style="dim") + Text(line), no_wrap=True, overflow="ellipsis")
+    spill = Path(d.spill_path)
+    where = ("full original, relative to the state dir:", spill.relative_to(store.root)) \
+        if store is not None and spill.is_relative_to(store.root) else ("full original:", spill)
+    say(console, "[red]supervisor[/red]",
+        f"condensed the {done.tool} result for the model: {d.tokens_before:,} -> {d.tokens_after:,} tokens\n"
+        f"{d.kept_lines} of {d.total_lines:,} lines kept verbatim; the agent's own copy is untouched\n"
+        f"{where[0]}\n{escape(str(where[1]))}\nwhat the model got:")
+    say(console, "", Text(d.text, no_wrap=True, overflow="ellipsis"), bar=True)
 
 
 def _visible(text: str) -> str:
@@ -262,8 +310,11 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
             (workdir / name).write_text(f"# {name}\n")
         store = Store(state_dir)
         async with running(config, port=0, store=store) as proxy:
-            console.print(f"proxyvisor is serving on {proxy.url}; upstream: the embedded scripted model "
-                          f"(no API key, no network)\n")
+            console.print(f"proxyvisor is serving on {proxy.url}\n"
+                          "upstream: the embedded scripted model (no API key, no network)")
+            console.print("state dir (ledgers and spill files; the paths below are relative to it):")
+            say(console, None, escape(str(state_dir)))
+            console.print()
             if proxy.pipeline.model is not None:
                 # The supervisor model goes through litellm, whose import takes seconds: done now, it does not
                 # show up as the first gated turn's latency.
@@ -288,7 +339,7 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
 
             await run_delegating_agent(config, store, BY_NAME[formats[0]], console)
             console.print()
-    table = Table(title=f"session ledgers in {state_dir / 'ledger'}")
+    table = Table(title="every request of every session (ledger/ in the state dir)")
     for column in ("format", "status", "tokens in/out", "latency ms", "overhead ms", "gate"):
         table.add_column(column, no_wrap=True)
     for session in store.sessions():
@@ -296,6 +347,11 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
             table.add_row(r["format"], str(r["status"]), f"{r['input_tokens']}/{r['output_tokens']}",
                           f"{r['latency_ms']:.2f}", f"{r['overhead_ms']:.2f}", _gate_label(r))
     console.print(table)
+    say(console, None, "[bold]gate[/bold]: what the verify-gate made of an answer that ended a turn: [bold]verified"
+        "[/bold] = a check ran after the change · [bold]unknown[/bold] = passed on reading alone (nothing was "
+        "changed, or it handed back to the user) · [bold]re-entered[/bold] = held, and the turn went on upstream "
+        "· [bold]failed[/bold] / [bold]unverified[/bold] = gaps remained or no verifier answered · blank = no turn "
+        "ended there")
 
 
 def _gate_label(line: dict[str, Any]) -> str:

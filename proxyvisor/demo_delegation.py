@@ -22,9 +22,10 @@ from typing import Any
 import httpx
 import trio
 from rich.console import Console
+from rich.markup import escape
 
 from .config import Config, ModelRoutingConfig, RoleConfig
-from .demo import agent_turn, opening
+from .demo import agent_turn, opening, say
 from .proxy.formats import WireFormat
 from .proxy.service import running
 from .store import Store
@@ -65,39 +66,39 @@ async def run_delegating_agent(config: Config, store: Store, fmt: WireFormat, co
         parent = proxy.scripted[next(iter(proxy.scripted))]
         child = proxy.pipeline.delegation.delegator.runtime("scripted").upstream
         health = proxy.pipeline.delegation.delegator.health
-        console.print(f"[bold]An agent whose model delegates to a child role[/bold]  ({fmt.label}, streaming)")
-        console.print("  role [cyan]reviewer[/cyan] on the scripted adapter: the model is offered one tool, "
-                      "'reviewer', whose input is a prompt; the proxy runs the child, never the agent")
+        console.print(f"[bold]A model that delegates to a child role[/bold]  ({fmt.label}, streaming)")
+        say(console, None, "role [cyan]reviewer[/cyan] on the scripted adapter: the model is offered one tool, "
+            "'reviewer', whose input is a prompt; the proxy runs the child, never the agent")
         async with httpx.AsyncClient(timeout=60) as client:
             for number, (what, steps, child_step) in enumerate(ROUNDS, 1):
                 if number == len(ROUNDS):
                     recovery = health.get("scripted:scripted").recovery_at(time.time())
                     wait = max(0.0, recovery - time.time()) if recovery else 0.0
-                    console.print(f"  [dim]... {wait:.1f} s until the pool's cooldown runs out[/dim]")
+                    say(console, None, f"[dim]... {wait:.1f} s until the pool's cooldown runs out[/dim]")
                     await trio.sleep(wait + 0.05)
                 parent.queue(*steps)
                 if child_step is not None:
                     child.queue(child_step)
-                console.print(f"  round {number} ({what})\n  [cyan]user[/cyan]       {TASK}")
+                say(console, None, f"round {number} ({what})")
+                say(console, "[cyan]user[/cyan]", TASK)
                 turn, _overhead, status = await agent_turn(client, f"{proxy.url}/s/{session}", fmt, opening(TASK))
                 calls = ", ".join(c.name for c in turn.tool_calls) or "none"
-                console.print(f"  [magenta]model[/magenta]      answers: {' '.join(turn.text.split())}  "
-                              f"[dim](status {status}; tool calls the agent saw: {calls})[/dim]")
+                say(console, "[magenta]model[/magenta]", f"answers: {escape(' '.join(turn.text.split()))}  "
+                    f"[dim](status {status}; tool calls the agent saw: {calls})[/dim]")
                 for d in store.read_ledger(session)[-1].get("delegations", ()):
                     _show(d, console)
                 pool = health.get("scripted:scripted")
                 recovery = pool.recovery_at(time.time())
                 until = f", recovers in {recovery - time.time():.1f} s" if recovery else ""
-                console.print(f"  [red]breaker[/red]    pool scripted:scripted is {pool.effective_state(time.time())}"
-                              f"{until}")
-    console.print("  the agent never saw a call of 'reviewer': each turn came back as the model's continued answer")
+                state = pool.effective_state(time.time())
+                say(console, "[red]breaker[/red]", f"pool scripted:scripted is {state}{until}")
+    say(console, None, "the agent never saw a call of 'reviewer': each turn came back as the model's continued answer")
 
 
 def _show(d: dict[str, Any], console: Console) -> None:
     probe = ", the half-open probe" if d.get("health_probe") else ""
     error = f"; {d['error_category']}" if d.get("error_category") else ""
     wait = f", retry after {d['retry_after_s']} s" if d.get("retry_after_s") else ""
-    console.print(f"  [red]supervisor[/red] ran {d['role']}: {d['status']}{error}{wait}\n"
-                  f"             on {d.get('gen_ai.provider.name')} / {d.get('gen_ai.request.model')}, pool "
-                  f"{d.get('capacity_scope')} {d.get('health_state')} at dispatch{probe}\n"
-                  f"             trace {d.get('trace_id')}")
+    say(console, "[red]supervisor[/red]", f"ran {d['role']}: {d['status']}{error}{wait}\n"
+        f"on {d.get('gen_ai.provider.name')} / {d.get('gen_ai.request.model')}, pool {d.get('capacity_scope')} "
+        f"{d.get('health_state')} at dispatch{probe}\ntrace {d.get('trace_id')}")

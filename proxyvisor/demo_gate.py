@@ -23,13 +23,14 @@ from typing import Any
 import httpx
 import orjson
 from rich import box
-from rich.console import Console, RenderableType
+from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from .demo import agent_turn, assistant_message, opening, run_tool
+from .demo import agent_turn, assistant_message, call_text, opening, output_text, run_tool, say
 from .proxy.formats import WireFormat
 
 TASK = "Fix the bug in app.py so that test_app.py passes."
@@ -61,7 +62,6 @@ GATE_SCRIPT = [
           "python test_app.py"),
     {"text": FINAL + _report("done", "add() fixed and test_app.py passes")},
 ]
-_INDENT = " " * 13
 
 
 async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: Console,
@@ -76,8 +76,9 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
     url = f"{proxy.url}/s/{session}"
     messages = opening(TASK)
     received: list[str] = []
+    first = len(upstream.requests)
     console.print(f"[bold]A premature \"done\" and the verify-gate[/bold]  ({fmt.label}, streaming)")
-    console.print(f"  [cyan]user[/cyan]       {TASK}")
+    say(console, "[cyan]user[/cyan]", TASK)
     async with httpx.AsyncClient(timeout=60) as client:
         for _ in range(max_rounds):
             sent = len(upstream.requests)
@@ -89,76 +90,69 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
             if gate.get("reentries"):
                 _show_reentry(gate, record.model.calls.get("refute", 0), fmt, upstream.requests[sent:], console)
             if status != 200 or not turn.tool_calls:
+                say(console, "[magenta]model[/magenta]", f"answers: {escape(turn.text.strip())}")
                 if gate.get("outcome"):
-                    console.print(f"  [red]supervisor[/red] held this answer too; the verifier said "
-                                  f"{gate['verdicts'][-1]}:\n{_INDENT}{gate['reason']}\n"
-                                  f"{_INDENT}turn outcome: [bold]{gate['outcome']}[/bold]")
-                console.print(f"  [magenta]model[/magenta]      answers: {turn.text.strip()}")
+                    say(console, "[red]supervisor[/red]",
+                        f"held this answer too; the verifier said {gate['verdicts'][-1]} ({gate['reason']}), so the "
+                        f"agent got it\nturn outcome: [bold]{gate['outcome']}[/bold]")
                 break
             for call in turn.tool_calls:
-                console.print(f"  [magenta]model[/magenta]      calls {call.name}({call.arguments})")
+                say(console, "[magenta]model[/magenta]", f"calls {call_text(call)}")
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
-                console.print(f"  [green]agent[/green]      runs it: {output.strip().replace(chr(10), ' | ')}")
+                say(console, "[green]agent[/green]", f"runs it: {output_text(output)}")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
         if any(PREMATURE in text for text in received):
-            console.print("  [red]the agent received the premature \"done\"[/red]")
+            say(console, None, "[red]the agent received the premature \"done\"[/red]")
         else:
-            console.print("  the agent never received the premature \"done\": it got the reworked turn")
-        console.print("  [cyan]user[/cyan]       /info")
+            say(console, None, "the agent never received the premature \"done\": it got the reworked turn")
+        replies = len(upstream.requests) - first
+        say(console, "[cyan]user[/cyan]", "/info")
         messages.append({"role": "user", "content": "/info"})
         before = len(upstream.requests) + len(upstream.supervisor_requests)
         turn, _overhead, status = await agent_turn(client, url, fmt, messages)
     calls = len(upstream.requests) + len(upstream.supervisor_requests) - before
-    console.print(f"  [red]proxyvisor[/red] answers /info itself (status {status}, model calls: {calls}):")
-    _quote(Markdown(turn.text), console)
-    _show_ledger(proxy.pipeline.store.read_ledger(session), console)
+    ledger = proxy.pipeline.store.read_ledger(session)
+    say(console, "[red]proxyvisor[/red]", f"answers /info itself (status {status}, model calls: {calls}):")
+    say(console, "", Markdown(turn.text), bar=True)
+    requests = sum(1 for line in ledger if not line.get("local"))
+    say(console, "", f"\"model requests {requests}\" counts the agent's requests; the model replied {replies} times "
+        "above, as each re-entry is one more model call inside the same agent request")
+    _show_ledger(ledger, console)
 
 
 def _show_reentry(gate: dict[str, Any], refutations: int, fmt: WireFormat,
                   requests: list[tuple[str, bytes, dict[str, str]]], console: Console) -> None:
-    """What the gate did with a held answer: the verifier's gaps (``refutations``: refuter calls made) and the
-    advisory the model got next, read from the upstream request that continued the turn (its last two history
-    items: the held answer, the advisory)."""
+    """What the gate did with a held answer: the verifier's gaps (``refutations``: calls of the second check,
+    which tries to dismiss each gap) and the advisory the model got next, read from the upstream request that
+    continued the turn (its last two history items: the held answer, the advisory)."""
     continued = next((orjson.loads(body) for _target, body, _headers in requests
                       if ADVISORY_MARK.encode() in body), None)
     held, advisory = (fmt.message(item).text for item in fmt.history(continued)[-2:]) if continued else ("", "")
-    console.print("  [red]supervisor[/red] held the model's turn-ending answer; the agent never got it:")
-    _quote(Text(held.strip(), style="italic"), console)
-    stood = " (a refutation pass let it stand)" if refutations and not gate.get("refuted") else ""
-    console.print(f"  [red]supervisor[/red] the verifier found a gap{stood}:")
-    for gap in gate.get("gaps", ()):
-        console.print(f"{_INDENT}{gap}")
-    console.print("  [red]supervisor[/red] continued the turn upstream; the model got this advisory:")
-    _quote(Text(advisory), console)
-    console.print(f"{_INDENT}and the agent got the model's continued reply instead:")
-
-
-def _quote(renderable: RenderableType, console: Console) -> None:
-    """``renderable`` indented behind a ``│`` bar; leading and trailing blank lines dropped, runs of them kept
-    as one."""
-    options = console.options.update(width=max(40, console.width - len(_INDENT) - 2))
-    lines: list[Text] = []
-    for line in console.render_lines(renderable, options, pad=False):
-        text = Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control))
-        text.rstrip()
-        if text.plain or (lines and lines[-1].plain):
-            lines.append(text)
-    for text in lines[:-1] if lines and not lines[-1].plain else lines:
-        console.print(Text(f"{_INDENT}│ ", style="dim") + text, no_wrap=True, overflow="ellipsis")
+    say(console, "[magenta]model[/magenta]", "answers, ending the turn:")
+    say(console, "", Text(held.strip(), style="italic"), bar=True)
+    stood = ", and a second check agreed" if refutations and not gate.get("refuted") else ""
+    gaps = "\n".join(escape(gap) for gap in gate.get("gaps", ()))
+    say(console, "[red]supervisor[/red]", "the verify-gate held this answer (the agent never got it); the verifier "
+        f"found a gap{stood}:\n{gaps}")
+    say(console, "[red]supervisor[/red]", "continued the turn upstream; the model got this advisory:")
+    say(console, "", Text(advisory), bar=True)
+    say(console, "", "and the agent got the model's continued reply instead:")
 
 
 def _show_ledger(lines: list[dict[str, Any]], console: Console) -> None:
-    """The session's ledger, one row per request, with what the gate did."""
+    """The session's ledger, one row per agent request, with what the gate did. A re-entry happens inside the
+    request whose answer was held, so that row's self-report is the reworked reply's."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for column in ("agent sent", "self-report", "verifier", "turn outcome"):
+    for column in ("agent sent", "reply's self-report", "verifier", "turn outcome"):
         table.add_column(column, no_wrap=True)
     for line in lines:
         gate = line.get("gate") or {}
         verdicts = ", ".join(gate.get("verdicts", ())) or "-"
-        if gate.get("reentries"):
-            verdicts += f" (re-entered {gate['reentries']}x)"
-        table.add_row(line.get("local") or ("tool result" if line.get("tool_round") else "the task"),
-                      (line.get("report") or {}).get("state") or "-", verdicts,
+        state = (line.get("report") or {}).get("state") or "-"
+        if gate.get("reentries"):  # one "gaps" verdict per re-entry: the count is in the verdicts
+            verdicts += " → re-entered"
+            state += " (reworked)"
+        table.add_row(line.get("local") or ("tool result" if line.get("tool_round") else "the task"), state, verdicts,
                       gate.get("outcome") or ("answered locally" if line.get("local") else "-"))
-    console.print(f"  this session's ledger ({len(lines)} lines, one per request):")
-    console.print(Padding(table, (0, 0, 0, 4)))
+    say(console, None, f"this session's ledger ({len(lines)} lines, one per agent request):")
+    console.print(Padding(table, (0, 0, 0, 4), expand=False))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 
 from proxyvisor.cli import build_parser, main
@@ -102,8 +103,20 @@ def test_a_corrupt_config_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> None:
     out = io.StringIO()
-    assert demo(Config().with_overrides(state={"dir": str(tmp_path)}), "all", Console(file=out, width=200)) == 0
+    assert demo(Config().with_overrides(state={"dir": str(tmp_path)}), "all", Console(file=out, width=80)) == 0
     text = out.getvalue()
+    # On an 80-column terminal every line fits, and only headings and the closing table start at column 0: a
+    # wrapped line goes on under its text column (13 for a speaker's line).
+    lines = text.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    headings = ("proxyvisor is serving", "upstream: ", "state dir ", "OpenAI ", "Anthropic ", "An agent ",
+                "A premature ", "A model that ", "┏", "┃", "┡", "│", "└")
+    assert [line for line in lines if line[:1].strip() and not line.startswith(headings)] == []
+    assert re.search(r"answers: Done: I ran the tool and read its output\. \(proxy overhead\n {13}[\d.]+ ms\)", text)
+    # The closing table's gate column is explained under it.
+    words = " ".join(text.split())
+    assert "gate: what the verify-gate made of an answer that ended a turn: verified = a check ran" in words
+    assert "unknown = passed on reading alone" in words and "re-entered = held, and the turn went on" in words
     for label in ("OpenAI Chat Completions", "Anthropic Messages", "OpenAI Responses"):
         assert label in text
     assert text.count("calls bash({'command': 'ls'})") == 3
@@ -121,7 +134,7 @@ def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> 
     # The large log is condensed for the model by the scripted condenser (no key), its original spilled.
     condensed = re.search(r"condensed the bash result for the model: ([\d,]+) -> ([\d,]+) tokens", text)
     assert condensed and int(condensed[2].replace(",", "")) * 10 < int(condensed[1].replace(",", ""))
-    spill = Path(re.search(r"full original in (\S+)", text)[1])
+    spill = tmp_path / re.search(r"full original, relative to the state dir:\n {13}(\S+)\n", text)[1]
     assert spill.is_relative_to(tmp_path / "spill") and spill.read_text() == failing_suite_log() + "exit code 0"
 
 

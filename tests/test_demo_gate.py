@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from proxyvisor.config import Config
-from proxyvisor.demo_gate import PREMATURE, run_gated_agent
+from proxyvisor.demo_gate import FINAL, PREMATURE, run_gated_agent
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.service import running
 from proxyvisor.store import Store
@@ -33,28 +33,34 @@ async def _scene(tmp_path: Path, fmt: str, config: Config) -> tuple[str, list[di
 @pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
 async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified(tmp_path: Path, fmt: str) -> None:
     text, ledger, workdir = await _scene(tmp_path, fmt, Config())
-    held = text.index("held the model's turn-ending answer; the agent never got it")
-    assert PREMATURE in text[held:]
-    # The gap and what would settle it, as the model got them in the advisory.
-    assert re.search(r"the verifier found a gap \(a refutation pass let it stand\):\n\s+no check ran after the last "
-                     r"change\n", text)
+    # The premature answer is shown first, then what the gate did with it.
+    held = text.index("the verify-gate held this answer (the agent never got it)")
+    assert PREMATURE in text[text.index("answers, ending the turn:"):held]
+    # The gap (which the second check did not dismiss) and what would settle it, as the model got them.
+    assert re.search(r"the verifier found a gap, and a second check agreed:\n\s+no check ran after the last change\n",
+                     text)
     assert "1. no check ran after the last change (would be settled by: run the tests" in text
     # The rework: the tests ran for real in the scratch folder, after the fix, and passed.
     rework = text.index("calls bash({'command': 'python test_app.py'})")
     assert held < rework < text.index("runs it: test_app.py: 1 test passed | exit code 0")
     assert "return a + b" in (workdir / "app.py").read_text()
-    assert "the verifier said pass:\n             completion verified: state changed and a check ran" in text
-    assert "turn outcome: verified" in text
+    verified = text.index("held this answer too; the verifier said pass (completion verified: state changed and a "
+                          "check ran), so the agent got it\n             turn outcome: verified")
+    assert text.index(f"answers: {FINAL}") < verified
     assert 'the agent never received the premature "done": it got the reworked turn' in text
     # /info, answered by proxyvisor with no model call, counts the gate's work.
     assert "proxyvisor answers /info itself (status 200, model calls: 0):" in text
     assert re.search(r"gate\s+runs 2 · passes 1 · gaps 1 · nudges 0 · re-entries 1", text)
     assert re.search(r"gate outcomes\s+verified 1 \(last: verified\)", text)
+    # Five model replies were shown for four agent requests: the demo says why, next to /info's count.
+    assert re.search(r"model requests\s+4 \(tool rounds 3", text)
+    assert '"model requests 4" counts the agent\'s requests; the model replied 5 times above' in text
     # The ledger: one line per request, the gate's outcome on the turn's last model request.
     gates = [(line.get("gate") or {}) for line in ledger]
     assert [g.get("verdicts") for g in gates] == [None, None, ["gaps"], ["pass"], None]
     assert [g.get("outcome") for g in gates] == [None, None, None, "verified", None]
     assert ledger[-1]["local"] == "/info" and ledger[-1]["input_tokens"] == 0
+    assert re.search(r"tool result\s+progressing \(reworked\)\s+gaps → re-entered\s+-", text)
     assert re.search(r"tool result\s+done\s+pass\s+verified", text)
     assert re.search(r"/info\s+-\s+-\s+answered locally", text)
 

@@ -253,9 +253,10 @@ def test_the_demo_shows_the_loop_the_note_and_its_effect(tmp_path) -> None:
     assert demo(Config().with_overrides(state={"dir": str(tmp_path)}), "responses", Console(file=out, width=300)) == 0
     text = out.getvalue()
     assert text.count("round 1: calls bash") == 1 and "round 4: calls" not in text
-    assert "loop fired on the round" in text and "added a steer note" in text
+    assert "the loop detector fired on round 3: " in text and "added a steer note" in text
     assert "self-report, removed before the agent saw it: blocked" in text
-    # The hand-back asks the user a question, so the verify-gate lets it through (no extra round).
-    assert "verify-gate: hand-back accepted: the remaining work needs the user (outcome unknown)" in text
+    # The hand-back asks the user a question, so the verify-gate (introduced here) lets it through (no extra round).
+    assert ("the verify-gate, which reads each answer that ends a turn before the agent gets it, let this one "
+            "through: hand-back accepted: the remaining work needs the user (turn outcome: unknown)") in text
     assert "the agent saw a <sup> token: no" in text
     assert LOOP_MARK in note_text(LOOP)
