@@ -212,6 +212,24 @@ def trajectories(folder: str) -> list[Path]:
     return paths
 
 
+def sized_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark with a CI-size ``--quick`` run (``quick_help`` says what it sets); the
+    caller adds its own options and parses with :func:`parse_sized`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
+
+
+def parse_sized(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, object],
+                full: dict[str, object]) -> argparse.Namespace:
+    """Parse ``argv``; each option of ``quick``/``full`` left unset (None) takes its value for the run's size."""
+    args = parser.parse_args(argv)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def add_arm_options(parser: argparse.ArgumentParser) -> None:
     """The options of a benchmark that runs arms through proxies: the LiteLLM arm and where the figures go."""
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy arm")

@@ -53,7 +53,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, command_line, cpu_time, exit_on_stdin_eof,
-                          litellm_venv, loadavg, pct, prose, spawn_role, start_litellm, wait_litellm, workspace)
+                          litellm_venv, loadavg, parse_sized, pct, prose, sized_parser, spawn_role, start_litellm,
+                          wait_litellm, workspace)
 from bench.results import write_section
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
@@ -520,11 +521,9 @@ def ledger_lines(state: Path) -> int:
 
 # ---- main --------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CI-size run of about 30 s: --duration 18 --compare-duration 8, no LiteLLM arm unless "
-                        "--litellm (flags given explicitly still win)")
+    p = sized_parser(__doc__.split("\n\n")[0],
+                     "CI-size run of about 30 s: --duration 18 --compare-duration 8, no LiteLLM arm unless "
+                     "--litellm (flags given explicitly still win)")
     p.add_argument("--sessions", type=int, default=200, help="concurrent agent sessions (default 200)")
     p.add_argument("--duration", type=float, help="seconds of the proxyvisor arm (default 300; quick 18)")
     p.add_argument("--compare-duration", type=float,
@@ -541,12 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
     add_arm_options(p)
     p.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    defaults = {"duration": 18.0, "compare_duration": 8.0} if args.quick else {"duration": 300.0,
-                                                                                "compare_duration": 60.0}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = parse_sized(p, argv, quick={"duration": 18.0, "compare_duration": 8.0},
+                       full={"duration": 300.0, "compare_duration": 60.0})
     args.think_s = tuple(float(v) / 1000 for v in args.think_ms.split(","))
     args.model_delay_s = tuple(float(v) / 1000 for v in args.model_delay_ms.split(","))
     args.with_litellm = not args.no_litellm and (args.litellm or not args.quick)

@@ -59,8 +59,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (API_KEY, MODEL, BenchError, add_arm_options, command_line, cpu_time,  # noqa: E402
-                          exit_on_stdin_eof, litellm_venv, loadavg, pct, prose, spawn_role, start_litellm,
-                          wait_litellm, workspace)
+                          exit_on_stdin_eof, litellm_venv, loadavg, parse_sized, pct, prose, sized_parser,
+                          spawn_role, start_litellm, wait_litellm, workspace)
 from bench.results import write_section  # noqa: E402
 
 SECTION = "Overhead (issue 2)"
@@ -455,11 +455,9 @@ def run_role(args: argparse.Namespace) -> None:
 
 # ---- main --------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CI-size run of about 20 s: --count 100 --duration 0.6 --windows 2 (flags given "
-                        "explicitly still win)")
+    p = sized_parser(__doc__.split("\n\n")[0],
+                     "CI-size run of about 20 s: --count 100 --duration 0.6 --windows 2 (flags given explicitly "
+                     "still win)")
     p.add_argument("--count", type=int, help="requests per arm and kind at 1 client (default 600; quick 100)")
     p.add_argument("--block", type=int, default=10, help="requests per arm before switching arm (default 10)")
     p.add_argument("--concurrency", type=int, default=16, help="clients for the throughput figure (default 16)")
@@ -472,13 +470,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--role", choices=("upstream", "proxyvisor", "supervised"), help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    quick = {"count": 100, "duration": 0.6, "windows": 2}
-    full = {"count": 600, "duration": 3.0, "windows": 3}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+    return parse_sized(p, argv, quick={"count": 100, "duration": 0.6, "windows": 2},
+                       full={"count": 600, "duration": 3.0, "windows": 3})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -416,14 +416,11 @@ def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_rou
     """
     from .adapters.graph import GraphError, check_graph
 
-    if routing.mode not in ROUTING_MODES:
-        raise ConfigError(f"{where} mode must be one of {', '.join(ROUTING_MODES)}, got {routing.mode!r}")
-    if routing.complexity_threshold not in COMPLEXITY:
-        raise ConfigError(f"{where} complexity_threshold must be one of {', '.join(COMPLEXITY)}, "
-                          f"got {routing.complexity_threshold!r}")
-    if routing.fallback_policy not in FALLBACK_POLICIES:
-        raise ConfigError(f"{where} fallback_policy must be one of {', '.join(FALLBACK_POLICIES)}, "
-                          f"got {routing.fallback_policy!r}")
+    for key, allowed in (("mode", ROUTING_MODES), ("complexity_threshold", COMPLEXITY),
+                         ("fallback_policy", FALLBACK_POLICIES)):
+        value = getattr(routing, key)
+        if value not in allowed:
+            raise ConfigError(f"{where} {key} must be one of {', '.join(allowed)}, got {value!r}")
     if routing.max_parallel < 1 or routing.max_depth < 1:
         raise ConfigError(f"{where} max_parallel and max_depth must be >= 1")
     c = routing.cooldown

@@ -1,4 +1,4 @@
-"""The state directory: private folders and files, and the per-session JSONL ledger.
+"""The state directory: private folders and files (:func:`atomic_write`), and the per-session JSONL ledger.
 
 Layout under the state directory (``Config.state_dir()``), folders 0700 and files 0600:
 
@@ -12,6 +12,7 @@ ever receives request headers, so credentials cannot reach the ledger.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,36 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: a temporary file in the same folder, fsynced, renamed into
+    place, then the folder fsynced, so a reader (or a crash) sees the old bytes or the new, never part. The
+    file's mode is kept; a new file is 0600.
+
+    Raises:
+        OSError: the folder is missing or the file cannot be written.
+    """
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o600
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class Store:

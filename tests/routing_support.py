@@ -6,17 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from proxyvisor.adapters.children import Clocks
 from proxyvisor.adapters.delegate import Delegator
 from proxyvisor.adapters.descriptors import registry_for
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.adapters.scripted_runtime import ScriptedRuntime
-from proxyvisor.config import Config, parse
+from proxyvisor.config import ChildrenConfig, Config, parse
 
 FIXTURE_ADAPTERS = Path(__file__).resolve().parent / "fixtures" / "adapters"
 """A user adapter folder: the ``fixture-cli`` adapter (a fake agent CLI) and a descriptor without dispatch."""
 
-FAST = Clocks(wall_s=10.0, idle_warn_s=0.3, idle_cancel_s=1.0, stop_grace_s=0.5)
+FAST = ChildrenConfig(wall_clock_s=10.0, idle_warn_s=0.3, idle_cancel_s=1.0, stop_grace_s=0.5)
 """Child clocks short enough for tests (the config allows 30 s at least)."""
 
 
@@ -29,7 +28,7 @@ def routing_config(roles: dict[str, dict[str, Any]] | None = None, **routing: An
 
 
 def make_delegator(config: Config, state_dir: Path, upstream: ScriptedUpstream | None = None,
-                   clocks: Clocks = FAST, **kw: Any) -> Delegator:
+                   clocks: ChildrenConfig = FAST, **kw: Any) -> Delegator:
     """A delegator over ``state_dir``; its ``scripted`` adapter plays ``upstream`` (a fresh one by default)."""
     registry = registry_for(config.model_routing.adapters_dir)
     runtime = ScriptedRuntime(registry.get("scripted"), {}, upstream=upstream or ScriptedUpstream())

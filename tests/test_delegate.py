@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import trio
 
-from proxyvisor.adapters.children import Budget, ChildHandle, ChildOutcome, Clocks, run_child
+from proxyvisor.adapters.children import Budget, ChildHandle, ChildOutcome, run_child
 from proxyvisor.adapters.delegate import Delegation
 from proxyvisor.adapters.descriptors import registry_for
 from proxyvisor.adapters.runtime import ChildJob
 from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.config import RouteTarget
+from proxyvisor.config import ChildrenConfig, RouteTarget
 
 from helpers import files_under
 from routing_support import FAST, FIXTURE_ADAPTERS, make_delegator, routing_config
@@ -48,7 +48,8 @@ def alive(pid: int) -> bool:
 
 
 async def delegate(tmp_path: Path, prompt: str, roles: dict[str, Any] = WORKER, role: str = "worker",
-                   upstream: ScriptedUpstream | None = None, clocks: Clocks = FAST, **routing: Any) -> Delegation:
+                   upstream: ScriptedUpstream | None = None, clocks: ChildrenConfig = FAST,
+                   **routing: Any) -> Delegation:
     delegator = make_delegator(routing_config(roles, **routing), tmp_path / "state", upstream, clocks)
     try:
         return await delegator.delegate(role, prompt, traceparent=PARENT)
@@ -56,7 +57,7 @@ async def delegate(tmp_path: Path, prompt: str, roles: dict[str, Any] = WORKER, 
         delegator.close()
 
 
-async def fixture_child(prompt: str, clocks: Clocks = FAST, handle: ChildHandle | None = None) -> ChildOutcome:
+async def fixture_child(prompt: str, clocks: ChildrenConfig = FAST, handle: ChildHandle | None = None) -> ChildOutcome:
     runtime = registry_for(str(FIXTURE_ADAPTERS)).get("fixture-cli").load_runtime({})
     job = ChildJob("child_t", "worker", prompt, "fixture-cli", "fixture-fast", stop_grace_s=clocks.stop_grace_s)
     return await run_child(runtime, job, clocks, handle)
@@ -127,8 +128,9 @@ async def test_a_silent_child_is_cancelled_by_the_heartbeat_and_returns_what_it_
 
 
 async def test_every_event_counts_but_the_wall_clock_still_stops_a_busy_child(fixture_log: Path) -> None:
-    outcome = await fixture_child("mode:trickle delay=0.05", Clocks(wall_s=1.0, idle_warn_s=0.3, idle_cancel_s=0.6,
-                                                                   stop_grace_s=0.5))
+    outcome = await fixture_child(
+        "mode:trickle delay=0.05",
+        ChildrenConfig(wall_clock_s=1.0, idle_warn_s=0.3, idle_cancel_s=0.6, stop_grace_s=0.5))
     assert outcome.finish_reason == "timeout" and outcome.failure.outcome == "unknown"
     assert outcome.events > 5 and outcome.text.startswith("...")
     assert outcome.idle_warnings == 0
@@ -138,8 +140,9 @@ async def test_every_event_counts_but_the_wall_clock_still_stops_a_busy_child(fi
 async def test_an_idle_spell_is_warned_about_without_stopping_the_child(fixture_log: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, "proxyvisor.adapters.children"):
-        outcome = await fixture_child("mode:stream n=2 delay=0.5", Clocks(wall_s=10, idle_warn_s=0.2,
-                                                                          idle_cancel_s=5, stop_grace_s=0.5))
+        outcome = await fixture_child(
+            "mode:stream n=2 delay=0.5",
+            ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=5, stop_grace_s=0.5))
     assert (outcome.finish_reason, outcome.failure) == ("stop", None)
     assert outcome.idle_warnings >= 1 and "idle for" in caplog.text
 
@@ -147,8 +150,8 @@ async def test_an_idle_spell_is_warned_about_without_stopping_the_child(fixture_
 async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(fixture_log: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, "proxyvisor.adapters.process"):
-        outcome = await fixture_child("mode:ignore-term", Clocks(wall_s=10, idle_warn_s=0.2, idle_cancel_s=0.4,
-                                                                 stop_grace_s=0.3))
+        outcome = await fixture_child(
+            "mode:ignore-term", ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=0.4, stop_grace_s=0.3))
     assert outcome.finish_reason == "idle_timeout" and outcome.text == "thinking... "
     assert "ignored SIGTERM" in caplog.text and "(killed)" in caplog.text
     assert not alive(runs(fixture_log)[0][0])
@@ -157,8 +160,8 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(fixture_log: P
 async def test_a_child_that_honours_sigterm_is_stopped_softly(fixture_log: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, "proxyvisor.adapters.process"):
-        outcome = await fixture_child("mode:hang", Clocks(wall_s=10, idle_warn_s=0.2, idle_cancel_s=0.4,
-                                                          stop_grace_s=5))
+        outcome = await fixture_child(
+            "mode:hang", ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=0.4, stop_grace_s=5))
     assert outcome.finish_reason == "idle_timeout"
     assert "(terminated)" in caplog.text and "ignored SIGTERM" not in caplog.text
 
@@ -169,8 +172,8 @@ async def test_the_parent_cancels_a_child_and_cancel_is_idempotent(fixture_log: 
         outcome: list[ChildOutcome] = []
 
         async def child() -> None:
-            outcome.append(await fixture_child("mode:hang", Clocks(wall_s=10, idle_warn_s=5, idle_cancel_s=9,
-                                                                   stop_grace_s=1), handle))
+            outcome.append(await fixture_child(
+                "mode:hang", ChildrenConfig(wall_clock_s=10, idle_warn_s=5, idle_cancel_s=9, stop_grace_s=1), handle))
 
         nursery.start_soon(child)
         while not runs(fixture_log):
@@ -205,7 +208,7 @@ def _capacity(retry_after_s: int | None = None) -> Any:
 
 async def test_past_max_parallel_a_child_is_refused_loudly_not_queued(tmp_path: Path, fixture_log: Path) -> None:
     delegator = make_delegator(routing_config(WORKER, max_parallel=2), tmp_path / "state",
-                               clocks=Clocks(wall_s=10, idle_warn_s=5, idle_cancel_s=9, stop_grace_s=1))
+                               clocks=ChildrenConfig(wall_clock_s=10, idle_warn_s=5, idle_cancel_s=9, stop_grace_s=1))
     handles = [ChildHandle(), ChildHandle()]
     async with trio.open_nursery() as nursery:
         for handle in handles:

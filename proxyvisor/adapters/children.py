@@ -1,6 +1,6 @@
 """Child runs: three clocks, a staged stop, a parallel cap and one budget per fan-out (seed 002).
 
-- **Wall clock**: every child has a deadline (``wall_s``; 30 to 3,600 s in the config).
+- **Wall clock**: every child has a deadline (``wall_clock_s``; 30 to 3,600 s in the config).
 - **Heartbeat**: every event a runtime reports counts. ``idle_warn_s`` without one logs the child as idle;
   ``idle_cancel_s`` without one cancels it.
 - **The parent**: :meth:`ChildHandle.cancel` stops the child (idempotent); cancelling the caller's own scope
@@ -32,26 +32,12 @@ WALL_CLOCK, IDLE, CANCELLED, IDLE_WARNING = "timeout", "idle_timeout", "cancelle
 """Why the kernel stopped a child; the first three become the child's finish reason."""
 
 
-@dataclass(frozen=True)
-class Clocks:
-    """The limits of one child, in seconds (the config's ``[model_routing.children]``; tests use short ones)."""
-
-    wall_s: float = 600.0
-    idle_warn_s: float = 60.0
-    idle_cancel_s: float = 300.0
-    stop_grace_s: float = 5.0
-
-    @classmethod
-    def from_config(cls, children: ChildrenConfig) -> Clocks:
-        return cls(children.wall_clock_s, children.idle_warn_s, children.idle_cancel_s, children.stop_grace_s)
-
-
 class ChildClock:
     """The wall clock and heartbeat of one child, fed the current time (any monotonic clock, seconds)."""
 
-    def __init__(self, clocks: Clocks, started: float) -> None:
+    def __init__(self, clocks: ChildrenConfig, started: float) -> None:
         self.clocks = clocks
-        self.wall_deadline = started + clocks.wall_s
+        self.wall_deadline = started + clocks.wall_clock_s
         self.last_event = started
         self.warned = False
         self.idle_warnings = 0
@@ -138,7 +124,8 @@ async def _watch(clock: ChildClock, scope: trio.CancelScope, job: ChildJob, stop
             return
 
 
-async def run_child(runtime: Runtime, job: ChildJob, clocks: Clocks, handle: ChildHandle | None = None) -> ChildOutcome:
+async def run_child(runtime: Runtime, job: ChildJob, clocks: ChildrenConfig,
+                    handle: ChildHandle | None = None) -> ChildOutcome:
     """Run ``job`` on ``runtime`` under ``clocks``; returns its outcome (never raises for a child's failure).
 
     A runtime that raises is a crash, reported as an ``unavailable`` failure with an unknown outcome; one that

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from .process import CliRuntime, json_event
-from .runtime import ChildJob, ChildProgress, NativeError
+from .runtime import ChildProgress, NativeError
 
 _FINISH = {"success": "stop", "error_max_turns": "length"}
 
@@ -30,13 +30,10 @@ _FINISH = {"success": "stop", "error_max_turns": "length"}
 class ClaudeCodeRuntime(CliRuntime):
     default_bin = "claude"
 
-    def argv(self, job: ChildJob) -> list[str]:
-        argv = [self.bin, "-p", "--output-format", "stream-json", "--verbose"]
-        if job.model:
-            argv += ["--model", job.model]
-        if job.effort:
-            argv += ["--effort", job.effort]
-        return argv + self.extra_args + ["--", job.prompt]
+    command = ("-p", "--output-format", "stream-json", "--verbose")
+
+    def effort_args(self, effort: str) -> list[str]:
+        return ["--effort", effort]
 
     def on_line(self, line: bytes, progress: ChildProgress, state: dict[str, Any]) -> None:
         event = json_event(line, progress)

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from .process import CliRuntime, json_event
-from .runtime import ChildJob, ChildProgress, NativeError
+from .runtime import ChildProgress, NativeError
 
 _WORK_ITEMS = {"command_execution", "file_change", "mcp_tool_call", "web_search"}
 
@@ -27,13 +27,10 @@ _WORK_ITEMS = {"command_execution", "file_change", "mcp_tool_call", "web_search"
 class CodexRuntime(CliRuntime):
     default_bin = "codex"
 
-    def argv(self, job: ChildJob) -> list[str]:
-        argv = [self.bin, "exec", "--json", "--skip-git-repo-check"]
-        if job.model:
-            argv += ["--model", job.model]
-        if job.effort:
-            argv += ["--config", f'model_reasoning_effort="{job.effort}"']
-        return argv + self.extra_args + ["--", job.prompt]
+    command = ("exec", "--json", "--skip-git-repo-check")
+
+    def effort_args(self, effort: str) -> list[str]:
+        return ["--config", f'model_reasoning_effort="{effort}"']
 
     def on_line(self, line: bytes, progress: ChildProgress, state: dict[str, Any]) -> None:
         event = json_event(line, progress)

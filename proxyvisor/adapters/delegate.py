@@ -31,8 +31,8 @@ from typing import Any
 
 import trio
 
-from ..config import Config, RouteTarget
-from .children import (Budget, BudgetExhausted, ChildHandle, ChildOutcome, Clocks, ParallelGate, ParallelLimitReached,
+from ..config import ChildrenConfig, Config, RouteTarget
+from .children import (Budget, BudgetExhausted, ChildHandle, ChildOutcome, ParallelGate, ParallelLimitReached,
                        run_child)
 from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetError, registry_for
 from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, UNKNOWN, Failure
@@ -75,11 +75,11 @@ class Delegator:
     ``clocks`` the configured child clocks; ``now`` the wall clock (Unix seconds) used for health deadlines."""
 
     def __init__(self, config: Config, *, registry: Registry | None = None,
-                 runtimes: Mapping[str, Runtime] | None = None, clocks: Clocks | None = None,
+                 runtimes: Mapping[str, Runtime] | None = None, clocks: ChildrenConfig | None = None,
                  state_dir: Path | None = None, now: Callable[[], float] = time.time) -> None:
         self.routing = config.model_routing
         self.registry = registry if registry is not None else registry_for(self.routing.adapters_dir)
-        self.clocks = clocks or Clocks.from_config(self.routing.children)
+        self.clocks = clocks or self.routing.children
         root = Path(state_dir) if state_dir is not None else config.state_dir()
         cooldown = Cooldown(self.routing.cooldown.default_seconds, self.routing.cooldown.maximum_seconds)
         self.health = HealthStore(root / "health", cooldown)
@@ -180,13 +180,13 @@ class Delegator:
             if reason is not None:
                 unready.append(f"{route.adapter}: {reason}")
                 continue
-            lease_s = self.clocks.wall_s + self.clocks.stop_grace_s
+            lease_s = self.clocks.wall_clock_s + self.clocks.stop_grace_s
             admission = await self.health.admit(route.pool, self.now(), lease_s)
             if not admission.admitted:
                 refusals.append(admission)
                 continue
             job = ChildJob("child_" + secrets.token_hex(6), role, prompt, route.adapter, route.model, route.effort,
-                           trace, self.clocks.wall_s, self.clocks.stop_grace_s, output_schema, cwd)
+                           trace, self.clocks.wall_clock_s, self.clocks.stop_grace_s, output_schema, cwd)
             outcome = await self._run(route, admission, job, handle)
             budget.spend(outcome.input_tokens + outcome.output_tokens)
             last = (route, admission, outcome)

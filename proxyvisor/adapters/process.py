@@ -155,9 +155,10 @@ def json_event(line: bytes, progress: ChildProgress) -> dict[str, Any] | None:
 class CliRuntime:
     """Base of adapters that run an agent CLI as the child: options, readiness, environment and exit handling.
 
-    A subclass gives the command (:meth:`argv`) and reads its output (:meth:`on_line`, one stdout line at a time,
-    with a per-run ``state`` dict). Options (``[model_routing.adapter_options.<id>]``): ``bin`` (the executable,
-    default :attr:`default_bin`), ``extra_args`` (list), ``env`` (list of ``NAME=value``), ``cwd``.
+    A subclass gives the command (:attr:`command`, :meth:`effort_args`; :meth:`argv` builds the line) and reads
+    its output (:meth:`on_line`, one stdout line at a time, with a per-run ``state`` dict). Options
+    (``[model_routing.adapter_options.<id>]``): ``bin`` (the executable, default :attr:`default_bin`),
+    ``extra_args`` (list), ``env`` (list of ``NAME=value``), ``cwd``.
     The child's environment is the proxy's plus ``env`` plus ``TRACEPARENT`` (W3C trace context).
     """
 
@@ -177,8 +178,21 @@ class CliRuntime:
     def normalise(self, error: NativeError, now: float) -> Failure:
         return normalise_native(error, now)
 
+    command: tuple[str, ...] = ()
+    """The CLI's arguments between the executable and the model (its headless, machine-readable mode)."""
+
+    def effort_args(self, effort: str) -> list[str]:
+        """The arguments that set the reasoning ``effort``; none for a CLI without such a setting."""
+        return []
+
     def argv(self, job: ChildJob) -> list[str]:
-        raise NotImplementedError
+        """``bin command [--model M] [effort args] extra_args -- prompt``."""
+        argv = [self.bin, *self.command]
+        if job.model:
+            argv += ["--model", job.model]
+        if job.effort:
+            argv += self.effort_args(job.effort)
+        return argv + self.extra_args + ["--", job.prompt]
 
     def on_line(self, line: bytes, progress: ChildProgress, state: dict[str, Any]) -> None:
         raise NotImplementedError

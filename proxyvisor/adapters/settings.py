@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from ..config import Config, ConfigError, ModelRoutingConfig, RouteTarget, parse
+from ..store import atomic_write
 from .descriptors import Registry, TargetError
 from .routing import resolve
 
@@ -60,30 +60,6 @@ def locked(path: Path, timeout_s: float | None = None) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically (same folder temp file, fsync, rename; mode kept, new 0600)."""
-    try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o600
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def read_document(path: Path) -> tuple[tomlkit.TOMLDocument, Config]:
@@ -155,5 +131,5 @@ def update(path: Path, change: Callable[[tomlkit.TOMLDocument, ModelRoutingConfi
             check_targets(config.model_routing, registry, roles, orchestrator)
         except (ConfigError, TargetError) as exc:
             raise SettingsError(f"{exc}; nothing written") from None
-        atomic_write(path, tomlkit.dumps(doc))
+        atomic_write(path, tomlkit.dumps(doc).encode("utf-8"))
     return config

@@ -2,18 +2,17 @@
 
 Layout: ``{root}/{session}/{tool}-{hash}.txt`` (folders 0700, files 0600; ``root`` is ``spill/`` in the state
 directory). The file holds the original text exactly, UTF-8 (lone surrogates written as-is with
-``surrogatepass``), so its line numbers are the ones the gap markers name. The write is atomic (a temporary file
-renamed into place): a reader never sees half a spill, and a result spilled twice is written once.
+``surrogatepass``), so its line numbers are the ones the gap markers name. The write is atomic
+(:func:`~proxyvisor.store.atomic_write`): a reader never sees half a spill, and a result spilled twice is written
+once.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
-from ..store import private_dir
+from ..store import atomic_write, private_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -41,11 +40,4 @@ class SpillStore:
             return
         private_dir(self.root)
         private_dir(path.parent)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".spill-")  # created 0600
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(text.encode("utf-8", "surrogatepass"))
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        atomic_write(path, text.encode("utf-8", "surrogatepass"))
