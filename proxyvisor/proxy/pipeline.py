@@ -45,6 +45,7 @@ from .delegation import ProxyDelegation
 from .gating import Gating, eligible
 from .supervise import Exchange, Supervisor
 from .sse import SSEParser, at_event_end
+from .streamedit import EditedStream
 
 log = logging.getLogger("proxyvisor.pipeline")
 
@@ -344,8 +345,18 @@ class Pipeline:
                       exchange: Exchange | None = None) -> AsyncIterator[bytes]:
         stream = reply.body
         assert isinstance(stream, RelayedStream) or hasattr(stream, "__aiter__")
-        parser = SSEParser() if session is not None else None
         usage = Usage()
+
+        def read_usage(name: str | None, data: str) -> None:
+            found = _event_usage(fmt, name, data)
+            if found:
+                usage.add(found)
+
+        parser = None
+        if isinstance(stream, EditedStream):
+            stream.observe = read_usage  # the editor parses every event already: read usage there, not twice
+        elif session is not None:
+            parser = SSEParser()
         failure: UpstreamError | None = None
         last = b""
         ended = False
@@ -353,9 +364,7 @@ class Pipeline:
             async for chunk in stream:
                 if parser is not None:
                     for event in parser.feed(chunk):
-                        found = _event_usage(fmt, event.event, event.data)
-                        if found:
-                            usage.add(found)
+                        read_usage(event.event, event.data)
                 yield chunk
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
             failure = getattr(stream, "error", None)

@@ -54,12 +54,27 @@ class EventSplitter:
         return rest
 
 
-def edit_blocks(blocks: list[bytes], editor: StreamEditor) -> bytes:
-    """The bytes to send for ``blocks``: each event's replacement from ``editor``, or the block itself."""
+Observer = Callable[[str | None, str], None]
+"""Sees each upstream event (its name, its data) before the editor does."""
+
+
+def edit_blocks(blocks: list[bytes], editor: StreamEditor, parser: SSEParser | None = None,
+                observe: Observer | None = None) -> bytes:
+    """The bytes to send for ``blocks``: each event's replacement from ``editor``, or the block itself.
+
+    ``parser`` may be one kept across calls (fed whole event blocks, it holds nothing between them); ``observe``
+    sees each event as the upstream sent it.
+    """
+    parser = parser if parser is not None else SSEParser()
     out: list[bytes] = []
     for block in blocks:
-        events = SSEParser().feed(block)
-        replaced = editor.event(events[0].event, events[0].data) if events else None
+        events = parser.feed(block)
+        replaced = None
+        if events:
+            name, data = events[0].event, events[0].data
+            if observe is not None:
+                observe(name, data)
+            replaced = editor.event(name, data)
         out.append(block if replaced is None else b"".join(replaced))
     return b"".join(out)
 
@@ -70,13 +85,15 @@ class EditedStream:
     ``error`` is the inner stream's (or says the stream stopped inside an event); ``last_chunk`` is the last bytes
     sent. ``on_end(complete)`` runs once when iteration stops: ``complete`` is True when the upstream stream ended
     normally and everything was sent. The inner stream is closed whatever happens, also when the client goes away
-    mid-stream.
+    mid-stream. :attr:`observe`, when set before iterating, sees each complete upstream event: a reader of the
+    stream (the pipeline's usage) that need not parse the bytes a second time.
     """
 
     def __init__(self, inner: Any, editor: StreamEditor, on_end: Callable[[bool], None]) -> None:
         self.inner = inner
         self.editor = editor
         self.on_end = on_end
+        self.observe: Observer | None = None
         self.last_chunk = b""
         self.cut_short = False
         """The stream stopped inside an event; its bytes were held back (:attr:`error` then says so)."""
@@ -89,12 +106,12 @@ class EditedStream:
         return error
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        splitter = EventSplitter()
+        splitter, parser = EventSplitter(), SSEParser()
         iterator = self.inner.__aiter__()
         complete = False
         try:
             async for chunk in iterator:
-                out = edit_blocks(splitter.feed(chunk), self.editor)
+                out = edit_blocks(splitter.feed(chunk), self.editor, parser, self.observe)
                 if out:
                     self.last_chunk = out
                     yield out
