@@ -14,8 +14,8 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.adapters.scripted_condenser import answer, is_condenser_request
+from proxyvisor.adapters.scripted import ScriptedUpstream, policy
+from proxyvisor.adapters.scripted_condenser import answer
 from proxyvisor.cli import main
 from proxyvisor.condense.engine import ToolResult, prepare_items
 from proxyvisor.condense.protocol import TaskContext, build_messages
@@ -338,11 +338,11 @@ def test_the_scripted_condenser_answers_only_condenser_requests() -> None:
     context = TaskContext(request="Why does the build fail?", intent="Looking for frob.")
     items = prepare_items([(result, count_tokens(BIG_A))], context, 32_000)
     body = {"model": "m", "messages": build_messages(context, items)}
-    assert is_condenser_request(CHAT, body)
+    assert policy(CHAT, body) is answer
     (verdict,) = json.loads(answer(CHAT, body))["results"]
     # Head and tail lines, and the line with the call's term ("frob"); "compiling" is on every line: no term.
     assert verdict == {"id": "r1", "verdict": "extract", "lines": ["1-10", "701", "1491-1500"]}
-    assert not is_condenser_request(CHAT, request(CHAT, TRAJECTORY[:4]))
+    assert policy(CHAT, request(CHAT, TRAJECTORY[:4])) is None
 
 
 async def test_the_scripted_upstream_prefers_a_queued_condense_answer(tmp_path: Path) -> None:

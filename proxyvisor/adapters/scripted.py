@@ -211,9 +211,9 @@ class ScriptedUpstream:
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
-        if scripted_condenser.is_condenser_request(fmt, body):
-            return self._condense(fmt, body, request.body)
         answer = policy(fmt, body)
+        if answer is scripted_condenser.answer:  # a queued ``condense`` step comes first
+            return self._supervisor_answer(fmt, body, self._condense, self.condenser_requests, request.body)
         if answer is not None:
             return self._supervisor_answer(fmt, body, answer, self.supervisor_requests, request.body)
         if self.record:
@@ -263,12 +263,10 @@ class ScriptedUpstream:
             self.responses.append(b"".join(events))
         return Response(200, _SSE, self._play(events))
 
-    def _condense(self, fmt: WireFormat, body: dict[str, Any], raw: bytes) -> Response:
-        def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
-            return (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
-                    else scripted_condenser.answer(fmt, body))
-
-        return self._supervisor_answer(fmt, body, answer, self.condenser_requests, raw)
+    def _condense(self, fmt: WireFormat, body: dict[str, Any]) -> str:
+        """The answer to a condenser call: the next queued ``condense`` step, else the fixed policy's."""
+        return (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
+                else scripted_condenser.answer(fmt, body))
 
     def _supervisor_answer(self, fmt: WireFormat, body: dict[str, Any],
                            answer: Callable[[WireFormat, dict[str, Any]], str], record: list[bytes],
@@ -303,9 +301,9 @@ class ScriptedUpstream:
             yield event
 
 
-_POLICIES = (scripted_verifier, scripted_planner)
-"""Fixed answers to proxyvisor's own supervisor model calls other than the condenser's (each module has
-``MARKS``, the prefixes its calls' system prompts start with, and ``answer(fmt, body)``)."""
+_POLICIES = (scripted_condenser, scripted_verifier, scripted_planner)
+"""Fixed answers to proxyvisor's own supervisor model calls (each module has ``MARKS``, the prefixes its calls'
+system prompts start with, and ``answer(fmt, body)``)."""
 
 
 def policy(fmt: WireFormat, body: dict[str, Any]) -> Callable[[WireFormat, dict[str, Any]], str] | None:

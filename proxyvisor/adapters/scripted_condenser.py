@@ -25,13 +25,9 @@ from ..proxy.formats import WireFormat
 
 HEAD = 10
 TAIL = 10
-_MARK = SYSTEM_PROMPT.split(".", 1)[0]
+MARKS = (SYSTEM_PROMPT.split(".", 1)[0],)
+"""How the system prompt of a condenser call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
 _SHOWN = re.compile(r"^ *(\d+)\| ?(.*)$")
-
-
-def is_condenser_request(fmt: WireFormat, body: dict[str, Any]) -> bool:
-    """Whether ``body`` (a request in ``fmt``) is a condenser call: its system prompt is the condenser's."""
-    return fmt.fingerprint_parts(body)[0].startswith(_MARK)
 
 
 def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
