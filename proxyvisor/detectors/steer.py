@@ -44,9 +44,14 @@ NOTES: dict[str, str] = {
 }
 
 
+def note(signal: str, body: str) -> str:
+    """``body`` (already XML-escaped) as a supervisor note for ``signal``: the one wrapper every note uses."""
+    return f'<supervisor-note signal="{signal}">{body}</supervisor-note>'
+
+
 def note_text(signal: str) -> str:
     """The fixed, byte-stable note for ``signal`` (one of ``SIGNALS``)."""
-    return f'<supervisor-note signal="{signal}">{NOTES[signal]} {_ADVISORY}</supervisor-note>'
+    return note(signal, f"{NOTES[signal]} {_ADVISORY}")
 
 
 def excused(signal: str, state: str | None) -> bool:

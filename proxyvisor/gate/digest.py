@@ -54,7 +54,7 @@ from xml.sax.saxutils import escape
 
 import orjson
 
-from ..condense.text import clip_chars, clip_tokens, count_tokens
+from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors.receipts import NONE, Receipt, receipt
 from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
 from .prohibitions import prohibitions
@@ -262,15 +262,24 @@ def _lines_block(tag: str, attrs: str, lines: list[str], cap: int) -> _Block:
     escaped = [escape(line) for line in lines[-MAX_ACTION_LINES:]]
     dropped = len(lines) - len(escaped)
 
+    sizes = count_each(escaped)
+
+    def body(start: int) -> str:
+        omitted = dropped + start
+        return (f"[{omitted} earlier lines omitted]\n" if omitted else "") + "\n".join(escaped[start:])
+
     def render(tokens: int) -> str:
-        kept = list(escaped)
-        while kept:
-            omitted = dropped + len(escaped) - len(kept)
-            body = (f"[{omitted} earlier lines omitted]\n" if omitted else "") + "\n".join(kept)
-            if count_tokens(body) <= tokens:
-                return body
-            kept.pop(0)
-        return ""
+        # Counting each line once estimates every suffix (a line and its newline); the estimate only picks where
+        # to start, and exact counts settle the first suffix that fits, as dropping line by line would.
+        start, estimate = 0, sum(sizes) + len(sizes)
+        while start < len(escaped) and estimate + (8 if dropped + start else 0) > tokens:
+            estimate -= sizes[start] + 1
+            start += 1
+        while start > 0 and count_tokens(body(start - 1)) <= tokens:
+            start -= 1
+        while start < len(escaped) and count_tokens(body(start)) > tokens:
+            start += 1
+        return body(start) if start < len(escaped) else ""
 
     return _Block(tag, attrs, cap, render)
 

@@ -46,6 +46,7 @@ from xml.sax.saxutils import escape
 import orjson
 
 from ..condense.text import clip_chars
+from ..detectors.steer import note
 from .digest import INSTRUCTIONS_CHARS, REQUEST_CHARS, Action, action_lines
 from .verdict import Malformed, json_object
 
@@ -296,22 +297,18 @@ def broken_assumptions(plan: Plan | None, exists: Callable[[str], bool]) -> tupl
     return tuple(broken)
 
 
-def _note(signal: str, text: str) -> str:
-    return f'<supervisor-note signal="{signal}">{text}</supervisor-note>'
-
-
 def assumption_note(plan: Plan, broken: Sequence[tuple[int, Assumption]]) -> str:
     """The note for newly broken assumptions (:func:`broken_assumptions`), byte-stable for the same input."""
     listed = "; ".join(f'phase {i + 1} "{escape(plan.phases[i].title)}" assumed {escape(str(a))}' for i, a in broken)
-    return _note("plan_assumption", f"A plan assumption no longer holds: {listed}. The plan is being reassessed; "
-                                    "check the current state before relying on it. This note is advisory.")
+    return note("plan_assumption", f"A plan assumption no longer holds: {listed}. The plan is being reassessed; "
+                                   "check the current state before relying on it. This note is advisory.")
 
 
 def hold_note(reason: str) -> str:
     """The note telling the agent the planner held its phase open, with the planner's ``reason`` (one line)."""
     why = escape(_line(reason, REASON_CHARS)) or "the recorded actions do not show it yet"
-    return _note("plan_hold", f"The current plan phase stays open: {why}. A phase completes only when recorded "
-                              "actions meet its done-when condition. This note is advisory.")
+    return note("plan_hold", f"The current plan phase stays open: {why}. A phase completes only when recorded "
+                             "actions meet its done-when condition. This note is advisory.")
 
 
 def planner_input(signal: str, request: str, *, instructions: str = "", tools: Sequence[str] = (),

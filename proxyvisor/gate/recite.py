@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from ..condense.text import clip_chars
+from ..detectors.steer import note
 from .plan import Plan, checklist
 from .prohibitions import MAX_CHARS, MAX_ITEMS
 
@@ -54,4 +55,4 @@ def recite(goal: str, plan: Plan | None, prohibitions: Sequence[str], *, stale: 
     if not parts:
         return None
     body = "\n".join([HEADER, *parts])
-    return f'<supervisor-note signal="recite"><pay-attention>\n{body}\n</pay-attention></supervisor-note>'
+    return note("recite", f"<pay-attention>\n{body}\n</pay-attention>")

@@ -204,10 +204,9 @@ class Planner:
             return
         broken = broken_assumptions(plan, self.exists)
         found = frozenset(broken)
-        if not found or found == planning.broken:
-            planning.broken = found
+        previous, planning.broken = planning.broken, found
+        if not found or found == previous:
             return
-        planning.broken = found
         thread.plan_signal = "reassess"
         log.info("plan assumption broken: %s; reassessing", ", ".join(str(a) for _, a in broken))
         if tail is not None and tail[2] in _SAFE_ROLES:
@@ -250,8 +249,7 @@ class Planner:
         if isinstance(decision, Hold) and not final and exchange.tail is not None \
                 and exchange.tail[2] in _SAFE_ROLES:
             text = hold_note(decision.reason)
-            body_items = exchange.fmt.history(exchange.body)
-            exchange.fmt.insert_notes(exchange.body, [(len(body_items) - 1, text)])
+            _append(exchange, text)
             _add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
 
     async def _ask(self, document: str) -> str | None:
@@ -287,7 +285,12 @@ def _recite(exchange: Exchange) -> None:
                   planning.rules if not in_view else (),
                   stale=thread.plan is not None and planning.touched < planning.turns)
     if text is not None:
-        exchange.fmt.insert_notes(exchange.body, [(len(exchange.fmt.history(exchange.body)) - 1, text)])
+        _append(exchange, text)
+
+
+def _append(exchange: Exchange, text: str) -> None:
+    """Insert ``text`` as a note after the last item of the upstream body's history."""
+    exchange.fmt.insert_notes(exchange.body, [(len(exchange.fmt.history(exchange.body)) - 1, text)])
 
 
 async def reconcile(exchange: Exchange, report: SelfReport | None = None) -> None:
