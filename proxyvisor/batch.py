@@ -72,7 +72,6 @@ MAX_ARG_STRLEN = 131_072
 """Linux's limit on one argument or environment string, in bytes with its closing NUL (``MAX_ARG_STRLEN`` in
 ``include/uapi/linux/binfmts.h``: 32 pages of 4 KiB); a longer one fails ``execve`` with E2BIG."""
 _PROMPT_VAR = "PROXYVISOR_PROMPT"
-DEFAULT_TIMEOUT_S = 1800.0
 GRACE_S = 5.0
 """Seconds an agent's process group has between SIGTERM and SIGKILL when it is stopped."""
 ERROR_CHARS = 300
@@ -210,9 +209,9 @@ class Options:
     folder for the agents' stdout and stderr."""
 
     agent: str
-    parallel: int = 1
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    workdir_template: str | None = None
+    parallel: int
+    timeout_s: float
+    workdir_template: str | None
     logs: Path = Path("batch-logs")
 
 

@@ -9,6 +9,7 @@ answers, ``info`` reads the state directory and sums the session's ledger itself
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import textwrap
 import urllib.parse
@@ -116,7 +117,7 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
         parser.add_argument("--url", metavar="URL", type=_url_arg,
                             help="the proxy to ask, http(s)://HOST[:PORT] (default: http://[proxy] host:port)")
         common(parser)
-        parser.set_defaults(handler=handler)
+        parser.set_defaults(handler=functools.partial(_run, name, handler))
 
 
 def _url_arg(value: str) -> str:
@@ -215,14 +216,20 @@ def _latest(config: Config) -> tuple[Any, str | None]:
     return store, sessions[-1] if sessions else None
 
 
-def _info(args: argparse.Namespace, config: Config) -> int:
-    from .proxy.info import render_text, summarize
-
+def _run(name: str, handler: Callable[[argparse.Namespace, Config], int], args: argparse.Namespace,
+         config: Config) -> int:
+    """``handler`` of command ``name``; a refusal (:class:`_Refused`) is printed on stderr and exits 1."""
     try:
-        session, info, url = _ask(args, config, "info")
+        return handler(args, config)
     except _Refused as exc:
-        print(f"proxyvisor info: {exc}", file=sys.stderr)
+        print(f"proxyvisor {name}: {exc}", file=sys.stderr)
         return 1
+
+
+def _info(args: argparse.Namespace, config: Config) -> int:
+    from .proxy.info import info_object, render_text
+
+    session, info, url = _ask(args, config, "info")
     if info is None:
         store, latest = _latest(config)
         session = session or latest
@@ -232,17 +239,13 @@ def _info(args: argparse.Namespace, config: Config) -> int:
             print(f"proxyvisor info: no proxy answers at {url}, and {where} in {store.root}", file=sys.stderr)
             return 1
         print(f"proxyvisor info: no proxy answers at {url}; summing the ledger in {store.root}", file=sys.stderr)
-        info = {"session": session, **summarize(lines), "live": None}
+        info = info_object(session, lines, None)
     _print(args, info, render_text(info), markdown=True)
     return 0
 
 
 def _plan(args: argparse.Namespace, config: Config) -> int:
-    try:
-        session, plan, url = _ask(args, config, "plan")
-    except _Refused as exc:
-        print(f"proxyvisor plan: {exc}", file=sys.stderr)
-        return 1
+    session, plan, url = _ask(args, config, "plan")
     if plan is None:
         session = session or _latest(config)[1]
         text = (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"

@@ -52,7 +52,7 @@ from ..gate import plan as plans
 from ..store import Store
 from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import has_non_text
-from .info import render_text, summarize
+from .info import info_object, render_text
 from .planning import goal_text
 from .server import Headers, Response
 from .sessions import SESSION_ID, Session, SessionTable
@@ -159,9 +159,10 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
 
 async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float) -> dict[str, Any]:
     """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger is read from disk and
-    pricing may import litellm), with ``session`` and ``live``."""
-    info = await trio.to_thread.run_sync(lambda: summarize(store.read_ledger(session_id) if store else []))
-    return {"session": session_id, **info, "live": live(session, clock)}
+    pricing may import litellm), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`)."""
+    counters = live(session, clock)
+    return await trio.to_thread.run_sync(
+        lambda: info_object(session_id, store.read_ledger(session_id) if store else [], counters))
 
 
 async def answer(command: str, fmt: WireFormat, body: dict[str, Any], session: Session, store: Store | None,

@@ -219,6 +219,12 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     }
 
 
+def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str, Any] | None) -> dict[str, Any]:
+    """What ``/info`` answers for ``session``: ``{"session", **summarize(lines), "live"}``, where ``live`` is the
+    proxy's in-memory counters (``proxyvisor.proxy.commands.live``) or None (not in memory, or read offline)."""
+    return {"session": session, **summarize(lines), "live": live}
+
+
 def _counts(counts: Mapping[str, int]) -> str:
     """``a 3 · b 1``, largest first; ``none`` when empty."""
     items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
