@@ -214,7 +214,9 @@ def sessions_json(table: SessionTable, store: Store | None, clock: float) -> dic
     in_memory = set()
     for session in table.all():
         in_memory.add(session.id)
-        seen[session.id] = max(seen.get(session.id, 0.0), wall_now - (clock - session.last_seen))
+        # Its ledger's mtime when it has one (written with each request): derived from the clocks, the value would
+        # move by the time between two samples from one listing to the next.
+        seen.setdefault(session.id, wall_now - (clock - session.last_seen))
     ordered = sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
     return {"sessions": [{"id": sid, "last_activity": _iso(wall), "in_memory": sid in in_memory}
                          for sid, wall in ordered]}
