@@ -3,13 +3,18 @@
 It is the built-in default upstream (no network, no API key), and the test double for everything else. Each
 model request takes the next **step** of the script; when the script is used up it answers in *auto* mode, like a
 tiny agent model: if the latest turn holds a tool result it answers with text, otherwise it calls one tool from
-the request's own tool list (a shell-like tool first, with ``ls`` as the command) and with no tools it answers
-with text.
+the request's own tool list, wherever it declares them (``WireFormat.tools``), and with no tools it answers with
+text. It runs ``ls`` with a shell-like tool first (one named like a shell, or a freeform script tool that calls a
+nested shell tool, such as Codex's ``exec``), called the way the tool is declared: a function tool with JSON
+arguments from its schema, a freeform (``custom``) tool with a free-form input (for a script tool, a script
+running the command).
 
 A step is a JSON object, one of:
 
 - ``{"text": "...", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}, "id": "optional"}]}``: an
-  assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway);
+  assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway); a
+  call with ``"input": "..."`` instead of ``arguments`` is a freeform (``custom``) tool call with that input, and a
+  name ``NS.NAME`` calls tool NAME of namespace NS;
 - ``{"text": ..., "tool_calls": [...], "until": "some text"}``: an assistant turn played again for every request
   until a request body contains ``until`` (matched against the raw JSON body, so use text without quotes or
   backslashes); that request gets the next step instead. It stands for a model that repeats itself until
@@ -54,14 +59,14 @@ import trio
 
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
+from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
+from ..proxy.formats.freeform import arguments as freeform_arguments
 from ..proxy.server import AbortConnection, Request, Response
 from . import scripted_condenser, scripted_planner, scripted_verifier
 
 log = logging.getLogger("proxyvisor.scripted")
 
 MODEL = "scripted-model"
-_SHELL_NAMES = ("Bash", "bash", "shell", "exec_command", "run_shell_command", "execute_bash", "run_command",
-                "local_shell", "terminal")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -90,6 +95,8 @@ def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
             raise ScriptError(f"{where}: each tool call needs a 'name'")
         if not isinstance(call.get("arguments", {}), (dict, str)):
             raise ScriptError(f"{where}: tool call 'arguments' must be an object or a JSON string")
+        if "input" in call and ("arguments" in call or not isinstance(call["input"], str)):
+            raise ScriptError(f"{where}: a freeform tool call's 'input' is a string, given instead of 'arguments'")
     return step
 
 
@@ -105,7 +112,8 @@ def load_script(path: str | Path) -> list[dict[str, Any]]:
 
 
 def turn_of(step: dict[str, Any]) -> AssistantTurn:
-    calls = [ToolCall(c["name"], args_of(c.get("arguments")), c.get("id", "")) for c in step.get("tool_calls") or ()]
+    calls = [ToolCall(c["name"], freeform_arguments(c["name"], c["input"]), c.get("id", ""), "custom") if "input" in c
+             else ToolCall(c["name"], args_of(c.get("arguments")), c.get("id", "")) for c in step.get("tool_calls") or ()]
     return AssistantTurn(step.get("text", ""), tuple(calls), int(step.get("input_tokens", 0)),
                          int(step.get("output_tokens", 0)))
 
@@ -147,11 +155,16 @@ def auto_turn(fmt: WireFormat, body: dict[str, Any]) -> AssistantTurn:
     tools: list[ToolSpec] = fmt.tools(body)
     if not tools:
         return AssistantTurn("Hello from the scripted upstream.")
-    by_name = {t.name: t for t in tools}
-    chosen = next((by_name[n] for n in _SHELL_NAMES if n in by_name), None)
+    chosen = next((t for t in tools if split(t.name)[1].lower() in SHELL_TOOLS or runs_commands(t)), None)
     if chosen is None:
-        chosen = next((t for t in tools if "command" in ((t.schema or {}).get("properties") or {})), tools[0])
-    return AssistantTurn("I will look around first.", (ToolCall(chosen.name, _arguments_for(chosen.schema)),))
+        chosen = next((t for t in tools if "command" in ((t.schema or {}).get("properties") or {})), None) \
+            or next((t for t in tools if t.kind in ("function", "custom")), tools[0])
+    if chosen.kind == "custom":
+        text = command_input(chosen, "ls")
+        call = ToolCall(chosen.name, freeform_arguments(chosen.name, text), kind="custom")
+    else:
+        call = ToolCall(chosen.name, _arguments_for(chosen.schema))
+    return AssistantTurn("I will look around first.", (call,))
 
 
 class ScriptedUpstream:

@@ -35,6 +35,7 @@ from ..condense.engine import MIN_THRESHOLD
 from ..supervisor_model import ModelCall
 from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
+from .formats.freeform import SHELL_TOOLS, runs_commands, split
 from .formats.transcript import Message
 
 log = logging.getLogger("proxyvisor.condense")
@@ -44,24 +45,22 @@ READ_TOOLS = frozenset({"read", "read_file", "readfile", "view", "view_file", "o
                         "str_replace_based_edit_tool"})
 """Tool names (compared in lower case) that read a file: Claude Code ``Read``, opencode ``read``, Gemini CLI
 ``read_file``, OpenHands' and SWE-agent's editors (``view``), seed 003's ``view``/``text_editor``/``extract_lines``."""
-SHELL_TOOLS = frozenset({"bash", "sh", "shell", "zsh", "terminal", "exec_command", "execute_bash", "execute_command",
-                         "run_command", "run_shell_command", "run_terminal_cmd", "shell_command", "local_shell"})
-"""Shell tools (lower case), which read a file with ``sed -n 'A,Bp' PATH``: Claude Code ``Bash``, Codex
-``exec_command``, Gemini CLI ``run_shell_command``, mini-swe-agent and opencode ``bash``, OpenHands ``execute_bash``."""
 
 
 def can_read_back(tools: Sequence[ToolSpec]) -> bool:
     """Whether an agent offering ``tools`` can read a spill file back, so a result may be condensed.
 
     The rule (seed 003 asks for a local file-reading tool): a tool named as in :data:`READ_TOOLS` or
-    :data:`SHELL_TOOLS`, ignoring case, or any tool taking a free-form ``command`` or ``cmd`` argument (a string
-    or a list of strings without an ``enum``), which is how shell tools under other names look. The spill file is
+    :data:`~.formats.freeform.SHELL_TOOLS` (which read a file with ``sed -n 'A,Bp' PATH``), ignoring case and
+    namespace, any tool taking a free-form ``command`` or ``cmd`` argument (a string or a list of strings without
+    an ``enum``), which is how shell tools under other names look, or a freeform tool that runs commands
+    (:func:`~.formats.freeform.runs_commands`: Codex's ``exec`` script tool). The spill file is
     on the proxy's machine, so this assumes the agent runs there too (proxyvisor listens on loopback by default);
     turn ``[supervisor.condense] enabled`` off for an agent that does not.
     """
     for tool in tools:
-        name = tool.name.lower()
-        if name in READ_TOOLS or name in SHELL_TOOLS:
+        name = split(tool.name)[1].lower()
+        if name in READ_TOOLS or name in SHELL_TOOLS or runs_commands(tool):
             return True
         properties = tool.schema.get("properties") if isinstance(tool.schema, dict) else None
         for key in ("command", "cmd"):

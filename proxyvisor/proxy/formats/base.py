@@ -45,11 +45,15 @@ def error_types(status: int) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One tool call of an assistant turn. ``arguments`` is the JSON object the model passes to the tool."""
+    """One tool call of an assistant turn, one the client runs. ``arguments`` is the JSON object the model passes
+    to the tool (a freeform tool's input read as :func:`~.freeform.arguments`); ``name`` is namespace-qualified
+    (:func:`~.freeform.qualified`); ``kind`` is ``function`` (JSON arguments), ``custom`` (a freeform input) or,
+    for a call of a built-in tool type, that type (``local_shell``, ``computer``...)."""
 
     name: str
     arguments: dict[str, Any]
     id: str = ""
+    kind: str = "function"
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,15 @@ class Usage:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A tool: its name, JSON schema for the arguments and, for tools proxyvisor offers itself, a description."""
+    """A tool a request offers: its namespace-qualified name (:func:`~.freeform.qualified`), JSON schema for the
+    arguments (empty for a freeform tool), description and ``kind``: ``function`` (JSON arguments), ``custom`` (a
+    freeform string input, :mod:`.freeform`) or a built-in tool type as declared (``web_search``,
+    ``local_shell``, Anthropic's ``bash_20250124``...)."""
 
     name: str
     schema: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    kind: str = "function"
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,7 @@ class WireFormat:
         raise NotImplementedError
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
+        """Every tool the request offers, wherever it is declared, in order (unknown shapes are skipped)."""
         raise NotImplementedError
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
@@ -286,7 +295,8 @@ class WireFormat:
         raise NotImplementedError
 
     def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
-        """The assistant turn of a non-streaming response body (text blocks joined, tool calls in order)."""
+        """The assistant turn of a non-streaming response body (text blocks joined, tool calls in order): every
+        call the client is to run, of any call type; calls the API ran itself (hosted tools) are not among them."""
         raise NotImplementedError
 
     def assemble(self, events: list[tuple[str | None, str]]) -> AssistantTurn:

@@ -8,9 +8,11 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
+from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
                    leading_system, split_json, sse, words)
+from .freeform import arguments as freeform_arguments
+from .freeform import input_of
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -47,11 +49,15 @@ class ChatFormat(WireFormat):
         return system, first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
+        """The ``function`` tools and the ``custom`` (freeform) ones of ``tools``."""
         out = []
         for tool in as_list(body.get("tools")):
-            fn = tool.get("function") if isinstance(tool, dict) else None
+            kind = "custom" if isinstance(tool, dict) and tool.get("type") == "custom" else "function"
+            fn = tool.get(kind) if isinstance(tool, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-                out.append(ToolSpec(fn["name"], fn.get("parameters") or {}))
+                schema = fn.get("parameters") if kind == "function" else None
+                about = fn.get("description") if isinstance(fn.get("description"), str) else ""
+                out.append(ToolSpec(fn["name"], schema if isinstance(schema, dict) else {}, about, kind))
         return out
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
@@ -77,8 +83,7 @@ class ChatFormat(WireFormat):
 
     def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
         message = (response.get("choices") or [{}])[0].get("message") or {}
-        calls = tuple(ToolCall(c["function"]["name"], args_of(c["function"].get("arguments")), c.get("id", ""))
-                      for c in message.get("tool_calls") or ())
+        calls = tuple(call for call in map(call_of, message.get("tool_calls") or ()) if call is not None)
         return AssistantTurn(chat_text(message.get("content")), calls)
 
     def _usage(self, turn: AssistantTurn) -> dict[str, int]:
@@ -88,11 +93,7 @@ class ChatFormat(WireFormat):
     def render(self, turn: AssistantTurn, model: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": turn.text or None}
         if turn.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id or _call_id(), "type": "function",
-                 "function": {"name": c.name, "arguments": orjson.dumps(c.arguments).decode()}}
-                for c in turn.tool_calls
-            ]
+            message["tool_calls"] = [{"id": c.id or _call_id(), **_call_body(c)} for c in turn.tool_calls]
         return {
             "id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion", "created": self.now(),
             "model": model,
@@ -111,6 +112,9 @@ class ChatFormat(WireFormat):
         events = [chunk({"role": "assistant", "content": ""})]
         events += [chunk({"content": w}) for w in words(turn.text)]
         for index, call in enumerate(turn.tool_calls):
+            if call.kind == "custom":  # one chunk: the whole input
+                events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(), **_call_body(call)}]}))
+                continue
             events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(), "type": "function",
                                                   "function": {"name": call.name, "arguments": ""}}]}))
             events += [chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
@@ -132,12 +136,8 @@ class ChatFormat(WireFormat):
         if role == "user":
             return Message("user", chat_text(content))
         if role == "assistant":
-            uses = []
-            for call in as_list(item.get("tool_calls")):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict):
-                    uses.append(ToolUse(str(call.get("id") or ""), str(fn.get("name") or ""),
-                                        arguments_of(fn.get("arguments"))))
+            uses = [ToolUse(call.id, call.name, call.arguments)
+                    for call in map(call_of, as_list(item.get("tool_calls"))) if call is not None]
             legacy = item.get("function_call")  # the pre-tools single call, answered by a role "function" message
             if isinstance(legacy, dict):
                 name = str(legacy.get("name") or "")
@@ -214,6 +214,13 @@ class ChatFormat(WireFormat):
                     slot = calls.setdefault(c.get("index", 0) if isinstance(c.get("index", 0), int) else 0,
                                             {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
                     slot["id"] = c.get("id") or slot["id"]
+                    if isinstance(c.get("custom"), dict):  # a freeform call: its input accumulates likewise
+                        custom = slot.setdefault("custom", {"name": "", "input": ""})
+                        slot["type"] = "custom"
+                        slot.pop("function", None)
+                        custom["name"] = c["custom"].get("name") or custom["name"]
+                        custom["input"] += c["custom"].get("input") or ""
+                        continue
                     fn = c.get("function") if isinstance(c.get("function"), dict) else {}
                     slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                     slot["function"]["arguments"] += fn.get("arguments") or ""
@@ -228,8 +235,7 @@ class ChatFormat(WireFormat):
         message = choice.get("message") if isinstance(choice, dict) and isinstance(choice.get("message"), dict) \
             else {}
         item: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-        calls = [c for c in as_list(message.get("tool_calls"))
-                 if isinstance(c, dict) and keep(str((c.get("function") or {}).get("name") or ""))]
+        calls = [c for c in as_list(message.get("tool_calls")) if (call := call_of(c)) is None or keep(call.name)]
         if calls:
             item["tool_calls"] = calls
         return [item]
@@ -332,7 +338,7 @@ class _ChatSplice:
             for call in as_list(delta.get("tool_calls")):
                 if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
                     continue
-                fn = call.get("function")
+                fn = call.get("function") if isinstance(call.get("function"), dict) else call.get("custom")
                 if isinstance(fn, dict) and isinstance(fn.get("name"), str) and self.hold(fn["name"]):
                     self.held = True
                     return []
@@ -350,6 +356,28 @@ class _ChatSplice:
 
     def close(self) -> list[bytes]:
         return []
+
+
+def call_of(call: Any) -> ToolCall | None:
+    """A Chat ``tool_calls`` entry as a :class:`ToolCall`: a ``function`` call (JSON arguments) or a ``custom``
+    one (a freeform ``input``, :func:`~.freeform.arguments`); None for anything else."""
+    if not isinstance(call, dict):
+        return None
+    call_id = str(call.get("id") or "")
+    fn, custom = call.get("function"), call.get("custom")
+    if isinstance(fn, dict):
+        return ToolCall(str(fn.get("name") or ""), arguments_of(fn.get("arguments")), call_id)
+    if isinstance(custom, dict):
+        name, text = str(custom.get("name") or ""), custom.get("input")
+        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom")
+    return None
+
+
+def _call_body(call: ToolCall) -> dict[str, Any]:
+    """A ``tool_calls`` entry's ``type`` and call object for ``call`` (without its id)."""
+    if call.kind == "custom":
+        return {"type": "custom", "custom": {"name": call.name, "input": input_of(call.arguments)}}
+    return {"type": "function", "function": {"name": call.name, "arguments": orjson.dumps(call.arguments).decode()}}
 
 
 def _call_id() -> str:

@@ -58,8 +58,18 @@ class MessagesFormat(WireFormat):
         return chat_text(body.get("system")), first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
-        return [ToolSpec(t["name"], t.get("input_schema") or {}) for t in as_list(body.get("tools"))
-                if isinstance(t, dict) and isinstance(t.get("name"), str)]
+        """Every named tool of ``tools``: a client tool (``input_schema``; Anthropic's ``custom`` type) is a
+        ``function``, any other (``bash_20250124``, ``text_editor_*``, the server tools ``web_search_*``...) has
+        its declared type as its kind."""
+        out = []
+        for tool in as_list(body.get("tools")):
+            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                kind = tool.get("type") if isinstance(tool.get("type"), str) and "input_schema" not in tool else ""
+                schema = tool.get("input_schema")
+                about = tool.get("description") if isinstance(tool.get("description"), str) else ""
+                out.append(ToolSpec(tool["name"], schema if isinstance(schema, dict) else {}, about,
+                                    "function" if kind in ("", "custom") else kind))
+        return out
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         messages = body.get("messages") or []

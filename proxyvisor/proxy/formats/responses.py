@@ -9,15 +9,106 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, chat_text, dumps,
+from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
                    leading_system, split_json, sse, words)
+from .freeform import arguments as freeform_arguments
+from .freeform import DEFAULT_NAMESPACE, input_of, qualified, split
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 _HEAD_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress"})
 _FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _RESPONSE_EVENTS = _HEAD_EVENTS | _FINAL_EVENTS
+HOSTED_CALLS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
+                          "mcp_call", "mcp_list_tools"})
+"""Call items of tools the API runs itself: their results come with the response, so the client runs nothing and
+a reply holding only these (and text) ends the turn. In a history they are no action of the agent's."""
+
+
+def call_of(item: Any) -> ToolCall | None:
+    """The call a Responses output or input item makes for the client to run, or None (a message, a reasoning
+    item, a result, a hosted call: :data:`HOSTED_CALLS`).
+
+    ``function_call`` (JSON ``arguments``) and ``custom_tool_call`` (a freeform ``input``,
+    :func:`~.freeform.arguments`) are named with their ``namespace`` (:func:`~.freeform.qualified`). Any other
+    ``*_call`` item (``local_shell_call``, ``computer_call``, ``shell_call``, ``apply_patch_call``, types still to
+    come) is named after its type without ``_call`` (or its ``name``), and its arguments are its ``action`` and
+    ``operation`` objects' fields, its ``arguments`` and its ``input``, with a ``commands`` list also read as one
+    ``command`` (one per line)."""
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type")
+    if not isinstance(kind, str) or not kind.endswith("_call") or kind in HOSTED_CALLS:
+        return None
+    call_id = str(item.get("call_id") or item.get("id") or "")
+    if kind in ("function_call", "custom_tool_call"):
+        name = qualified(item.get("namespace"), str(item.get("name") or ""))
+        if kind == "function_call":
+            return ToolCall(name, arguments_of(item.get("arguments")), call_id)
+        text = item.get("input")
+        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom")
+    base = kind[:-len("_call")]
+    args: dict[str, Any] = {}
+    for key in ("action", "operation"):
+        if isinstance(item.get(key), dict):
+            args.update(item[key])
+    args.update(arguments_of(item.get("arguments")))
+    if isinstance(item.get("input"), str):
+        args["input"] = item["input"]
+    commands = args.get("commands")
+    if "command" not in args and isinstance(commands, list) and all(isinstance(c, str) for c in commands):
+        args["command"] = "\n".join(commands)
+    name = item.get("name")
+    return ToolCall(name if isinstance(name, str) and name else base, args, call_id, base)
+
+
+def _is_result(item: Any) -> bool:
+    """Whether a Responses input item is the result of a call (``function_call_output``,
+    ``custom_tool_call_output``, ``local_shell_call_output``, any ``*_output`` with a ``call_id``)."""
+    return isinstance(item, dict) and str(item.get("type", "")).endswith("_output") \
+        and isinstance(item.get("call_id"), str)
+
+
+def _result_text(output: Any) -> str:
+    """A result's ``output`` as text: a string, or the text parts of a list (Codex's
+    ``custom_tool_call_output``); other shapes (a ``shell_call_output``'s list of outcomes, a computer screenshot)
+    as JSON, so the exit codes in them stay readable."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list) and any(isinstance(p, dict) and isinstance(p.get("text"), str) for p in output):
+        return chat_text(output)
+    return "" if output is None else dumps(output).decode()
+
+
+def _into_default_namespace(declared: list[Any], new: list[dict[str, Any]]) -> list[Any]:
+    """``declared`` (a ``tools`` list) with ``new`` added to its default namespace, or at its end without one."""
+    for index, tool in enumerate(declared):
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and tool.get("name") == DEFAULT_NAMESPACE \
+                and isinstance(tool.get("tools"), list):
+            return [*declared[:index], {**tool, "tools": tool["tools"] + new}, *declared[index + 1:]]
+    return declared + new
+
+
+def _specs(declared: list[Any], namespace: str | None) -> list[ToolSpec]:
+    """The tools of a ``tools`` list, namespaces opened (their tools named :func:`~.freeform.qualified`)."""
+    out: list[ToolSpec] = []
+    for tool in declared:
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            continue
+        kind, name = tool["type"], tool.get("name")
+        about = tool.get("description") if isinstance(tool.get("description"), str) else ""
+        if kind == "namespace":
+            if isinstance(name, str) and name:
+                out += _specs(as_list(tool.get("tools")), name)
+        elif kind in ("function", "custom"):
+            if isinstance(name, str) and name:
+                schema = tool.get("parameters") if kind == "function" else None
+                out.append(ToolSpec(qualified(namespace, name), schema if isinstance(schema, dict) else {}, about,
+                                    kind))
+        else:  # a built-in tool type: web_search, local_shell, computer_use_preview, mcp...
+            out.append(ToolSpec(name if isinstance(name, str) and name else kind, {}, about, kind))
+    return out
 
 
 class ResponsesFormat(WireFormat):
@@ -65,8 +156,12 @@ class ResponsesFormat(WireFormat):
         return system, first_user
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
-        return [ToolSpec(t["name"], t.get("parameters") or {}) for t in as_list(body.get("tools"))
-                if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
+        """The top-level ``tools`` and those of every ``additional_tools`` input item (Codex with its default
+        model declares its tools there), namespaces opened (:func:`_specs`)."""
+        declared = as_list(body.get("tools")) + [
+            tool for item in as_list(body.get("input"))
+            if isinstance(item, dict) and item.get("type") == "additional_tools" for tool in as_list(item.get("tools"))]
+        return _specs(declared, None)
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         items = body.get("input")
@@ -117,8 +212,8 @@ class ResponsesFormat(WireFormat):
         for item in response.get("output") or ():
             if item.get("type") == "message":
                 text += [p.get("text", "") for p in item.get("content") or () if p.get("type") == "output_text"]
-            elif item.get("type") == "function_call":
-                calls.append(ToolCall(item.get("name", ""), args_of(item.get("arguments")), item.get("call_id", "")))
+            elif (call := call_of(item)) is not None:
+                calls.append(call)
         return AssistantTurn("".join(text), tuple(calls))
 
     def _output(self, turn: AssistantTurn) -> list[dict[str, Any]]:
@@ -128,9 +223,18 @@ class ResponsesFormat(WireFormat):
                            "role": "assistant",
                            "content": [{"type": "output_text", "text": turn.text, "annotations": []}]})
         for call in turn.tool_calls:
-            output.append({"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "completed",
-                           "call_id": call.id or "call_" + secrets.token_hex(12), "name": call.name,
-                           "arguments": orjson.dumps(call.arguments).decode()})
+            namespace, name = split(call.name)
+            custom = call.kind == "custom"
+            item = {"id": ("ctc_" if custom else "fc_") + secrets.token_hex(12),
+                    "type": "custom_tool_call" if custom else "function_call", "status": "completed",
+                    "call_id": call.id or "call_" + secrets.token_hex(12), "name": name}
+            if namespace is not None:
+                item["namespace"] = namespace
+            if custom:
+                item["input"] = input_of(call.arguments)
+            else:
+                item["arguments"] = orjson.dumps(call.arguments).decode()
+            output.append(item)
         return output
 
     def _response(self, turn: AssistantTurn, model: str, output: list[dict[str, Any]], status: str,
@@ -169,6 +273,13 @@ class ResponsesFormat(WireFormat):
                      text=text, logprobs=[])
                 emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                      part=item["content"][0])
+            elif item["type"] == "custom_tool_call":
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "input": ""})
+                emit("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                     delta=item["input"])
+                emit("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                     input=item["input"])
             else:
                 emit("response.output_item.added", output_index=index,
                      item={**item, "status": "in_progress", "arguments": ""})
@@ -198,21 +309,13 @@ class ResponsesFormat(WireFormat):
             if role in ("system", "developer"):
                 return Message("system", text)
             return Message(role, text) if role in ("user", "assistant") else Message("other")
-        call_id = str(item.get("call_id") or "")
-        if kind == "function_call":
-            return Message("assistant", tool_uses=(ToolUse(call_id, str(item.get("name") or ""),
-                                                           arguments_of(item.get("arguments"))),))
-        if kind == "custom_tool_call":
-            return Message("assistant", tool_uses=(ToolUse(call_id, str(item.get("name") or ""),
-                                                           {"input": item.get("input")}),))
-        if kind == "local_shell_call":
-            action = item.get("action")
-            return Message("assistant", tool_uses=(ToolUse(call_id, "local_shell",
-                                                           action if isinstance(action, dict) else {}),))
-        if isinstance(kind, str) and kind.endswith("_call_output"):
+        call = call_of(item)
+        if call is not None:
+            return Message("assistant", tool_uses=(ToolUse(call.id, call.name, call.arguments),))
+        if _is_result(item):
             output = item.get("output")
-            return Message("tool", tool_outputs=(ToolOutput(call_id, chat_text(output), None,
-                                                            has_non_text(output)),))
+            return Message("tool", tool_outputs=(ToolOutput(item["call_id"], _result_text(output), None,
+                                                            has_non_text(output) or isinstance(output, dict)),))
         return Message("other")
 
     def add_instruction(self, body: dict[str, Any], text: str) -> None:
@@ -237,7 +340,7 @@ class ResponsesFormat(WireFormat):
 
     def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
         for item in as_list(body.get("input")):
-            if isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output"):
+            if _is_result(item):
                 yield item, "output", item.get("call_id")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
@@ -251,9 +354,19 @@ class ResponsesFormat(WireFormat):
 
     # ---- continuing a turn --------------------------------------------------------------------------------
     def add_tools(self, body: dict[str, Any], tools: list[ToolSpec]) -> None:
-        body["tools"] = as_list(body.get("tools")) + [
-            {"type": "function", "name": t.name, "description": t.description, "parameters": t.schema,
-             "strict": False} for t in tools]
+        """Where the client declares its own: the top-level ``tools``, or, when it has none, its first
+        ``additional_tools`` input item, inside the default namespace when it has one (so calls name the tools
+        alone, :mod:`.freeform`). That item is replaced by a copy: the agent's own history stays as sent."""
+        new = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.schema,
+                "strict": False} for t in tools]
+        items = body.get("input")
+        if "tools" not in body and isinstance(items, list):
+            for index, item in enumerate(items):
+                if isinstance(item, dict) and item.get("type") == "additional_tools" \
+                        and isinstance(item.get("tools"), list):
+                    items[index] = {**item, "tools": _into_default_namespace(item["tools"], new)}
+                    return
+        body["tools"] = as_list(body.get("tools")) + new
 
     def stream_response(self, events: list[tuple[str | None, str]]) -> dict[str, Any]:
         """The response object of the stream's last ``response.completed`` / ``incomplete`` / ``failed`` event;
@@ -271,7 +384,7 @@ class ResponsesFormat(WireFormat):
 
     def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
         return [item for item in as_list(response.get("output")) if isinstance(item, dict)
-                and not (item.get("type") == "function_call" and not keep(str(item.get("name") or "")))]
+                and ((call := call_of(item)) is None or keep(call.name))]
 
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         return [{"type": "function_call_output", "call_id": r.call_id, "output": r.text} for r in results]
@@ -381,8 +494,7 @@ class _ResponsesSplice:
         if obj is None:
             return None
         kind, item = obj.get("type"), obj.get("item")
-        if kind == "response.output_item.added" and isinstance(item, dict) and item.get("type") == "function_call" \
-                and self.hold(str(item.get("name") or "")):
+        if kind == "response.output_item.added" and (call := call_of(item)) is not None and self.hold(call.name):
             self.held = True
             return []
         if self.continuing and kind in _HEAD_EVENTS:
