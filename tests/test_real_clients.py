@@ -332,3 +332,63 @@ def test_codex_through_wrap_without_supervision_writes_nothing(tmp_path: Path) -
     # Without --json, `codex exec` prints the final agent message alone on stdout.
     assert run.stdout.strip() == DONE, run
     assert ws.files() == []
+
+
+_CODEX_DEFAULT_MODEL = f"""\
+# No `model`: Codex 0.171.0 then uses its default model, whose catalog entry (tool_mode "code_mode_only",
+# use_responses_lite) makes it send the shape of ../shared/reference/real-clients.md section 9: no top-level
+# `tools`, an `additional_tools` input item with namespaces, a freeform `exec` tool taking JavaScript that runs
+# shell commands through nested `tools.exec_command({{cmd}})` calls, answered as `custom_tool_call` items.
+model_provider = "mine"
+{_CODEX_COMMON}
+[model_providers.mine]
+name = "mine"
+base_url = "not-redirected:"
+env_key = "PROXYVISOR_TEST_API_KEY"
+wire_api = "responses"
+"""
+
+
+def exec_script(command: str) -> str:
+    """The JavaScript input of Codex's ``exec`` tool that runs ``command`` and prints its result."""
+    return f"text(await tools.exec_command({{cmd: {json.dumps(command)}}}));"
+
+
+def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: Path) -> None:
+    """Codex's default-model request shape, supervised: a premature "done" after an edit is held by the gate
+    (no check ran), the turn continues upstream with the gap, the model runs the tests through the freeform
+    ``exec`` tool, and the turn ends ``verified``. Codex runs the scripted ``custom_tool_call`` items only because
+    its request declared ``exec`` as a freeform tool: a tool it did not declare gets "unsupported call"."""
+    ws, session = Workspace.make(tmp_path), "codex-default-model-test"
+    write = ("printf 'def add(a, b):\\n    return a + b\\n' > calc.py && printf 'import unittest\\nimport calc\\n\\n"
+             "class T(unittest.TestCase):\\n    def test_add(self):\\n        self.assertEqual(calc.add(2, 3), 5)\\n'"
+             " > test_calc.py")
+    final = "calc.py has add(); its tests pass."
+
+    def exec_call(command: str) -> dict[str, Any]:
+        return {"tool_calls": [{"name": "exec", "input": exec_script(command)}]}
+
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps(step) + "\n" for step in (
+        exec_call(write), {"text": "Done."}, exec_call("python3 -m unittest -v"), {"text": final})))
+    config = tmp_path / "config.toml"
+    # Until the session's own route is the default supervisor model, the scripted one is named here.
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n'
+                      '[supervisor.model]\nname = "scripted-model"\napi_base = "scripted:"\n')
+    (ws.home / "config.toml").write_text(_CODEX_DEFAULT_MODEL)
+    cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "Write calc.py with add(a, b)."]
+    run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
+               "--session", session, "--config", str(config))
+    assert run.returncode == 0, run
+    events = json_lines(run.stdout)
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    commands = [(i["command"], i["exit_code"]) for i in items if i["type"] == "command_execution"]
+    assert [c for c, _ in commands] and all(code == 0 for _, code in commands), items
+    assert "unittest" in commands[-1][0] and (ws.work / "calc.py").is_file(), commands
+    messages = [i["text"] for i in items if i["type"] == "agent_message"]
+    assert messages[-1] == final and "Done." not in messages, items  # the held answer never reached Codex
+    records = ws.ledger(session)
+    assert {r["format"] for r in records} == {"responses"}, records
+    gates = [r["gate"] for r in records if r.get("gate")]
+    assert gates[0]["reentries"] == 1 and gates[0]["verdicts"][0] == "gaps", gates
+    assert gates[-1]["outcome"] == "verified", gates

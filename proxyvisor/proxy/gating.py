@@ -6,7 +6,8 @@ this module feeds them and performs their decisions for one supervised request (
 
 - **What is gated**: a successful reply without tool calls to a request that offered the agent tools (a request
   without tools is a plain completion, such as Claude Code's title requests, not an agent's turn). Tool-call
-  rounds pass untouched.
+  rounds pass untouched. Both are read by the format (``WireFormat.tools``, ``WireFormat.parse_response`` and the
+  stream splice): tools wherever the client declares them, calls of every type the client runs.
 - **JSON**: the reply is read; a turn-ending one is judged before it is returned.
 - **Streams never fail open** (issue 4): a stream's events are held until the first tool call starts (then
   everything held is sent and the rest streams through) or the stream ends; a stream that ended without a tool
