@@ -191,6 +191,13 @@ def test_a_freeform_input_is_read_as_the_commands_and_tools_it_runs(name: str, t
     assert arguments(name, text) == {"input": text, **expected}
 
 
+def test_a_script_with_many_nested_calls_is_read_up_to_a_bound() -> None:
+    script = "".join(f"await tools.exec_command({{cmd: 'echo {n}'}});\n" for n in range(1000))
+    assert arguments("exec", script)["cmd"].splitlines() == [f"echo {n}" for n in range(64)]
+    unclosed = "await tools.exec_command({ x: [" + "[" * 100_000 + " cmd: 'late'"
+    assert arguments("exec", unclosed) == {"input": unclosed}  # a command past the object's span is not read
+
+
 @pytest.mark.parametrize(("name", "text", "mutation", "command"), [
     ("exec", run("pytest -q"), NONE, "pytest -q"),
     ("exec", run("sed -i 's/a/b/' app.py"), GUESSED, "sed -i 's/a/b/' app.py"),

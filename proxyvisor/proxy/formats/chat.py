@@ -113,7 +113,8 @@ class ChatFormat(WireFormat):
         events += [chunk({"content": w}) for w in words(turn.text)]
         for index, call in enumerate(turn.tool_calls):
             if call.kind == "custom":  # one chunk: the whole input
-                events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(), **_call_body(call)}]}))
+                events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(),
+                                                      **_call_body(call)}]}))
                 continue
             events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(), "type": "function",
                                                   "function": {"name": call.name, "arguments": ""}}]}))

@@ -43,6 +43,8 @@ _STRING = re.compile(r'"((?:[^"\\\n]|\\.)*)"|\'((?:[^\'\\\n]|\\.)*)\'|`((?:[^`\\
 _COMMAND_KEY = re.compile(r"[{,]\s*[\"']?(?:cmd|command)[\"']?\s*:\s*")
 _ESCAPE = re.compile(r"\\(u\{[0-9a-fA-F]+\}|u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|\n|.)", re.S)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "v": "\v", "0": "\0", "\n": ""}
+_MAX_CALLS = 64  # nested calls read per script: a script's input comes from the model, so reading it is bounded
+_OBJECT_SPAN = 4096  # characters of an object input searched for its command
 
 
 def qualified(namespace: Any, name: str) -> str:
@@ -111,8 +113,10 @@ def command_input(spec: ToolSpec, command: str) -> str:
 def _nested_calls(text: str) -> list[tuple[str, str | None]]:
     """Each ``tools.NAME(INPUT)`` call of a script, in order: the tool and its literal command (a string input, or
     the ``cmd``/``command`` string of an object input), None when it has none."""
-    found = []
+    found: list[tuple[str, str | None]] = []
     for match in _NESTED.finditer(text):
+        if len(found) == _MAX_CALLS:
+            break
         tool = match.group(1) or match.group(3)
         start = match.end()
         command = None
@@ -120,7 +124,7 @@ def _nested_calls(text: str) -> list[tuple[str, str | None]]:
         if literal is not None:
             command = _unescape(literal)
         elif text.startswith("{", start):
-            end = _object_end(text, start)
+            end = _object_end(text, start, min(len(text), start + _OBJECT_SPAN))
             key = _COMMAND_KEY.search(text, start, end)
             value = _STRING.match(text, key.end(), end) if key is not None else None
             command = _unescape(value) if value is not None else None
@@ -128,14 +132,14 @@ def _nested_calls(text: str) -> list[tuple[str, str | None]]:
     return found
 
 
-def _object_end(text: str, start: int) -> int:
-    """The position after the object literal opening at ``start`` (brackets counted, strings skipped), or the
-    text's end."""
+def _object_end(text: str, start: int, limit: int) -> int:
+    """The position after the object literal opening at ``start`` (brackets counted, strings skipped), or
+    ``limit`` when it does not close before."""
     depth, i = 0, start
-    while i < len(text):
+    while i < limit:
         ch = text[i]
         if ch in "\"'`":
-            literal = _STRING.match(text, i)
+            literal = _STRING.match(text, i, limit)
             i = literal.end() if literal is not None else i + 1
             continue
         if ch in "{[(":
@@ -145,7 +149,7 @@ def _object_end(text: str, start: int) -> int:
             if depth == 0:
                 return i + 1
         i += 1
-    return len(text)
+    return limit
 
 
 def _unescape(literal: re.Match[str]) -> str:
