@@ -236,7 +236,8 @@ class ChatFormat(WireFormat):
         message = choice.get("message") if isinstance(choice, dict) and isinstance(choice.get("message"), dict) \
             else {}
         item: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-        calls = [c for c in as_list(message.get("tool_calls")) if (call := call_of(c)) is None or keep(call.name)]
+        calls = [c for c in as_list(message.get("tool_calls"))
+                 if isinstance(c, dict) and ((call := call_of(c)) is None or keep(call.name))]
         if calls:
             item["tool_calls"] = calls
         return [item]
@@ -339,7 +340,7 @@ class _ChatSplice:
             for call in as_list(delta.get("tool_calls")):
                 if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
                     continue
-                fn = call.get("function") if isinstance(call.get("function"), dict) else call.get("custom")
+                fn = call.get("custom") if isinstance(call.get("custom"), dict) else call.get("function")
                 if isinstance(fn, dict) and isinstance(fn.get("name"), str) and self.hold(fn["name"]):
                     self.held = True
                     return []
@@ -360,18 +361,20 @@ class _ChatSplice:
 
 
 def call_of(call: Any) -> ToolCall | None:
-    """A Chat ``tool_calls`` entry as a :class:`ToolCall`: a ``function`` call (JSON arguments) or a ``custom``
-    one (a freeform ``input``, :func:`~.freeform.arguments`); None for anything else."""
+    """A Chat ``tool_calls`` entry as a :class:`ToolCall`, or None when it holds no call object: the object under
+    its ``type`` (``function`` when it has none), with JSON ``arguments``, or for ``custom`` a freeform ``input``
+    (:func:`~.freeform.arguments`)."""
     if not isinstance(call, dict):
         return None
-    call_id = str(call.get("id") or "")
-    fn, custom = call.get("function"), call.get("custom")
-    if isinstance(fn, dict):
-        return ToolCall(str(fn.get("name") or ""), arguments_of(fn.get("arguments")), call_id)
-    if isinstance(custom, dict):
-        name, text = str(custom.get("name") or ""), custom.get("input")
+    kind = call.get("type") if isinstance(call.get("type"), str) and call.get("type") else "function"
+    body = call.get(kind)
+    if not isinstance(body, dict):
+        return None
+    name, call_id = str(body.get("name") or ""), str(call.get("id") or "")
+    if kind == "custom":
+        text = body.get("input")
         return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom")
-    return None
+    return ToolCall(name, arguments_of(body.get("arguments")), call_id, kind)
 
 
 def _call_body(call: ToolCall) -> dict[str, Any]:
