@@ -93,12 +93,15 @@ _PLAN_HELP = textwrap.dedent("""\
     Show a session's plan, the same as the agent gets by sending the message /plan: the
     supervisor-owned plan of the session's latest thread with each phase's status ([x] done, [>] in
     progress, [ ] pending) and its done-when condition, or "No plan" when the work has not needed one;
-    then the retained critical knowledge: the carry items of the latest self-report.
+    then the user's prohibitions in force, verbatim, each with the user turn that stated it (a
+    prohibition stated in any turn stands until a later turn explicitly permits it: "do not run the
+    tests", then "you can run the tests now"); then the retained critical knowledge: the carry items
+    of the latest self-report.
 
     A plan lives in the memory of the proxy that serves the session, so this needs that proxy running:
     without one it says so and exits 1. --json prints the object that
-    GET /proxyvisor/sessions/SESSION/plan returns: session, plan (phases and status, or null), carry
-    (list of strings), text (what is shown without --json).
+    GET /proxyvisor/sessions/SESSION/plan returns: session, plan (phases and status, or null),
+    prohibitions (list of {turn, text}), carry (list of strings), text (what is shown without --json).
     """)
 
 
@@ -107,7 +110,7 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
     for name, short, help_text, handler, example in (
             ("info", "show a session's counters (requests, detectors, gate, tokens, cost, overhead)", _INFO_HELP,
              _info, "proxyvisor info --json | jq .gate.outcomes"),
-            ("plan", "show a session's plan and retained critical knowledge", _PLAN_HELP, _plan,
+            ("plan", "show a session's plan, prohibitions in force and retained critical knowledge", _PLAN_HELP, _plan,
              "proxyvisor plan --url http://127.0.0.1:8377 my-session")):
         parser = commands.add_parser(name, help=short, formatter_class=formatter, description=help_text,
                                      epilog=_epilog(name, example))
@@ -251,7 +254,7 @@ def _plan(args: argparse.Namespace, config: Config) -> int:
         text = (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"
                 f"{f' ({session})' if session else ''}. Start it, or give its address with --url.")
         if args.json:
-            _print(args, {"session": session, "plan": None, "carry": [], "text": text}, text)
+            _print(args, {"session": session, "plan": None, "prohibitions": [], "carry": [], "text": text}, text)
         else:
             print(f"proxyvisor plan: {text}", file=sys.stderr)
         return 1

@@ -66,7 +66,7 @@ def test_digest_holds_request_receipts_failing_output_and_final_answer() -> None
     assert blocks(doc) == ["verification_request", "current_user_turn", "agent_final_result", "prohibitions",
                            "agent_state", "active_plan", "standing_instructions", "recorded_actions", "provenance",
                            "tool_outputs"]
-    assert "Fix parse() so the tests pass." in doc and "- Do not touch setup.py." in doc
+    assert "Fix parse() so the tests pass." in doc and "- [turn 1] Do not touch setup.py." in doc
     assert "Done: parse fixed, all tests pass." in doc and "state: done\nclaim: fixed parse" in doc
     assert "FAILED tests/test_calc.py::test_parse" in doc and "Exit code 1" in doc
     assert '#3 [read] Bash {"command":"pytest -q"} → ERROR' in doc
@@ -228,7 +228,7 @@ def test_a_follow_up_turn_shows_the_original_task_and_its_prohibitions() -> None
     task = "Fix parse() in calc.py. Do not touch the tests."
     doc = build("yes", ["Done."], done_despite_failing_test().actions(), task=task)
     assert blocks(doc)[1:3] == ["current_user_turn", "original_task"]
-    assert task in doc and "- Do not touch the tests." in doc
+    assert task in doc and "- [turn 1] Do not touch the tests." in doc
     same = build(task, ["Done."], done_despite_failing_test().actions(), task=task)
     assert "original_task" not in blocks(same)
 

@@ -368,6 +368,38 @@ async def test_a_forbidden_check_is_compliance_not_a_gap(tmp_path: Path, fmt: st
     assert text == REWORKED["text"] and run.gate()["verdicts"][0] == "gaps"
 
 
+def across_turns(fmt: str, stream: bool, *turns: str) -> dict[str, Any]:
+    """A request of a session over several user ``turns`` (each but the last answered with text), whose last
+    turn holds an edit."""
+    chat = with_history("chat", stream, turns[-1])["messages"]
+    earlier: list[dict[str, Any]] = []
+    for text in turns[:-1]:
+        earlier += [{"role": "user", "content": text}, {"role": "assistant", "content": "Noted."}]
+    tools = (ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}, "Run a command"),)
+    return BY_NAME[fmt].request_from_chat(chat[:1] + earlier + chat[1:], MODEL, stream, tools)
+
+
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_the_digest_carries_the_prohibitions_in_force_from_every_turn(tmp_path: Path, fmt: str,
+                                                                           stream: bool) -> None:
+    standing = across_turns(fmt, stream, "Fix the typo in app.py.", "Do not run tests, the suite takes an hour.",
+                            "Go on with the fix.")
+    policy = Verifier([scripted_verifier_answer] * 3)
+    async with gated(tmp_path, [DONE, REWORKED], policy) as run:
+        text, _, _ = await send(run, fmt, stream, standing)
+    digest = policy.calls[0][1][1]["content"]
+    assert "- [turn 2] Do not run tests, the suite takes an hour." in digest
+    assert text == DONE["text"] and run.gate()["passed"]  # the forbidden check's absence is compliance
+    # A later permission lifts it: the missing check is a gap again.
+    lifted = across_turns(fmt, stream, "Fix the typo in app.py.", "Do not run tests, the suite takes an hour.",
+                          "You can run the tests now.")
+    policy = Verifier([scripted_verifier_answer, verdict()])
+    async with gated(tmp_path / "b", [DONE, REWORKED], policy) as run:
+        text, _, _ = await send(run, fmt, stream, lifted)
+    assert "<prohibitions" not in policy.calls[0][1][1]["content"]
+    assert text == REWORKED["text"] and run.gate()["verdicts"][0] == "gaps"
+
+
 def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:
     """The scripted upstream's fixed verifier policy, as a model double."""
     fmt = BY_NAME["chat"]

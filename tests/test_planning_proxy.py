@@ -18,6 +18,7 @@ from proxyvisor.adapters import scripted, scripted_planner
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, PlanConfig
 from proxyvisor.detectors.selfreport import SelfReport
+from proxyvisor.gate.recite import CONSTRAINTS
 from proxyvisor.gate.plan import COMPLETED, IN_PROGRESS, PLANNER_INSTRUCTIONS, planner_input
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec, WireFormat
 from proxyvisor.proxy.planning import clear, goal_text, reconcile
@@ -208,10 +209,10 @@ async def test_prohibitions_are_recited_after_the_request_is_no_longer_last(tmp_
         agent = Agent(proxy, CHAT)
         agent.history[1]["content"] = "Tidy the README. Do not run the test suite."
         first = await agent.turn("Looking. " + report(None))
-        assert "Constraints from the request" not in json.dumps(first)  # the request itself is the last item
+        assert CONSTRAINTS not in json.dumps(first)  # the request itself is the last item
         second = await agent.turn("Editing. " + report(None))
         assert agent.tail(second).endswith(
-            "Constraints from the request - verbatim, still binding:\n- Do not run the test suite.\n"
+            f"{CONSTRAINTS}\n- Do not run the test suite.\n"
             "</pay-attention></supervisor-note>")
         assert "Goal (fixed)" not in agent.tail(second)  # the request is still in the context
 
@@ -353,3 +354,44 @@ async def test_the_scripted_upstream_answers_planner_calls_through_litellm(tmp_p
         third = await agent.turn("Changed. " + report(None))
         assert len(agent.upstream.supervisor_requests) == 2
         assert "Live plan (1/3 done)" in agent.tail(third)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+async def test_prohibitions_stand_across_user_turns_until_lifted(tmp_path: Path, fmt_name: str) -> None:
+    """A prohibition of turn 1 stands through turn 2, a permission in turn 3 lifts it, turn 4 adds another: /plan
+    (the chat command and the endpoint) and the recitation show what is in force, with its source turn."""
+    async with running(config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": ScriptedUpstream()},
+                       model=Planner()) as proxy:
+        agent = Agent(proxy, BY_NAME[fmt_name])
+        agent.history[1]["content"] = "Tidy the README. Do not run the tests."
+
+        async def user(text: str) -> dict[str, Any]:
+            # The agent ended its turn with an answer; the user writes the next one.
+            agent.history += [{"role": "assistant", "content": "Done for now."}, {"role": "user", "content": text}]
+            await agent.turn("On it. " + report(None))
+            return await agent.turn("Still on it. " + report(None))  # the user turn is no longer the last item
+
+        async def plan() -> dict[str, Any]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return (await client.get(f"{proxy.url}/proxyvisor/sessions/planning/plan")).json()
+
+        await agent.turn("Reading. " + report(None))
+        after_two = await user("Also fix the typo in the intro.")
+        assert agent.tail(after_two).endswith(f"{CONSTRAINTS}\n- Do not run the tests.\n"
+                                              "</pay-attention></supervisor-note>")
+        assert (await plan())["prohibitions"] == [{"turn": 1, "text": "Do not run the tests."}]
+        after_three = await user("You can run the tests now.")
+        assert CONSTRAINTS not in agent.tail(after_three) and (await plan())["prohibitions"] == []
+        after_four = await user("Never push to main.")
+        assert agent.tail(after_four).endswith(f"{CONSTRAINTS}\n- Never push to main.\n"
+                                               "</pay-attention></supervisor-note>")
+        got = await plan()
+        assert got["prohibitions"] == [{"turn": 4, "text": "Never push to main."}]
+        assert "Prohibitions in force" in got["text"] and "- [turn 4] Never push to main." in got["text"]
+        # The agent's user asks /plan in the chat: the same text, answered by proxyvisor.
+        body = agent.fmt.request_from_chat(orjson.loads(orjson.dumps(agent.history))
+                                           + [{"role": "assistant", "content": "Done for now."},
+                                              {"role": "user", "content": "/plan"}], "m", False, (BASH,))
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(f"{proxy.url}/s/planning{agent.fmt.path}", json=body)
+        assert agent.fmt.parse_response(response.json()).text == got["text"]

@@ -179,6 +179,8 @@ class HistoryTracker:
         self.fed = 0
         self.turn_start: int | None = None
         """History position of the latest genuine user turn (None before the first)."""
+        self.user_turns: list[int] = []
+        """History positions of every genuine user turn fed, oldest first (the last one is ``turn_start``)."""
         self._first: bytes | None = None
         self._last: bytes | None = None
 
@@ -209,6 +211,7 @@ class HistoryTracker:
                 if isinstance(event, UserTurn):
                     self.detectors.user_turn()
                     self.turn_start = event.index
+                    self.user_turns.append(event.index)
                     continue
                 update.rounds.append(event)
                 signals = self.detectors.observe(event)

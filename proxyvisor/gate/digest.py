@@ -24,7 +24,9 @@ Blocks, in priority order (reference ``in-session-supervisor-mechanics.md`` sect
 ``<agent_final_result>``        all finals of the turn joined by a "continued after supervisor feedback" separator,
                                 filled newest first, at most 8,192 tokens (the supervisor profile's ``max_tokens``)
                                 and a quarter of the budget.
-``<prohibitions>``              the user's prohibitions (:mod:`.prohibitions`), binding on the verifier.
+``<prohibitions>``              the user's prohibitions in force (:func:`.prohibitions.standing`: stated in any user
+                                turn of the thread, not lifted since by a permission), binding on the verifier, one
+                                line each with its source turn: ``- [turn 2] Do not run the tests.``
 ``<agent_state>``               the self-report state and ``focus`` (the stated claim), at most 500 characters.
 ``<previously_flagged_gaps>``   the previous pass's gaps, at most a sixteenth of the budget.
 ``<active_plan>``               only when given; at most an eighth of the budget.
@@ -57,7 +59,7 @@ import orjson
 from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors.receipts import NONE, Receipt, receipt
 from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
-from .prohibitions import prohibitions
+from .prohibitions import Standing, standing
 
 DEFAULT_BUDGET = 16_384
 MIN_BUDGET = 1_024
@@ -312,21 +314,23 @@ def _outputs_block(actions: Sequence[Action], cap: int) -> _Block:
 
 def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *, instructions: str = "",
           plan: str | None = None, state: str | None = None, claim: str = "", task: str = "",
-          previous_gaps: Sequence[str] = (), budget: int = DEFAULT_BUDGET) -> str:
+          previous_gaps: Sequence[str] = (), prohibitions: Sequence[Standing] | None = None,
+          budget: int = DEFAULT_BUDGET) -> str:
     """The verifier's input document for one turn, at most ``budget`` tokens.
 
     ``request``: the latest genuine user turn; ``finals``: the turn's final answers, oldest first (one per
     re-entry); ``actions``: :func:`turn_actions`; ``task``: the thread's first user message (shown only when it is
     not ``request``); ``instructions``: the agent's system prompt; ``plan``: the
     rendered live plan, or None; ``state``/``claim``: the self-report state (None when absent) and ``focus``;
-    ``previous_gaps``: the previous pass's gaps. Raises ValueError when ``budget`` < :data:`MIN_BUDGET`.
+    ``previous_gaps``: the previous pass's gaps; ``prohibitions``: the prohibitions in force (the session's,
+    ``proxyvisor.proxy.planning``), or None to read them from ``task`` (turn 1) and ``request`` (turn 2 when it is
+    another message) alone. Raises ValueError when ``budget`` < :data:`MIN_BUDGET`.
     """
     if budget < MIN_BUDGET:
         raise ValueError(f"digest budget {budget} is below the minimum of {MIN_BUDGET} tokens")
     follow_up = bool(task.strip()) and task.strip() != request.strip()
-    found = prohibitions(request)
-    if follow_up:  # the task's prohibitions still bind a follow-up turn
-        found += tuple(p for p in prohibitions(task) if p not in found)
+    if prohibitions is None:
+        prohibitions = standing([(1, task), (2, request)] if follow_up else [(1, request)])
     ev = evidence(actions)
     blocks = [
         _text_block("current_user_turn", ' authority="true"', clip_chars(request, REQUEST_CHARS), budget // 4),
@@ -336,8 +340,9 @@ def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *
     if follow_up:
         blocks.insert(1, _text_block("original_task", ' authority="true"', clip_chars(task, REQUEST_CHARS),
                                      budget // 8))
-    if found:
-        blocks.append(_lines_block("prohibitions", ' authority="user"', [f"- {p}" for p in found], budget // 8))
+    if prohibitions:
+        blocks.append(_lines_block("prohibitions", ' authority="user"',
+                                   [f"- [turn {p.turn}] {p.text}" for p in prohibitions], budget // 8))
     blocks.append(_text_block("agent_state", ' trust="untrusted"',
                               f"state: {state or 'none'}" + (f"\nclaim: {claim[:CLAIM_CHARS]}" if claim else ""),
                               budget // 16))

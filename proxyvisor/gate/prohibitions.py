@@ -1,9 +1,10 @@
-"""The user's explicit prohibitions, taken verbatim from a request: they bind the verifier and are recited.
+"""The user's explicit prohibitions, taken verbatim from their messages: they bind the verifier and are recited.
 
 Rules (``reference/in-session-supervisor-mechanics.md`` section 4, "Recitation", the "Constraints from the
-request" list; seed 003 "Verify-gate": "a forbidden check's absence is compliance, not a gap"):
+request" list; seed 003 "Verify-gate": "a forbidden check's absence is compliance, not a gap", and "a standing
+verification prohibition persists until you explicitly change it"):
 
-- A request is cut into **units**: lines, then sentences (ending in ``.``, ``!`` or ``;``).
+- A message is cut into **units**: lines, then sentences (ending in ``.``, ``!`` or ``;``).
 - A unit is a prohibition when it contains (case-insensitive) ``do not ``, ``don't ``, ``never ``, ``must not ``,
   ``not allowed`` or ``forbidden``.
 - Skipped: lines inside code fences, blockquotes (``>``), box-drawing UI lines (U+2500-U+257F), ``NN:`` excerpts
@@ -12,25 +13,77 @@ request" list; seed 003 "Verify-gate": "a forbidden check's absence is complianc
 - At most :data:`MAX_ITEMS` (8) items of at most :data:`MAX_CHARS` (200) characters each, first ones kept,
   duplicates dropped.
 
+**Standing prohibitions** (:func:`standing`): every genuine user turn of a thread is read, in order (harness
+re-prompts and tool results are not user turns; the caller passes only genuine ones). A prohibition stays in
+force, with its source turn, until a later turn lifts it with an explicit **permission**:
+
+- a permission is a *clause* (a unit cut at ``,``, ``:`` and ``but``) without a prohibition marker that either
+  holds a permission marker (:data:`PERMISSION_MARKERS`: ``you can``, ``you may``, ``feel free to``, ``go ahead``,
+  ``allowed to``, ``it's fine to``, ...; what it allows is the text after the marker), or is an imperative of the
+  prohibition's own action: it starts, after interjections such as ``ok``, ``now``, ``please``, with the word that
+  follows the prohibition's marker (``run`` in "do not run the tests": "ok, now run them");
+- the clause lifts a prohibition when they name the same thing, by **content words** (lowercase words without
+  stop words, lightly stemmed: ``tests``/``test``, ``running``/``run``, ``migrations/``/``migration``; the words
+  after the prohibition's marker, or all its words when nothing follows the marker): either every content word of
+  the prohibition is in the permission ("you can run the tests now" lifts "do not run the tests"; "feel free to
+  edit migrations/" lifts "do not edit migrations/"), or the permission names the prohibition's action and
+  nothing the prohibition does not ("go ahead and push" lifts "never push to main"; "ok, now run them" lifts "do
+  not run the tests", "them" being no content word). A permission naming something else ("you can run the linter")
+  lifts nothing; one that names nothing ("go ahead.") lifts nothing. When in doubt the prohibition stays: a
+  prohibition wrongly kept costs a missing check, one wrongly lifted lets the agent do what the user forbade;
+- a turn's permissions lift only earlier turns' prohibitions (one message saying "do not run the tests, you can
+  run the linter" keeps its own); then the turn's own prohibitions are added; one already in force keeps its
+  first source turn; at most :data:`MAX_ITEMS` stay in force, the most recently stated kept.
+
 Pure functions; no I/O.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 MAX_ITEMS = 8
 MAX_CHARS = 200
 _MARKERS = ("do not ", "don't ", "don\u2019t ", "never ", "must not ", "not allowed", "forbidden")
+PERMISSION_MARKERS = (
+    "you can ", "you may ", "you're allowed to ", "you are allowed to ", "you\u2019re allowed to ", "allowed to ",
+    "you're free to ", "you are free to ", "you\u2019re free to ", "feel free to ", "go ahead", "permission to ",
+    "it's ok to ", "it's okay to ", "it's fine to ", "it is ok to ", "it is okay to ", "it is fine to ",
+    "it\u2019s ok to ", "it\u2019s okay to ", "it\u2019s fine to ", "is allowed", "are allowed", "is fine now",
+    "is ok now", "is okay now")
+"""Phrases that make a clause a permission (case-insensitive); what the clause allows is the text after them
+(before them for ``is allowed``-style endings: "running the tests is allowed now")."""
 _SENTENCE = re.compile(r"(?<=[.!;])\s+")
+_CLAUSE = re.compile(r"[,:]\s*|\s+but\s+", re.IGNORECASE)
 _BOX = re.compile("[\u2500-\u257f]")
 _EXCERPT = re.compile(r"^\s*\d+\s*:")
 _QUOTES = "\"'\u201c\u2018`"
+_WORD = re.compile(r"[a-z0-9_]+")
+_INTERJECTIONS = frozenset(
+    "ok okay alright right sure yes yeah great good fine thanks now please then so and also just".split())
+_STOP = _INTERJECTIONS | frozenset("""
+    a an the this that these those it its them they their there here i me my myself we us our you your yourself
+    he she him her his is are was were be been being am do does did done don doesn didn t s not no never must
+    should shall will would can could may might cannot won isn aren wasn to of in on at by for with from into
+    onto about over under as or if any all some more anymore yet again ahead go feel free allowed permitted
+    permission ok fine forbidden let lets what which who when until before after than too very really one
+    """.split())
 
 
-def prohibitions(request: str) -> tuple[str, ...]:
-    """The prohibitions stated in ``request``, verbatim (trimmed, clipped to :data:`MAX_CHARS` characters)."""
-    found: list[str] = []
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """A prohibition in force: ``text``, verbatim (trimmed, at most :data:`MAX_CHARS` characters), and ``turn``,
+    the source turn's id as the caller numbered the turns (``proxyvisor.proxy.planning``: the 1-based ordinal of the
+    genuine user turn in the thread)."""
+
+    text: str
+    turn: int
+
+
+def _units(request: str) -> Iterator[str]:
+    """The units of ``request`` that may state a rule: not skipped (module docstring), not questions or quotes."""
     fenced = False
     for line in request.splitlines():
         stripped = line.strip()
@@ -41,13 +94,110 @@ def prohibitions(request: str) -> tuple[str, ...]:
             continue
         for unit in _SENTENCE.split(stripped):
             unit = unit.strip()
-            lowered = unit.lower() + " "
-            if (not unit or unit.endswith("?") or unit[0] in _QUOTES
-                    or not any(marker in lowered for marker in _MARKERS)):
-                continue
-            unit = unit if len(unit) <= MAX_CHARS else unit[:MAX_CHARS - 1] + "\u2026"
-            if unit not in found:
-                found.append(unit)
-            if len(found) == MAX_ITEMS:
-                return tuple(found)
+            if unit and not unit.endswith("?") and unit[0] not in _QUOTES:
+                yield unit
+
+
+def _forbids(text: str) -> bool:
+    lowered = text.lower() + " "
+    return any(marker in lowered for marker in _MARKERS)
+
+
+def prohibitions(request: str) -> tuple[str, ...]:
+    """The prohibitions stated in ``request``, verbatim (trimmed, clipped to :data:`MAX_CHARS` characters)."""
+    found: list[str] = []
+    for unit in _units(request):
+        if not _forbids(unit):
+            continue
+        unit = unit if len(unit) <= MAX_CHARS else unit[:MAX_CHARS - 1] + "\u2026"
+        if unit not in found:
+            found.append(unit)
+        if len(found) == MAX_ITEMS:
+            break
     return tuple(found)
+
+
+def _stem(word: str) -> str:
+    """A light English stem, enough to match one word's forms across two messages (not a linguistic stemmer)."""
+    for suffix in ("ing", "ed"):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            word = word[:-len(suffix)]
+            if word[-1] == word[-2] and word[-1] not in "lsz":  # running -> run, committed -> commit
+                word = word[:-1]
+            break
+    else:
+        if word.endswith("ies") and len(word) > 4:
+            word = word[:-3] + "y"
+        elif word.endswith(("ches", "shes", "sses", "xes", "zes")):
+            word = word[:-2]
+        elif word.endswith("s") and not word.endswith(("ss", "us", "is")) and len(word) > 3:
+            word = word[:-1]
+    return word[:-1] if word.endswith("e") and len(word) > 4 else word
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower().replace("\u2019", "'"))
+
+
+def _content(words: Iterable[str]) -> frozenset[str]:
+    return frozenset(_stem(w) for w in words if len(w) > 1 and w not in _STOP)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    """A prohibition as :func:`_lifts` reads it: its content words and its action (the raw word after the
+    marker; None when nothing follows the marker)."""
+
+    words: frozenset[str]
+    action: str | None
+
+
+def _rule(text: str) -> _Rule:
+    lowered = text.lower().replace("\u2019", "'") + " "
+    at = min((lowered.find(m.replace("\u2019", "'")) + len(m) for m in _MARKERS
+              if m.replace("\u2019", "'") in lowered), default=0)
+    after = [w for w in _words(lowered[at:]) if w not in ("to", "be", "ever", "even", "please")]
+    words = _content(after) or _content(_words(lowered))
+    return _Rule(words, after[0] if after else None)
+
+
+def _clauses(request: str) -> Iterator[str]:
+    for unit in _units(request):
+        for clause in _CLAUSE.split(unit):
+            if clause.strip() and not _forbids(clause):
+                yield clause.strip()
+
+
+def _lifts(clause: str, rule: _Rule) -> bool:
+    """Whether the permission ``clause`` lifts ``rule`` (module docstring)."""
+    lowered = clause.lower().replace("\u2019", "'") + " "
+    marked = [m for m in PERMISSION_MARKERS if m.replace("\u2019", "'") in lowered]
+    if marked:
+        marker = marked[0].replace("\u2019", "'")
+        at = lowered.find(marker)
+        after = _content(_words(lowered[at + len(marker):]))
+        allowed = after or (_content(_words(lowered[:at])) if marker.startswith(("is ", "are ")) else frozenset())
+    else:
+        words = _words(lowered)
+        while words and words[0] in _INTERJECTIONS:
+            words.pop(0)
+        if rule.action is None or not words or words[0] != rule.action:
+            return False
+        allowed = _content(words)
+    if not allowed or not rule.words:
+        return False
+    action = _stem(rule.action) if rule.action else None
+    return rule.words <= allowed or (allowed <= rule.words and action in allowed)
+
+
+def standing(turns: Iterable[tuple[int, str]], prior: Sequence[Standing] = ()) -> tuple[Standing, ...]:
+    """The prohibitions in force after the user turns ``turns`` (``(turn id, text)``, oldest first, genuine user
+    turns only), starting from those in force before them, ``prior`` (module docstring), oldest first."""
+    force = list(prior)
+    for turn, text in turns:
+        clauses = list(_clauses(text))
+        if clauses and force:
+            force = [s for s in force if not any(_lifts(c, _rule(s.text)) for c in clauses)]
+        held = {s.text for s in force}
+        force += [Standing(p, turn) for p in prohibitions(text) if p not in held]
+    return tuple(force[-MAX_ITEMS:])

@@ -9,13 +9,14 @@ and never remembers it (``proxyvisor.proxy.planning``). The block::
     Re-anchor on your task:
     Goal (fixed): <intent>the latest genuine user request</intent>
     Live plan (1/3 done): ...                        (gate.plan.checklist)
-    Constraints from the request - verbatim, still binding:
+    Constraints from the user's requests - verbatim, still binding:
     - Do not run the tests.
     </pay-attention></supervisor-note>
 
 - the goal is clipped to :data:`GOAL_CHARS` (2,000) characters, head 2/3 and tail 1/3 (proxyvisor's bound: the
   reference recites its compression anchor's goal, itself bounded);
-- the constraints are those of ``proxyvisor.gate.prohibitions`` (at most 8, of at most 200 characters each);
+- the constraints are the user's prohibitions in force (``proxyvisor.gate.prohibitions.standing``: stated in any
+  user turn of the thread and not lifted since; at most 8, of at most 200 characters each);
 - every inserted text is XML-escaped, so no text can close the block;
 - the ``<supervisor-note>`` wrapper tells the model the block comes from the supervisor, not the user (the
   self-report instruction says so), and that it is advisory.
@@ -36,14 +37,14 @@ from .prohibitions import MAX_CHARS, MAX_ITEMS
 
 GOAL_CHARS = 2_000
 HEADER = "Re-anchor on your task:"
-CONSTRAINTS = "Constraints from the request - verbatim, still binding:"
+CONSTRAINTS = "Constraints from the user's requests - verbatim, still binding:"
 
 
 def recite(goal: str, plan: Plan | None, prohibitions: Sequence[str], *, stale: bool = False) -> str | None:
     """The recitation block (module docstring) for ``goal`` (the latest genuine user request; empty: none), the
-    live ``plan`` (None: none; ``stale`` marks it as made before the latest user message) and the request's
-    ``prohibitions`` (``proxyvisor.gate.prohibitions.prohibitions``; the first 8 are kept, each clipped to 200
-    characters). None when all three are empty."""
+    live ``plan`` (None: none; ``stale`` marks it as made before the latest user message) and the user's
+    ``prohibitions`` to re-state, verbatim (``proxyvisor.gate.prohibitions.standing``'s texts; the first 8 are
+    kept, each clipped to 200 characters). None when all three are empty."""
     parts = []
     if goal.strip():
         parts.append(f"Goal (fixed): <intent>{escape(clip_chars(goal.strip(), GOAL_CHARS))}</intent>")

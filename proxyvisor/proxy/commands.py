@@ -11,7 +11,9 @@ in the request's format, streamed or not, without calling the model (issue 4, "/
   message) and surrounding whitespace, must equal the command;
 - ``/info``: the session's counters, summed from its ledger (``proxyvisor.proxy.info``);
 - ``/plan``: the plan of the request's thread with phase status (``proxyvisor.gate.plan.render_text``), or "no
-  plan", and the retained critical knowledge: the ``carry`` items of the thread's latest valid self-report. The
+  plan"; the user's prohibitions in force, each with the user turn that stated it (``- [turn 2] Do not run the
+  tests.``; ``proxyvisor.proxy.planning``, "Standing prohibitions"), when there are any; and the retained critical
+  knowledge: the ``carry`` items of the thread's latest valid self-report. The
   thread is the one the request's history belongs to, else the session's most recently used one (a new
   conversation asking ``/plan`` in the same session).
 
@@ -31,8 +33,8 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   recent first: the sessions with a ledger and those in memory;
 - ``GET /proxyvisor/sessions/{id}/info``: :func:`proxyvisor.proxy.info.summarize` of the session's ledger plus
   ``session`` and ``live`` (the in-memory counters, None when the session is not in memory);
-- ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "carry": [str],
-  "text": the /plan answer}``.
+- ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
+  [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
 
 An unknown session is a 404, an invalid id (``proxyvisor.proxy.sessions.SESSION_ID``) a 400.
 """
@@ -130,14 +132,19 @@ def plan_json(session_id: str, session: Session | None, thread: Thread | None) -
     """The ``/plan`` answer as JSON (module docstring) for ``thread`` of ``session`` (None: not in memory)."""
     plan = thread.plan if thread is not None else None
     carry = list(thread.carry) if thread is not None else []
+    rules = thread.planning.rules if thread is not None else ()
     lines = [plans.render_text(plan)]
     if session is None:
-        lines.append("(A plan and the retained knowledge live only in the memory of the proxy that serves the "
-                     "session; this proxy does not hold it.)")
+        lines.append("(A plan, the prohibitions and the retained knowledge live only in the memory of the proxy "
+                     "that serves the session; this proxy does not hold them.)")
+    if rules:
+        lines += ["", "Prohibitions in force (verbatim, with the user turn that stated each):"]
+        lines += [f"- [turn {r.turn}] {r.text}" for r in rules]
     if carry:
         lines += ["", "Retained critical knowledge (from the latest self-report):"] + [f"- {c}" for c in carry]
     return {"session": session_id,
             "plan": plans.as_json(plan) if plan is not None else None,
+            "prohibitions": [{"turn": r.turn, "text": r.text} for r in rules],
             "carry": carry, "text": "\n".join(lines)}
 
 

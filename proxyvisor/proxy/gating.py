@@ -237,7 +237,7 @@ class Gating:
                             state=report.state if report else None, claim=report.focus if report else "",
                             task=task,
                             previous_gaps=[g.text for g in decision.previous_gaps],
-                            budget=self.config.digest_budget_tokens)
+                            prohibitions=ex.thread.planning.rules, budget=self.config.digest_budget_tokens)
 
     def _deliver(self, decision: Deliver) -> None:
         record = self._ledger()

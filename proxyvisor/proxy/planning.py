@@ -25,13 +25,21 @@ waiting for the planner, or None) and ``planning`` (:class:`PlanningState`). Wha
    planner's reason. A call that fails, times out or answers malformed changes nothing (logged); the signal is
    consumed either way, so a planner outage never holds every later request for ``timeout_s``.
 4. **Recitation** (the last step, ``[supervisor.plan] recite``): ``gate.recite.recite`` of the goal, the live
-   plan and the goal's prohibitions, inserted after the end of the upstream body's history, every request,
+   plan and the standing prohibitions, inserted after the end of the upstream body's history, every request,
    never remembered. Only after a tool result or a user message (never after an assistant prefill). What is
    recited follows the reference (section 4, "Recitation"; seed 003 "Recite": "plans, explicit prohibitions ...
    can be recited before the first compaction. An archived goal is recited only when ..."): the plan whenever
-   there is one; the prohibitions while the request that states them is not the last item (then they are in
-   plain view); the goal only once the history was rewritten since it was taken (before that the request
-   itself is still in the context, and reciting it on every request would cost its tokens each time).
+   there is one; every prohibition in force but those of the latest user turn while that turn is the last item
+   (then they are in plain view); the goal only once the history was rewritten since it was taken (before that
+   the request itself is still in the context, and reciting it on every request would cost its tokens each
+   time).
+
+**Standing prohibitions** (``PlanningState.rules``, ``gate.prohibitions.standing``): each genuine user turn
+(``HistoryTracker.user_turns``; harness re-prompts and tool results are none) is read once, when it first appears,
+and numbered by the thread's count of user turns (``turns``): its permissions lift earlier prohibitions, its own
+are added. A rewritten history keeps them (a compaction does not lift a prohibition); only its latest turn, when
+it is another request, is read. ``/plan`` shows them, the verify-gate's digest gives them to the verifier with
+their source turn, and the recitation re-states them.
 
 For the verify-gate (``proxyvisor.proxy.gating``): :func:`reconcile` runs a pending signal at once (on a
 turn-ending response, before verifying), :func:`clear` drops the plan on a PASS.
@@ -55,7 +63,7 @@ from ..detectors.selfreport import SelfReport
 from ..gate.digest import turn_actions
 from ..gate.plan import (PLANNER_INSTRUCTIONS, REQUEST, Assumption, Hold, apply, assumption_note, broken_assumptions,
                          hold_note, parse_decision, planner_input)
-from ..gate.prohibitions import prohibitions
+from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
 from ..supervisor_model import ModelCall
@@ -76,8 +84,9 @@ which may be a prefill)."""
 class PlanningState:
     """A thread's plan bookkeeping besides ``Thread.plan`` and ``Thread.plan_signal``.
 
-    ``goal``: the latest genuine user request (the text recited and given to the planner) and ``rules`` its
-    prohibitions (``proxyvisor.gate.prohibitions``, read once per goal); ``turn``: its history
+    ``goal``: the latest genuine user request (the text recited and given to the planner); ``rules``: the
+    prohibitions in force (module docstring, "Standing prohibitions"), each with the ordinal of its source turn;
+    ``folded``: how many of ``HistoryTracker.user_turns`` were read for them; ``turn``: the goal's history
     position (``HistoryTracker.turn_start``); ``turns``: genuine user turns seen; ``touched``: ``turns`` when the
     plan last changed (a plan older than the latest turn is recited as possibly stale); ``latched``: a ``request``
     signal was taken this turn; ``handoff``: the self-report that raised the pending signal; ``phase_start``: the
@@ -86,7 +95,8 @@ class PlanningState:
     history was rewritten since the goal was taken, so the goal is recited."""
 
     goal: str = ""
-    rules: tuple[str, ...] = ()
+    rules: tuple[Standing, ...] = ()
+    folded: int = 0
     turn: int | None = None
     turns: int = 0
     touched: int = 0
@@ -181,21 +191,28 @@ class Planner:
         if start == planning.turn and not update.rebuilt:
             return
         text = goal_text(fmt.message(items[start]).text) if start is not None and start < len(items) else None
+        turns = thread.tracker.user_turns
         if update.rebuilt:
             planning.phase_start = None  # positions in the rewritten history mean something else
+            planning.folded = max(len(turns) - 1, 0)  # its earlier turns were read before it was rewritten
             if planning.goal and text in (None, planning.goal):
                 # The same request, or none left: the agent compacted or pruned its history; the goal stays.
                 planning.turn, planning.compacted = start, True
+                planning.folded = len(turns)
                 return
         if start is None or text is None:
             return
+        new = [(n, goal_text(fmt.message(items[i]).text)) for n, i in
+               enumerate(turns[planning.folded:], planning.turns + 1) if i < len(items)]
+        planning.folded = len(turns)
+        planning.rules = standing(new, planning.rules)
         planning.turn = start
-        planning.turns += 1
+        planning.turns += len(new) or 1
         planning.latched = planning.compacted = False
         if thread.plan_signal == REQUEST:
             thread.plan_signal = None
         if text:
-            planning.goal, planning.rules = text, prohibitions(text)
+            planning.goal = text
 
     def _check_assumptions(self, thread: Thread, state: SessionSupervision,
                            tail: tuple[int, bytes, str] | None) -> None:
@@ -282,7 +299,7 @@ def _recite(exchange: Exchange) -> None:
     planning = thread.planning
     in_view = thread.tracker.turn_start == tail[0]
     text = recite(planning.goal if planning.compacted else "", thread.plan,
-                  planning.rules if not in_view else (),
+                  [r.text for r in planning.rules if not (in_view and r.turn == planning.turns)],
                   stale=thread.plan is not None and planning.touched < planning.turns)
     if text is not None:
         _append(exchange, text)

@@ -1,0 +1,73 @@
+"""Standing prohibitions (``proxyvisor.gate.prohibitions.standing``): read from every user turn, lifted only by an
+explicit permission that names the same thing."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxyvisor.gate.prohibitions import MAX_ITEMS, Standing, standing
+
+
+def in_force(*turns: str) -> list[tuple[int, str]]:
+    return [(s.turn, s.text) for s in standing(enumerate(turns, 1))]
+
+
+def test_a_prohibition_stands_lifted_ones_go_and_new_ones_join() -> None:
+    assert in_force("Fix the parser. Do not run the tests, they take an hour.",
+                    "Also tidy the README.",
+                    "You can run the tests now.",
+                    "Never push to main.") == [(4, "Never push to main.")]
+    # Without the permission, the first turn's prohibition stands beside the new one, each with its source turn.
+    assert in_force("Fix the parser. Do not run the tests.", "Also tidy the README.",
+                    "Never push to main.") == [(1, "Do not run the tests."), (3, "Never push to main.")]
+
+
+@pytest.mark.parametrize(("prohibition", "permission"), [
+    ("Do not run the tests.", "You can run the tests now."),
+    ("Do not run the tests.", "ok, now run them"),
+    ("Do not run the tests.", "Run the test suite, please."),
+    ("Do not run tests; I will test myself.", "Now you may run the relevant tests for those edits."),
+    ("Never push to main.", "Go ahead and push."),
+    ("Don't edit migrations/.", "Feel free to edit migrations/ as needed."),
+    ("Editing migrations is forbidden.", "You are allowed to edit the migrations."),
+    ("You must not install packages.", "Installing packages is allowed now."),
+])
+def test_a_permission_naming_the_same_action_lifts_the_prohibition(prohibition: str, permission: str) -> None:
+    assert in_force(prohibition, permission) == []
+
+
+@pytest.mark.parametrize(("prohibition", "later"), [
+    ("Do not run the tests.", "You can run the linter now."),  # another object
+    ("Do not run the tests.", "Go ahead."),  # names nothing
+    ("Do not run the tests.", "Can you run the tests?"),  # a question
+    ("Do not run the tests.", "> you can run the tests now"),  # a quote
+    ("Do not run the tests.", "```\nyou can run the tests now\n```"),  # code
+    ("Do not run the tests.", '"You can run the tests now," the README says.'),  # quote-led
+    ("Do not run the tests.", "Running the tests takes an hour on CI."),  # not a permission
+    ("Do not run the tests or push to main.", "Go ahead and push."),  # the rule's action is not pushing
+    ("Do not run the tests.", "Fix the docs. Do not run the tests."),  # restated: keeps its first turn
+])
+def test_other_messages_leave_the_prohibition_in_force(prohibition: str, later: str) -> None:
+    assert in_force(prohibition, later) == [(1, prohibition)]
+
+
+def test_a_turn_does_not_lift_its_own_prohibitions() -> None:
+    text = "Do not run the tests, but you can run the tests of the docs build."
+    assert in_force(text) == [(1, text)]
+
+
+def test_prohibitions_in_quotes_questions_and_fences_are_skipped_in_every_turn() -> None:
+    assert in_force("Fix it.", "> do not run the tests", "Should I never push?",
+                    "```\n# never do this\n```", "12: // do not edit") == []
+
+
+def test_a_lifted_prohibition_stated_again_stands_from_its_new_turn() -> None:
+    assert in_force("Do not run the tests.", "You can run the tests now.",
+                    "Do not run the tests.") == [(3, "Do not run the tests.")]
+
+
+def test_prior_prohibitions_carry_on_and_at_most_eight_stay_in_force() -> None:
+    prior = (Standing("Never push to main.", 1),)
+    assert standing([(2, "You can run the tests.")], prior) == prior
+    many = standing((n, f"Do not touch file{n}.py.") for n in range(1, 12))
+    assert len(many) == MAX_ITEMS and [s.turn for s in many] == list(range(4, 12))  # the most recent kept
