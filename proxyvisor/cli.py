@@ -193,6 +193,26 @@ def build_parser() -> argparse.ArgumentParser:
             line; no key). Each round then shows the decision for its oversized results (tokens before and
             after, the spill file holding the original) and the tokens the narrowed results saved in that
             request.
+
+            With --gate, the verify-gate judges the replay as it would judge the live agent: supervision and
+            the gate on, the verifier being [supervisor.model] when one is configured, else the embedded
+            scripted upstream's fixed verifier policy (no key, no network: a plain rule reading the digest,
+            not a model's judgement). Every stop (a recorded reply without tool calls) is judged; the run's
+            last assistant message is its final answer, so when it is a tool call (a harness's submit
+            action, e.g. mini-swe-agent's "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", SWE-agent's
+            "submit") it is presented as a text answer and what followed it is left out. A replay cannot
+            play the rework the gate would ask for, so each stop ends at the gate's first judgment (re-entry
+            budget 0, no nudges): a stop with gaps ends "unverified" with them. Under each stop the timeline
+            shows, from the request's ledger record: whether the gate ran; what decided (free evidence, or
+            the model); the outcome (verified, unknown, failed, unverified) and whether it passed; the
+            reason; the gaps; the verifier input's size (digest, in tokens). A last line gives the counts
+            and the final label: the outcome at the last stop ("no verdict" when the gate gave none).
+            --gate --json prints one JSON object per stop: round, message (0-based line of the reply),
+            gated, decided_by (evidence | model | null), outcome, passed, reason, gaps, verdicts,
+            digest_tokens.
+
+            Exit status: 0 every round came back as recorded (with --gate, a gap is not a failure: it is
+            reported); 1 a round came back changed or failed; 2 the file is unreadable or not a trajectory.
             """), epilog=_FILES)
     replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
     replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
@@ -201,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print the timeline as JSON lines")
     replay.add_argument("--condense", action="store_true",
                         help="condense oversized tool results ([supervisor.model], else the scripted condenser)")
+    replay.add_argument("--gate", action="store_true",
+                        help="judge every stop with the verify-gate and show its decision ([supervisor.model], "
+                             "else the scripted verifier policy)")
     _supervision_flags(replay)
     _common(replay)
 
@@ -428,7 +451,9 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "replay":
         from .replay import replay_command
 
-        return replay_command(config, args.file, args.format, args.stream, args.json, args.condense)
+        if args.gate and args.supervision is False:
+            parser.error("replay --gate needs supervision: drop --no-supervision")
+        return replay_command(config, args.file, args.format, args.stream, args.json, args.condense, args.gate)
     if args.command == "batch":
         from .batch import BatchError, Options, batch_command
 

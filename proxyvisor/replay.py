@@ -10,12 +10,13 @@ response shows up as a failed round.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import httpx
 import trio
 
 from .adapters.scripted import ScriptedUpstream
-from .supervisor_model import ModelCall, with_condense
+from .supervisor_model import ModelCall, with_condense, with_model
 from .config import Config, ConfigError
 from .detectors.selfreport import strip
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
@@ -123,6 +124,10 @@ class Round:
     of those were decided on this request (the others come from the decision cache); ``condense_saved_tokens``,
     the tokens the narrowed results (this round's and earlier ones, re-applied) saved in this request; and
     ``condense_failure``, why the condenser gave nothing, if it did not.
+
+    With the gate on: ``gate``, the verify-gate's record of this request as the ledger line holds it
+    (``proxyvisor.proxy.gating``: ``verdicts``, ``outcome``, ``passed``, ``reason``, ``gaps``, ``digest_tokens``,
+    ``decided_by``, ...), None when the gate did not run on it.
     """
 
     number: int
@@ -142,6 +147,7 @@ class Round:
     condense_new: int = 0
     condense_saved_tokens: int = 0
     condense_failure: str | None = None
+    gate: dict[str, Any] | None = None
 
 
 def _summary(name: str, args: dict[str, Any], width: int = 70) -> str:
@@ -231,6 +237,119 @@ def _supervision(result: Round, session: Any) -> None:
                                                                         if k != "text"}} for c in done.round]
         result.condense_new, result.condense_saved_tokens = done.new, done.saved_tokens
         result.condense_failure = done.failure or None
+    if record.gate is not None:
+        result.gate = copy.deepcopy(record.gate)
+
+
+NO_VERDICT = "no verdict"
+"""The final label of a gated replay whose last stop the gate gave no outcome (no stop; the gate did not run)."""
+
+
+def gate_config(config: Config) -> Config:
+    """``config`` as a gated replay runs it: supervision and the verify-gate on, with a supervisor model
+    (:func:`~proxyvisor.supervisor_model.with_model`: ``[supervisor.model]`` as configured, else the embedded
+    scripted upstream's fixed verifier policy, no key, no network), a re-entry budget of 0 and ``headless`` off:
+    a replay cannot play the rework a re-entry or a nudge asks for, so each stop ends at the gate's first
+    judgment (a stop with standing gaps ends ``unverified``, with them)."""
+    config = with_model(config)
+    gate = replace(config.supervisor.gate, enabled=True, reentry_budget=0, headless=False)
+    return config.with_overrides(supervisor={"enabled": True, "gate": gate})
+
+
+def to_the_end(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` ending at the run's last assistant message, presented as its final answer when it calls
+    tools (a harness's submit action, or the last action of a run cut short: :func:`as_final_answer`), so a gated
+    replay judges how the run ended. Unchanged when that message is a text answer or there is none."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None or not messages[last].get("tool_calls"):
+        return messages
+    return as_final_answer(messages, last)
+
+
+async def replay_gated(config: Config, messages: list[dict[str, Any]], fmt: WireFormat, stream: bool = False,
+                       session: str = "replay", store: Store | None = None,
+                       on_round: Callable[[Round], None] | None = None,
+                       model: ModelCall | None = None) -> list[Round]:
+    """:func:`replay` of :func:`to_the_end` of ``messages`` under :func:`gate_config` of ``config``: each round's
+    ``gate`` is the gate's ledger record. ``model`` replaces the supervisor model (as for :func:`replay`). Raises
+    ConfigError as :func:`replay` does."""
+    return await replay(gate_config(config), to_the_end(messages), fmt, stream, session, store, on_round, model)
+
+
+@dataclass
+class GateStop:
+    """What the verify-gate did at one stop of a gated replay (a round whose recorded reply has no tool calls),
+    as the request's ledger record says (``proxyvisor.proxy.gating``; nothing is re-derived here).
+
+    ``round``, ``message``: the round number and the trajectory line (0-based) of the reply; ``gated``: the gate
+    ran on the stop (the request offered tools); ``decided_by``: what settled it, ``evidence`` (free evidence, no
+    model call) or ``model`` (a verifier call; assumed when the record has verdicts but no ``decided_by``), None
+    when the gate did not run; ``outcome`` (``verified``, ``unknown``, ``failed``, ``unverified``), ``passed``,
+    ``reason``, ``gaps`` (standing gaps, verbatim), ``verdicts`` (each verifier pass) and ``digest_tokens`` (the
+    verifier input's size in cl100k tokens; None when no digest was built)."""
+
+    round: int
+    message: int
+    gated: bool
+    decided_by: str | None
+    outcome: str | None
+    passed: bool | None
+    reason: str | None
+    gaps: list[str]
+    verdicts: list[str]
+    digest_tokens: int | None
+
+
+def gate_stop(r: Round) -> GateStop:
+    """The :class:`GateStop` of the stop ``r`` (its ``gate`` record, or none)."""
+    g = r.gate or {}
+    verdicts = [v for v in g.get("verdicts") or () if isinstance(v, str)]
+    decided = g.get("decided_by") if isinstance(g.get("decided_by"), str) else "model" if verdicts else None
+    tokens = g.get("digest_tokens")
+    return GateStop(r.number, r.message, r.gate is not None, decided, g.get("outcome"), g.get("passed"),
+                    g.get("reason"), [str(x) for x in g.get("gaps") or ()], verdicts,
+                    tokens if isinstance(tokens, int) else None)
+
+
+def gate_stops(rounds: list[Round]) -> list[GateStop]:
+    """The stops of ``rounds`` (rounds without recorded tool calls), in order."""
+    return [gate_stop(r) for r in rounds if not r.tool_calls]
+
+
+def final_label(stops: list[GateStop]) -> str:
+    """The outcome at the last stop, or :data:`NO_VERDICT` when there is none or it has none."""
+    return stops[-1].outcome or NO_VERDICT if stops else NO_VERDICT
+
+
+def format_stop(stop: GateStop) -> str:
+    """The gate's lines under a stop's round in the timeline (indented)."""
+    if not stop.gated:
+        return "        gate: not run (the request offered no tools, or the reply was not gated)"
+    parts = [f"decided by {stop.decided_by or '-'}", f"{stop.outcome or 'no outcome'}"
+             + ("" if stop.passed is None else " (passed)" if stop.passed else " (not passed)")]
+    if stop.digest_tokens is not None:
+        parts.append(f"digest {stop.digest_tokens:,} tokens")
+    if stop.verdicts:
+        parts.append("verifier: " + ", ".join(stop.verdicts))
+    lines = ["        gate: " + " · ".join(parts)]
+    if stop.reason:
+        lines.append(f"        reason: {stop.reason}")
+    lines += [f"        gap: {gap}" for gap in stop.gaps]
+    return "\n".join(lines)
+
+
+def gate_summary(stops: list[GateStop]) -> str:
+    """One line: how many stops, how the gate decided them, the outcomes and the final label."""
+    judged = [s for s in stops if s.gated]
+    by: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    for s in judged:
+        by[s.decided_by or "-"] = by.get(s.decided_by or "-", 0) + 1
+        outcomes[s.outcome or NO_VERDICT] = outcomes.get(s.outcome or NO_VERDICT, 0) + 1
+    return (f"{len(stops)} stop(s), the gate judged {len(judged)}"
+            + (" (" + ", ".join(f"{n} by {k}" for k, n in sorted(by.items())) + ")" if by else "")
+            + ("; outcomes: " + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) if outcomes else "")
+            + f"; final label: {final_label(stops)}")
 
 
 def format_round(r: Round) -> str:
@@ -254,9 +373,11 @@ def _condensed(c: dict[str, Any]) -> str:
 
 
 def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool,
-                   condense: bool = False) -> int:
+                   condense: bool = False, gate: bool = False) -> int:
     """The CLI entry: prints the timeline; exit 0 when every round came back intact, 1 otherwise, 2 on a bad
-    file. ``condense`` turns condensing on (``proxyvisor.supervisor_model.with_condense``)."""
+    file. ``condense`` turns condensing on (``proxyvisor.supervisor_model.with_condense``); ``gate`` replays with
+    the verify-gate on (:func:`replay_gated`) and shows what it did at every stop (with ``as_json``, one JSON
+    object per stop instead of per round)."""
     try:
         messages = load_trajectory(path)
     except TrajectoryError as exc:
@@ -265,18 +386,31 @@ def replay_command(config: Config, path: str, format_name: str, stream: bool, as
     session = "replay-" + hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
     if condense:
         config = with_condense(config)
+    fmt = BY_NAME[format_name]
 
     def show(r: Round) -> None:
-        print(json.dumps(asdict(r)) if as_json else format_round(r), flush=True)
+        stop = gate_stop(r) if gate and not r.tool_calls else None
+        if as_json:
+            if not gate:
+                print(json.dumps(asdict(r)), flush=True)
+            elif stop is not None:
+                print(json.dumps(asdict(stop)), flush=True)
+            return
+        print(format_round(r) + (f"\n{format_stop(stop)}" if stop is not None else ""), flush=True)
 
     if not as_json:
-        print(f"replaying {path}: {len(messages)} messages as {BY_NAME[format_name].label}"
-              f"{' (streaming)' if stream else ''}")
-    rounds = trio.run(lambda: replay(config, messages, BY_NAME[format_name], stream, session, on_round=show))
+        print(f"replaying {path}: {len(messages)} messages as {fmt.label}{' (streaming)' if stream else ''}"
+              + (", verify-gate on" if gate else ""))
+    if gate:
+        rounds = trio.run(lambda: replay_gated(config, messages, fmt, stream, session, on_round=show))
+    else:
+        rounds = trio.run(lambda: replay(config, messages, fmt, stream, session, on_round=show))
     bad = [r for r in rounds if not r.matches]
     if not as_json:
         saved = sum(r.condense_saved_tokens for r in rounds)
         print(f"{len(rounds)} rounds, {sum(len(r.tool_calls) for r in rounds)} tool calls, {len(bad)} failed"
               + (f"; condensed {sum(1 for r in rounds for c in r.condensed if c['spill_path'])} tool result(s), "
                  f"{saved:,} input tokens saved over all requests" if condense else ""))
+        if gate:
+            print(gate_summary(gate_stops(rounds)))
     return 1 if bad else 0

@@ -31,7 +31,8 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
     {"verdicts": ["gaps", "pass"],  # each verifier pass: pass | gaps | malformed | unavailable
      "nudges": 0, "reentries": 1, "refuted": 0,
      "outcome": "verified",         # when the turn ended here: verified | unknown | failed | unverified
-     "passed": true, "reason": "...", "gaps": ["..."]}
+     "passed": true, "reason": "...", "gaps": ["..."],
+     "digest_tokens": 1234}         # the latest verifier input's size (cl100k tokens), once one was built
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 import orjson
 import trio
 
+from ..condense.text import count_tokens
 from ..config import GateConfig
 from ..detectors.selfreport import outcome as report_outcome
 from ..detectors.selfreport import strip
@@ -232,12 +234,14 @@ class Gating:
         request = planning.goal_text(self.fmt.message(ex.items[start]).text) \
             if start is not None and start < len(ex.items) else task
         plan = ex.thread.plan
-        return digest.build(request, turn.finals, actions, instructions=ex.parts[0],
-                            plan=render_text(plan) if plan is not None else None,
-                            state=report.state if report else None, claim=report.focus if report else "",
-                            task=task,
-                            previous_gaps=[g.text for g in decision.previous_gaps],
-                            prohibitions=ex.thread.planning.rules, budget=self.config.digest_budget_tokens)
+        document = digest.build(request, turn.finals, actions, instructions=ex.parts[0],
+                                plan=render_text(plan) if plan is not None else None,
+                                state=report.state if report else None, claim=report.focus if report else "",
+                                task=task,
+                                previous_gaps=[g.text for g in decision.previous_gaps],
+                                prohibitions=ex.thread.planning.rules, budget=self.config.digest_budget_tokens)
+        self._ledger()["digest_tokens"] = count_tokens(document)
+        return document
 
     def _deliver(self, decision: Deliver) -> None:
         record = self._ledger()

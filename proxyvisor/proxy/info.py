@@ -21,7 +21,8 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when it made any;
 - ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
   ``malformed``, ``unavailable``), ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``,
-  ``unknown``, ``failed``, ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str).
+  ``unknown``, ``failed``, ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str),
+  ``digest_tokens`` (int: the size of the latest verifier input, in tokens).
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
