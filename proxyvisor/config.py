@@ -152,7 +152,8 @@ class PlanConfig:
 
     ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: a block
     near the request tail re-anchors the model on every request that has something to recite: the live plan, the
-    user's prohibitions once the request stating them is no longer the last message, and the goal once the agent
+    user's prohibitions in force (stated in any user turn, not lifted by a later permission) once the turn stating
+    them is no longer the last message, and the goal once the agent
     compacted its history (reference section 4, "Recitation"; ``proxyvisor.proxy.planning``).
     ``timeout_s``: seconds one planner call may take (then the plan is left as it was).
     """
