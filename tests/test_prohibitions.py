@@ -31,6 +31,7 @@ def test_a_prohibition_stands_lifted_ones_go_and_new_ones_join() -> None:
     ("Don't edit migrations/.", "Feel free to edit migrations/ as needed."),
     ("Editing migrations is forbidden.", "You are allowed to edit the migrations."),
     ("You must not install packages.", "Installing packages is allowed now."),
+    ("Don\u2019t run the tests.", "You\u2019re allowed to run the tests now."),  # typographic apostrophes
 ])
 def test_a_permission_naming_the_same_action_lifts_the_prohibition(prohibition: str, permission: str) -> None:
     assert in_force(prohibition, permission) == []

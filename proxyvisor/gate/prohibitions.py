@@ -46,15 +46,15 @@ from dataclasses import dataclass
 
 MAX_ITEMS = 8
 MAX_CHARS = 200
-_MARKERS = ("do not ", "don't ", "don\u2019t ", "never ", "must not ", "not allowed", "forbidden")
+_MARKERS = ("do not ", "don't ", "never ", "must not ", "not allowed", "forbidden")
+"""Matched in lowercased text whose typographic apostrophes became ``'`` (:func:`_norm`)."""
 PERMISSION_MARKERS = (
-    "you can ", "you may ", "you're allowed to ", "you are allowed to ", "you\u2019re allowed to ", "allowed to ",
-    "you're free to ", "you are free to ", "you\u2019re free to ", "feel free to ", "go ahead", "permission to ",
-    "it's ok to ", "it's okay to ", "it's fine to ", "it is ok to ", "it is okay to ", "it is fine to ",
-    "it\u2019s ok to ", "it\u2019s okay to ", "it\u2019s fine to ", "is allowed", "are allowed", "is fine now",
+    "you can ", "you may ", "you're allowed to ", "you are allowed to ", "allowed to ", "you're free to ",
+    "you are free to ", "feel free to ", "go ahead", "permission to ", "it's ok to ", "it's okay to ",
+    "it's fine to ", "it is ok to ", "it is okay to ", "it is fine to ", "is allowed", "are allowed", "is fine now",
     "is ok now", "is okay now")
-"""Phrases that make a clause a permission (case-insensitive); what the clause allows is the text after them
-(before them for ``is allowed``-style endings: "running the tests is allowed now")."""
+"""Phrases that make a clause a permission (matched like :data:`_MARKERS`); what the clause allows is the text
+after them (before them for ``is allowed``-style endings: "running the tests is allowed now")."""
 _SENTENCE = re.compile(r"(?<=[.!;])\s+")
 _CLAUSE = re.compile(r"[,:]\s*|\s+but\s+", re.IGNORECASE)
 _BOX = re.compile("[\u2500-\u257f]")
@@ -98,8 +98,12 @@ def _units(request: str) -> Iterator[str]:
                 yield unit
 
 
+def _norm(text: str) -> str:
+    return text.lower().replace("\u2019", "'") + " "
+
+
 def _forbids(text: str) -> bool:
-    lowered = text.lower() + " "
+    lowered = _norm(text)
     return any(marker in lowered for marker in _MARKERS)
 
 
@@ -136,7 +140,7 @@ def _stem(word: str) -> str:
 
 
 def _words(text: str) -> list[str]:
-    return _WORD.findall(text.lower().replace("\u2019", "'"))
+    return _WORD.findall(_norm(text))
 
 
 def _content(words: Iterable[str]) -> frozenset[str]:
@@ -153,9 +157,8 @@ class _Rule:
 
 
 def _rule(text: str) -> _Rule:
-    lowered = text.lower().replace("\u2019", "'") + " "
-    at = min((lowered.find(m.replace("\u2019", "'")) + len(m) for m in _MARKERS
-              if m.replace("\u2019", "'") in lowered), default=0)
+    lowered = _norm(text)
+    at = min((lowered.find(m) + len(m) for m in _MARKERS if m in lowered), default=0)
     after = [w for w in _words(lowered[at:]) if w not in ("to", "be", "ever", "even", "please")]
     words = _content(after) or _content(_words(lowered))
     return _Rule(words, after[0] if after else None)
@@ -170,10 +173,10 @@ def _clauses(request: str) -> Iterator[str]:
 
 def _lifts(clause: str, rule: _Rule) -> bool:
     """Whether the permission ``clause`` lifts ``rule`` (module docstring)."""
-    lowered = clause.lower().replace("\u2019", "'") + " "
-    marked = [m for m in PERMISSION_MARKERS if m.replace("\u2019", "'") in lowered]
+    lowered = _norm(clause)
+    marked = [m for m in PERMISSION_MARKERS if m in lowered]
     if marked:
-        marker = marked[0].replace("\u2019", "'")
+        marker = marked[0]
         at = lowered.find(marker)
         after = _content(_words(lowered[at + len(marker):]))
         allowed = after or (_content(_words(lowered[:at])) if marker.startswith(("is ", "are ")) else frozenset())
