@@ -282,8 +282,9 @@ class GateStop:
     as the request's ledger record says (``proxyvisor.proxy.gating``; nothing is re-derived here).
 
     ``round``, ``message``: the round number and the trajectory line (0-based) of the reply; ``gated``: the gate
-    ran on the stop (the request offered tools); ``decided_by``: what settled it, ``evidence`` (free evidence, no
-    model call) or ``model`` (a verifier call; assumed when the record has verdicts but no ``decided_by``), None
+    ran on the stop (the request offered tools); ``decided_by``: what settled it (the record's last pass),
+    ``evidence`` (free evidence, no model call) or ``model`` (a verifier call; assumed when the record has
+    verdicts but no ``decided_by``), None
     when the gate did not run; ``outcome`` (``verified``, ``unknown``, ``failed``, ``unverified``), ``passed``,
     ``reason``, ``gaps`` (standing gaps, verbatim), ``verdicts`` (each verifier pass) and ``digest_tokens`` (the
     verifier input's size in cl100k tokens; None when no digest was built)."""
@@ -304,7 +305,9 @@ def gate_stop(r: Round) -> GateStop:
     """The :class:`GateStop` of the stop ``r`` (its ``gate`` record, or none)."""
     g = r.gate or {}
     verdicts = [v for v in g.get("verdicts") or () if isinstance(v, str)]
-    decided = g.get("decided_by") if isinstance(g.get("decided_by"), str) else "model" if verdicts else None
+    by = g.get("decided_by")
+    by = by[-1] if isinstance(by, list) and by else by  # one entry per pass: the last pass settled the stop
+    decided = by if isinstance(by, str) else "model" if verdicts else None
     tokens = g.get("digest_tokens")
     return GateStop(r.number, r.message, r.gate is not None, decided, g.get("outcome"), g.get("passed"),
                     g.get("reason"), [str(x) for x in g.get("gaps") or ()], verdicts,
