@@ -239,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             + (f" --config {args.config}" if args.config else "") + (f" --format {args.format}"
                                                                      if args.format != "chat" else "")
             + (" --stream" if args.stream else "") + " --write`", "",
-            f"Labels: `{args.labels}` (for the corpus, `bench/corpus_labels.csv`: SWE-bench runs from the sources' "
-            "own evaluation, Claude Code sessions from INDEX.md's account of how they end; its `basis` column says "
-            "which, row by row; runs with no outcome to label are left out and listed below).", "",
+            f"Labels: `{args.labels}`. The corpus's, `bench/corpus_labels.csv`, are the SWE-bench runs' outcomes "
+            "from the sources' own evaluation and, for two Claude Code sessions, INDEX.md's account of how they end "
+            "(its `basis` column says which, row by row); runs with no outcome to label are left out, listed "
+            "below.", "",
             *lines, "", "Per run:", "", *per_run(runs)]))
     return 0
 
