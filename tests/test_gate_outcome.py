@@ -200,7 +200,7 @@ def test_prohibition_honoured_a_missing_test_run_is_not_charged() -> None:
         Message("assistant", tool_uses=(ToolUse("c1", "Edit", {"file_path": "README.md"}),)),
         Message("tool", tool_outputs=(ToolOutput("c1", "The file README.md has been updated."),))])
     doc = build("Make the documentation edits. Do not run tests; I will test myself.", ["Edited README.md."], actions)
-    assert '<prohibitions authority="user">\n- Do not run tests;\n</prohibitions>' in doc
+    assert '<prohibitions authority="user">\n- [turn 1] Do not run tests;\n</prohibitions>' in doc
     gate = TurnGate()
     gate.handle(Stop("done", evidence(actions)))
     decision = gate.handle(verifier())
