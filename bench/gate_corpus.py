@@ -200,7 +200,7 @@ async def run_one(path: Path, fmt: WireFormat, stream: bool, state: Path) -> Res
     verifier = RecordingVerifier()
     store = Store(state / f"{path.stem[:40]}-{fmt.name}-{int(stream)}")
     session = "gate-" + path.stem.split("__")[1][:40]
-    rounds = await replay(config(), messages, fmt, stream, session=session, store=store, model=verifier,
+    rounds = await replay(config(), messages, fmt, stream, session=session, store=store, model=verifier, gate=True,
                           on_round=verifier.next_request)
     line_of = {r.number: r.message for r in rounds}
     result = Result(path.name, fmt.name, stream, label, [r.message for r in rounds if not r.tool_calls],

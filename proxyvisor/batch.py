@@ -60,6 +60,7 @@ from .config import Config
 from .proxy.info import summarize
 from .proxy.service import running
 from .store import Store
+from .supervisor_model import describe
 from .wrap import agent_invocation
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -430,10 +431,6 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     if not os.access(prefix.parent, os.W_OK | os.X_OK):
         raise BatchError(f"--report: cannot write in the folder {prefix.parent}")
     console = Console(stderr=True)
-    idle = not config.supervisor.model.name
-    if idle:
-        console.print(f"proxyvisor: no [supervisor.model] name is configured, so the gate is idle: {_IDLE}",
-                      markup=False, highlight=False, soft_wrap=True)
     clock = time.monotonic()
     quiet_gate = _GateAsInfo()
     logging.getLogger("proxyvisor.gate").addFilter(quiet_gate)
@@ -452,7 +449,7 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
                           f"{options.timeout_s:g} s per task")),
              ("wall time", (f"{time.monotonic() - clock:.1f} s for the whole batch (the agent seconds column is each "
                             "agent's own time; its total is their sum)")),
-             ("supervisor model", config.supervisor.model.name or f"none: the gate is idle ({_IDLE})"),
+             ("supervisor model", describe(config.supervisor.model)),
              ("require verified", (f"yes: {len(results) - len(unverified)} of {len(tasks)} verified"
                                    if require_verified else "no")),
              ("ledgers", str(config.state_dir() / "ledger"))]
@@ -473,9 +470,6 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
                       f"(outcome verified with exit 0): {listed}", markup=False, highlight=False, soft_wrap=True)
         return 1
     return 0 if clean else 1
-
-
-_IDLE = "nothing is held or checked and no turn gets a label, so every task ends no_verdict"
 
 
 class _GateAsInfo(logging.Filter):

@@ -310,13 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
               unknown      the verifier passed it on reading alone (no change, e.g. a question answered)
               failed       the same gaps came back after new evidence
               unverified   the re-entry budget was spent with gaps left, or the verifier was unavailable
-              no_verdict   no turn ended with a verdict: no [supervisor.model] is configured (the gate is
-                           idle), the agent crashed, timed out or was stopped before its answer (or its folder
-                           could not be made), or it made no model request offering it tools (only those are
-                           gated)
-            The gate needs [supervisor.model] name; without one it is idle: nothing is held or checked, no turn
-            gets a label, and every task ends no_verdict. With api_base = "scripted:" the embedded scripted
-            upstream answers as a fixed-policy verifier (offline).
+              no_verdict   no turn ended with a verdict: the gate is off ([supervisor.gate] enabled = false),
+                           the agent crashed, timed out or was stopped before its answer (or its folder could
+                           not be made), or it made no model request offering it tools (only those are gated)
+            The verifier is the session's own model by default (each request's upstream, credentials and
+            model; [supervisor.model] in config.toml picks another); on the embedded scripted upstream it
+            answers with a fixed policy (offline).
 
             report files (--report PREFIX; default batch-YYYYMMDD-HHMMSS in the current folder; its folder is
             made, or found unwritable, before any task runs):

@@ -54,7 +54,7 @@ from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.service import running
 from .replay import send_turn
 from .store import Store
-from .supervisor_model import with_model
+from .supervisor_model import LITELLM, route_of
 
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]})
 TASK = "What files are in the project folder?"
@@ -315,7 +315,7 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
             console.print("state dir (ledgers and spill files; the paths below are relative to it):")
             say(console, None, escape(str(state_dir)))
             console.print()
-            if proxy.pipeline.model is not None:
+            if route_of(config.supervisor.model) == LITELLM:
                 # The supervisor model goes through litellm, whose import takes seconds: done now, it does not
                 # show up as the first gated turn's latency.
                 await trio.to_thread.run_sync(litellm_bridge.import_litellm)
@@ -329,7 +329,7 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
                 if proxy.pipeline.supervisor.condenser is not None:
                     await run_condensing_agent(proxy, BY_NAME[formats[0]], workdir, console)
                     console.print()
-                if proxy.pipeline.model is not None and config.supervisor.gate.enabled:
+                if config.supervisor.gate.enabled:
                     from .demo_gate import run_gated_agent  # it builds on this module
 
                     await run_gated_agent(proxy, BY_NAME[formats[0]], workdir, console)
@@ -368,7 +368,5 @@ def demo(config: Config, which: str = "all", console: Console | None = None) -> 
     console = console or Console()
     formats = ["chat", "messages", "responses"] if which == "all" else [which]
     state_dir = Path(config.state.dir) if config.state.dir else Path(tempfile.mkdtemp(prefix="proxyvisor-demo-"))
-    if config.supervisor.condense.enabled or config.supervisor.gate.enabled:
-        config = with_model(config)  # the condenser's and verifier's: the scripted policies unless configured
     trio.run(_demo, config, formats, state_dir, console)
     return 0

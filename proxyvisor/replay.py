@@ -24,7 +24,7 @@ import httpx
 import trio
 
 from .adapters.scripted import ScriptedUpstream
-from .supervisor_model import ModelCall, with_condense, with_model
+from .supervisor_model import ModelCall, with_condense
 from .config import Config, ConfigError
 from .detectors.selfreport import strip
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
@@ -175,9 +175,12 @@ async def send_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: 
 
 async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat, stream: bool = False,
                  session: str = "replay", store: Store | None = None,
-                 on_round: Callable[[Round], None] | None = None, model: ModelCall | None = None) -> list[Round]:
+                 on_round: Callable[[Round], None] | None = None, model: ModelCall | None = None,
+                 gate: bool = False) -> list[Round]:
     """Replay ``messages`` through a proxy running ``config`` with a scripted upstream; returns the rounds.
-    ``model`` replaces the one ``[supervisor.model]`` describes (see ``proxyvisor.proxy.service.running``).
+    ``model`` replaces the supervisor model ``[supervisor.model]`` describes (see
+    ``proxyvisor.proxy.service.running``; by default the session's route: the scripted upstream's fixed policies).
+    ``gate``: the verify-gate runs as ``[supervisor.gate]`` says (off: every recorded turn goes through unjudged).
 
     The first upstream must be scripted (it plays the recorded turns). Raises ConfigError otherwise.
     """
@@ -185,6 +188,8 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
     if not upstream.scripted:
         raise ConfigError(f"replay needs a scripted upstream for {fmt.label}; [upstreams.{upstream.name}] is "
                           f"{upstream.url}")
+    if not gate:
+        config = config.with_overrides(supervisor={"gate": replace(config.supervisor.gate, enabled=False)})
     scripted = ScriptedUpstream(record=False)
     tools = tools_of(messages)
     rounds: list[Round] = []
@@ -246,12 +251,11 @@ NO_VERDICT = "no verdict"
 
 
 def gate_config(config: Config) -> Config:
-    """``config`` as a gated replay runs it: supervision and the verify-gate on, with a supervisor model
-    (:func:`~proxyvisor.supervisor_model.with_model`: ``[supervisor.model]`` as configured, else the embedded
-    scripted upstream's fixed verifier policy, no key, no network), a re-entry budget of 0 and ``headless`` off:
+    """``config`` as a gated replay runs it: supervision and the verify-gate on, with the supervisor model
+    ``[supervisor.model]`` describes (by default the session's route, here the embedded scripted upstream, which
+    answers with its fixed verifier policy, no key, no network), a re-entry budget of 0 and ``headless`` off:
     a replay cannot play the rework a re-entry or a nudge asks for, so each stop ends at the gate's first
     judgment (a stop with standing gaps ends ``unverified``, with them)."""
-    config = with_model(config)
     gate = replace(config.supervisor.gate, enabled=True, reentry_budget=0, headless=False)
     return config.with_overrides(supervisor={"enabled": True, "gate": gate})
 
@@ -273,7 +277,8 @@ async def replay_gated(config: Config, messages: list[dict[str, Any]], fmt: Wire
     """:func:`replay` of :func:`to_the_end` of ``messages`` under :func:`gate_config` of ``config``: each round's
     ``gate`` is the gate's ledger record. ``model`` replaces the supervisor model (as for :func:`replay`). Raises
     ConfigError as :func:`replay` does."""
-    return await replay(gate_config(config), to_the_end(messages), fmt, stream, session, store, on_round, model)
+    return await replay(gate_config(config), to_the_end(messages), fmt, stream, session, store, on_round, model,
+                        gate=True)
 
 
 @dataclass

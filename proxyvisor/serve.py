@@ -9,6 +9,7 @@ import trio
 
 from .config import Config
 from .proxy.service import running, tune_gc
+from .supervisor_model import describe
 
 
 async def _serve(config: Config) -> None:
@@ -17,9 +18,8 @@ async def _serve(config: Config) -> None:
         mode = "supervision off: byte relay, nothing written"
         if config.supervisor.enabled:
             gate = config.supervisor.gate
-            mode = "supervision on; verify-gate " + (
-                "off" if not gate.enabled else f"on ({gate.failure_policy})" if proxy.pipeline.model is not None
-                else "idle: no [supervisor.model] name")
+            mode = (f"supervision on; verify-gate {f'on ({gate.failure_policy})' if gate.enabled else 'off'}; "
+                    f"supervisor model: {describe(config.supervisor.model)}")
         print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:

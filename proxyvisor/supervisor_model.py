@@ -1,15 +1,25 @@
-"""The supervisor model call through litellm with ``[supervisor.model]``: one profile serves condense, the
-verify-gate (verifier and refuter) and the planner (reference ``in-session-supervisor-mechanics.md`` section 9:
-"the single supervisor profile serves gate, resolve, plan, condense...").
+"""The supervisor model: one profile, ``[supervisor.model]``, serves condense, the verify-gate (verifier and
+refuter) and the planner (reference ``in-session-supervisor-mechanics.md`` section 9: "the single supervisor
+profile serves gate, resolve, plan, condense...").
 
-litellm runs on its own asyncio thread (:mod:`proxyvisor.adapters.litellm_bridge`), where it is also imported,
-so its few seconds of import time never block the trio loop. Cancelling the awaiting trio task (the round's
-timeout) cancels the litellm call.
+Two routes (:func:`route_of`):
 
-``api_base = "scripted:"`` points the model at the embedded scripted upstream (no key, no network), which answers
-condenser, verifier and planner requests with fixed policies (``proxyvisor.adapters.scripted_condenser``,
-``proxyvisor.adapters.scripted_verifier``, ``proxyvisor.adapters.scripted_planner``): the demo,
-``proxyvisor replay --condense`` and the tests use it.
+- **session** (the default; seed 003: omitted fields inherit the agent's model): each call goes the way the request
+  being supervised went: to its upstream, in its wire format (or through the translator it took), with the
+  credentials it carried, to the model it named, or to ``name`` when one is set (another model beside the agent's,
+  e.g. ``claude-haiku-4-5``). One :data:`ModelCall` per request, made by ``proxyvisor.proxy.session_model``.
+- **litellm**: with ``api_base`` or ``api_key_env`` set, every call goes to ``name`` through litellm, with its own
+  key (:func:`configured_model`). litellm runs on its own asyncio thread (:mod:`proxyvisor.adapters.litellm_bridge`),
+  where it is also imported, so its few seconds of import time never block the trio loop. Cancelling the awaiting
+  trio task (the round's timeout) cancels the litellm call. ``api_base = "scripted:"`` points it at the embedded
+  scripted upstream (no key, no network).
+
+The scripted upstream answers condenser, verifier and planner calls with fixed policies
+(``proxyvisor.adapters.scripted_condenser``, ``proxyvisor.adapters.scripted_verifier``,
+``proxyvisor.adapters.scripted_planner``) on either route, so the demo, ``replay`` and the tests need no key.
+
+Verifier, refuter and planner calls ask for their answer by JSON schema (:func:`schema_of`): the session route in the
+format's own way (``proxyvisor.proxy.session_model``), litellm through ``response_format``.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from typing import Any
 
 from .adapters import litellm_bridge
 from .config import SCRIPTED_URL, Config, ConfigError, ModelConfig
+from .gate.plan import DECISION_SCHEMA, PLANNER_INSTRUCTIONS
+from .gate.verdict import REFUTATION_SCHEMA, REFUTER_INSTRUCTIONS, VERDICT_SCHEMA, VERIFIER_INSTRUCTIONS
 
 SCRIPTED_KEY = "proxyvisor-scripted"
 """The placeholder key sent to the scripted upstream (the OpenAI client refuses to call without one)."""
@@ -52,17 +64,52 @@ def usage_of(answer: str) -> tuple[int, int, float]:
     return 0, 0, 0.0
 
 
+SESSION, LITELLM = "session", "litellm"
+
+
+def route_of(model: ModelConfig) -> str:
+    """The route ``[supervisor.model]`` picks: :data:`LITELLM` when it sets ``api_base`` or ``api_key_env`` (an
+    endpoint or a key of its own), else :data:`SESSION`."""
+    return LITELLM if model.api_base or model.api_key_env else SESSION
+
+
+def describe(model: ModelConfig) -> str:
+    """What ``serve`` and ``wrap`` print about the supervisor model's route and model."""
+    if route_of(model) == LITELLM:
+        return f"litellm: {model.name}" + (" (the scripted upstream's policies)" if model.api_base == SCRIPTED_URL
+                                          else "")
+    if model.name:
+        return f"{model.name} on the session's route"
+    return "the session's own (each request's upstream and model)"
+
+
+_SCHEMAS = ((VERIFIER_INSTRUCTIONS, "verdict", VERDICT_SCHEMA), (REFUTER_INSTRUCTIONS, "refutation", REFUTATION_SCHEMA),
+            (PLANNER_INSTRUCTIONS, "plan_decision", DECISION_SCHEMA))
+
+
+def schema_of(messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]] | None:
+    """(name, JSON schema) of the answer a supervisor call asks for, recognised by its system prompt (the
+    verifier's, refuter's and planner's begin with their instructions); None for a call without one (the
+    condenser's own protocol)."""
+    system = messages[0].get("content", "") if messages and messages[0].get("role") == "system" else ""
+    return next(((name, schema) for prompt, name, schema in _SCHEMAS if system.startswith(prompt)), None)
+
+
 def configured_model(model: ModelConfig, scripted_url: str | None = None,
                      env: Mapping[str, str] | None = None) -> ModelCall | None:
-    """The model call ``[supervisor.model]`` describes: None when ``name`` is empty; with ``api_base =
-    "scripted:"``, the embedded scripted upstream serving at ``scripted_url`` (``http://host:port``), called as an
-    OpenAI-compatible endpoint whatever provider prefix ``name`` has.
+    """The litellm model call ``[supervisor.model]`` describes, or None on the session route (:func:`route_of`);
+    with ``api_base = "scripted:"``, the embedded scripted upstream serving at ``scripted_url``
+    (``http://host:port``), called as an OpenAI-compatible endpoint whatever provider prefix ``name`` has.
 
     Raises:
-        ConfigError: ``api_base`` is ``"scripted:"`` and no scripted upstream runs (``scripted_url`` None).
+        ConfigError: the litellm route without ``name``, or ``api_base = "scripted:"`` and no scripted upstream
+            runs (``scripted_url`` None).
     """
-    if not model.name:
+    if route_of(model) == SESSION:
         return None
+    if not model.name:
+        raise ConfigError("[supervisor.model] api_base or api_key_env picks the litellm route, which needs a name "
+                          "(a litellm model id such as \"anthropic/claude-haiku-4-5\")")
     if model.api_base != SCRIPTED_URL:
         return litellm_model(model, env)
     if scripted_url is None:
@@ -73,19 +120,8 @@ def configured_model(model: ModelConfig, scripted_url: str | None = None,
     return litellm_model(local, env, api_key=SCRIPTED_KEY)
 
 
-def with_model(config: Config) -> Config:
-    """``config`` with a supervisor model: ``[supervisor.model]`` as configured, or, when it names no model, the
-    embedded scripted upstream's fixed policies (``api_base = "scripted:"``)."""
-    model = config.supervisor.model
-    if model.name:
-        return config
-    return config.with_overrides(supervisor={
-        "model": dataclasses.replace(model, name="scripted-model", api_base=SCRIPTED_URL)})
-
-
 def with_condense(config: Config) -> Config:
-    """:func:`with_model`, with condensing on."""
-    config = with_model(config)
+    """``config`` with condensing on."""
     return config.with_overrides(supervisor={
         "condense": dataclasses.replace(config.supervisor.condense, enabled=True)})
 
@@ -93,6 +129,9 @@ def with_condense(config: Config) -> Config:
 def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
                   api_key: str | None = None) -> ModelCall:
     """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``.
+
+    Verifier, refuter and planner calls ask for their answer's JSON schema through ``response_format``
+    (:func:`schema_of`; litellm drops it for a model that takes none).
 
     Raises (from the returned callable): whatever litellm raises (``litellm.exceptions.*`` for API errors,
     timeouts and connection failures), and ``ValueError`` when the answer has no text.
@@ -113,9 +152,13 @@ def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
         kwargs["api_key"] = env.get(model.api_key_env, "")
 
     async def complete(messages: list[dict[str, str]]) -> str:
+        schema = schema_of(messages)
+        extra = {"response_format": {"type": "json_schema", "json_schema": {
+            "name": schema[0], "schema": schema[1], "strict": False}}} if schema is not None else {}
+
         async def run() -> str:
             litellm = litellm_bridge.import_litellm()
-            response = await litellm.acompletion(messages=messages, **kwargs)
+            response = await litellm.acompletion(messages=messages, **kwargs, **extra)
             text = response.choices[0].message.content
             if not isinstance(text, str) or not text:
                 raise ValueError("the supervisor model answered without text")

@@ -18,6 +18,7 @@ from .agents import agent_command
 from .config import Config
 from .proxy.service import RunningProxy, running, tune_gc
 from .proxy.sessions import SESSION_ID
+from .supervisor_model import describe
 
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -51,6 +52,8 @@ def summary(proxy: RunningProxy, session: str) -> str:
 
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
+        if not quiet and config.supervisor.enabled:
+            print(f"proxyvisor: supervisor model: {describe(config.supervisor.model)}", file=sys.stderr, flush=True)
         cmd, env = agent_invocation(proxy.url, session, cmd)
         async with trio.open_nursery() as nursery:
             try:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.config import Config, UpstreamConfig
+from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.store import Store
 
@@ -74,19 +74,22 @@ def start_proxy() -> Callable[..., Any]:
     recording); ``supervised`` (default True); ``upstream_url`` to relay to an HTTP upstream instead of the
     embedded one; ``upstream`` fields of the one upstream (``first_byte_timeout_s``, ``api_key_env``, ...);
     ``proxy`` fields (``max_body_bytes``, ``auth_token``, ...); ``store`` (default: a :class:`Store` on
-    ``state_dir`` when supervised, none otherwise, as ``proxyvisor serve`` does).
+    ``state_dir`` when supervised, none otherwise, as ``proxyvisor serve`` does); ``gate`` (default False: the
+    verify-gate, which would hold and judge every text answer to a request offering tools, is off unless a test
+    is about it).
     """
 
     @asynccontextmanager
     async def start(steps: list[dict[str, Any]] | None = None, *, supervised: bool = True,
                     upstream_url: str | None = None, upstream: dict[str, Any] | None = None,
                     proxy: dict[str, Any] | None = None, store: Store | None = None,
-                    chunk_delay_ms: float = 0.0) -> AsyncIterator[RunningProxy]:
+                    chunk_delay_ms: float = 0.0, gate: bool = False) -> AsyncIterator[RunningProxy]:
         fields = dict(upstream or {})
         if upstream_url:
             fields["url"] = upstream_url
         config = Config(upstreams=(UpstreamConfig(name="scripted", **fields),))
-        config = config.with_overrides(supervisor={"enabled": supervised}, proxy=proxy or {})
+        config = config.with_overrides(supervisor={"enabled": supervised, "gate": GateConfig(enabled=gate)},
+                                       proxy=proxy or {})
         scripted = None if upstream_url else {"scripted": ScriptedUpstream(steps, chunk_delay_ms)}
         async with running(config, port=0, store=store, scripted=scripted) as rp:
             yield rp

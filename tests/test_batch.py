@@ -216,17 +216,15 @@ def test_a_report_folder_that_cannot_be_made_is_refused_before_anything_runs(
     assert not state_dir.exists() and not (tmp_path / "runs").exists()
 
 
-def test_without_a_supervisor_model_the_gate_is_said_to_be_idle(
+def test_without_a_supervisor_model_the_report_names_the_sessions_own_route(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tasks = subset(tmp_path, "question")
     prefix = tmp_path / "report"
     code = main(["batch", str(tasks), "--agent", "true {prompt}", "--report", str(prefix),
                  "--workdir-template", str(tmp_path / "runs" / "{id}")])
     assert code == 0
-    err, md = capsys.readouterr().err, prefix.with_suffix(".md").read_text()
-    for text in (err, md):
-        assert "the gate is idle" in text and "every task ends no_verdict" in text
-        assert "unverified" not in text
+    md = prefix.with_suffix(".md").read_text()
+    assert "the session's own (each request's upstream and model)" in md and "idle" not in md
 
 
 # An agent that proves how many tasks run at once. Agents arrive in groups of `want` (by arrival order, a file in
@@ -433,9 +431,9 @@ def test_batch_help_documents_every_option_the_task_file_and_the_exit_status() -
     for part in ("task file:", "agent command:", "outcome of a task:", "report files", "exit status:", "examples:",
                  "{prompt}", "no_verdict", "PREFIX.jsonl", "PREFIX-logs/", "files and environment:"):
         assert part in text, part
-    # Without a supervisor model the gate is idle (README, "The verify-gate"): no turn is labelled at all.
     assert "every turn ends unverified" not in text and "shell-quoted" not in text
-    assert "without one it is idle" in text and "no_verdict   no turn ended with a verdict: no [supervisor.model]" in text
+    # The verifier is the session's own model (README, "The supervisor model"): the gate is never idle.
+    assert "idle" not in text and "The verifier is the session's own model by default" in text
 
 
 def test_the_example_agent_reports_exit_codes_and_kills_a_command_past_its_timeout(tmp_path: Path) -> None:

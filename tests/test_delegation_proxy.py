@@ -19,7 +19,7 @@ from rich.console import Console
 
 from proxyvisor.adapters.scripted import ScriptedUpstream, turn_of
 from proxyvisor.adapters.scripted_runtime import ScriptedRuntime
-from proxyvisor.config import Config, SupervisorConfig, UpstreamConfig
+from proxyvisor.config import Config, GateConfig, SupervisorConfig, UpstreamConfig
 from proxyvisor.demo_delegation import run_delegating_agent
 from proxyvisor.proxy import continuation
 from proxyvisor.proxy.delegation import ROUNDS
@@ -328,7 +328,9 @@ class GatedRuntime:
 async def test_a_stream_waiting_on_a_child_gets_keepalives_and_then_the_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
-    async with delegating(tmp_path / "state", [CALL, FINAL]) as s:
+    # The gate off: it would hold the continued stream (the keep-alives included) until its verdict.
+    config = proxy_config().with_overrides(supervisor={"gate": GateConfig(enabled=False)})
+    async with delegating(tmp_path / "state", [CALL, FINAL], config=config) as s:
         delegator = s.proxy.pipeline.delegation.delegator
         gated = delegator._runtimes["scripted"] = GatedRuntime(delegator.registry.get("scripted"))
         body = orjson.dumps(request_body("chat", stream=True))

@@ -15,7 +15,6 @@ from proxyvisor.demo_gate import FINAL, PREMATURE, run_gated_agent
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.service import running
 from proxyvisor.store import Store
-from proxyvisor.supervisor_model import with_model
 
 
 async def _scene(tmp_path: Path, fmt: str, config: Config) -> tuple[str, list[dict], Path]:
@@ -24,7 +23,7 @@ async def _scene(tmp_path: Path, fmt: str, config: Config) -> tuple[str, list[di
     workdir = tmp_path / "project"
     workdir.mkdir()
     store = Store(tmp_path / "state")
-    async with running(with_model(config), port=0, store=store) as proxy:
+    async with running(config, port=0, store=store) as proxy:
         await run_gated_agent(proxy, BY_NAME[fmt], workdir, Console(file=out, width=200))
     [session] = store.sessions()
     return out.getvalue(), store.read_ledger(session), workdir

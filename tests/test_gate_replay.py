@@ -61,7 +61,7 @@ async def test_the_gate_is_asked_at_the_final_answer_with_the_failing_run_in_its
     messages = as_final_answer(load_trajectory(FIXTURE), SUBMIT)
     recorder = Recorder()
     store = Store(tmp_path)
-    rounds = await replay(Config(), messages, BY_NAME[fmt], stream, session="gated", store=store, model=recorder,
+    rounds = await replay(Config(), messages, BY_NAME[fmt], stream, session="gated", store=store, model=recorder, gate=True,
                           on_round=recorder.next_request)
     assert all(r.matches for r in rounds) and [r.message for r in rounds] == [2, 4, 6, 8, SUBMIT]
     # One verifier call, on the last request: the tool rounds are not gated.

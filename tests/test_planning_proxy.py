@@ -16,7 +16,7 @@ import trio
 
 from proxyvisor.adapters import scripted, scripted_planner
 from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.config import Config, GateConfig, PlanConfig
+from proxyvisor.config import Config, GateConfig, ModelConfig, PlanConfig
 from proxyvisor.detectors.selfreport import SelfReport
 from proxyvisor.gate.recite import CONSTRAINTS
 from proxyvisor.gate.plan import COMPLETED, IN_PROGRESS, PLANNER_INSTRUCTIONS, planner_input
@@ -341,9 +341,7 @@ def _actions(exchange: Any) -> list[Any]:
 
 async def test_the_scripted_upstream_answers_planner_calls_through_litellm(tmp_path: Path) -> None:
     """``api_base = "scripted:"``: the planner call goes through litellm to the embedded scripted upstream."""
-    from proxyvisor.supervisor_model import with_model
-
-    cfg = with_model(config())
+    cfg = config().with_overrides(supervisor={"model": ModelConfig(name="scripted-model", api_base="scripted:")})
     async with running(cfg, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}) as proxy:
         agent = Agent(proxy, CHAT)

@@ -277,6 +277,44 @@ def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Pa
     assert (ws.work / "edit" / "calc.py").is_file() and (ws.work / "rework" / "calc.py").is_file()
 
 
+def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_sessions_own_model(tmp_path: Path) -> None:
+    """No ``[supervisor.model]`` at all: the verifier is the session's own route (the scripted upstream, in
+    Claude Code's Anthropic format, with its credentials and model). A "done" right after an edit is held; the
+    gate's advisory continues the turn; the model runs the check, and the turn ends ``verified``, the ledger naming
+    the route and model that judged it."""
+    ws, session = Workspace.make(tmp_path), "claude-gate-test"
+    mark = "[task:gate]"
+
+    def bash(command: str) -> list[dict[str, Any]]:
+        return [{"name": "Bash", "arguments": {"command": command, "description": "run it"}}]
+
+    final = "calc.py has add(); its check passed."
+    steps = [{"tool_calls": bash("printf 'def add(a, b):\\n    return a + b\\n' > calc.py")},
+             {"text": "Done: calc.py has add()."},
+             {"tool_calls": bash("python3 -c 'import calc; assert calc.add(2, 3) == 5' && echo check passed")},
+             {"text": final}]
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    cmd = [find_agent("claude"), "-p", f"Write calc.py with add(a, b). {mark}", "--model", MODEL,
+           "--output-format", "json", "--allowedTools", "Bash"]
+    run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
+                          *cmd], claude_env(ws))
+    assert run.returncode == 0, run
+    assert "supervisor model: the session's own (each request's upstream and model)" in run.stderr, run.stderr
+    result = json.loads(run.stdout)
+    assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, final), result
+    assert "Done: calc.py has add()." not in run.stdout  # the premature answer never reached the agent
+    assert (ws.work / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
+    gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
+    assert [g.get("reentries") for g in gates] == [1, 0], gates
+    assert gates[-1]["outcome"] == "verified" and gates[-1]["passed"] is True, gates
+    assert all((g["route"], g["model"]) == ("session", MODEL) for g in gates), gates
+    summary = summarize(ws.ledger(session))
+    assert summary["gate"]["judges"] == {f"session: {MODEL}": 2}, summary["gate"]
+
+
 # --- Codex -----------------------------------------------------------------------------------------------------
 
 def codex_run(ws: Workspace, config: str, *wrap_args: str, as_json: bool = True) -> Run:

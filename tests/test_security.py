@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import Cooldown
 from proxyvisor.adapters.health_store import HealthStore
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.adapters.scripted import ScriptedUpstream, policy
 from proxyvisor.condense.decisions import Decision, DecisionCache
 from proxyvisor.condense.spill import SpillStore
 from proxyvisor.config import Config
@@ -298,6 +298,45 @@ async def test_a_canary_key_never_appears_in_state_logs_or_answers(configured: b
     assert_no_canary(*returned, keys=(CONFIG_KEY, TOKEN) if not configured else (CLIENT_KEY, CONFIG_KEY, TOKEN))
     assert_no_canary(everything_under(state_dir), caplog.text, out, err)
     assert caplog.records  # something was logged at all
+
+
+class RefusesSupervisor(ScriptedUpstream):
+    """Answers the agent's requests as the scripted upstream does, and every supervisor model call (the verifier's,
+    on the session's route) with :class:`Echo`'s 401 quoting every header it got."""
+
+    async def __call__(self, request: Request) -> Response:
+        fmt = {f.path: f for f in (CHAT, MESSAGES, RESPONSES)}.get(request.path)
+        if fmt is not None and policy(fmt, orjson.loads(request.body)) is not None:
+            self.refused = getattr(self, "refused", 0) + 1
+            return await Echo()(request)
+        return await super().__call__(request)
+
+
+@pytest.mark.parametrize("configured", [True, False], ids=["configured-key", "client-key"])
+async def test_a_canary_key_never_appears_when_the_sessions_route_refuses_the_verifier(
+        configured: bool, start_proxy, state_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The verifier's call takes the agent's route with its credentials (or the configured key); the upstream
+    refuses it and quotes them back. The turn's label gives the reason, and no ledger line, state file or log line
+    holds a key, nor does any answer."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("PV_CANARY_KEY", CONFIG_KEY)
+    upstream = RefusesSupervisor([{"text": "Done."}] * 6)
+    fields = {"api_key_env": "PV_CANARY_KEY"} if configured else {}
+    async with serve_handler(upstream) as url, start_proxy(upstream_url=url, upstream=fields, gate=True) as rp:
+        returned = []
+        for fmt in FORMATS:
+            for stream in (False, True):
+                headers = {"authorization": f"Bearer {CLIENT_KEY}", "x-api-key": CLIENT_KEY}
+                reply, data = await raw_stream(rp.url + "/s/canary", fmt, request_body(fmt, stream),
+                                               headers=headers)
+                assert reply.status_code == 200 and b"Done." in data
+                returned.append(data + repr(reply.headers.raw).encode())
+    assert upstream.refused == 2 * len(FORMATS)
+    ledger = Store(state_dir).read_ledger("canary")
+    reasons = [line["gate"]["reason"] for line in ledger]
+    assert all("refused the supervisor call (401)" in r and "[redacted]" in r for r in reasons), reasons
+    assert_no_canary(*returned, everything_under(state_dir), caplog.text)
 
 
 def test_a_canary_key_never_appears_in_serves_debug_log(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.config import Config, UpstreamConfig
+from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.store import Store
@@ -67,8 +67,10 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 
 @asynccontextmanager
 async def translating(upstream_format: str, tmp_path: Path, **fields: Any) -> AsyncIterator[RunningProxy]:
-    """A supervised proxy whose one scripted upstream ``s`` speaks only ``upstream_format`` (recording requests)."""
+    """A supervised proxy whose one scripted upstream ``s`` speaks only ``upstream_format`` (recording requests),
+    the verify-gate off (tests/test_session_model.py has it on the translator path)."""
     config = Config(upstreams=(UpstreamConfig(name="s", formats=(upstream_format,), **fields),))
+    config = config.with_overrides(supervisor={"gate": GateConfig(enabled=False)})
     async with running(config, port=0, store=Store(tmp_path / "state"),
                        scripted={"s": ScriptedUpstream()}) as rp:
         yield rp

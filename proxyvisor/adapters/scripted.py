@@ -37,8 +37,10 @@ carrying its own marker) each follow their own script.
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
 the next ``condense`` step, or, with none queued, the answer of a fixed policy (:mod:`.scripted_condenser`). The
 verify-gate's verifier and refuter calls, and the planner's, likewise get a fixed policy's answer
-(:mod:`.scripted_verifier`, :mod:`.scripted_planner`). So
-``[supervisor.model] api_base = "scripted:"`` is a supervisor model with no key and no network.
+(:mod:`.scripted_verifier`, :mod:`.scripted_planner`), in the call's own format: a call that forces a tool
+(Anthropic's ``tool_choice: {"type": "tool"}``) gets that tool's call with the answer as its input, as a provider
+answers it. So the supervisor model on the session's route, or ``[supervisor.model] api_base = "scripted:"``, is a
+supervisor model with no key and no network.
 
 A script file holds a JSON list of steps, or JSON lines. ``POST /_scripted/queue`` with a list of steps appends
 them while the server runs (used by tests that drive real agent CLIs).
@@ -62,6 +64,7 @@ from ..proxy.formats.base import args_of
 from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
 from ..proxy.formats.freeform import arguments as freeform_arguments
 from ..proxy.server import AbortConnection, Request, Response
+from ..gate.verdict import json_object
 from . import scripted_condenser, scripted_planner, scripted_verifier
 
 log = logging.getLogger("proxyvisor.scripted")
@@ -291,7 +294,14 @@ class ScriptedUpstream:
             text = answer(fmt, body)
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
-        turn = AssistantTurn(text, input_tokens=max(1, len(raw) // 4))  # the estimate agent requests get
+        tokens = max(1, len(raw) // 4)  # the estimate agent requests get
+        forced = _forced_tool(body)
+        try:
+            # A forced tool is answered as a provider does: with that tool's call, the answer as its input.
+            turn = AssistantTurn("", (ToolCall(forced, json_object(text)),), tokens) if forced \
+                else AssistantTurn(text, input_tokens=tokens)
+        except ValueError:  # a policy answer that is not a JSON object stays text
+            turn = AssistantTurn(text, input_tokens=tokens)
         return Response(200, _JSON, orjson.dumps(fmt.render(turn, _model(body))))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:
@@ -324,6 +334,14 @@ def policy(fmt: WireFormat, body: dict[str, Any]) -> Callable[[WireFormat, dict[
     system prompt (:data:`_POLICIES`); None for any other request."""
     system = fmt.fingerprint_parts(body)[0]
     return next((p.answer for p in _POLICIES if system.startswith(p.MARKS)), None)
+
+
+def _forced_tool(body: dict[str, Any]) -> str | None:
+    """The tool a request forces the model to call (Anthropic's ``tool_choice: {"type": "tool", "name"}``)."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "tool" and isinstance(choice.get("name"), str):
+        return choice["name"]
+    return None
 
 
 def _model(body: dict[str, Any]) -> str:

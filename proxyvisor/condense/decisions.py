@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..adapters.cache import open_cache
 
@@ -55,12 +57,22 @@ def decision_key(session: str, call_id: str, text: str) -> str:
 
 
 class DecisionCache:
-    """Decisions in a diskcache folder (0700, its files 0600). Thread-safe and process-safe, as diskcache is; the
-    calls are blocking SQLite operations, so trio code runs them in a worker thread."""
+    """Decisions in a diskcache folder (0700, its files 0600), made on first use (a proxy that never condenses
+    writes nothing). Thread-safe and process-safe, as diskcache is; the calls are blocking SQLite operations, so
+    trio code runs them in a worker thread."""
 
     def __init__(self, directory: Path, expire_s: float = EXPIRE_S) -> None:
         self.expire_s = expire_s
-        self._cache = open_cache(Path(directory), size_limit=SIZE_LIMIT)  # files 0600 whatever the umask
+        self.directory = Path(directory)
+        self._opened: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def _cache(self) -> Any:
+        with self._lock:
+            if self._opened is None:
+                self._opened = open_cache(self.directory, size_limit=SIZE_LIMIT)  # files 0600 whatever the umask
+            return self._opened
 
     def get(self, key: str) -> Decision | None:
         raw = self._cache.get(key)
@@ -73,4 +85,6 @@ class DecisionCache:
         return self.get(key) or decision
 
     def close(self) -> None:
-        self._cache.close()
+        with self._lock:
+            if self._opened is not None:
+                self._opened.close()

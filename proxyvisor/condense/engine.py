@@ -103,7 +103,8 @@ def prepare_items(results: Sequence[tuple[ToolResult, int]], context: TaskContex
 class CondenseEngine:
     """Condense rounds for every session of a proxy (or one offline run).
 
-    ``condenser`` None means no supervisor model: rounds do nothing. ``cache`` None keeps no decisions (the
+    ``condenser`` is the model call of every round (None: each :meth:`run_round` brings its own, and a round
+    without one does nothing). ``cache`` None keeps no decisions (the
     offline tool). ``spill`` names and writes spill files. ``model_name`` resets adaptive state when it changes.
     """
 
@@ -124,12 +125,13 @@ class CondenseEngine:
 
     @property
     def active(self) -> bool:
-        """Whether rounds can condense at all: enabled, a threshold above 0 and a condenser."""
-        return (self.settings.enabled and effective_threshold(self.settings.tokens_threshold) is not None
-                and self.condenser is not None)
+        """Whether rounds can condense at all: enabled and a threshold above 0."""
+        return self.settings.enabled and effective_threshold(self.settings.tokens_threshold) is not None
 
-    async def run_round(self, session: str, results: Sequence[ToolResult], context: TaskContext) -> RoundReport:
-        """Decide the model's copy of each of ``results`` (see the module docstring).
+    async def run_round(self, session: str, results: Sequence[ToolResult], context: TaskContext,
+                        condenser: ModelCall | None = None) -> RoundReport:
+        """Decide the model's copy of each of ``results`` (see the module docstring) with ``condenser`` (else the
+        engine's own; without either, nothing is decided).
 
         Returns a :class:`RoundReport` whose ``replacements()`` are the texts to put in the model's copy. Never
         raises for a condenser, answer, spill or cache problem (the affected results stay whole); a cancellation
@@ -137,7 +139,8 @@ class CondenseEngine:
         """
         report = RoundReport()
         baseline = effective_threshold(self.settings.tokens_threshold)
-        if not self.active or baseline is None:
+        condenser = condenser or self.condenser
+        if not self.active or baseline is None or condenser is None:
             return report
         state = self.adaptive.for_session(session, baseline, self.model_name) if self.settings.adaptive else None
         threshold = max(state.threshold, MIN_THRESHOLD) if state else baseline
@@ -170,7 +173,7 @@ class CondenseEngine:
             report.decisions[result.call_id] = _untouched(f"over {MAX_CANDIDATES} candidates in one round", tokens,
                                                           result.text)
         if chosen:
-            report.decisions.update(await self._condense(session, chosen, context, report, keys))
+            report.decisions.update(await self._condense(session, chosen, context, report, keys, condenser))
             if state and report.answered:
                 before = sum(tokens for _, tokens in chosen)
                 after = sum(report.decisions[r.call_id].tokens_after for r, _ in chosen)
@@ -221,16 +224,15 @@ class CondenseEngine:
                 self._known.popitem(last=False)
 
     async def _condense(self, session: str, chosen: list[tuple[ToolResult, int]], context: TaskContext,
-                        report: RoundReport, keys: dict[str, str]) -> dict[str, Decision]:
+                        report: RoundReport, keys: dict[str, str], condenser: ModelCall) -> dict[str, Decision]:
         items = await trio.to_thread.run_sync(prepare_items, chosen, context, self.settings.view_budget_tokens)
         log.info("condensing %d tool result(s): %s", len(chosen),
                  " · ".join(f"{r.tool} {tokens}" for r, tokens in chosen))
-        assert self.condenser is not None
         report.condenser_called = True
         answer: str | None = None
         with trio.move_on_after(self.settings.timeout_s) as scope:
             try:
-                answer = report.answer = await self.condenser(build_messages(context, items))
+                answer = report.answer = await condenser(build_messages(context, items))
             except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
                 report.failure = f"condenser failed: {type(exc).__name__}: {str(exc)[:200]}"
         if scope.cancelled_caught:

@@ -411,3 +411,19 @@ def checklist(plan: Plan, stale: bool = False) -> str:
     lines.append('When your recorded actions meet the current phase\'s done-when condition, report plan '
                  '"phase_complete"; if the plan no longer fits, "reassess".')
     return "\n".join(lines)
+
+
+_TASKS_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "object", "properties": {
+    "title": {"type": "string"}, "done_when": {"type": "string"}, "valid_if": {"type": ["string", "null"]}},
+    "required": ["title", "done_when"]}}
+DECISION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "decision": {"type": "string", "enum": sorted({kind for kinds in ALLOWED.values() for kind in kinds})},
+        "title": {"type": "string"}, "reason": {"type": "string"}, "summary": {"type": "string"},
+        "tasks": _TASKS_SCHEMA,
+    },
+    "required": ["decision"],
+}
+"""The planner answer's JSON schema (every decision's keys in one object; :func:`parse_decision` checks which
+decision needs which)."""

@@ -230,3 +230,33 @@ def _normal(text: str) -> str:
 def same_gaps(previous: Sequence[Gap], current: Sequence[Gap]) -> bool:
     """True when ``current`` repeats ``previous``: same count, same texts up to case and whitespace, any order."""
     return bool(previous) and Counter(_normal(g.text) for g in previous) == Counter(_normal(g.text) for g in current)
+
+
+VERDICT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "requirements": {"type": "array", "items": {"type": "object", "properties": {
+            "id": {"type": "integer"}, "requirement": {"type": "string"},
+            "status": {"type": "string", "enum": list(STATUSES)},
+            "basis": {"type": ["string", "null"], "enum": [*BASES, None]}, "evidence": {"type": "string"}},
+            "required": ["id", "requirement", "status"]}},
+        "gaps": {"type": "array", "items": {"type": "object", "properties": {
+            "requirement": {"type": ["integer", "null"]}, "gap": {"type": "string"}, "settles": {"type": "string"}},
+            "required": ["gap", "settles"]}},
+        "handback": {"type": ["object", "null"], "properties": {
+            "needs_user": {"type": "boolean"}, "reason": {"type": "string"}}},
+        "verdict": {"type": "string", "enum": [PASS, GAPS]},
+    },
+    "required": ["requirements", "gaps", "verdict"],
+}
+"""The verifier answer's JSON schema (module docstring), for routes that constrain an answer to one (non-strict:
+:func:`parse` still checks every rule)."""
+
+REFUTATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"findings": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "status": {"type": "string", "enum": ["stands", "refuted"]},
+        "citation": {"type": "string"}}, "required": ["id", "status"]}}},
+    "required": ["findings"],
+}
+"""The refuter answer's JSON schema (module docstring)."""

@@ -140,14 +140,16 @@ class RequestCondenser:
             return None
         return Pending(latest, earlier, _context(parts, messages, last))
 
-    async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending) -> CondenseRecord:
-        """Condense the latest round of ``pending`` for ``session``, recall the earlier decisions, and put every
-        narrowed text into ``body`` (the upstream body, in place). Returns what was done. Never raises for a
+    async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending,
+                    condenser: ModelCall) -> CondenseRecord:
+        """Condense the latest round of ``pending`` for ``session`` with ``condenser`` (the request's supervisor
+        model call), recall the earlier decisions, and put every narrowed text into ``body`` (the upstream body,
+        in place). Returns what was done. Never raises for a
         condenser, cache or spill problem (the results concerned stay whole, logged); cancellation propagates
         with ``body`` untouched."""
         record = CondenseRecord()
         try:
-            report = await self.engine.run_round(session, pending.latest, pending.context)
+            report = await self.engine.run_round(session, pending.latest, pending.context, condenser)
             earlier = await self.engine.recall(session, pending.earlier)
         except Exception as exc:  # noqa: BLE001 - condensing must never cost the agent its request
             log.exception("condensing failed for session %s; its tool results go upstream whole", session)
@@ -166,14 +168,13 @@ class RequestCondenser:
         return record
 
 
-def request_condenser(settings: SupervisorConfig, state_dir: Path | None,
-                      condenser: ModelCall | None) -> RequestCondenser | None:
-    """The request condenser of a proxy: spill files in ``{state_dir}/spill``, decisions in
-    ``{state_dir}/condense``. None (condensing off) without a ``condenser``, without a state directory (nothing
-    may be written) or with ``[supervisor.condense] enabled = false``."""
-    if condenser is None or state_dir is None or not settings.condense.enabled:
+def request_condenser(settings: SupervisorConfig, state_dir: Path | None) -> RequestCondenser | None:
+    """The request condenser of a proxy (the condenser is each request's supervisor model): spill files in
+    ``{state_dir}/spill``, decisions in ``{state_dir}/condense``. None (condensing off) without a state directory
+    (nothing may be written) or with ``[supervisor.condense] enabled = false``."""
+    if state_dir is None or not settings.condense.enabled:
         return None
-    engine = CondenseEngine(settings.condense, condenser, spill=SpillStore(state_dir / "spill"),
+    engine = CondenseEngine(settings.condense, None, spill=SpillStore(state_dir / "spill"),
                             cache=DecisionCache(state_dir / "condense"), model_name=settings.model.name)
     return RequestCondenser(engine)
 

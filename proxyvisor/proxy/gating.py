@@ -61,6 +61,7 @@ from ..supervisor_model import ModelCall
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
+from .session_model import RouteError
 from .sse import SSEParser
 from .streamedit import EventSplitter
 from .supervise import Exchange
@@ -81,21 +82,29 @@ class GateTurn:
     finals: list[str] = field(default_factory=list)
 
 
-def eligible(exchange: Exchange, model: ModelCall | None, config: GateConfig) -> bool:
-    """Whether the request's reply goes through the gate: the gate on, a supervisor model, agent tools offered."""
-    return config.enabled and model is not None and bool(exchange.tools)
+def eligible(exchange: Exchange, config: GateConfig) -> bool:
+    """Whether the request's reply goes through the gate: the gate on, a supervisor model call for the request
+    (``Exchange.model``), agent tools offered."""
+    return config.enabled and exchange.model is not None and bool(exchange.tools)
 
 
 class Gating:
-    """The gate for one supervised request (module docstring). ``resend`` sends a body the way the request went;
-    ``background`` runs the verdict of a held stream while keep-alives go out (None: inline, no keep-alives)."""
+    """The gate for one supervised request (module docstring), judged by the request's supervisor model call
+    (``Exchange.model``). ``resend`` sends a body the way the request went; ``background`` runs the verdict of a
+    held stream while keep-alives go out (None: inline, no keep-alives)."""
 
-    def __init__(self, exchange: Exchange, config: GateConfig, model: ModelCall, resend: Resend,
+    def __init__(self, exchange: Exchange, config: GateConfig, resend: Resend,
                  mutating_tools: frozenset[str] = frozenset(), background: trio.Nursery | None = None) -> None:
+        assert exchange.model is not None
         self.exchange = exchange
         self.fmt = exchange.fmt
         self.config = config
-        self.model = model
+        self.model: ModelCall = exchange.model
+        self.failure: str | None = None
+        """Why the latest model call gave no answer (None: it answered)."""
+        self.reported = False
+        """A model call failed on a route that reports its failures once (``RouteError``): the turn's own label is
+        then logged at info level, not warned about on every turn."""
         self.resend = resend
         self.mutating_tools = mutating_tools
         self.background = background
@@ -202,7 +211,7 @@ class Gating:
                                          previous if decision.format_retry else None)
                 if answer is None:
                     record["verdicts"].append("unavailable")
-                    decision = turn.gate.handle(Unavailable("the verifier call failed or timed out"))
+                    decision = turn.gate.handle(Unavailable(self.failure or "the verifier call failed or timed out"))
                     continue
                 previous = answer
                 parsed = parse(answer, decision.handback)
@@ -248,7 +257,8 @@ class Gating:
         record.update(outcome=decision.outcome, passed=decision.passed, reason=decision.reason)
         if decision.gaps:
             record["gaps"] = [g.text for g in decision.gaps]
-        (log.info if decision.passed else log.warning)("turn %s: %s", decision.outcome, decision.reason)
+        (log.info if decision.passed or self.reported else log.warning)("turn %s: %s", decision.outcome,
+                                                                        decision.reason)
 
     def abandon(self, reason: str) -> None:
         """The turn could not be continued: the held answer is delivered, labelled ``unverified``."""
@@ -258,18 +268,27 @@ class Gating:
         log.warning("turn unverified: %s", reason)
 
     async def _ask(self, purpose: str, system: str, document: str, retry_of: str | None = None) -> str | None:
-        """The supervisor model's answer to one gate call, or None when it failed or took longer than
-        ``[supervisor.gate] timeout_s``; counted in the request's record either way."""
+        """The supervisor model's answer to one gate call, or None (the reason in :attr:`failure`) when it failed
+        or took longer than ``[supervisor.gate] timeout_s``; counted in the request's record either way, and the
+        route and model that judged named in its gate object (``route``, ``model``)."""
         messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
         if retry_of is not None:
             messages += [{"role": "assistant", "content": retry_of}, {"role": "user", "content": FORMAT_RETRY}]
         answer: str | None = None
+        self.failure = f"the {purpose} call timed out after {self.config.timeout_s:g} s"
         with trio.move_on_after(self.config.timeout_s):
             try:
                 answer = await self.model(messages)
+                self.failure = None
+            except RouteError as exc:  # reported once by the route: the reason goes to the turn's label
+                self.failure, self.reported = str(exc), True
+                log.debug("the %s call failed: %s", purpose, exc)
             except Exception as exc:  # noqa: BLE001 - any failure of the verifier is "unavailable", never fatal
+                self.failure = f"the {purpose} call failed ({type(exc).__name__})"
                 log.warning("the %s call failed: %s: %s", purpose, type(exc).__name__, exc)
-        self.exchange.record.model.record(purpose, answer)
+        use = self.exchange.record.model
+        use.record(purpose, answer)
+        self._ledger().update(use.route)
         return answer
 
     def _carried(self, response: dict[str, Any], note: str) -> list[Any]:

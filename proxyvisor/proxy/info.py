@@ -17,12 +17,15 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   the steer note added to this request (str);
 - ``condensed``: ``{"results": n, "saved_tokens": n}``: tool results narrowed for the first time on this request,
   and the tokens the narrowed results (new and earlier ones) saved in its upstream body;
-- ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd"}``: the supervisor
-  model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when it made any;
+- ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "route", "model"}``:
+  the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when
+  it made any, and the route and model they took (``route``: ``session``, ``litellm`` or ``supplied``, a call given
+  to ``proxyvisor.proxy.service.running``; ``model``: the model named, empty when the route names none);
 - ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
   ``malformed``, ``unavailable``), ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``,
   ``unknown``, ``failed``, ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str),
-  ``digest_tokens`` (int: the size of the latest verifier input, in tokens).
+  ``digest_tokens`` (int: the size of the latest verifier input, in tokens), and once a verifier call was made, the
+  ``route`` and ``model`` that judged the turn (as in ``supervisor_model``).
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
@@ -33,8 +36,10 @@ are milliseconds:
 - ``self_report``: ``{"by_status": {status: n}, "by_state": {state: n}}``;
 - ``detectors``: ``{"fires": {signal: n}, "steers": {signal: n}}``;
 - ``gate``: ``{"runs", "passes", "gaps", "malformed", "unavailable", "nudges", "reentries", "refuted",
-  "outcomes": {label: n}, "last_outcome": label or None}``: ``runs`` counts requests the gate checked,
-  ``passes`` those it passed, ``gaps`` / ``malformed`` / ``unavailable`` verifier verdicts of that kind;
+  "outcomes": {label: n}, "last_outcome": label or None, "judges": {"ROUTE: MODEL": n}, "last_judge": {"route",
+  "model"} or None}``: ``runs`` counts requests the gate checked, ``passes`` those it passed, ``gaps`` /
+  ``malformed`` / ``unavailable`` verifier verdicts of that kind, ``judges`` the gated requests each route and model
+  judged;
 - ``condense``: ``{"results", "saved_tokens"}``: ``saved_tokens`` sums every request's saving, i.e. the input
   tokens not sent upstream over the session;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
@@ -81,10 +86,15 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
     model = record.model
     if model.calls:
         out["supervisor_model"] = {"calls": dict(model.calls), "input_tokens": model.input_tokens,
-                                   "output_tokens": model.output_tokens, "cost_usd": model.cost_usd}
+                                   "output_tokens": model.output_tokens, "cost_usd": model.cost_usd, **model.route}
     if record.gate is not None:
         out["gate"] = record.gate
     return out
+
+
+def judge_label(route: Mapping[str, Any]) -> str:
+    """``session: MODEL`` (or ``litellm: ...``): a gate object's ``route`` and ``model`` as /info counts them."""
+    return f"{route.get('route')}: {route.get('model') or '(no model named)'}"
 
 
 def litellm_price(model: str, input_tokens: int, output_tokens: int) -> float | None:
@@ -139,6 +149,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     gate: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     last_outcome = None
+    judges: Counter[str] = Counter()
+    last_judge = None
     condensed: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     sup_in = sup_out = 0
@@ -178,6 +190,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
             if isinstance(g.get("outcome"), str):
                 outcomes[g["outcome"]] += 1
                 last_outcome = g["outcome"]
+            if isinstance(g.get("route"), str) and isinstance(g.get("model"), str):
+                last_judge = {"route": g["route"], "model": g["model"]}
+                judges[judge_label(last_judge)] += 1
         c = _dict(line.get("condensed"))
         condensed["results"] += _int(c.get("results"))
         condensed["saved_tokens"] += _int(c.get("saved_tokens"))
@@ -207,7 +222,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "detectors": {"fires": dict(fires), "steers": dict(steers)},
         "gate": {**{k: gate[k] for k in ("runs", "passes", "gaps", "malformed", "unavailable", "nudges",
                                          "reentries", "refuted")},
-                 "outcomes": dict(outcomes), "last_outcome": last_outcome},
+                 "outcomes": dict(outcomes), "last_outcome": last_outcome, "judges": dict(judges),
+                 "last_judge": last_judge},
         "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"]},
         "planner_calls": calls["plan"],
         "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
@@ -254,6 +270,7 @@ def render_text(info: Mapping[str, Any]) -> str:
                   f"unavailable {gate['unavailable']:,}")),
         ("gate outcomes", _counts(gate["outcomes"])
          + (f" (last: {gate['last_outcome']})" if gate["last_outcome"] else "")),
+        ("gate judged by", _counts(gate.get("judges") or {})),
         ("condensed", f"results {info['condense']['results']:,} · saved {info['condense']['saved_tokens']:,} tokens"),
         ("planner calls", f"{info['planner_calls']:,}"),
         ("supervisor model", (f"{sup['total_calls']:,} calls ({_counts(sup['calls'])}) · {sup['input_tokens']:,} "

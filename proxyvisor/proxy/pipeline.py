@@ -29,18 +29,17 @@ from typing import Any
 import orjson
 import trio
 
-from ..supervisor_model import ModelCall
 from ..config import Config
 from ..store import Store
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
+from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
 from . import commands
 from .info import ledger_fields
-from .continuation import Resend
 from .delegation import ProxyDelegation
 from .gating import Gating, eligible
 from .supervise import Exchange, Supervisor
@@ -82,11 +81,12 @@ class Pipeline:
 
     ``relays`` maps each configured upstream's name to its :class:`HttpRelay`. ``store`` is None when nothing
     may be written. ``translator`` serves formats no upstream speaks (see ``proxyvisor.proxy.translate``).
-    ``model`` is the supervisor model call (``proxyvisor.supervisor_model``; None: no condensing, no verifier).
+    ``routes`` gives each supervised request its supervisor model call (``proxyvisor.proxy.session_model``; None:
+    the session's own route with ``[supervisor.model]``).
     """
 
     def __init__(self, config: Config, relays: dict[str, HttpRelay], store: Store | None,
-                 translator: Any = None, clock: Any = time.monotonic, model: ModelCall | None = None) -> None:
+                 translator: Any = None, clock: Any = time.monotonic, routes: SupervisorRoutes | None = None) -> None:
         self.config = config
         self.relays = relays
         self.store = store
@@ -94,8 +94,8 @@ class Pipeline:
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
-            config.supervisor, store.root if store is not None else None, model), model)
-        self.model = model
+            config.supervisor, store.root if store is not None else None))
+        self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
             if config.supervisor.enabled and config.model_routing.enabled else None
@@ -225,7 +225,8 @@ class Pipeline:
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
-        exchange = await self._supervise(session, fmt, body, request.header("traceparent"))
+        exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
+                                         self._sender(request, fmt, path, upstream, native))
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
@@ -240,16 +241,43 @@ class Pipeline:
                       local=command)
         return response
 
+    def _sender(self, request: Request, fmt: WireFormat, path: str, upstream: Any,
+                native: bool) -> tuple[Send, Any, list[str]]:
+        """How a supervised request's further bodies (continued turns, supervisor model calls) go upstream: the
+        way the request itself goes (relayed with its headers, or translated), as (send, upstream config, the
+        credentials it carries)."""
+        relay = self.relays[upstream.name]
+        if not native:
+            async def translated(new: dict[str, Any]) -> UpstreamReply:
+                return await self.translator.send(fmt, upstream, new, request.headers)
+
+            return translated, upstream, secrets_of(request.headers, relay.api_key)
+        headers = self._headers(request, fmt, relay, True)
+        target = self._target(request, path)
+
+        async def relayed(new: dict[str, Any]) -> UpstreamReply:
+            return await relay.send("POST", target, headers, orjson.dumps(new))
+
+        return relayed, upstream, secrets_of(request.headers, relay.api_key)
+
+    @staticmethod
+    def _headers(request: Request, fmt: WireFormat, relay: HttpRelay, supervised: bool) -> Headers:
+        return upstream_headers(request.headers, relay.api_key, _key_header(fmt.name), accept_identity=supervised)
+
     async def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any],
-                         traceparent: str | None = None) -> Exchange | None:
+                         traceparent: str | None, sender: tuple[Send, Any, list[str]]) -> Exchange | None:
         """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (its
         steps that need I/O, such as condensing, included; the delegation tools, ``proxyvisor.proxy.delegation``)
         and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
-        unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join."""
+        unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join;
+        ``sender``: :meth:`_sender`, the request's route, which its supervisor model calls take too."""
         if session is None:
             return None
         try:
-            exchange = self.supervisor.begin(session, fmt, body)
+            send, upstream, secrets = sender
+            model, route = self.routes.for_request(fmt, body, send, upstream, secrets)
+            exchange = self.supervisor.begin(session, fmt, body, model, route)
+            exchange.send = send
             if self.delegation is not None:
                 exchange.delegation = self.delegation.turn(exchange, traceparent)
         except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
@@ -262,8 +290,7 @@ class Pipeline:
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
         relay = self.relays[upstream_name]
-        headers = upstream_headers(request.headers, relay.api_key, _key_header(fmt.name),
-                                   accept_identity=session is not None)
+        headers = self._headers(request, fmt, relay, session is not None)
         content = request.body
         if exchange is not None:
             try:
@@ -281,12 +308,7 @@ class Pipeline:
             self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
             raise
         if exchange is not None:
-            target = self._target(request, path)
-
-            async def resend(new: dict[str, Any]) -> UpstreamReply:
-                return await relay.send("POST", target, headers, orjson.dumps(new))
-
-            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply, resend), resend))
+            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply)))
         return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
@@ -300,27 +322,23 @@ class Pipeline:
             self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
             raise
         if exchange is not None:
-            async def resend(new: dict[str, Any]) -> UpstreamReply:
-                return await self.translator.send(fmt, upstream, new, request.headers)
-
-            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply, resend), resend))
+            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply)))
         return self._respond(request, fmt, reply, body, session, exchange)
 
-    async def _continued(self, exchange: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
+    async def _continued(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when the model called delegation tools, the turn continued upstream after the children
-        ran (``proxyvisor.proxy.continuation``); ``resend`` sends a body the way the request went."""
+        ran (``proxyvisor.proxy.continuation``), through ``exchange.send``."""
         if exchange.delegation is None:
             return reply
-        return await exchange.delegation.continuation(resend, self.background).reply(reply)
+        return await exchange.delegation.continuation(exchange.send, self.background).reply(reply)
 
-    async def _gated(self, exchange: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
+    async def _gated(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when it ends the agent's turn, what the verify-gate makes of it
         (``proxyvisor.proxy.gating``)."""
         gate = self.config.supervisor.gate
-        if not eligible(exchange, self.model, gate):
+        if not eligible(exchange, gate):
             return reply
-        assert self.model is not None
-        return await Gating(exchange, gate, self.model, resend, self.supervisor.mutating_tools,
+        return await Gating(exchange, gate, exchange.send, self.supervisor.mutating_tools,
                             self.background).reply(reply)
 
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,

@@ -67,6 +67,7 @@ from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
 from ..supervisor_model import ModelCall
+from .session_model import RouteError
 from .formats import WireFormat
 
 if TYPE_CHECKING:
@@ -129,21 +130,21 @@ class PlanTurn:
 
 
 class Planner:
-    """The plan for every session of a proxy: ``settings`` (``[supervisor.plan]``), the supervisor ``model`` (None:
-    no planner calls; recitation still runs), the ``mutating_tools`` of ``[supervisor.detectors]``, and ``exists``,
-    the file check for assumptions (``os.path.exists``; tests pass their own)."""
+    """The plan for every session of a proxy: ``settings`` (``[supervisor.plan]``), the ``mutating_tools`` of
+    ``[supervisor.detectors]``, and ``exists``, the file check for assumptions (``os.path.exists``; tests pass
+    their own). The planner is each request's supervisor model (``Exchange.model``; a request without one makes no
+    planner call; recitation still runs)."""
 
-    def __init__(self, settings: PlanConfig, model: ModelCall | None, mutating_tools: frozenset[str] = frozenset(),
+    def __init__(self, settings: PlanConfig, mutating_tools: frozenset[str] = frozenset(),
                  exists: Callable[[str], bool] = os.path.exists) -> None:
         self.settings = settings
-        self.model = model
         self.mutating_tools = mutating_tools
         self.exists = exists
 
     @property
     def planning(self) -> bool:
-        """Whether signals call the planner: ``[supervisor.plan] enabled`` and a supervisor model."""
-        return self.settings.enabled and self.model is not None
+        """Whether signals call the planner: ``[supervisor.plan] enabled``."""
+        return self.settings.enabled
 
     def turn(self) -> PlanTurn | None:
         """The :class:`PlanTurn` of a new request; None when signals do not call the planner."""
@@ -235,7 +236,7 @@ class Planner:
         sit before the answer it is about). Never raises for a planner fault; cancellation propagates."""
         thread = exchange.thread
         signal, thread.plan_signal = thread.plan_signal, None
-        if signal is None or self.model is None:
+        if signal is None or exchange.model is None:
             return
         planning = thread.planning
         report = planning.handoff
@@ -248,7 +249,7 @@ class Planner:
                                  plan=thread.plan, focus=report.focus if report else "",
                                  next_step=report.next if report else None, carry=report.carry if report else (),
                                  actions=actions)
-        answer = await self._ask(document)
+        answer = await self._ask(exchange.model, document)
         exchange.record.model.record("plan", answer)
         if answer is None:
             return
@@ -269,15 +270,17 @@ class Planner:
             _append(exchange, text)
             _add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
 
-    async def _ask(self, document: str) -> str | None:
-        """The planner's answer, or None when the call failed or took longer than ``timeout_s`` (logged)."""
-        assert self.model is not None
+    async def _ask(self, model: ModelCall, document: str) -> str | None:
+        """The planner's answer from ``model``, or None when the call failed or took longer than ``timeout_s``
+        (logged)."""
         messages = [{"role": "system", "content": PLANNER_INSTRUCTIONS}, {"role": "user", "content": document}]
         with trio.move_on_after(self.settings.timeout_s):
             try:
-                return await self.model(messages)
+                return await model(messages)
             except Exception as exc:  # noqa: BLE001 - a planner outage leaves the plan as it was
-                log.warning("the planner call failed (%s: %s); the plan is unchanged", type(exc).__name__, exc)
+                # A route's refusal was reported once already (proxyvisor.proxy.session_model).
+                (log.debug if isinstance(exc, RouteError) else log.warning)(
+                    "the planner call failed (%s: %s); the plan is unchanged", type(exc).__name__, exc)
                 return None
         log.warning("the planner call timed out after %g s; the plan is unchanged", self.settings.timeout_s)
         return None

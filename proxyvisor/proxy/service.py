@@ -17,11 +17,12 @@ import trio
 
 from ..adapters import litellm_bridge
 from ..adapters.scripted import ScriptedUpstream, load_script
-from ..supervisor_model import ModelCall, configured_model
+from ..supervisor_model import LITELLM, ModelCall, configured_model
 from ..config import Config, ConfigError
 from ..store import Store
 from .pipeline import Pipeline
 from .relay import HttpRelay
+from .session_model import SUPPLIED, SupervisorRoutes
 from .server import Limits, bound_port, open_listeners, serve_listeners
 
 
@@ -86,8 +87,10 @@ async def running(config: Config, port: int | None = None, store: Store | None =
 
     ``port`` overrides ``[proxy] port`` (0 = a free port). ``store`` overrides the state directory (by default
     the configured one, and none at all when supervision is disabled, so nothing can be written). ``scripted``
-    supplies ready-made scripted upstreams by name (tests queue steps on them). ``model`` (the supervisor model call: condenser, verifier, planner) replaces the one
-    ``[supervisor.model]`` describes (``api_base = "scripted:"`` is the first scripted upstream).
+    supplies ready-made scripted upstreams by name (tests queue steps on them). ``model`` (the supervisor model call:
+    condenser, verifier, planner; its route is labelled ``supplied``) replaces the route ``[supervisor.model]``
+    describes (``proxyvisor.supervisor_model``: the session's own, or litellm, where ``api_base = "scripted:"`` is
+    the first scripted upstream).
 
     Raises:
         ConfigError: an upstream key variable is missing, a script file is invalid, or ``[supervisor.model]``
@@ -114,18 +117,21 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
             urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
         relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
+        route = SUPPLIED
         if model is None:
+            route = LITELLM
             model = configured_model(config.supervisor.model, next(iter(urls.values()), None))
-            if model is not None and config.supervisor.enabled:
-                # litellm takes seconds to import: now, rather than inside the first request that condenses.
-                nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
-                                                     abandon_on_cancel=True))
+        if config.supervisor.enabled and route == LITELLM and model is not None:
+            # litellm takes seconds to import: now, rather than inside the first request that condenses.
+            nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
+                                                 abandon_on_cancel=True))
         translator = None
         if any(set(u.formats) != {"chat", "messages", "responses"} for u in config.upstreams):
             from .translate import Translator
 
             translator = Translator(relays)
-        pipeline = Pipeline(config, relays, store, translator, model=model)
+        pipeline = Pipeline(config, relays, store, translator,
+                            routes=SupervisorRoutes(config.supervisor.model, model, route))
         pipeline.background = nursery
         host = config.proxy.host
         listeners = await open_listeners(host, config.proxy.port if port is None else port)

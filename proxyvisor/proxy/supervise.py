@@ -95,6 +95,8 @@ class ModelUse:
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    route: dict[str, str] = field(default_factory=dict)
+    """Which route and model the calls take: ``{"route": "session"|"litellm"|"supplied", "model": name}``."""
 
     def record(self, purpose: str, answer: str | None) -> None:
         """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed)."""
@@ -187,12 +189,16 @@ class Supervisor:
         self.config = config
         self.mutating_tools = frozenset(config.detectors.mutating_tools)
         self.condenser = condenser
-        self.planner = Planner(config.plan, model, self.mutating_tools)
+        self.model = model
+        """The supervisor model call of a request :meth:`begin` is given none for (None: no model calls)."""
+        self.planner = Planner(config.plan, self.mutating_tools)
 
-    def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Exchange:
+    def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
+              route: dict[str, str] | None = None) -> Exchange:
         """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
-        the upstream body (notes, then the instruction). Never raises on odd histories: unknown items are
-        ignored."""
+        the upstream body (notes, then the instruction). ``model`` is the request's supervisor model call (else
+        the supervisor's own) and ``route`` its label (``{"route", "model"}``, ``proxyvisor.proxy.session_model``).
+        Never raises on odd histories: unknown items are ignored."""
         if session.supervision is None:
             session.supervision = SessionSupervision()
         state: SessionSupervision = session.supervision
@@ -231,8 +237,10 @@ class Supervisor:
             condenser = self.condenser
 
             async def condense(exchange: Exchange) -> None:
+                if exchange.model is None:
+                    return
                 record = exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body,
-                                                                          pending)
+                                                                          pending, exchange.model)
                 if record is not None and record.condenser_called:
                     exchange.record.model.record("condense", record.answer)
 
@@ -246,6 +254,9 @@ class Supervisor:
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
         exchange = Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
+        exchange.model = model or self.model
+        if exchange.model is not None:
+            record.model.route = route or {}
         exchange.items, exchange.parts = sent, parts
         exchange.schemas = schemas
         exchange.planning = self.planner.turn()
@@ -301,6 +312,11 @@ class Exchange:
         """The agent's tools' argument schemas, by name."""
         self.planning: PlanTurn | None = None
         """The plan's part in the request (``proxyvisor.proxy.planning``); None when signals call no planner."""
+        self.model: ModelCall | None = None
+        """The request's supervisor model call (condenser, verifier, refuter, planner; None: none is made). On the
+        session's route it holds the request's credentials: it lives as long as the exchange, never longer."""
+        self.send: Any = None
+        """Sends a body the way the request went (``proxyvisor.proxy.session_model.Send``): continued turns."""
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.

@@ -1,0 +1,242 @@
+"""The supervisor model on the session's own route: each supervised request's model call
+(``proxyvisor.supervisor_model``, route ``session``).
+
+:meth:`SupervisorRoutes.for_request` gives one request its :data:`~proxyvisor.supervisor_model.ModelCall` and the
+route's label for the ledger. On the session route the call (:class:`SessionModel`) is a request of its own to the
+upstream the agent's request went to, sent the same way (the relay with the agent's headers, so its credentials or
+the upstream's configured key exactly as the relay sends them; or the translator the request itself took), in the
+agent's wire format, naming the agent's model (``[supervisor.model] name`` when set). It is never streamed and
+carries ``max_tokens``, ``temperature``, ``top_p`` and ``reasoning_effort`` of ``[supervisor.model]``; verifier,
+refuter and planner calls ask for their answer's JSON schema in the format's own way:
+
+=========  ==========================================================================================
+format     structured answer
+=========  ==========================================================================================
+chat       ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict": false}}``
+messages   a forced tool: ``tools: [{"name", "input_schema"}]``, ``tool_choice: {"type": "tool"}``; the
+           answer is the ``tool_use`` block's input
+responses  ``text: {"format": {"type": "json_schema", "name", "schema", "strict": false}}``
+=========  ==========================================================================================
+
+An upstream that refuses those extras (a 400: a model without ``temperature``, an endpoint without schemas) is asked
+once more with the plain request, and that upstream and model get plain requests from then on. A 401 or 403 (a key
+that serves only the agent itself, such as a subscription token) is :class:`RouteError` ``refused``: the gate labels
+the turn ``unverified`` with its reason, and the proxy warns once per upstream and status, not per request.
+
+Credentials stay in the request's own closures (``send``) and are never written: error reasons quote the upstream's
+message with every credential the request carried replaced by ``[redacted]``.
+
+Usage is read from the answer (``WireFormat.usage``) and priced by litellm's cost map on a worker thread (0 for a
+model the map does not know, and never asked for the scripted upstream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import trio
+
+from ..config import ModelConfig, UpstreamConfig
+from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, schema_of
+from .formats import WireFormat
+from .relay import Headers, UpstreamReply
+from .sse import SSEParser
+
+log = logging.getLogger("proxyvisor.supervisor")
+
+Send = Callable[[dict[str, Any]], Awaitable[UpstreamReply]]
+"""Sends one request body the way the agent's request went and returns the upstream's reply."""
+
+SUPPLIED = "supplied"
+"""The route label of a model call given to ``proxyvisor.proxy.service.running`` (tests, benchmarks)."""
+_AUTH = (b"authorization", b"x-api-key", b"api-key")
+_REASON_CHARS = 300
+
+
+class RouteError(Exception):
+    """The session's route answered a supervisor call with an error ``status``; ``refused`` for 401/403. The
+    message (the reason the ledger records) holds no credential."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.refused = status in (401, 403)
+
+
+def secrets_of(headers: Headers, api_key: str | None = None) -> list[str]:
+    """The credentials a request carries in ``headers`` (and the upstream's configured ``api_key``), longest
+    first, each also without its ``Bearer`` scheme: what must never appear in a reason."""
+    found = {api_key} if api_key else set()
+    for name, value in headers:
+        if name.lower() in _AUTH:
+            text = value.decode("latin-1").strip()
+            found.add(text)
+            found.add(text.partition(" ")[2].strip() if text.lower().startswith("bearer ") else text)
+    return sorted((s for s in found if len(s) >= 4), key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "[redacted]")
+    return text
+
+
+class SupervisorRoutes:
+    """The supervisor route of every request of a proxy: ``settings`` (``[supervisor.model]``) and, for the litellm
+    route or a supplied call, the one ``fixed`` call every request shares (labelled ``fixed_route``)."""
+
+    def __init__(self, settings: ModelConfig, fixed: ModelCall | None = None, fixed_route: str = LITELLM,
+                 price: Callable[[str, int, int], float | None] | None = None) -> None:
+        self.settings = settings
+        self.fixed = fixed
+        self.fixed_route = fixed_route
+        self.price = price
+        """The cost of a call (model, input tokens, output tokens) in USD, None when unknown; called on a worker
+        thread (None: ``proxyvisor.proxy.info.litellm_price``)."""
+        self.plain: set[tuple[str, str]] = set()
+        """(upstream, model) pairs that refused the structured extras: they get plain requests."""
+        self.warned: set[tuple[str, int]] = set()
+
+    def for_request(self, fmt: WireFormat, body: dict[str, Any], send: Send, upstream: UpstreamConfig,
+                    secrets: list[str]) -> tuple[ModelCall, dict[str, str]]:
+        """The model call of one supervised request in ``fmt`` (``body`` as the agent sent it) whose upstream is
+        ``upstream``, and its label ``{"route", "model"}``. ``send`` sends a body the way the request went;
+        ``secrets`` are the credentials it carries (:func:`secrets_of`)."""
+        if self.fixed is not None:
+            return self.fixed, {"route": self.fixed_route, "model": self.settings.name}
+        model = self.settings.name or (body.get("model") if isinstance(body.get("model"), str) else "")
+        return SessionModel(self, fmt, send, model, upstream, secrets, dict(body)), \
+            {"route": SESSION, "model": model}
+
+    def failed(self, upstream: str, status: int, reason: str) -> None:
+        """Log a route's refusal or error once per upstream and status (later ones at debug level)."""
+        if (upstream, status) in self.warned:
+            log.debug("supervisor call failed: %s", reason)
+            return
+        self.warned.add((upstream, status))
+        log.warning("%s; turns the verifier cannot judge there are labelled unverified (to use another route, "
+                    "give [supervisor.model] an api_key_env and name; to stop these calls, set "
+                    "[supervisor.gate] enabled = false)", reason)
+
+
+class SessionModel:
+    """The supervisor :data:`~proxyvisor.supervisor_model.ModelCall` of one request on the session's route (module
+    docstring): ``agent`` is the agent's request body (for the key it names its token limit by)."""
+
+    def __init__(self, routes: SupervisorRoutes, fmt: WireFormat, send: Send, model: str, upstream: UpstreamConfig,
+                 secrets: list[str], agent: dict[str, Any]) -> None:
+        self.routes = routes
+        self.fmt = fmt
+        self.send = send
+        self.model = model
+        self.upstream = upstream
+        self.secrets = secrets
+        self.agent = agent
+
+    async def __call__(self, messages: list[dict[str, str]]) -> str:
+        """The answer to ``messages`` (a :class:`~proxyvisor.supervisor_model.ModelAnswer`).
+
+        Raises:
+            RouteError: the upstream answered with an error status (``refused`` for 401/403).
+            UpstreamError: the upstream is unreachable or timed out.
+            ValueError: the answer has no text.
+        """
+        schema = schema_of(messages)
+        key = (self.upstream.name, self.model)
+        plain = key in self.routes.plain
+        status, response = await self._ask(self.request(messages, schema, plain))
+        if status == 400 and not plain:
+            self.routes.plain.add(key)
+            plain = True
+            status, response = await self._ask(self.request(messages, schema, plain))
+        if status >= 400:
+            reason = (f"the session's route ({self.upstream.name!r}, model {self.model!r}) "
+                      f"{'refused' if status in (401, 403) else 'failed'} the supervisor call ({status}): "
+                      f"{self._message(response)}")
+            self.routes.failed(self.upstream.name, status, reason)
+            raise RouteError(status, reason)
+        text = self.answer_text(response, schema if not plain else None)
+        if not text:
+            raise ValueError("the supervisor model answered without text")
+        usage = self.fmt.usage(response)
+        tokens_in, tokens_out = usage.input_tokens or 0, usage.output_tokens or 0
+        cost = 0.0
+        if not self.upstream.scripted and (tokens_in or tokens_out) and self.model:
+            cost = await trio.to_thread.run_sync(self._price, tokens_in, tokens_out, abandon_on_cancel=True) or 0.0
+        return ModelAnswer(text, tokens_in, tokens_out, cost)
+
+    def _price(self, tokens_in: int, tokens_out: int) -> float | None:
+        price = self.routes.price
+        if price is None:
+            from .info import litellm_price as price
+        return price(self.model, tokens_in, tokens_out)
+
+    def request(self, messages: list[dict[str, str]], schema: tuple[str, dict[str, Any]] | None,
+                plain: bool) -> dict[str, Any]:
+        """The request body for ``messages`` in the request's format (module docstring); ``plain``: without the
+        sampling settings and the schema."""
+        s = self.routes.settings
+        body = self.fmt.request_from_chat(messages, self.model, stream=False)
+        name = self.fmt.name
+        if name == "messages":
+            body["max_tokens"] = s.max_tokens  # Anthropic requires it
+        if plain:
+            return body
+        if name == "chat":
+            body["max_completion_tokens" if "max_completion_tokens" in self.agent else "max_tokens"] = s.max_tokens
+        elif name == "responses":
+            body["max_output_tokens"] = s.max_tokens
+        body["temperature"] = s.temperature
+        if s.top_p < 1.0:
+            body["top_p"] = s.top_p
+        if s.reasoning_effort and name == "chat":
+            body["reasoning_effort"] = s.reasoning_effort
+        elif s.reasoning_effort and name == "responses":
+            body["reasoning"] = {"effort": s.reasoning_effort}
+        if schema is not None:
+            title, shape = schema
+            if name == "chat":
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": title, "schema": shape, "strict": False}}
+            elif name == "responses":
+                body["text"] = {"format": {"type": "json_schema", "name": title, "schema": shape, "strict": False}}
+            else:
+                body["tools"] = [{"name": title, "description": "Record your answer.", "input_schema": shape}]
+                body["tool_choice"] = {"type": "tool", "name": title}
+        return body
+
+    def answer_text(self, response: dict[str, Any], schema: tuple[str, dict[str, Any]] | None) -> str:
+        """The answer's text: for a forced tool, the JSON of the tool call's input; else the reply's text."""
+        turn = self.fmt.parse_response(response)
+        if schema is not None and self.fmt.name == "messages":
+            call = next((c for c in turn.tool_calls if c.name == schema[0]), None)
+            if call is not None:
+                return orjson.dumps(call.arguments).decode()
+        return turn.text
+
+    async def _ask(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Send ``body``; the reply's status and JSON object (``{}`` when it is none)."""
+        reply = await self.send(body)
+        if reply.streaming:  # an upstream that streams unasked: its events make the same response
+            parser, events = SSEParser(), []
+            async for chunk in reply.body:  # type: ignore[union-attr]
+                events += [(e.event, e.data) for e in parser.feed(chunk)]
+            try:
+                return reply.status, self.fmt.stream_response(events)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+                return reply.status, {}
+        try:
+            data = orjson.loads(reply.body)  # type: ignore[arg-type]
+        except orjson.JSONDecodeError:
+            data = {}
+        return reply.status, data if isinstance(data, dict) else {}
+
+    def _message(self, response: dict[str, Any]) -> str:
+        error = response.get("error")
+        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        if not isinstance(message, str) or not message:
+            return "no error message"
+        return redact(message, self.secrets)[:_REASON_CHARS]

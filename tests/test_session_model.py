@@ -1,0 +1,239 @@
+"""The supervisor model on the session's own route (``proxyvisor.proxy.session_model``), with no ``[supervisor.model]``.
+
+The upstream here is a :class:`Recording` scripted upstream: it answers as the embedded one does (the agent's turns
+from the script, the verifier's calls with the scripted policy) and keeps every request it got, headers included,
+so a test can see where the verifier's call went, how, and with which credentials.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxyvisor.adapters.scripted import ScriptedUpstream, policy
+from proxyvisor.config import Config, ModelConfig, UpstreamConfig
+from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
+from proxyvisor.proxy.formats import BY_NAME, BY_PATH, ToolSpec
+from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.service import running
+from proxyvisor.store import Store
+from proxyvisor.supervisor_model import describe, route_of, schema_of
+
+from helpers import http_client, serve_handler, sse_events
+
+FORMATS = ("chat", "messages", "responses")
+MODES = [(f, s) for f in FORMATS for s in (False, True)]
+IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
+AGENT_MODEL = "agent-model-7"
+CLIENT_KEY = "sk-client-canary-0123456789abcdef"
+DONE = "Fixed add() in app.py; the tests pass."
+BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}, "Run a command")
+
+
+class Recording(ScriptedUpstream):
+    """A scripted upstream that keeps every model request as (path, headers, body, response body); supervisor calls
+    (recognised as the scripted upstream recognises them) answer ``refuse`` (a status) when it is set."""
+
+    def __init__(self, steps: list[dict[str, Any]] | None = None, refuse: int | None = None,
+                 refuse_if: str | None = None) -> None:
+        super().__init__(steps)
+        self.seen: list[tuple[str, dict[str, str], dict[str, Any], bytes]] = []
+        self.refuse = refuse
+        self.refuse_if = refuse_if
+        """Refuse only the supervisor calls whose body holds this text (400 for an unsupported field)."""
+
+    async def __call__(self, request: Request) -> Response:
+        fmt = BY_PATH.get(request.path)
+        body = orjson.loads(request.body) if fmt is not None else {}
+        headers = {k.decode(): v.decode("latin-1") for k, v in request.headers}
+        if fmt is not None and policy(fmt, body) is not None and self.refuse is not None \
+                and (self.refuse_if is None or self.refuse_if.encode() in request.body):
+            quoted = "; ".join(f"{k}={v}" for k, v in headers.items())
+            response = Response(self.refuse, [(b"content-type", b"application/json")], fmt.error_body(
+                self.refuse, f"This credential is only authorized for the agent itself. You sent: {quoted}"))
+        else:
+            response = await super().__call__(request)
+        if fmt is not None:
+            data = response.body if isinstance(response.body, bytes) else b""
+            self.seen.append((request.path, headers, body, data))
+        return response
+
+    def supervisor_calls(self) -> list[tuple[str, dict[str, str], dict[str, Any], bytes]]:
+        return [s for s in self.seen if policy(BY_PATH[s[0]], s[2]) is not None]
+
+
+@asynccontextmanager
+async def proxied(tmp_path: Path, upstream: Recording, model: ModelConfig | None = None,
+                  formats: tuple[str, ...] = FORMATS) -> AsyncIterator[Any]:
+    """A proxy over ``upstream`` (served on its own port, so its route is a real HTTP relay)."""
+    async with serve_handler(upstream) as url:
+        config = Config(upstreams=(UpstreamConfig(name="up", url=url, formats=formats),))
+        if model is not None:
+            config = config.with_overrides(supervisor={"model": model})
+        store = Store(tmp_path / "state")
+        async with running(config, port=0, store=store) as proxy:
+            proxy.store = store
+            yield proxy
+
+
+def edited_and_checked(fmt: str, stream: bool) -> dict[str, Any]:
+    """An agent request whose turn edited app.py and ran a passing check."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                      {"role": "user", "content": "Fix the bug in app.py."}]
+    for call_id, command, result in (("c1", "sed -i 's/a - b/a + b/' app.py", ""), ("c2", "pytest -q", "3 passed")):
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "Bash", "arguments": orjson.dumps({"command": command}).decode()}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+    return BY_NAME[fmt].request_from_chat(messages, AGENT_MODEL, stream, (BASH,))
+
+
+def credentials(fmt: str) -> dict[str, str]:
+    return {"x-api-key": CLIENT_KEY} if fmt == "messages" else {"authorization": f"Bearer {CLIENT_KEY}"}
+
+
+async def send(proxy: Any, fmt: str, body: dict[str, Any], session: str = "route-test") -> str:
+    """One agent request with the client's credentials; the answer's text."""
+    async with http_client() as client:
+        response = await client.post(proxy.url + BY_NAME[fmt].path, content=orjson.dumps(body), headers={
+            "content-type": "application/json", "x-proxyvisor-session": session, **credentials(fmt)})
+    assert response.status_code == 200, response.text
+    w = BY_NAME[fmt]
+    if body.get("stream"):
+        return w.assemble([(e.event, e.data) for e in sse_events(response.content)]).text.rstrip("\n")
+    return w.parse_response(response.json()).text.rstrip("\n")
+
+
+def gates(proxy: Any, session: str = "route-test") -> list[dict[str, Any]]:
+    return [line["gate"] for line in proxy.store.read_ledger(session) if "gate" in line]
+
+
+# ---- the session's route --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_the_verifier_call_goes_the_way_the_agents_request_went(tmp_path: Path, fmt: str, stream: bool) -> None:
+    upstream = Recording([{"text": DONE}])
+    async with proxied(tmp_path, upstream) as proxy:
+        assert await send(proxy, fmt, edited_and_checked(fmt, stream)) == DONE
+    ((path, headers, body, answer),) = upstream.supervisor_calls()
+    assert path == BY_NAME[fmt].path and body["model"] == AGENT_MODEL and body["stream"] is False
+    key = "x-api-key" if fmt == "messages" else "authorization"
+    assert CLIENT_KEY in headers[key]  # the agent's own credentials, as the relay forwards them
+    assert BY_NAME[fmt].fingerprint_parts(body)[0] == VERIFIER_INSTRUCTIONS
+    assert body["temperature"] == 0.0
+    limit = {"chat": "max_tokens", "messages": "max_tokens", "responses": "max_output_tokens"}[fmt]
+    assert body[limit] == ModelConfig().max_tokens
+    name, schema = schema_of([{"role": "system", "content": VERIFIER_INSTRUCTIONS}])  # type: ignore[misc]
+    if fmt == "chat":
+        assert body["response_format"]["json_schema"] == {"name": name, "schema": schema, "strict": False}
+    elif fmt == "responses":
+        assert body["text"]["format"] == {"type": "json_schema", "name": name, "schema": schema, "strict": False}
+    else:  # a forced tool, answered with that tool's call, whose input is the verdict
+        assert body["tool_choice"] == {"type": "tool", "name": name}
+        assert body["tools"][0]["input_schema"] == schema
+        blocks = orjson.loads(answer)["content"]
+        assert [b["type"] for b in blocks] == ["tool_use"] and blocks[0]["input"]["verdict"] == "pass"
+    (gate,) = gates(proxy)
+    assert (gate["verdicts"], gate["outcome"], gate["route"], gate["model"]) == (["pass"], "verified", "session",
+                                                                                 AGENT_MODEL)
+    line = proxy.store.read_ledger("route-test")[-1]
+    assert line["supervisor_model"]["calls"] == {"verify": 1} and line["supervisor_model"]["input_tokens"] > 0
+    assert line["supervisor_model"]["cost_usd"] == 0.0  # a model litellm's cost map does not know
+
+
+async def test_a_premature_done_is_held_and_reworked_on_the_sessions_route(tmp_path: Path) -> None:
+    """The scripted policy finds "no check after the change" in the digest: the gate continues the turn, and the
+    agent gets the reworked answer (the check run); the verifier call took the agent's route."""
+    body = edited_and_checked("messages", True)
+    body["messages"] = body["messages"][:3] + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "c1", "content": ""}]}]
+    rework = {"text": "Running the tests.", "tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}}]}
+    upstream = Recording([{"text": "Done."}, rework])
+    async with proxied(tmp_path, upstream) as proxy:
+        assert await send(proxy, "messages", body) == "Running the tests."
+    (gate,) = gates(proxy)
+    assert gate["reentries"] == 1 and gate["verdicts"] == ["gaps"] and gate["route"] == "session"
+    assert {p for p, *_ in upstream.supervisor_calls()} == {"/v1/messages"}
+
+
+async def test_a_model_name_alone_picks_another_model_on_the_same_route(tmp_path: Path) -> None:
+    upstream = Recording([{"text": DONE}])
+    async with proxied(tmp_path, upstream, ModelConfig(name="claude-haiku-4-5", max_tokens=333)) as proxy:
+        await send(proxy, "messages", edited_and_checked("messages", False))
+    ((path, headers, body, _),) = upstream.supervisor_calls()
+    assert (path, body["model"], body["max_tokens"]) == ("/v1/messages", "claude-haiku-4-5", 333)
+    assert headers["x-api-key"] == CLIENT_KEY
+    assert [b["model"] for p, _h, b, _a in upstream.seen if (p, _h, b, _a) not in upstream.supervisor_calls()] \
+        == [AGENT_MODEL]  # the agent's own request keeps its model
+    assert (gates(proxy)[0]["route"], gates(proxy)[0]["model"]) == ("session", "claude-haiku-4-5")
+
+
+async def test_the_translator_path_takes_the_verifier_call_through_the_same_translation(tmp_path: Path) -> None:
+    """An Anthropic client on a chat-only upstream: the verifier call is made in the client's format and translated
+    like the request, so it reaches the chat endpoint."""
+    upstream = Recording([{"text": DONE}])
+    async with proxied(tmp_path, upstream, formats=("chat",)) as proxy:
+        assert await send(proxy, "messages", edited_and_checked("messages", False)) == DONE
+    ((path, headers, body, _),) = upstream.supervisor_calls()
+    assert path == "/v1/chat/completions" and body["model"] == AGENT_MODEL and CLIENT_KEY in headers["authorization"]
+    (gate,) = gates(proxy)
+    assert (gate["outcome"], gate["route"]) == ("verified", "session")
+
+
+async def test_the_litellm_route_still_serves_an_explicit_endpoint(tmp_path: Path) -> None:
+    """``api_base`` picks the litellm route: the scripted upstream's chat endpoint, asked by response_format,
+    without the agent's credentials."""
+    model = ModelConfig(name="scripted-model", api_base="scripted:")
+    assert route_of(model) == "litellm" and describe(model).startswith("litellm: scripted-model")
+    upstream = ScriptedUpstream([{"text": DONE}])
+    config = Config().with_overrides(supervisor={"model": model})
+    store = Store(tmp_path / "state")
+    async with running(config, port=0, store=store, scripted={"scripted": upstream}) as proxy:
+        proxy.store = store
+        assert await send(proxy, "messages", edited_and_checked("messages", False)) == DONE
+    (call,) = [orjson.loads(b) for b in upstream.supervisor_requests]
+    assert call["model"] == "scripted-model" and call["response_format"]["type"] == "json_schema"
+    (gate,) = gates(proxy)
+    assert (gate["outcome"], gate["route"], gate["model"]) == ("verified", "litellm", "scripted-model")
+
+
+def test_serve_and_wrap_say_which_route_and_model_judge() -> None:
+    assert describe(ModelConfig()) == "the session's own (each request's upstream and model)"
+    assert describe(ModelConfig(name="claude-haiku-4-5")) == "claude-haiku-4-5 on the session's route"
+    assert describe(ModelConfig(name="openai/gpt-4.1-mini", api_key_env="K")) == "litellm: openai/gpt-4.1-mini"
+
+
+# ---- a route that refuses ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_refused_verifier_call_labels_the_turn_unverified_delivers_the_answer_and_warns_once(
+        tmp_path: Path, status: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    upstream = Recording([{"text": DONE}, {"text": DONE}], refuse=status)
+    async with proxied(tmp_path, upstream) as proxy:
+        for fmt in ("messages", "chat"):
+            assert await send(proxy, fmt, edited_and_checked(fmt, fmt == "chat"), session=f"s-{fmt}") == DONE
+        assert proxy.pipeline.routes.warned == {("up", status)}
+    for fmt in ("messages", "chat"):
+        (gate,) = gates(proxy, f"s-{fmt}")
+        assert (gate["verdicts"], gate["outcome"], gate["passed"]) == (["unavailable"], "unverified", False)
+        assert f"refused the supervisor call ({status})" in gate["reason"] and "[redacted]" in gate["reason"]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "supervisor call" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    text = caplog.text + "".join(p.read_text() for p in (tmp_path / "state").rglob("*") if p.is_file())
+    assert CLIENT_KEY not in text
+
+
+async def test_an_upstream_that_refuses_the_extras_gets_the_plain_request_from_then_on(tmp_path: Path) -> None:
+    upstream = Recording([{"text": DONE}, {"text": DONE}], refuse=400, refuse_if='"temperature"')
+    async with proxied(tmp_path, upstream) as proxy:
+        for session in ("a", "b"):
+            assert await send(proxy, "chat", edited_and_checked("chat", False), session=session) == DONE
+    calls = [b for _p, _h, b, _a in upstream.supervisor_calls()]
+    assert ["temperature" in b for b in calls] == [True, False, False]
+    assert all("response_format" not in b for b in calls[1:])
+    assert [g["outcome"] for s in ("a", "b") for g in gates(proxy, s)] == ["verified", "verified"]
