@@ -78,14 +78,14 @@ class StateConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``[supervisor.model]``: the model proxyvisor calls itself (the condenser), through litellm.
+    """``[supervisor.model]``: the model proxyvisor calls itself (verifier, refuter, planner, condenser).
 
-    ``name`` is a litellm model id (``"anthropic/claude-haiku-4-5"``, ``"openai/gpt-4.1-mini"``); empty means no
-    supervisor model, and every feature that needs one stands aside. ``api_key_env`` names the environment
-    variable holding the key (empty: litellm's own variables, e.g. ``ANTHROPIC_API_KEY``). ``api_base =
-    "scripted:"`` is the first embedded scripted upstream, which answers condenser calls with a fixed policy (no
-    key, no network: the demo's). Empty ``reasoning_effort`` sends none; ``top_p`` is sent only when below 1. The
-    defaults follow seed 003's profile.
+    With ``api_base`` and ``api_key_env`` empty, the session's own route (``proxyvisor.supervisor_model.route_of``):
+    each call goes the way the supervised request went, to ``name``, or the request's own model when ``name`` is
+    empty. Setting ``api_base`` or ``api_key_env`` picks the litellm route: ``name`` is then a litellm model id
+    (``"anthropic/claude-haiku-4-5"``), ``api_key_env`` the environment variable holding its key, and ``api_base =
+    "scripted:"`` the first embedded scripted upstream (fixed policies, no key, no network). Empty
+    ``reasoning_effort`` sends none; ``top_p`` is sent only when below 1. The defaults follow seed 003's profile.
     """
 
     name: str = ""

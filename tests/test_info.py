@@ -25,7 +25,7 @@ from helpers import FORMATS, MODEL, http_client, request_body, sse_events
 
 REPORT = '<sup>{"state":"progressing","focus":"poll","next":"poll again","carry":["build id 42"],"plan":null}</sup>'
 GATE = {"verdicts": ["gaps", "pass"], "nudges": 1, "reentries": 1, "refuted": 0, "outcome": "verified",
-        "passed": True, "reason": "", "gaps": []}
+        "passed": True, "reason": "", "gaps": [], "route": "session", "model": "local-llm"}
 
 LINES: list[dict[str, Any]] = [
     {"time": "2026-01-01T00:00:00.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
@@ -68,7 +68,8 @@ def test_summarize_sums_every_counter_of_a_session() -> None:
     assert info["detectors"] == {"fires": {"loop": 2, "no_progress": 1}, "steers": {"loop": 1}}
     assert info["gate"] == {"runs": 2, "passes": 1, "gaps": 1, "malformed": 0, "unavailable": 1, "nudges": 1,
                             "reentries": 1, "refuted": 0, "outcomes": {"verified": 1, "unverified": 1},
-                            "last_outcome": "unverified"}
+                            "last_outcome": "unverified", "judges": {"session: local-llm": 1},
+                            "last_judge": {"route": "session", "model": "local-llm"}}
     assert info["condense"] == {"results": 1, "saved_tokens": 1800}
     assert info["planner_calls"] == 1
     assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,

@@ -337,11 +337,13 @@ def policy(fmt: WireFormat, body: dict[str, Any]) -> Callable[[WireFormat, dict[
 
 
 def _forced_tool(body: dict[str, Any]) -> str | None:
-    """The tool a request forces the model to call (Anthropic's ``tool_choice: {"type": "tool", "name"}``)."""
+    """The tool a request forces the model to call: Anthropic's ``tool_choice: {"type": "tool", "name"}``, chat's
+    ``{"type": "function", "function": {"name"}}``, Responses' ``{"type": "function", "name"}``."""
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "tool" and isinstance(choice.get("name"), str):
-        return choice["name"]
-    return None
+    if not isinstance(choice, dict) or choice.get("type") not in ("tool", "function"):
+        return None
+    named = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+    return named["name"] if isinstance(named.get("name"), str) else None
 
 
 def _model(body: dict[str, Any]) -> str:

@@ -32,7 +32,8 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
      "nudges": 0, "reentries": 1, "refuted": 0,
      "outcome": "verified",         # when the turn ended here: verified | unknown | failed | unverified
      "passed": true, "reason": "...", "gaps": ["..."],
-     "digest_tokens": 1234}         # the latest verifier input's size (cl100k tokens), once one was built
+     "digest_tokens": 1234,         # the latest verifier input's size (cl100k tokens), once one was built
+     "route": "session", "model": "..."}  # once a verifier call was made: the route and model that judged
 """
 
 from __future__ import annotations

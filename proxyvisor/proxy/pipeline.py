@@ -225,8 +225,10 @@ class Pipeline:
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
-        exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
-                                         self._sender(request, fmt, path, upstream, native))
+        exchange = None
+        if session is not None:
+            exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
+                                             self._sender(request, fmt, path, upstream, native))
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
@@ -264,15 +266,13 @@ class Pipeline:
     def _headers(request: Request, fmt: WireFormat, relay: HttpRelay, supervised: bool) -> Headers:
         return upstream_headers(request.headers, relay.api_key, _key_header(fmt.name), accept_identity=supervised)
 
-    async def _supervise(self, session: Session | None, fmt: WireFormat, body: dict[str, Any],
+    async def _supervise(self, session: Session, fmt: WireFormat, body: dict[str, Any],
                          traceparent: str | None, sender: tuple[Send, Any, list[str]]) -> Exchange | None:
         """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (its
         steps that need I/O, such as condensing, included; the delegation tools, ``proxyvisor.proxy.delegation``)
         and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
         unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join;
         ``sender``: :meth:`_sender`, the request's route, which its supervisor model calls take too."""
-        if session is None:
-            return None
         try:
             send, upstream, secrets = sender
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets)

@@ -108,7 +108,7 @@ class SupervisorRoutes:
         if self.fixed is not None:
             return self.fixed, {"route": self.fixed_route, "model": self.settings.name}
         model = self.settings.name or (body.get("model") if isinstance(body.get("model"), str) else "")
-        return SessionModel(self, fmt, send, model, upstream, secrets, dict(body)), \
+        return SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body), \
             {"route": SESSION, "model": model}
 
     def failed(self, upstream: str, status: int, reason: str) -> None:
@@ -124,17 +124,18 @@ class SupervisorRoutes:
 
 class SessionModel:
     """The supervisor :data:`~proxyvisor.supervisor_model.ModelCall` of one request on the session's route (module
-    docstring): ``agent`` is the agent's request body (for the key it names its token limit by)."""
+    docstring): ``completion_tokens``: the agent's chat request names its token limit ``max_completion_tokens``
+    (what newer OpenAI models take), so the supervisor's does too."""
 
     def __init__(self, routes: SupervisorRoutes, fmt: WireFormat, send: Send, model: str, upstream: UpstreamConfig,
-                 secrets: list[str], agent: dict[str, Any]) -> None:
+                 secrets: list[str], completion_tokens: bool = False) -> None:
         self.routes = routes
         self.fmt = fmt
         self.send = send
         self.model = model
         self.upstream = upstream
         self.secrets = secrets
-        self.agent = agent
+        self.completion_tokens = completion_tokens
 
     async def __call__(self, messages: list[dict[str, str]]) -> str:
         """The answer to ``messages`` (a :class:`~proxyvisor.supervisor_model.ModelAnswer`).
@@ -186,7 +187,7 @@ class SessionModel:
         if plain:
             return body
         if name == "chat":
-            body["max_completion_tokens" if "max_completion_tokens" in self.agent else "max_tokens"] = s.max_tokens
+            body["max_completion_tokens" if self.completion_tokens else "max_tokens"] = s.max_tokens
         elif name == "responses":
             body["max_output_tokens"] = s.max_tokens
         body["temperature"] = s.temperature
