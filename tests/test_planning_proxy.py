@@ -339,6 +339,22 @@ def _actions(exchange: Any) -> list[Any]:
     return turn_actions([CHAT.message(i) for i in exchange.items[2:]], exchange.schemas)
 
 
+@pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
+async def test_the_planner_call_takes_the_sessions_own_route_by_default(tmp_path: Path, fmt: str) -> None:
+    """No ``[supervisor.model]``: the planner call goes to the agent's upstream in its format, asking for the
+    decision's schema (a forced tool on Anthropic, which the scripted upstream answers with that tool's call)."""
+    async with running(config(), port=0, store=Store(tmp_path / "state"),
+                       scripted={"scripted": ScriptedUpstream()}) as proxy:
+        agent = Agent(proxy, BY_NAME[fmt])
+        await agent.turn("Start. " + report("request"))
+        second = await agent.turn("Looked. " + report("phase_complete"))
+        (call_body,) = [orjson.loads(b) for b in agent.upstream.supervisor_requests]
+        assert "Live plan (0/3 done)" in agent.tail(second)
+    assert call_body["model"] == "m" and call_body["stream"] is False
+    structured = {"chat": "response_format", "messages": "tool_choice", "responses": "text"}[fmt]
+    assert structured in call_body
+
+
 async def test_the_scripted_upstream_answers_planner_calls_through_litellm(tmp_path: Path) -> None:
     """``api_base = "scripted:"``: the planner call goes through litellm to the embedded scripted upstream."""
     cfg = config().with_overrides(supervisor={"model": ModelConfig(name="scripted-model", api_base="scripted:")})

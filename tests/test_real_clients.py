@@ -410,9 +410,7 @@ def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: P
     script.write_text("".join(json.dumps(step) + "\n" for step in (
         exec_call(write), {"text": "Done."}, exec_call("python3 -m unittest -v"), {"text": final})))
     config = tmp_path / "config.toml"
-    # Until the session's own route is the default supervisor model, the scripted one is named here.
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n'
-                      '[supervisor.model]\nname = "scripted-model"\napi_base = "scripted:"\n')
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')  # no [supervisor.model]: the session's own
     (ws.home / "config.toml").write_text(_CODEX_DEFAULT_MODEL)
     cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "Write calc.py with add(a, b)."]
     run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
@@ -430,3 +428,4 @@ def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: P
     gates = [r["gate"] for r in records if r.get("gate")]
     assert gates[0]["reentries"] == 1 and gates[0]["verdicts"][0] == "gaps", gates
     assert gates[-1]["outcome"] == "verified", gates
+    assert {(g["route"], g["model"]) for g in gates} == {("session", records[0]["model"])}, gates

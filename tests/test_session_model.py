@@ -237,3 +237,17 @@ async def test_an_upstream_that_refuses_the_extras_gets_the_plain_request_from_t
     assert ["temperature" in b for b in calls] == [True, False, False]
     assert all("response_format" not in b for b in calls[1:])
     assert [g["outcome"] for s in ("a", "b") for g in gates(proxy, s)] == ["verified", "verified"]
+
+
+def test_the_verifier_refuter_and_planner_calls_name_their_schemas_and_the_condenser_none() -> None:
+    from proxyvisor.condense.protocol import SYSTEM_PROMPT
+    from proxyvisor.gate.plan import DECISION_SCHEMA, PLANNER_INSTRUCTIONS
+    from proxyvisor.gate.verdict import REFUTATION_SCHEMA, REFUTER_INSTRUCTIONS, VERDICT_SCHEMA
+
+    def ask(system: str) -> Any:
+        return schema_of([{"role": "system", "content": system}, {"role": "user", "content": "x"}])
+
+    assert ask(VERIFIER_INSTRUCTIONS) == ("verdict", VERDICT_SCHEMA)
+    assert ask(REFUTER_INSTRUCTIONS) == ("refutation", REFUTATION_SCHEMA)
+    assert ask(PLANNER_INSTRUCTIONS) == ("plan_decision", DECISION_SCHEMA)
+    assert ask(SYSTEM_PROMPT) is None and schema_of([{"role": "user", "content": VERIFIER_INSTRUCTIONS}]) is None
