@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import trio
 import pytest
 
 from proxyvisor.adapters.scripted import ScriptedUpstream, policy
@@ -171,6 +172,8 @@ async def test_a_model_name_alone_picks_another_model_on_the_same_route(tmp_path
     assert [b["model"] for p, _h, b, _a in upstream.seen if (p, _h, b, _a) not in upstream.supervisor_calls()] \
         == [AGENT_MODEL]  # the agent's own request keeps its model
     assert (gates(proxy)[0]["route"], gates(proxy)[0]["model"]) == ("session", "claude-haiku-4-5")
+    use = proxy.store.read_ledger("route-test")[-1]["supervisor_model"]
+    assert use["cost_usd"] > 0 and use["input_tokens"] > 0  # a model litellm's cost map prices
 
 
 async def test_the_translator_path_takes_the_verifier_call_through_the_same_translation(tmp_path: Path) -> None:
@@ -251,3 +254,31 @@ def test_the_verifier_refuter_and_planner_calls_name_their_schemas_and_the_conde
     assert ask(REFUTER_INSTRUCTIONS) == ("refutation", REFUTATION_SCHEMA)
     assert ask(PLANNER_INSTRUCTIONS) == ("plan_decision", DECISION_SCHEMA)
     assert ask(SYSTEM_PROMPT) is None and schema_of([{"role": "user", "content": VERIFIER_INSTRUCTIONS}]) is None
+
+
+async def test_serve_names_the_supervisor_route_and_warns_once_when_it_refuses(tmp_path: Path) -> None:
+    """The real command: its start line names the route and model; a route refusing every verifier call costs one
+    warning in its log however many turns it refuses, and the agent gets every answer."""
+    from test_reliability_crash import start_serve
+
+    upstream = Recording([{"text": DONE}] * 3, refuse=401)
+    async with serve_handler(upstream) as url:
+        config = tmp_path / "config.toml"
+        config.write_text(f'[state]\ndir = "{tmp_path / "state"}"\n[upstreams.up]\nurl = "{url}"\n'
+                          '[supervisor.model]\nname = "claude-haiku-4-5"\n')
+        log = tmp_path / "serve.log"
+        proc, proxy_url = await trio.to_thread.run_sync(start_serve, config, log)
+        try:
+            async with http_client() as client:
+                for n in range(3):
+                    response = await client.post(proxy_url + "/v1/messages", headers={
+                        "content-type": "application/json", "x-proxyvisor-session": f"s{n}", **credentials("messages")},
+                        content=orjson.dumps(edited_and_checked("messages", False)))
+                    assert response.status_code == 200 and response.json()["content"][0]["text"] == DONE
+        finally:
+            proc.terminate()
+            await trio.to_thread.run_sync(proc.wait, 10)
+    text = log.read_text()
+    assert "verify-gate on (fail_closed); supervisor model: claude-haiku-4-5 on the session's route" in text, text
+    assert len(upstream.supervisor_calls()) == 3 and text.count("refused the supervisor call (401)") == 1, text
+    assert CLIENT_KEY not in text
