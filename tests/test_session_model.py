@@ -71,10 +71,10 @@ class Recording(ScriptedUpstream):
 
 @asynccontextmanager
 async def proxied(tmp_path: Path, upstream: Recording, model: ModelConfig | None = None,
-                  formats: tuple[str, ...] = FORMATS) -> AsyncIterator[Any]:
+                  formats: tuple[str, ...] = FORMATS, upstream_model: str = "") -> AsyncIterator[Any]:
     """A proxy over ``upstream`` (served on its own port, so its route is a real HTTP relay)."""
     async with serve_handler(upstream) as url:
-        config = Config(upstreams=(UpstreamConfig(name="up", url=url, formats=formats),))
+        config = Config(upstreams=(UpstreamConfig(name="up", url=url, formats=formats, model=upstream_model),))
         if model is not None:
             config = config.with_overrides(supervisor={"model": model})
         store = Store(tmp_path / "state")
@@ -178,14 +178,16 @@ async def test_a_model_name_alone_picks_another_model_on_the_same_route(tmp_path
 
 async def test_the_translator_path_takes_the_verifier_call_through_the_same_translation(tmp_path: Path) -> None:
     """An Anthropic client on a chat-only upstream: the verifier call is made in the client's format and translated
-    like the request, so it reaches the chat endpoint."""
+    like the request, so it reaches the chat endpoint (naming the upstream's configured model, as the translation
+    of the agent's request does)."""
     upstream = Recording([{"text": DONE}])
-    async with proxied(tmp_path, upstream, formats=("chat",)) as proxy:
+    async with proxied(tmp_path, upstream, formats=("chat",), upstream_model="upstream-model-9") as proxy:
         assert await send(proxy, "messages", edited_and_checked("messages", False)) == DONE
     ((path, headers, body, _),) = upstream.supervisor_calls()
-    assert path == "/v1/chat/completions" and body["model"] == AGENT_MODEL and CLIENT_KEY in headers["authorization"]
+    assert path == "/v1/chat/completions" and CLIENT_KEY in headers["authorization"]
+    assert [b["model"] for _p, _h, b, _a in upstream.seen] == ["upstream-model-9"] * 2
     (gate,) = gates(proxy)
-    assert (gate["outcome"], gate["route"]) == ("verified", "session")
+    assert (gate["outcome"], gate["route"], gate["model"]) == ("verified", "session", "upstream-model-9")
 
 
 async def test_the_litellm_route_still_serves_an_explicit_endpoint(tmp_path: Path) -> None:

@@ -244,38 +244,38 @@ class Pipeline:
         return response
 
     def _sender(self, request: Request, fmt: WireFormat, path: str, upstream: Any,
-                native: bool) -> tuple[Send, Any, list[str]]:
+                native: bool) -> tuple[Send, Any, list[str], bool]:
         """How a supervised request's further bodies (continued turns, supervisor model calls) go upstream: the
         way the request itself goes (relayed with its headers, or translated), as (send, upstream config, the
-        credentials it carries)."""
+        credentials it carries, whether it is translated)."""
         relay = self.relays[upstream.name]
         if not native:
             async def translated(new: dict[str, Any]) -> UpstreamReply:
                 return await self.translator.send(fmt, upstream, new, request.headers)
 
-            return translated, upstream, secrets_of(request.headers, relay.api_key)
+            return translated, upstream, secrets_of(request.headers, relay.api_key), True
         headers = self._headers(request, fmt, relay, True)
         target = self._target(request, path)
 
         async def relayed(new: dict[str, Any]) -> UpstreamReply:
             return await relay.send("POST", target, headers, orjson.dumps(new))
 
-        return relayed, upstream, secrets_of(request.headers, relay.api_key)
+        return relayed, upstream, secrets_of(request.headers, relay.api_key), False
 
     @staticmethod
     def _headers(request: Request, fmt: WireFormat, relay: HttpRelay, supervised: bool) -> Headers:
         return upstream_headers(request.headers, relay.api_key, _key_header(fmt.name), accept_identity=supervised)
 
     async def _supervise(self, session: Session, fmt: WireFormat, body: dict[str, Any],
-                         traceparent: str | None, sender: tuple[Send, Any, list[str]]) -> Exchange | None:
+                         traceparent: str | None, sender: tuple[Send, Any, list[str], bool]) -> Exchange | None:
         """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (its
         steps that need I/O, such as condensing, included; the delegation tools, ``proxyvisor.proxy.delegation``)
         and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
         unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join;
         ``sender``: :meth:`_sender`, the request's route, which its supervisor model calls take too."""
         try:
-            send, upstream, secrets = sender
-            model, route = self.routes.for_request(fmt, body, send, upstream, secrets)
+            send, upstream, secrets, translated = sender
+            model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
             exchange = self.supervisor.begin(session, fmt, body, model, route)
             exchange.send = send
             if self.delegation is not None:

@@ -42,6 +42,7 @@ import trio
 from ..config import ModelConfig, UpstreamConfig
 from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, schema_of
 from .formats import WireFormat
+from .info import litellm_price
 from .relay import Headers, UpstreamReply
 from .sse import SSEParser
 
@@ -57,13 +58,12 @@ _REASON_CHARS = 300
 
 
 class RouteError(Exception):
-    """The session's route answered a supervisor call with an error ``status``; ``refused`` for 401/403. The
+    """The session's route answered a supervisor call with an error ``status`` (401/403: it refused it). The
     message (the reason the ledger records) holds no credential."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-        self.refused = status in (401, 403)
 
 
 def secrets_of(headers: Headers, api_key: str | None = None) -> list[str]:
@@ -88,28 +88,25 @@ class SupervisorRoutes:
     """The supervisor route of every request of a proxy: ``settings`` (``[supervisor.model]``) and, for the litellm
     route or a supplied call, the one ``fixed`` call every request shares (labelled ``fixed_route``)."""
 
-    def __init__(self, settings: ModelConfig, fixed: ModelCall | None = None, fixed_route: str = LITELLM,
-                 price: Callable[[str, int, int], float | None] | None = None) -> None:
+    def __init__(self, settings: ModelConfig, fixed: ModelCall | None = None, fixed_route: str = LITELLM) -> None:
         self.settings = settings
         self.fixed = fixed
         self.fixed_route = fixed_route
-        self.price = price
-        """The cost of a call (model, input tokens, output tokens) in USD, None when unknown; called on a worker
-        thread (None: ``proxyvisor.proxy.info.litellm_price``)."""
         self.plain: set[tuple[str, str]] = set()
         """(upstream, model) pairs that refused the structured extras: they get plain requests."""
         self.warned: set[tuple[str, int]] = set()
 
     def for_request(self, fmt: WireFormat, body: dict[str, Any], send: Send, upstream: UpstreamConfig,
-                    secrets: list[str]) -> tuple[ModelCall, dict[str, str]]:
+                    secrets: list[str], translated: bool = False) -> tuple[ModelCall, dict[str, str]]:
         """The model call of one supervised request in ``fmt`` (``body`` as the agent sent it) whose upstream is
-        ``upstream``, and its label ``{"route", "model"}``. ``send`` sends a body the way the request went;
+        ``upstream``, and its label ``{"route", "model"}``. ``send`` sends a body the way the request went
+        (``translated``: through the translator, which names the upstream's ``model`` when one is configured);
         ``secrets`` are the credentials it carries (:func:`secrets_of`)."""
         if self.fixed is not None:
             return self.fixed, {"route": self.fixed_route, "model": self.settings.name}
         model = self.settings.name or (body.get("model") if isinstance(body.get("model"), str) else "")
-        return SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body), \
-            {"route": SESSION, "model": model}
+        call = SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body)
+        return call, {"route": SESSION, "model": upstream.model if translated and upstream.model else model}
 
     def failed(self, upstream: str, status: int, reason: str) -> None:
         """Log a route's refusal or error once per upstream and status (later ones at debug level)."""
@@ -166,14 +163,9 @@ class SessionModel:
         tokens_in, tokens_out = usage.input_tokens or 0, usage.output_tokens or 0
         cost = 0.0
         if not self.upstream.scripted and (tokens_in or tokens_out) and self.model:
-            cost = await trio.to_thread.run_sync(self._price, tokens_in, tokens_out, abandon_on_cancel=True) or 0.0
+            cost = await trio.to_thread.run_sync(litellm_price, self.model, tokens_in, tokens_out,
+                                                 abandon_on_cancel=True) or 0.0
         return ModelAnswer(text, tokens_in, tokens_out, cost)
-
-    def _price(self, tokens_in: int, tokens_out: int) -> float | None:
-        price = self.routes.price
-        if price is None:
-            from .info import litellm_price as price
-        return price(self.model, tokens_in, tokens_out)
 
     def request(self, messages: list[dict[str, str]], schema: tuple[str, dict[str, Any]] | None,
                 plain: bool) -> dict[str, Any]:
