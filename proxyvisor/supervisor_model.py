@@ -67,6 +67,11 @@ def usage_of(answer: str) -> tuple[int, int, float]:
 SESSION, LITELLM = "session", "litellm"
 
 
+class ReportedFailure(Exception):
+    """A supervisor call failed in a way its route reported already (logged once for the proxy, e.g. a route that
+    refuses the call): callers record the reason and log it below warning level."""
+
+
 def route_of(model: ModelConfig) -> str:
     """The route ``[supervisor.model]`` picks: :data:`LITELLM` when it sets ``api_base`` or ``api_key_env`` (an
     endpoint or a key of its own), else :data:`SESSION`."""

@@ -284,3 +284,29 @@ async def test_serve_names_the_supervisor_route_and_warns_once_when_it_refuses(t
     assert "verify-gate on (fail_closed); supervisor model: claude-haiku-4-5 on the session's route" in text, text
     assert len(upstream.supervisor_calls()) == 3 and text.count("refused the supervisor call (401)") == 1, text
     assert CLIENT_KEY not in text
+
+
+async def test_a_refused_condenser_call_leaves_the_round_whole_and_is_not_warned_per_round(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The condenser takes the session's route too; a refusing route leaves the tool output whole, once warned."""
+    caplog.set_level(logging.INFO)
+    log_lines = "\n".join(f"line {n}: FAILED test_{n} assertion error in module_{n % 7}" for n in range(3000))
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                      {"role": "user", "content": "Why do the tests fail?"}]
+    upstream = Recording([{"text": DONE}] * 2, refuse=401)
+    async with proxied(tmp_path, upstream) as proxy:
+        for n in range(2):
+            messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": f"c{n}", "type": "function",
+                          "function": {"name": "Bash", "arguments": '{"command": "pytest"}'}}]},
+                         {"role": "tool", "tool_call_id": f"c{n}", "content": log_lines + f"\nrun {n}"}]
+            body = BY_NAME["chat"].request_from_chat(messages, AGENT_MODEL, False, (BASH,))
+            assert await send(proxy, "chat", body) == DONE
+    sent = [b for _p, _h, b, _a in upstream.seen if policy(BY_NAME["chat"], b) is None]
+    assert all(f"run {n}" in orjson.dumps(b).decode() and "line 2999" in orjson.dumps(b).decode()
+               for n, b in enumerate(sent))  # whole
+    condenser_calls = [b for _p, _h, b, _a in upstream.supervisor_calls() if schema_of(
+        [{"role": "system", "content": BY_NAME["chat"].fingerprint_parts(b)[0]}]) is None]
+    assert len(condenser_calls) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([w for w in warnings if "refused the supervisor call" in w]) == 1, warnings
+    assert not [w for w in warnings if "condense round left untouched" in w], warnings

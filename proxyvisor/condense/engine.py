@@ -31,7 +31,7 @@ import trio
 from ..config import CondenseConfig
 from .adaptive import AdaptiveThresholds
 from .decisions import Decision, DecisionCache, decision_key
-from ..supervisor_model import ModelCall
+from ..supervisor_model import ModelCall, ReportedFailure
 from .protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
 from .reconstruct import Narrowed, narrow
 from .signals import focus_terms
@@ -230,11 +230,13 @@ class CondenseEngine:
                  " · ".join(f"{r.tool} {tokens}" for r, tokens in chosen))
         report.condenser_called = True
         answer: str | None = None
+        reported = False
         with trio.move_on_after(self.settings.timeout_s) as scope:
             try:
                 answer = report.answer = await condenser(build_messages(context, items))
             except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
                 report.failure = f"condenser failed: {type(exc).__name__}: {str(exc)[:200]}"
+                reported = isinstance(exc, ReportedFailure)
         if scope.cancelled_caught:
             report.failure = f"condenser timed out after {self.settings.timeout_s:g} s"
         verdicts: dict[str, Verdict | str] = {}
@@ -244,7 +246,7 @@ class CondenseEngine:
             except AnswerError as exc:
                 report.failure = f"unusable answer: {exc}"
         if report.failure:
-            log.warning("condense round left untouched: %s", report.failure)
+            (log.info if reported else log.warning)("condense round left untouched: %s", report.failure)
         decisions = {}
         for item, (result, tokens) in zip(items, chosen):
             verdict = verdicts.get(item.id, report.failure or "no answer")

@@ -58,11 +58,10 @@ from ..gate.outcome import (DONE, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge,
 from ..gate.plan import render_text
 from ..gate.verdict import (FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse, refutation_input,
                             refute)
-from ..supervisor_model import ModelCall
+from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
-from .session_model import RouteError
 from .sse import SSEParser
 from .streamedit import EventSplitter
 from .supervise import Exchange
@@ -104,8 +103,8 @@ class Gating:
         self.failure: str | None = None
         """Why the latest model call gave no answer (None: it answered)."""
         self.reported = False
-        """A model call failed on a route that reports its failures once (``RouteError``): the turn's own label is
-        then logged at info level, not warned about on every turn."""
+        """A model call failed on a route that reports its failures once (``ReportedFailure``): the turn's own
+        label is then logged at info level, not warned about on every turn."""
         self.resend = resend
         self.mutating_tools = mutating_tools
         self.background = background
@@ -281,7 +280,7 @@ class Gating:
             try:
                 answer = await self.model(messages)
                 self.failure = None
-            except RouteError as exc:  # reported once by the route: the reason goes to the turn's label
+            except ReportedFailure as exc:  # reported once by the route: the reason goes to the turn's label
                 self.failure, self.reported = str(exc), True
                 log.debug("the %s call failed: %s", purpose, exc)
             except Exception as exc:  # noqa: BLE001 - any failure of the verifier is "unavailable", never fatal

@@ -66,8 +66,7 @@ from ..gate.plan import (PLANNER_INSTRUCTIONS, REQUEST, Assumption, Hold, apply,
 from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
-from ..supervisor_model import ModelCall
-from .session_model import RouteError
+from ..supervisor_model import ModelCall, ReportedFailure
 from .formats import WireFormat
 
 if TYPE_CHECKING:
@@ -279,7 +278,7 @@ class Planner:
                 return await model(messages)
             except Exception as exc:  # noqa: BLE001 - a planner outage leaves the plan as it was
                 # A route's refusal was reported once already (proxyvisor.proxy.session_model).
-                (log.debug if isinstance(exc, RouteError) else log.warning)(
+                (log.debug if isinstance(exc, ReportedFailure) else log.warning)(
                     "the planner call failed (%s: %s); the plan is unchanged", type(exc).__name__, exc)
                 return None
         log.warning("the planner call timed out after %g s; the plan is unchanged", self.settings.timeout_s)

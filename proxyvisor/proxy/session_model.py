@@ -40,7 +40,7 @@ import orjson
 import trio
 
 from ..config import ModelConfig, UpstreamConfig
-from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, schema_of
+from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, ReportedFailure, schema_of
 from .formats import WireFormat
 from .info import litellm_price
 from .relay import Headers, UpstreamReply
@@ -57,7 +57,7 @@ _AUTH = (b"authorization", b"x-api-key", b"api-key")
 _REASON_CHARS = 300
 
 
-class RouteError(Exception):
+class RouteError(ReportedFailure):
     """The session's route answered a supervisor call with an error ``status`` (401/403: it refused it). The
     message (the reason the ledger records) holds no credential."""
 
