@@ -245,12 +245,17 @@ VERDICT_SCHEMA: dict[str, Any] = {
             "required": ["gap", "settles"]}},
         "handback": {"type": ["object", "null"], "properties": {
             "needs_user": {"type": "boolean"}, "reason": {"type": "string"}}},
-        "verdict": {"type": "string", "enum": [PASS, GAPS]},
+        "verdict": {"type": "string", "enum": [PASS, GAPS, "read"]},
+        "read": {"type": "array", "items": {"type": "object", "properties": {
+            "action": {"type": "integer"},
+            "lines": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}},
+            "required": ["action", "lines"]}},
     },
-    "required": ["requirements", "gaps", "verdict"],
+    "required": ["verdict"],
 }
-"""The verifier answer's JSON schema (module docstring), for routes that constrain an answer to one (non-strict:
-:func:`parse` still checks every rule)."""
+"""The verifier answer's JSON schema (module docstring), for routes that constrain an answer to one. It also
+admits the verifier's one read-back request (``{"verdict": "read", "read": [{"action", "lines"}]}``), so a route
+that forces the schema leaves that request possible; non-strict: :func:`parse` still checks every rule."""
 
 REFUTATION_SCHEMA: dict[str, Any] = {
     "type": "object",
