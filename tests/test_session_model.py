@@ -56,8 +56,10 @@ class Recording(ScriptedUpstream):
         if fmt is not None and policy(fmt, body) is not None and self.refuse is not None \
                 and (self.refuse_if is None or self.refuse_if.encode() in request.body):
             quoted = "; ".join(f"{k}={v}" for k, v in headers.items())
-            response = Response(self.refuse, [(b"content-type", b"application/json")], fmt.error_body(
-                self.refuse, f"This credential is only authorized for the agent itself. You sent: {quoted}"))
+            message = (f"Unsupported parameter: {self.refuse_if}" if self.refuse_if else
+                       f"This credential is only authorized for the agent itself. You sent: {quoted}")
+            response = Response(self.refuse, [(b"content-type", b"application/json")],
+                                fmt.error_body(self.refuse, message))
         else:
             response = await super().__call__(request)
         if fmt is not None:
@@ -214,7 +216,7 @@ def test_serve_and_wrap_say_which_route_and_model_judge() -> None:
 
 
 # ---- a route that refuses ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("status", [401, 403, 400])
 async def test_a_refused_verifier_call_labels_the_turn_unverified_delivers_the_answer_and_warns_once(
         tmp_path: Path, status: int, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)

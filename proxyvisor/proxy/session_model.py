@@ -20,8 +20,9 @@ responses  ``text: {"format": {"type": "json_schema", "name", "schema", "strict"
 
 An upstream that refuses those extras (a 400: a model without ``temperature``, an endpoint without schemas) is asked
 once more with the plain request, and that upstream and model get plain requests from then on. A 401 or 403 (a key
-that serves only the agent itself, such as a subscription token) is :class:`RouteError` ``refused``: the gate labels
-the turn ``unverified`` with its reason, and the proxy warns once per upstream and status, not per request.
+that serves only the agent itself, such as a subscription token, which Anthropic answers with a 400 about the
+credential: :func:`refusal`) is a refusal: the gate labels the turn ``unverified`` with that reason (a
+:class:`RouteError`), and the proxy warns once per upstream and status, not per request.
 
 Credentials stay in the request's own closures (``send``) and are never written: error reasons quote the upstream's
 message with every credential the request carried replaced by ``[redacted]``.
@@ -146,13 +147,13 @@ class SessionModel:
         key = (self.upstream.name, self.model)
         plain = key in self.routes.plain
         status, response = await self._ask(self.request(messages, schema, plain))
-        if status == 400 and not plain:
+        if status == 400 and not plain and not refusal(status, response):
             self.routes.plain.add(key)
             plain = True
             status, response = await self._ask(self.request(messages, schema, plain))
         if status >= 400:
             reason = (f"the session's route ({self.upstream.name!r}, model {self.model!r}) "
-                      f"{'refused' if status in (401, 403) else 'failed'} the supervisor call ({status}): "
+                      f"{'refused' if refusal(status, response) else 'failed'} the supervisor call ({status}): "
                       f"{self._message(response)}")
             self.routes.failed(self.upstream.name, status, reason)
             raise RouteError(status, reason)
@@ -228,8 +229,19 @@ class SessionModel:
         return reply.status, data if isinstance(data, dict) else {}
 
     def _message(self, response: dict[str, Any]) -> str:
-        error = response.get("error")
-        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
-        if not isinstance(message, str) or not message:
-            return "no error message"
-        return redact(message, self.secrets)[:_REASON_CHARS]
+        message = error_message(response)
+        return redact(message, self.secrets)[:_REASON_CHARS] if message else "no error message"
+
+
+def error_message(response: dict[str, Any]) -> str:
+    """The message of an error body (OpenAI's and Anthropic's ``error.message``), empty when it has none."""
+    error = response.get("error")
+    message = error.get("message") if isinstance(error, dict) else error
+    return message if isinstance(message, str) else ""
+
+
+def refusal(status: int, response: dict[str, Any]) -> bool:
+    """Whether an error answer refuses the caller rather than the request: 401 or 403, or a 400 that says the
+    credential does not serve this use (Anthropic answers a subscription token used outside its own client with
+    400 "This credential is only authorized for use with Claude Code ...")."""
+    return status in (401, 403) or status == 400 and "credential" in error_message(response).lower()
