@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    run each task, verified, and report the outcomes
               proxyvisor serve --port 8377         then point ANTHROPIC_BASE_URL / OPENAI_BASE_URL at it
               proxyvisor replay trajectory.jsonl   replay a recorded agent session through the pipeline
+              proxyvisor replay --gate run.jsonl   ... and show what the verify-gate decides at every stop
               proxyvisor condense build.log --task "why did it fail?"
                                                    what the model would see of a large tool output
               proxyvisor info                      the latest session's counters (the agent can send /info)
@@ -213,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
 
             Exit status: 0 every round came back as recorded (with --gate, a gap is not a failure: it is
             reported); 1 a round came back changed or failed; 2 the file is unreadable or not a trajectory.
+
+            Examples:
+              proxyvisor replay run.jsonl --format messages --stream
+              proxyvisor replay --gate examples/replay/forbidden-then-permitted-tests.jsonl
+              proxyvisor replay --gate --json run.jsonl | jq -c '{message, decided_by, outcome, gaps}'
             """), epilog=_FILES)
     replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
     replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
