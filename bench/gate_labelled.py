@@ -4,7 +4,7 @@ run from an unresolved one?
 Usage: python bench/gate_labelled.py FOLDER LABELS.csv [--config FILE] [--format chat|messages|responses]
                                      [--stream] [--write]
 
-Each ``*.jsonl`` trajectory of FOLDER (any file ``proxyvisor replay`` reads) is replayed as ``proxyvisor replay
+Each ``*.jsonl`` trajectory of FOLDER and its subfolders (any file ``proxyvisor replay`` reads) is replayed as ``proxyvisor replay
 FILE --gate`` does (``proxyvisor.replay.replay_gated``: supervision and the gate on, re-entry budget 0, the run's
 last assistant message as its final answer). The verifier is the configured supervisor route: without
 ``--config``, or with a configuration that names no ``[supervisor.model]``, the embedded scripted upstream's fixed
