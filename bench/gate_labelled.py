@@ -6,11 +6,11 @@ Usage: python bench/gate_labelled.py FOLDER LABELS.csv [--config FILE] [--format
 
 Each ``*.jsonl`` trajectory of FOLDER and its subfolders (any file ``proxyvisor replay`` reads) is replayed as ``proxyvisor replay
 FILE --gate`` does (``proxyvisor.replay.replay_gated``: supervision and the gate on, re-entry budget 0, the run's
-last assistant message as its final answer). The verifier is the configured supervisor route: without
-``--config``, or with a configuration that names no ``[supervisor.model]``, the embedded scripted upstream's fixed
-verifier policy (no key, no network: the figures then measure free evidence plus a fixed rule, not a model); with
-``--config FILE`` naming a model, that model. The configuration's upstream for ``--format`` must be scripted (the
-default): it plays the recorded turns.
+last assistant message as its final answer). The verifier is the configured supervisor route: by default the
+session's own route, here the embedded scripted upstream, which answers with its fixed verifier policy (no key, no
+network: the figures then measure free evidence plus a fixed rule, not a model); with ``--config FILE`` whose
+``[supervisor.model]`` picks the litellm route (``name`` with ``api_base`` or ``api_key_env``), that model. The
+configuration's upstream for ``--format`` must be scripted (the default): it plays the recorded turns.
 
 **The final label** of a run is the gate's outcome at its last stop (a reply without tool calls): ``verified``,
 ``unknown``, ``failed``, ``unverified``, or ``no verdict`` (no stop was judged: no tools offered, or no stop).
@@ -166,16 +166,21 @@ def per_run(runs: list[Run]) -> list[str]:
     return lines
 
 
-def route(config: Config) -> str:
+def route(config: Config, runs: list[Run]) -> str:
+    """Which verifier judged: the route the configuration picks, and the routes and models the ledger names."""
     model = config.supervisor.model
-    if not model.name:
-        return "the scripted verifier policy (free evidence plus a fixed rule, not a model)"
-    return f"[supervisor.model] {model.name}" + (" (the scripted policy)" if model.api_base == "scripted:" else "")
+    if model.api_base and model.api_base != "scripted:" or model.api_key_env:
+        picked = f"[supervisor.model] {model.name} through litellm"
+    else:
+        picked = ("the scripted verifier policy (the session's route to the embedded scripted upstream: free "
+                  "evidence plus a fixed rule, not a model)")
+    seen = sorted({f"{s.route} route, model {s.model}" for r in runs for s in r.stops if s.route})
+    return picked + (f"; the ledger names: {'; '.join(seen)}" if seen else "")
 
 
 def report(runs: list[Run], failed: list[Run], unlabelled: list[str], missing: list[str], bad_rows: list[str],
            config: Config, elapsed: float) -> list[str]:
-    lines = [f"Verifier: {route(config)}.", "", *confusion(runs), "", scores(runs), ""]
+    lines = [f"Verifier: {route(config, runs)}.", "", *confusion(runs), "", scores(runs), ""]
     lines.append(f"{len(runs)} labelled run(s) replayed in {elapsed:.0f} s; {len(failed)} failed to replay; "
                  f"{len(unlabelled)} file(s) without a label (not replayed); {len(missing)} label(s) without a "
                  f"file; {len(bad_rows)} unreadable label row(s); "

@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
             request.
 
             With --gate, the verify-gate judges the replay as it would judge the live agent: supervision and
-            the gate on, the verifier being [supervisor.model] when one is configured, else the embedded
-            scripted upstream's fixed verifier policy (no key, no network: a plain rule reading the digest,
-            not a model's judgement). Every stop (a recorded reply without tool calls) is judged; the run's
+            the gate on, the verifier on the supervisor route: by default the session's own, which in a
+            replay is the embedded scripted upstream and answers with its fixed verifier policy (no key, no
+            network: a plain rule reading the digest, not a model's judgement); a [supervisor.model] that
+            picks the litellm route (api_base or api_key_env) makes that model judge. Every stop (a recorded reply without tool calls) is judged; the run's
             last assistant message is its final answer, so when it is a tool call (a harness's submit
             action, e.g. mini-swe-agent's "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", SWE-agent's
             "submit") it is presented as a text answer and what followed it is left out. A replay cannot
@@ -228,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--condense", action="store_true",
                         help="condense oversized tool results ([supervisor.model], else the scripted condenser)")
     replay.add_argument("--gate", action="store_true",
-                        help="judge every stop with the verify-gate and show its decision ([supervisor.model], "
-                             "else the scripted verifier policy)")
+                        help="judge every stop with the verify-gate and show its decision (the scripted "
+                             "verifier policy unless [supervisor.model] picks a litellm model)")
     _supervision_flags(replay)
     _common(replay)
 

@@ -291,8 +291,10 @@ class GateStop:
     ``evidence`` (free evidence, no model call) or ``model`` (a verifier call; assumed when the record has
     verdicts but no ``decided_by``), None
     when the gate did not run; ``outcome`` (``verified``, ``unknown``, ``failed``, ``unverified``), ``passed``,
-    ``reason``, ``gaps`` (standing gaps, verbatim), ``verdicts`` (each verifier pass) and ``digest_tokens`` (the
-    verifier input's size in cl100k tokens; None when no digest was built)."""
+    ``reason``, ``gaps`` (standing gaps, verbatim), ``verdicts`` (each verifier pass), ``digest_tokens`` (the
+    verifier input's size in cl100k tokens; None when no digest was built), and ``route`` and ``model``, the
+    supervisor route and model a verifier call went to (``session``: the session's own upstream; None when no
+    call was made)."""
 
     round: int
     message: int
@@ -304,6 +306,8 @@ class GateStop:
     gaps: list[str]
     verdicts: list[str]
     digest_tokens: int | None
+    route: str | None = None
+    model: str | None = None
 
 
 def gate_stop(r: Round) -> GateStop:
@@ -316,7 +320,8 @@ def gate_stop(r: Round) -> GateStop:
     tokens = g.get("digest_tokens")
     return GateStop(r.number, r.message, r.gate is not None, decided, g.get("outcome"), g.get("passed"),
                     g.get("reason"), [str(x) for x in g.get("gaps") or ()], verdicts,
-                    tokens if isinstance(tokens, int) else None)
+                    tokens if isinstance(tokens, int) else None,
+                    *(g.get(k) if isinstance(g.get(k), str) else None for k in ("route", "model")))
 
 
 def gate_stops(rounds: list[Round]) -> list[GateStop]:
@@ -338,7 +343,8 @@ def format_stop(stop: GateStop) -> str:
     if stop.digest_tokens is not None:
         parts.append(f"digest {stop.digest_tokens:,} tokens")
     if stop.verdicts:
-        parts.append("verifier: " + ", ".join(stop.verdicts))
+        parts.append("verifier: " + ", ".join(stop.verdicts)
+                     + (f" ({stop.route} route, {stop.model})" if stop.route else ""))
     lines = ["        gate: " + " · ".join(parts)]
     if stop.reason:
         lines.append(f"        reason: {stop.reason}")

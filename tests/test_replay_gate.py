@@ -93,4 +93,5 @@ def test_the_command_prints_the_gate_at_every_stop(tmp_path: Path) -> None:
     stops = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [(s["message"], s["outcome"]) for s in stops] == [(6, "unknown"), (14, "verified")]
     assert set(stops[0]) == {"round", "message", "gated", "decided_by", "outcome", "passed", "reason", "gaps",
-                             "verdicts", "digest_tokens"}
+                             "verdicts", "digest_tokens", "route", "model"}
+    assert stops[0]["route"] == "session"  # no [supervisor.model]: the session's own (scripted) upstream judged
