@@ -312,3 +312,19 @@ async def test_a_refused_condenser_call_leaves_the_round_whole_and_is_not_warned
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len([w for w in warnings if "refused the supervisor call" in w]) == 1, warnings
     assert not [w for w in warnings if "condense round left untouched" in w], warnings
+
+
+async def test_the_requests_credentials_live_no_longer_than_the_request(tmp_path: Path) -> None:
+    """The session's route holds the agent's credentials in the request's own model call: once the answer is
+    through, no model call of it is left in memory (nothing of the request is kept to reach them)."""
+    import gc
+
+    from proxyvisor.proxy.session_model import SessionModel
+
+    upstream = Recording([{"text": DONE}] * 2)
+    async with proxied(tmp_path, upstream) as proxy:
+        for stream in (False, True):
+            assert await send(proxy, "chat", edited_and_checked("chat", stream), session=f"s{stream}") == DONE
+        gc.collect()
+        assert [o for o in gc.get_objects() if isinstance(o, SessionModel)] == []
+        assert len(upstream.supervisor_calls()) == 2
