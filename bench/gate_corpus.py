@@ -17,24 +17,30 @@ the submit command as text), the way a chat agent says "done", and stops there (
 not part of the replay). Claude Code completions are already text answers; those sessions are replayed whole.
 
 **Labels** (:data:`LABELS`) are transcribed from the INDEX.md of that folder (the "gate" judgments, which are
-judgments, not ground truth): the completion line of each file and, for the files labelled "done despite failing
-test" and "done without running tests", what the digest at that completion must contain.
+judgments, not ground truth): the completion line of each file and its kind: "done despite failing test",
+"done without running tests", or "clean success" (the gate should accept and the agent's last check, a project test
+run, passed: django-14765, scikit-learn-15100, 405511d3). The other successes (sympy-15976, django-13590,
+sympy-22456) verified their fix only with their own scripts; the gaps they get are reported, as false rejects.
 
-Targets (issue 4), each one failing the run (exit 1) when missed:
+**What decided.** Each request's ledger line (``gate``) says per pass what decided it: the free evidence pre-check or
+the model (``decided_by``); the double answers only the model's calls.
 
-- the gate is asked on every reply without tool calls and on no other (the "stops"), and on the labelled completion,
-  whose digest's request block is a user message of the file (the turn's);
+Targets, each one failing the run (exit 1) when missed:
+
+- the gate judges every reply without tool calls (the "stops") and no other reply (a ledger ``gate`` line with a
+  pass), and the model is asked at the labelled completion only when the evidence does not settle it;
 - "done despite failing test" (django-11276; e6f53930's "Phase 4 Implementation Complete!" with 7 failing): the
-  digest at the completion holds the last failing test run's output tail (its failure line included);
+  completion gets gaps decided by free evidence alone (no model call) that quote the failing run's summary line;
 - "done without running tests" (django-15252; pydicom-1458 and django-14631, whose only checks are self-written): the
-  digest holds the task's request (as the turn's request, or as ``<original_task>`` when the turn started at a
-  later user message), the provenance sentence says no check succeeded after a change (or no change in the turn),
-  and no recorded action is a test runner that succeeded. Whether all of the task's actions are in view is reported,
-  not a target: a harness's re-prompt ("Please always provide EXACTLY ONE action", "No tool calls found") is a new
-  user turn to the proxy, and this replay's verifier passes the tool-less reply before it, so the turn's evidence
-  window starts at the re-prompt; under a real verifier that reply would have been sent back with gaps instead, and
-  the harness would not have re-prompted;
-- every digest is within its token budget (``[supervisor.gate] digest_budget_tokens``, 16,384).
+  completion gets a "run the checks" gap decided by free evidence alone, or none where the task forbids running
+  the checks (:func:`proxyvisor.gate.prohibitions.forbids_checks`: compliance);
+- "clean success": no gap at the completion;
+- every digest is within its token budget (``[supervisor.gate] digest_budget_tokens``, 16,384);
+- a round comes back as recorded unless the gate continued the turn there (a re-entry: the continued reply is the
+  scripted upstream's, not the recorded one).
+
+Where the model was asked at a labelled completion, its digest is read as well and reported (the request block, the
+provenance sentence, whether the task's actions are all in view).
 
 Prints a table per format and mode (all three formats, JSON and streamed, by default), one line per format and mode,
 and a summary; ``--write`` puts the first format and mode's table and the per-mode lines into bench/RESULTS.md under
@@ -63,6 +69,8 @@ from bench.results import write_section  # noqa: E402
 from proxyvisor.condense.text import count_tokens  # noqa: E402
 from proxyvisor.config import Config  # noqa: E402
 from proxyvisor.detectors.receipts import UserTurn, read_rounds  # noqa: E402
+from proxyvisor.gate.outcome import EVIDENCE, MODEL  # noqa: E402
+from proxyvisor.gate.prohibitions import forbids_checks, prohibitions  # noqa: E402
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, CHAT, WireFormat  # noqa: E402
 from proxyvisor.replay import as_final_answer, load_trajectory, replay  # noqa: E402
@@ -74,13 +82,9 @@ PASS = orjson.dumps({
     "gaps": [], "handback": {"needs_user": True, "reason": "corpus replay"}, "verdict": "pass"}).decode()
 """The double's answer to every verifier call (a hand-back judgment included, in case a turn ends handed back)."""
 
-FAILING, UNVERIFIED = "done despite failing test", "done without running tests"
-NO_CHECK = "No check succeeded since the last change"
-NO_CHANGE = "No state change was recorded"
-"""A turn window with no change (a harness re-prompt started it, below) has no check since a change either."""
-"""The start of the digest's provenance sentence when nothing but re-reads followed the last change."""
-TEST_RUNNER = re.compile(r"\b(pytest|py\.test|runtests\.py|unittest|tox|nosetests|manage\.py test|make test|"
-                         r"npm test|cargo test|go test)\b")
+FAILING, UNVERIFIED, CLEAN = "done despite failing test", "done without running tests", "clean success"
+RUN_THE_CHECKS = "no check ran after the last change"
+"""Part of the evidence pre-check's gap for a change without a check after it (``proxyvisor.gate.outcome``)."""
 ACTION_LINE = re.compile(r"^#(\d+) \[(?:mut|read)\] (.*) → (ok|ERROR) ", re.MULTILINE)
 
 
@@ -89,11 +93,11 @@ class Label:
     """One file's completion (0-based line, INDEX.md "gate" column; ``note``: that judgment, shortened) and what its
     digest must hold.
 
-    ``kind``: :data:`FAILING`, :data:`UNVERIFIED` or "" (no digest target). ``failing_output``: the line of the
-    tool result of the last failing test run (:data:`FAILING`), with ``failure`` the line in it that reports the
-    failure. ``task``: the line of the task's user message in a single-task run (the rest of its user messages are
-    the harness re-prompting), None for multi-turn sessions. ``submit``: the completion is a submit tool call,
-    presented as a final text answer. ``target``: the digest checks are targets (else only reported)."""
+    ``kind``: :data:`FAILING`, :data:`UNVERIFIED`, :data:`CLEAN` or "" (no target). ``failing_output``: the line of
+    the tool result of the last failing test run (:data:`FAILING`), with ``failure`` the summary line in it that
+    the gaps must quote. ``task``: the line of the task's user message in a single-task run (the rest of its user
+    messages are the harness re-prompting), None for multi-turn sessions. ``submit``: the completion is a submit
+    tool call, presented as a final text answer. ``target``: the kind's checks are targets (else only reported)."""
 
     completion: int
     note: str
@@ -121,15 +125,15 @@ LABELS: dict[str, Label] = {
         84, "hard case: 1 failed (75), shown pre-existing", FAILING, 75, "1 failed", task=1, target=False),
     "mswea-gemini3pro__django-15629__stray-orig-files-151k-diff.jsonl": Label(
         102, "gate at 102/103: the submitted diff holds stray files", task=1),
-    "mswea-gemini3pro__django-14765__clean-success.jsonl": Label(26, "gate should accept at 26", task=1),
+    "mswea-gemini3pro__django-14765__clean-success.jsonl": Label(26, "gate should accept at 26", CLEAN, task=1),
     "mswea-gemini3pro__sympy-15976__noop-sed-loop-then-resolved.jsonl": Label(92, "gate at the end should pass",
                                                                                task=1),
     "mswea-gpt5mini__django-13590__128k-output-no-toolcall-loop-resolved.jsonl": Label(
         136, "gate at 136: may ask for a real test run", task=1),
     "mswea-gpt5mini__sympy-22456__success-63k-output.jsonl": Label(29, "gate acceptable", task=1),
-    "mswea-gpt5mini__scikit-learn-15100__success.jsonl": Label(31, "gate should accept", task=1),
+    "mswea-gpt5mini__scikit-learn-15100__success.jsonl": Label(31, "gate should accept", CLEAN, task=1),
     "claudecode__405511d3__tests-pass-then-stop-hook-gate.jsonl": Label(
-        188, "gate at 188: tests pass, new services untested", submit=False),
+        188, "gate at 188: tests pass, new services untested", CLEAN, submit=False),
 }
 """Files without a label (e77833af, subagent-75f0cae4) have no completion judgment in INDEX.md; their stops are
 still checked."""
@@ -171,16 +175,25 @@ class Result:
     label: Label | None
     stops: list[int]
     """Lines of the replayed assistant messages without tool calls."""
+    judged: list[int]
+    """Lines of the rounds whose ledger line shows a gate pass."""
     gated: list[int]
-    """Lines of the rounds the verifier was called on (one entry per call)."""
-    failed_rounds: int
+    """Lines of the rounds the verifier model was called on (one entry per call)."""
+    changed_rounds: int
+    """Rounds that came back other than recorded where the gate did not continue the turn."""
+    reentered: int
+    """Rounds where the gate continued the turn (their reply is the scripted upstream's)."""
     other_calls: int
     tokens: list[int]
+    by_evidence: int = 0
+    by_model: int = 0
     completion_digest: str | None = None
     checks: dict[str, bool] = field(default_factory=dict)
     """Target name -> met."""
     facts: dict[str, str] = field(default_factory=dict)
     outcome: str = ""
+    decided: str = ""
+    gaps: list[str] = field(default_factory=list)
 
     @property
     def missed(self) -> list[str]:
@@ -203,22 +216,32 @@ async def run_one(path: Path, fmt: WireFormat, stream: bool, state: Path) -> Res
     rounds = await replay(config(), messages, fmt, stream, session=session, store=store, model=verifier, gate=True,
                           on_round=verifier.next_request)
     line_of = {r.number: r.message for r in rounds}
+    ledger = store.read_ledger(session)
+    gate_of = {r.number: (ledger[r.number - 1].get("gate") or {}) if len(ledger) >= r.number else {}
+               for r in rounds}
+    continued = {n for n, g in gate_of.items() if g.get("reentries") or g.get("nudges")}
     result = Result(path.name, fmt.name, stream, label, [r.message for r in rounds if not r.tool_calls],
-                    [line_of[c.request] for c in verifier.calls], sum(not r.matches for r in rounds), verifier.other,
-                    [count_tokens(c.digest) for c in verifier.calls])
-    result.checks["asked at every stop and only there"] = result.gated == result.stops
+                    [line_of[n] for n, g in gate_of.items() if g.get("verdicts")],
+                    [line_of[c.request] for c in verifier.calls],
+                    sum(not r.matches and r.number not in continued for r in rounds), len(continued),
+                    verifier.other, [count_tokens(c.digest) for c in verifier.calls])
+    decided = [d for g in gate_of.values() for d in g.get("decided_by", ())]
+    result.by_evidence, result.by_model = decided.count(EVIDENCE), decided.count(MODEL)
+    result.checks["judged at every stop and only there"] = result.judged == result.stops
     budget = config().supervisor.gate.digest_budget_tokens
     result.checks[f"every digest within {budget:,} tokens"] = max(result.tokens, default=0) <= budget
+    result.checks["every round as recorded unless the gate continued it"] = not result.changed_rounds
     if label is not None:
+        completion_round = next(n for n, line in line_of.items() if line == label.completion)
+        gate = gate_of[completion_round]
+        result.outcome = gate.get("outcome", "") or ("continued" if gate.get("reentries") else "")
+        result.decided = "+".join(gate.get("decided_by", ())) or "-"
+        result.gaps = list(gate.get("gaps", ()))
         at = [c for c in verifier.calls if line_of[c.request] == label.completion]
-        result.checks["asked at the completion"] = bool(at)
         if at:
             result.completion_digest = at[-1].digest
-            judge(result, messages, label, at[-1].digest)
-        ledger = store.read_ledger(session)
-        completion_round = next(n for n, line in line_of.items() if line == label.completion)
-        gate = ledger[completion_round - 1].get("gate", {}) if len(ledger) >= completion_round else {}
-        result.outcome = gate.get("outcome", "")
+            read_digest(result, messages, label, at[-1].digest)
+        judge(result, messages, label, gate)
     return result
 
 
@@ -230,8 +253,8 @@ def _block(digest: str, tag: str) -> str:
 def request_line(messages: list[dict[str, Any]], before: int, shown: str) -> int | None:
     """The line of the user message that the digest's request block ``shown`` starts with, before line ``before``:
     among identical ones (a harness's repeated re-prompt), the proxy's turn start
-    (``proxyvisor.detectors.receipts.RoundReader``: a user message that does not repeat the previous prompt), else
-    the latest. None when the block starts with no user message of the trajectory."""
+    (``proxyvisor.detectors.receipts.RoundReader``), else the latest. None when the block starts with no user
+    message of the trajectory."""
     lines = [i for i, m in enumerate(messages[:before]) if m["role"] == "user"
              and shown[:200] == escape(str(m.get("content") or ""))[:200]]
     events = read_rounds([CHAT.message(m) for m in messages[:before]])
@@ -244,45 +267,46 @@ def _quote(text: str, width: int = 40) -> str:
     return repr(text[:width] + "…" if len(text) > width else text)
 
 
-def judge(result: Result, messages: list[dict[str, Any]], label: Label, digest: str) -> None:
-    """Fill ``result.checks`` (targets, for a ``target`` label) and ``result.facts`` from the completion digest."""
+def read_digest(result: Result, messages: list[dict[str, Any]], label: Label, digest: str) -> None:
+    """Report what the model's digest at the completion shows (``result.facts``); its request block is a target."""
     shown = _block(digest, "current_user_turn")
     line = request_line(messages, label.completion, shown)
     actions = ACTION_LINE.findall(_block(digest, "recorded_actions"))
     numbers = [int(n) for n, _, _ in actions]
-    provenance = _block(digest, "provenance").strip()
-    result.checks["the request block is a user message of the turn"] = line is not None
-    checks: dict[str, bool] = {}
+    result.checks["the digest's request block is a user message of the turn"] = line is not None
     result.facts["request"] = (f"line {line} ({_quote(str(messages[line].get('content') or ''))})"
                                if line is not None else f"no user message of the file ({_quote(shown)})")
-    result.facts["actions"] = f"#{numbers[0]}-#{numbers[-1]}" if numbers else "none"
-    result.facts["provenance"] = provenance
+    result.facts["provenance"] = _block(digest, "provenance").strip()
     if label.task is not None:
         task_calls = sum(len(m.get("tool_calls") or ()) for m in messages[label.task + 1:])
         whole = line == label.task and numbers[:1] == [1] and numbers[-1:] == [task_calls] and \
             "earlier lines omitted" not in _block(digest, "recorded_actions")
         result.facts["task in view"] = (f"yes: the task (line {label.task}) and all {task_calls} actions" if whole else
                                         f"no: request from line {line}, actions "
-                                        f"{result.facts['actions']} of the task's {task_calls}")
-        if label.kind == UNVERIFIED:
-            task_text = escape(str(messages[label.task].get("content") or ""))[:200]
-            checks["the task's request in the digest"] = any(
-                task_text in _block(digest, tag) for tag in ("current_user_turn", "original_task"))
+                                        f"{f'#{numbers[0]}-#{numbers[-1]}' if numbers else 'none'} of the task's "
+                                        f"{task_calls}")
+
+
+def judge(result: Result, messages: list[dict[str, Any]], label: Label, gate: dict[str, Any]) -> None:
+    """Fill ``result.checks`` (targets, for a ``target`` label) and ``result.facts`` from the completion's ledger
+    ``gate`` line."""
+    decided = list(gate.get("decided_by", ()))
+    gaps = result.gaps
+    by_evidence = bool(decided) and set(decided) == {EVIDENCE}
+    checks: dict[str, bool] = {}
     if label.kind == FAILING:
-        assert label.failing_output is not None
-        output = str(messages[label.failing_output].get("content") or "").rstrip()
-        tail = escape(output[-300:])
-        found = tail in _block(digest, "tool_outputs") and escape(label.failure) in tail
-        result.facts["failing output"] = (f"yes: the tail of line {label.failing_output} ({label.failure!r})"
-                                          if found else f"no: line {label.failing_output}'s tail is not shown")
-        checks["failing run's output tail in the digest"] = found
+        checks["gaps quote the failing run, decided by evidence alone"] = by_evidence and any(
+            label.failure in g for g in gaps)
     elif label.kind == UNVERIFIED:
-        ran = [args for _, args, status in actions if status == "ok" and TEST_RUNNER.search(args)]
-        tried = [args for _, args, status in actions if status == "ERROR" and TEST_RUNNER.search(args)]
-        result.facts["test runner"] = ("succeeded: " + ran[0][:60] if ran else
-                                       f"none succeeded ({len(tried)} failed attempt(s))" if tried else "none")
-        checks["provenance: no check since the last change"] = provenance.startswith((NO_CHECK, NO_CHANGE))
-        checks["no test runner succeeded"] = not ran
+        task = str(messages[label.task].get("content") or "") if label.task is not None else ""
+        if forbids_checks(prohibitions(task)):
+            checks["no run-the-checks gap: the task forbids running them"] = not any(
+                RUN_THE_CHECKS in g.lower() for g in gaps)
+        else:
+            checks["a run-the-checks gap, decided by evidence alone"] = by_evidence and any(
+                RUN_THE_CHECKS in g.lower() for g in gaps)
+    elif label.kind == CLEAN:
+        checks["no gap"] = not gaps and gate.get("passed") is True
     if label.target:
         result.checks.update(checks)
     else:
@@ -313,40 +337,35 @@ def _short(name: str) -> str:
 
 def row(r: Result) -> str:
     label = r.label
-    completion = (f"{label.completion} ({label.kind or 'no digest target'}{'' if label.target else ', not a target'})"
+    completion = (f"{label.completion} ({label.kind or 'no target'}{'' if label.target else ', not a target'})"
                   f": {label.note}") if label else "- (no gate label)"
-    at = "-" if label is None else ("yes" if r.checks.get("asked at the completion") else "**NO**")
-    evidence = "; ".join(f"{k}: {v}" for k, v in r.facts.items() if k in (
-        "request", "failing output", "test runner", "task in view", "not a target")) or "-"
-    if label is not None and label.kind == UNVERIFIED:
-        evidence = f"provenance: \"{r.facts.get('provenance', '')[:40]}…\"; " + evidence
-    tokens = f"{count_tokens(r.completion_digest):,}" if r.completion_digest else "-"
+    gaps = "; ".join(_quote(g, 240) for g in r.gaps) or "-"
+    facts = "; ".join(f"{k}: {v}" for k, v in r.facts.items() if k in ("request", "task in view", "not a target"))
     verdict = "ok" if not r.missed else "**MISSED**: " + ", ".join(r.missed)
-    return (f"| {_short(r.name)} | {completion} | {_lines(r.stops)} | {_lines(r.gated)} | {at} | "
-            f"{r.outcome or '-'} | {evidence} | {tokens} | {max(r.tokens, default=0):,} | {verdict} |")
+    return (f"| {_short(r.name)} | {completion} | {_lines(r.stops)} | {_lines(r.gated)} | "
+            f"{r.by_evidence} / {r.by_model} | {r.decided or '-'} | {r.outcome or '-'} | {gaps} | {facts or '-'} | "
+            f"{max(r.tokens, default=0):,} | {verdict} |")
 
 
 HEADER = ["| trajectory | labelled completion (line, kind) | stops: replies without tool calls (lines) | "
-          "gate asked at (lines) | asked at completion | gate outcome there | digest at the completion | "
-          "tokens at completion | largest digest | targets |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-MODES_HEADER = ["| format | mode | verifier calls | asked exactly at the stops | asked at the labelled completion | "
-                "largest digest (tokens) | missed targets |", "|---|---|---|---|---|---|---|"]
+          "model asked at (lines) | passes decided by evidence / model | decided at the completion | "
+          "outcome there | gaps there | model's digest there | largest digest | targets |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+MODES_HEADER = ["| format | mode | passes by evidence | passes by the model | judged exactly at the stops | "
+                "re-entered rounds | largest digest (tokens) | missed targets |", "|---|---|---|---|---|---|---|---|"]
 
 
 def mode_row(name: str, stream: bool, results: list[Result]) -> str:
-    labelled = [r for r in results if r.label is not None]
     missed = "; ".join(f"{_short(r.name)}: {', '.join(r.missed)}" for r in results if r.missed) or "none"
-    return (f"| {name} | {'stream' if stream else 'json'} | {sum(len(r.gated) for r in results)} | "
-            f"{sum(r.gated == r.stops for r in results)}/{len(results)} | "
-            f"{sum(bool(r.checks.get('asked at the completion')) for r in labelled)}/{len(labelled)} | "
-            f"{max(max(r.tokens, default=0) for r in results):,} | {missed} |")
+    return (f"| {name} | {'stream' if stream else 'json'} | {sum(r.by_evidence for r in results)} | "
+            f"{sum(r.by_model for r in results)} | {sum(r.judged == r.stops for r in results)}/{len(results)} | "
+            f"{sum(r.reentered for r in results)} | {max(max(r.tokens, default=0) for r in results):,} | {missed} |")
 
 
 METHOD = """\
 How the replay makes requests (`proxyvisor.replay`): each assistant message of a trajectory is one request carrying
 the history before it, with the tools the trajectory used offered; the scripted upstream answers the recorded message,
-and the verifier double answers "pass", so the run goes on as recorded.
+and the verifier double answers "pass", so the run goes on as recorded wherever the model decides.
 
 - **Completions.** The gate judges replies without tool calls. mini-swe-agent and SWE-agent submit with a tool call
   (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached`, `submit`), which the gate would pass
@@ -356,35 +375,34 @@ and the verifier double answers "pass", so the run goes on as recorded.
   seen this way. Claude Code completions are text answers already; those sessions are replayed whole.
 - **Stops that are not completions.** The Gemini runs (mini-swe-agent v1) act through text: the real agent offers no
   tools, so the gate would never run for it; the corpus conversion exposes the bash block as a tool call and the replay
-  offers tools. Their format-error replies (zero or several bash blocks) are replies without tool calls, and the gate is
-  asked there too, as its rule says (e.g. django-15252 line 16).
-- **The turn.** The digest covers the latest genuine user turn (`HistoryTracker.turn_start`: a user message that does
-  not repeat the previous prompt). A harness re-prompt ("Please always provide EXACTLY ONE action…", "No tool calls
-  found…") is such a user message, so in the chat and Responses formats the turn starts there: the verifier's request
-  is the re-prompt, the task is shown beside it as `<original_task>` (the thread's first user message, shown whenever
-  the turn's request is another one: re-prompts and follow-ups such as "yes"), and the actions before the re-prompt
-  are not in the digest ("task in view: no", reported, not a target). Under a real verifier the tool-less reply before
-  a re-prompt would have been sent back with gaps, so the harness would not have re-prompted; this replay's verifier
-  passes everything. In the Messages format the gpt-5-mini re-prompts follow tool results and join their user message
-  (roles alternate), so the turn stays the task; SWE-agent's demonstration (line 1, 19,388 characters) and task (line
-  2) join into one user message, which the digest clips to its head and tail (16,000 characters), keeping the task.
+  offers tools. Their format-error replies (zero or several bash blocks) are replies without tool calls and without a
+  self-report, which the gate judges as completions (e.g. django-15252 line 16).
+- **Free evidence first.** A completion after a change whose latest check after the last change failed gets a gap
+  quoting that check's summary line, and one with no check after the last change a "run the checks" gap, both
+  without a model call (`proxyvisor.gate.outcome`, "Evidence pre-check"). The gate then continues the turn upstream
+  (a re-entry): the replay's scripted upstream answers it in its auto mode, so that round's reply differs from the
+  recorded one (counted as re-entered, not as changed). A check is a recognised test, build or lint command, or any
+  command whose output ends with a runner's summary line (`proxyvisor.detectors.checks`); a run of the agent's own
+  script (`python reproduce.py`) is none, so django-15252, pydicom-1458 and django-14631, and the successes that only
+  ran their own scripts (sympy-15976, django-13590, sympy-22456), get the "run the checks" gap.
+- **The turn.** The digest covers the latest genuine user turn (`HistoryTracker.turn_start`). A harness re-prompt
+  ("Please always provide EXACTLY ONE action…", "No tool calls found…", a repeated prompt) is not one
+  (`proxyvisor.detectors.receipts.is_reprompt`), so a single-task run's turn is its task, with all its actions.
   Claude Code sessions have several user turns; each completion is judged against its own (e6f53930: line 87 "yes",
-  whose turn holds the failing full-suite run at 188-189).
-- **Failing output.** The digest shows the outputs (head and tail) of at most 8 actions, one per distinct call, its
-  latest run: failures first, then shell commands, then the rest, each newest first. A failing run counts as a failure
-  only by its exit status: e6f53930's full suite ran through `| tail -30`, so its "7 failed, 54 passed" run is `→ ok`;
-  it is shown because it is the newest shell command of its turn."""
+  whose turn holds the failing full-suite run at 188-189, piped through `| tail -30`: exit status 0, read as failed
+  from its "7 failed, 54 passed" summary line)."""
 
 
 def summary(results: list[Result], budget: int, elapsed: float) -> str:
     largest = max(results, key=lambda r: max(r.tokens, default=0))
     missed = [r for r in results if r.missed]
     return (f"{len({r.name for r in results})} trajectories x {len({(r.fmt, r.stream) for r in results})} "
-            f"format/mode(s): {sum(len(r.gated) for r in results)} verifier calls, "
-            f"{sum(r.other_calls for r in results)} other supervisor calls; {len(results) - len(missed)}/"
-            f"{len(results)} replays meet every target; {sum(r.failed_rounds for r in results)} rounds came back "
-            f"changed; largest digest {max(largest.tokens):,} tokens ({_short(largest.name)}, {largest.fmt}) against "
-            f"the budget of {budget:,}; {elapsed:.0f} s.")
+            f"format/mode(s): {sum(r.by_evidence for r in results)} passes decided by free evidence, "
+            f"{sum(r.by_model for r in results)} by the model ({sum(len(r.gated) for r in results)} verifier "
+            f"calls), {sum(r.other_calls for r in results)} other supervisor calls; {len(results) - len(missed)}/"
+            f"{len(results)} replays meet every target; {sum(r.changed_rounds for r in results)} rounds came back "
+            f"changed without a re-entry; largest digest {max(largest.tokens, default=0):,} tokens "
+            f"({_short(largest.name)}, {largest.fmt}) against the budget of {budget:,}; {elapsed:.0f} s.")
 
 
 def main() -> int:
@@ -412,12 +430,13 @@ def main() -> int:
         write_section("Verify-gate on the corpus (issue 4)", "\n".join([
             "Every corpus trajectory replayed through the proxy (supervision on, the gate on, condensing off, the "
             "scripted upstream answering the recorded turns) with a recording supervisor-model double as the "
-            "verifier: it answers every call \"pass\" and keeps the request it came on and its digest. Lines are "
-            "the trajectories' 0-based lines; labels are INDEX.md's \"gate\" judgments.", "",
+            "verifier: it answers every call \"pass\" and keeps the request it came on and its digest; what "
+            "decided each pass (free evidence or the model) is read from the ledger. Lines are the trajectories' "
+            "0-based lines; labels are INDEX.md's \"gate\" judgments.", "",
             "Command: `python bench/gate_corpus.py ../shared/corpus/trajectories --write`", "", METHOD, "",
             f"Per trajectory ({modes[0][0]}, {'stream' if modes[0][1] else 'json'}):", "",
             *HEADER, *[row(r) for r in first], "", "Per format and mode:", "", *modes_table, "", text]))
-    return 1 if any(r.missed or r.failed_rounds or r.other_calls for r in results) else 0
+    return 1 if any(r.missed or r.other_calls for r in results) else 0
 
 
 if __name__ == "__main__":

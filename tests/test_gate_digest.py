@@ -17,6 +17,7 @@ from proxyvisor.gate.digest import (
     action_lines,
     build,
     evidence,
+    provenance,
     turn_actions,
 )
 from proxyvisor.gate.prohibitions import MAX_CHARS, MAX_ITEMS, prohibitions
@@ -42,6 +43,15 @@ class Turn:
 
     def bash(self, command: str, output: str, is_error: bool | None = None) -> Turn:
         return self.call("Bash", {"command": command}, output, is_error)
+
+    def chain(self, other: Turn) -> Turn:
+        """This turn followed by ``other``'s calls (call ids renumbered)."""
+        for message in other.messages:
+            uses = tuple(ToolUse(f"x{len(self.messages)}{u.id}", u.name, u.arguments) for u in message.tool_uses)
+            outputs = tuple(ToolOutput(f"x{len(self.messages) - 1}{o.call_id}", o.text, o.is_error)
+                            for o in message.tool_outputs)
+            self.messages.append(Message(message.role, tool_uses=uses, tool_outputs=outputs))
+        return self
 
     def actions(self):
         return turn_actions(self.messages, SCHEMAS)
@@ -71,7 +81,8 @@ def test_digest_holds_request_receipts_failing_output_and_final_answer() -> None
     assert "FAILED tests/test_calc.py::test_parse" in doc and "Exit code 1" in doc
     assert '#3 [read] Bash {"command":"pytest -q"} → ERROR' in doc
     assert '#2 [mut] Edit' in doc
-    assert "No check succeeded since the last change" in doc
+    assert ('The latest check after the last change FAILED: action #3 `pytest -q` reported '
+            '"1 failed, 12 passed in 0.31s".') in doc
     assert '<output action="3" tool="Bash" status="ERROR">' in doc
 
 
@@ -120,18 +131,70 @@ def test_long_arguments_are_clipped() -> None:
     assert len(action_lines(turn.actions())[0]) < 200
 
 
-@pytest.mark.parametrize(("turn", "changed", "checked"), [
-    (Turn().bash("ls", "a b"), False, False),
-    (done_despite_failing_test(), True, False),  # the only check after the edit failed; git status is a re-read
-    (done_despite_failing_test().bash("pytest -q", "13 passed\nExit code 0"), True, True),
-    (done_despite_failing_test().bash("cd repo && CI=1 npm test | tail -5", "ok"), True, True),
-    (done_despite_failing_test().bash("cd repo && git diff | grep parse", "+ return 4"), True, False),
-    (Turn().bash("pytest -q", "13 passed").call("Edit", {"file_path": "a"}, "updated"), True, False),  # stale
-    (Turn().call("Edit", {"file_path": "a"}, "Error: no match", is_error=True).bash("pytest", "ok"), False, False),
+PIPED_FAILURE = "FAILED tests/test_a.py::test_b - assert 1 == 2\n==== 1 failed, 1 passed in 0.05s ====\nExit code 0"
+HEREDOC = "cat > repro.py <<'EOF'\nimport calc\nrm -rf build\nprint(calc.parse('4'))\nEOF"
+
+
+def edited() -> Turn:
+    return Turn().call("Edit", {"file_path": "calc.py", "old": "3", "new": "4"}, "The file calc.py has been updated.")
+
+
+@pytest.mark.parametrize(("turn", "changed", "latest"), [
+    (Turn().bash("ls", "a b"), False, None),
+    (done_despite_failing_test(), True, "failed"),  # the only check after the edit failed; git status is a re-read
+    (done_despite_failing_test().bash("pytest -q", "13 passed\nExit code 0"), True, "passed"),
+    (done_despite_failing_test().bash("cd repo && CI=1 npm test | tail -5", "ok"), True, "passed"),
+    (done_despite_failing_test().bash("cd repo && git diff | grep parse", "+ return 4"), True, "failed"),
+    (Turn().bash("pytest -q", "13 passed").call("Edit", {"file_path": "a"}, "updated"), True, None),  # stale
+    (Turn().call("Edit", {"file_path": "a"}, "Error: no match", is_error=True).bash("pytest", "ok"), False, "passed"),
+    # A run piped through tail exits 0: its summary line says it failed.
+    (edited().bash("pytest 2>&1 | tail -3", PIPED_FAILURE), True, "failed"),
+    # The latest check wins, whichever way.
+    (edited().bash("pytest 2>&1 | tail -3", PIPED_FAILURE).bash("pytest -q", "2 passed in 0.1s"), True, "passed"),
+    (edited().bash("pytest -q", "2 passed in 0.1s").bash("pytest 2>&1 | tail", PIPED_FAILURE), True, "failed"),
+    # Read-only views and the agent's own scripts are no checks.
+    (edited().bash("nl -ba calc.py | sed -n 1,40p", "     1  def parse(s):\n     2      return 4"), True, None),
+    (edited().bash("python reproduce.py", "works: 4\nExit code 0"), True, None),
+    # ... unless the script's output carries a runner's summary (unittest.main()).
+    (edited().bash("python test_calc_mine.py", "..\n----\nRan 2 tests in 0.001s\n\nOK"), True, "passed"),
+    # A change and a check in one command: the check ran after the change.
+    (Turn().bash("sed -i 's/3/4/' calc.py && pytest -q", "2 passed in 0.1s"), True, "passed"),
+    # Removing the turn's own scratch script, or creating one that is removed again, is no change.
+    (Turn().bash(HEREDOC, "").bash("python repro.py", "3").chain(edited()).bash("pytest -q", "2 passed in 0.1s")
+     .bash("rm repro.py", ""), True, "passed"),
+    (edited().bash("pytest -q", "2 passed in 0.1s").bash(HEREDOC, "").bash("python repro.py", "4")
+     .bash("mv repro.py repro2.py && rm -f repro2.py", ""), True, "passed"),
+    (edited().bash("pytest -q", "2 passed in 0.1s").call("Write", {"file_path": "t.py", "content": "x"}, "created")
+     .bash("rm t.py", ""), True, "passed"),
+    (edited().bash("pytest -q", "2 passed in 0.1s").bash("echo x > notes.tmp; touch a.log", "")
+     .bash("rm notes.tmp a.log", ""), True, "passed"),
+    # Removing a file the turn did not create is a change.
+    (edited().bash("pytest -q", "2 passed in 0.1s").bash("rm calc_old.py", ""), True, None),
+    # Prose and the agent's todo list have no behaviour to check.
+    (edited().bash("pytest -q", "2 passed in 0.1s").call("Edit", {"file_path": "docs/README.md"}, "updated")
+     .call("TodoWrite", {"todos": []}, "Todos have been modified"), True, "passed"),
+    (Turn().call("Edit", {"file_path": "README.md"}, "updated"), False, None),
 ])
-def test_evidence(turn: Turn, changed: bool, checked: bool) -> None:
+def test_evidence(turn: Turn, changed: bool, latest: str | None) -> None:
     ev = evidence(turn.actions())
-    assert (ev.changed, ev.checked, ev.seq) == (changed, checked, len(turn.actions()))
+    assert (ev.changed, ev.latest.outcome if ev.latest else None, ev.seq) == (changed, latest, len(turn.actions()))
+    assert ev.checked == (changed and latest == "passed")
+    assert ev.check_failed == (changed and latest == "failed") and ev.unchecked == (changed and latest is None)
+
+
+def test_evidence_quotes_the_latest_check_and_the_one_before_the_last_change() -> None:
+    ev = evidence(edited().bash("pytest 2>&1 | tail -3", PIPED_FAILURE).actions())
+    assert ev.latest is not None and ev.latest.summary == "1 failed, 1 passed in 0.05s" and ev.latest.number == 2
+    assert provenance(ev) == ('The latest check after the last change FAILED: action #2 `pytest 2>&1 | tail -3` '
+                              'reported "1 failed, 1 passed in 0.05s".')
+    ev = evidence(edited().bash("pytest 2>&1 | tail -3", PIPED_FAILURE).chain(edited()).actions())
+    assert ev.latest is None and ev.before is not None and ev.before.summary == "1 failed, 1 passed in 0.05s"
+    text = provenance(ev)
+    assert text.startswith("No check ran after the last change") and "before the last change, failed" in text
+    ev = evidence(edited().bash("pytest -q", "3 passed in 0.2s").actions())
+    assert provenance(ev) == 'A check passed after the last change: action #2 `pytest -q` reported "3 passed in 0.2s".'
+    ev = evidence(edited().bash("./tests/runtests.py utils", "bash: ./tests/runtests.py: Permission denied").actions())
+    assert ev.check_failed and ev.latest is not None and "Permission denied" in ev.latest.summary
 
 
 def test_a_call_without_result_is_a_failure() -> None:

@@ -1,4 +1,4 @@
-"""The per-turn gate state machine: every path of issue 4's acceptance list, driven with parsed verifier answers."""
+"""The per-turn gate state machine: every path of its table, driven with evidence and parsed verifier answers."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import json
 
 import pytest
 
-from proxyvisor.gate.digest import Evidence, build, evidence, turn_actions
+from proxyvisor.detectors.checks import FAILED as CHECK_FAILED
+from proxyvisor.detectors.checks import PASSED as CHECK_PASSED
+from proxyvisor.gate.digest import Check, Evidence, build, evidence, turn_actions
 from proxyvisor.gate.outcome import (
     DONE,
+    EVIDENCE,
+    MODEL,
+    NEXT,
+    TABLE,
     FAIL_OPEN,
     FAILED,
     MAX_REENTRIES,
@@ -34,8 +40,17 @@ from proxyvisor.gate.outcome import (
 from proxyvisor.gate.verdict import Gap, parse, refute
 from proxyvisor.proxy.formats.transcript import Message, ToolOutput, ToolUse
 
-CHANGED_AND_CHECKED = Evidence(changed=True, checked=True, seq=4)
-UNCHECKED = Evidence(changed=True, checked=False, seq=2)
+PASSED_RUN = Check(3, "pytest -q", CHECK_PASSED, "3 passed in 0.12s")
+FAILED_RUN = Check(3, "pytest -q 2>&1 | tail -3", CHECK_FAILED, "1 failed, 2 passed in 0.12s")
+
+
+def checked(seq: int = 4) -> Evidence:
+    """A change, then a check that passed: evidence that leaves the judgment to the model."""
+    return Evidence(changed=True, latest=PASSED_RUN, seq=seq)
+
+
+CHANGED_AND_CHECKED = checked()
+UNCHECKED = Evidence(changed=True, seq=2)
 GAP = {"requirement": 1, "gap": "pytest still fails", "settles": "a passing pytest run"}
 
 
@@ -46,7 +61,7 @@ def verifier(gaps=(), verdict=None, handback=None, handback_judged=False) -> Ans
     return answer_event(parse(json.dumps(data), handback=handback_judged))
 
 
-def gaps_round(gate: TurnGate, gaps=(GAP,), evidence=UNCHECKED, refuter: str | None = None):
+def gaps_round(gate: TurnGate, gaps=(GAP,), evidence=CHANGED_AND_CHECKED, refuter: str | None = None):
     """One stop -> verify -> gaps -> refutation, returning the decision after refutation."""
     assert isinstance(gate.handle(Stop("done", evidence)), Verify)
     refute_decision = gate.handle(verifier(gaps))
@@ -62,10 +77,15 @@ def test_pass_with_change_and_check_is_verified() -> None:
     assert (decision.outcome, decision.passed, gate.state) == (VERIFIED, True, DONE)
 
 
-@pytest.mark.parametrize("evidence", [Evidence(False, False, 0), UNCHECKED])
-def test_pass_on_reading_alone_is_unknown(evidence: Evidence) -> None:
+@pytest.mark.parametrize(("state", "evidence"), [
+    (None, Evidence()),  # a stop without a status is gated too
+    ("done", Evidence(latest=PASSED_RUN, seq=1)),  # a check passed, but nothing changed
+    ("exploring", UNCHECKED),  # not a completion: the evidence pre-check stands aside
+    ("exploring", Evidence(True, FAILED_RUN, None, 3)),  # a failed latest check never ends verified
+])
+def test_pass_on_reading_alone_is_unknown(state: str | None, evidence: Evidence) -> None:
     gate = TurnGate()
-    gate.handle(Stop(None, evidence))  # a stop without a status is gated too
+    assert isinstance(gate.handle(Stop(state, evidence)), Verify)
     assert gate.handle(verifier()) == Deliver(UNKNOWN, True, "completion passed on reading alone")
 
 
@@ -81,8 +101,8 @@ def test_gaps_then_pass() -> None:
 
 def test_same_gaps_after_new_evidence_stop_early_as_failed() -> None:
     gate = TurnGate()
-    assert isinstance(gaps_round(gate, evidence=Evidence(True, False, 2)), Reenter)
-    moved = Evidence(True, False, 5)
+    assert isinstance(gaps_round(gate, evidence=checked(2)), Reenter)
+    moved = checked(5)
     reworded = {**GAP, "gap": "  PYTEST still   fails"}
     decision = gaps_round(gate, gaps=(reworded,), evidence=moved)
     assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
@@ -103,8 +123,8 @@ def test_budget_spent_after_the_configured_reentries(budget: int) -> None:
     gate = TurnGate(GatePolicy(reentry_budget=budget))
     for n in range(budget):
         gap = {**GAP, "gap": f"gap {n}"}  # different gaps each time, with new evidence: never a stall
-        assert isinstance(gaps_round(gate, gaps=(gap,), evidence=Evidence(True, False, n)), Reenter)
-    decision = gaps_round(gate, gaps=({**GAP, "gap": "last"},), evidence=Evidence(True, False, 99))
+        assert isinstance(gaps_round(gate, gaps=(gap,), evidence=checked(n)), Reenter)
+    decision = gaps_round(gate, gaps=({**GAP, "gap": "last"},), evidence=checked(99))
     assert isinstance(decision, Deliver) and decision.outcome == UNVERIFIED and gate.reentries == budget
 
 
@@ -219,16 +239,91 @@ def test_headless_in_progress_stop_is_nudged_twice_then_verified(state: str) -> 
 @pytest.mark.parametrize(("headless", "state"), [(False, "exploring"), (False, "progressing"), (True, "done"),
                                                  (True, None), (True, "blocked")])
 def test_no_nudge_when_interactive_or_not_in_progress(headless: bool, state: str | None) -> None:
-    assert isinstance(TurnGate(GatePolicy(headless=headless)).handle(Stop(state, UNCHECKED)), Verify)
+    assert isinstance(TurnGate(GatePolicy(headless=headless)).handle(Stop(state, CHANGED_AND_CHECKED)), Verify)
 
 
 def test_events_out_of_order_are_protocol_errors() -> None:
     gate = TurnGate()
     with pytest.raises(GateProtocolError):
         gate.handle(Answered(parse(json.dumps({}))))  # type: ignore[arg-type]
-    gate.handle(Stop("done", UNCHECKED))
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
     with pytest.raises(GateProtocolError):
-        gate.handle(Stop("done", UNCHECKED))
+        gate.handle(Stop("done", CHANGED_AND_CHECKED))
     gate.handle(Unavailable("down"))
     with pytest.raises(GateProtocolError):
-        gate.handle(Stop("done", UNCHECKED))
+        gate.handle(Stop("done", CHANGED_AND_CHECKED))
+
+
+# ---- the evidence pre-check ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("state", ["done", None])
+def test_a_completion_whose_latest_check_failed_gets_a_gap_quoting_it_without_a_model(state: str | None) -> None:
+    gate = TurnGate()
+    decision = gate.handle(Stop(state, Evidence(True, FAILED_RUN, None, 3)))
+    assert isinstance(decision, Reenter) and decision.decided_by == EVIDENCE and gate.state == "working"
+    assert len(decision.gaps) == 1 and '"1 failed, 2 passed in 0.12s"' in decision.gaps[0].text
+    assert "pytest -q 2>&1 | tail -3" in decision.gaps[0].text and decision.gaps[0].settles
+    assert "recorded evidence" in decision.advisory and "1 failed, 2 passed" in decision.advisory
+    # The agent fixes it and the check passes: now the model judges, and its pass is verified.
+    assert gate.handle(Stop("done", checked(6))) == Verify(False, previous_gaps=decision.gaps)
+    final = gate.handle(verifier())
+    assert isinstance(final, Deliver) and (final.outcome, final.decided_by) == (VERIFIED, MODEL)
+
+
+def test_the_same_failing_check_after_new_evidence_ends_failed_and_without_any_budget_unverified() -> None:
+    gate = TurnGate()
+    assert isinstance(gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 3))), Reenter)
+    decision = gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 5)))  # new actions, the same failure
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
+    assert decision.decided_by == EVIDENCE and decision.gaps and "1 failed" in (decision.notice or "")
+    decision = TurnGate(GatePolicy(reentry_budget=0)).handle(Stop("done", Evidence(True, FAILED_RUN, None, 3)))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.decided_by) == (UNVERIFIED, EVIDENCE)
+
+
+def test_a_completion_without_a_check_after_the_last_change_is_asked_for_the_checks() -> None:
+    decision = TurnGate().handle(Stop("done", UNCHECKED))
+    assert isinstance(decision, Reenter) and decision.decided_by == EVIDENCE
+    assert "no check ran after the last change" in decision.gaps[0].text and "checks" in decision.gaps[0].settles
+    # An earlier check, before the last change, is quoted (here it failed).
+    decision = TurnGate().handle(Stop(None, Evidence(True, None, FAILED_RUN, 4)))
+    assert isinstance(decision, Reenter) and "failed" in decision.gaps[0].text
+    assert "1 failed, 2 passed in 0.12s" in decision.gaps[0].text
+
+
+def test_forbidden_checks_leave_a_missing_run_to_the_model() -> None:
+    gate = TurnGate()
+    assert gate.handle(Stop("done", UNCHECKED, checks_forbidden=True)) == Verify(handback=False)
+    assert gate.handle(verifier()) == Deliver(UNKNOWN, True, "completion passed on reading alone")
+
+
+@pytest.mark.parametrize("state", ["blocked", "need_input", "exploring", "progressing"])
+def test_the_evidence_pre_check_judges_completions_only(state: str) -> None:
+    for ev in (UNCHECKED, Evidence(True, FAILED_RUN, None, 3)):
+        assert isinstance(TurnGate().handle(Stop(state, ev)), Verify)
+
+
+def test_every_transition_is_in_the_table() -> None:
+    # Drive every path above once more through a recorder of (state, event, next state) and compare with TABLE.
+    seen: set[tuple[str, type, str]] = set()
+    original = TurnGate.handle
+
+    def recording(self: TurnGate, event):  # type: ignore[no-untyped-def]
+        before = self.state
+        decision = original(self, event)
+        seen.add((before, type(event), self.state))
+        assert self.state == NEXT[type(decision)]
+        return decision
+
+    TurnGate.handle = recording  # type: ignore[method-assign]
+    try:
+        test_a_completion_whose_latest_check_failed_gets_a_gap_quoting_it_without_a_model("done")
+        test_the_same_failing_check_after_new_evidence_ends_failed_and_without_any_budget_unverified()
+        test_gaps_then_pass()
+        test_malformed_then_repaired()
+        test_verifier_down_fail_open_passes_but_stays_unverified()
+        test_headless_in_progress_stop_is_nudged_twice_then_verified("exploring")
+    finally:
+        TurnGate.handle = original  # type: ignore[method-assign]
+    for before, event, after in seen:
+        assert after in TABLE[before][event][1]
+    assert {(b, e) for b, e, _ in seen} == {(s, e) for s, events in TABLE.items() for e in events}

@@ -7,11 +7,17 @@ of one assistant turn (a parallel batch is one round) with their results, or a t
 
 - **Target**: the non-empty strings (or string-list elements) under argument keys whose lowercase name contains
   ``path`` or ``file``, with a leading ``./`` removed.
-- **Error**: the client's flag (Anthropic ``is_error: true``) wins; otherwise an exit status in the head or tail of
+- **Error**: a search that found nothing (the command's last part is ``grep``/``rg``/``ag``/``git grep``, its exit
+  status 1 or, with none shown, the client's error flag, and its output empty but for that status) is no error;
+  otherwise the client's flag (Anthropic ``is_error: true``) wins; otherwise an exit status in the head or tail of
   the output (``Exit code 1``, ``<returncode>1</returncode>``, ``Process exited with code 2``...) decides;
   otherwise an explicit ``is_error: false`` means success; otherwise error markers in the head or tail of the
   output (a Python traceback, ``command not found``, ``No such file or directory``, ``error:`` lines...). A call
-  whose result never arrived counts as failed.
+  whose result never arrived counts as failed. A check whose output shows a failing runner summary failed, whatever
+  its exit status (a run piped through ``tail`` exits 0).
+- **Check** (:mod:`.checks`): a command execution that is not read-only inspection and either runs a check
+  command (tests, a build, a linter) or prints a runner summary is a check; it ``passed`` unless it failed (above),
+  and its receipt quotes the latest runner summary line of its output. Every other call is no check.
 - **Mutation**, strongest signal first: a tool named in ``[supervisor.detectors] mutating_tools`` (declared); a
   **runner** (its schema's ``command``/``cmd`` property is a free-form string, or, with no schema, the call passes
   one) is judged by its command text only: an intent word or a shell write (``sed -i``, ``>`` redirection, ``rm``,
@@ -39,6 +45,8 @@ from typing import Any
 import orjson
 
 from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
+from . import checks
+from .checks import words
 
 INTENT_WORDS = frozenset(
     "write edit create replace apply insert delete remove patch mkdir rename move update set send publish post "
@@ -50,8 +58,6 @@ NONE, GUESSED, DECLARED = "none", "guessed", "declared"
 UNRECORDED = b"unrecorded"
 """The text key of an implied round: a turn the client did not keep in its history."""
 
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_NON_WORD = re.compile(r"[^A-Za-z0-9]+")
 _SHELL_WRITE = re.compile(
     r"(?:^|[\s;&|(`])(?:sed\s+(?:-\w*\s+)*-i|rm|rmdir|mv|cp|mkdir|touch|tee|chmod|chown|ln|truncate|dd|patch|"
     r"git\s+(?:apply|commit|checkout|reset|rm|mv|add|merge|rebase|stash|restore|cherry-pick|push|am|switch)|"
@@ -65,6 +71,8 @@ _ERROR_MARKERS = re.compile(
     r"Traceback \(most recent call last\)|<tool_use_error>|command not found|No such file or directory|"
     r"Permission denied|\berror\(s\)|^(?:error|fatal|Error|ERROR|FATAL)\b[^\n]{0,40}?:|^\w*(?:Error|Exception): ",
     re.M)
+_TAG_LINE = re.compile(r"^\s*</?[A-Za-z_][\w-]*>\s*$|^\s*Error:?\s*$", re.M)
+_NEAR_EMPTY = 40
 _EDGE = 400  # characters of an output's head and tail that exit statuses and error markers are read from
 # Every branch starts at a word boundary, written as a look-behind so the engine rejects most positions at once
 # (three times faster than a leading \b on each branch).
@@ -98,11 +106,6 @@ def result_digest(text: str) -> bytes:
     if len(text) <= _MASK_LIMIT:
         text = _VOLATILE.sub("#", text)
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-def words(text: str) -> set[str]:
-    """Lowercase words of ``text`` with camelCase split (``SetCookie`` gives ``set`` and ``cookie``)."""
-    return set(_NON_WORD.sub(" ", _CAMEL.sub(" ", text)).lower().split())
 
 
 def targets(arguments: Mapping[str, Any]) -> tuple[str, ...]:
@@ -150,14 +153,18 @@ def is_runner(schema: Mapping[str, Any] | None, arguments: Mapping[str, Any]) ->
     return command_text(arguments) is not None
 
 
+def writes(command: str) -> bool:
+    """Whether shell ``command`` writes (module docstring, "Mutation": an intent word or a shell write)."""
+    return bool(words(command) & INTENT_WORDS or _SHELL_WRITE.search(command))
+
+
 def mutation_level(name: str, arguments: Mapping[str, Any], schema: Mapping[str, Any] | None,
                    mutating_tools: frozenset[str]) -> str:
     """:data:`NONE`, :data:`GUESSED` or :data:`DECLARED` for one call (module docstring, "Mutation")."""
     if name in mutating_tools:
         return DECLARED
     if is_runner(schema, arguments):
-        command = command_text(arguments) or ""
-        return GUESSED if words(command) & INTENT_WORDS or _SHELL_WRITE.search(command) else NONE
+        return GUESSED if writes(command_text(arguments) or "") else NONE
     if words(name) & INTENT_WORDS:
         return DECLARED
     for key in ("command", "action", "operation"):
@@ -167,17 +174,38 @@ def mutation_level(name: str, arguments: Mapping[str, Any], schema: Mapping[str,
     return NONE
 
 
-def failed(output: ToolOutput | None) -> bool:
-    """Whether a tool result reports failure (module docstring, "Error"); a missing result counts as failed."""
+def _exit_status(edges: str) -> int | None:
+    for match in _EXIT.finditer(edges):
+        return int(next(g for g in match.groups() if g is not None))
+    return None
+
+
+def _found_nothing(output: ToolOutput, status: int | None) -> bool:
+    """Whether a search's result says it found nothing: exit status 1 (or none shown, with the client's error
+    flag) and no text beyond that status and its wrapper tags (at most :data:`_NEAR_EMPTY` characters)."""
+    if status != 1 and not (status is None and output.is_error):
+        return False
+    if len(output.text) > _EDGE:
+        return False
+    rest = _TAG_LINE.sub("", _EXIT.sub("", output.text))
+    return len(rest.strip()) <= _NEAR_EMPTY and not _ERROR_MARKERS.search(rest)
+
+
+def failed(output: ToolOutput | None, command: str | None = None) -> bool:
+    """Whether a tool result reports failure (module docstring, "Error"); a missing result counts as failed.
+    ``command``: the call's command text, when it is a command execution (a search that found nothing is no
+    failure)."""
     if output is None:
-        return True
-    if output.is_error:
         return True
     text = output.text
     edges = text if len(text) <= 2 * _EDGE else text[:_EDGE] + "\n" + text[-_EDGE:]
-    for match in _EXIT.finditer(edges):
-        code = next(g for g in match.groups() if g is not None)
-        return int(code) != 0
+    status = _exit_status(edges)
+    if command is not None and checks.is_search(command) and _found_nothing(output, status):
+        return False
+    if output.is_error:
+        return True
+    if status is not None:
+        return status != 0
     if output.is_error is False:
         return False
     return _ERROR_MARKERS.search(edges) is not None
@@ -191,7 +219,9 @@ class Receipt:
     (tool, arguments, result, error status: what a loop repeats); ``observation`` what was learnt (the target, or
     with none the whole call, with the result and error status: what novelty compares, so the same output for
     the same file under reworded arguments is not new). ``command`` is the command text of a command execution,
-    else None.
+    else None. ``check`` is :data:`~.checks.PASSED`, :data:`~.checks.FAILED` or :data:`~.checks.NONE` (module
+    docstring, "Check"); ``summary`` the runner summary line its output ends with (for a failed check without one,
+    its output's last line), or "".
     """
 
     tool: str
@@ -203,6 +233,8 @@ class Receipt:
     command: str | None
     identity: bytes
     observation: bytes
+    check: str = checks.NONE
+    summary: str = ""
 
 
 def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] | None,
@@ -215,11 +247,19 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
     call_key = digest(use.name, use.arguments)
     target = targets(use.arguments)
     result_key = result_digest(output.text) if output is not None else b""
-    error = failed(output)
+    error = failed(output, command if is_command else None)
+    check, line = checks.NONE, ""
+    if is_command and command is not None and not checks.is_inspection(command):
+        check_command = checks.is_check_command(command)
+        found = checks.summary(output.text, check_command) if output is not None else None
+        if found is not None or check_command:
+            error = error or (found is not None and found.outcome == checks.FAILED)
+            check = checks.FAILED if error else checks.PASSED
+            line = found.line if found else checks.last_line(output.text) if error and output is not None else ""
     identity = digest(call_key.hex(), result_key.hex(), error)
     observation = digest(use.name, list(target) if target else call_key.hex(), result_key.hex(), error)
     return Receipt(use.name, call_key, target, result_key, error, level, command if is_command else None,
-                   identity, observation)
+                   identity, observation, check, line)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +279,30 @@ class Round:
         if self.receipts:
             return digest(sorted(r.identity.hex() for r in self.receipts))
         return digest("text", (self.text_key or b"").hex())
+
+
+_REPROMPT = re.compile(
+    r"exactly (?:one|1|_one_) (?:action|function call|tool call|command|code block)"
+    r"|found \d+ (?:actions|code blocks|commands)"
+    r"|\bformat(?:ting)? error|(?:was|were|is) not (?:formatted|parsed) correctly|incorrectly formatted"
+    r"|(?:could not|couldn't|unable to|failed to) parse (?:your|the) (?:last |previous )?(?:output|response|reply|action)"
+    r"|\bno tool calls? (?:were |was )?(?:found|detected|provided|present|made)"
+    r"|(?:did not|didn't|does not|doesn't) (?:use|include|contain|make|call) any (?:tool|function)"
+    r"|(?:your|the) (?:last |previous )?(?:output|response|reply|message) (?:was )?(?:malformed|invalid|empty)"
+    r"|(?:please )?(?:resend|re-send|retry) (?:your|the) (?:last |previous )?(?:output|response|reply|action)",
+    re.I)
+REPROMPT_CHARS = 4_000
+"""A harness's re-prompt is short boilerplate; a longer message is a user's own, whatever it says."""
+
+
+def is_reprompt(text: str, previous: str | None) -> bool:
+    """Whether a user message is a harness's re-prompt rather than a genuine user turn: it repeats the previous
+    prompt (``previous``), or, within its first :data:`REPROMPT_CHARS` characters, says the model's previous
+    output was malformed, had no tool call or must be resent (mini-swe-agent's "Please always provide EXACTLY ONE
+    action", SWE-agent's "Your output was not formatted correctly", "No tool calls found in the response")."""
+    if previous is not None and text == previous:
+        return True
+    return len(text) <= REPROMPT_CHARS and _REPROMPT.search(text) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,17 +330,20 @@ class RoundReader:
     and function-call items separately); results are paired with its calls by id; a round ends when every call
     has its result, or when the next user or assistant item starts (a result that never came is a failure).
 
-    User messages: a message that repeats the previous user text with no tool round in between is a **repeated
-    prompt** (a harness re-asking, e.g. "No tool calls found in the response"), not a genuine turn; when no turn
-    at all was recorded since the previous prompt, the client dropped the model's answer, and an implied round
-    without tool calls stands in for it. Every other user message is a :class:`UserTurn`.
+    User messages: a **re-prompt** (:func:`is_reprompt`: a harness complaining about the model's previous output,
+    or a message repeating the previous user text with no tool round in between) continues the current turn; when
+    the model's answer it complains about was not recorded (no assistant item since the previous user message or
+    the last tool round), the client dropped it, and an implied round without tool calls stands in for it. Every
+    other user message is a genuine :class:`UserTurn`. A re-prompt neither resets the detectors' windows nor moves
+    the turn's start (the verify-gate's digest window, the plan's turn).
     """
 
     def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
         self.mutating_tools = mutating_tools
         self._open: _OpenRound | None = None
         self._last_prompt: str | None = None
-        self._rounds_since_prompt = 0
+        self._answered = True
+        """Whether an assistant item came since the previous user message or the last tool round."""
         self._tool_rounds_since_prompt = 0
         self.turn_receipts: dict[str, Receipt] = {}
         """The receipts of the current user turn's calls, by call id (the verify-gate reads them instead of
@@ -289,6 +356,7 @@ class RoundReader:
         if role == "assistant":
             if self._open is not None and self._open.outputs:
                 out += self._close(schemas)
+            self._answered = True
             if self._open is None:
                 self._open = _OpenRound(index)
             if message.text:
@@ -305,23 +373,25 @@ class RoundReader:
         elif role == "user":
             if self._open is not None:
                 out += self._close(schemas)
-            repeated = message.text == self._last_prompt and not self._tool_rounds_since_prompt
-            if repeated and not self._rounds_since_prompt:
-                out.append(Round(index, text_key=UNRECORDED, implied=True))
-            elif not repeated:
+            previous = self._last_prompt if not self._tool_rounds_since_prompt else None
+            if is_reprompt(message.text, previous) and self._last_prompt is not None:
+                if not self._answered:
+                    out.append(Round(index, text_key=UNRECORDED, implied=True))
+            else:
                 out.append(UserTurn(index))
                 self.turn_receipts = {}
             self._last_prompt = message.text
-            self._rounds_since_prompt = self._tool_rounds_since_prompt = 0
+            self._answered = False
+            self._tool_rounds_since_prompt = 0
         return out
 
     def _close(self, schemas: Mapping[str, Mapping[str, Any]]) -> list[Round]:
         open_round, self._open = self._open, None
         assert open_round is not None
-        self._rounds_since_prompt += 1
         if not open_round.uses:
             return [Round(open_round.index, text_key=digest("".join(open_round.text)))]
         self._tool_rounds_since_prompt += 1
+        self._answered = False
         receipts = tuple(receipt(u, open_round.outputs.get(u.id), schemas.get(u.name), self.mutating_tools)
                          for u in open_round.uses)
         self.turn_receipts.update((u.id, r) for u, r in zip(open_round.uses, receipts))

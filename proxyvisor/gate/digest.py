@@ -36,7 +36,8 @@ Blocks, in priority order (reference ``in-session-supervisor-mechanics.md`` sect
                                 at most 120 characters, at most 128 lines (newest kept); an identical successful
                                 consecutive call collapses into ``×K``, errors never do (reference). At most a quarter
                                 of the budget.
-``<provenance>``                one sentence: whether a check succeeded since the last change (reference).
+``<provenance>``                whether the turn changed state and the latest check after its last change, passed or
+                                failed, with its summary line (:func:`provenance`; reference).
 ``<tool_outputs>``              result heads (1,000 characters) and tails (2,000, the reference's command-output
                                 tail) of at most 8 actions, one per distinct call (its latest run): failures first,
                                 then command executions, then the rest, each newest first, while they fit; shown in
@@ -57,7 +58,9 @@ from xml.sax.saxutils import escape
 import orjson
 
 from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
-from ..detectors.receipts import NONE, Receipt, receipt
+from ..detectors import checks
+from ..detectors.checks import words
+from ..detectors.receipts import NONE, Receipt, receipt, writes
 from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
 from .prohibitions import Standing, standing
 
@@ -78,17 +81,11 @@ TAIL_CHARS = 2_000
 MAX_OUTPUTS = 8
 CONTINUED = "\n--- continued after supervisor feedback ---\n"
 
-INSPECTION_COMMANDS = frozenset({
-    "ls", "cat", "head", "tail", "less", "more", "grep", "rg", "ag", "find", "fd", "pwd", "echo", "printf", "wc",
-    "which", "type", "file", "stat", "tree", "du", "df", "sed", "awk", "diff", "cd", "true"})
-"""First words of commands that only re-read state; a successful command after the last change that is none of
-these exercises behaviour and counts as a recognised check (reference section 3, provenance: "cleared only by
-re-reading the artifact: content only, not behavior"). ``git status|diff|log|show|blame`` are re-reads as well.
-A compound command (``&&``, ``||``, ``;``, ``|``, newlines) is a re-read only when every part is one; leading
-``NAME=value`` assignments are skipped."""
-_GIT_READS = frozenset({"status", "diff", "log", "show", "blame"})
-_COMPOUND = re.compile(r"&&|\|\||[;|\n]")
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+DOC_SUFFIXES = (".md", ".markdown", ".rst", ".txt", ".adoc")
+"""Files of prose: a change to them alone has no behaviour for a check to exercise."""
+BOOKKEEPING = frozenset({"todo", "todos"})
+"""Words of a tool's name that mark the agent's own bookkeeping (Claude Code's ``TodoWrite``): not a change."""
+_COMMAND_CHARS = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +98,53 @@ class Action:
 
 
 @dataclass(frozen=True, slots=True)
-class Evidence:
-    """What the turn's actions establish. ``changed``: a mutation succeeded. ``checked``: after the last successful
-    mutation, a command that is not a re-read (:data:`INSPECTION_COMMANDS`) succeeded. ``seq``: the number of
-    actions, the ledger sequence whose movement between passes is "new evidence" (reference section 3, stall)."""
+class Check:
+    """One check of the turn (:mod:`proxyvisor.detectors.checks`): its 1-based action number, command, outcome
+    (``passed`` or ``failed``) and the runner summary line its output ends with ("" when it printed none)."""
 
-    changed: bool
-    checked: bool
-    seq: int
+    number: int
+    command: str
+    outcome: str
+    summary: str
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == checks.PASSED
+
+    def quote(self) -> str:
+        """The check in one line: its summary line and command, or its command and exit status."""
+        command = clip_chars(" ".join(self.command.split()), _COMMAND_CHARS)
+        if self.summary:
+            return f"action #{self.number} `{command}` reported \"{self.summary}\""
+        return f"action #{self.number} `{command}` exited {'0' if self.passed else 'with a failure'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What the turn's actions establish (:func:`evidence`). ``changed``: a change succeeded. ``latest``: the
+    latest check after the last change (when nothing changed, the turn's latest check), None when no check ran
+    there; ``before``: the latest check before the last change, None when none. ``seq``: the number of actions,
+    the ledger sequence whose movement between passes is "new evidence" (reference section 3, stall)."""
+
+    changed: bool = False
+    latest: Check | None = None
+    before: Check | None = None
+    seq: int = 0
+
+    @property
+    def checked(self) -> bool:
+        """A change succeeded and the latest check after the last change passed: what ``verified`` needs."""
+        return self.changed and self.latest is not None and self.latest.passed
+
+    @property
+    def check_failed(self) -> bool:
+        """A change succeeded and the latest check after the last change failed."""
+        return self.changed and self.latest is not None and not self.latest.passed
+
+    @property
+    def unchecked(self) -> bool:
+        """A change succeeded and no check ran after the last change."""
+        return self.changed and self.latest is None
 
 
 def turn_actions(messages: Sequence[Message], schemas: Mapping[str, Mapping[str, Any]] | None = None,
@@ -130,29 +166,71 @@ def turn_actions(messages: Sequence[Message], schemas: Mapping[str, Mapping[str,
             for u in uses]
 
 
-def _is_reread(command: str) -> bool:
-    for part in _COMPOUND.split(command):
-        argv = part.split()
-        while argv and _ASSIGNMENT.match(argv[0]):
-            argv.pop(0)
-        if not argv:
+def _kind(action: Action, created: set[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """How one successful mutation counts: ``("aside", (), ())`` for bookkeeping or prose only, ``("create",
+    paths, ())`` when it only creates files, ``("remove", removed, created)`` when it only removes or renames files
+    the turn created, else ``("change", (), ())``."""
+    r = action.receipt
+    if words(r.tool) & BOOKKEEPING:
+        return "aside", (), ()
+    if r.command is None:
+        if r.target and all(t.lower().endswith(DOC_SUFFIXES) for t in r.target):
+            return "aside", (), ()
+        said = words(r.tool) | {str(action.use.arguments.get(k, "")).strip().lower() for k in ("command", "action")}
+        if r.target and said & {"write", "create"}:
+            return "create", r.target, ()
+        if r.target and said & {"delete", "remove"} and set(r.target) <= created:
+            return "remove", r.target, ()
+        return "change", (), ()
+    made: list[str] = []
+    gone: list[str] = []
+    known = set(created)
+    for part in checks.parts(r.command):
+        if not writes(part) or checks.is_inspection(part):
             continue
-        if argv[0] == "git":
-            if len(argv) < 2 or argv[1] not in _GIT_READS:
-                return False
-        elif argv[0].rsplit("/", 1)[-1] not in INSPECTION_COMMANDS:
-            return False
-    return True
+        new = checks.created_paths(part)
+        if new is not None:
+            made += new
+            known.update(new)
+            continue
+        moved = checks.removed_paths(part)
+        if moved is None or not set(moved[0]) <= known:
+            return "change", (), ()
+        gone += moved[0]
+        made += moved[1]
+        known.update(moved[1])
+    if gone:
+        return "remove", tuple(gone), tuple(made)
+    return ("create", tuple(made), ()) if made else ("change", (), ())
 
 
 def evidence(actions: Sequence[Action]) -> Evidence:
-    """The :class:`Evidence` of a turn's actions."""
-    last_change = max((i for i, a in enumerate(actions) if a.receipt.mutation != NONE and not a.receipt.error),
-                      default=-1)
-    checked = last_change >= 0 and any(
-        a.receipt.command is not None and a.receipt.mutation == NONE and not a.receipt.error
-        and not _is_reread(a.receipt.command) for a in actions[last_change + 1:])
-    return Evidence(last_change >= 0, checked, len(actions))
+    """The :class:`Evidence` of a turn's actions. A change is a successful mutation, except (the agent's own
+    scratch work leaves the result as it was): removing or renaming files the turn created, creating files the
+    turn removes again later, the agent's bookkeeping (:data:`BOOKKEEPING`) and edits of prose alone
+    (:data:`DOC_SUFFIXES`). A command that changes and then checks (``sed -i ... && pytest``) is a check after its
+    change."""
+    created: set[str] = set()
+    kinds: list[tuple[int, str, tuple[str, ...]]] = []
+    last_removal: dict[str, int] = {}
+    for i, a in enumerate(actions):
+        if a.receipt.mutation == NONE or a.receipt.error:
+            continue
+        kind, paths, made = _kind(a, created)
+        if kind == "create":
+            created.update(paths)
+        elif kind == "remove":
+            last_removal.update((p, i) for p in paths)
+            created.update(made)
+        kinds.append((i, kind, paths))
+    changes = [i for i, kind, paths in kinds if kind == "change"
+               or (kind == "create" and not all(last_removal.get(p, -1) > i for p in paths))]
+    last = max(changes, default=-1)
+    found = [Check(i + 1, a.receipt.command or "", a.receipt.check, a.receipt.summary)
+             for i, a in enumerate(actions) if a.receipt.check != checks.NONE]
+    after = [c for c in found if c.number - 1 >= last]
+    before = [c for c in found if c.number - 1 < last]
+    return Evidence(bool(changes), after[-1] if after else None, before[-1] if before else None, len(actions))
 
 
 def _arguments(use: ToolUse) -> str:
@@ -183,13 +261,20 @@ def action_lines(actions: Sequence[Action]) -> list[str]:
 
 
 def provenance(ev: Evidence) -> str:
-    """The one provenance sentence (reference section 3)."""
+    """The provenance sentences (reference section 3): whether the turn changed state, and the latest check after
+    its last change, passed or failed, with its summary line."""
     if not ev.changed:
-        return "No state change was recorded in this turn."
-    if ev.checked:
-        return "A check succeeded after the last change."
-    return "No check succeeded since the last change; anything after it was cleared only by re-reading the " \
-           "artifact: content only, not behavior."
+        text = "No state change was recorded in this turn (documentation, todo lists and the agent's own scratch " \
+               "files aside)."
+        return text + (f" The latest check {ev.latest.outcome}: {ev.latest.quote()}." if ev.latest else "")
+    if ev.latest is not None:
+        if ev.latest.passed:
+            return f"A check passed after the last change: {ev.latest.quote()}."
+        return f"The latest check after the last change FAILED: {ev.latest.quote()}."
+    text = "No check ran after the last change; anything after it was cleared only by re-reading the artifact: " \
+           "content only, not behavior."
+    return text + (f" The latest check, before the last change, {ev.before.outcome}: {ev.before.quote()}."
+                   if ev.before else "")
 
 
 def _head_tail(text: str) -> str:
@@ -354,7 +439,7 @@ def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *
         blocks.append(_text_block("standing_instructions", "", instructions[:INSTRUCTIONS_CHARS], budget // 8))
     blocks.append(_lines_block("recorded_actions", ' trust="untrusted"', action_lines(actions) or ["(none)"],
                                budget // 4))
-    blocks.append(_text_block("provenance", "", provenance(ev), 128))
+    blocks.append(_text_block("provenance", "", provenance(ev), 256))
     if any(a.output is not None for a in actions):
         blocks.append(_outputs_block(actions, budget))
     return _assemble(blocks, budget)

@@ -5,11 +5,15 @@ clock. One :class:`TurnGate` lives for one user-owned turn (a genuine user messa
 
 States and transitions (:data:`TABLE`; any other event is a :class:`GateProtocolError`)::
 
-    WORKING   --Stop-->         Nudge (WORKING) | Verify (VERIFYING)
+    WORKING   --Stop-->         Nudge (WORKING) | Reenter, evidence (WORKING) | Deliver, evidence (DONE)
+                                | Verify (VERIFYING)
     VERIFYING --Answered-->     Refute (REFUTING) | Deliver (DONE)
     VERIFYING --Malformed-->    Verify(format_retry) (VERIFYING), once | as Unavailable
     VERIFYING --Unavailable-->  Deliver (DONE)
     REFUTING  --Refuted-->      Reenter (WORKING) | Deliver (DONE)
+
+The next state follows from the decision's type alone (:data:`NEXT`); the table lists, per state and event, the
+handler and the states it may lead to.
 
 Rules and the source of each number (seed 003 "Verify-gate"; ``reference/in-session-supervisor-mechanics.md``
 section 3; issue 4):
@@ -17,10 +21,16 @@ section 3; issue 4):
 - **Free pre-check**: in headless runs only, a stop whose self-report state is ``exploring`` or ``progressing``
   gets a continue nudge instead of a verification, at most :data:`NUDGE_BUDGET` (2, the reference's
   ``MAX_ITERATIONS``) times per turn; then the stop is verified like any other.
-- **Model pass** on every other stop: a completion, a stop without status, or a hand-back (``blocked`` /
-  ``need_input``: the verifier judges whether the remaining work truly needs the user; this machine only routes).
-- **Gaps** first go through the refutation pass; the gaps that stand re-enter the turn upstream with an advisory,
-  at most ``reentry_budget`` times (default 2, issue 4; at most :data:`MAX_REENTRIES` = 8). Once the budget is
+- **Evidence pre-check** (free, no model call): a completion (state ``done`` or no state) after a change whose
+  latest check after the last change failed gets a gap quoting that check's summary line; a completion after a
+  change with no check after the last change gets a gap asking for the project's checks, unless the user forbade
+  running them (:attr:`Stop.checks_forbidden`). These gaps skip the refuter and are charged like the model's
+  (below); the decisions carry ``decided_by`` = :data:`EVIDENCE`.
+- **Model pass** on every other stop: a completion the evidence does not settle, a stop without status, or a
+  hand-back (``blocked`` / ``need_input``: the verifier judges whether the remaining work truly needs the user;
+  this machine only routes).
+- **Gaps** of the model first go through the refutation pass; the gaps that stand re-enter the turn upstream with
+  an advisory, at most ``reentry_budget`` times (default 2, issue 4; at most :data:`MAX_REENTRIES` = 8). Once the budget is
   spent the turn ends ``unverified``. If the ledger moved since the previous pass (new evidence) and the same gaps
   return (:func:`~proxyvisor.gate.verdict.same_gaps`), retrying stops early and the turn ends ``failed``.
 - **Format retry**: one per turn for a malformed verifier answer; a second malformed answer counts as the verifier
@@ -28,14 +38,18 @@ section 3; issue 4):
 - **Verifier unavailable** (transport failure, or malformed twice): the answer is delivered either way, labelled
   ``unverified``. Policy ``fail_closed`` (the default) marks it not passed, with a notice the shell records and
   shows; ``fail_open`` passes it. Never silently passed under ``fail_closed`` (issue 4).
-- **Outcomes**: ``verified`` (pass, state changed and a recognised check ran after it: :class:`~.digest.Evidence`),
+- **Outcomes**: ``verified`` (pass, state changed and the latest recognised check after the last change passed:
+  :attr:`.digest.Evidence.checked`; a failed latest check never ends verified),
   ``unknown`` (pass on reading alone, including a legitimate hand-back and a pass where the user forbade the check),
   ``failed`` (unchanged gaps after new evidence), ``unverified`` (budget spent, verifier unavailable).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .digest import Evidence
 from .verdict import GAPS, Gap, Malformed, Verdict, same_gaps
@@ -45,8 +59,23 @@ DEFAULT_REENTRIES = 2
 MAX_REENTRIES = 8
 FAIL_OPEN, FAIL_CLOSED = "fail_open", "fail_closed"
 VERIFIED, UNKNOWN, FAILED, UNVERIFIED = "verified", "unknown", "failed", "unverified"
-WORKING, VERIFYING, REFUTING, DONE = "working", "verifying", "refuting", "done"
 HANDBACKS = ("blocked", "need_input")
+COMPLETIONS = (None, "done")
+"""Self-report states of a stop that claims completion (no state at all included)."""
+EVIDENCE, MODEL = "evidence", "model"
+"""What decided a pass: the free evidence pre-check, or a verifier model call."""
+
+
+class GateState(enum.StrEnum):
+    """The gate's states (the same strings in the ledger)."""
+
+    WORKING = "working"
+    VERIFYING = "verifying"
+    REFUTING = "refuting"
+    DONE = "done"
+
+
+WORKING, VERIFYING, REFUTING, DONE = GateState.WORKING, GateState.VERIFYING, GateState.REFUTING, GateState.DONE
 
 NUDGE_NOTE = (
     "You ended the turn while still in progress and did nothing. Continue the work. Report done when it is "
@@ -79,10 +108,12 @@ class GatePolicy:
 @dataclass(frozen=True, slots=True)
 class Stop:
     """A response without tool calls ended the turn. ``state``: its self-report state (None when absent);
-    ``evidence``: the turn's evidence so far."""
+    ``evidence``: the turn's evidence so far; ``checks_forbidden``: the user forbade running the checks
+    (:func:`~.prohibitions.forbids_checks`), so their absence is compliance, not a gap."""
 
     state: str | None
     evidence: Evidence
+    checks_forbidden: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,31 +168,59 @@ class Refute:
 
 @dataclass(frozen=True, slots=True)
 class Reenter:
-    """Continue the turn upstream with ``advisory``; its next stop is fed as a new :class:`Stop`."""
+    """Continue the turn upstream with ``advisory``; its next stop is fed as a new :class:`Stop`. ``decided_by``:
+    :data:`EVIDENCE` or :data:`MODEL`."""
 
     gaps: tuple[Gap, ...]
     advisory: str
+    decided_by: str = MODEL
 
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
     """Deliver the latest answer to the agent. ``passed`` is False when the gate did not accept it; ``notice`` is
-    the label text the shell records (and attaches) when not passed; ``gaps`` are the standing gaps, if any."""
+    the label text the shell records (and attaches) when not passed; ``gaps`` are the standing gaps, if any;
+    ``decided_by``: :data:`EVIDENCE` or :data:`MODEL`."""
 
     outcome: str
     passed: bool
     reason: str
     gaps: tuple[Gap, ...] = ()
     notice: str | None = None
+    decided_by: str = MODEL
 
 
 Decision = Nudge | Verify | Refute | Reenter | Deliver
 
 
-def advisory(gaps: tuple[Gap, ...]) -> str:
+FAILED_CHECK_SETTLES = ("a run of the checks covering the change that passes after the last change (for a failure "
+                        "that predates the change, a passing run of the tests the change touches)")
+NO_CHECK_SETTLES = "a run of the project's checks (its tests, build or linters covering the change) after the last " \
+                   "change, with its result"
+
+
+def evidence_gaps(evidence: Evidence, checks_forbidden: bool = False) -> tuple[Gap, ...]:
+    """The gaps the recorded evidence settles without a model (module docstring, "Evidence pre-check"): one for a
+    failed latest check after the last change, one for no check after it (unless ``checks_forbidden``); empty
+    otherwise."""
+    if evidence.check_failed:
+        assert evidence.latest is not None
+        return (Gap(f"The latest check after the last change failed: {evidence.latest.quote()}.",
+                    FAILED_CHECK_SETTLES),)
+    if evidence.unchecked and not checks_forbidden:
+        earlier = evidence.before
+        return (Gap("State changed but no check ran after the last change"
+                    + (f"; the latest check, before it, {earlier.outcome}: {earlier.quote()}" if earlier else "")
+                    + ". Run the project's checks on the result.", NO_CHECK_SETTLES),)
+    return ()
+
+
+def advisory(gaps: tuple[Gap, ...], decided_by: str = MODEL) -> str:
     """The re-entry advisory listing ``gaps`` (the reference's gist)."""
     listed = "\n".join(f"{n}. {g.text} (would be settled by: {g.settles})" for n, g in enumerate(gaps, 1))
-    return ("A verifier found gaps between your answer and the request:\n" + listed + "\nClose each gap with an "
+    found = ("The recorded evidence of your turn shows gaps" if decided_by == EVIDENCE
+             else "A verifier found gaps between your answer and the request")
+    return (found + ":\n" + listed + "\nClose each gap with an "
             "artifact, an observed state or a check, or cite the evidence that it is already satisfied. Then report "
             "your status again, and write your reply as the complete, standalone answer.")
 
@@ -171,24 +230,28 @@ class TurnGate:
     """The gate of one turn. Feed events with :meth:`handle`; each returns the decision to perform."""
 
     policy: GatePolicy = field(default_factory=GatePolicy)
-    state: str = WORKING
+    state: GateState = WORKING
     nudges: int = 0
     reentries: int = 0
     format_retried: bool = False
     handback: bool = False
-    evidence: Evidence = field(default_factory=lambda: Evidence(False, False, 0))
+    evidence: Evidence = field(default_factory=Evidence)
     previous_gaps: tuple[Gap, ...] = ()
     previous_seq: int | None = None
     outcome: Deliver | None = None
 
     def handle(self, event: Event) -> Decision:
         """The decision for ``event``. Raises :class:`GateProtocolError` if the state does not accept it."""
-        handler = TABLE.get(self.state, {}).get(type(event))
-        if handler is None:
+        entry = TABLE.get(self.state, {}).get(type(event))
+        if entry is None:
             raise GateProtocolError(f"{type(event).__name__} in state {self.state}")
+        handler, targets = entry
         decision = handler(self, event)
+        following = NEXT[type(decision)]
+        assert following in targets, f"{type(decision).__name__} from {self.state} is not in the table"
+        self.state = following
         if isinstance(decision, Deliver):
-            self.state, self.outcome = DONE, decision
+            self.outcome = decision
         return decision
 
     def _stop(self, event: Stop) -> Decision:
@@ -197,12 +260,14 @@ class TurnGate:
             self.nudges += 1
             return Nudge()
         self.handback = event.state in HANDBACKS
-        self.state = VERIFYING
+        if event.state in COMPLETIONS:
+            gaps = evidence_gaps(event.evidence, event.checks_forbidden)
+            if gaps:
+                return self._charge(gaps, EVIDENCE)
         return Verify(self.handback, previous_gaps=self.previous_gaps)
 
     def _answered(self, event: Answered) -> Decision:
         if event.verdict.outcome == GAPS:
-            self.state = REFUTING
             return Refute(event.verdict.gaps)
         return self._passed()
 
@@ -226,28 +291,38 @@ class TurnGate:
                        notice="proxyvisor could not verify this answer; it is delivered unverified.")
 
     def _refuted(self, event: Refuted) -> Decision:
-        kept = event.kept
-        if not kept:
-            return self._passed()
+        return self._charge(event.kept, MODEL) if event.kept else self._passed()
+
+    def _charge(self, kept: tuple[Gap, ...], decided_by: str) -> Reenter | Deliver:
+        """Gaps that stand: re-enter the turn, or end it when they returned unchanged after new evidence
+        (``failed``) or the re-entry budget is spent (``unverified``)."""
         moved = self.previous_seq is not None and self.evidence.seq != self.previous_seq
         notice = "verification gaps remain: " + "; ".join(g.text for g in kept)
         if moved and same_gaps(self.previous_gaps, kept):
-            return Deliver(FAILED, False, "the same gaps returned after new evidence", kept, notice=notice)
+            return Deliver(FAILED, False, "the same gaps returned after new evidence", kept, notice=notice,
+                           decided_by=decided_by)
         if self.reentries >= self.policy.reentry_budget:
-            return Deliver(UNVERIFIED, False, "verification gaps remain: re-entry budget spent", kept, notice=notice)
+            return Deliver(UNVERIFIED, False, "verification gaps remain: re-entry budget spent", kept, notice=notice,
+                           decided_by=decided_by)
         self.reentries += 1
         self.previous_gaps, self.previous_seq = kept, self.evidence.seq
-        self.state = WORKING
-        return Reenter(kept, advisory(kept))
+        return Reenter(kept, advisory(kept, decided_by), decided_by)
 
 
-TABLE = {
-    WORKING: {Stop: TurnGate._stop},
-    VERIFYING: {Answered: TurnGate._answered, Malformed: TurnGate._malformed, Unavailable: TurnGate._unavailable},
-    REFUTING: {Refuted: TurnGate._refuted},
+Handler = Callable[[TurnGate, Any], "Decision"]
+
+TABLE: dict[GateState, dict[type, tuple[Handler, tuple[GateState, ...]]]] = {
+    WORKING: {Stop: (TurnGate._stop, (WORKING, VERIFYING, DONE))},
+    VERIFYING: {Answered: (TurnGate._answered, (REFUTING, DONE)),
+                Malformed: (TurnGate._malformed, (VERIFYING, DONE)),
+                Unavailable: (TurnGate._unavailable, (DONE,))},
+    REFUTING: {Refuted: (TurnGate._refuted, (WORKING, DONE))},
     DONE: {},
 }
-"""State -> event type -> handler: the only place transitions are decided."""
+"""State -> event type -> (handler, the states it may lead to): the only place transitions are decided."""
+
+NEXT: dict[type, GateState] = {Nudge: WORKING, Reenter: WORKING, Verify: VERIFYING, Refute: REFUTING, Deliver: DONE}
+"""Decision type -> the state it leaves the gate in."""
 
 
 def answer_event(parsed: Verdict | Malformed) -> Answered | Malformed:

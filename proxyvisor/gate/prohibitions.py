@@ -204,3 +204,15 @@ def standing(turns: Iterable[tuple[int, str]], prior: Sequence[Standing] = ()) -
         held = {s.text for s in force}
         force += [Standing(p, turn) for p in prohibitions(text) if p not in held]
     return tuple(force[-MAX_ITEMS:])
+
+
+_RUN = re.compile(r"\b(?:run|running|rerun|re-run|execute|executing|invoke|launch|start|trigger)\b", re.I)
+_CHECK = re.compile(r"\b(?:tests?|test suite|suite|pytest|unittest|checks?|linters?|lint|build|builds|ci|tox|"
+                    r"npm test|go test|cargo test|make)\b", re.I)
+
+
+def forbids_checks(found: tuple[str, ...] | list[str]) -> bool:
+    """Whether any of the prohibitions ``found`` (:func:`prohibitions`' items) forbids running the project's checks:
+    it names a way of running (run, execute, invoke...) and a check (tests, a build, a linter...). "Do not modify
+    the tests" forbids no run."""
+    return any(_RUN.search(p) and _CHECK.search(p) for p in found)

@@ -28,7 +28,8 @@ this module feeds them and performs their decisions for one supervised request (
 
 What happened goes into the request's ledger line as ``gate`` (``RequestRecord.gate``)::
 
-    {"verdicts": ["gaps", "pass"],  # each verifier pass: pass | gaps | malformed | unavailable
+    {"verdicts": ["gaps", "pass"],  # each pass: pass | gaps | malformed | unavailable
+     "decided_by": ["evidence", "model"],  # per pass: the free evidence pre-check or a verifier model call
      "nudges": 0, "reentries": 1, "refuted": 0,
      "outcome": "verified",         # when the turn ended here: verified | unknown | failed | unverified
      "passed": true, "reason": "...", "gaps": ["..."],
@@ -53,11 +54,12 @@ from ..config import GateConfig
 from ..detectors.selfreport import outcome as report_outcome
 from ..detectors.selfreport import strip
 from ..gate import digest
-from ..gate.outcome import (DONE, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge, Reenter, Refute, Refuted, Stop,
-                            TurnGate, Unavailable, Verify, answer_event)
+from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge, Reenter, Refute,
+                            Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
 from ..gate.plan import render_text
-from ..gate.verdict import (FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse, refutation_input,
-                            refute)
+from ..gate.prohibitions import forbids_checks, prohibitions
+from ..gate.verdict import (FORMAT_RETRY, GAPS, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse,
+                            refutation_input, refute)
 from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
@@ -197,7 +199,12 @@ class Gating:
         turn.finals.append(clean)
         await planning.reconcile(self.exchange, report)  # the plan as the turn left it, before it is judged
         actions = self._actions(turn.turn_start)
-        decision: Any = turn.gate.handle(Stop(report.state if report else None, digest.evidence(actions)))
+        request, task = self._request_and_task(turn)
+        forbidden = forbids_checks(prohibitions(request) + prohibitions(task))
+        decision: Any = turn.gate.handle(Stop(report.state if report else None, digest.evidence(actions), forbidden))
+        if isinstance(decision, (Reenter, Deliver)) and decision.decided_by == EVIDENCE:
+            record["verdicts"].append(GAPS)
+            record.setdefault("decided_by", []).append(EVIDENCE)
         document: str | None = None
         previous: str | None = None
         while True:
@@ -209,6 +216,7 @@ class Gating:
                     document = self._digest(turn, actions, report, decision)
                 answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
                                          previous if decision.format_retry else None)
+                record.setdefault("decided_by", []).append(MODEL)
                 if answer is None:
                     record["verdicts"].append("unavailable")
                     decision = turn.gate.handle(Unavailable(self.failure or "the verifier call failed or timed out"))
@@ -235,13 +243,19 @@ class Gating:
                     planning.clear(self.exchange.thread)  # a passed completion closes the plan (reference 4)
                 return None
 
-    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
+    def _request_and_task(self, turn: GateTurn) -> tuple[str, str]:
+        """The turn's genuine user message and the thread's first one, as the user wrote them (without the
+        harness's ``<system-reminder>`` blocks, which Claude Code adds)."""
         ex = self.exchange
         start = turn.turn_start
-        # What the user wrote, without the harness's <system-reminder> blocks (Claude Code adds them).
         task = planning.goal_text(ex.parts[1])
         request = planning.goal_text(self.fmt.message(ex.items[start]).text) \
             if start is not None and start < len(ex.items) else task
+        return request, task
+
+    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
+        ex = self.exchange
+        request, task = self._request_and_task(turn)
         plan = ex.thread.plan
         document = digest.build(request, turn.finals, actions, instructions=ex.parts[0],
                                 plan=render_text(plan) if plan is not None else None,
