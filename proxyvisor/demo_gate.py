@@ -2,12 +2,12 @@
 
 The example agent is asked to fix a bug in the scratch project's ``app.py`` so that ``test_app.py`` passes. The
 scripted model reads the file, fixes it with ``sed -i`` (the agent runs it for real in its scratch folder), and
-then claims "done" without running the tests. The verify-gate (``proxyvisor.proxy.gating``) holds that answer,
-asks the supervisor model (with no ``[supervisor.model]`` configured, the scripted upstream's fixed verifier
-policy, ``proxyvisor.adapters.scripted_verifier``: state changed and no check ran after it is a gap), and
-continues the turn upstream with an advisory naming the gap and what would settle it. The agent never receives
-the premature answer: the model's continued reply runs the tests (``python test_app.py``), they pass, and its
-second "done" is verified. Then the agent sends ``/info``, which proxyvisor answers itself without a model call
+then claims "done" without running the tests. The verify-gate (``proxyvisor.proxy.gating``) holds that answer;
+its free evidence pre-check settles it without a model call (state changed and no check ran after it is a gap)
+and continues the turn upstream with an advisory naming the gap and what would settle it. The agent never
+receives the premature answer: the model's continued reply runs the tests (``python -m unittest test_app``),
+they pass, the supervisor model (with no ``[supervisor.model]`` configured, the scripted upstream's fixed verifier
+policy, ``proxyvisor.adapters.scripted_verifier``) passes its second "done", and it is verified. Then the agent sends ``/info``, which proxyvisor answers itself without a model call
 (``proxyvisor.proxy.commands``), and the demo prints the session's ledger with the gate's outcome per request.
 
 The premature "done" is an ``until`` step (``proxyvisor.adapters.scripted``): the scripted model repeats it until
@@ -35,8 +35,9 @@ from .proxy.formats import WireFormat
 
 TASK = "Fix the bug in app.py so that test_app.py passes."
 APP = "def add(a, b):\n    return a - b\n"
-TEST_APP = ("from app import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-            'if __name__ == "__main__":\n    test_add()\n    print("test_app.py: 1 test passed")\n')
+TEST_APP = ("import unittest\n\nfrom app import add\n\n\nclass TestAdd(unittest.TestCase):\n"
+            "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n\n"
+            'if __name__ == "__main__":\n    unittest.main()\n')
 ADVISORY_MARK = "A verifier found gaps between your answer and the request"
 """The opening of the gate's advisory (``proxyvisor.gate.outcome.advisory``), as the scripted model matches it."""
 PREMATURE = "Fixed: add() in app.py subtracted instead of adding; it now returns a + b. Done."
@@ -59,7 +60,7 @@ GATE_SCRIPT = [
           "sed -i 's/a - b/a + b/' app.py"),
     {"text": PREMATURE + _report("done", "add() fixed"), "until": ADVISORY_MARK},
     _bash("I have not run the tests yet; running them now." + _report("progressing", "run test_app.py"),
-          "python test_app.py"),
+          "python -m unittest test_app"),
     {"text": FINAL + _report("done", "add() fixed and test_app.py passes")},
 ]
 
@@ -131,9 +132,11 @@ def _show_reentry(gate: dict[str, Any], refutations: int, fmt: WireFormat,
     say(console, "[magenta]model[/magenta]", "answers, ending the turn:")
     say(console, "", Text(held.strip(), style="italic"), bar=True)
     stood = ", and a second check agreed" if refutations and not gate.get("refuted") else ""
+    found = ("the recorded evidence settled it without a model call" if "evidence" in gate.get("decided_by", ())
+             else f"the verifier found a gap{stood}")
     gaps = "\n".join(escape(gap) for gap in gate.get("gaps", ()))
-    say(console, "[red]supervisor[/red]", "the verify-gate held this answer (the agent never got it); the verifier "
-        f"found a gap{stood}:\n{gaps}")
+    say(console, "[red]supervisor[/red]", f"the verify-gate held this answer (the agent never got it); {found}:"
+        f"\n{gaps}")
     say(console, "[red]supervisor[/red]", "continued the turn upstream; the model got this advisory:")
     say(console, "", Text(advisory), bar=True)
     say(console, "", "and the agent got the model's continued reply instead:")

@@ -35,13 +35,15 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
     # The premature answer is shown first, then what the gate did with it.
     held = text.index("the verify-gate held this answer (the agent never got it)")
     assert PREMATURE in text[text.index("answers, ending the turn:"):held]
-    # The gap (which the second check did not dismiss) and what would settle it, as the model got them.
-    assert re.search(r"the verifier found a gap, and a second check agreed:\n\s+no check ran after the last change\n",
-                     text)
-    assert "1. no check ran after the last change (would be settled by: run the tests" in text
+    # The gap, read from the recorded evidence without a model call, and what would settle it, as the model got them.
+    assert re.search(r"the recorded evidence settled it without a model call:\n\s+State changed but no check ran "
+                     r"after the last change", text)
+    assert "(read from the recorded evidence, without a model call):\n" in text
+    assert "1. State changed but no check ran after the last change." in text
+    assert "(would be settled by: a run of the project's checks" in text
     # The rework: the tests ran for real in the scratch folder, after the fix, and passed.
-    rework = text.index("calls bash({'command': 'python test_app.py'})")
-    assert held < rework < text.index("runs it: test_app.py: 1 test passed | exit code 0")
+    rework = text.index("calls bash({'command': 'python -m unittest test_app'})")
+    assert held < rework < text.index("| Ran 1 test in ") < text.index("|  | OK | exit code 0")
     assert "return a + b" in (workdir / "app.py").read_text()
     verified = text.index("held this answer too; the verifier said pass (completion verified: state changed and a "
                           "check ran), so the agent got it\n             turn outcome: verified")
@@ -50,13 +52,15 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
     # /info, answered by proxyvisor with no model call, counts the gate's work.
     assert "proxyvisor answers /info itself (status 200, model calls: 0):" in text
     assert re.search(r"gate\s+runs 2 · passes 1 · gaps 1 · nudges 0 · re-entries 1", text)
-    assert re.search(r"gate outcomes\s+verified 1 \(last: verified\)", text)
+    assert re.search(r"gate outcomes\s+verified 1 \(last: verified\) · decided by evidence 0, by the model 1", text)
+    assert re.search(r"supervisor model\s+1 calls \(verify 1\)", text)  # the first pass cost no model call
     # Five model replies were shown for four agent requests: the demo says why, next to /info's count.
     assert re.search(r"model requests\s+4 \(tool rounds 3", text)
     assert '"model requests 4" counts the agent\'s requests; the model replied 5 times above' in text
     # The ledger: one line per request, the gate's outcome on the turn's last model request.
     gates = [(line.get("gate") or {}) for line in ledger]
     assert [g.get("verdicts") for g in gates] == [None, None, ["gaps"], ["pass"], None]
+    assert [g.get("decided_by") for g in gates] == [None, None, ["evidence"], ["model"], None]
     assert [g.get("outcome") for g in gates] == [None, None, None, "verified", None]
     assert ledger[-1]["local"] == "/info" and ledger[-1]["input_tokens"] == 0
     assert re.search(r"tool result\s+progressing \(reworked\)\s+gaps → re-entered\s+-", text)
@@ -70,4 +74,4 @@ async def test_without_the_gate_the_agent_gets_the_premature_done(tmp_path: Path
     text, ledger, _workdir = await _scene(tmp_path, "chat", config)
     assert f"answers: {PREMATURE}" in text
     assert 'the agent received the premature "done"' in text and "never received" not in text
-    assert "python test_app.py" not in text and all("gate" not in line for line in ledger)
+    assert "unittest" not in text and all("gate" not in line for line in ledger)

@@ -196,6 +196,38 @@ def test_the_same_command_failing_the_same_way_twice_is_recovery() -> None:
     assert signals_at(history) == {rounds_of(history)[2]: (RECOVERY,)}
 
 
+def test_a_harness_re_prompt_keeps_the_failure_history_and_the_turn() -> None:
+    run = call("Bash", command="python test_complex.py")
+    reprompt = "Please always provide EXACTLY ONE action in triple backticks, found 2 actions."
+    history = (start() + tool_round((run, "Exit code 1\nNameError: mmsubsup")) + say("I will fix it.") +
+               user(reprompt) + tool_round((run, "Exit code 1\nNameError: mmsubsup")))
+    assert RECOVERY in signals_at(history)[rounds_of(history)[-1]]
+    tracker = HistoryTracker()
+    tracker.update(history, CHAT.message, {})
+    assert tracker.turn_start == 1  # the task, not the re-prompt
+    # The same history with a genuine user message instead: a new turn, the failure history starts afresh.
+    history = history[:5] + user("Try another approach.") + history[6:]
+    assert not signals_at(history)
+    tracker = HistoryTracker()
+    tracker.update(history, CHAT.message, {})
+    assert tracker.turn_start == 5
+
+
+def test_a_search_that_found_nothing_is_no_failure_for_recovery() -> None:
+    search = call("Bash", command="grep -rn mmsubsup src")
+    history = start() + tool_round((search, "Exit code 1")) + tool_round((search, "Exit code 1"))
+    assert not signals_at(history)
+    assert all(not e.receipts[0].error for e in read_rounds([CHAT.message(m) for m in history])
+               if isinstance(e, Round))
+
+
+def test_a_run_piped_through_tail_that_shows_failures_is_a_failure() -> None:
+    run = call("Bash", command="pytest -q 2>&1 | tail -3")
+    output = "FAILED t.py::test_a\n1 failed, 3 passed in 0.2s\nExit code 0"
+    history = start() + tool_round((run, output)) + tool_round((run, output))
+    assert signals_at(history) == {rounds_of(history)[1]: (RECOVERY,)}
+
+
 def test_a_command_failing_with_changing_errors_fires_on_the_fourth_failure() -> None:
     run = call("Bash", command="pytest tests/test_api.py")
     history = start()

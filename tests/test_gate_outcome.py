@@ -263,7 +263,7 @@ def test_a_completion_whose_latest_check_failed_gets_a_gap_quoting_it_without_a_
     assert isinstance(decision, Reenter) and decision.decided_by == EVIDENCE and gate.state == "working"
     assert len(decision.gaps) == 1 and '"1 failed, 2 passed in 0.12s"' in decision.gaps[0].text
     assert "pytest -q 2>&1 | tail -3" in decision.gaps[0].text and decision.gaps[0].settles
-    assert "recorded evidence" in decision.advisory and "1 failed, 2 passed" in decision.advisory
+    assert "recorded evidence, without a model call" in decision.advisory and "1 failed, 2 passed" in decision.advisory
     # The agent fixes it and the check passes: now the model judges, and its pass is verified.
     assert gate.handle(Stop("done", checked(6))) == Verify(False, previous_gaps=decision.gaps)
     final = gate.handle(verifier())

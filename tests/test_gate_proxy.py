@@ -362,10 +362,38 @@ async def test_a_forbidden_check_is_compliance_not_a_gap(tmp_path: Path, fmt: st
     digest = policy.calls[0][1][1]["content"]
     assert "<prohibitions" in digest and "Do not run tests, the suite takes an hour." in digest
     assert text == DONE["text"] and run.gate()["passed"]
-    # The same turn without the prohibition: the missing check is a gap.
-    async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([scripted_verifier_answer, verdict()])) as run:
-        text, _, _ = await send(run, fmt, stream, with_history(fmt, stream, "Fix the typo in app.py."))
-    assert text == REWORKED["text"] and run.gate()["verdicts"][0] == "gaps"
+    assert run.gate()["decided_by"] == ["model"]
+    # The same turn without the prohibition: the missing check is a gap of the free evidence, with no model call;
+    # the reworked answer ran nothing either, so it gets the same gap again.
+    async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
+        await send(run, fmt, stream, with_history(fmt, stream, "Fix the typo in app.py."))
+        gate = run.gate()
+        assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "evidence"], ["gaps", "gaps"])
+        assert "no check ran after the last change" in gate["gaps"][0] and not run.verifier.calls
+
+
+# ---- the evidence pre-check ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
+async def test_done_despite_a_failing_check_is_sent_back_by_evidence_then_verified_once_it_passes(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    tool_turn = {"tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}, "id": "call_t1"}]}
+    verifier = Verifier([verdict()])
+    body = with_history(fmt, stream, "Fix the bug in app.py.", check="FAILED t.py::test_a\n1 failed, 2 passed in 0.1s")
+    async with gated(tmp_path, [DONE, tool_turn, REWORKED], verifier) as run:
+        _, calls, _ = await send(run, fmt, stream, body)
+        assert calls == ["Bash"] and not verifier.calls
+        gate = run.gate()
+        assert (gate["decided_by"], gate["verdicts"], gate["reentries"]) == (["evidence"], ["gaps"], 1)
+        assert '"1 failed, 2 passed in 0.1s"' in gate["gaps"][0]
+        assert "1 failed, 2 passed in 0.1s" in orjson.dumps(run.upstream_bodies()[1]).decode()  # the advisory
+        # The agent runs the check again and it passes: the model judges now, and its pass is verified.
+        w = BY_NAME[fmt]
+        w.extend_history(body, _tool_call_items(fmt, "call_t1") + w.tool_results([CallResult("call_t1",
+                                                                                              "3 passed in 0.1s")]))
+        text, _, _ = await send(run, fmt, stream, body)
+    assert text == REWORKED["text"] and verifier.purposes() == ["verify"]
+    gate = run.gate()
+    assert (gate["decided_by"], gate["outcome"]) == (["model"], "verified")
 
 
 def across_turns(fmt: str, stream: bool, *turns: str) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from proxyvisor.store import Store
 from helpers import FORMATS, MODEL, http_client, request_body, sse_events
 
 REPORT = '<sup>{"state":"progressing","focus":"poll","next":"poll again","carry":["build id 42"],"plan":null}</sup>'
-GATE = {"verdicts": ["gaps", "pass"], "nudges": 1, "reentries": 1, "refuted": 0, "outcome": "verified",
-        "passed": True, "reason": "", "gaps": [], "route": "session", "model": "local-llm"}
+GATE = {"verdicts": ["gaps", "pass"], "decided_by": ["evidence", "model"], "nudges": 1, "reentries": 1,
+        "refuted": 0, "outcome": "verified", "passed": True, "reason": "", "gaps": [], "route": "session",
+        "model": "local-llm"}
 
 LINES: list[dict[str, Any]] = [
     {"time": "2026-01-01T00:00:00.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
@@ -44,7 +45,7 @@ LINES: list[dict[str, Any]] = [
                           "cost_usd": 0.005}},
     {"time": "2026-01-01T00:00:03.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 529,
      "input_tokens": None, "output_tokens": None, "overhead_ms": 0.5, "error": "overloaded",
-     "gate": {"verdicts": ["unavailable"], "outcome": "unverified", "passed": False}},
+     "gate": {"verdicts": ["unavailable"], "decided_by": ["model"], "outcome": "unverified", "passed": False}},
     {"time": "2026-01-01T00:00:04.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
      "input_tokens": 0, "output_tokens": 0, "overhead_ms": 40.0, "local": "/info"},
     {"time": "2026-01-01T00:00:05.000+00:00", "format": "chat", "status": 200, "overhead_ms": 9,
@@ -69,7 +70,8 @@ def test_summarize_sums_every_counter_of_a_session() -> None:
     assert info["gate"] == {"runs": 2, "passes": 1, "gaps": 1, "malformed": 0, "unavailable": 1, "nudges": 1,
                             "reentries": 1, "refuted": 0, "outcomes": {"verified": 1, "unverified": 1},
                             "last_outcome": "unverified", "judges": {"session: local-llm": 1},
-                            "last_judge": {"route": "session", "model": "local-llm"}}
+                            "last_judge": {"route": "session", "model": "local-llm"},
+                            "decided_by": {"evidence": 0, "model": 2}}
     assert info["condense"] == {"results": 1, "saved_tokens": 1800}
     assert info["planner_calls"] == 1
     assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,
@@ -110,6 +112,16 @@ def test_litellm_prices_known_models_and_not_unknown_ones() -> None:
     assert litellm_price("scripted-model", 1000, 10) is None
 
 
+def test_turns_are_counted_by_what_decided_their_last_pass() -> None:
+    lines = [{"gate": {"verdicts": ["gaps"], "decided_by": ["evidence"], "reentries": 1}},  # the turn goes on
+             {"gate": {"verdicts": ["gaps", "gaps"], "decided_by": ["evidence", "evidence"], "outcome": "failed",
+                       "passed": False}},
+             {"gate": {"verdicts": ["gaps", "pass"], "decided_by": ["evidence", "model"], "outcome": "verified",
+                       "passed": True}},
+             {"gate": {"verdicts": ["pass"], "outcome": "unknown", "passed": True}}]  # a ledger from before
+    assert summarize(lines)["gate"]["decided_by"] == {"evidence": 1, "model": 1}
+
+
 def test_render_text_is_a_table_with_every_counter() -> None:
     text = render_text({"session": "s-1", **summarize(LINES, price)})
     lines = text.splitlines()
@@ -121,7 +133,8 @@ def test_render_text_is_a_table_with_every_counter() -> None:
     assert rows["detector fires"] == "loop 2 · no_progress 1"
     assert rows["steer notes"] == "loop 1"
     assert rows["gate"].startswith("runs 2 · passes 1 · gaps 1 · nudges 1 · re-entries 1")
-    assert rows["gate outcomes"] == "unverified 1 · verified 1 (last: unverified)"
+    assert rows["gate outcomes"] == ("unverified 1 · verified 1 (last: unverified) · decided by evidence 0, by the "
+                                     "model 2")
     assert rows["condensed"] == "results 1 · saved 1,800 tokens"
     assert rows["planner calls"] == "1"
     assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out")

@@ -6,7 +6,7 @@ to the embedded scripted upstream, which recognises them by their system prompts
 and answers from the digest alone, with this policy (a plain rule, not a judgement):
 
 - the turn changed state and its last command after the change failed: one gap, "the last check failed";
-- the turn changed state and no check succeeded after the last change (the digest's provenance sentence), and
+- the turn changed state and no check ran after the last change (the digest's provenance sentence), and
   the user did not forbid checks (no ``<prohibitions>`` block naming tests or checks): one gap, "no check ran";
 - a hand-back (state ``blocked`` / ``need_input``) needs the user only when the final answer asks a question;
 - the request text ``VERIFY-NEVER-PASSES`` (a test marker) always gives a gap; otherwise ``pass``.
@@ -69,7 +69,7 @@ def _gaps(request: str, blocks: dict[str, str]) -> list[tuple[str, str]]:
     if after and after[-1].group(2) == "ERROR":
         return [("the last check after the change failed", "a passing run of the same check")]
     forbidden = "prohibitions" in blocks and _FORBIDS_CHECKS.search(blocks["prohibitions"])
-    if "No check succeeded since the last change" in blocks.get("provenance", "") and not forbidden:
+    if "No check ran after the last change" in blocks.get("provenance", "") and not forbidden:
         return [("no check ran after the last change", "run the tests (or another check of the behaviour) and "
                                                       "show that they pass")]
     return []

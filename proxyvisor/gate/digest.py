@@ -49,7 +49,6 @@ Pure functions over plain data; no I/O, no clock.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -218,9 +218,8 @@ def evidence_gaps(evidence: Evidence, checks_forbidden: bool = False) -> tuple[G
 def advisory(gaps: tuple[Gap, ...], decided_by: str = MODEL) -> str:
     """The re-entry advisory listing ``gaps`` (the reference's gist)."""
     listed = "\n".join(f"{n}. {g.text} (would be settled by: {g.settles})" for n, g in enumerate(gaps, 1))
-    found = ("The recorded evidence of your turn shows gaps" if decided_by == EVIDENCE
-             else "A verifier found gaps between your answer and the request")
-    return (found + ":\n" + listed + "\nClose each gap with an "
+    found = " (read from the recorded evidence, without a model call)" if decided_by == EVIDENCE else ""
+    return ("A verifier found gaps between your answer and the request" + found + ":\n" + listed + "\nClose each gap with an "
             "artifact, an observed state or a check, or cite the evidence that it is already satisfied. Then report "
             "your status again, and write your reply as the complete, standalone answer.")
 

@@ -22,10 +22,11 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   it made any, and the route and model they took (``route``: ``session``, ``litellm`` or ``supplied``, a call given
   to ``proxyvisor.proxy.service.running``; ``model``: the model named, empty when the route names none);
 - ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
-  ``malformed``, ``unavailable``), ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``,
-  ``unknown``, ``failed``, ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str),
-  ``digest_tokens`` (int: the size of the latest verifier input, in tokens), and once a verifier call was made, the
-  ``route`` and ``model`` that judged the turn (as in ``supervisor_model``).
+  ``malformed``, ``unavailable``), ``decided_by`` (per verdict: ``evidence``, the free pre-check, or ``model``),
+  ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``, ``unknown``, ``failed``,
+  ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str), ``digest_tokens`` (int: the size
+  of the latest verifier input, in tokens), and once a verifier call was made, the ``route`` and ``model`` that
+  judged the turn (as in ``supervisor_model``).
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
@@ -37,9 +38,9 @@ are milliseconds:
 - ``detectors``: ``{"fires": {signal: n}, "steers": {signal: n}}``;
 - ``gate``: ``{"runs", "passes", "gaps", "malformed", "unavailable", "nudges", "reentries", "refuted",
   "outcomes": {label: n}, "last_outcome": label or None, "judges": {"ROUTE: MODEL": n}, "last_judge": {"route",
-  "model"} or None}``: ``runs`` counts requests the gate checked, ``passes`` those it passed, ``gaps`` /
-  ``malformed`` / ``unavailable`` verifier verdicts of that kind, ``judges`` the gated requests each route and model
-  judged;
+  "model"} or None, "decided_by": {"evidence": n, "model": n}}``: ``runs`` counts requests the gate checked,
+  ``passes`` those it passed, ``gaps`` / ``malformed`` / ``unavailable`` verdicts of that kind, ``judges`` the
+  gated requests each route and model judged, ``decided_by`` the turns that ended by what decided their last pass;
 - ``condense``: ``{"results", "saved_tokens"}``: ``saved_tokens`` sums every request's saving, i.e. the input
   tokens not sent upstream over the session;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
@@ -148,6 +149,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     steers: Counter[str] = Counter()
     gate: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
+    decided: Counter[str] = Counter()
     last_outcome = None
     judges: Counter[str] = Counter()
     last_judge = None
@@ -190,6 +192,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
             if isinstance(g.get("outcome"), str):
                 outcomes[g["outcome"]] += 1
                 last_outcome = g["outcome"]
+                by = [d for d in _list(g.get("decided_by")) if d in ("evidence", "model")]
+                if by:
+                    decided[by[-1]] += 1
             if isinstance(g.get("route"), str) and isinstance(g.get("model"), str):
                 last_judge = {"route": g["route"], "model": g["model"]}
                 judges[judge_label(last_judge)] += 1
@@ -223,7 +228,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "gate": {**{k: gate[k] for k in ("runs", "passes", "gaps", "malformed", "unavailable", "nudges",
                                          "reentries", "refuted")},
                  "outcomes": dict(outcomes), "last_outcome": last_outcome, "judges": dict(judges),
-                 "last_judge": last_judge},
+                 "last_judge": last_judge,
+                 "decided_by": {"evidence": decided["evidence"], "model": decided["model"]}},
         "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"]},
         "planner_calls": calls["plan"],
         "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
@@ -269,7 +275,9 @@ def render_text(info: Mapping[str, Any]) -> str:
                   f"{gate['nudges']:,} · re-entries {gate['reentries']:,} · refuted {gate['refuted']:,} · "
                   f"unavailable {gate['unavailable']:,}")),
         ("gate outcomes", _counts(gate["outcomes"])
-         + (f" (last: {gate['last_outcome']})" if gate["last_outcome"] else "")),
+         + (f" (last: {gate['last_outcome']})" if gate["last_outcome"] else "")
+         + (f" · decided by evidence {gate['decided_by']['evidence']:,}, by the model "
+            f"{gate['decided_by']['model']:,}" if gate["outcomes"] else "")),
         ("gate judged by", _counts(gate.get("judges") or {})),
         ("condensed", f"results {info['condense']['results']:,} · saved {info['condense']['saved_tokens']:,} tokens"),
         ("planner calls", f"{info['planner_calls']:,}"),
