@@ -7,8 +7,9 @@ its free evidence pre-check settles it without a model call (state changed and n
 and continues the turn upstream with an advisory naming the gap and what would settle it. The agent never
 receives the premature answer: the model's continued reply runs the tests (``python -m unittest test_app``),
 they pass, the supervisor model (with no ``[supervisor.model]`` configured, the scripted upstream's fixed verifier
-policy, ``proxyvisor.adapters.scripted_verifier``) passes its second "done", and it is verified. Then the agent sends ``/info``, which proxyvisor answers itself without a model call
-(``proxyvisor.proxy.commands``), and the demo prints the session's ledger with the gate's outcome per request.
+policy, ``proxyvisor.adapters.scripted_verifier``) passes its second "done", and it is verified. Then the agent
+sends ``/info``, which proxyvisor answers itself without a model call (``proxyvisor.proxy.commands``), and the demo
+prints the session's ledger with the gate's outcome per request.
 
 The premature "done" is an ``until`` step (``proxyvisor.adapters.scripted``): the scripted model repeats it until
 its input holds the gate's advisory (:data:`ADVISORY_MARK`), so the tests run only because the gate asked.

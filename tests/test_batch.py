@@ -37,13 +37,14 @@ _KEYS = ("outcome", "exit_code", "gate_rounds", "gaps", "reentries", "nudges", "
 EXPECTED = {
     "edit-and-test": ("verified", 0, 1, 0, 0, 0, 0, 0, 3),  # writes, tests, done: passes at once
     "nudged": ("verified", 0, 1, 0, 0, 1, 0, 0, 3),  # stops "progressing": nudged on by the headless pre-check
-    "rework": ("verified", 0, 2, 1, 1, 0, 0, 0, 3),  # "done" untested: gaps, re-entry, tests, passes
+    "rework": ("verified", 0, 1, 1, 1, 0, 0, 0, 3),  # "done" untested: evidence gap, re-entry, tests, model passes
     "question": ("unknown", 0, 1, 0, 0, 0, 0, 0, 1),  # nothing changed: passed on reading alone
-    "no-check": ("unverified", 0, 3, 3, 2, 0, 0, 0, 2),  # only insists: gaps 3 times, budget of 2 re-entries spent
-    "failing-check": ("failed", 0, 2, 2, 1, 0, 1, 1, 4),  # the same failing test after re-entry: same gaps
+    # Only insists: the evidence's gap 3 times (no model call), the budget of 2 re-entries spent.
+    "no-check": ("unverified", 0, 0, 3, 2, 0, 0, 0, 2),
+    "failing-check": ("failed", 0, 0, 2, 1, 0, 1, 1, 4),  # the same failing test after re-entry: the same gap
     "crash": ("no_verdict", 1, 0, 0, 0, 0, 0, 0, 1),  # the model endpoint refuses: the agent exits 1
 }
-FILES = {"edit-and-test": "calc.py", "nudged": "hello.sh", "rework": "greet.py", "no-check": "notes.txt",
+FILES = {"edit-and-test": "calc.py", "nudged": "hello.py", "rework": "greet.py", "no-check": "notes.txt",
          "failing-check": "sub.py"}
 
 

@@ -22,6 +22,10 @@ SUMMARY_LINES = [
     # unittest, Django's runtests.py
     ("FAILED (failures=1, errors=2)", FAILED),
     ("FAILED (errors=1)", FAILED),
+    # doctest
+    ("***Test Failed*** 1 failures.", FAILED),
+    ("Test passed.", PASSED),
+    ("1 passed and 0 failed.", PASSED),
     # tox, nox
     ("ERROR:   py37: commands failed", FAILED),
     ("  py311: FAIL code 1 (2.10 seconds)", FAILED),
@@ -166,7 +170,8 @@ def test_a_compound_is_inspection_only_when_every_part_is(command: str) -> None:
     "cargo nextest run", "cargo build", "cargo check", "cargo clippy", "mvn -q test", "mvn verify", "./gradlew build",
     "gradle test", "ctest --output-on-failure", "make test", "make check", "rspec", "bundle exec rspec",
     "bundle exec rake test", "ruff check .", "mypy src", "flake8", "npx eslint .", "npx tsc --noEmit", "bin/test",
-    "cd /repo && CI=1 timeout 60 uv run pytest -x", "sed -i 's/3/4/' calc.py && pytest -q",
+    "cd /repo && CI=1 timeout 60 uv run pytest -x", "sed -i 's/3/4/' calc.py && pytest -q", "./run_tests.sh",
+    "python3 -m doctest -v calc.py",
 ])
 def test_recognised_check_commands(command: str) -> None:
     assert is_check_command(command) and not is_inspection(command)
@@ -174,7 +179,8 @@ def test_recognised_check_commands(command: str) -> None:
 
 @pytest.mark.parametrize("command", [
     "python reproduce.py", "python3 test_flush.py", "python -c 'print(1)'", "python - <<'PY'\nimport x\nPY",
-    "node script.js", "echo TOOL_CALL_OK", "cat <<'EOF' > t.py\npytest\nEOF", "make", "npm install"])
+    "node script.js", "echo TOOL_CALL_OK", "cat <<'EOF' > t.py\npytest\nEOF", "make", "npm install",
+    "test -f calc.py && echo yes", "[ -f calc.py ]"])
 def test_a_script_run_is_no_check_command(command: str) -> None:
     assert not is_check_command(command)
 

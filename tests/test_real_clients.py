@@ -242,8 +242,8 @@ def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Pa
     def bash(command: str) -> list[dict[str, Any]]:
         return [{"name": "Bash", "arguments": {"command": command, "description": "run it"}}]
 
-    write = "printf 'def add(a, b):\\n    return a + b\\n' > calc.py"
-    check = "python3 -c 'import calc; assert calc.add(2, 3) == 5'"
+    write = "printf 'def add(a, b):\\n    \"\"\"\\n    >>> add(2, 3)\\n    5\\n    \"\"\"\\n    return a + b\\n' > calc.py"
+    check = "python3 -m doctest -v calc.py"  # a recognised test runner: verified needs one (a python -c assert is none)
     finals = {"edit": "calc.py has add(); its check passed.", "rework": "calc.py has add(); checked now.",
               "question": "Idempotent: twice has the same effect as once."}
     steps = [{"tool_calls": bash(write)}, {"tool_calls": bash(check)}, {"text": finals["edit"]},  # edit

@@ -3,7 +3,7 @@
 Two tables, read by receipts (:mod:`.receipts`) and the verify-gate's evidence (:mod:`proxyvisor.gate.digest`):
 
 - **Runner summaries** (:data:`SUMMARIES`): one pattern per summary line that test runners, build tools and
-  linters print at the end of a run (pytest, unittest and Django's ``runtests.py``, tox, nox, jest, vitest, mocha,
+  linters print at the end of a run (pytest, unittest and Django's ``runtests.py``, doctest, tox, nox, jest, vitest, mocha,
   go test, cargo test and nextest, Maven, Gradle, ctest, rspec, minitest, npm/yarn/pnpm, make, mypy, ruff, tsc,
   eslint), each with its outcome. :func:`summary` reads the last :data:`TAIL_LINES` lines of an output (at most
   :data:`TAIL_CHARS` characters) from the bottom up: the latest summary line wins, as a runner's final line does.
@@ -15,10 +15,13 @@ Two tables, read by receipts (:mod:`.receipts`) and the verify-gate's evidence (
   (``timeout 60``, ``time``, ``env``, ``sudo``, ``nice``, ``uv run``, ``poetry run``, ``pipenv run``, ``npx``,
   ``bundle exec``...) are skipped. Read-only inspection (:data:`INSPECTION_COMMANDS`, ``sed`` without ``-i``,
   ``git`` :data:`GIT_READS`, editors' view commands) is never a check; a compound command is inspection only when
-  every part is, and a part that redirects its output into a file is not inspection. A check command
+  every part is, and a part that redirects its output into a file is not inspection. Read tools (Claude Code's
+  ``Read``, ``Glob``, ``Grep``) pass no command text and are never checks either. A check command
   (:data:`CHECK_COMMANDS`) is a part that runs tests, a build or a linter. A plain script run (``python
   reproduce.py``, ``python -c ...``) is not a check by its command: it counts only when its output carries a
-  runner summary (a script that calls ``unittest.main()``).
+  runner summary (a script that calls ``unittest.main()``). :func:`is_search` tells a search, whose exit status 1
+  means "nothing found"; :func:`created_paths` and :func:`removed_paths` read the commands that only create, or
+  only remove or rename, files (the agent's scratch work).
 
 Pure functions; no I/O.
 """
@@ -45,9 +48,6 @@ INSPECTION_COMMANDS = frozenset({
 """First words of commands that only read state (shell commands and SWE-agent's view commands); ``sed`` without
 ``-i`` and ``git`` :data:`GIT_READS` are inspection as well."""
 GIT_READS = frozenset({"status", "diff", "log", "show", "blame", "grep", "ls-files", "rev-parse", "branch"})
-INSPECTION_TOOLS = frozenset({"read", "view", "glob", "grep", "ls", "list", "search", "open", "find", "cat"})
-"""Words of a tool's name (``Read``, ``Glob``, ``read_file``, ``list_dir``) or of an editor tool's ``command``
-argument (``str_replace_editor`` ``view``) that mark a read tool."""
 SEARCH_COMMANDS = frozenset({"grep", "egrep", "fgrep", "rg", "ag", "ack"})
 """Searches whose exit status 1 means "nothing found", not a failure (``git grep`` as well)."""
 
@@ -55,14 +55,17 @@ _WRAPPERS = frozenset({"time", "env", "sudo", "nice", "nohup", "command", "exec"
 _RUN_WRAPPERS = {"uv": "run", "poetry": "run", "pipenv": "run", "pdm": "run", "hatch": "run", "rye": "run",
                  "conda": "run", "bundle": "exec", "pnpm": "exec", "yarn": "exec"}
 _PYTHON = re.compile(r"^(?:python|pypy)(?:\d(?:\.\d+)?)?$")
-_CHECK_MODULES = frozenset({"pytest", "unittest", "tox", "nox", "mypy", "ruff", "flake8", "pylint", "pyright",
-                            "nose", "nose2", "django", "black", "isort", "compileall"})
+_CHECK_MODULES = frozenset({"pytest", "unittest", "doctest", "tox", "nox", "mypy", "ruff", "flake8", "pylint",
+                            "pyright", "nose", "nose2", "django", "black", "isort", "compileall"})
 CHECK_COMMANDS = frozenset({
     "pytest", "py.test", "tox", "nox", "nosetests", "nose2", "jest", "vitest", "mocha", "ava", "tap", "karma",
     "playwright", "cypress", "ctest", "rspec", "rake", "ruff", "mypy", "pyright", "flake8", "pylint", "eslint",
-    "tsc", "phpunit", "runtests.py", "runtests", "test", "tests"})
-"""First words (file names, for scripts such as ``./tests/runtests.py`` or ``bin/test``) of check commands; the
-tools below need their sub-command."""
+    "tsc", "phpunit", "runtests.py", "runtests"})
+"""First words (file names, for scripts such as ``./tests/runtests.py``) of check commands; the tools below need
+their sub-command."""
+_TEST_SCRIPTS = frozenset({"test", "tests", "runtests", "run_tests", "run-tests", "test.sh", "run_tests.sh"})
+"""Names of a project's own test scripts, run by a path (``bin/test``, ``./run_tests.sh``: the shell's ``test``
+builtin is no check)."""
 _SUB_CHECKS = {
     "go": {"test", "vet", "build"}, "cargo": {"test", "nextest", "build", "check", "clippy"},
     "mvn": {"test", "verify", "package", "install", "compile"}, "mvnw": {"test", "verify", "package", "install",
@@ -156,6 +159,8 @@ def _nonzero(match: re.Match[str]) -> str:
 SUMMARIES: tuple[tuple[str, re.Pattern[str], Rule, str | None], ...] = (
     # (runner, pattern on the cleaned line, outcome rule, unit kind for runners that print a line per unit)
     ("pytest", re.compile(r"^no tests ran\b", re.I), _fixed(FAILED), None),
+    ("doctest", re.compile(r"^Test Failed\**\s*\d+ failures?"), _fixed(FAILED), None),
+    ("doctest", re.compile(r"^Test passed$"), _fixed(PASSED), None),
     ("pytest", re.compile(r"^Interrupted: \d+ errors? during collection", re.I), _fixed(FAILED), None),
     ("unittest", re.compile(r"^FAILED \((?:\w+=\d+(?:, )?)+\)$"), _fixed(FAILED), None),
     ("unittest", re.compile(r"^OK(?: \((?:\w+=\d+(?:, )?)+\))?$"), _fixed(PASSED), "unittest-ok"),
@@ -342,7 +347,7 @@ def _checks(part: str) -> bool:
             return bool(module) and module[0].split(".")[0] in _CHECK_MODULES
         script = next((w for w in words[1:] if not w.startswith("-")), "")
         return _name(script) in CHECK_COMMANDS or (_name(script) == "manage.py" and rest[1:2] == ["test"])
-    if head in CHECK_COMMANDS:
+    if head in CHECK_COMMANDS or ("/" in words[0] and head in _TEST_SCRIPTS):
         return True
     if head.endswith(".py") and head[:-3] in ("runtests", "run_tests", "test", "tests"):
         return True
@@ -370,15 +375,6 @@ def is_search(command: str) -> bool:
         return False
     head = _name(words[0])
     return head in SEARCH_COMMANDS or (head == "git" and words[1:2] == ["grep"])
-
-
-def is_read_tool(name: str, command: str | None) -> bool:
-    """Whether a tool that is not a shell is a read tool: its name (``Read``, ``Glob``, ``read_file``) or its
-    editor ``command`` argument (``view``) is one of :data:`INSPECTION_TOOLS`."""
-    if command is not None and command.strip() in INSPECTION_TOOLS:
-        return True
-    return bool(words(name) & INSPECTION_TOOLS)
-
 
 
 _CREATORS = frozenset({"cat", "echo", "printf", "tee", "touch", "create", "mkdir", "cp"})

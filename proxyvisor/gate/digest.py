@@ -111,11 +111,12 @@ class Check:
         return self.outcome == checks.PASSED
 
     def quote(self) -> str:
-        """The check in one line: its summary line and command, or its command and exit status."""
+        """The check in one line: its command and summary line, or its command and exit status (no action number,
+        so the same failure quoted twice reads the same: the gate's stall rule compares gap texts)."""
         command = clip_chars(" ".join(self.command.split()), _COMMAND_CHARS)
         if self.summary:
-            return f"action #{self.number} `{command}` reported \"{self.summary}\""
-        return f"action #{self.number} `{command}` exited {'0' if self.passed else 'with a failure'}"
+            return f"`{command}` reported \"{self.summary}\""
+        return f"`{command}` exited {'0' if self.passed else 'with a failure'}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,15 +266,19 @@ def provenance(ev: Evidence) -> str:
     if not ev.changed:
         text = "No state change was recorded in this turn (documentation, todo lists and the agent's own scratch " \
                "files aside)."
-        return text + (f" The latest check {ev.latest.outcome}: {ev.latest.quote()}." if ev.latest else "")
+        return text + (f" The latest check {ev.latest.outcome}: {_cited(ev.latest)}." if ev.latest else "")
     if ev.latest is not None:
         if ev.latest.passed:
-            return f"A check passed after the last change: {ev.latest.quote()}."
-        return f"The latest check after the last change FAILED: {ev.latest.quote()}."
+            return f"A check passed after the last change: {_cited(ev.latest)}."
+        return f"The latest check after the last change FAILED: {_cited(ev.latest)}."
     text = "No check ran after the last change; anything after it was cleared only by re-reading the artifact: " \
            "content only, not behavior."
-    return text + (f" The latest check, before the last change, {ev.before.outcome}: {ev.before.quote()}."
+    return text + (f" The latest check, before the last change, {ev.before.outcome}: {_cited(ev.before)}."
                    if ev.before else "")
+
+
+def _cited(check: Check) -> str:
+    return f"action #{check.number} {check.quote()}"
 
 
 def _head_tail(text: str) -> str:

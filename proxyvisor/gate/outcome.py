@@ -30,9 +30,9 @@ section 3; issue 4):
   hand-back (``blocked`` / ``need_input``: the verifier judges whether the remaining work truly needs the user;
   this machine only routes).
 - **Gaps** of the model first go through the refutation pass; the gaps that stand re-enter the turn upstream with
-  an advisory, at most ``reentry_budget`` times (default 2, issue 4; at most :data:`MAX_REENTRIES` = 8). Once the budget is
-  spent the turn ends ``unverified``. If the ledger moved since the previous pass (new evidence) and the same gaps
-  return (:func:`~proxyvisor.gate.verdict.same_gaps`), retrying stops early and the turn ends ``failed``.
+  an advisory, at most ``reentry_budget`` times (default 2, issue 4; at most :data:`MAX_REENTRIES` = 8). Once the
+  budget is spent the turn ends ``unverified``. If the ledger moved since the previous pass (new evidence) and the
+  same gaps return (:func:`~proxyvisor.gate.verdict.same_gaps`), retrying stops early and the turn ends ``failed``.
 - **Format retry**: one per turn for a malformed verifier answer; a second malformed answer counts as the verifier
   being unavailable.
 - **Verifier unavailable** (transport failure, or malformed twice): the answer is delivered either way, labelled
@@ -219,9 +219,10 @@ def advisory(gaps: tuple[Gap, ...], decided_by: str = MODEL) -> str:
     """The re-entry advisory listing ``gaps`` (the reference's gist)."""
     listed = "\n".join(f"{n}. {g.text} (would be settled by: {g.settles})" for n, g in enumerate(gaps, 1))
     found = " (read from the recorded evidence, without a model call)" if decided_by == EVIDENCE else ""
-    return ("A verifier found gaps between your answer and the request" + found + ":\n" + listed + "\nClose each gap with an "
-            "artifact, an observed state or a check, or cite the evidence that it is already satisfied. Then report "
-            "your status again, and write your reply as the complete, standalone answer.")
+    return ("A verifier found gaps between your answer and the request" + found + ":\n" + listed
+            + "\nClose each gap with an artifact, an observed state or a check, or cite the evidence that it is "
+            "already satisfied. Then report your status again, and write your reply as the complete, standalone "
+            "answer.")
 
 
 @dataclass
