@@ -348,7 +348,7 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
                           f"{r['latency_ms']:.2f}", f"{r['overhead_ms']:.2f}", _gate_label(r))
     console.print(table)
     say(console, None, "[bold]gate[/bold]: what the verify-gate made of an answer that ended a turn: [bold]verified"
-        "[/bold] = a check ran after the change · [bold]unknown[/bold] = passed on reading alone (nothing was "
+        "[/bold] = the latest check after the change passed · [bold]unknown[/bold] = passed on reading alone (nothing was "
         "changed, or it handed back to the user) · [bold]re-entered[/bold] = held, and the turn went on upstream "
         "· [bold]failed[/bold] / [bold]unverified[/bold] = gaps remained or no verifier answered · blank = no turn "
         "ended there")

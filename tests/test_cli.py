@@ -115,7 +115,8 @@ def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> 
     assert re.search(r"answers: Done: I ran the tool and read its output\. \(proxy overhead\n {13}[\d.]+ ms\)", text)
     # The closing table's gate column is explained under it.
     words = " ".join(text.split())
-    assert "gate: what the verify-gate made of an answer that ended a turn: verified = a check ran" in words
+    assert ("gate: what the verify-gate made of an answer that ended a turn: verified = the latest check after the "
+            "change passed") in words
     assert "unknown = passed on reading alone" in words and "re-entered = held, and the turn went on" in words
     for label in ("OpenAI Chat Completions", "Anthropic Messages", "OpenAI Responses"):
         assert label in text

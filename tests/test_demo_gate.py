@@ -45,8 +45,8 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
     rework = text.index("calls bash({'command': 'python -m unittest test_app'})")
     assert held < rework < text.index("| Ran 1 test in ") < text.index("|  | OK | exit code 0")
     assert "return a + b" in (workdir / "app.py").read_text()
-    verified = text.index("held this answer too; the verifier said pass (completion verified: state changed and a "
-                          "check ran), so the agent got it\n             turn outcome: verified")
+    verified = text.index("held this answer too; the verifier said pass (completion verified: state changed and the "
+                          "latest check after it passed), so the agent got it\n             turn outcome: verified")
     assert text.index(f"answers: {FINAL}") < verified
     assert 'the agent never received the premature "done": it got the reworked turn' in text
     # /info, answered by proxyvisor with no model call, counts the gate's work.

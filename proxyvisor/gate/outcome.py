@@ -275,7 +275,7 @@ class TurnGate:
         if self.handback:
             return Deliver(UNKNOWN, True, "hand-back accepted: the remaining work needs the user")
         if self.evidence.changed and self.evidence.checked:
-            return Deliver(VERIFIED, True, "completion verified: state changed and a check ran")
+            return Deliver(VERIFIED, True, "completion verified: state changed and the latest check after it passed")
         return Deliver(UNKNOWN, True, "completion passed on reading alone")
 
     def _malformed(self, event: Malformed) -> Decision:
