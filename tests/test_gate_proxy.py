@@ -418,14 +418,14 @@ async def test_the_digest_carries_the_prohibitions_in_force_from_every_turn(tmp_
     digest = policy.calls[0][1][1]["content"]
     assert "- [turn 2] Do not run tests, the suite takes an hour." in digest
     assert text == DONE["text"] and run.gate()["passed"]  # the forbidden check's absence is compliance
-    # A later permission lifts it: the missing check is a gap again.
+    # A later permission lifts it: the missing check is a gap again, the free evidence's (no model call).
     lifted = across_turns(fmt, stream, "Fix the typo in app.py.", "Do not run tests, the suite takes an hour.",
                           "You can run the tests now.")
-    policy = Verifier([scripted_verifier_answer, verdict()])
-    async with gated(tmp_path / "b", [DONE, REWORKED], policy) as run:
-        text, _, _ = await send(run, fmt, stream, lifted)
-    assert "<prohibitions" not in policy.calls[0][1][1]["content"]
-    assert text == REWORKED["text"] and run.gate()["verdicts"][0] == "gaps"
+    async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
+        await send(run, fmt, stream, lifted)
+        gate = run.gate()
+        assert gate["decided_by"][0] == "evidence" and gate["verdicts"][0] == "gaps" and not run.verifier.calls
+        assert "no check ran after the last change" in gate["gaps"][0]
 
 
 def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:

@@ -57,7 +57,7 @@ from ..gate import digest
 from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge, Reenter, Refute,
                             Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
 from ..gate.plan import render_text
-from ..gate.prohibitions import forbids_checks, prohibitions
+from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse,
                             refutation_input, refute)
 from ..supervisor_model import ModelCall, ReportedFailure
@@ -199,8 +199,8 @@ class Gating:
         turn.finals.append(clean)
         await planning.reconcile(self.exchange, report)  # the plan as the turn left it, before it is judged
         actions = self._actions(turn.turn_start)
-        request, task = self._request_and_task(turn)
-        forbidden = forbids_checks(prohibitions(request) + prohibitions(task))
+        # The prohibitions in force, as the digest shows them: "do not run the tests" makes a missing check compliance.
+        forbidden = forbids_checks([p.text for p in self.exchange.thread.planning.rules])
         decision: Any = turn.gate.handle(Stop(report.state if report else None, digest.evidence(actions), forbidden))
         if isinstance(decision, (Reenter, Deliver)) and decision.decided_by == EVIDENCE:
             record["verdicts"].append(GAPS)
@@ -243,19 +243,13 @@ class Gating:
                     planning.clear(self.exchange.thread)  # a passed completion closes the plan (reference 4)
                 return None
 
-    def _request_and_task(self, turn: GateTurn) -> tuple[str, str]:
-        """The turn's genuine user message and the thread's first one, as the user wrote them (without the
-        harness's ``<system-reminder>`` blocks, which Claude Code adds)."""
+    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
         ex = self.exchange
         start = turn.turn_start
+        # What the user wrote, without the harness's <system-reminder> blocks (Claude Code adds them).
         task = planning.goal_text(ex.parts[1])
         request = planning.goal_text(self.fmt.message(ex.items[start]).text) \
             if start is not None and start < len(ex.items) else task
-        return request, task
-
-    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
-        ex = self.exchange
-        request, task = self._request_and_task(turn)
         plan = ex.thread.plan
         document = digest.build(request, turn.finals, actions, instructions=ex.parts[0],
                                 plan=render_text(plan) if plan is not None else None,
