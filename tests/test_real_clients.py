@@ -280,8 +280,8 @@ def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Pa
 def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_sessions_own_model(tmp_path: Path) -> None:
     """No ``[supervisor.model]`` at all: the verifier is the session's own route (the scripted upstream, in
     Claude Code's Anthropic format, with its credentials and model). A "done" right after an edit is held; the
-    gate's advisory continues the turn; the model runs the check, and the turn ends ``verified``, the ledger naming
-    the route and model that judged it."""
+    gate's advisory (from the free evidence: no check after the edit) continues the turn; the model runs the check,
+    and the turn ends ``verified``, the ledger naming the route and model that judged it."""
     ws, session = Workspace.make(tmp_path), "claude-gate-test"
     mark = "[task:gate]"
 
@@ -289,9 +289,10 @@ def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_session
         return [{"name": "Bash", "arguments": {"command": command, "description": "run it"}}]
 
     final = "calc.py has add(); its check passed."
-    steps = [{"tool_calls": bash("printf 'def add(a, b):\\n    return a + b\\n' > calc.py")},
+    source = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n    return a + b\n'
+    steps = [{"tool_calls": bash(f"printf '{source.replace(chr(10), chr(92) + 'n')}' > calc.py")},
              {"text": "Done: calc.py has add()."},
-             {"tool_calls": bash("python3 -c 'import calc; assert calc.add(2, 3) == 5' && echo check passed")},
+             {"tool_calls": bash("python3 -m doctest -v calc.py")},  # a recognised test runner: verified needs one
              {"text": final}]
     script = tmp_path / "script.jsonl"
     script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
@@ -306,13 +307,15 @@ def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_session
     result = json.loads(run.stdout)
     assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, final), result
     assert "Done: calc.py has add()." not in run.stdout  # the premature answer never reached the agent
-    assert (ws.work / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
+    assert (ws.work / "calc.py").read_text() == source
     gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
     assert [g.get("reentries") for g in gates] == [1, 0], gates
     assert gates[-1]["outcome"] == "verified" and gates[-1]["passed"] is True, gates
-    assert all((g["route"], g["model"]) == ("session", MODEL) for g in gates), gates
+    assert [g["decided_by"] for g in gates] == [["evidence"], ["model"]], gates
+    assert (gates[-1]["route"], gates[-1]["model"]) == ("session", MODEL) and "route" not in gates[0], gates
     summary = summarize(ws.ledger(session))
-    assert summary["gate"]["judges"] == {f"session: {MODEL}": 2}, summary["gate"]
+    assert summary["gate"]["judges"] == {f"session: {MODEL}": 1}, summary["gate"]
+    assert summary["gate"]["decided_by"] == {"evidence": 0, "model": 1}, summary["gate"]
 
 
 # --- Codex -----------------------------------------------------------------------------------------------------
@@ -428,4 +431,8 @@ def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: P
     gates = [r["gate"] for r in records if r.get("gate")]
     assert gates[0]["reentries"] == 1 and gates[0]["verdicts"][0] == "gaps", gates
     assert gates[-1]["outcome"] == "verified", gates
-    assert {(g["route"], g["model"]) for g in gates} == {("session", records[0]["model"])}, gates
+    # The premature "done" is settled by the free evidence (no check after the edit), with no verifier call; the
+    # reworked one by the verifier on the session's own route.
+    assert gates[0]["decided_by"] == ["evidence"] and "route" not in gates[0], gates
+    assert gates[-1]["decided_by"] == ["model"], gates
+    assert {(g["route"], g["model"]) for g in gates[1:]} == {("session", records[0]["model"])}, gates

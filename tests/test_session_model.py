@@ -150,17 +150,18 @@ async def test_the_verifier_call_goes_the_way_the_agents_request_went(tmp_path: 
 
 
 async def test_a_premature_done_is_held_and_reworked_on_the_sessions_route(tmp_path: Path) -> None:
-    """The scripted policy finds "no check after the change" in the digest: the gate continues the turn, and the
-    agent gets the reworked answer (the check run); the verifier call took the agent's route."""
-    body = edited_and_checked("messages", True)
-    body["messages"] = body["messages"][:3] + [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "c1", "content": ""}]}]
+    """The check passed, so the free evidence leaves the turn to the model, and the scripted policy's marker makes
+    it a gap: the gate continues the turn, and the agent gets the reworked answer (the check run); the verifier call
+    took the agent's route."""
+    body = orjson.loads(orjson.dumps(edited_and_checked("messages", True)).replace(
+        b"Fix the bug in app.py.", b"Fix the bug in app.py. VERIFY-NEVER-PASSES"))
     rework = {"text": "Running the tests.", "tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}}]}
     upstream = Recording([{"text": "Done."}, rework])
     async with proxied(tmp_path, upstream) as proxy:
         assert await send(proxy, "messages", body) == "Running the tests."
     (gate,) = gates(proxy)
     assert gate["reentries"] == 1 and gate["verdicts"] == ["gaps"] and gate["route"] == "session"
+    assert gate["decided_by"] == ["model"]
     assert {p for p, *_ in upstream.supervisor_calls()} == {"/v1/messages"}
 
 
