@@ -340,11 +340,12 @@ def format_stop(stop: GateStop) -> str:
         return "        gate: not run (the request offered no tools, or the reply was not gated)"
     parts = [f"decided by {stop.decided_by or '-'}", f"{stop.outcome or 'no outcome'}"
              + ("" if stop.passed is None else " (passed)" if stop.passed else " (not passed)")]
-    if stop.digest_tokens is not None:
-        parts.append(f"digest {stop.digest_tokens:,} tokens")
+    parts.append(f"digest {stop.digest_tokens:,} tokens" if stop.digest_tokens is not None
+                 else "no digest (no verifier call)")
     if stop.verdicts:
-        parts.append("verifier: " + ", ".join(stop.verdicts)
-                     + (f" ({stop.route} route, {stop.model})" if stop.route else ""))
+        parts.append("passes: " + ", ".join(stop.verdicts))
+    if stop.route:
+        parts.append(f"verifier: {stop.route} route, model {stop.model or '?'}")
     lines = ["        gate: " + " · ".join(parts)]
     if stop.reason:
         lines.append(f"        reason: {stop.reason}")

@@ -18,7 +18,8 @@ from proxyvisor.adapters import scripted_verifier
 from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import Config
 from proxyvisor.proxy.formats import BY_NAME
-from proxyvisor.replay import (NO_VERDICT, final_label, gate_stops, load_trajectory, replay_gated, to_the_end)
+from proxyvisor.replay import (NO_VERDICT, final_label, format_stop, gate_stops, load_trajectory, replay_gated,
+                               to_the_end)
 from proxyvisor.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,10 @@ async def test_a_stop_with_gaps_ends_unverified_with_them(tmp_path: Path) -> Non
     (stop,) = gate_stops(rounds)
     assert (stop.outcome, stop.passed, stop.verdicts) == ("unverified", False, ["gaps"])
     assert stop.gaps and "check" in stop.gaps[0]
+    # The free evidence settled it (an edit and no check after it): no verifier call, so no digest.
+    assert (stop.decided_by, stop.digest_tokens, stop.route) == ("evidence", None, None)
     assert rounds[-1].matches  # the answer itself is delivered as recorded
+    assert "decided by evidence" in format_stop(stop) and "no digest (no verifier call)" in format_stop(stop)
 
 
 def test_the_runs_last_tool_call_is_its_final_answer() -> None:
