@@ -125,6 +125,10 @@ class DetectorsConfig:
     mutating_tools: tuple[str, ...] = ()
 
 
+HOLDS = ("answer", "stop")
+"""``[supervisor.gate] hold``: what of a streamed final answer waits for the verdict."""
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """``[supervisor.gate]``: the verify-gate (seed 003 "Verify-gate"; ``proxyvisor.gate``).
@@ -135,7 +139,10 @@ class GateConfig:
     (still delivered, labelled ``unverified``); ``fail_open`` passes it. ``headless``: the agent runs with no user
     present (``proxyvisor batch`` sets it), so a turn ending ``exploring``/``progressing`` with no action gets a
     continue nudge (at most 2). ``digest_budget_tokens``: the verifier input's bound (at least 1,024).
-    ``timeout_s``: seconds one verifier call may take before it counts as unavailable.
+    ``timeout_s``: seconds one verifier call may take before it counts as unavailable. ``hold``: what of a
+    streamed final answer waits for the verdict: ``answer`` (all of it) or ``stop`` (only its stop event; the text
+    streams, and a continued turn goes on in the same message). ``unverified_notice``: the line appended to an
+    answer delivered not passed under ``fail_closed`` (empty: none).
     """
 
     enabled: bool = True
@@ -144,6 +151,8 @@ class GateConfig:
     headless: bool = False
     digest_budget_tokens: int = 16384
     timeout_s: float = 120.0
+    hold: str = "stop"
+    unverified_notice: str = "[proxyvisor] This answer could not be verified: check it before relying on it."
 
 
 @dataclass(frozen=True)
@@ -374,6 +383,8 @@ def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]
                                                              "\"fail_closed\""),
         (g.digest_budget_tokens >= 1024, "gate] digest_budget_tokens must be >= 1024"),
         (g.timeout_s > 0, "gate] timeout_s must be > 0"),
+        (g.hold in HOLDS, "gate] hold must be \"answer\" or \"stop\""),
+        ("\n" not in g.unverified_notice.strip(), "gate] unverified_notice must be one line"),
         (supervisor.plan.timeout_s > 0, "plan] timeout_s must be > 0"),
     ]
     for ok, message in checks:

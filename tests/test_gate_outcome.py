@@ -15,6 +15,7 @@ from proxyvisor.gate.outcome import (
     MODEL,
     NEXT,
     TABLE,
+    FAIL_CLOSED,
     FAIL_OPEN,
     FAILED,
     MAX_REENTRIES,
@@ -61,6 +62,9 @@ def verifier(gaps=(), verdict=None, handback=None, handback_judged=False) -> Ans
     return answer_event(parse(json.dumps(data), handback=handback_judged))
 
 
+NOTICE = "[proxyvisor] not verified"
+
+
 def gaps_round(gate: TurnGate, gaps=(GAP,), evidence=CHANGED_AND_CHECKED, refuter: str | None = None):
     """One stop -> verify -> gaps -> refutation, returning the decision after refutation."""
     assert isinstance(gate.handle(Stop("done", evidence)), Verify)
@@ -100,13 +104,13 @@ def test_gaps_then_pass() -> None:
 
 
 def test_same_gaps_after_new_evidence_stop_early_as_failed() -> None:
-    gate = TurnGate()
+    gate = TurnGate(GatePolicy(notice=NOTICE))
     assert isinstance(gaps_round(gate, evidence=checked(2)), Reenter)
     moved = checked(5)
     reworded = {**GAP, "gap": "  PYTEST still   fails"}
     decision = gaps_round(gate, gaps=(reworded,), evidence=moved)
     assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
-    assert decision.gaps and decision.notice and "PYTEST still   fails" in decision.notice
+    assert decision.notice == NOTICE and "PYTEST still   fails" in decision.gaps[0].text
 
 
 def test_same_gaps_without_new_evidence_re_enter_until_the_budget() -> None:
@@ -176,7 +180,7 @@ def test_malformed_twice_counts_as_verifier_down(policy: GatePolicy, passed: boo
 
 
 def test_verifier_down_fail_closed_is_labelled_and_never_silently_passed() -> None:
-    gate = TurnGate()  # fail_closed is the default
+    gate = TurnGate(GatePolicy(notice=NOTICE))  # fail_closed is the default
     gate.handle(Stop("done", CHANGED_AND_CHECKED))
     decision = gate.handle(Unavailable("connect timeout"))
     assert isinstance(decision, Deliver)
@@ -275,7 +279,7 @@ def test_the_same_failing_check_after_new_evidence_ends_failed_and_without_any_b
     assert isinstance(gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 3))), Reenter)
     decision = gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 5)))  # new actions, the same failure
     assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
-    assert decision.decided_by == EVIDENCE and decision.gaps and "1 failed" in (decision.notice or "")
+    assert decision.decided_by == EVIDENCE and "1 failed" in decision.gaps[0].text
     decision = TurnGate(GatePolicy(reentry_budget=0)).handle(Stop("done", Evidence(True, FAILED_RUN, None, 3)))
     assert isinstance(decision, Deliver) and (decision.outcome, decision.decided_by) == (UNVERIFIED, EVIDENCE)
 
@@ -327,3 +331,17 @@ def test_every_transition_is_in_the_table() -> None:
     for before, event, after in seen:
         assert after in TABLE[before][event][1]
     assert {(b, e) for b, e, _ in seen} == {(s, e) for s, events in TABLE.items() for e in events}
+
+
+
+@pytest.mark.parametrize(("policy", "notice", "shown"), [
+    (FAIL_CLOSED, NOTICE, NOTICE), (FAIL_CLOSED, "  ", None), (FAIL_OPEN, NOTICE, None)])
+def test_an_answer_delivered_not_passed_carries_the_notice_only_under_fail_closed(
+        policy: str, notice: str, shown: str | None) -> None:
+    gate = TurnGate(GatePolicy(reentry_budget=0, failure_policy=policy, notice=notice))
+    decision = gaps_round(gate)  # gaps with no re-entry left: unverified, not passed, whatever the policy
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNVERIFIED, False)
+    assert decision.notice == shown
+    passed = TurnGate(GatePolicy(failure_policy=policy, notice=notice))
+    passed.handle(Stop("done", CHANGED_AND_CHECKED))
+    assert passed.handle(verifier()).notice is None  # a passed answer never carries it

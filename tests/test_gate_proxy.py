@@ -43,6 +43,21 @@ def verdict(verdict: str = "pass", gaps: tuple[tuple[str, str], ...] = (), handb
                          "verdict": verdict}).decode()
 
 
+NOTICE = GateConfig().unverified_notice
+
+
+def noticed(text: str) -> str:
+    """``text`` as the agent reads it with the unverified notice appended (a blank line between, whichever way
+    the format adds it: a new block or item is read back joined)."""
+    return f"{text}\n\n{NOTICE}"
+
+
+def read_noticed(text: str) -> str:
+    """The agent's text with the notice's separator normalised (formats join an added block without one)."""
+    head, sep, _ = text.rpartition(NOTICE)
+    return f"{head.rstrip()}\n\n{NOTICE}" if sep else text
+
+
 GAP = ("the tests were not run", "a passing test run")
 OTHER_GAP = ("the docs were not updated", "the updated README")
 
@@ -96,7 +111,9 @@ class Run:
 @asynccontextmanager
 async def gated(tmp_path: Path, steps: list[dict[str, Any]], verifier: Verifier,
                 **gate: Any) -> AsyncIterator[Run]:
-    config = Config().with_overrides(supervisor={"gate": GateConfig(**gate)})
+    """A proxy with the gate configured by ``gate`` (``hold = "answer"`` unless given: the agent's text is then
+    the last answer alone, which most tests read)."""
+    config = Config().with_overrides(supervisor={"gate": GateConfig(**{"hold": "answer", **gate})})
     upstream = ScriptedUpstream(steps)
     store = Store(tmp_path / "state")
     async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=verifier) as proxy:
@@ -233,7 +250,7 @@ async def test_the_same_gaps_after_new_evidence_end_the_turn_failed(tmp_path: Pa
         body = request_body(fmt, stream)
         w.extend_history(body, _tool_call_items(fmt, "call_t1") + w.tool_results([CallResult("call_t1", "1 failed")]))
         text, _, _ = await send(run, fmt, stream, body)
-    assert text == REWORKED["text"]  # delivered, labelled
+    assert read_noticed(text) == noticed(REWORKED["text"])  # delivered, labelled, with the notice
     gate = run.gate()
     assert (gate["outcome"], gate["passed"], gate["gaps"]) == ("failed", False, [GAP[0]])
     assert len(run.upstream.requests) == 3  # no further re-entry
@@ -246,7 +263,7 @@ async def test_a_spent_reentry_budget_delivers_the_last_answer_unverified(tmp_pa
     verifier = Verifier([verdict("gaps", (GAP,))] * 3)
     async with gated(tmp_path, answers, verifier, reentry_budget=2) as run:
         text, _, _ = await send(run, fmt, stream)
-    assert text == "Attempt 3."
+    assert read_noticed(text) == noticed("Attempt 3.")
     assert len(run.upstream.requests) == 3  # the first answer and two re-entries
     gate = run.gate()
     assert (gate["outcome"], gate["passed"], gate["reentries"]) == ("unverified", False, 2)
@@ -256,7 +273,7 @@ async def test_a_spent_reentry_budget_delivers_the_last_answer_unverified(tmp_pa
 async def test_a_budget_of_zero_never_continues(tmp_path: Path) -> None:
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))]), reentry_budget=0) as run:
         text, _, _ = await send(run, "chat", False)
-    assert text == DONE["text"] and len(run.upstream.requests) == 1
+    assert text == noticed(DONE["text"]) and len(run.upstream.requests) == 1
     assert run.gate()["outcome"] == "unverified"
 
 
@@ -301,7 +318,7 @@ async def test_a_malformed_answer_gets_one_format_retry(tmp_path: Path, fmt: str
 async def test_malformed_twice_counts_as_unavailable(tmp_path: Path) -> None:
     async with gated(tmp_path, [DONE], Verifier(["nope", "still nope"])) as run:
         text, _, _ = await send(run, "messages", True)
-    assert text == DONE["text"]
+    assert read_noticed(text) == noticed(DONE["text"])
     gate = run.gate()
     assert (gate["verdicts"], gate["outcome"], gate["passed"]) == (["malformed", "malformed"], "unverified", False)
 
@@ -313,7 +330,8 @@ async def test_a_verifier_that_is_down_never_costs_the_answer(tmp_path: Path, fm
                                                               policy: str) -> None:
     async with gated(tmp_path, [DONE], Verifier([ConnectionError("verifier down")]), failure_policy=policy) as run:
         text, calls, _ = await send(run, fmt, stream)
-    assert (text, calls) == (DONE["text"], [])
+    # Under fail_closed the agent sees that the answer is unverified; under fail_open nothing is added.
+    assert (read_noticed(text), calls) == (noticed(DONE["text"]) if policy == "fail_closed" else DONE["text"], [])
     gate = run.gate()
     assert (gate["verdicts"], gate["outcome"]) == (["unavailable"], "unverified")
     assert gate["passed"] is (policy == "fail_open")
@@ -325,7 +343,7 @@ async def test_a_verifier_that_hangs_times_out_as_unavailable(tmp_path: Path) ->
     verifier.release = trio.Event()  # never set
     async with gated(tmp_path, [DONE], verifier, timeout_s=0.2) as run:
         text, _, _ = await send(run, "responses", True)
-    assert text == DONE["text"] and run.gate()["outcome"] == "unverified"
+    assert read_noticed(text) == noticed(DONE["text"]) and run.gate()["outcome"] == "unverified"
 
 
 # ---- hand-backs --------------------------------------------------------------------------------------------------------
@@ -483,7 +501,7 @@ async def test_an_upstream_that_refuses_the_continuation_leaves_the_held_answer(
         tmp_path: Path, fmt: str, stream: bool) -> None:
     async with gated(tmp_path, [DONE, {"fault": {"status": 429}}], Verifier([verdict("gaps", (GAP,))])) as run:
         text, _, _ = await send(run, fmt, stream)
-    assert text == DONE["text"]
+    assert read_noticed(text) == noticed(DONE["text"])
     gate = run.gate()
     assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "429" in gate["reason"]
 
@@ -530,7 +548,7 @@ async def test_a_bug_in_the_gate_delivers_the_answer_unverified(tmp_path: Path, 
         monkeypatch.setattr(BY_NAME[fmt], "extend_history", broken)
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
         text, calls, _ = await send(run, fmt, stream)
-    assert (text, calls) == (DONE["text"], [])
+    assert (read_noticed(text), calls) == (noticed(DONE["text"]), [])
     gate = run.gate()
     assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "RuntimeError" in gate["reason"]
     assert run.ledger()[-1]["status"] == 200
@@ -584,12 +602,17 @@ def _chunked(data: bytes, size: int) -> list[bytes]:
 
 class _Judge:
     """A stand-in ``Gating`` for :class:`GatedStream`: records the held responses it is asked to judge and
-    delivers each unchanged."""
+    delivers each unchanged, with ``notice`` appended when given."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, hold: str = "answer", notice: str | None = None) -> None:
         self.fmt = BY_NAME[fmt]
+        self.config = GateConfig(hold=hold)
         self.background = None
+        self.notice = notice
         self.judged_texts: list[str] = []
+
+    def _calls_tools(self, response: dict[str, Any]) -> bool:
+        return bool(self.fmt.parse_response(response).tool_calls)
 
     async def judged(self, held: Callable[[], dict[str, Any]]) -> None:
         self.judged_texts.append(self.fmt.parse_response(held()).text)
@@ -629,7 +652,7 @@ async def test_a_failed_continuation_is_not_put_back_into_later_requests(
     # answered must not come back in front of it.
     async with gated(tmp_path, [DONE, {"fault": {"status": 500}}, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
         text, _, _ = await send(run, fmt, stream)
-        assert text == DONE["text"]
+        assert read_noticed(text) == noticed(DONE["text"])
         w = BY_NAME[fmt]
         body = request_body(fmt, stream)
         w.extend_history(body, [{"role": "assistant", "content": DONE["text"]}, w.user_item("Thanks. Next, add docs.")])

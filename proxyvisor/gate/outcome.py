@@ -36,8 +36,11 @@ section 3; issue 4):
 - **Format retry**: one per turn for a malformed verifier answer; a second malformed answer counts as the verifier
   being unavailable.
 - **Verifier unavailable** (transport failure, or malformed twice): the answer is delivered either way, labelled
-  ``unverified``. Policy ``fail_closed`` (the default) marks it not passed, with a notice the shell records and
-  shows; ``fail_open`` passes it. Never silently passed under ``fail_closed`` (issue 4).
+  ``unverified``. Policy ``fail_closed`` (the default) marks it not passed; ``fail_open`` passes it. Never
+  silently passed under ``fail_closed``.
+- **Notice**: under ``fail_closed``, every answer delivered not passed (``unverified`` or ``failed``) carries
+  :attr:`GatePolicy.notice`, a line the shell appends to the agent's visible text (:meth:`GatePolicy.notice_for`);
+  under ``fail_open`` none does.
 - **Outcomes**: ``verified`` (pass, state changed and the latest recognised check after the last change passed:
   :attr:`.digest.Evidence.checked`; a failed latest check never ends verified),
   ``unknown`` (pass on reading alone, including a legitimate hand-back and a pass where the user forbade the check),
@@ -91,17 +94,23 @@ class GateProtocolError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class GatePolicy:
     """Validated gate settings. Raises ValueError for a budget outside 0..:data:`MAX_REENTRIES` or an unknown
-    policy."""
+    policy. ``notice``: the line shown with an answer delivered not passed (``[supervisor.gate]
+    unverified_notice``; empty: none)."""
 
     reentry_budget: int = DEFAULT_REENTRIES
     failure_policy: str = FAIL_CLOSED
     headless: bool = False
+    notice: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.reentry_budget <= MAX_REENTRIES:
             raise ValueError(f"reentry_budget must be 0..{MAX_REENTRIES}, got {self.reentry_budget}")
         if self.failure_policy not in (FAIL_OPEN, FAIL_CLOSED):
             raise ValueError(f"failure_policy must be {FAIL_OPEN} or {FAIL_CLOSED}, got {self.failure_policy!r}")
+
+    def notice_for(self, passed: bool) -> str | None:
+        """The notice an answer delivered ``passed`` or not carries (module docstring), None for none."""
+        return self.notice.strip() or None if not passed and self.failure_policy == FAIL_CLOSED else None
 
 
 # Events (fed by the shell).
@@ -179,8 +188,8 @@ class Reenter:
 @dataclass(frozen=True, slots=True)
 class Deliver:
     """Deliver the latest answer to the agent. ``passed`` is False when the gate did not accept it; ``notice`` is
-    the label text the shell records (and attaches) when not passed; ``gaps`` are the standing gaps, if any;
-    ``decided_by``: :data:`EVIDENCE` or :data:`MODEL`."""
+    the line the shell appends to the answer (:meth:`GatePolicy.notice_for`), None for none; ``gaps`` are the
+    standing gaps, if any; ``decided_by``: :data:`EVIDENCE` or :data:`MODEL`."""
 
     outcome: str
     passed: bool
@@ -288,7 +297,7 @@ class TurnGate:
         if self.policy.failure_policy == FAIL_OPEN:
             return Deliver(UNVERIFIED, True, f"verifier unavailable (fail_open): {event.reason}")
         return Deliver(UNVERIFIED, False, f"verifier unavailable (fail_closed): {event.reason}",
-                       notice="proxyvisor could not verify this answer; it is delivered unverified.")
+                       notice=self.policy.notice_for(False))
 
     def _refuted(self, event: Refuted) -> Decision:
         return self._charge(event.kept, MODEL) if event.kept else self._passed()
@@ -297,7 +306,7 @@ class TurnGate:
         """Gaps that stand: re-enter the turn, or end it when they returned unchanged after new evidence
         (``failed``) or the re-entry budget is spent (``unverified``)."""
         moved = self.previous_seq is not None and self.evidence.seq != self.previous_seq
-        notice = "verification gaps remain: " + "; ".join(g.text for g in kept)
+        notice = self.policy.notice_for(False)
         if moved and same_gaps(self.previous_gaps, kept):
             return Deliver(FAILED, False, "the same gaps returned after new evidence", kept, notice=notice,
                            decided_by=decided_by)

@@ -110,8 +110,11 @@ class Gating:
         self.resend = resend
         self.mutating_tools = mutating_tools
         self.background = background
-        self.policy = GatePolicy(config.reentry_budget, config.failure_policy, config.headless)
+        self.policy = GatePolicy(config.reentry_budget, config.failure_policy, config.headless,
+                                 config.unverified_notice)
         self.record: dict[str, Any] | None = None
+        self.notice: str | None = None
+        """The line appended to the delivered answer (``Deliver.notice``), once the turn ended with one."""
 
     # ---- the reply ----------------------------------------------------------------------------------------------
     async def reply(self, reply: UpstreamReply) -> UpstreamReply:
@@ -132,13 +135,23 @@ class Gating:
                 return reply
             items = await self.judged(lambda: response)
             if items is None:
-                return reply
+                return self._noticed(reply)
             continued = await self.carry_on(items)
             if continued is None:
-                return reply
+                return self._noticed(reply)
             reply = dataclasses.replace(continued, upstream_s=first_s + self._waited())
             if reply.streaming:  # an upstream that streamed unasked: pass it on as it is
                 return reply
+
+    def _noticed(self, reply: UpstreamReply) -> UpstreamReply:
+        """The delivered JSON ``reply`` with :attr:`notice` appended to its answer (``reply`` itself without one).
+        Read again from the body: the copy judged has had its self-report stripped for the continuation."""
+        if self.notice is None:
+            return reply
+        assert isinstance(reply.body, bytes)
+        response = orjson.loads(reply.body)  # read once already: valid JSON
+        self.fmt.append_text(response, self.notice)
+        return dataclasses.replace(reply, body=orjson.dumps(response))
 
     def _waited(self) -> float:
         cont = self.exchange.continuation
@@ -263,6 +276,7 @@ class Gating:
     def _deliver(self, decision: Deliver) -> None:
         record = self._ledger()
         record.update(outcome=decision.outcome, passed=decision.passed, reason=decision.reason)
+        self.notice = decision.notice
         if decision.gaps:
             record["gaps"] = [g.text for g in decision.gaps]
         (log.info if decision.passed or self.reported else log.warning)("turn %s: %s", decision.outcome,
@@ -272,6 +286,7 @@ class Gating:
         """The turn could not be continued: the held answer is delivered, labelled ``unverified``."""
         record = self._ledger()
         record.update(outcome="unverified", passed=False, reason=reason)
+        self.notice = self.policy.notice_for(False)
         self.exchange.thread.gate_turn = None
         log.warning("turn unverified: %s", reason)
 
@@ -337,6 +352,10 @@ class Gating:
         return None
 
 
+def _never(_name: str) -> bool:
+    return False
+
+
 class GatedStream:
     """The agent's stream of a gated request (module docstring). Like a ``RelayedStream``: iterate it once;
     afterwards ``error`` is None or what cut it short, and ``last_chunk`` is the last bytes sent."""
@@ -347,59 +366,91 @@ class GatedStream:
         self.error: UpstreamError | None = None
         self.last_chunk = b""
 
+    def _sent(self, out: bytes) -> bytes:
+        self.last_chunk = out
+        return out
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         g = self.gating
+        whole = g.config.hold == "answer"  # hold the whole answer, not only its stop
+        # .calling turns True when a tool call starts; .stopped when the answer's stop event comes (kept back).
+        splice = g.fmt.stream_splice(_never, stop=True)
         stream = self.first
         job: Job | None = None
         try:
             while True:
                 splitter = EventSplitter()
                 parser = SSEParser()  # fed whole blocks, so one parser serves the whole stream
-                detector = g.fmt.stream_splice(lambda _name: True)  # .held turns True when a tool call starts
-                held: list[bytes] = []
+                held: list[bytes] = []  # with hold = "answer": what came before the stop
+                stop: list[bytes] = []  # the stop's blocks as they came
                 events: list[tuple[str | None, str]] = []
                 passing = False
                 async for chunk in stream:
                     if passing:
-                        self.last_chunk = chunk
-                        yield chunk
+                        yield self._sent(chunk)
                         continue
+                    out: list[bytes] = []
                     blocks = splitter.feed(chunk)
                     for n, block in enumerate(blocks):
+                        if splice.calling and not splice.continuing:
+                            # A tool-call round nothing rewrites: the rest streams through as it comes.
+                            out += blocks[n:] + [splitter.rest()]
+                            passing = True
+                            break
+                        stopped, replaced = splice.stopped, None
                         for event in parser.feed(block):
                             events.append((event.event, event.data))
-                            detector.event(event.event, event.data)
-                        if detector.held:  # a tool-call round: everything held goes out, the rest streams through
-                            out = b"".join(held + blocks[n:]) + splitter.rest()
-                            held, passing = [], True
-                            self.last_chunk = out
-                            yield out
-                            break
-                        held.append(block)
+                            replaced = splice.event(event.event, event.data)
+                        if splice.stopped:
+                            stop.append(block)
+                            if stopped:
+                                continue
+                            piece = b"".join(replaced or [])  # what the block that stops lets through now
+                        else:
+                            piece = block if replaced is None else b"".join(replaced)
+                        if whole and not splice.calling:
+                            held.append(piece)
+                        else:
+                            out += held + [piece]
+                            held = []
+                    if out and (data := b"".join(out)):
+                        yield self._sent(data)
                 self.error = getattr(stream, "error", None)
                 if passing:
                     return
                 rest = splitter.rest()
                 if self.error is not None or rest:
                     # A broken stream is not judged: the agent gets what came and the error.
-                    out = b"".join(held) + rest
-                    if out:
-                        self.last_chunk = out
-                        yield out
+                    out_bytes = b"".join(held + stop) + rest
+                    if out_bytes:
+                        yield self._sent(out_bytes)
                     if self.error is None:
                         self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
                     return
-                job = Job(g.judged, functools.partial(g.fmt.stream_response, events))
-                async for keepalive in job.keepalives(g.fmt, g.background):
-                    self.last_chunk = keepalive
-                    yield keepalive
-                # judged() never raises but for cancellation; result None: deliver the held answer.
-                reply = await g.carry_on(job.result, stream=True) if job.result is not None else None
+                items = None
+                held_response = functools.partial(g.fmt.stream_response, events)
+                try:
+                    calls = splice.calling or g._calls_tools(held_response())
+                except Exception:  # noqa: BLE001 - a stream the gate cannot read is delivered unjudged
+                    log.exception("reading a held stream failed; delivering it unjudged")
+                    calls = True
+                if not calls:
+                    job = Job(g.judged, held_response)
+                    async for keepalive in job.keepalives(g.fmt, g.background):
+                        yield self._sent(keepalive)
+                    items = job.result  # judged() never raises but for cancellation; None: deliver
+                reply = await g.carry_on(items, stream=True) if items is not None else None
                 if reply is None:
-                    out = b"".join(held)
-                    self.last_chunk = out
-                    yield out
+                    notice = splice.add_text(g.notice) if g.notice else []
+                    released = splice.release()
+                    out_bytes = b"".join(held + notice + (stop if released is None else released))
+                    if out_bytes:
+                        yield self._sent(out_bytes)
                     return
+                if whole:  # the continued answer replaces the held one, which the agent never saw
+                    splice = g.fmt.stream_splice(_never, stop=True)
+                else:  # the continued answer goes on in the message the agent is reading
+                    splice.next_response()
                 stream = reply.body
         finally:
             if job is not None:

@@ -361,6 +361,12 @@ class WireFormat:
         """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""
         raise NotImplementedError
 
+    def append_text(self, response: dict[str, Any], text: str) -> None:
+        """Add ``text`` at the end of a non-streaming response body's answer, in place, the way
+        ``stream_splice(...).add_text`` adds it to a stream (a new text block, the message's content after a blank
+        line, a new message output item)."""
+        raise NotImplementedError
+
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         """An editor for this format's SSE stream: each assistant text part's deltas go through their own filter
         from ``new_filter``; full-text copies of a part (done events, final response objects) go through ``edit``."""
@@ -403,7 +409,8 @@ class WireFormat:
         """History items that answer tool calls with ``results`` (in the order given), as a client would send."""
         raise NotImplementedError
 
-    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
+    def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         """A :class:`~.transcript.StreamSplice` for this format's streams, holding back from the first call of a
-        tool whose name ``hold`` selects."""
+        tool whose name ``hold`` selects and, with ``stop``, keeping back the stop of a stream without tool
+        calls."""
         raise NotImplementedError

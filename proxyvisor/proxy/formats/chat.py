@@ -181,6 +181,13 @@ class ChatFormat(WireFormat):
             if isinstance(message, dict) and message.get("content") is not None:
                 message["content"] = edit_parts(message["content"], edit)
 
+    def append_text(self, response: dict[str, Any], text: str) -> None:
+        choice = (as_list(response.get("choices")) or [None])[0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if isinstance(message, dict):
+            content = chat_text(message.get("content"))
+            message["content"] = f"{content}\n\n{text}" if content else text
+
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _ChatStream(new_filter)
 
@@ -245,8 +252,8 @@ class ChatFormat(WireFormat):
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         return [{"role": "tool", "tool_call_id": r.call_id, "content": r.text} for r in results]
 
-    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
-        return _ChatSplice(hold)
+    def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
+        return _ChatSplice(hold, stop)
 
 
 class _ChatStream:
@@ -311,22 +318,38 @@ class _ChatSplice:
     call; in a continuation, each tool call's ``index`` is shifted past the calls the client already has (the
     client's accumulator keys calls by index), and its first text starts with a blank line when the client
     already has text (both land in one ``content`` string). Role, finish, usage and ``[DONE]`` chunks of a
-    continuation pass as they are: the held stream's own never reached the client."""
+    continuation pass as they are: the held stream's own never reached the client. With ``stop``, the first chunk
+    with a ``finish_reason`` (or ``[DONE]`` without one) starts the kept-back stop; text it carries is sent in a
+    chunk of its own first; added text is one more content delta of choice 0."""
 
-    def __init__(self, hold: Callable[[str], bool]) -> None:
+    def __init__(self, hold: Callable[[str], bool], stop: bool = False) -> None:
         self.hold = hold
+        self.stop = stop
         self.held = False
+        self.stopped = False
+        self.calling = False
+        self.continuing = False
         self.base = 0  # client-side index of the current stream's call 0
         self.calls = 0  # tool calls the client has: the next stream's base
         self.text = False  # the client has text
         self.join = False  # the next text starts a continuation's text after earlier text
+        self.head: dict[str, Any] = {"object": "chat.completion.chunk"}  # id, created, model of the last chunk
+        self.final: list[str] | None = None  # the kept-back stop's data, when it differs from what came
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         if self.held:
             return []
-        obj = event_object(data) if '"tool_calls"' in data or '"content"' in data else None
+        if self.stopped:
+            if self.final is not None:
+                self.final.append(data)
+            return []
+        if self.stop and data.strip() == "[DONE]":
+            self.stopped = True
+            return []
+        obj = event_object(data) if self.stop or '"tool_calls"' in data or '"content"' in data else None
         if obj is None:
             return None
+        self.head.update({k: obj[k] for k in ("id", "object", "created", "model") if k in obj})
         changed = False
         for choice in as_list(obj.get("choices")):
             delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -340,6 +363,7 @@ class _ChatSplice:
             for call in as_list(delta.get("tool_calls")):
                 if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
                     continue
+                self.calling = True
                 fn = call.get("custom") if isinstance(call.get("custom"), dict) else call.get("function")
                 if isinstance(fn, dict) and isinstance(fn.get("name"), str) and self.hold(fn["name"]):
                     self.held = True
@@ -349,12 +373,39 @@ class _ChatSplice:
                 if self.base:
                     call["index"] = index
                     changed = True
+        if self.stop and not self.calling and any(isinstance(c, dict) and c.get("finish_reason") is not None
+                                                  for c in as_list(obj.get("choices"))):
+            return self._stopping(obj, data, changed)
         return [sse(dumps(obj))] if changed else None
 
+    def _stopping(self, obj: dict[str, Any], data: str, changed: bool) -> list[bytes]:
+        self.stopped = True
+        choices = [c for c in as_list(obj.get("choices")) if isinstance(c, dict)]
+        if not any(c.get("delta") for c in choices) and not changed:
+            return []  # the chunk is the stop and nothing else: kept back as it came
+        # The chunk carries text as well: the text goes out now, the finish (with the usage) is kept back.
+        stop = {**obj, "choices": [{**c, "delta": {}} for c in choices if c.get("finish_reason") is not None]}
+        self.final = [dumps(stop).decode()]
+        obj.pop("usage", None)
+        obj["choices"] = [{**c, "finish_reason": None} for c in choices if c.get("delta")]
+        return [sse(dumps(obj))]
+
     def next_response(self) -> None:
-        self.held = False
+        self.held = self.stopped = self.calling = False
+        self.continuing = True
+        self.final = None
         self.base = self.calls
         self.join = self.text
+
+    def add_text(self, text: str) -> list[bytes]:
+        text = ("\n\n" if self.text else "") + text
+        self.text = True
+        return [sse(dumps({**self.head, "choices": [{"index": 0, "delta": {"content": text},
+                                                     "finish_reason": None}]}))]
+
+    def release(self) -> list[bytes] | None:
+        final, self.final = self.final, None
+        return None if final is None else [sse(data) for data in final]
 
     def close(self) -> list[bytes]:
         return []

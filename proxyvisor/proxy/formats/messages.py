@@ -255,6 +255,10 @@ class MessagesFormat(WireFormat):
             kept.append(block)
         content[:] = kept or ([{"type": "text", "text": EMPTIED}] if content else [])
 
+    def append_text(self, response: dict[str, Any], text: str) -> None:
+        if isinstance(response.get("content"), list):
+            response["content"].append({"type": "text", "text": text})
+
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _MessagesStream(new_filter)
 
@@ -308,8 +312,8 @@ class MessagesFormat(WireFormat):
                 blocks[-1]["is_error"] = True
         return [{"role": "user", "content": blocks}]
 
-    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
-        return _MessagesSplice(hold)
+    def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
+        return _MessagesSplice(hold, stop)
 
 
 def _indexed(data: str) -> dict[str, Any] | None:
@@ -424,28 +428,37 @@ class _MessagesSplice:
     """Messages stream splicing (:class:`~.transcript.StreamSplice`): holds from the ``content_block_start`` of a
     held ``tool_use`` block; a continuation loses its ``message_start`` (the client has one) and its block
     indexes are shifted past the blocks the client already has, so its blocks, ``message_delta`` (stop reason,
-    usage) and ``message_stop`` end the one message the client is reading."""
+    usage) and ``message_stop`` end the one message the client is reading. With ``stop``, ``message_delta`` (or a
+    ``message_stop`` without one) starts the kept-back stop; text is added as a new text block."""
 
-    def __init__(self, hold: Callable[[str], bool]) -> None:
+    def __init__(self, hold: Callable[[str], bool], stop: bool = False) -> None:
         self.hold = hold
+        self.stop = stop
         self.held = False
+        self.stopped = False
+        self.calling = False
         self.continuing = False
         self.base = 0  # client-side index of the current stream's block 0
         self.blocks = 0  # blocks the client has: the next stream's base
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
-        if self.held:
+        if self.held or self.stopped:
             return []
         if '"index"' not in data:  # message_start, message_delta, message_stop, ping, error
+            if self.stop and not self.calling and ('"message_delta"' in data or '"message_stop"' in data):
+                self.stopped = True
+                return []
             return [] if self.continuing and '"message_start"' in data else None
         obj = _indexed(data)
         if obj is None:
             return None
         block = obj.get("content_block")
         if obj.get("type") == "content_block_start" and isinstance(block, dict):
-            if block.get("type") == "tool_use" and self.hold(str(block.get("name") or "")):
-                self.held = True
-                return []
+            if block.get("type") == "tool_use":
+                self.calling = True
+                if self.hold(str(block.get("name") or "")):
+                    self.held = True
+                    return []
             self.blocks = max(self.blocks, obj["index"] + self.base + 1)
         if not self.base:
             return None
@@ -453,9 +466,20 @@ class _MessagesSplice:
         return [sse(dumps(obj), name)]
 
     def next_response(self) -> None:
-        self.held = False
+        self.held = self.stopped = self.calling = False
         self.continuing = True
         self.base = self.blocks
+
+    def add_text(self, text: str) -> list[bytes]:
+        index = self.blocks
+        self.blocks += 1
+        return [sse(dumps(obj), str(obj["type"])) for obj in (
+            {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}},
+            {"type": "content_block_stop", "index": index})]
+
+    def release(self) -> list[bytes] | None:
+        return None  # message_delta and message_stop carry no position: the client gets them as they came
 
     def close(self) -> list[bytes]:
         return []

@@ -348,6 +348,10 @@ class ResponsesFormat(WireFormat):
             if isinstance(item, dict) and item.get("type") == "message":
                 _edit_message(item, edit)
 
+    def append_text(self, response: dict[str, Any], text: str) -> None:
+        if isinstance(response.get("output"), list):
+            response["output"].append(self._output(AssistantTurn(text))[0])
+
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _ResponsesStream(new_filter, edit)
 
@@ -389,8 +393,8 @@ class ResponsesFormat(WireFormat):
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         return [{"type": "function_call_output", "call_id": r.call_id, "output": r.text} for r in results]
 
-    def stream_splice(self, hold: Callable[[str], bool]) -> StreamSplice:
-        return _ResponsesSplice(hold)
+    def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
+        return _ResponsesSplice(hold, stop)
 
 
 def _edit_message(item: dict[str, Any], edit: TextEdit) -> None:
@@ -475,28 +479,48 @@ class _ResponsesSplice:
     client has them), its ``output_index`` values are shifted past the items the client already has, its
     ``sequence_number`` values go on from the last one sent, and its final response object carries the first
     response's id and lists the items sent before it followed by its own, which is what the client's snapshot
-    holds (the openai SDK checks both)."""
+    holds (the openai SDK checks both). With ``stop``, the final response event starts the kept-back stop; added
+    text is one more message output item, listed in the final response object too."""
 
-    def __init__(self, hold: Callable[[str], bool]) -> None:
+    def __init__(self, hold: Callable[[str], bool], stop: bool = False) -> None:
         self.hold = hold
+        self.stop = stop
         self.held = False
+        self.stopped = False
+        self.calling = False
         self.continuing = False
         self.base = 0  # client-side output_index of the current stream's item 0
         self.sent: dict[int, Any] = {}  # client-side output_index -> the item as done
         self.before: list[Any] = []  # items sent by earlier streams, in order
+        self.added: list[Any] = []  # items proxyvisor added to the current stream (add_text)
+        self.final: list[tuple[str | None, str]] = []  # the kept-back stop
         self.seq = 0  # the next sequence_number the client expects
         self.id: Any = None  # the response id the client has (SDKs check that it never changes)
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         if self.held:
             return []
+        if self.stopped:
+            self.final.append((name, data))
+            return []
         obj = event_object(data)
         if obj is None:
             return None
         kind, item = obj.get("type"), obj.get("item")
-        if kind == "response.output_item.added" and (call := call_of(item)) is not None and self.hold(call.name):
-            self.held = True
+        if kind == "response.output_item.added" and (call := call_of(item)) is not None:
+            self.calling = True
+            if self.hold(call.name):
+                self.held = True
+                return []
+        if self.stop and not self.calling and kind in _FINAL_EVENTS:
+            self.stopped = True
+            self.final.append((name, data))
             return []
+        return self._rewritten(name, obj)
+
+    def _rewritten(self, name: str | None, obj: dict[str, Any]) -> list[bytes] | None:
+        kind, item = obj.get("type"), obj.get("item")
+        rewrite = self.continuing or bool(self.added)
         if self.continuing and kind in _HEAD_EVENTS:
             return []
         if kind in _HEAD_EVENTS and isinstance(obj.get("response"), dict) and self.id is None:
@@ -505,21 +529,53 @@ class _ResponsesSplice:
             obj["output_index"] += self.base
             if kind in ("response.output_item.added", "response.output_item.done"):
                 self.sent[obj["output_index"]] = item
-        if self.continuing and kind in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
-            obj["response"]["output"] = self.before + as_list(obj["response"].get("output"))
+        if rewrite and kind in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
+            obj["response"]["output"] = self.before + as_list(obj["response"].get("output")) + self.added
             if self.id is not None:
                 obj["response"]["id"] = self.id
         if isinstance(obj.get("sequence_number"), int):
-            if self.continuing:
+            if rewrite:
                 obj["sequence_number"] = self.seq
             self.seq = obj["sequence_number"] + 1
-        return [sse(dumps(obj), name or kind)] if self.continuing else None
+        return [sse(dumps(obj), name or kind)] if rewrite else None
 
     def next_response(self) -> None:
-        self.held = False
+        self.held = self.stopped = self.calling = False
         self.continuing = True
+        self.final = []
         self.base = max(self.sent, default=-1) + 1
         self.before = [self.sent[i] for i in sorted(self.sent)]
+
+    def add_text(self, text: str) -> list[bytes]:
+        index = max(self.sent, default=-1) + 1
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = {"id": "msg_" + secrets.token_hex(12), "type": "message", "status": "completed", "role": "assistant",
+                "content": [part]}
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        self.sent[index] = item
+        self.added.append(item)
+        events = []
+        for obj in ({"type": "response.output_item.added", "output_index": index,
+                     "item": {**item, "status": "in_progress", "content": []}},
+                    {"type": "response.content_part.added", **where, "part": {**part, "text": ""}},
+                    {"type": "response.output_text.delta", **where, "delta": text, "logprobs": []},
+                    {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+                    {"type": "response.content_part.done", **where, "part": part},
+                    {"type": "response.output_item.done", "output_index": index, "item": item}):
+            events.append(sse(dumps({"type": obj["type"], "sequence_number": self.seq, **obj}), str(obj["type"])))
+            self.seq += 1
+        return events
+
+    def release(self) -> list[bytes] | None:
+        final, self.final = self.final, []
+        if not (self.continuing or self.added):
+            return None
+        out: list[bytes] = []
+        for name, data in final:
+            obj = event_object(data)
+            rewritten = self._rewritten(name, obj) if obj is not None else None
+            out += rewritten if rewritten is not None else [sse(data, name)]
+        return out
 
     def close(self) -> list[bytes]:
         return []

@@ -102,9 +102,30 @@ class StreamSplice(StreamEditor, Protocol):
     :meth:`next_response`, the events of the next upstream stream (the turn continued upstream) are rewritten to
     continue what the client already has: no second response head, block, tool-call and output positions shifted
     past those already sent, sequence numbers going on, and a final response object listing everything sent.
+
+    With ``stop`` (``WireFormat.stream_splice(hold, stop=True)``) it also holds the stop of a stream that makes
+    no tool call: from the event that ends the answer (Messages ``message_delta``, a Chat chunk with a
+    ``finish_reason`` (any text it carries still passes), Responses ``response.completed`` / ``incomplete`` /
+    ``failed``) on, :attr:`stopped` is True and every event is kept back until :meth:`release` sends it or
+    :meth:`next_response` drops it (the turn goes on in the next stream); :meth:`add_text` adds text to the answer
+    before the stop.
     """
 
     held: bool
+    stopped: bool
+    calling: bool
+    """A tool call started in the current stream (its stop is then never kept back)."""
+    continuing: bool
+    """:meth:`next_response` was called: events are rewritten to continue what the client has."""
 
     def next_response(self) -> None:
-        """The events that follow belong to the next upstream stream, which continues this one."""
+        """The events that follow belong to the next upstream stream, which continues this one; kept-back stop
+        events are dropped."""
+
+    def add_text(self, text: str) -> list[bytes]:
+        """The events that add ``text`` to the answer the client is reading (a new text block, delta or output
+        item after everything sent so far), to send before :meth:`release`."""
+
+    def release(self) -> list[bytes] | None:
+        """The kept-back stop events as the client must get them, or None when they go out as the upstream sent
+        them (the caller then sends their own bytes). Clears them."""
