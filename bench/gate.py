@@ -17,6 +17,14 @@ Each figure is the median latency in ms over ``--repeat`` requests per arm; "add
 the ratio is gate on over gate off, measured in the same run. ``digest`` is reading the turn's actions (with the receipts the detectors already made)
 and ``proxyvisor.gate.digest.build`` on that history, median ms. A real verifier call (seconds) comes on top of "added"; it is the price of the check,
 not of proxyvisor. ``--write`` puts the table into bench/RESULTS.md under "## Verify-gate cost (issue 4)".
+
+Then the latency a gated turn end shows the agent under each ``[supervisor.gate] hold``, in the same run: a streamed
+turn-ending answer (every format) with a stand-in verifier that sleeps ``--verifier-s`` seconds (2 by default; a
+fake delay, not a model: it stands for a real verifier's answer time) and then passes, or finds one gap the first
+time (the turn is continued once: the verifier, the refuter and the verifier again, each taking that long). Per
+hold and case: the median time to the first answer text the agent receives (TTFT) and to the end of the stream,
+over ``--ttft-repeat`` requests, arms interleaved. ``--write`` puts that table under "## Verify-gate latency:
+hold = answer vs stop (issue 11)".
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -37,11 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.detectors import TOOLS, session  # noqa: E402
 from bench.results import write_section  # noqa: E402
+from proxyvisor.config import FORMATS  # noqa: E402
 from proxyvisor.adapters.scripted import ScriptedUpstream  # noqa: E402
 from proxyvisor.config import Config, GateConfig  # noqa: E402
 from proxyvisor.detectors.receipts import RoundReader  # noqa: E402
 from proxyvisor.gate import digest  # noqa: E402
-from proxyvisor.proxy.formats import CHAT  # noqa: E402
+from proxyvisor.gate.verdict import REFUTER_INSTRUCTIONS  # noqa: E402
+from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec  # noqa: E402
+from proxyvisor.proxy.sse import SSEParser  # noqa: E402
 from proxyvisor.proxy.service import running  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
 
@@ -121,6 +133,96 @@ async def measure(repeat: int, state: Path) -> list[dict[str, Any]]:
     return rows
 
 
+VERIFY_GAP = orjson.dumps({"requirements": [{"id": 1, "requirement": "r", "status": "unmatched",
+                                            "basis": "absent_action", "evidence": "e"}],
+                           "gaps": [{"requirement": 1, "gap": "the tests were not run", "settles": "a test run"}],
+                           "handback": None, "verdict": "gaps"}).decode()
+LATENCY_CASES = ("pass", "gaps")
+
+
+def slow_verifier(seconds: float, case: str) -> Callable[[list[dict[str, str]]], Awaitable[str]]:
+    """A stand-in verifier that sleeps ``seconds`` per call (a fake delay) and passes, or finds one gap on its
+    first verdict (``case`` "gaps"); the refuter lets the gap stand."""
+    verdicts = 0
+
+    async def answer(messages: list[dict[str, str]]) -> str:
+        nonlocal verdicts
+        await trio.sleep(seconds)
+        if messages[0]["content"] == REFUTER_INSTRUCTIONS:
+            return '{"findings": []}'
+        verdicts += 1
+        return VERIFY_GAP if case == "gaps" and verdicts % 2 == 1 else PASS
+
+    return answer
+
+
+async def first_text_and_end(url: str, fmt: str, body: bytes, session: str) -> tuple[float, float]:
+    """Seconds from sending ``body`` to the first answer text received and to the end of the stream."""
+    w = BY_NAME[fmt]
+    got, first = b"", None
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", url + w.path, content=body,
+                                 headers={"content-type": "application/json",
+                                          "x-proxyvisor-session": session}) as response:
+            async for chunk in response.aiter_raw():
+                got += chunk
+                if first is None and w.assemble([(e.event, e.data) for e in SSEParser().feed(got)]).text:
+                    first = time.perf_counter() - started
+        assert response.status_code == 200
+    end = time.perf_counter() - started
+    return (first if first is not None else end), end
+
+
+async def measure_latency(repeat: int, seconds: float, state: Path) -> list[dict[str, Any]]:
+    rows = []
+    for fmt in FORMATS:
+        for case in LATENCY_CASES:
+            answers = [{"text": "Done: the parser tests pass now."}] * (4 * repeat + 8)
+            times: dict[str, list[tuple[float, float]]] = {"answer": [], "stop": []}
+            proxies = {}
+            for hold in times:
+                config = Config().with_overrides(supervisor={"gate": GateConfig(hold=hold)})
+                proxies[hold] = running(config, port=0, store=Store(state / f"lat-{fmt}-{case}-{hold}"),
+                                        scripted={"scripted": ScriptedUpstream(answers, record=False)},
+                                        model=slow_verifier(seconds, case))
+            async with proxies["answer"] as on_answer, proxies["stop"] as on_stop:
+                urls = {"answer": on_answer.url, "stop": on_stop.url}
+                body = orjson.dumps(request_from(fmt))
+                for n in range(repeat):
+                    for hold in ("answer", "stop") if n % 2 == 0 else ("stop", "answer"):
+                        times[hold].append(await first_text_and_end(urls[hold], fmt, body,
+                                                                    f"{fmt}-{case}-{hold}-{n}"))
+            for hold, pairs in times.items():
+                rows.append({"format": fmt, "case": case, "hold": hold,
+                             "ttft": statistics.median(p[0] for p in pairs),
+                             "end": statistics.median(p[1] for p in pairs)})
+                print(f"{fmt:>9} {case:>4} hold={hold:<6}: first text {rows[-1]['ttft']:.2f} s, end "
+                      f"{rows[-1]['end']:.2f} s", file=sys.stderr)
+    return rows
+
+
+def request_from(fmt: str) -> dict[str, Any]:
+    """A streamed agent request whose answer ends the turn (tools offered, so it is gated)."""
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": "Fix the failing tests in the parser."}]
+    return BY_NAME[fmt].request_from_chat(messages, "scripted-model", True,
+                                          (ToolSpec("Bash", {"type": "object"}, "Run a command"),))
+
+
+def latency_table(rows: list[dict[str, Any]], repeat: int, seconds: float) -> str:
+    lines = ["| format | verdict | hold | first text p50 (s) | stream end p50 (s) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {'pass' if r['case'] == 'pass' else 'gaps, then pass'} | {r['hold']} | "
+                     f"{r['ttft']:.2f} | {r['end']:.2f} |")
+    return (f"`python bench/gate.py --ttft-repeat {repeat} --verifier-s {seconds:g} --write`: a streamed turn-ending "
+            f"answer through a running proxy (embedded scripted upstream), gated by a stand-in verifier that sleeps "
+            f"{seconds:g} s per call (a fake delay standing for a real verifier's answer time, not a model), "
+            "`[supervisor.gate] hold = \"answer\"` vs `\"stop\"` interleaved in the same run; medians. \"gaps, then "
+            "pass\": the first verdict finds a gap, so the refuter and a second verdict run and the turn is "
+            "continued once.\n\n" + "\n".join(lines))
+
+
 def table(rows: list[dict[str, Any]], repeat: int) -> str:
     lines = ["| history (messages) | actions in the turn | body | mode | gate off p50 (ms) | gate on p50 (ms) | "
              "added (ms) | ratio | digest build (ms) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -139,14 +241,24 @@ def table(rows: list[dict[str, Any]], repeat: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=20, help="requests per arm and case (default 20)")
-    parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    parser.add_argument("--ttft-repeat", type=int, default=3,
+                        help="streamed requests per hold and case for the latency table (default 3)")
+    parser.add_argument("--verifier-s", type=float, default=2.0,
+                        help="seconds the stand-in verifier sleeps per call (default 2)")
+    parser.add_argument("--latency-only", action="store_true", help="only the hold = answer vs stop latency table")
+    parser.add_argument("--write", action="store_true", help="write the tables into bench/RESULTS.md")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="proxyvisor-gate-bench-") as state:
-        rows = trio.run(measure, args.repeat, Path(state))
-    text = table(rows, args.repeat)
-    print(text)
+        if not args.latency_only:
+            text = table(trio.run(measure, args.repeat, Path(state)), args.repeat)
+            print(text)
+            if args.write:
+                write_section("Verify-gate cost (issue 4)", text)
+        latency = latency_table(trio.run(measure_latency, args.ttft_repeat, args.verifier_s, Path(state)),
+                                args.ttft_repeat, args.verifier_s)
+    print(latency)
     if args.write:
-        write_section("Verify-gate cost (issue 4)", text)
+        write_section("Verify-gate latency: hold = answer vs stop (issue 11)", latency)
     return 0
 
 

@@ -217,8 +217,10 @@ class Options:
 
 
 def batch_config(config: Config) -> Config:
-    """``config`` with what a batch needs: supervision on, and the gate on and headless."""
-    gate = dataclasses.replace(config.supervisor.gate, enabled=True, headless=True)
+    """``config`` with what a batch needs: supervision on, and the gate on, headless and holding whole answers
+    (``hold = "answer"``: nobody watches the stream, and a harness that parses the final message gets only the
+    answer that passed the gate, never a premature one followed by its rework)."""
+    gate = dataclasses.replace(config.supervisor.gate, enabled=True, headless=True, hold="answer")
     return config.with_overrides(supervisor={"enabled": True, "gate": gate})
 
 

@@ -24,6 +24,7 @@ from proxyvisor.adapters.scripted import ScriptedUpstream, load_script
 from proxyvisor.batch import MAX_ARG_STRLEN, Task, agent_argv, check_template, load_tasks
 from proxyvisor.batch_report import COLUMNS
 from proxyvisor.cli import main
+from proxyvisor.config import GateConfig
 from proxyvisor.detectors.selfreport import strip
 
 from helpers import http_client, request_body, serve_handler
@@ -116,7 +117,9 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
             # The scripted model reports tokens; litellm's cost map does not price it.
             assert r["input_tokens"] > 0 and r["output_tokens"] > 0 and (r["cost_usd"], r["cost_known"]) == (0.0, False)
             assert r["error"] is None
-            assert stdout.strip() == answers[r["id"]]
+            # An answer delivered not passed (fail_closed, the default) carries the unverified notice.
+            notice = f"\n\n{GateConfig().unverified_notice}" if r["outcome"] in ("failed", "unverified") else ""
+            assert stdout.strip() == answers[r["id"]] + notice
     # The Markdown table shows the same values, and totals that add up.
     rows = markdown_rows(md)
     for r in report:

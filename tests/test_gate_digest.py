@@ -316,3 +316,17 @@ def test_receipts_the_detectors_made_are_reused_and_reset_at_each_user_turn() ->
     assert [a.receipt for a in actions] == [a.receipt for a in turn.actions()]  # the same as computed afresh
     reader.feed(len(turn.messages), Message("user", "Thanks. Now the docs."), SCHEMAS)
     assert reader.turn_receipts == {}
+
+
+def test_a_clipped_output_names_the_lines_it_omits() -> None:
+    lines = [f"line {n:04d} " + "x" * 40 for n in range(1, 301)]
+    doc = build("Fix it.", ["Done."], Turn().bash("pytest -q", "\n".join(lines), is_error=True).actions())
+    marker = re.search(r"\[\.\.\. (\d+) chars omitted: lines (\d+)-(\d+) of (\d+) \.\.\.\]", doc)
+    assert marker is not None and int(marker.group(4)) == 300
+    first, last = int(marker.group(2)), int(marker.group(3))
+    # The first and last named lines are the ones cut: each is shown only in part, every line between not at all.
+    before, after = doc.split(marker.group(0))
+    assert lines[first - 1] not in doc and before.rstrip("\n").rsplit("\n", 1)[-1] == lines[first - 1][:31]
+    assert lines[last - 1] not in doc and lines[last - 1].endswith(after.lstrip("\n").split("\n", 1)[0])
+    assert all(line not in doc for line in lines[first - 1:last])
+    assert lines[first - 2] in doc and lines[last] in doc

@@ -659,3 +659,45 @@ async def test_a_failed_continuation_is_not_put_back_into_later_requests(
         await send(run, fmt, stream, body)
     last = orjson.dumps(run.upstream_bodies()[-1]).decode()
     assert GAP[0] not in last and last.count(DONE["text"]) == 1
+
+
+# ---- read-back -------------------------------------------------------------------------------------------------------
+LONG_FAILURE = "\n".join([f"tests/test_{n:03d}.py::test_case PASSED" for n in range(1, 200)]
+                         + ["E   assert parse('<x>') == 4", "FAILED tests/test_200.py::test_case", "1 failed, 199 passed",
+                            *[f"teardown {n:03d} ..... ok" for n in range(110)], "Exit code 1"])
+"""A failing run whose summary sits just before the digest's tail (2,000 characters of teardown lines)."""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_the_verifier_reads_back_a_clipped_failure_once_then_judges(tmp_path: Path, fmt: str) -> None:
+    policy = Verifier([scripted_verifier_answer] * 3, [scripted_verifier_answer])
+    body = with_history(fmt, True, "Fix the parser.", check=LONG_FAILURE)
+    async with gated(tmp_path, [DONE], policy, reentry_budget=0) as run:
+        await send(run, fmt, True, body)
+    assert policy.purposes() == ["verify", "verify", "refute"]
+    first, second = policy.calls[0][1][1]["content"], policy.calls[1][1][1]["content"]
+    asked = orjson.loads(scripted_verifier_answer(policy.calls[0][1]))
+    (entry,) = asked["read"]
+    low, high = (int(n) for n in entry["lines"].split("-"))
+    lines = LONG_FAILURE.split("\n")
+    assert "E   assert parse" not in first and "chars omitted: lines" in first
+    assert second.startswith(first) and "<readback" in second  # the same evidence, then the lines asked for
+    readback = second[len(first):]
+    assert f"{lines.index('1 failed, 199 passed') + 1}| 1 failed, 199 passed" in readback
+    assert "E   assert parse('&lt;x&gt;') == 4" in readback  # verbatim, escaped as data
+    assert readback.count("| ") == high - low + 1
+    gate = run.gate()
+    assert (gate["readbacks"], gate["verdicts"]) == (1, ["gaps"])
+    assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 2, "refute": 1}
+
+
+async def test_a_second_read_request_is_malformed(tmp_path: Path) -> None:
+    read = orjson.dumps({"verdict": "read", "read": [{"action": 2, "lines": "1-3"}]}).decode()
+    verifier = Verifier([read, read, verdict()])
+    body = with_history("chat", False, "Fix the parser.", check=LONG_FAILURE)
+    async with gated(tmp_path, [DONE], verifier) as run:
+        text, _, _ = await send(run, "chat", False, body)
+    assert text == DONE["text"] and verifier.purposes() == ["verify"] * 3
+    assert verifier.calls[2][1][-1]["content"] == FORMAT_RETRY  # the second read: one format retry
+    gate = run.gate()
+    assert (gate["readbacks"], gate["verdicts"], gate["passed"]) == (1, ["malformed", "pass"], True)

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from proxyvisor.condense.text import count_tokens
 from proxyvisor.gate.verdict import (
     FORMAT_RETRY,
     GAPS,
+    MAX_READS,
     PASS,
+    READBACK_DONE,
     VERIFIER_INSTRUCTIONS,
     Gap,
     Malformed,
+    ReadRequest,
     Verdict,
     parse,
+    readback,
     refutation_input,
     refute,
     same_gaps,
@@ -130,3 +136,44 @@ def test_same_gaps_ignores_order_case_and_whitespace() -> None:
     assert not same_gaps(GAPS_TWO, again[:1])
     assert not same_gaps(GAPS_TWO, (Gap("tests fail", ""), Gap("tests fail", "")))
     assert not same_gaps((), ())
+
+
+# ---- read-back ---------------------------------------------------------------------------------------------------
+READ = json.dumps({"verdict": "read", "read": [{"action": 2, "lines": "3-4"}]})
+
+
+def test_a_read_request_is_one_only_while_reading_is_allowed() -> None:
+    request = parse(READ, may_read=True)
+    assert request == ReadRequest(({"action": 2, "lines": "3-4"},))
+    assert parse(json.dumps({"read": [{"action": 1, "lines": "1"}]}), may_read=True) == ReadRequest(
+        ({"action": 1, "lines": "1"},))  # without a verdict key
+    assert isinstance(parse(READ), Malformed)  # a second read counts as malformed
+    assert isinstance(parse(json.dumps({"verdict": "read", "read": []}), may_read=True), Malformed)
+    assert "<readback>" in VERIFIER_INSTRUCTIONS and '"verdict":"read"' in VERIFIER_INSTRUCTIONS
+
+
+def test_readback_gives_the_asked_lines_verbatim_numbered_and_escaped() -> None:
+    output = "\n".join(["ok"] * 2 + ["E  assert <b> & 3 == 4", "FAILED test_x"] + ["tail"] * 3)
+    block = readback(parse(READ, may_read=True), {2: output}, 1000)
+    assert '<lines action="2" range="3-4" of="7">\n3| E  assert &lt;b&gt; &amp; 3 == 4\n4| FAILED test_x\n</lines>' \
+        in block
+    assert block.startswith('<readback trust="untrusted">') and block.endswith(READBACK_DONE)
+    assert "tail" not in block and "2| ok" not in block
+
+
+def test_readback_answers_a_bad_entry_with_its_reason_and_serves_the_rest() -> None:
+    reads = ({"action": 9, "lines": "1"}, {"action": 1, "lines": "5-2"}, {"action": 1, "lines": ["1", "3-"]},
+             {"action": 1, "lines": "1"}, {"action": 1, "lines": "2"})
+    block = readback(ReadRequest(reads), {1: "a\nb\nc\nd"}, 1000)
+    assert "not read: no recorded output for action 9" in block
+    assert '<lines action="1">not read: range' in block and "(the output has 4 lines)" in block
+    assert '<lines action="1" range="1,3-4" of="4">\n1| a\n3| c\n4| d\n</lines>' in block
+    assert f"at most {MAX_READS} entries" in block and "1| a\n</lines>" not in block.split("3| c")[1]
+
+
+def test_readback_stays_within_its_budget_and_names_what_it_left_out() -> None:
+    output = "\n".join(f"line {n} " + "word " * 20 for n in range(1, 501))
+    block = readback(ReadRequest(({"action": 1, "lines": "1-"},)), {1: output}, 200)
+    shown = re.findall(r"^(\d+)\| ", block, re.MULTILINE)
+    assert 0 < len(shown) < 500 and count_tokens("\n".join(l for l in block.split("\n") if "| " in l)) <= 200
+    assert f"[... lines {len(shown) + 1}-500 not shown: the read-back budget is spent ...]" in block

@@ -9,7 +9,11 @@ and answers from the digest alone, with this policy (a plain rule, not a judgeme
 - the turn changed state and no check ran after the last change (the digest's provenance sentence), and
   the user did not forbid checks (no ``<prohibitions>`` block naming tests or checks): one gap, "no check ran";
 - a hand-back (state ``blocked`` / ``need_input``) needs the user only when the final answer asks a question;
-- the request text ``VERIFY-NEVER-PASSES`` (a test marker) always gives a gap; otherwise ``pass``.
+- the request text ``VERIFY-NEVER-PASSES`` (a test marker) always gives a gap; otherwise ``pass``;
+- before any of that, once: when a failed action's output in ``<tool_outputs>`` is clipped (the digest's
+  ``[... N chars omitted: lines A-B of T ...]`` marker) and the input holds no ``<readback>`` yet, it asks to read
+  back the last :data:`READ_LINES` omitted lines (the read-back protocol, :mod:`proxyvisor.gate.verdict`), where a
+  failing run's summary usually sits; the verdict that follows is the same rule's.
 
 The refuter lets every finding stand. ``proxyvisor demo``, ``proxyvisor batch`` examples and the tests use it.
 """
@@ -30,6 +34,10 @@ _BLOCK = re.compile(r"<(?!verification_request\b)(\w+)[^>]*>\n?(.*?)\n?</\1>", r
 """A block of the digest; the enclosing ``<verification_request>`` is skipped, or it would be the only match."""
 _ACTION = re.compile(r"^#\d+ \[(mut|read)\] .* → (ok|ERROR) ")
 _FORBIDS_CHECKS = re.compile(r"\b(test|tests|check|checks|verify|build)\b", re.IGNORECASE)
+_CLIPPED_FAILURE = re.compile(r'<output action="(\d+)" [^>]*status="ERROR">\n(?:(?!</output>).)*?'
+                              r"chars omitted: lines (\d+)-(\d+) of \d+ \.\.\.\]", re.DOTALL)
+READ_LINES = 40
+"""Lines the policy reads back from the end of a failed output's omitted part."""
 
 
 MARKS = (VERIFIER_INSTRUCTIONS[:60], REFUTER_INSTRUCTIONS[:60])
@@ -42,6 +50,12 @@ def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
     if system.startswith(MARKS[1]):
         ids = [int(n) for n in re.findall(r"^(\d+)\. ", document, re.MULTILINE)] or [1]
         return orjson.dumps({"findings": [{"id": n, "status": "stands", "citation": ""} for n in ids]}).decode()
+    clipped = _CLIPPED_FAILURE.search(document) if "<readback" not in document else None
+    if clipped is not None:
+        action, first, last = (int(g) for g in clipped.groups())
+        return orjson.dumps({"verdict": "read",
+                             "read": [{"action": action, "lines": f"{max(first, last - READ_LINES + 1)}-{last}"}]}
+                            ).decode()
     blocks = {name: text for name, text in _BLOCK.findall(document)}
     request = blocks.get("current_user_turn", "")
     state = blocks.get("agent_state", "")

@@ -282,10 +282,14 @@ def _cited(check: Check) -> str:
 
 
 def _head_tail(text: str) -> str:
+    """``text``'s head and tail around a marker naming the lines (1-based, split on ``\\n``, the first and last
+    partly shown) the verifier may read back (:func:`~.verdict.readback`)."""
     if len(text) <= HEAD_CHARS + TAIL_CHARS:
         return text
-    return (text[:HEAD_CHARS] + f"\n[... {len(text) - HEAD_CHARS - TAIL_CHARS} chars omitted ...]\n"
-            + text[-TAIL_CHARS:])
+    first, last = text.count("\n", 0, HEAD_CHARS) + 1, text.count("\n", 0, len(text) - TAIL_CHARS) + 1
+    total = text.count("\n") + 1
+    return (text[:HEAD_CHARS] + f"\n[... {len(text) - HEAD_CHARS - TAIL_CHARS} chars omitted: lines {first}-{last} "
+            f"of {total} ...]\n" + text[-TAIL_CHARS:])
 
 
 def _picked_outputs(actions: Sequence[Action]) -> list[int]:

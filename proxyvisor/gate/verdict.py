@@ -21,6 +21,18 @@ section 3, "How the runtime derives the verdict"):
 - Any charged gap gives ``gaps``; otherwise ``pass`` when the model said ``pass``; a ``gaps`` verdict with nothing
   charged is Malformed (the reference's "missing verdict markers").
 
+**Read-back** (reference, "Readback round"; the condense range protocol, :mod:`proxyvisor.condense.ranges`): once
+per verification, instead of a verdict the verifier may ask for lines of recorded tool outputs the digest clipped
+(``[... N chars omitted: lines A-B of T ...]``) or left out::
+
+    {"verdict": "read", "read": [{"action": 3, "lines": "120-180"}, {"action": 5, "lines": ["1-20", "90-"]}]}
+
+(``verdict`` may be absent). :func:`parse` returns it as a :class:`ReadRequest` when ``may_read``, else it is
+Malformed (a second read). :func:`readback` answers it: at most :data:`MAX_READS` entries, each range numbered
+``N| text`` as in the output (lines split on ``\n``, 1-based), XML-escaped, within a token budget; an unknown
+action or bad ranges (all-or-nothing per entry) get a one-line reason instead. The verifier is then asked again
+with the answer appended to its input and must give a verdict.
+
 **Refutation** (reference, "Refutation pass"): the charged gaps are numbered; the refuter answers
 ``{"findings": [{"id": 1, "status": "stands|refuted", "citation": "..."}]}``. Only a ``refuted`` finding with a
 non-empty citation is dropped; an unlisted finding, doubt, or a failed or malformed refuter leaves findings
@@ -36,12 +48,15 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape
 
 import orjson
+
+from ..condense.ranges import RangeError, lines_in, parse_ranges, runs
+from ..condense.text import count_each
 
 STATUSES = ("matched", "unmatched", "unknown")
 BASES = ("recorded_output", "ground_truth", "absent_action", "inference")
@@ -64,9 +79,22 @@ VERIFIER_INSTRUCTIONS = (
     '{"requirements":[{"id":1,"requirement":"...","status":"matched","basis":null,"evidence":"..."}],'
     '"gaps":[{"requirement":1,"gap":"...","settles":"..."}],'
     '"handback":null,"verdict":"pass"}\n'
-    'verdict is "pass" when no gap remains, else "gaps".'
+    'verdict is "pass" when no gap remains, else "gaps".\n'
+    "Once, before your verdict, you may read more of a recorded tool output: when <tool_outputs> clips one (a "
+    '"[... N chars omitted: lines A-B of T ...]" marker) or leaves it out and what is missing could change your '
+    'verdict, answer with only {"verdict":"read","read":[{"action":3,"lines":"120-180"}]}: action numbers as in '
+    "<recorded_actions>, 1-based inclusive line ranges of the whole output, at most 3 entries. The lines come back "
+    "in <readback>; then answer with the verdict object. A second read is not possible."
 )
 """The verifier's system prompt (byte-stable)."""
+
+MAX_READS = 3
+"""Entries of one read request that are answered (the reference's "up to 3")."""
+READBACK_SHARE = 4
+"""The read-back's token budget is the digest budget divided by this: the verifier's whole input stays within
+1.25 times ``digest_budget_tokens``."""
+READBACK_DONE = ("The lines you asked for are in <readback>. Answer now with the verdict object; no further read is "
+                 "possible.")
 
 FORMAT_RETRY = (
     "<format_violation>\nYour previous answer did not follow the required format. Answer again with exactly one "
@@ -115,6 +143,14 @@ class Malformed:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """The verifier's one read-back request: its entries as written (each should be an object with ``action``
+    and ``lines``); :func:`readback` checks them."""
+
+    reads: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Refutation:
     """The refutation pass's result: the findings that stand and the ones refuted, each with its citation."""
 
@@ -146,13 +182,21 @@ def _text(value: Any) -> str:
     return value.strip() if isinstance(value, str) else ""
 
 
-def parse(answer: str, handback: bool = False) -> Verdict | Malformed:
+def parse(answer: str, handback: bool = False, may_read: bool = False) -> Verdict | Malformed | ReadRequest:
     """The verdict of a verifier ``answer`` (module docstring). ``handback`` is True when the turn ended in
-    ``blocked`` or ``need_input``: a ``handback`` object with a boolean ``needs_user`` is then required."""
+    ``blocked`` or ``need_input``: a ``handback`` object with a boolean ``needs_user`` is then required.
+    ``may_read``: a read-back request is still allowed (it is returned as a :class:`ReadRequest`)."""
     try:
         data = json_object(answer)
     except ValueError as exc:
         return Malformed(f"not a JSON object: {exc}")
+    if data.get("verdict") == "read" or ("read" in data and "verdict" not in data):
+        reads = data.get("read")
+        if not may_read:
+            return Malformed("a read request after the one read-back")
+        if not isinstance(reads, list) or not reads:
+            return Malformed("a read request without entries")
+        return ReadRequest(tuple(reads))
     requirements, gaps = data.get("requirements"), data.get("gaps", [])
     if not isinstance(requirements, list) or not requirements or not isinstance(gaps, list):
         return Malformed("requirements must be a non-empty list and gaps a list")
@@ -196,6 +240,46 @@ def parse(answer: str, handback: bool = False) -> Verdict | Malformed:
     if verdict == GAPS:
         return Malformed("verdict gaps without a gap that says what would settle it")
     return Verdict(PASS, (), tuple(notes), needs_user)
+
+
+def readback(request: ReadRequest, outputs: Mapping[int, str], budget: int) -> str:
+    """The ``<readback>`` block answering ``request`` (module docstring) from ``outputs`` (the recorded output
+    text by action number), at most ``budget`` tokens of numbered lines, followed by :data:`READBACK_DONE`.
+    Lines past the budget are named, not shown."""
+    parts: list[str] = []
+    left = budget
+    for n, entry in enumerate(request.reads):
+        action = entry.get("action") if isinstance(entry, dict) else None
+        if n >= MAX_READS:
+            parts.append(f"<lines>not read: at most {MAX_READS} entries per read</lines>")
+            continue
+        if not isinstance(action, int) or isinstance(action, bool) or action not in outputs:
+            parts.append(f"<lines>not read: no recorded output for action {escape(str(action))}</lines>")
+            continue
+        lines = outputs[action].split("\n")
+        wanted = entry.get("lines")
+        try:
+            chosen = lines_in(parse_ranges(wanted if isinstance(wanted, list) else [wanted], len(lines)))
+        except RangeError as exc:
+            parts.append(f'<lines action="{action}">not read: {escape(str(exc))} (the output has {len(lines)} '
+                         "lines)</lines>")
+            continue
+        numbers = sorted(chosen)
+        shown = [f"{k}| {escape(lines[k - 1])}" for k in numbers[:max(left, 0)]]  # a line costs 1 token or more
+        kept = 0
+        for size in count_each(shown):
+            if size + 1 > left:
+                break
+            left -= size + 1
+            kept += 1
+        body = shown[:kept]
+        if kept < len(numbers):
+            skipped = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers[kept:]))
+            body.append(f"[... lines {skipped} not shown: the read-back budget is spent ...]")
+        ranges = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers))
+        parts.append(f'<lines action="{action}" range="{ranges}" of="{len(lines)}">\n' + "\n".join(body)
+                     + "\n</lines>")
+    return '<readback trust="untrusted">\n' + "\n".join(parts) + "\n</readback>\n" + READBACK_DONE
 
 
 def refutation_input(digest: str, gaps: Sequence[Gap]) -> str:

@@ -31,6 +31,7 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
     {"verdicts": ["gaps", "pass"],  # each pass: pass | gaps | malformed | unavailable
      "decided_by": ["evidence", "model"],  # per pass: the free evidence pre-check or a verifier model call
      "nudges": 0, "reentries": 1, "refuted": 0,
+     "readbacks": 0,                # verifier read-backs of clipped tool outputs (at most one per verification)
      "outcome": "verified",         # when the turn ended here: verified | unknown | failed | unverified
      "passed": true, "reason": "...", "gaps": ["..."],
      "digest_tokens": 1234,         # the latest verifier input's size (cl100k tokens), once one was built
@@ -58,8 +59,8 @@ from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, VERIFIED, Deliver, G
                             Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
 from ..gate.plan import render_text
 from ..gate.prohibitions import forbids_checks
-from ..gate.verdict import (FORMAT_RETRY, GAPS, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed, parse,
-                            refutation_input, refute)
+from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
+                            ReadRequest, parse, readback, refutation_input, refute)
 from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
@@ -82,6 +83,11 @@ class GateTurn:
     turn_start: int | None
     gate: TurnGate
     finals: list[str] = field(default_factory=list)
+
+
+def _outputs(actions: list[digest.Action]) -> dict[int, str]:
+    """The recorded output text of each action by its number in the digest (1-based), for a read-back."""
+    return {n: a.output.text for n, a in enumerate(actions, 1) if a.output is not None}
 
 
 def eligible(exchange: Exchange, config: GateConfig) -> bool:
@@ -174,7 +180,7 @@ class Gating:
 
     def _ledger(self) -> dict[str, Any]:
         if self.record is None:
-            self.record = {"verdicts": [], "nudges": 0, "reentries": 0, "refuted": 0}
+            self.record = {"verdicts": [], "nudges": 0, "reentries": 0, "refuted": 0, "readbacks": 0}
             self.exchange.record.gate = self.record
         return self.record
 
@@ -220,6 +226,7 @@ class Gating:
             record.setdefault("decided_by", []).append(EVIDENCE)
         document: str | None = None
         previous: str | None = None
+        read = False  # this verification's read-back was used
         while True:
             if isinstance(decision, Nudge):
                 record["nudges"] += 1
@@ -230,12 +237,20 @@ class Gating:
                 answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
                                          previous if decision.format_retry else None)
                 record.setdefault("decided_by", []).append(MODEL)
-                if answer is None:
+                parsed = parse(answer, decision.handback, may_read=not read) if answer is not None else None
+                if isinstance(parsed, ReadRequest):  # the one read-back, then a verdict is due
+                    read = True
+                    record["readbacks"] += 1
+                    document += "\n" + readback(parsed, _outputs(actions),
+                                                 self.config.digest_budget_tokens // READBACK_SHARE)
+                    answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document)
+                    parsed = parse(answer, decision.handback) if answer is not None else None
+                if answer is None or parsed is None:
                     record["verdicts"].append("unavailable")
                     decision = turn.gate.handle(Unavailable(self.failure or "the verifier call failed or timed out"))
                     continue
+                assert not isinstance(parsed, ReadRequest)
                 previous = answer
-                parsed = parse(answer, decision.handback)
                 record["verdicts"].append("malformed" if isinstance(parsed, Malformed) else parsed.outcome)
                 decision = turn.gate.handle(answer_event(parsed))
             elif isinstance(decision, Refute):
