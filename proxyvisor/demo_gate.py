@@ -4,8 +4,10 @@ The example agent is asked to fix a bug in the scratch project's ``app.py`` so t
 scripted model reads the file, fixes it with ``sed -i`` (the agent runs it for real in its scratch folder), and
 then claims "done" without running the tests. The verify-gate (``proxyvisor.proxy.gating``) holds that answer;
 its free evidence pre-check settles it without a model call (state changed and no check ran after it is a gap)
-and continues the turn upstream with an advisory naming the gap and what would settle it. The agent never
-receives the premature answer: the model's continued reply runs the tests (``python -m unittest test_app``),
+and continues the turn upstream with an advisory naming the gap and what would settle it. With
+``[supervisor.gate] hold = "stop"`` (the default) the premature answer's text reaches the agent as it streams but
+its stop waits for the verdict, and the continued reply goes on in the same message; with ``hold = "answer"`` the
+agent never receives the premature answer. The model's continued reply runs the tests (``python -m unittest test_app``),
 they pass, the supervisor model (with no ``[supervisor.model]`` configured, the scripted upstream's fixed verifier
 policy, ``proxyvisor.adapters.scripted_verifier``) passes its second "done", and it is verified. Then the agent
 sends ``/info``, which proxyvisor answers itself without a model call (``proxyvisor.proxy.commands``), and the demo
@@ -78,6 +80,8 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
     url = f"{proxy.url}/s/{session}"
     messages = opening(TASK)
     received: list[str] = []
+    gated = False  # the gate continued the turn
+    streamed = proxy.pipeline.config.supervisor.gate.hold == "stop"  # the premature text reaches the agent
     first = len(upstream.requests)
     console.print(f"[bold]A premature \"done\" and the verify-gate[/bold]  ({fmt.label}, streaming)")
     say(console, "[cyan]user[/cyan]", TASK)
@@ -89,8 +93,10 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
             messages.append(assistant_message(turn))
             record = proxy.pipeline.sessions.get(session).supervision.records[-1]
             gate = record.gate or {}
+            gated = gated or bool(gate.get("reentries"))
             if gate.get("reentries"):
-                _show_reentry(gate, record.model.calls.get("refute", 0), fmt, upstream.requests[sent:], console)
+                _show_reentry(gate, record.model.calls.get("refute", 0), fmt, upstream.requests[sent:], console,
+                              streamed)
             if status != 200 or not turn.tool_calls:
                 say(console, "[magenta]model[/magenta]", f"answers: {escape(turn.text.strip())}")
                 if gate.get("outcome"):
@@ -103,7 +109,10 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
                 output = run_tool(str(call.arguments.get("command", "")), workdir)
                 say(console, "[green]agent[/green]", f"runs it: {output_text(output)}")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-        if any(PREMATURE in text for text in received):
+        if streamed and gated:
+            say(console, None, "the agent read the premature \"done\" as it streamed, but its turn did not end there: "
+                "the reworked turn went on in the same message")
+        elif any(PREMATURE in text for text in received):
             say(console, None, "[red]the agent received the premature \"done\"[/red]")
         else:
             say(console, None, "the agent never received the premature \"done\": it got the reworked turn")
@@ -123,10 +132,11 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
 
 
 def _show_reentry(gate: dict[str, Any], refutations: int, fmt: WireFormat,
-                  requests: list[tuple[str, bytes, dict[str, str]]], console: Console) -> None:
+                  requests: list[tuple[str, bytes, dict[str, str]]], console: Console, streamed: bool) -> None:
     """What the gate did with a held answer: the verifier's gaps (``refutations``: calls of the second check,
     which tries to dismiss each gap) and the advisory the model got next, read from the upstream request that
-    continued the turn (its last two history items: the held answer, the advisory)."""
+    continued the turn (its last two history items: the held answer, the advisory). ``streamed``: the answer's
+    text went out as it came (``hold = "stop"``), only its stop was held."""
     continued = next((orjson.loads(body) for _target, body, _headers in requests
                       if ADVISORY_MARK.encode() in body), None)
     held, advisory = (fmt.message(item).text for item in fmt.history(continued)[-2:]) if continued else ("", "")
@@ -136,11 +146,13 @@ def _show_reentry(gate: dict[str, Any], refutations: int, fmt: WireFormat,
     found = ("the recorded evidence settled it without a model call" if "evidence" in gate.get("decided_by", ())
              else f"the verifier found a gap{stood}")
     gaps = "\n".join(escape(gap) for gap in gate.get("gaps", ()))
-    say(console, "[red]supervisor[/red]", f"the verify-gate held this answer (the agent never got it); {found}:"
-        f"\n{gaps}")
+    held_what = ("kept back this answer's stop (its text reached the agent as it streamed)" if streamed
+                 else "held this answer (the agent never got it)")
+    say(console, "[red]supervisor[/red]", f"the verify-gate {held_what}; {found}:\n{gaps}")
     say(console, "[red]supervisor[/red]", "continued the turn upstream; the model got this advisory:")
     say(console, "", Text(advisory), bar=True)
-    say(console, "", "and the agent got the model's continued reply instead:")
+    say(console, "", "and the model's continued reply went on in the same message:" if streamed
+        else "and the agent got the model's continued reply instead:")
 
 
 def _show_ledger(lines: list[dict[str, Any]], console: Console) -> None:

@@ -29,11 +29,22 @@ async def _scene(tmp_path: Path, fmt: str, config: Config) -> tuple[str, list[di
     return out.getvalue(), store.read_ledger(session), workdir
 
 
+HELD = {"answer": "the verify-gate held this answer (the agent never got it)",
+        "stop": "the verify-gate kept back this answer's stop (its text reached the agent as it streamed)"}
+ENDED = {"answer": 'the agent never received the premature "done": it got the reworked turn',
+         "stop": 'the agent read the premature "done" as it streamed, but its turn did not end there: the reworked '
+                 "turn went on in the same message"}
+
+
+@pytest.mark.parametrize("hold", ["stop", "answer"])
 @pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
-async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified(tmp_path: Path, fmt: str) -> None:
-    text, ledger, workdir = await _scene(tmp_path, fmt, Config())
+async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified(tmp_path: Path, fmt: str,
+                                                                                 hold: str) -> None:
+    config = Config()
+    config = config.with_overrides(supervisor={"gate": dataclasses.replace(config.supervisor.gate, hold=hold)})
+    text, ledger, workdir = await _scene(tmp_path, fmt, config)
     # The premature answer is shown first, then what the gate did with it.
-    held = text.index("the verify-gate held this answer (the agent never got it)")
+    held = text.index(HELD[hold])
     assert PREMATURE in text[text.index("answers, ending the turn:"):held]
     # The gap, read from the recorded evidence without a model call, and what would settle it, as the model got them.
     assert re.search(r"the recorded evidence settled it without a model call:\n\s+State changed but no check ran "
@@ -48,7 +59,7 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
     verified = text.index("held this answer too; the verifier said pass (completion verified: state changed and the "
                           "latest check after it passed), so the agent got it\n             turn outcome: verified")
     assert text.index(f"answers: {FINAL}") < verified
-    assert 'the agent never received the premature "done": it got the reworked turn' in text
+    assert ENDED[hold] in text and ENDED["answer" if hold == "stop" else "stop"] not in text
     # /info, answered by proxyvisor with no model call, counts the gate's work.
     assert "proxyvisor answers /info itself (status 200, model calls: 0):" in text
     assert re.search(r"gate\s+runs 2 · passes 1 · gaps 1 · nudges 0 · re-entries 1", text)
