@@ -9,11 +9,20 @@ this module feeds them and performs their decisions for one supervised request (
   rounds pass untouched. Both are read by the format (``WireFormat.tools``, ``WireFormat.parse_response`` and the
   stream splice): tools wherever the client declares them, calls of every type the client runs.
 - **JSON**: the reply is read; a turn-ending one is judged before it is returned.
-- **Streams never fail open** (issue 4): a stream's events are held until the first tool call starts (then
-  everything held is sent and the rest streams through) or the stream ends; a stream that ended without a tool
-  call is judged while the client gets a keep-alive (``WireFormat.keepalive``: an SSE comment, Anthropic's
-  ``ping``) every :data:`~proxyvisor.proxy.continuation.KEEPALIVE_S` seconds, and only then is it sent, byte for
-  byte, or replaced. Its stop event is never sent before the verdict.
+- **Streams never fail open**: a stream's stop event (and what follows it) is never sent before the verdict.
+  The format's stream splice (``WireFormat.stream_splice(..., stop=True)``) says when a tool call starts and when
+  the stop comes; ``[supervisor.gate] hold`` says what waits with it. ``answer``: every event is held until the
+  first tool call starts (then everything held is sent and the rest streams through) or the stream ends, and the
+  continued turn's stream replaces the held one. ``stop``: the events before the stop stream through as they come,
+  the stop is kept back, and the continued turn's stream is spliced into the same message (blocks, deltas and
+  output items carried on). A stream that ended without a tool call is judged while the client gets a keep-alive
+  (``WireFormat.keepalive``: an SSE comment, Anthropic's ``ping``) every
+  :data:`~proxyvisor.proxy.continuation.KEEPALIVE_S` seconds; a pass sends what was held byte for byte.
+- **Notice**: an answer delivered not passed under ``fail_closed`` gets ``[supervisor.gate] unverified_notice``
+  appended (``Deliver.notice``; ``WireFormat.append_text`` for JSON, the splice's ``add_text`` before the stop
+  in a stream).
+- **Read-back**: a verifier answer that asks to read lines of recorded outputs (``gate.verdict.ReadRequest``) is
+  answered once per verification, within a quarter of ``digest_budget_tokens``, and the verifier asked again.
 - **Nudge / re-entry**: the held answer (self-report stripped) and a user note (the nudge, or the advisory
   listing the gaps) continue the turn upstream through the exchange's
   :class:`~proxyvisor.proxy.continuation.Continuation` (delegation's, when it made one), so they are re-inserted
