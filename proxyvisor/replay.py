@@ -255,8 +255,9 @@ def gate_config(config: Config) -> Config:
     ``[supervisor.model]`` describes (by default the session's route, here the embedded scripted upstream, which
     answers with its fixed verifier policy, no key, no network), a re-entry budget of 0 and ``headless`` off:
     a replay cannot play the rework a re-entry or a nudge asks for, so each stop ends at the gate's first
-    judgment (a stop with standing gaps ends ``unverified``, with them)."""
-    gate = replace(config.supervisor.gate, enabled=True, reentry_budget=0, headless=False)
+    judgment (a stop with standing gaps ends ``unverified``, with them). No unverified notice: the replay prints
+    the label itself and compares each delivered answer with the recorded one."""
+    gate = replace(config.supervisor.gate, enabled=True, reentry_budget=0, headless=False, unverified_notice="")
     return config.with_overrides(supervisor={"enabled": True, "gate": gate})
 
 
