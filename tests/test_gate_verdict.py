@@ -8,6 +8,7 @@ import re
 import pytest
 
 from proxyvisor.condense.text import count_tokens
+from proxyvisor.gate.digest import readback
 from proxyvisor.gate.verdict import (
     FORMAT_RETRY,
     GAPS,
@@ -20,7 +21,6 @@ from proxyvisor.gate.verdict import (
     ReadRequest,
     Verdict,
     parse,
-    readback,
     refutation_input,
     refute,
     same_gaps,

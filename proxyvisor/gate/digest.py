@@ -56,12 +56,14 @@ from xml.sax.saxutils import escape
 
 import orjson
 
+from ..condense.ranges import RangeError, lines_in, parse_ranges, runs
 from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors import checks
 from ..detectors.checks import words
 from ..detectors.receipts import NONE, Receipt, receipt, writes
 from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
 from .prohibitions import Standing, standing
+from .verdict import MAX_READS, READBACK_DONE, ReadRequest
 
 DEFAULT_BUDGET = 16_384
 MIN_BUDGET = 1_024
@@ -475,3 +477,42 @@ def _assemble(blocks: list[_Block], budget: int) -> str:
         # Tokens can merge or split across block boundaries; retry with the overflow reserved.
         slack += over + 8
 
+
+def readback(request: ReadRequest, outputs: Mapping[int, str], budget: int) -> str:
+    """The ``<readback>`` block answering the verifier's ``request`` (:mod:`.verdict`, "Read-back") from ``outputs`` (the recorded output
+    text by action number), at most ``budget`` tokens of numbered lines, followed by :data:`READBACK_DONE`.
+    Lines past the budget are named, not shown."""
+    parts: list[str] = []
+    left = budget
+    for n, entry in enumerate(request.reads):
+        action = entry.get("action") if isinstance(entry, dict) else None
+        if n >= MAX_READS:
+            parts.append(f"<lines>not read: at most {MAX_READS} entries per read</lines>")
+            continue
+        if not isinstance(action, int) or isinstance(action, bool) or action not in outputs:
+            parts.append(f"<lines>not read: no recorded output for action {escape(str(action))}</lines>")
+            continue
+        lines = outputs[action].split("\n")
+        wanted = entry.get("lines")
+        try:
+            chosen = lines_in(parse_ranges(wanted if isinstance(wanted, list) else [wanted], len(lines)))
+        except RangeError as exc:
+            parts.append(f'<lines action="{action}">not read: {escape(str(exc))} (the output has {len(lines)} '
+                         "lines)</lines>")
+            continue
+        numbers = sorted(chosen)
+        shown = [f"{k}| {escape(lines[k - 1])}" for k in numbers[:max(left, 0)]]  # a line costs 1 token or more
+        kept = 0
+        for size in count_each(shown):
+            if size + 1 > left:
+                break
+            left -= size + 1
+            kept += 1
+        body = shown[:kept]
+        if kept < len(numbers):
+            skipped = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers[kept:]))
+            body.append(f"[... lines {skipped} not shown: the read-back budget is spent ...]")
+        ranges = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers))
+        parts.append(f'<lines action="{action}" range="{ranges}" of="{len(lines)}">\n' + "\n".join(body)
+                     + "\n</lines>")
+    return '<readback trust="untrusted">\n' + "\n".join(parts) + "\n</readback>\n" + READBACK_DONE

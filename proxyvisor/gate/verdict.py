@@ -28,7 +28,7 @@ per verification, instead of a verdict the verifier may ask for lines of recorde
     {"verdict": "read", "read": [{"action": 3, "lines": "120-180"}, {"action": 5, "lines": ["1-20", "90-"]}]}
 
 (``verdict`` may be absent). :func:`parse` returns it as a :class:`ReadRequest` when ``may_read``, else it is
-Malformed (a second read). :func:`readback` answers it: at most :data:`MAX_READS` entries, each range numbered
+Malformed (a second read). :func:`~.digest.readback` answers it: at most :data:`MAX_READS` entries, each range numbered
 ``N| text`` as in the output (lines split on ``\n``, 1-based), XML-escaped, within a token budget; an unknown
 action or bad ranges (all-or-nothing per entry) get a one-line reason instead. The verifier is then asked again
 with the answer appended to its input and must give a verdict.
@@ -48,15 +48,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape
 
 import orjson
-
-from ..condense.ranges import RangeError, lines_in, parse_ranges, runs
-from ..condense.text import count_each
 
 STATUSES = ("matched", "unmatched", "unknown")
 BASES = ("recorded_output", "ground_truth", "absent_action", "inference")
@@ -240,46 +237,6 @@ def parse(answer: str, handback: bool = False, may_read: bool = False) -> Verdic
     if verdict == GAPS:
         return Malformed("verdict gaps without a gap that says what would settle it")
     return Verdict(PASS, (), tuple(notes), needs_user)
-
-
-def readback(request: ReadRequest, outputs: Mapping[int, str], budget: int) -> str:
-    """The ``<readback>`` block answering ``request`` (module docstring) from ``outputs`` (the recorded output
-    text by action number), at most ``budget`` tokens of numbered lines, followed by :data:`READBACK_DONE`.
-    Lines past the budget are named, not shown."""
-    parts: list[str] = []
-    left = budget
-    for n, entry in enumerate(request.reads):
-        action = entry.get("action") if isinstance(entry, dict) else None
-        if n >= MAX_READS:
-            parts.append(f"<lines>not read: at most {MAX_READS} entries per read</lines>")
-            continue
-        if not isinstance(action, int) or isinstance(action, bool) or action not in outputs:
-            parts.append(f"<lines>not read: no recorded output for action {escape(str(action))}</lines>")
-            continue
-        lines = outputs[action].split("\n")
-        wanted = entry.get("lines")
-        try:
-            chosen = lines_in(parse_ranges(wanted if isinstance(wanted, list) else [wanted], len(lines)))
-        except RangeError as exc:
-            parts.append(f'<lines action="{action}">not read: {escape(str(exc))} (the output has {len(lines)} '
-                         "lines)</lines>")
-            continue
-        numbers = sorted(chosen)
-        shown = [f"{k}| {escape(lines[k - 1])}" for k in numbers[:max(left, 0)]]  # a line costs 1 token or more
-        kept = 0
-        for size in count_each(shown):
-            if size + 1 > left:
-                break
-            left -= size + 1
-            kept += 1
-        body = shown[:kept]
-        if kept < len(numbers):
-            skipped = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers[kept:]))
-            body.append(f"[... lines {skipped} not shown: the read-back budget is spent ...]")
-        ranges = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs(numbers))
-        parts.append(f'<lines action="{action}" range="{ranges}" of="{len(lines)}">\n' + "\n".join(body)
-                     + "\n</lines>")
-    return '<readback trust="untrusted">\n' + "\n".join(parts) + "\n</readback>\n" + READBACK_DONE
 
 
 def refutation_input(digest: str, gaps: Sequence[Gap]) -> str:

@@ -69,7 +69,7 @@ from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, VERIFIED, Deliver, G
 from ..gate.plan import render_text
 from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
-                            ReadRequest, parse, readback, refutation_input, refute)
+                            ReadRequest, parse, refutation_input, refute)
 from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
@@ -250,8 +250,8 @@ class Gating:
                 if isinstance(parsed, ReadRequest):  # the one read-back, then a verdict is due
                     read = True
                     record["readbacks"] += 1
-                    document += "\n" + readback(parsed, _outputs(actions),
-                                                 self.config.digest_budget_tokens // READBACK_SHARE)
+                    document += "\n" + digest.readback(parsed, _outputs(actions),
+                                                        self.config.digest_budget_tokens // READBACK_SHARE)
                     answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document)
                     parsed = parse(answer, decision.handback) if answer is not None else None
                 if answer is None or parsed is None:
