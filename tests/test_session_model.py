@@ -151,14 +151,15 @@ async def test_the_verifier_call_goes_the_way_the_agents_request_went(tmp_path: 
 
 async def test_a_premature_done_is_held_and_reworked_on_the_sessions_route(tmp_path: Path) -> None:
     """The check passed, so the free evidence leaves the turn to the model, and the scripted policy's marker makes
-    it a gap: the gate continues the turn, and the agent gets the reworked answer (the check run); the verifier call
-    took the agent's route."""
+    it a gap: the gate continues the turn, and the reworked answer (the check run) goes on in the message the agent
+    is reading (``hold = "stop"``, the default: its two text blocks read back joined); the verifier call took the
+    agent's route."""
     body = orjson.loads(orjson.dumps(edited_and_checked("messages", True)).replace(
         b"Fix the bug in app.py.", b"Fix the bug in app.py. VERIFY-NEVER-PASSES"))
     rework = {"text": "Running the tests.", "tool_calls": [{"name": "Bash", "arguments": {"command": "pytest -q"}}]}
     upstream = Recording([{"text": "Done."}, rework])
     async with proxied(tmp_path, upstream) as proxy:
-        assert await send(proxy, "messages", body) == "Running the tests."
+        assert await send(proxy, "messages", body) == "Done.Running the tests."
     (gate,) = gates(proxy)
     assert gate["reentries"] == 1 and gate["verdicts"] == ["gaps"] and gate["route"] == "session"
     assert gate["decided_by"] == ["model"]
