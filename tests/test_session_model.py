@@ -18,7 +18,7 @@ import trio
 import pytest
 
 from proxyvisor.adapters.scripted import ScriptedUpstream, policy
-from proxyvisor.config import Config, ModelConfig, UpstreamConfig
+from proxyvisor.config import Config, GateConfig, ModelConfig, UpstreamConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, BY_PATH, ToolSpec
 from proxyvisor.proxy.server import Request, Response
@@ -225,7 +225,9 @@ async def test_a_refused_verifier_call_labels_the_turn_unverified_delivers_the_a
     upstream = Recording([{"text": DONE}, {"text": DONE}], refuse=status)
     async with proxied(tmp_path, upstream) as proxy:
         for fmt in ("messages", "chat"):
-            assert await send(proxy, fmt, edited_and_checked(fmt, fmt == "chat"), session=f"s-{fmt}") == DONE
+            # Delivered, with the unverified notice (fail_closed, the default) as its last line.
+            text = await send(proxy, fmt, edited_and_checked(fmt, fmt == "chat"), session=f"s-{fmt}")
+            assert text.removesuffix(GateConfig().unverified_notice).rstrip() == DONE != text
         assert proxy.pipeline.routes.warned == {("up", status)}
     for fmt in ("messages", "chat"):
         (gate,) = gates(proxy, f"s-{fmt}")
