@@ -142,13 +142,17 @@ async def send(run: Run, fmt: str, stream: bool, body: dict[str, Any] | None = N
     return turn.text.rstrip("\n"), [c.name for c in turn.tool_calls], got
 
 
-def with_history(fmt: str, stream: bool, prompt: str, mutation: bool = True, check: str | None = None) -> dict[str, Any]:
-    """An agent request whose turn holds an edit (``mutation``) and optionally a test command's result."""
+def with_history(fmt: str, stream: bool, prompt: str, mutation: bool = True, check: str | None = None,
+                 failed_first: str | None = None) -> dict[str, Any]:
+    """An agent request whose turn holds an edit (``mutation``) and optionally a test command's result (``check``),
+    after a first run of it that printed ``failed_first``."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
                                       {"role": "user", "content": prompt}]
     calls = []
     if mutation:
         calls.append(("c1", {"command": "sed -i 's/a/b/' app.py"}, ""))
+    if failed_first is not None:
+        calls.append(("c1b", {"command": "pytest -q -x"}, failed_first))
     if check is not None:
         calls.append(("c2", {"command": "pytest -q"}, check))
     for call_id, arguments, result in calls:
@@ -666,15 +670,18 @@ LONG_FAILURE = "\n".join([f"tests/test_{n:03d}.py::test_case PASSED" for n in ra
                          + ["E   assert parse('<x>') == 4", "FAILED tests/test_200.py::test_case", "1 failed, 199 passed",
                             *[f"teardown {n:03d} ..... ok" for n in range(110)], "Exit code 1"])
 """A failing run whose summary sits just before the digest's tail (2,000 characters of teardown lines)."""
+PASSED = "200 passed in 1.52s"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_the_verifier_reads_back_a_clipped_failure_once_then_judges(tmp_path: Path, fmt: str) -> None:
+    # A failed run, then the same check passing: the free evidence leaves the turn to the model, whose digest
+    # shows the failure clipped; the scripted policy reads its omitted end back before it judges.
     policy = Verifier([scripted_verifier_answer] * 3, [scripted_verifier_answer])
-    body = with_history(fmt, True, "Fix the parser.", check=LONG_FAILURE)
-    async with gated(tmp_path, [DONE], policy, reentry_budget=0) as run:
+    body = with_history(fmt, True, "Fix the parser.", check=PASSED, failed_first=LONG_FAILURE)
+    async with gated(tmp_path, [DONE], policy) as run:
         await send(run, fmt, True, body)
-    assert policy.purposes() == ["verify", "verify", "refute"]
+    assert policy.purposes() == ["verify", "verify"]
     first, second = policy.calls[0][1][1]["content"], policy.calls[1][1][1]["content"]
     asked = orjson.loads(scripted_verifier_answer(policy.calls[0][1]))
     (entry,) = asked["read"]
@@ -687,14 +694,14 @@ async def test_the_verifier_reads_back_a_clipped_failure_once_then_judges(tmp_pa
     assert "E   assert parse('&lt;x&gt;') == 4" in readback  # verbatim, escaped as data
     assert readback.count("| ") == high - low + 1
     gate = run.gate()
-    assert (gate["readbacks"], gate["verdicts"]) == (1, ["gaps"])
-    assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 2, "refute": 1}
+    assert (gate["readbacks"], gate["verdicts"], gate["outcome"]) == (1, ["pass"], "verified")
+    assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 2}
 
 
 async def test_a_second_read_request_is_malformed(tmp_path: Path) -> None:
     read = orjson.dumps({"verdict": "read", "read": [{"action": 2, "lines": "1-3"}]}).decode()
     verifier = Verifier([read, read, verdict()])
-    body = with_history("chat", False, "Fix the parser.", check=LONG_FAILURE)
+    body = with_history("chat", False, "Fix the parser.", check=PASSED, failed_first=LONG_FAILURE)
     async with gated(tmp_path, [DONE], verifier) as run:
         text, _, _ = await send(run, "chat", False, body)
     assert text == DONE["text"] and verifier.purposes() == ["verify"] * 3
