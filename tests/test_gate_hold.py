@@ -240,3 +240,33 @@ def _check_grammar(fmt: str, data: bytes) -> None:
         finishes = [c for obj in with_choices for c in obj["choices"] if c.get("finish_reason")]
         assert len(finishes) == 1 and with_choices[-1]["choices"][0]["finish_reason"]
         assert sse_events(data)[-1].data == "[DONE]"
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_a_chat_finish_chunk_that_carries_text_sends_the_text_and_keeps_back_only_the_finish(size: int) -> None:
+    # Some servers put the last content in the chunk with the finish_reason (and usage): the text is the
+    # answer's, so it streams; the finish, the usage and [DONE] wait for the verdict.
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+    chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Done: "},
+                                    "finish_reason": None}]},
+              {**base, "choices": [{"index": 0, "delta": {"content": "all fixed."}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}]
+    data = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    consumer = _Consumer()
+    seen: list[bytes] = []
+
+    class Judge(_Judge):
+        async def judged(self, held: Any) -> None:
+            seen.append(consumer.got)
+            await super().judged(held)
+
+    judge = Judge("chat", hold=STOP, notice=NOTICE)
+    out = await consumer.run(gating.GatedStream(judge, _Chunks(_chunked(data, size))))  # type: ignore[arg-type]
+    w = BY_NAME["chat"]
+    (at_verdict,) = seen
+    assert w.assemble([(e.event, e.data) for e in sse_events(at_verdict)]).text == "Done: all fixed."
+    assert _stop_events("chat", at_verdict) == []
+    assert read_noticed(w.assemble([(e.event, e.data) for e in sse_events(out)]).text) == noticed("Done: all fixed.")
+    _check_grammar("chat", out)
+    usage = [orjson.loads(e.data)["usage"] for e in sse_events(out) if e.data.startswith("{") and '"usage"' in e.data]
+    assert usage == [chunks[1]["usage"]]  # kept with the finish, once
