@@ -409,3 +409,25 @@ async def test_prohibitions_stand_across_user_turns_until_lifted(tmp_path: Path,
         async with httpx.AsyncClient(timeout=30) as client:
             response = await client.post(f"{proxy.url}/s/planning{agent.fmt.path}", json=body)
         assert agent.fmt.parse_response(response.json()).text == got["text"]
+
+
+async def test_a_compacted_history_keeps_the_prohibitions_in_force(tmp_path: Path) -> None:
+    """The turn that stated a prohibition is pruned from the history; the latest request is unchanged, so the
+    prohibition still stands and is recited (a compaction lifts nothing)."""
+    async with running(config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": ScriptedUpstream()},
+                       model=Planner()) as proxy:
+        agent = Agent(proxy, CHAT)
+        await agent.turn("Reading. " + report(None))
+        agent.history += [{"role": "assistant", "content": "Done for now."},
+                          {"role": "user", "content": "Do not run the tests."},
+                          {"role": "assistant", "content": "Understood."},
+                          {"role": "user", "content": "Go on with the split."}]
+        await agent.turn("Splitting. " + report(None))
+        before = await agent.turn("Still splitting. " + report(None))
+        assert "- Do not run the tests." in agent.tail(before)
+        agent.history = agent.history[:2] + agent.history[-5:]  # turn 2 is pruned; the latest request stays
+        assert all(m.get("content") != "Do not run the tests." for m in agent.history)
+        after = await agent.turn("Three. " + report(None))
+        assert agent.tail(after).endswith(f"{CONSTRAINTS}\n- Do not run the tests.\n"
+                                          "</pay-attention></supervisor-note>")
+        assert [(r.turn, r.text) for r in agent.thread().planning.rules] == [(2, "Do not run the tests.")]
