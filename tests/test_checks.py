@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proxyvisor.detectors.checks import (FAILED, PASSED, is_check_command, is_inspection, is_search, last_line,
-                                         summary)
+                                         summary, runner_missing)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
 from proxyvisor.proxy.formats.transcript import ToolOutput, ToolUse
 
@@ -218,7 +218,25 @@ def test_a_receipt_carries_the_check_and_its_summary_line() -> None:
     missing = receipt(ToolUse("c", "Bash", {"command": "pytest"}),
                       ToolOutput("c", "<returncode>127</returncode>\n<output>\nbash: pytest: command not found\n"
                                       "</output>"), schema)
-    assert (missing.check, missing.summary) == (FAILED, "bash: pytest: command not found")
+    # A runner that could not start checked nothing, for or against the change (the call still failed).
+    assert (missing.check, missing.summary, missing.error) == ("none", "", True)
+
+
+@pytest.mark.parametrize(("output", "missing"), [
+    ("bash: pytest: command not found", True),
+    ("/bin/sh: 1: tox: not found", True),
+    ("/usr/bin/python3: No module named pytest", True),
+    ("python: can't open file '/repo/tests/runtests.py': [Errno 2] No such file or directory", True),
+    ("bash: ./gradlew: No such file or directory", True),
+    ("npm ERR! Missing script: \"test\"", True),
+    ("'pytest' is not recognized as an internal or external command,", True),
+    ("Exit code 127", True),
+    ("E   FileNotFoundError: [Errno 2] No such file or directory: 'data.csv'", False),
+    ("ModuleNotFoundError: No module named 'requests'", False),
+    ("Exit code 1", False),
+])
+def test_a_runner_that_could_not_start(output: str, missing: bool) -> None:
+    assert runner_missing(output) is missing
 
 
 def test_last_line_skips_wrapper_tags() -> None:

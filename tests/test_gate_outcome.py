@@ -294,6 +294,26 @@ def test_a_completion_without_a_check_after_the_last_change_is_asked_for_the_che
     assert "1 failed, 2 passed in 0.12s" in decision.gaps[0].text
 
 
+def test_the_checks_are_asked_for_once_then_the_model_judges_the_answer() -> None:
+    # The project may have no runnable checks; the agent's answer to the request is the model's to judge.
+    gate = TurnGate()
+    assert isinstance(gate.handle(Stop("done", Evidence(True, None, None, 2, last_change=2))), Reenter)
+    assert gate.handle(Stop("done", Evidence(True, None, None, 3, last_change=2))) == Verify(
+        handback=False, previous_gaps=gate.previous_gaps)
+    assert gate.handle(verifier()) == Deliver(UNKNOWN, True, "completion passed on reading alone")
+    # Another change since and still no check: the evidence charges the same gap again (here: failed, the same gap
+    # after new evidence).
+    gate = TurnGate()
+    assert isinstance(gate.handle(Stop("done", Evidence(True, None, None, 2, last_change=2))), Reenter)
+    decision = gate.handle(Stop("done", Evidence(True, None, None, 5, last_change=4)))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.decided_by) == (FAILED, EVIDENCE)
+    # A failed check is a finding, not a request: it is charged by the evidence every time.
+    gate = TurnGate()
+    assert isinstance(gate.handle(Stop("done", UNCHECKED)), Reenter)
+    decision = gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 3)))
+    assert isinstance(decision, Reenter) and decision.decided_by == EVIDENCE
+
+
 def test_forbidden_checks_leave_a_missing_run_to_the_model() -> None:
     gate = TurnGate()
     assert gate.handle(Stop("done", UNCHECKED, checks_forbidden=True)) == Verify(handback=False)

@@ -20,7 +20,8 @@ Two tables, read by receipts (:mod:`.receipts`) and the verify-gate's evidence (
   (:data:`CHECK_COMMANDS`) is a part that runs tests, a build or a linter. A plain script run (``python
   reproduce.py``, ``python -c ...``) is not a check by its command: it counts only when its output carries a
   runner summary (a script that calls ``unittest.main()``). :func:`is_search` tells a search, whose exit status 1
-  means "nothing found"; :func:`created_paths` and :func:`removed_paths` read the commands that only create, or
+  means "nothing found"; a check command whose runner could not start (:func:`runner_missing`: ``pytest: command
+  not found``, ``No module named pytest``, exit status 127) ran no check; :func:`created_paths` and :func:`removed_paths` read the commands that only create, or
   only remove or rename, files (the agent's scratch work).
 
 Pure functions; no I/O.
@@ -364,6 +365,20 @@ def _checks(part: str) -> bool:
 def is_check_command(command: str) -> bool:
     """Whether some part of ``command`` runs tests, a build or a linter (:data:`CHECK_COMMANDS`)."""
     return any(_checks(p) for p in parts(command))
+
+
+_RUNNER_MISSING = re.compile(
+    r"command not found|: not found\s*$|No module named '?(?:pytest|tox|nox|mypy|ruff|flake8|pylint|nose2?)\b"
+    r"|is not recognized as an internal or external command|can't open file|^(?:\S*sh|/bin/\S+): .*No such file or "
+    r"directory|Unknown command|"
+    r"Missing script: |exit(?:ed)?(?: with)?(?: status| code)\s*[:=]?\s*127\b", re.I | re.M)
+
+
+def runner_missing(output: str) -> bool:
+    """Whether a check command's ``output`` (one without a runner summary) says its runner could not start: the
+    command or module is missing, or the shell's exit status 127. Such a run did not check anything, for or
+    against the change."""
+    return _RUNNER_MISSING.search(output[-TAIL_CHARS:]) is not None
 
 
 def is_search(command: str) -> bool:

@@ -132,6 +132,8 @@ class Evidence:
     latest: Check | None = None
     before: Check | None = None
     seq: int = 0
+    last_change: int = 0
+    """The 1-based number of the action that made the last change, 0 when nothing changed."""
 
     @property
     def checked(self) -> bool:
@@ -232,7 +234,8 @@ def evidence(actions: Sequence[Action]) -> Evidence:
              for i, a in enumerate(actions) if a.receipt.check != checks.NONE]
     after = [c for c in found if c.number - 1 >= last]
     before = [c for c in found if c.number - 1 < last]
-    return Evidence(bool(changes), after[-1] if after else None, before[-1] if before else None, len(actions))
+    return Evidence(bool(changes), after[-1] if after else None, before[-1] if before else None, len(actions),
+                    last + 1)
 
 
 def _arguments(use: ToolUse) -> str:

@@ -25,7 +25,10 @@ section 3; issue 4):
   latest check after the last change failed gets a gap quoting that check's summary line; a completion after a
   change with no check after the last change gets a gap asking for the project's checks, unless the user forbade
   running them (:attr:`Stop.checks_forbidden`). These gaps skip the refuter and are charged like the model's
-  (below); the decisions carry ``decided_by`` = :data:`EVIDENCE`.
+  (below); the decisions carry ``decided_by`` = :data:`EVIDENCE`. The "no check" gap is a request, not a
+  finding: it is charged once per last change, and a later stop with no check and no further change (the project
+  may have no runnable checks, and the agent may say why) goes to the model pass, which judges the agent's answer
+  to it.
 - **Model pass** on every other stop: a completion the evidence does not settle, a stop without status, or a
   hand-back (``blocked`` / ``need_input``: the verifier judges whether the remaining work truly needs the user;
   this machine only routes).
@@ -247,6 +250,9 @@ class TurnGate:
     evidence: Evidence = field(default_factory=Evidence)
     previous_gaps: tuple[Gap, ...] = ()
     previous_seq: int | None = None
+    checks_asked_at: int | None = None
+    """The last change (:attr:`.digest.Evidence.last_change`) after which the evidence pre-check asked for a run of
+    the checks, None before it asked."""
     outcome: Deliver | None = None
 
     def handle(self, event: Event) -> Decision:
@@ -270,8 +276,11 @@ class TurnGate:
             return Nudge()
         self.handback = event.state in HANDBACKS
         if event.state in COMPLETIONS:
-            gaps = evidence_gaps(event.evidence, event.checks_forbidden)
+            asked = self.checks_asked_at == event.evidence.last_change
+            gaps = evidence_gaps(event.evidence, event.checks_forbidden or asked)
             if gaps:
+                if event.evidence.unchecked:
+                    self.checks_asked_at = event.evidence.last_change
                 return self._charge(gaps, EVIDENCE)
         return Verify(self.handback, previous_gaps=self.previous_gaps)
 
