@@ -325,11 +325,13 @@ class GatedRuntime:
         progress.finish("released")
 
 
+@pytest.mark.parametrize("gate", [GateConfig(enabled=False), GateConfig(hold="stop"), GateConfig(hold="answer")],
+                         ids=["gate-off", "hold-stop", "hold-answer"])
 async def test_a_stream_waiting_on_a_child_gets_keepalives_and_then_the_answer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: GateConfig) -> None:
     monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
-    # The gate off: it would hold the continued stream (the keep-alives included) until its verdict.
-    config = proxy_config().with_overrides(supervisor={"gate": GateConfig(enabled=False)})
+    # A gate holding the answer still lets the child's keep-alives through.
+    config = proxy_config().with_overrides(supervisor={"gate": gate})
     async with delegating(tmp_path / "state", [CALL, FINAL], config=config) as s:
         delegator = s.proxy.pipeline.delegation.delegator
         gated = delegator._runtimes["scripted"] = GatedRuntime(delegator.registry.get("scripted"))

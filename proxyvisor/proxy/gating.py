@@ -416,6 +416,11 @@ class GatedStream:
                     out: list[bytes] = []
                     blocks = splitter.feed(chunk)
                     for n, block in enumerate(blocks):
+                        if block == g.fmt.keepalive:
+                            # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
+                            # message: it goes out at once, held answer or not, so the client never idles out.
+                            out.append(block)
+                            continue
                         if splice.calling and not splice.continuing:
                             # A tool-call round nothing rewrites: the rest streams through as it comes.
                             out += blocks[n:] + [splitter.rest()]
