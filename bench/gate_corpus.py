@@ -201,8 +201,12 @@ class Result:
 
 
 def config() -> Config:
+    """The shipped defaults, condensing off and no unverified notice: each delivered answer is compared with the
+    recorded one (the notice has its own tests)."""
     base = Config()
-    return base.with_overrides(supervisor={"condense": dataclasses.replace(base.supervisor.condense, enabled=False)})
+    return base.with_overrides(supervisor={
+        "condense": dataclasses.replace(base.supervisor.condense, enabled=False),
+        "gate": dataclasses.replace(base.supervisor.gate, unverified_notice="")})
 
 
 async def run_one(path: Path, fmt: WireFormat, stream: bool, state: Path) -> Result:
