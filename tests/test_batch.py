@@ -40,8 +40,9 @@ EXPECTED = {
     "nudged": ("verified", 0, 1, 0, 0, 1, 0, 0, 3),  # stops "progressing": nudged on by the headless pre-check
     "rework": ("verified", 0, 1, 1, 1, 0, 0, 0, 3),  # "done" untested: evidence gap, re-entry, tests, model passes
     "question": ("unknown", 0, 1, 0, 0, 0, 0, 0, 1),  # nothing changed: passed on reading alone
-    # Only insists: the evidence's gap 3 times (no model call), the budget of 2 re-entries spent.
-    "no-check": ("unverified", 0, 0, 3, 2, 0, 0, 0, 2),
+    # Only insists: the evidence asks for the checks once, then the model judges the insisting answers (2 rounds,
+    # gaps each time); the budget of 2 re-entries spent.
+    "no-check": ("unverified", 0, 2, 3, 2, 0, 0, 0, 2),
     "failing-check": ("failed", 0, 0, 2, 1, 0, 1, 1, 4),  # the same failing test after re-entry: the same gap
     "crash": ("no_verdict", 1, 0, 0, 0, 0, 0, 0, 1),  # the model endpoint refuses: the agent exits 1
 }

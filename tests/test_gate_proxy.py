@@ -386,12 +386,13 @@ async def test_a_forbidden_check_is_compliance_not_a_gap(tmp_path: Path, fmt: st
     assert text == DONE["text"] and run.gate()["passed"]
     assert run.gate()["decided_by"] == ["model"]
     # The same turn without the prohibition: the missing check is a gap of the free evidence, with no model call;
-    # the reworked answer ran nothing either, so it gets the same gap again.
+    # the reworked answer ran nothing and changed nothing more, so the model judges it (the checks are asked for
+    # once per change).
     async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
         await send(run, fmt, stream, with_history(fmt, stream, "Fix the typo in app.py."))
         gate = run.gate()
-        assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "evidence"], ["gaps", "gaps"])
-        assert "no check ran after the last change" in gate["gaps"][0] and not run.verifier.calls
+        assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "model"], ["gaps", "pass"])
+        assert "no check ran after the last change" in gate["gaps"][0] and len(run.verifier.calls) == 1
 
 
 # ---- the evidence pre-check ---------------------------------------------------------------------------------------
@@ -440,14 +441,15 @@ async def test_the_digest_carries_the_prohibitions_in_force_from_every_turn(tmp_
     digest = policy.calls[0][1][1]["content"]
     assert "- [turn 2] Do not run tests, the suite takes an hour." in digest
     assert text == DONE["text"] and run.gate()["passed"]  # the forbidden check's absence is compliance
-    # A later permission lifts it: the missing check is a gap again, the free evidence's (no model call).
+    # A later permission lifts it: the missing check is a gap again, the free evidence's (no model call for it;
+    # the reworked answer, with no further change, is the model's to judge).
     lifted = across_turns(fmt, stream, "Fix the typo in app.py.", "Do not run tests, the suite takes an hour.",
                           "You can run the tests now.")
     async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
         await send(run, fmt, stream, lifted)
         gate = run.gate()
-        assert gate["decided_by"][0] == "evidence" and gate["verdicts"][0] == "gaps" and not run.verifier.calls
-        assert "no check ran after the last change" in gate["gaps"][0]
+        assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "model"], ["gaps", "pass"])
+        assert "no check ran after the last change" in gate["gaps"][0] and len(run.verifier.calls) == 1
 
 
 def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:
