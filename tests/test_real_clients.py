@@ -63,8 +63,7 @@ enabled = false
 """
 _CODEX_BUILT_IN = f'model = "{MODEL}"\n' + _CODEX_COMMON
 """The built-in ``openai`` provider (API key from ``OPENAI_API_KEY``), which asks for a WebSocket first."""
-_CODEX_OWN_PROVIDER = f"""\
-model = "{MODEL}"
+_CODEX_MINE = f"""\
 model_provider = "mine"
 {_CODEX_COMMON}
 [model_providers.mine]
@@ -75,6 +74,7 @@ base_url = "not-redirected:"
 env_key = "PROXYVISOR_TEST_API_KEY"
 wire_api = "responses"
 """
+_CODEX_OWN_PROVIDER = f'model = "{MODEL}"\n' + _CODEX_MINE
 """A provider of the user's own, as ``../shared/reference/real-clients.md`` configures it."""
 
 
@@ -375,19 +375,11 @@ def test_codex_through_wrap_without_supervision_writes_nothing(tmp_path: Path) -
     assert ws.files() == []
 
 
-_CODEX_DEFAULT_MODEL = f"""\
-# No `model`: Codex 0.171.0 then uses its default model, whose catalog entry (tool_mode "code_mode_only",
-# use_responses_lite) makes it send the shape of ../shared/reference/real-clients.md section 9: no top-level
-# `tools`, an `additional_tools` input item with namespaces, a freeform `exec` tool taking JavaScript that runs
-# shell commands through nested `tools.exec_command({{cmd}})` calls, answered as `custom_tool_call` items.
-model_provider = "mine"
-{_CODEX_COMMON}
-[model_providers.mine]
-name = "mine"
-base_url = "not-redirected:"
-env_key = "PROXYVISOR_TEST_API_KEY"
-wire_api = "responses"
-"""
+_CODEX_DEFAULT_MODEL = _CODEX_MINE
+"""The same provider and no `model`: Codex 0.171.0 then uses its default model, whose catalog entry (tool_mode
+"code_mode_only", use_responses_lite) makes it send the shape of ../shared/reference/real-clients.md section 9: no
+top-level `tools`, an `additional_tools` input item with namespaces, a freeform `exec` tool taking JavaScript that
+runs shell commands through nested `tools.exec_command({cmd})` calls, answered as `custom_tool_call` items."""
 
 
 def exec_script(command: str) -> str:
