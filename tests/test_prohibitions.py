@@ -62,6 +62,21 @@ def test_prohibitions_in_quotes_questions_and_fences_are_skipped_in_every_turn()
                     "```\n# never do this\n```", "12: // do not edit") == []
 
 
+@pytest.mark.parametrize(("text", "found"), [
+    ('The README says "do not edit generated files". Please fix the typo.', []),
+    ("The README says \u201cdo not edit generated files\u201d. Please fix the typo.", []),
+    ("Rename the `do not track` option to `privacy`.", []),
+    ('Do not edit "generated.py".', [(1, 'Do not edit "generated.py".')]),  # the marker itself is unquoted
+    ('The banner reads "forbidden"; never change it.', [(1, "never change it.")]),
+])
+def test_a_marker_inside_quotes_is_someone_elses_words(text: str, found: list[tuple[int, str]]) -> None:
+    assert in_force(text) == found
+
+
+def test_a_quoted_object_still_names_the_prohibition() -> None:
+    assert in_force("Do not edit `config.py`.", "Feel free to edit config.py now.") == []
+
+
 def test_a_lifted_prohibition_stated_again_stands_from_its_new_turn() -> None:
     assert in_force("Do not run the tests.", "You can run the tests now.",
                     "Do not run the tests.") == [(3, "Do not run the tests.")]

@@ -10,6 +10,8 @@ verification prohibition persists until you explicitly change it"):
 - Skipped: lines inside code fences, blockquotes (``>``), box-drawing UI lines (U+2500-U+257F), ``NN:`` excerpts
   (a line number and a colon, as tools print file lines), questions (ending in ``?``) and quote-led units (they
   quote someone else's words).
+- A marker inside a quoted span (straight ``"..."`` or typographic double quotes, backticks) is someone else's
+  words, not the user's rule: ``The README says "do not edit generated files".`` states no prohibition.
 - At most :data:`MAX_ITEMS` (8) items of at most :data:`MAX_CHARS` (200) characters each, first ones kept,
   duplicates dropped.
 
@@ -60,6 +62,8 @@ _CLAUSE = re.compile(r"[,:]\s*|\s+but\s+", re.IGNORECASE)
 _BOX = re.compile("[\u2500-\u257f]")
 _EXCERPT = re.compile(r"^\s*\d+\s*:")
 _QUOTES = "\"'\u201c\u2018`"
+_QUOTED = re.compile('"[^"]*"|\u201c[^\u201d]*\u201d|`[^`]*`')
+"""Quoted spans within a unit; single quotes are left alone, being apostrophes as often as quotes."""
 _WORD = re.compile(r"[a-z0-9_]+")
 _INTERJECTIONS = frozenset(
     "ok okay alright right sure yes yeah great good fine thanks now please then so and also just".split())
@@ -102,8 +106,14 @@ def _norm(text: str) -> str:
     return text.lower().replace("\u2019", "'") + " "
 
 
+def _unquoted(text: str) -> str:
+    """``text`` lowered (:func:`_norm`) with its quoted spans blanked (same length, so offsets hold): where
+    markers are looked for."""
+    return _QUOTED.sub(lambda m: " " * len(m.group()), _norm(text))
+
+
 def _forbids(text: str) -> bool:
-    lowered = _norm(text)
+    lowered = _unquoted(text)
     return any(marker in lowered for marker in _MARKERS)
 
 
@@ -157,8 +167,8 @@ class _Rule:
 
 
 def _rule(text: str) -> _Rule:
-    lowered = _norm(text)
-    at = min((lowered.find(m) + len(m) for m in _MARKERS if m in lowered), default=0)
+    lowered, bare = _norm(text), _unquoted(text)
+    at = min((bare.find(m) + len(m) for m in _MARKERS if m in bare), default=0)
     after = [w for w in _words(lowered[at:]) if w not in ("to", "be", "ever", "even", "please")]
     words = _content(after) or _content(_words(lowered))
     return _Rule(words, after[0] if after else None)
