@@ -9,11 +9,25 @@ import trio
 
 from .config import Config
 from .proxy.service import running, tune_gc
-from .supervisor_model import describe
+from .supervisor_model import describe, key_warning
+
+
+def start_notices(config: Config) -> list[str]:
+    """The lines ``serve`` and ``wrap`` print on stderr as they start, before anything else: each upstream that is
+    the embedded scripted model, so no one takes its answers for a real model's, and a supervisor key variable that
+    is not set (:func:`proxyvisor.supervisor_model.key_warning`)."""
+    notices = [f"proxyvisor: upstream{'' if len(config.upstreams) == 1 else ' ' + u.name}: the built-in scripted "
+               "model (no key, no network): answers are not a real model's; set "
+               f"[upstreams.{u.name}] url to use a real one (README: Use it with your agent)"
+               for u in config.upstreams if u.scripted]
+    warning = key_warning(config.supervisor.model) if config.supervisor.enabled else None
+    return notices + ([f"proxyvisor: warning: {warning}"] if warning else [])
 
 
 async def _serve(config: Config) -> None:
     async with running(config) as proxy:
+        for notice in start_notices(config):
+            print(notice, file=sys.stderr)
         upstreams = ", ".join(f"{u.name} ({u.url}, {'/'.join(u.formats)})" for u in config.upstreams)
         mode = "supervision off: byte relay, nothing written"
         if config.supervisor.enabled:

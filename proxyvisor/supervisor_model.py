@@ -88,6 +88,16 @@ def describe(model: ModelConfig) -> str:
     return "the session's own (each request's upstream and model)"
 
 
+def key_warning(model: ModelConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """The warning ``serve`` and ``wrap`` print when ``[supervisor.model] api_key_env`` names a variable unset or
+    empty in ``env`` (default: ours), which fails every supervisor call; None when it is set or not asked for."""
+    env = os.environ if env is None else env
+    if route_of(model) != LITELLM or not model.api_key_env or env.get(model.api_key_env):
+        return None
+    return (f"[supervisor.model] api_key_env names {model.api_key_env}, which is not set: every supervisor call "
+            "will fail")
+
+
 _SCHEMAS = ((VERIFIER_INSTRUCTIONS, "verdict", VERDICT_SCHEMA), (REFUTER_INSTRUCTIONS, "refutation", REFUTATION_SCHEMA),
             (PLANNER_INSTRUCTIONS, "plan_decision", DECISION_SCHEMA))
 

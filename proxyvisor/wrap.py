@@ -18,6 +18,7 @@ from .agents import agent_command
 from .config import Config
 from .proxy.service import RunningProxy, running, tune_gc
 from .proxy.sessions import SESSION_ID
+from .serve import start_notices
 from .supervisor_model import describe
 
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -52,6 +53,8 @@ def summary(proxy: RunningProxy, session: str) -> str:
 
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
+        for notice in start_notices(config):
+            print(notice, file=sys.stderr, flush=True)
         if not quiet and config.supervisor.enabled:
             print(f"proxyvisor: supervisor model: {describe(config.supervisor.model)}", file=sys.stderr, flush=True)
         cmd, env = agent_invocation(proxy.url, session, cmd)

@@ -218,3 +218,54 @@ def test_replay_names_a_line_with_malformed_tool_calls(tmp_path: Path) -> None:
     path.write_text(json.dumps({"role": "assistant", "content": None, "tool_calls": "bash ls"}) + "\n")
     with pytest.raises(TrajectoryError, match=r"calls.jsonl:1: tool_calls must be a list"):
         load_trajectory(path)
+
+
+SCRIPTED_NOTICE = ("upstream: the built-in scripted model (no key, no network): answers are not a real model's; "
+                   "set [upstreams.scripted] url to use a real one")
+KEY_WARNING = ("[supervisor.model] api_key_env names PROXYVISOR_TEST_KEY_NOT_SET, which is not set: every supervisor "
+               "call will fail")
+
+
+def serve_start(config: Path) -> str:
+    """The stderr lines ``serve`` prints up to its listening line; then it is stopped with SIGINT."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "proxyvisor", "serve", "--config", str(config), "--port", "0"],
+                               stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "listening on" in line:
+                break
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=30)
+    return "".join(lines)
+
+
+def test_serve_and_wrap_say_when_the_upstream_is_the_scripted_model(tmp_path: Path) -> None:
+    default = tmp_path / "default.toml"
+    default.write_text("")
+    real = tmp_path / "real.toml"
+    real.write_text('[upstreams.openai]\nurl = "http://127.0.0.1:9"\n')
+    assert serve_start(default).count(SCRIPTED_NOTICE) == 1
+    assert "scripted model" not in serve_start(real)
+    done = run_cli("wrap", "--config", str(default), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert done.returncode == 0 and done.stderr.count(SCRIPTED_NOTICE) == 1, done.stderr
+    done = run_cli("wrap", "--config", str(real), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert done.returncode == 0 and "scripted model" not in done.stderr, done.stderr
+
+
+def test_serve_and_wrap_warn_once_of_an_unset_supervisor_key_variable(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROXYVISOR_TEST_KEY_NOT_SET", raising=False)
+    config = tmp_path / "config.toml"
+    config.write_text('[supervisor.model]\nname = "openai/gpt-4o-mini"\napi_key_env = "PROXYVISOR_TEST_KEY_NOT_SET"\n')
+    assert serve_start(config).count(KEY_WARNING) == 1
+    done = run_cli("wrap", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert done.returncode == 0 and done.stderr.count(KEY_WARNING) == 1, done.stderr
+    monkeypatch.setenv("PROXYVISOR_TEST_KEY_NOT_SET", "sk-test")
+    done = run_cli("wrap", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert done.returncode == 0 and "api_key_env" not in done.stderr, done.stderr
