@@ -21,8 +21,8 @@ A row with an unreadable ``resolved`` is reported and ignored.
 
 Prints the confusion table of the final label against ``resolved``, the precision and recall of ``verified`` (a
 ``verified`` run counts as predicting "resolved"), the base rate, and one line per run. Never stops on one file:
-files without a label, labels without a file, and files that fail to replay (unreadable, not a trajectory, a replay
-error) are counted and listed. ``--write`` puts the tables into bench/RESULTS.md under "## Verify-gate against
+files without a label, labels without a file, and files that fail to replay (unreadable, not a trajectory, no messages, a
+replay error) are counted and listed. ``--write`` puts the tables into bench/RESULTS.md under "## Verify-gate against
 resolved labels (issue 11)". Exit status: 0 the table was made, 2 no trajectory, or the labels or config file
 cannot be read.
 """

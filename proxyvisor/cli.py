@@ -213,8 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
             gated, decided_by (evidence | model | null), outcome, passed, reason, gaps, verdicts,
             digest_tokens.
 
+            The replay's ledger and spill files go to a temporary state directory, removed at the end, so a
+            replay never shows up among your sessions (proxyvisor info); --state-dir DIR keeps them in DIR.
+
             Exit status: 0 every round came back as recorded (with --gate, a gap is not a failure: it is
-            reported); 1 a round came back changed or failed; 2 the file is unreadable or not a trajectory.
+            reported); 1 a round came back changed or failed; 2 the file is unreadable, not a trajectory or
+            holds no messages.
 
             Examples:
               proxyvisor replay run.jsonl --format messages --stream
@@ -459,7 +463,8 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         if args.gate and args.supervision is False:
             parser.error("replay --gate needs supervision: drop --no-supervision")
-        return replay_command(config, args.file, args.format, args.stream, args.json, args.condense, args.gate)
+        return replay_command(config, args.file, args.format, args.stream, args.json, args.condense, args.gate,
+                              keep_state=bool(args.state_dir))
     if args.command == "batch":
         from .batch import BatchError, Options, batch_command
 

@@ -14,6 +14,7 @@ import copy
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -41,7 +42,8 @@ class TrajectoryError(ValueError):
 
 
 def load_trajectory(path: str | Path) -> list[dict[str, Any]]:
-    """The messages of a trajectory file. Raises TrajectoryError (unreadable file, bad JSON, not a message)."""
+    """The messages of a trajectory file. Raises TrajectoryError (unreadable file, bad JSON, not a message, no
+    message at all)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -64,6 +66,8 @@ def load_trajectory(path: str | Path) -> list[dict[str, Any]]:
             raise TrajectoryError(f"{path}:{number + 1}: tool_calls must be a list of "
                                   '{"id", "type": "function", "function": {"name", "arguments"}} objects')
         messages.append(message)
+    if not messages:
+        raise TrajectoryError(f"{path} holds no messages")
     return messages
 
 
@@ -389,16 +393,27 @@ def _condensed(c: dict[str, Any]) -> str:
 
 
 def replay_command(config: Config, path: str, format_name: str, stream: bool, as_json: bool,
-                   condense: bool = False, gate: bool = False) -> int:
+                   condense: bool = False, gate: bool = False, keep_state: bool = False) -> int:
     """The CLI entry: prints the timeline; exit 0 when every round came back intact, 1 otherwise, 2 on a bad
     file. ``condense`` turns condensing on (``proxyvisor.supervisor_model.with_condense``); ``gate`` replays with
     the verify-gate on (:func:`replay_gated`) and shows what it did at every stop (with ``as_json``, one JSON
-    object per stop instead of per round)."""
+    object per stop instead of per round). ``keep_state``: ledgers and spill files go to ``config``'s state
+    directory (``--state-dir``); otherwise to a temporary one removed at the end, so a replay never shows up
+    among the user's own sessions."""
     try:
         messages = load_trajectory(path)
     except TrajectoryError as exc:
         print(f"proxyvisor: {exc}", file=sys.stderr)
         return 2
+    if keep_state:
+        return _replay_command(config, path, messages, format_name, stream, as_json, condense, gate)
+    with tempfile.TemporaryDirectory(prefix="proxyvisor-replay-") as state:
+        return _replay_command(config.with_overrides(state={"dir": state}), path, messages, format_name, stream,
+                               as_json, condense, gate)
+
+
+def _replay_command(config: Config, path: str, messages: list[dict[str, Any]], format_name: str, stream: bool,
+                    as_json: bool, condense: bool, gate: bool) -> int:
     session = "replay-" + hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
     if condense:
         config = with_condense(config)

@@ -269,3 +269,19 @@ def test_serve_and_wrap_warn_once_of_an_unset_supervisor_key_variable(tmp_path: 
     monkeypatch.setenv("PROXYVISOR_TEST_KEY_NOT_SET", "sk-test")
     done = run_cli("wrap", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and "api_key_env" not in done.stderr, done.stderr
+
+
+def test_replay_keeps_out_of_the_users_state_directory_unless_given_one(tmp_path: Path) -> None:
+    import os
+
+    path = write_trajectory(tmp_path / "t.jsonl", TRAJECTORY)
+    env = {k: v for k, v in os.environ.items() if k != "PROXYVISOR_STATE_DIR"}
+    env.update(XDG_STATE_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"))
+    done = subprocess.run([sys.executable, "-m", "proxyvisor", "replay", str(path)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert not list(tmp_path.glob("xdg/**/*.jsonl")) and not list(tmp_path.glob("home/**/*.jsonl"))
+    done = subprocess.run([sys.executable, "-m", "proxyvisor", "replay", "--state-dir", str(tmp_path / "kept"),
+                           str(path)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "kept" / "ledger").glob("replay-*.jsonl"))

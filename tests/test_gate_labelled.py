@@ -24,9 +24,10 @@ def test_the_confusion_table_counts_every_file_and_survives_bad_ones(tmp_path: P
     shutil.copy(SUBMITTED, folder / "submitted-run.jsonl")
     (folder / "broken.jsonl").write_text('{"role": "user", "content": "hi"}\n{not json\n')
     (folder / "nobody-labelled-me.jsonl").write_text(SAMPLE.read_text())
+    (folder / "empty.jsonl").write_text("\n")  # no messages: failed to replay, not a "no verdict" run
     labels = tmp_path / "labels.csv"
     labels.write_text("file,resolved,note\nverified-run.jsonl,TRUE,x\nsubmitted-run.jsonl,0,\nbroken.jsonl,yes,\n"
-                      "gone.jsonl,false,\nwhat.jsonl,maybe,\n")
+                      "gone.jsonl,false,\nwhat.jsonl,maybe,\nempty.jsonl,true,\n")
     done = bench(str(folder), str(labels))
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -34,7 +35,7 @@ def test_the_confusion_table_counts_every_file_and_survives_bad_ones(tmp_path: P
     assert "| unverified | 0 | 1 | 1 |" in out  # the submitted run's stop has a gap: no passing check
     assert "| total | 1 | 1 | 2 |" in out
     assert "precision of verified 100% (1/1); recall of verified 100% (1/1); base rate (resolved) 50% (1/2)" in out
-    assert "1 failed to replay" in out and "broken.jsonl:2: not JSON" in out
+    assert "2 failed to replay" in out and "broken.jsonl:2: not JSON" in out and "empty.jsonl holds no messages" in out
     assert "1 file(s) without a label" in out and "- nobody-labelled-me.jsonl" in out
     assert "1 label(s) without a file" in out and "- gone.jsonl" in out
     assert "1 unreadable label row(s)" in out and "line 6: resolved is 'maybe'" in out

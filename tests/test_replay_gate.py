@@ -99,3 +99,14 @@ def test_the_command_prints_the_gate_at_every_stop(tmp_path: Path) -> None:
     assert set(stops[0]) == {"round", "message", "gated", "decided_by", "outcome", "passed", "reason", "gaps",
                              "verdicts", "digest_tokens", "route", "model"}
     assert stops[0]["route"] == "session"  # no [supervisor.model]: the session's own (scripted) upstream judged
+
+
+def test_a_file_without_messages_is_an_error_not_an_empty_replay(tmp_path: Path) -> None:
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        path = tmp_path / name
+        path.write_text(text)
+        for flags in (["--gate"], []):
+            done = subprocess.run([sys.executable, "-m", "proxyvisor", "replay", *flags, "--state-dir",
+                                   str(tmp_path / "state"), str(path)], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, (flags, done.stdout, done.stderr)
+            assert f"{path} holds no messages" in done.stderr and "Traceback" not in done.stderr
