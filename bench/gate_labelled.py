@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f" --config {args.config}" if args.config else "") + (f" --format {args.format}"
                                                                      if args.format != "chat" else "")
             + (" --stream" if args.stream else "") + " --write`", "",
+            f"The corpus folder `{args.folder}` is beside the repository, not in it: it exists only in our CI and on "
+            "developers' machines; pass your own folder of trajectories (and labels) to run it elsewhere.", "",
             f"Labels: `{args.labels}`. The corpus's, `bench/corpus_labels.csv`, are the SWE-bench runs' outcomes "
             "from the sources' own evaluation and, for two Claude Code sessions, INDEX.md's account of how they end "
             "(its `basis` column says which, row by row); runs with no outcome to label are left out, listed "
