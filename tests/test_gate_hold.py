@@ -25,6 +25,16 @@ STOP = "stop"
 SIZES = [1, 7, 64, 1 << 16]
 
 
+def _streamed_text(fmt: str, data: bytes) -> str:
+    """The answer text the client has read from ``data`` so far (Responses: its text deltas, since a message's
+    ``done`` events wait with the stop)."""
+    events = sse_events(data)
+    if fmt == "responses":
+        return "".join(orjson.loads(e.data).get("delta") or "" for e in events
+                       if e.event == "response.output_text.delta")
+    return BY_NAME[fmt].assemble([(e.event, e.data) for e in events]).text
+
+
 def _stop_events(fmt: str, data: bytes) -> list[str]:
     """The events of ``data`` that end an answer (the ones ``hold = "stop"`` keeps back)."""
     out = []
@@ -89,7 +99,7 @@ async def test_the_text_streams_before_the_verdict_and_only_keepalives_follow_un
     assert text == DONE["text"]
     (pending,) = at_release
     before_keepalives = pending[:pending.index(keepalive)]
-    assert BY_NAME[fmt].assemble([(e.event, e.data) for e in sse_events(before_keepalives)]).text == DONE["text"]
+    assert _streamed_text(fmt, before_keepalives) == DONE["text"]
     assert _stop_events(fmt, pending) == [] and _stop_events(fmt, raw)  # the stop came after the verdict
     assert pending[len(before_keepalives):].replace(keepalive, b"") == b""
 
@@ -103,6 +113,38 @@ async def test_an_unverified_answer_ends_with_the_notice_as_its_last_text(tmp_pa
         answer = await ask(fmt, run.proxy.url, stream=True)
     expected = noticed(DONE["text"]) if policy == "fail_closed" else DONE["text"]
     assert read_noticed(answer.text) == expected and answer.stop in ("end_turn", "stop", "completed")
+
+
+def _last_text(fmt: str, raw: bytes, stream: bool) -> str:
+    """The text a client that shows only the answer's last text gets (``claude -p``: the last text block;
+    ``codex exec``: the last message item), read from the final message object or the stream's events."""
+    if fmt == "messages":
+        if not stream:
+            return [b for b in orjson.loads(raw)["content"] if b["type"] == "text"][-1]["text"]
+        texts: dict[int, str] = {}
+        for e in sse_events(raw):
+            obj = orjson.loads(e.data)
+            if obj.get("type") == "content_block_start" and obj["content_block"]["type"] == "text":
+                texts[obj["index"]] = ""
+            elif obj.get("type") == "content_block_delta" and obj["delta"]["type"] == "text_delta":
+                texts[obj["index"]] += obj["delta"]["text"]
+        return texts[max(texts)]
+    output = orjson.loads(raw)["output"] if not stream else next(
+        orjson.loads(e.data)["response"]["output"] for e in sse_events(raw) if e.event == "response.completed")
+    if stream:  # the done events agree with the final object
+        items = [orjson.loads(e.data)["item"] for e in sse_events(raw) if e.event == "response.output_item.done"]
+        assert [i for i in items if i["type"] == "message"] == [i for i in output if i["type"] == "message"]
+    return [i for i in output if i["type"] == "message"][-1]["content"][-1]["text"]
+
+
+@pytest.mark.parametrize("hold", ["answer", STOP])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["messages", "responses"])
+async def test_the_notice_ends_the_answers_last_text_so_a_client_showing_only_that_shows_both(
+        tmp_path: Any, fmt: str, stream: bool, hold: str) -> None:
+    async with gated(tmp_path, [DONE], Verifier([ConnectionError("down")]), hold=hold) as run:
+        _, _, raw = await send(run, fmt, stream)
+    assert read_noticed(_last_text(fmt, raw, stream).rstrip("\n")) == noticed(DONE["text"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -149,8 +191,7 @@ async def test_split_anywhere_the_text_goes_out_before_the_verdict_and_the_stop_
     assert out == data and stream.error is None  # delivered unchanged: byte for byte
     assert judge.judged_texts == ["Done: the bug is fixed, all \u00e9 of it."]
     (at_verdict,) = seen
-    w = BY_NAME[fmt]
-    assert w.assemble([(e.event, e.data) for e in sse_events(at_verdict)]).text == judge.judged_texts[0]
+    assert _streamed_text(fmt, at_verdict) == judge.judged_texts[0]
     assert _stop_events(fmt, at_verdict) == [] and data.startswith(at_verdict)
 
 

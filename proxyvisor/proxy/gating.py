@@ -450,7 +450,8 @@ class GatedStream:
                 rest = splitter.rest()
                 if self.error is not None or rest:
                     # A broken stream is not judged: the agent gets what came and the error.
-                    out_bytes = b"".join(held + stop) + rest
+                    released = splice.release()
+                    out_bytes = b"".join(held + (stop if released is None else released)) + rest
                     if out_bytes:
                         yield self._sent(out_bytes)
                     if self.error is None:

@@ -363,8 +363,9 @@ class WireFormat:
 
     def append_text(self, response: dict[str, Any], text: str) -> None:
         """Add ``text`` at the end of a non-streaming response body's answer, in place, the way
-        ``stream_splice(...).add_text`` adds it to a stream (a new text block, the message's content after a blank
-        line, a new message output item)."""
+        ``stream_splice(...).add_text`` adds it to a stream: after a blank line at the end of the answer's last text
+        (its last text block, the message's content, its last message's last text part), or as new text when the
+        answer has none. Clients that show only the last text (``claude -p``, ``codex exec``) show both."""
         raise NotImplementedError
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:

@@ -256,8 +256,14 @@ class MessagesFormat(WireFormat):
         content[:] = kept or ([{"type": "text", "text": EMPTIED}] if content else [])
 
     def append_text(self, response: dict[str, Any], text: str) -> None:
-        if isinstance(response.get("content"), list):
-            response["content"].append({"type": "text", "text": text})
+        content = response.get("content")
+        if not isinstance(content, list):
+            return
+        last = content[-1] if content else None
+        if isinstance(last, dict) and last.get("type") == "text" and isinstance(last.get("text"), str):
+            last["text"] += "\n\n" + text
+        else:
+            content.append({"type": "text", "text": text})
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _MessagesStream(new_filter)
@@ -429,7 +435,9 @@ class _MessagesSplice:
     held ``tool_use`` block; a continuation loses its ``message_start`` (the client has one) and its block
     indexes are shifted past the blocks the client already has, so its blocks, ``message_delta`` (stop reason,
     usage) and ``message_stop`` end the one message the client is reading. With ``stop``, ``message_delta`` (or a
-    ``message_stop`` without one) starts the kept-back stop; text is added as a new text block."""
+    ``message_stop`` without one) starts the kept-back stop, and a text block's ``content_block_stop`` waits for
+    the next event: when that is the stop, it is kept back with it, so added text ends that block (clients that
+    read the last text block as the answer, such as ``claude -p``, then show the answer and the text together)."""
 
     def __init__(self, hold: Callable[[str], bool], stop: bool = False) -> None:
         self.hold = hold
@@ -440,37 +448,69 @@ class _MessagesSplice:
         self.continuing = False
         self.base = 0  # client-side index of the current stream's block 0
         self.blocks = 0  # blocks the client has: the next stream's base
+        self.text_blocks: set[int] = set()  # client-side indexes of text blocks
+        self.closing: tuple[str | None, dict[str, Any], str] | None = None  # a text block's stop, not sent yet
+        self.final: list[tuple[str | None, str]] = []  # the kept-back stop
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
-        if self.held or self.stopped:
+        if self.held:
+            return []
+        if self.stopped:
+            self.final.append((name, data))
             return []
         if '"index"' not in data:  # message_start, message_delta, message_stop, ping, error
             if self.stop and not self.calling and ('"message_delta"' in data or '"message_stop"' in data):
                 self.stopped = True
+                self.final.append((name, data))
                 return []
-            return [] if self.continuing and '"message_start"' in data else None
+            if self.continuing and '"message_start"' in data:
+                return self._closed()
+            return self._after_closing(name, data, None)
         obj = _indexed(data)
         if obj is None:
-            return None
+            return self._after_closing(name, data, None)
         block = obj.get("content_block")
         if obj.get("type") == "content_block_start" and isinstance(block, dict):
             if block.get("type") == "tool_use":
                 self.calling = True
                 if self.hold(str(block.get("name") or "")):
                     self.held = True
-                    return []
+                    return self._closed()
             self.blocks = max(self.blocks, obj["index"] + self.base + 1)
-        if not self.base:
-            return None
+            if block.get("type") == "text":
+                self.text_blocks.add(obj["index"] + self.base)
         obj["index"] += self.base
-        return [sse(dumps(obj), name)]
+        if self.stop and obj.get("type") == "content_block_stop" and obj["index"] in self.text_blocks:
+            closed, self.closing = self._closed(), (name, obj, data)
+            return closed
+        return self._after_closing(name, data, [sse(dumps(obj), name)] if self.base else None)
+
+    def _closed(self) -> list[bytes]:
+        """The kept-back close of a text block, as the client must get it (empty without one). Clears it."""
+        closing, self.closing = self.closing, None
+        if closing is None:
+            return []
+        name, obj, data = closing
+        return [sse(dumps(obj), name or "content_block_stop") if self.base else sse(data, name)]
+
+    def _after_closing(self, name: str | None, data: str, out: list[bytes] | None) -> list[bytes] | None:
+        """``out`` (None: the event's own bytes) after the kept-back close of a text block, if any."""
+        if self.closing is None:
+            return out
+        return self._closed() + (out if out is not None else [sse(data, name)])
 
     def next_response(self) -> None:
         self.held = self.stopped = self.calling = False
         self.continuing = True
         self.base = self.blocks
+        self.final = []
 
     def add_text(self, text: str) -> list[bytes]:
+        if self.closing is not None:  # the answer's last text block is still open for the client: text ends it
+            index = self.closing[1]["index"]
+            delta = {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta",
+                                                                              "text": "\n\n" + text}}
+            return [sse(dumps(delta), "content_block_delta")] + self._closed()
         index = self.blocks
         self.blocks += 1
         return [sse(dumps(obj), str(obj["type"])) for obj in (
@@ -479,10 +519,14 @@ class _MessagesSplice:
             {"type": "content_block_stop", "index": index})]
 
     def release(self) -> list[bytes] | None:
-        return None  # message_delta and message_stop carry no position: the client gets them as they came
+        if self.closing is None:
+            self.final = []
+            return None  # message_delta and message_stop carry no position: the client gets them as they came
+        final, self.final = self.final, []
+        return self._closed() + [sse(data, name) for name, data in final]
 
     def close(self) -> list[bytes]:
-        return []
+        return self._closed()
 
 
 def _input(u: dict[str, Any]) -> int | None:

@@ -349,8 +349,13 @@ class ResponsesFormat(WireFormat):
                 _edit_message(item, edit)
 
     def append_text(self, response: dict[str, Any], text: str) -> None:
-        if isinstance(response.get("output"), list):
-            response["output"].append(self._output(AssistantTurn(text))[0])
+        output = response.get("output")
+        if not isinstance(output, list):
+            return
+        if (part := _last_text_part(output)) is not None:
+            part["text"] += "\n\n" + text
+        else:
+            output.append(self._output(AssistantTurn(text))[0])
 
     def stream_editor(self, new_filter: Callable[[], TextFilter], edit: TextEdit) -> StreamEditor:
         return _ResponsesStream(new_filter, edit)
@@ -479,8 +484,12 @@ class _ResponsesSplice:
     client has them), its ``output_index`` values are shifted past the items the client already has, its
     ``sequence_number`` values go on from the last one sent, and its final response object carries the first
     response's id and lists the items sent before it followed by its own, which is what the client's snapshot
-    holds (the openai SDK checks both). With ``stop``, the final response event starts the kept-back stop; added
-    text is one more message output item, listed in the final response object too."""
+    holds (the openai SDK checks both). With ``stop``, the final response event starts the kept-back stop, and the
+    ``done`` events of a message's text (``output_text.done``, ``content_part.done``, ``output_item.done``) wait
+    for the next event: when that is the stop, they are kept back with it, so added text ends that message (its
+    ``done`` events and the final response object carry the whole text; clients that read the last message as
+    the answer, such as ``codex exec``, then show the answer and the text together); without such a message,
+    added text is one more message output item, listed in the final response object too."""
 
     def __init__(self, hold: Callable[[str], bool], stop: bool = False) -> None:
         self.hold = hold
@@ -496,6 +505,9 @@ class _ResponsesSplice:
         self.final: list[tuple[str | None, str]] = []  # the kept-back stop
         self.seq = 0  # the next sequence_number the client expects
         self.id: Any = None  # the response id the client has (SDKs check that it never changes)
+        self.closing: list[tuple[str | None, dict[str, Any], str]] = []  # a message text's done events, unsent
+        self.flushed: list[bytes] = []  # those of a finished stream, rewritten, to go before the next event
+        self.appended: tuple[Any, Any, str] | None = None  # (item id, content index, text) added to a message
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         if self.held:
@@ -516,11 +528,25 @@ class _ResponsesSplice:
             self.stopped = True
             self.final.append((name, data))
             return []
-        return self._rewritten(name, obj)
+        if self.stop and not self.calling and _closes_text(obj):
+            self.closing.append((name, obj, data))
+            return []
+        closed = self._closed()
+        out = self._rewritten(name, obj)
+        return closed + (out if out is not None else [sse(data, name)]) if closed else out
+
+    def _closed(self) -> list[bytes]:
+        """The kept-back ``done`` events of a message's text, as the client must get them. Clears them."""
+        closing, self.closing = self.closing, []
+        out, self.flushed = self.flushed, []
+        for name, obj, data in closing:
+            rewritten = self._rewritten(name, obj)
+            out += rewritten if rewritten is not None else [sse(data, name)]
+        return out
 
     def _rewritten(self, name: str | None, obj: dict[str, Any]) -> list[bytes] | None:
         kind, item = obj.get("type"), obj.get("item")
-        rewrite = self.continuing or bool(self.added)
+        rewrite = self.continuing or bool(self.added) or self.appended is not None
         if self.continuing and kind in _HEAD_EVENTS:
             return []
         if kind in _HEAD_EVENTS and isinstance(obj.get("response"), dict) and self.id is None:
@@ -530,6 +556,8 @@ class _ResponsesSplice:
             if kind in ("response.output_item.added", "response.output_item.done"):
                 self.sent[obj["output_index"]] = item
         if rewrite and kind in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
+            if self.appended is not None:
+                _append_to(as_list(obj["response"].get("output")), *self.appended)
             obj["response"]["output"] = self.before + as_list(obj["response"].get("output")) + self.added
             if self.id is not None:
                 obj["response"]["id"] = self.id
@@ -540,6 +568,7 @@ class _ResponsesSplice:
         return [sse(dumps(obj), name or kind)] if rewrite else None
 
     def next_response(self) -> None:
+        self.flushed = self._closed()  # at the positions of the stream they belong to, sent before the next event
         self.held = self.stopped = self.calling = False
         self.continuing = True
         self.final = []
@@ -547,6 +576,22 @@ class _ResponsesSplice:
         self.before = [self.sent[i] for i in sorted(self.sent)]
 
     def add_text(self, text: str) -> list[bytes]:
+        done = next((obj for _name, obj, _data in self.closing if obj.get("type") == "response.output_text.done"),
+                    None)
+        if done is not None:  # the answer's last message is still open for the client: text ends it
+            added = "\n\n" + text
+            self.appended = (done.get("item_id"), done.get("content_index"), added)
+            delta = {"type": "response.output_text.delta", "sequence_number": 0,
+                     **{k: done.get(k) for k in ("item_id", "output_index", "content_index")},
+                     "delta": added, "logprobs": []}
+            for _name, obj, _data in self.closing:
+                if obj.get("type") == "response.output_text.done" and isinstance(obj.get("text"), str):
+                    obj["text"] += added
+                elif isinstance(part := obj.get("part"), dict) and isinstance(part.get("text"), str):
+                    part["text"] += added
+                elif isinstance(item := obj.get("item"), dict):
+                    _append_to([item], *self.appended)
+            return (self._rewritten("response.output_text.delta", delta) or []) + self._closed()
         index = max(self.sent, default=-1) + 1
         part = {"type": "output_text", "text": text, "annotations": []}
         item = {"id": "msg_" + secrets.token_hex(12), "type": "message", "status": "completed", "role": "assistant",
@@ -568,9 +613,9 @@ class _ResponsesSplice:
 
     def release(self) -> list[bytes] | None:
         final, self.final = self.final, []
-        if not (self.continuing or self.added):
+        if not (self.continuing or self.added or self.appended is not None or self.closing or self.flushed):
             return None
-        out: list[bytes] = []
+        out = self._closed()
         for name, data in final:
             obj = event_object(data)
             rewritten = self._rewritten(name, obj) if obj is not None else None
@@ -578,7 +623,38 @@ class _ResponsesSplice:
         return out
 
     def close(self) -> list[bytes]:
-        return []
+        return self._closed()
+
+
+def _closes_text(obj: dict[str, Any]) -> bool:
+    """Whether a stream event is one of the ``done`` events that close a message's output text."""
+    kind = obj.get("type")
+    if kind == "response.output_text.done":
+        return True
+    if kind == "response.content_part.done":
+        return isinstance(part := obj.get("part"), dict) and part.get("type") == "output_text"
+    return kind == "response.output_item.done" and isinstance(item := obj.get("item"), dict) \
+        and item.get("type") == "message"
+
+
+def _last_text_part(output: list[Any]) -> dict[str, Any] | None:
+    """The last ``output_text`` part of the last message item of a response's ``output``, None without one."""
+    for item in reversed(output):
+        if isinstance(item, dict) and item.get("type") == "message":
+            parts = [p for p in as_list(item.get("content"))
+                     if isinstance(p, dict) and p.get("type") == "output_text" and isinstance(p.get("text"), str)]
+            return parts[-1] if parts else None
+    return None
+
+
+def _append_to(output: list[Any], item_id: Any, content_index: Any, text: str) -> None:
+    """Append ``text`` to part ``content_index`` of the message ``item_id`` in ``output``, in place."""
+    for item in output:
+        if isinstance(item, dict) and item.get("id") == item_id:
+            parts = as_list(item.get("content"))
+            if isinstance(content_index, int) and 0 <= content_index < len(parts) \
+                    and isinstance(parts[content_index], dict) and isinstance(parts[content_index].get("text"), str):
+                parts[content_index]["text"] += text
 
 
 RESPONSES = ResponsesFormat()

@@ -108,7 +108,8 @@ class StreamSplice(StreamEditor, Protocol):
     ``finish_reason`` (any text it carries still passes), Responses ``response.completed`` / ``incomplete`` /
     ``failed``) on, :attr:`stopped` is True and every event is kept back until :meth:`release` sends it or
     :meth:`next_response` drops it (the turn goes on in the next stream); :meth:`add_text` adds text to the answer
-    before the stop.
+    before the stop. The close of the answer's last text (a Messages ``content_block_stop``, a Responses message's
+    ``done`` events) waits for the next event, and is kept back with the stop when that is the stop.
     """
 
     held: bool
@@ -123,8 +124,10 @@ class StreamSplice(StreamEditor, Protocol):
         events are dropped."""
 
     def add_text(self, text: str) -> list[bytes]:
-        """The events that add ``text`` to the answer the client is reading (a new text block, delta or output
-        item after everything sent so far), to send before :meth:`release`."""
+        """The events that add ``text`` to the answer the client is reading, to send before :meth:`release`: after
+        a blank line at the end of the answer's last text when its close was kept back with the stop (a Messages
+        text block, a Responses message; a Chat message's content always), else as new text (a new text block or
+        output item after everything sent so far)."""
 
     def release(self) -> list[bytes] | None:
         """The kept-back stop events as the client must get them, or None when they go out as the upstream sent
