@@ -172,20 +172,27 @@ class _Consumer:
         return self.got
 
 
+class _Watching(_Judge):
+    """A stand-in gate that notes, in :attr:`seen`, what the client had received when each verdict was asked."""
+
+    def __init__(self, consumer: Any, fmt: str, **kwargs: Any) -> None:
+        super().__init__(fmt, **kwargs)
+        self.consumer = consumer
+        self.seen: list[bytes] = []
+
+    async def judged(self, held: Any) -> None:
+        self.seen.append(self.consumer.got)
+        await super().judged(held)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_split_anywhere_the_text_goes_out_before_the_verdict_and_the_stop_after_it(fmt: str,
                                                                                           size: int) -> None:
     data = _stream(fmt, AssistantTurn("Done: the bug is fixed, all \u00e9 of it."))
     consumer = _Consumer()
-    seen: list[bytes] = []
-
-    class Judge(_Judge):
-        async def judged(self, held: Any) -> None:
-            seen.append(consumer.got)
-            await super().judged(held)
-
-    judge = Judge(fmt, hold=STOP)
+    judge = _Watching(consumer, fmt, hold=STOP)
+    seen = judge.seen
     stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
     out = await consumer.run(stream)
     assert out == data and stream.error is None  # delivered unchanged: byte for byte
@@ -294,14 +301,8 @@ async def test_a_chat_finish_chunk_that_carries_text_sends_the_text_and_keeps_ba
                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}]
     data = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
     consumer = _Consumer()
-    seen: list[bytes] = []
-
-    class Judge(_Judge):
-        async def judged(self, held: Any) -> None:
-            seen.append(consumer.got)
-            await super().judged(held)
-
-    judge = Judge("chat", hold=STOP, notice=NOTICE)
+    judge = _Watching(consumer, "chat", hold=STOP, notice=NOTICE)
+    seen = judge.seen
     out = await consumer.run(gating.GatedStream(judge, _Chunks(_chunked(data, size))))  # type: ignore[arg-type]
     w = BY_NAME["chat"]
     (at_verdict,) = seen
