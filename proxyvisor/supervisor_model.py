@@ -25,14 +25,13 @@ format's own way (``proxyvisor.proxy.session_model``), litellm through ``respons
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from .adapters import litellm_bridge
 from .config import SCRIPTED_URL, Config, ConfigError, ModelConfig
-from .gate.plan import DECISION_SCHEMA, PLANNER_INSTRUCTIONS
-from .gate.verdict import REFUTATION_SCHEMA, REFUTER_INSTRUCTIONS, VERDICT_SCHEMA, VERIFIER_INSTRUCTIONS
 
 SCRIPTED_KEY = "proxyvisor-scripted"
 """The placeholder key sent to the scripted upstream (the OpenAI client refuses to call without one)."""
@@ -98,7 +97,12 @@ def key_warning(model: ModelConfig, env: Mapping[str, str] | None = None) -> str
             "will fail")
 
 
-_SCHEMAS = ((VERIFIER_INSTRUCTIONS, "verdict", VERDICT_SCHEMA), (REFUTER_INSTRUCTIONS, "refutation", REFUTATION_SCHEMA),
+@functools.cache
+def _schemas() -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    # Imported here, not at the top: the gate's modules import the condense package, whose engine imports this one.
+    from .gate.plan import DECISION_SCHEMA, PLANNER_INSTRUCTIONS
+    from .gate.verdict import REFUTATION_SCHEMA, REFUTER_INSTRUCTIONS, VERDICT_SCHEMA, VERIFIER_INSTRUCTIONS
+    return ((VERIFIER_INSTRUCTIONS, "verdict", VERDICT_SCHEMA), (REFUTER_INSTRUCTIONS, "refutation", REFUTATION_SCHEMA),
             (PLANNER_INSTRUCTIONS, "plan_decision", DECISION_SCHEMA))
 
 
@@ -107,7 +111,7 @@ def schema_of(messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]] | No
     verifier's, refuter's and planner's begin with their instructions); None for a call without one (the
     condenser's own protocol)."""
     system = messages[0].get("content", "") if messages and messages[0].get("role") == "system" else ""
-    return next(((name, schema) for prompt, name, schema in _SCHEMAS if system.startswith(prompt)), None)
+    return next(((name, schema) for prompt, name, schema in _schemas() if system.startswith(prompt)), None)
 
 
 def configured_model(model: ModelConfig, scripted_url: str | None = None,
