@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from proxyvisor.config import GateConfig
 from proxyvisor.gate import plan as plans
 from proxyvisor.proxy.info import render_text, summarize
 
@@ -316,6 +317,32 @@ def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_session
     summary = summarize(ws.ledger(session))
     assert summary["gate"]["judges"] == {f"session: {MODEL}": 1}, summary["gate"]
     assert summary["gate"]["decided_by"] == {"evidence": 0, "model": 1}, summary["gate"]
+
+
+def test_claude_code_shows_an_unverified_answer_with_the_notice_after_it(tmp_path: Path) -> None:
+    """A turn the gate cannot pass (an edit, then only insisting it is done: the re-entry budget is spent) reaches
+    ``claude -p`` with its answer and the unverified notice after it, in the answer's last text block: Claude Code
+    prints only that block, so a notice in a block of its own would replace the answer."""
+    ws, session = Workspace.make(tmp_path), "claude-notice-test"
+    mark = "[task:notice]"
+    insisting = ["Done: notes.txt is written.", "notes.txt is written; nothing to check.", "As I said, it is written."]
+    steps = [{"tool_calls": [{"name": "Bash", "arguments": {"command": "printf 'milk\\n' > notes.sh",
+                                                              "description": "write it"}}]}]
+    steps += [{"text": text} for text in insisting]
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    cmd = [find_agent("claude"), "-p", f"Write notes.sh. {mark}", "--model", MODEL, "--output-format", "json",
+           "--allowedTools", "Bash"]
+    run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
+                          *cmd], claude_env(ws))
+    assert run.returncode == 0, run
+    result = json.loads(run.stdout)["result"]
+    gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
+    assert gates[-1]["outcome"] in ("unverified", "failed") and gates[-1]["passed"] is False, gates
+    answer, _, notice = result.rpartition("\n\n")
+    assert notice == GateConfig().unverified_notice and answer in insisting[1:], result
 
 
 # --- Codex -----------------------------------------------------------------------------------------------------
