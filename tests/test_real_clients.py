@@ -457,3 +457,27 @@ def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: P
     assert gates[0]["decided_by"] == ["evidence"] and "route" not in gates[0], gates
     assert gates[-1]["decided_by"] == ["model"], gates
     assert {(g["route"], g["model"]) for g in gates[1:]} == {("session", records[0]["model"])}, gates
+
+
+def test_codex_shows_an_unverified_answer_with_the_notice_after_it(tmp_path: Path) -> None:
+    """As for Claude Code: ``codex exec`` reports each message item as the agent's message, so the unverified notice
+    ends the answer's own message rather than coming as a message of its own."""
+    ws, session = Workspace.make(tmp_path), "codex-notice-test"
+    insisting = ["Done.", "notes.sh is written; nothing to check.", "As I said, it is written."]
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps(step) + "\n" for step in (
+        [{"tool_calls": [{"name": "exec", "input": exec_script("printf 'milk\\n' > notes.sh")}]}]
+        + [{"text": text} for text in insisting])))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    (ws.home / "config.toml").write_text(_CODEX_DEFAULT_MODEL)
+    cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "Write notes.sh."]
+    run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
+               "--session", session, "--config", str(config))
+    assert run.returncode == 0, run
+    items = [e["item"] for e in json_lines(run.stdout) if e.get("type") == "item.completed"]
+    last = [i["text"] for i in items if i["type"] == "agent_message"][-1]
+    gates = [r["gate"] for r in ws.ledger(session) if r.get("gate")]
+    assert gates[-1]["passed"] is False, gates
+    answer, _, notice = last.rpartition("\n\n")
+    assert notice == GateConfig().unverified_notice and answer in insisting[1:], items
