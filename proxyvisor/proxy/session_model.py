@@ -157,7 +157,8 @@ class SessionModel:
                       f"{self._message(response)}")
             self.routes.failed(self.upstream.name, status, reason)
             raise RouteError(status, reason)
-        text = self.answer_text(response, schema if not plain else None)
+        text = self.fmt.schema_answer(response, schema[0]) if schema and not plain else \
+            self.fmt.parse_response(response).text
         if not text:
             raise ValueError("the supervisor model answered without text")
         usage = self.fmt.usage(response)
@@ -174,42 +175,12 @@ class SessionModel:
         sampling settings and the schema."""
         s = self.routes.settings
         body = self.fmt.request_from_chat(messages, self.model, stream=False)
-        name = self.fmt.name
-        if name == "messages":
-            body["max_tokens"] = s.max_tokens  # Anthropic requires it
         if plain:
             return body
-        if name == "chat":
-            body["max_completion_tokens" if self.completion_tokens else "max_tokens"] = s.max_tokens
-        elif name == "responses":
-            body["max_output_tokens"] = s.max_tokens
-        body["temperature"] = s.temperature
-        if s.top_p < 1.0:
-            body["top_p"] = s.top_p
-        if s.reasoning_effort and name == "chat":
-            body["reasoning_effort"] = s.reasoning_effort
-        elif s.reasoning_effort and name == "responses":
-            body["reasoning"] = {"effort": s.reasoning_effort}
+        self.fmt.ask_settings(body, s.max_tokens, s.temperature, s.top_p, s.reasoning_effort, self.completion_tokens)
         if schema is not None:
-            title, shape = schema
-            if name == "chat":
-                body["response_format"] = {"type": "json_schema",
-                                           "json_schema": {"name": title, "schema": shape, "strict": False}}
-            elif name == "responses":
-                body["text"] = {"format": {"type": "json_schema", "name": title, "schema": shape, "strict": False}}
-            else:
-                body["tools"] = [{"name": title, "description": "Record your answer.", "input_schema": shape}]
-                body["tool_choice"] = {"type": "tool", "name": title}
+            self.fmt.ask_schema(body, *schema)
         return body
-
-    def answer_text(self, response: dict[str, Any], schema: tuple[str, dict[str, Any]] | None) -> str:
-        """The answer's text: for a forced tool, the JSON of the tool call's input; else the reply's text."""
-        turn = self.fmt.parse_response(response)
-        if schema is not None and self.fmt.name == "messages":
-            call = next((c for c in turn.tool_calls if c.name == schema[0]), None)
-            if call is not None:
-                return orjson.dumps(call.arguments).decode()
-        return turn.text
 
     async def _ask(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Send ``body``; the reply's status and JSON object (``{}`` when it is none)."""

@@ -361,6 +361,22 @@ class WireFormat:
         """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""
         raise NotImplementedError
 
+    def ask_settings(self, body: dict[str, Any], max_tokens: int | None, temperature: float | None, top_p: float,
+                     effort: str, completion_tokens: bool = False) -> None:
+        """Add a supervisor call's settings to a request ``body`` from :meth:`request_from_chat`, in place: the token
+        limit (None: none added; ``completion_tokens``: Chat's ``max_completion_tokens``), ``temperature``, ``top_p``
+        when below 1, and the reasoning ``effort`` where the format takes one (empty: none); ``temperature`` None
+        leaves the sampling out (a plain request)."""
+        raise NotImplementedError
+
+    def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
+        """Ask, in a request ``body``, for an answer that is JSON matching ``schema`` (named ``name``), in place."""
+        raise NotImplementedError
+
+    def schema_answer(self, response: dict[str, Any], name: str) -> str:
+        """The answer text of a response to a request :meth:`ask_schema` shaped (its JSON)."""
+        return self.parse_response(response).text
+
     def append_text(self, response: dict[str, Any], text: str) -> None:
         """Add ``text`` at the end of a non-streaming response body's answer, in place, the way
         ``stream_splice(...).add_text`` adds it to a stream: after a blank line at the end of the answer's last text

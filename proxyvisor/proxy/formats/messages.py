@@ -255,6 +255,26 @@ class MessagesFormat(WireFormat):
             kept.append(block)
         content[:] = kept or ([{"type": "text", "text": EMPTIED}] if content else [])
 
+    def ask_settings(self, body: dict[str, Any], max_tokens: int | None, temperature: float | None, top_p: float,
+                     effort: str, completion_tokens: bool = False) -> None:
+        if max_tokens is not None:  # else the limit request_from_chat set: Anthropic requires one
+            body["max_tokens"] = max_tokens
+        if temperature is None:
+            return
+        body["temperature"] = temperature
+        if top_p < 1.0:
+            body["top_p"] = top_p
+
+    def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
+        # No JSON mode on Messages: a tool the model must call, whose input is the answer.
+        body["tools"] = [{"name": name, "description": "Record your answer.", "input_schema": schema}]
+        body["tool_choice"] = {"type": "tool", "name": name}
+
+    def schema_answer(self, response: dict[str, Any], name: str) -> str:
+        turn = self.parse_response(response)
+        call = next((c for c in turn.tool_calls if c.name == name), None)
+        return orjson.dumps(call.arguments).decode() if call is not None else turn.text
+
     def append_text(self, response: dict[str, Any], text: str) -> None:
         content = response.get("content")
         if not isinstance(content, list):
