@@ -413,7 +413,7 @@ def _outputs_block(actions: Sequence[Action], cap: int) -> _Block:
 def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *, instructions: str = "",
           plan: str | None = None, state: str | None = None, claim: str = "", task: str = "",
           previous_gaps: Sequence[str] = (), prohibitions: Sequence[Standing] | None = None,
-          budget: int = DEFAULT_BUDGET) -> str:
+          budget: int = DEFAULT_BUDGET, ev: Evidence | None = None) -> str:
     """The verifier's input document for one turn, at most ``budget`` tokens.
 
     ``request``: the latest genuine user turn; ``finals``: the turn's final answers, oldest first (one per
@@ -422,14 +422,15 @@ def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *
     rendered live plan, or None; ``state``/``claim``: the self-report state (None when absent) and ``focus``;
     ``previous_gaps``: the previous pass's gaps; ``prohibitions``: the prohibitions in force (the session's,
     ``proxyvisor.proxy.planning``), or None to read them from ``task`` (turn 1) and ``request`` (turn 2 when it is
-    another message) alone. Raises ValueError when ``budget`` < :data:`MIN_BUDGET`.
+    another message) alone; ``ev``: :func:`evidence` of ``actions`` when the caller has it. Raises ValueError when
+    ``budget`` < :data:`MIN_BUDGET`.
     """
     if budget < MIN_BUDGET:
         raise ValueError(f"digest budget {budget} is below the minimum of {MIN_BUDGET} tokens")
     follow_up = bool(task.strip()) and task.strip() != request.strip()
     if prohibitions is None:
         prohibitions = standing([(1, task), (2, request)] if follow_up else [(1, request)])
-    ev = evidence(actions)
+    ev = ev if ev is not None else evidence(actions)
     blocks = [
         _text_block("current_user_turn", ' authority="true"', clip_chars(request, REQUEST_CHARS), budget // 4),
         _text_block("agent_final_result", ' trust="untrusted"', CONTINUED.join(finals),

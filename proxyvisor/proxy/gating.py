@@ -229,7 +229,8 @@ class Gating:
         actions = self._actions(turn.turn_start)
         # The prohibitions in force, as the digest shows them: "do not run the tests" makes a missing check compliance.
         forbidden = forbids_checks([p.text for p in self.exchange.thread.planning.rules])
-        decision: Any = turn.gate.handle(Stop(report.state if report else None, digest.evidence(actions), forbidden))
+        ev = digest.evidence(actions)
+        decision: Any = turn.gate.handle(Stop(report.state if report else None, ev, forbidden))
         if isinstance(decision, (Reenter, Deliver)) and decision.decided_by == EVIDENCE:
             record["verdicts"].append(GAPS)
             record.setdefault("decided_by", []).append(EVIDENCE)
@@ -242,7 +243,7 @@ class Gating:
                 return self._carried(response, decision.note)
             if isinstance(decision, Verify):
                 if document is None:
-                    document = self._digest(turn, actions, report, decision)
+                    document = self._digest(turn, actions, ev, report, decision)
                 answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
                                          previous if decision.format_retry else None)
                 record.setdefault("decided_by", []).append(MODEL)
@@ -280,7 +281,8 @@ class Gating:
                     planning.clear(self.exchange.thread)  # a passed completion closes the plan (reference 4)
                 return None
 
-    def _digest(self, turn: GateTurn, actions: list[digest.Action], report: Any, decision: Verify) -> str:
+    def _digest(self, turn: GateTurn, actions: list[digest.Action], ev: digest.Evidence, report: Any,
+                decision: Verify) -> str:
         ex = self.exchange
         start = turn.turn_start
         # What the user wrote, without the harness's <system-reminder> blocks (Claude Code adds them).
@@ -293,7 +295,8 @@ class Gating:
                                 state=report.state if report else None, claim=report.focus if report else "",
                                 task=task,
                                 previous_gaps=[g.text for g in decision.previous_gaps],
-                                prohibitions=ex.thread.planning.rules, budget=self.config.digest_budget_tokens)
+                                prohibitions=ex.thread.planning.rules, budget=self.config.digest_budget_tokens,
+                                ev=ev)
         self._ledger()["digest_tokens"] = count_tokens(document)
         return document
 
