@@ -18,8 +18,8 @@ from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
 from proxyvisor.proxy.relay import UpstreamReply
 
 from helpers import FORMATS, MODEL, ask, request_body, sse_events, without_generated_ids
-from test_gate_proxy import (DONE, GAP, NOTICE, REWORKED, Verifier, _chunked, _Chunks, _Judge, gated, noticed,
-                             read_noticed, send, verdict, with_report)
+from test_gate_proxy import (DONE, GAP, NOTICE, REWORKED, Verifier, _chunked, _Chunks, _Judge, gated,
+                             judged_after_keepalives, noticed, read_noticed, send, verdict, with_report)
 
 STOP = "stop"
 SIZES = [1, 7, 64, 1 << 16]
@@ -83,21 +83,9 @@ async def test_a_continued_answer_that_calls_tools_ends_the_same_message_with_it
 async def test_the_text_streams_before_the_verdict_and_only_keepalives_follow_until_it(
         tmp_path: Any, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
-    verifier = Verifier([verdict()])
-    verifier.release = trio.Event()
     keepalive = BY_NAME[fmt].keepalive
-    at_release: list[bytes] = []
-
-    def on_chunk(got: bytes) -> None:
-        if not verifier.release.is_set() and got.count(keepalive) >= 2:
-            at_release.append(got)
-            verifier.release.set()
-
-    async with gated(tmp_path, [DONE], verifier, hold=STOP) as run:
-        with trio.fail_after(10):
-            text, _, raw = await send(run, fmt, True, on_chunk=on_chunk)
+    text, raw, pending = await judged_after_keepalives(tmp_path, fmt, hold=STOP)
     assert text == DONE["text"]
-    (pending,) = at_release
     before_keepalives = pending[:pending.index(keepalive)]
     assert _streamed_text(fmt, before_keepalives) == DONE["text"]
     assert _stop_events(fmt, pending) == [] and _stop_events(fmt, raw)  # the stop came after the verdict

@@ -459,26 +459,32 @@ def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:
 
 
 # ---- streams: held, kept alive, tool rounds untouched ---------------------------------------------------------------
+async def judged_after_keepalives(tmp_path: Path, fmt: str, **gate: Any) -> tuple[str, bytes, bytes]:
+    """A streamed turn end whose verifier answers only once the client has two keep-alives: its text, the bytes
+    received, and those received when the verifier was let go (set ``continuation.KEEPALIVE_S`` low first)."""
+    verifier = Verifier([verdict()])
+    verifier.release = trio.Event()
+    keepalive = BY_NAME[fmt].keepalive
+    at_release: list[bytes] = []
+
+    def on_chunk(got: bytes) -> None:
+        if not verifier.release.is_set() and got.count(keepalive) >= 2:
+            at_release.append(got)
+            verifier.release.set()
+
+    async with gated(tmp_path, [DONE], verifier, **gate) as run:
+        with trio.fail_after(10):
+            text, _, raw = await send(run, fmt, True, on_chunk=on_chunk)
+    return text, raw, at_release[0]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_a_held_stream_gets_keepalives_and_nothing_else_until_the_verdict(
         tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
-    verifier = Verifier([verdict()])
-    verifier.release = trio.Event()
     keepalive = BY_NAME[fmt].keepalive
-    seen_before_release: list[bytes] = []
-
-    def on_chunk(got: bytes) -> None:
-        if not verifier.release.is_set():
-            seen_before_release.append(got)
-            if got.count(keepalive) >= 2:
-                verifier.release.set()
-
-    async with gated(tmp_path, [DONE], verifier) as run:
-        with trio.fail_after(10):
-            text, _, raw = await send(run, fmt, True, on_chunk=on_chunk)
+    text, raw, held = await judged_after_keepalives(tmp_path, fmt)
     assert text == DONE["text"]
-    held = seen_before_release[-1]
     assert held.replace(keepalive, b"") == b""  # only keep-alives went out while the verdict was pending
     assert raw.startswith(held)
 
