@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 import pytest
-import trio
 
 from proxyvisor.proxy import continuation, gating
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
