@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 
 from proxyvisor.detectors.checks import (FAILED, PASSED, is_check_command, is_inspection, is_search, last_line,
-                                         summary, runner_missing)
+                                         summary, runner_missing, piped_check)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
 from proxyvisor.proxy.formats.transcript import ToolOutput, ToolUse
 
 SUMMARY_LINES = [
+    # TAP (node --test, tap, prove): its closing counts
+    ("# fail 1", FAILED),
+    ("# fail 0", PASSED),
     # pytest
     ("=================== 1 failed, 2 passed in 0.12s ===================", FAILED),
     ("======================== 6 passed, 2 warnings in 0.82s =========================", PASSED),
@@ -171,7 +174,7 @@ def test_a_compound_is_inspection_only_when_every_part_is(command: str) -> None:
     "gradle test", "ctest --output-on-failure", "make test", "make check", "rspec", "bundle exec rspec",
     "bundle exec rake test", "ruff check .", "mypy src", "flake8", "npx eslint .", "npx tsc --noEmit", "bin/test",
     "cd /repo && CI=1 timeout 60 uv run pytest -x", "sed -i 's/3/4/' calc.py && pytest -q", "./run_tests.sh",
-    "python3 -m doctest -v calc.py",
+    "python3 -m doctest -v calc.py", "node --test", "node --test test/", "deno test", "bun test",
 ])
 def test_recognised_check_commands(command: str) -> None:
     assert is_check_command(command) and not is_inspection(command)
@@ -270,3 +273,32 @@ def test_genuine_user_turns(text: str, previous: str | None) -> None:
 
 def test_a_prompt_repeating_the_previous_one_is_a_re_prompt() -> None:
     assert is_reprompt("Continue.", "Continue.") and not is_reprompt("Continue.", None)
+
+
+NODE_TAP = ("TAP version 13\n# Subtest: mul\nnot ok 1 - mul\n# tests 2\n# suites 0\n# pass 1\n# fail 1\n"
+            "# cancelled 0\n# skipped 0\n# todo 0\n# duration_ms 152.44\n")
+
+
+def test_node_tests_closing_counts_are_its_summary() -> None:
+    assert summary(NODE_TAP, True) is not None and summary(NODE_TAP, True).outcome == FAILED
+    fixed = NODE_TAP.replace("# pass 1", "# pass 2").replace("# fail 1", "# fail 0").replace("not ok", "ok")
+    assert summary(fixed, True).outcome == PASSED
+
+
+@pytest.mark.parametrize(("command", "piped"), [
+    ("pytest 2>&1 | tail -3", True), ("npm test | tail -3", True), ("cargo test 2>&1 |& tee log", True),
+    ("pytest || true", False), ("pytest -q", False), ("cat log | grep FAIL", False), ("pytest >| log", False),
+])
+def test_a_check_writing_into_a_pipe(command: str, piped: bool) -> None:
+    assert piped_check(command) is piped
+
+
+def test_a_piped_check_without_a_summary_told_nothing() -> None:
+    schema = {"type": "object", "properties": {"command": {"type": "string"}}}
+    tail = "# skipped 0\n# todo 0\n# duration_ms 154.2\nExit code 0"
+    hidden = receipt(ToolUse("c", "Bash", {"command": "npm test | tail -3"}), ToolOutput("c", tail), schema)
+    assert (hidden.check, hidden.error) == ("none", False)
+    shown = receipt(ToolUse("c", "Bash", {"command": "npm test | tail -12"}), ToolOutput("c", NODE_TAP), schema)
+    assert (shown.check, shown.summary, shown.error) == (FAILED, "fail 1", True)
+    plain = receipt(ToolUse("c", "Bash", {"command": "npm test"}), ToolOutput("c", tail), schema)
+    assert plain.check == PASSED  # its own exit status says it passed

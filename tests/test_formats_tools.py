@@ -222,6 +222,18 @@ def test_history_reads_custom_calls_and_their_text_part_outputs() -> None:
     assert RESPONSES.ends_with_tool_result(codex_request(call, output))
 
 
+def test_a_nested_shell_calls_json_answer_is_read_as_the_commands_output_and_exit_status() -> None:
+    # Codex's exec answers the command's output inside a JSON object: read unwrapped, a piped failing run (exit
+    # status 0) shows its runner summary and fails, and the failure is quoted as the runner printed it.
+    call = exec_call("c1", run("cargo test 2>&1 | tail -3"))
+    output = exec_output("c1", 0, "failures:\n    tests::mul\n\ntest result: FAILED. 0 passed; 1 failed; 0 ignored\n")
+    (result,) = RESPONSES.message(output).tool_outputs
+    assert result.text.endswith("test result: FAILED. 0 passed; 1 failed; 0 ignored\n\nProcess exited with code 0")
+    assert '"chunk_id"' not in result.text
+    r = receipt(RESPONSES.message(call).tool_uses[0], result, RESPONSES.tools(codex_request())[0].schema)
+    assert (r.check, r.error, r.summary) == ("failed", True, "test result: FAILED. 0 passed; 1 failed; 0 ignored")
+
+
 def test_local_shell_and_other_outputs_pair_with_their_calls() -> None:
     local = {"type": "local_shell_call", "id": "ls_1", "call_id": "c9",
              "action": {"type": "exec", "command": ["pytest", "-q"]}}

@@ -143,7 +143,8 @@ def edited() -> Turn:
     (Turn().bash("ls", "a b"), False, None),
     (done_despite_failing_test(), True, "failed"),  # the only check after the edit failed; git status is a re-read
     (done_despite_failing_test().bash("pytest -q", "13 passed\nExit code 0"), True, "passed"),
-    (done_despite_failing_test().bash("cd repo && CI=1 npm test | tail -5", "ok"), True, "passed"),
+    (done_despite_failing_test().bash("cd repo && CI=1 npm test | tail -5", "Tests:       3 passed, 3 total"), True,
+         "passed"),  # piped: its summary line says it passed (without one a pipe hides the outcome)
     (done_despite_failing_test().bash("cd repo && git diff | grep parse", "+ return 4"), True, "failed"),
     (Turn().bash("pytest -q", "13 passed").call("Edit", {"file_path": "a"}, "updated"), True, None),  # stale
     (Turn().call("Edit", {"file_path": "a"}, "Error: no match", is_error=True).bash("pytest", "ok"), False, "passed"),

@@ -17,12 +17,13 @@ Two tables, read by receipts (:mod:`.receipts`) and the verify-gate's evidence (
   ``git`` :data:`GIT_READS`, editors' view commands) is never a check; a compound command is inspection only when
   every part is, and a part that redirects its output into a file is not inspection. Read tools (Claude Code's
   ``Read``, ``Glob``, ``Grep``) pass no command text and are never checks either. A check command
-  (:data:`CHECK_COMMANDS`) is a part that runs tests, a build or a linter. A plain script run (``python
-  reproduce.py``, ``python -c ...``) is not a check by its command: it counts only when its output carries a
-  runner summary (a script that calls ``unittest.main()``). :func:`is_search` tells a search, whose exit status 1
-  means "nothing found"; a check command whose runner could not start (:func:`runner_missing`: ``pytest: command
-  not found``, ``No module named pytest``, exit status 127) ran no check; :func:`created_paths` and :func:`removed_paths` read the commands that only create, or
-  only remove or rename, files (the agent's scratch work).
+  (:data:`CHECK_COMMANDS`) is a part that runs tests, a build or a linter (``node --test`` too). A plain script
+  run (``python reproduce.py``, ``python -c ...``) is not a check by its command: it counts only when its output
+  carries a runner summary (a script that calls ``unittest.main()``). :func:`is_search` tells a search, whose exit
+  status 1 means "nothing found"; a check command whose runner could not start (:func:`runner_missing`: ``pytest:
+  command not found``, ``No module named pytest``, exit status 127) ran no check, and :func:`piped_check` tells a
+  check whose exit status a pipe hides; :func:`created_paths` and :func:`removed_paths` read the commands that only
+  create, or only remove or rename, files (the agent's scratch work).
 
 Pure functions; no I/O.
 """
@@ -191,6 +192,8 @@ SUMMARIES: tuple[tuple[str, re.Pattern[str], Rule, str | None], ...] = (
     ("linter", re.compile(r"^Found (\d+) errors?\b"), _nonzero, None),
     ("ruff", re.compile(r"^All checks passed!?$"), _fixed(PASSED), None),
     ("eslint", re.compile(r"^[✖x] \d+ problems? \((\d+) errors?"), _nonzero, None),
+    # TAP's closing counts (node --test, tap, prove): "# fail 1" (the "#" is cleaned off).
+    ("tap", re.compile(r"^(?:fail|failed|not ok) (\d+)$", re.I), _nonzero, None),
 )
 """The summary-line table (module docstring). The plain count line ("N passed, N failed", and pytest's, jest's,
 vitest's, mocha's, rspec's, minitest's, nextest's and Gradle's forms) is read by :func:`_counts` after these."""
@@ -350,6 +353,8 @@ def _checks(part: str) -> bool:
         return _name(script) in CHECK_COMMANDS or (_name(script) == "manage.py" and rest[1:2] == ["test"])
     if head in CHECK_COMMANDS or ("/" in words[0] and head in _TEST_SCRIPTS):
         return True
+    if head in ("node", "deno", "bun") and any(w == "--test" or w.startswith("--test=") for w in words[1:]):
+        return True
     if head.endswith(".py") and head[:-3] in ("runtests", "run_tests", "test", "tests"):
         return True
     subs = _SUB_CHECKS.get(head.removeprefix("./"))
@@ -365,6 +370,16 @@ def _checks(part: str) -> bool:
 def is_check_command(command: str) -> bool:
     """Whether some part of ``command`` runs tests, a build or a linter (:data:`CHECK_COMMANDS`)."""
     return any(_checks(p) for p in parts(command))
+
+
+_PIPE = re.compile(r"(?<![|>])\|(?!\|)")
+
+
+def piped_check(command: str) -> bool:
+    """Whether a check in ``command`` writes into a pipe (``pytest | tail -3``): the pipe's exit status is its
+    last command's, so the check's own outcome shows only in its output."""
+    segments = _PIPE.split(strip_heredocs(command))
+    return any(is_check_command(segment) for segment in segments[:-1])
 
 
 _RUNNER_MISSING = re.compile(

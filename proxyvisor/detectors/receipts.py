@@ -18,7 +18,8 @@ of one assistant turn (a parallel batch is one round) with their results, or a t
 - **Check** (:mod:`.checks`): a command execution that is not read-only inspection and either runs a check
   command (tests, a build, a linter) or prints a runner summary is a check; it ``passed`` unless it failed (above),
   and its receipt quotes the latest runner summary line of its output. A check command whose runner could not
-  start (:func:`~.checks.runner_missing`) is no check. Every other call is no check.
+  start (:func:`~.checks.runner_missing`) is no check, nor is one that writes into a pipe and shows no runner summary
+  (:func:`~.checks.piped_check`: the exit status is the pipe's). Every other call is no check.
 - **Mutation**, strongest signal first: a tool named in ``[supervisor.detectors] mutating_tools`` (declared); a
   **runner** (its schema's ``command``/``cmd`` property is a free-form string, or, with no schema, the call passes
   one) is judged by its command text only: an intent word or a shell write (``sed -i``, ``>`` redirection, ``rm``,
@@ -253,8 +254,11 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
     if is_command and command is not None and not checks.is_inspection(command):
         check_command = checks.is_check_command(command)
         found = checks.summary(output.text, check_command) if output is not None else None
+        # A check that writes into a pipe and shows no runner summary told nothing (the pipe's status is its last
+        # command's); nor did one whose runner could not start.
         if found is not None or (check_command and not (error and output is not None
-                                                          and checks.runner_missing(output.text))):
+                                                          and checks.runner_missing(output.text))
+                                 and (error or not checks.piped_check(command))):
             error = error or (found is not None and found.outcome == checks.FAILED)
             check = checks.FAILED if error else checks.PASSED
             line = found.line if found else checks.last_line(output.text) if error and output is not None else ""

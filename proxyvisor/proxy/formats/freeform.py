@@ -165,3 +165,19 @@ def _unescape(literal: re.Match[str]) -> str:
         return _ESCAPES.get(code, code)
 
     return _ESCAPE.sub(one, raw)
+
+
+def result_text(text: str) -> str:
+    """A freeform tool's result part as the command's own output: a script's nested shell call answers a JSON
+    object (Codex: ``{"chunk_id": ..., "exit_code": 1, "output": "..."}``), whose ``output`` is what the command
+    printed, followed by its exit status (``Process exited with code N``); any other text as it is."""
+    if not text.startswith("{") or '"output"' not in text:
+        return text
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(obj, dict) or not isinstance(obj.get("output"), str):
+        return text
+    code = obj.get("exit_code")
+    return obj["output"] + (f"\nProcess exited with code {code}" if isinstance(code, int) else "")

@@ -13,7 +13,7 @@ from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFor
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
                    leading_system, split_json, sse, words)
 from .freeform import arguments as freeform_arguments
-from .freeform import DEFAULT_NAMESPACE, input_of, qualified, split
+from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
 from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
@@ -72,12 +72,13 @@ def _is_result(item: Any) -> bool:
 
 def _result_text(output: Any) -> str:
     """A result's ``output`` as text: a string, or the text parts of a list (Codex's
-    ``custom_tool_call_output``); other shapes (a ``shell_call_output``'s list of outcomes, a computer screenshot)
+    ``custom_tool_call_output``, each read by :func:`.freeform.result_text`); other shapes (a ``shell_call_output``'s list of outcomes, a computer screenshot)
     as JSON, so the exit codes in them stay readable."""
     if isinstance(output, str):
         return output
     if isinstance(output, list) and any(isinstance(p, dict) and isinstance(p.get("text"), str) for p in output):
-        return chat_text(output)
+        return "\n".join(result_text(p["text"]) for p in output
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
     return "" if output is None else dumps(output).decode()
 
 
