@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,14 +37,49 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts. The one rule for every number in the configuration: it is finite
+    (``nan`` and ``inf`` are refused everywhere), at least ``low`` (above it when ``low_open``) and at most
+    ``high``. A field declares its range with :func:`within` or :func:`positive`; a numeric field that declares
+    none takes the default, ``>= 0``."""
+
+    low: float = 0
+    high: float = math.inf
+    low_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        return math.isfinite(value) and (value > self.low if self.low_open else value >= self.low) \
+            and value <= self.high
+
+    def __str__(self) -> str:
+        low, high = (int(v) if float(v).is_integer() else v for v in (self.low, self.high))
+        if math.isinf(self.high):
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in ({low}, {high}]" if self.low_open else f"{low}-{high}"
+
+
+_RANGE = "range"
+
+
+def within(default: float, low: float, high: float = math.inf) -> Any:
+    """A numeric field with ``default`` that accepts ``low`` to ``high`` (inclusive)."""
+    return field(default=default, metadata={_RANGE: Range(low, high)})
+
+
+def positive(default: float) -> Any:
+    """A numeric field with ``default`` that must be above 0 (durations, most of all)."""
+    return field(default=default, metadata={_RANGE: Range(0, low_open=True)})
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     host: str = "127.0.0.1"
-    port: int = 8377
-    max_body_bytes: int = 32 * 1024 * 1024
+    port: int = within(8377, 0, 65535)
+    max_body_bytes: int = within(32 * 1024 * 1024, 1024)
     auth_token: str = ""
-    request_header_timeout_s: float = 30.0
-    request_body_timeout_s: float = 120.0
-    keepalive_timeout_s: float = 75.0
+    request_header_timeout_s: float = positive(30.0)
+    request_body_timeout_s: float = positive(120.0)
+    keepalive_timeout_s: float = positive(75.0)
 
 
 @dataclass(frozen=True)
@@ -57,9 +94,9 @@ class UpstreamConfig:
     url: str = SCRIPTED_URL
     formats: tuple[str, ...] = FORMATS
     api_key_env: str = ""
-    connect_timeout_s: float = 10.0
-    first_byte_timeout_s: float = 600.0
-    idle_timeout_s: float = 300.0
+    connect_timeout_s: float = positive(10.0)
+    first_byte_timeout_s: float = positive(600.0)
+    idle_timeout_s: float = positive(300.0)
     script: str = ""
     chunk_delay_ms: float = 0.0
     model: str = ""
@@ -72,8 +109,8 @@ class UpstreamConfig:
 @dataclass(frozen=True)
 class StateConfig:
     dir: str = ""
-    session_idle_s: float = 3600.0
-    max_sessions: int = 1024
+    session_idle_s: float = positive(3600.0)
+    max_sessions: int = within(1024, 1)
 
 
 @dataclass(frozen=True)
@@ -91,12 +128,12 @@ class ModelConfig:
     name: str = ""
     api_base: str = ""
     api_key_env: str = ""
-    max_tokens: int = 8192
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_tokens: int = within(8192, 1)
+    temperature: float = within(0.0, 0, 2)
+    top_p: float = field(default=1.0, metadata={_RANGE: Range(0, 1, low_open=True)})
     reasoning_effort: str = ""
     max_retries: int = 1
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = positive(300.0)
 
 
 @dataclass(frozen=True)
@@ -112,8 +149,8 @@ class CondenseConfig:
     enabled: bool = True
     tokens_threshold: int = 5000
     adaptive: bool = False
-    view_budget_tokens: int = 32000
-    timeout_s: float = 60.0
+    view_budget_tokens: int = within(32000, 256)
+    timeout_s: float = positive(60.0)
 
 
 @dataclass(frozen=True)
@@ -146,11 +183,11 @@ class GateConfig:
     """
 
     enabled: bool = True
-    reentry_budget: int = 2
+    reentry_budget: int = within(2, 0, 8)
     failure_policy: str = "fail_closed"
     headless: bool = False
-    digest_budget_tokens: int = 16384
-    timeout_s: float = 120.0
+    digest_budget_tokens: int = within(16384, 1024)
+    timeout_s: float = positive(120.0)
     hold: str = "stop"
     unverified_notice: str = "[proxyvisor] This answer could not be verified: check it before relying on it."
 
@@ -169,7 +206,7 @@ class PlanConfig:
 
     enabled: bool = True
     recite: bool = True
-    timeout_s: float = 60.0
+    timeout_s: float = positive(60.0)
 
 
 @dataclass(frozen=True)
@@ -217,20 +254,20 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class CooldownConfig:
-    default_seconds: float = 300.0
-    maximum_seconds: float = 3600.0
+    default_seconds: float = positive(300.0)
+    maximum_seconds: float = positive(3600.0)
 
 
 @dataclass(frozen=True)
 class ChildrenConfig:
     """Clocks and limits of child runs (seed 002)."""
 
-    wall_clock_s: float = 600.0
-    idle_warn_s: float = 60.0
-    idle_cancel_s: float = 300.0
-    stop_grace_s: float = 5.0
-    claim_check_chars: int = 6000
-    claim_retention_s: float = 604800.0
+    wall_clock_s: float = within(600.0, 30, 3600)
+    idle_warn_s: float = positive(60.0)
+    idle_cancel_s: float = positive(300.0)
+    stop_grace_s: float = positive(5.0)
+    claim_check_chars: int = within(6000, 1000)
+    claim_retention_s: float = positive(604800.0)
     budget_tokens: int = 0
 
 
@@ -242,8 +279,8 @@ class ModelRoutingConfig:
     mode: str = "explicit"
     complexity_threshold: str = "COMPLICATED"
     fallback_policy: str = "fail_closed"
-    max_parallel: int = 8
-    max_depth: int = 3
+    max_parallel: int = within(8, 1)
+    max_depth: int = within(3, 1)
     adapters_dir: str = ""
     cooldown: CooldownConfig = field(default_factory=CooldownConfig)
     orchestrator: RouteTarget = field(default_factory=RouteTarget)
@@ -367,25 +404,13 @@ def _table(value: Any, where: str) -> dict[str, Any]:
 
 
 def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]") -> None:
-    """Check ``[supervisor.*]`` ranges. Raises ConfigError naming the key at fault."""
-    m, c, g = supervisor.model, supervisor.condense, supervisor.gate
+    """Check ``[supervisor.*]`` choices (numbers: :func:`validate`). Raises ConfigError naming the key at fault."""
+    g = supervisor.gate
     checks = [
-        (m.max_tokens >= 1, "model] max_tokens must be >= 1"),
-        (0.0 <= m.temperature <= 2.0, "model] temperature must be 0-2"),
-        (0.0 < m.top_p <= 1.0, "model] top_p must be in (0, 1]"),
-        (m.max_retries >= 0, "model] max_retries must be >= 0"),
-        (m.request_timeout_s > 0, "model] request_timeout_s must be > 0"),
-        (c.tokens_threshold >= 0, "condense] tokens_threshold must be >= 0 (0 = off)"),
-        (c.view_budget_tokens >= 256, "condense] view_budget_tokens must be >= 256"),
-        (c.timeout_s > 0, "condense] timeout_s must be > 0"),
-        (0 <= g.reentry_budget <= 8, "gate] reentry_budget must be 0-8"),
         (g.failure_policy in ("fail_open", "fail_closed"), "gate] failure_policy must be \"fail_open\" or "
                                                              "\"fail_closed\""),
-        (g.digest_budget_tokens >= 1024, "gate] digest_budget_tokens must be >= 1024"),
-        (g.timeout_s > 0, "gate] timeout_s must be > 0"),
         (g.hold in HOLDS, "gate] hold must be \"answer\" or \"stop\""),
         ("\n" not in g.unverified_notice.strip(), "gate] unverified_notice must be one line"),
-        (supervisor.plan.timeout_s > 0, "plan] timeout_s must be > 0"),
     ]
     for ok, message in checks:
         if not ok:
@@ -417,8 +442,8 @@ def parse_model_routing(table: Any, where: str = "[model_routing]") -> ModelRout
 
 
 def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_routing]") -> None:
-    """Check ``[model_routing]`` values: enums, ranges (a child's wall clock is 30 to 3,600 s, seed 002) and the
-    supervision graph (known roles, no cycle, one supervisor each, depth; seed 004).
+    """Check ``[model_routing]`` values: enums, the order of related numbers (their ranges: :func:`validate`; a
+    child's wall clock is 30 to 3,600 s, seed 002) and the supervision graph (known roles, no cycle, one supervisor each, depth; seed 004).
 
     Adapters, models and efforts are checked against the adapter descriptors when a policy is written and when a
     route is resolved, not here: a saved target whose adapter is gone must still load and show as unavailable.
@@ -433,21 +458,13 @@ def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_rou
         value = getattr(routing, key)
         if value not in allowed:
             raise ConfigError(f"{where} {key} must be one of {', '.join(allowed)}, got {value!r}")
-    if routing.max_parallel < 1 or routing.max_depth < 1:
-        raise ConfigError(f"{where} max_parallel and max_depth must be >= 1")
     c = routing.cooldown
-    if not 0 < c.default_seconds <= c.maximum_seconds:
-        raise ConfigError(f"{where[:-1]}.cooldown] needs 0 < default_seconds <= maximum_seconds, got "
+    if not c.default_seconds <= c.maximum_seconds:
+        raise ConfigError(f"{where[:-1]}.cooldown] needs default_seconds <= maximum_seconds, got "
                           f"{c.default_seconds} and {c.maximum_seconds}")
     k = routing.children
-    if not 30 <= k.wall_clock_s <= 3600:
-        raise ConfigError(f"{where[:-1]}.children] wall_clock_s must be 30-3600 s, got {k.wall_clock_s}")
-    if not 0 < k.idle_warn_s <= k.idle_cancel_s:
-        raise ConfigError(f"{where[:-1]}.children] needs 0 < idle_warn_s <= idle_cancel_s")
-    if k.stop_grace_s <= 0 or k.claim_retention_s <= 0:
-        raise ConfigError(f"{where[:-1]}.children] stop_grace_s and claim_retention_s must be > 0")
-    if k.claim_check_chars < 1000 or k.budget_tokens < 0:
-        raise ConfigError(f"{where[:-1]}.children] claim_check_chars must be >= 1000 and budget_tokens >= 0")
+    if not k.idle_warn_s <= k.idle_cancel_s:
+        raise ConfigError(f"{where[:-1]}.children] needs idle_warn_s <= idle_cancel_s")
     bad = [r.name for r in routing.roles if not ROLE_NAME.match(r.name)]
     if bad:
         raise ConfigError(f"{where}.roles: each role becomes a delegation tool named after it, so a role name is 1-64 "
@@ -458,21 +475,37 @@ def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_rou
         raise ConfigError(f"{where}.roles: {exc}") from None
 
 
+def numeric_settings(config: Config) -> Iterator[tuple[tuple[str, ...], str, float, Range]]:
+    """Every numeric setting of ``config`` (ints and floats, not booleans), as (the path of its table, e.g.
+    ``("upstreams", "main")``, its key, its value, its :class:`Range`)."""
+
+    def walk(obj: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, float, Range]]:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from walk(value, path + (f.name,))
+            elif isinstance(value, tuple) and value and all(dataclasses.is_dataclass(v) for v in value):
+                for item in value:
+                    yield from walk(item, path + (f.name, item.name))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield path, f.name, value, f.metadata.get(_RANGE, Range())
+
+    return walk(config, ())
+
+
 def validate(config: Config) -> None:
-    """Check the values that types alone cannot (ranges, formats, the bind rule).
+    """Check the values that types alone cannot: every number against its :class:`Range`, then formats, choices
+    and the bind rule.
 
     Raises:
         ConfigError: with the source and the key at fault.
     """
     where = config.source
+    for path, key, value, allowed in numeric_settings(config):
+        if not allowed.admits(value):
+            finite = "" if math.isfinite(value) else " (every number in the configuration must be finite)"
+            raise ConfigError(f"{where}: [{'.'.join(path)}] {key} must be {allowed}, got {value!r}{finite}")
     p = config.proxy
-    if not 0 <= p.port <= 65535:
-        raise ConfigError(f"{where}: [proxy] port must be 0-65535, got {p.port}")
-    if p.max_body_bytes < 1024:
-        raise ConfigError(f"{where}: [proxy] max_body_bytes must be at least 1024, got {p.max_body_bytes}")
-    for key in ("request_header_timeout_s", "request_body_timeout_s", "keepalive_timeout_s"):
-        if getattr(p, key) <= 0:
-            raise ConfigError(f"{where}: [proxy] {key} must be > 0")
     if not is_loopback(p.host) and not p.auth_token:
         raise ConfigError(
             f"{where}: [proxy] host = {p.host!r} is not a loopback address; binding elsewhere requires "
@@ -486,11 +519,6 @@ def validate(config: Config) -> None:
             raise ConfigError(
                 f"{where}: [upstreams.{u.name}] url must be http(s)://... or {SCRIPTED_URL!r}, got {u.url!r}"
             )
-        for key in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s"):
-            if getattr(u, key) <= 0:
-                raise ConfigError(f"{where}: [upstreams.{u.name}] {key} must be > 0")
-    if config.state.session_idle_s <= 0 or config.state.max_sessions < 1:
-        raise ConfigError(f"{where}: [state] session_idle_s must be > 0 and max_sessions >= 1")
     if config.supervisor.model.api_base == SCRIPTED_URL and not any(u.scripted for u in config.upstreams):
         raise ConfigError(f"{where}: [supervisor.model] api_base = {SCRIPTED_URL!r} is the embedded scripted "
                           f"upstream, but no [upstreams.NAME] has url = {SCRIPTED_URL!r}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from proxyvisor.config import Config, ConfigError, UpstreamConfig, load, parse
+from proxyvisor.config import Config, ConfigError, UpstreamConfig, load, numeric_settings, parse
 from proxyvisor.proxy.service import running, upstream_keys
 
 from helpers import FORMATS, anthropic_client, ask, assert_error_shape, http_client, raw_stream, request_body
@@ -175,3 +175,33 @@ async def test_auth_token_guards_everything_but_health(start_proxy) -> None:
         async with anthropic_client(rp.url) as anthropic_sdk:
             with pytest.raises(anthropic.AuthenticationError):
                 await anthropic_sdk.messages.create(**request_body("messages"))
+
+
+def _numeric_keys() -> list[tuple[tuple[str, ...], str, float]]:
+    """Every numeric setting of the defaults (with a role, so per-role tables are walked too)."""
+    config = parse({"model_routing": {"roles": {"r": {}}}})
+    return [(path, key, value) for path, key, value, _range in numeric_settings(config)]
+
+
+@pytest.mark.parametrize("path, key, default", _numeric_keys(), ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -1])
+def test_every_numeric_setting_refuses_nan_inf_and_negatives_naming_the_key(
+        path: tuple[str, ...], key: str, default: float, bad: float) -> None:
+    value = bad if isinstance(default, float) or not float(bad).is_integer() else int(bad)
+    document: dict = {}
+    table = document
+    for part in path:
+        table = table.setdefault(part, {})
+    table[key] = value
+    with pytest.raises(ConfigError) as caught:
+        parse(document, source="my.toml")
+    message = str(caught.value)
+    assert message.startswith("my.toml") and f"[{'.'.join(path)}]" in message and key in message, message
+
+
+def test_the_numeric_settings_walked_are_every_number_of_the_defaults() -> None:
+    keys = {(path, key) for path, key, _ in _numeric_keys()}
+    assert (("proxy",), "request_body_timeout_s") in keys and (("upstreams", "scripted"), "idle_timeout_s") in keys
+    assert (("state",), "session_idle_s") in keys and (("model_routing", "children"), "wall_clock_s") in keys
+    assert len(keys) == sum(line.split("=")[1].strip()[:1].isdigit() for line in
+                            (ROOT / "config.toml").read_text().splitlines() if "=" in line and not line.startswith("#"))
