@@ -231,12 +231,17 @@ def _run(name: str, handler: Callable[[argparse.Namespace, Config], int], args: 
 
 def _info(args: argparse.Namespace, config: Config) -> int:
     from .proxy.info import info_object, render_text
+    from .store import LedgerError
 
     session, info, url = _ask(args, config, "info")
     if info is None:
         store, latest = _latest(config)
         session = session or latest
-        lines = store.read_ledger(session) if session else []
+        try:
+            lines = store.read_ledger(session) if session else []
+        except LedgerError as exc:
+            print(f"proxyvisor info: {exc}", file=sys.stderr)
+            return 1
         if not lines:
             where = f"no ledger for session {session!r}" if session else "no session ledgers"
             print(f"proxyvisor info: no proxy answers at {url}, and {where} in {store.root}", file=sys.stderr)

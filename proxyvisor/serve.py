@@ -8,7 +8,8 @@ import sys
 import trio
 
 from .config import Config
-from .proxy.service import running, tune_gc
+from .proxy.server import CannotListen
+from .proxy.service import RunningProxy, running, tune_gc
 from .supervisor_model import describe, key_warning
 
 
@@ -22,6 +23,17 @@ def start_notices(config: Config) -> list[str]:
                for u in config.upstreams if u.scripted]
     warning = key_warning(config.supervisor.model) if config.supervisor.enabled else None
     return notices + ([f"proxyvisor: warning: {warning}"] if warning else [])
+
+
+def stop_notices(proxy: RunningProxy) -> list[str]:
+    """The lines ``serve`` and ``wrap`` print on stderr as they stop: how many requests the ledger misses, when
+    any (``proxyvisor.store.Store.append_ledger``)."""
+    store = proxy.pipeline.store
+    if store is None or not store.unrecorded:
+        return []
+    why = f"the ledger is off: {store.ledger_off}" if store.ledger_off else "see the warnings above"
+    n = store.unrecorded
+    return [f"proxyvisor: {n} request{'' if n == 1 else 's'} not recorded in the ledger ({why})"]
 
 
 async def _serve(config: Config) -> None:
@@ -38,6 +50,8 @@ async def _serve(config: Config) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 print("proxyvisor: shutting down", file=sys.stderr)
+                for notice in stop_notices(proxy):
+                    print(notice, file=sys.stderr)
                 return
 
 
@@ -51,7 +65,7 @@ def serve(config: Config) -> int:
     try:
         trio.run(_serve, config)
     except BaseExceptionGroup as group:
-        bind_error = group.subgroup(lambda e: isinstance(e, OSError) and not isinstance(e, BaseExceptionGroup))
+        bind_error = group.subgroup(lambda e: isinstance(e, CannotListen))
         if bind_error is None:
             raise
         exc = bind_error.exceptions[0]

@@ -2,17 +2,29 @@
 
 Layout under the state directory (``Config.state_dir()``), folders 0700 and files 0600:
 
-- ``ledger/{session}.jsonl``: one JSON object per line per request (see :func:`ledger_record`);
+- ``ledger/{session}.jsonl``: one JSON object per line per request (``proxyvisor.proxy.info`` lists the fields);
 
-A ledger line is written with a single ``write`` on a file opened with ``O_APPEND``, so concurrent writers never
-interleave and a crash leaves at most one incomplete last line, which :func:`read_ledger` skips. Nothing here
-ever receives request headers, so credentials cannot reach the ledger.
+A ledger line is written whole or not at all: with a single ``write`` on a file opened with ``O_APPEND``, so
+concurrent writers never interleave; a write the disk cuts short (full, over quota) is truncated back, and a line
+always starts after a newline, so a torn last line (a power cut) stays a line of its own, which
+:meth:`Store.read_ledger` skips. Nothing here ever receives request headers, so credentials cannot reach the
+ledger.
+
+Every store in the state directory is optional: the ledger, the condense decisions and spill files, and
+delegation's pool health and claim checks. :func:`unusable` tells, without writing, why one cannot work; the
+proxy then runs with the feature that needs it off (``proxyvisor.proxy.pipeline``).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import sqlite3
+import stat
 import tempfile
+import urllib.parse
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +32,62 @@ import orjson
 
 from .proxy.sessions import SESSION_ID
 
+log = logging.getLogger("proxyvisor.store")
+
+
+class LedgerError(Exception):
+    """A session's ledger exists but cannot be read (a folder in its place, no permission, an I/O error); the
+    message names the file and why."""
+
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700 and tighten it if it already existed."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+    """Create ``path`` (and missing parents) with mode 0700; an existing folder loses its group and other
+    permissions but gains none (a folder its owner made read-only stays read-only).
+
+    Raises:
+        OSError: a component is not a folder, or a folder cannot be made or changed.
+    """
+    try:
+        path.mkdir(mode=0o700)
+    except FileNotFoundError:
+        private_dir(path.parent)
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+        if mode & 0o077:
+            os.chmod(path, mode & 0o700)
+        return path
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
     return path
+
+
+def unusable(folder: Path, database: str = "") -> str | None:
+    """Why a store kept in ``folder`` cannot work, found without creating or changing anything: a component of
+    the path is not a folder, the folder (or, while it does not exist, its nearest existing parent) cannot be
+    written, or ``folder/database`` (an SQLite file) exists but cannot be opened as a database. None when it can.
+    The reason names the path at fault."""
+    for candidate in (folder, *folder.parents):
+        try:
+            mode = candidate.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            return f"{candidate}: {exc.strerror or exc}"
+        if not stat.S_ISDIR(mode):
+            return f"{candidate} is not a folder"
+        if not os.access(candidate, os.R_OK | os.W_OK | os.X_OK):
+            return f"{candidate} is not writable"
+        break
+    path = folder / database
+    if database and os.path.lexists(path):
+        try:
+            with closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as exc:
+            return f"{path} cannot be read as a database ({exc})"
+    return None
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -59,33 +121,76 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 class Store:
-    """The state directory. Nothing is created until the first write."""
+    """The state directory. Nothing is created until the first write.
+
+    ``unrecorded``: records :meth:`append_ledger` could not write, in this process. ``ledger_off``: why the ledger
+    is not written at all (set when the proxy starts and finds it unusable), or None.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self.unrecorded = 0
+        self.ledger_off: str | None = None
+        self._failing: set[int | str] = set()
 
     def ledger_path(self, session_id: str) -> Path:
         if not SESSION_ID.match(session_id):
             raise ValueError(f"invalid session id {session_id!r}")
         return self.root / "ledger" / f"{session_id}.jsonl"
 
-    def append_ledger(self, session_id: str, record: dict[str, Any]) -> None:
-        """Append one record to the session's ledger (one ``write``; creates the file 0600)."""
+    def append_ledger(self, session_id: str, record: dict[str, Any]) -> bool:
+        """Append ``record`` to the session's ledger as one whole line, or nothing (module docstring); creates the
+        file 0600. Returns whether it was written.
+
+        A record not written (the disk full, the folder unusable, :attr:`ledger_off`) is counted in
+        :attr:`unrecorded`. The first failure of each kind (errno) is logged as a warning, the next ones only
+        counted, until a write succeeds again (logged too, with the count).
+
+        Raises:
+            ValueError: an invalid session id.
+        """
         path = self.ledger_path(session_id)
-        private_dir(self.root)  # mkdir(parents=True) gives missing parents the umask's mode, not 0700
-        private_dir(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if self.ledger_off is not None:
+            self.unrecorded += 1
+            return False
+        line = orjson.dumps(record) + b"\n"
         try:
-            os.write(fd, orjson.dumps(record) + b"\n")
-        finally:
-            os.close(fd)
+            private_dir(self.root)  # tightened when it exists: the ledger folder's parents are not walked
+            private_dir(path.parent)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                _append_whole(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.unrecorded += 1
+            kind = exc.errno if exc.errno is not None else type(exc).__name__
+            if kind not in self._failing:
+                self._failing.add(kind)
+                log.warning("ledger: cannot write %s: %s; the request is not recorded (nothing of it is written), "
+                            "and later failures like this one are counted, not logged (/info: not in the ledger)",
+                            path, exc.strerror or exc)
+            return False
+        if self._failing:
+            self._failing.clear()
+            log.warning("ledger: writing again (%s); requests of this process not recorded: %d", path,
+                        self.unrecorded)
+        return True
 
     def read_ledger(self, session_id: str) -> list[dict[str, Any]]:
-        """All complete records of a session's ledger; an incomplete or corrupt line is skipped."""
+        """All complete records of a session's ledger (none when it has none); an incomplete or corrupt line is
+        skipped.
+
+        Raises:
+            LedgerError: the ledger exists but cannot be read; the message names the file.
+        """
+        path = self.ledger_path(session_id)
         try:
-            lines = self.ledger_path(session_id).read_bytes().splitlines()
-        except FileNotFoundError:
+            lines = path.read_bytes().splitlines()
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as exc:
+            raise LedgerError(f"cannot read the ledger {path}: {exc.strerror or exc}") from None
         out = []
         for line in lines:
             try:
@@ -101,3 +206,30 @@ class Store:
         if not folder.is_dir():
             return []
         return sorted((p.stem for p in folder.glob("*.jsonl")), key=lambda s: (folder / f"{s}.jsonl").stat().st_mtime)
+
+
+def _append(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at the end of ``fd`` (``O_APPEND``), or none of it.
+
+    Raises:
+        OSError: the disk refused it; whatever part of ``data`` was written has been truncated away again.
+    """
+    written = 0
+    try:
+        while written < len(data):
+            n = os.write(fd, data[written:])
+            if n <= 0:
+                raise OSError(errno.EIO, "the write took no byte")
+            written += n
+    except OSError:
+        if written:
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - written)
+        raise
+
+
+def _append_whole(fd: int, line: bytes) -> None:
+    """Append ``line`` to the ledger ``fd`` on a line of its own: after a newline when the file does not end
+    with one (a torn last line, left by a power cut), so the torn line is skipped on reading and never glued to
+    this one."""
+    end = os.fstat(fd).st_size
+    _append(fd, line if end == 0 or os.pread(fd, 1, end - 1) == b"\n" else b"\n" + line)

@@ -18,7 +18,7 @@ from .agents import agent_command
 from .config import Config
 from .proxy.service import RunningProxy, running, tune_gc
 from .proxy.sessions import SESSION_ID
-from .serve import start_notices
+from .serve import start_notices, stop_notices
 from .supervisor_model import describe
 
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -79,6 +79,8 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
             nursery.cancel_scope.cancel()
         if not quiet and config.supervisor.enabled:
             print(summary(proxy, session), file=sys.stderr)
+        for notice in stop_notices(proxy):
+            print(notice, file=sys.stderr)
         code = process.returncode
         return 128 - code if code < 0 else code
 

@@ -32,7 +32,9 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
 - ``GET /proxyvisor/sessions``: ``{"sessions": [{"id", "last_activity" (ISO 8601, UTC), "in_memory"}]}``, most
   recent first: the sessions with a ledger and those in memory;
 - ``GET /proxyvisor/sessions/{id}/info``: :func:`proxyvisor.proxy.info.summarize` of the session's ledger plus
-  ``session`` and ``live`` (the in-memory counters, None when the session is not in memory);
+  ``session`` and ``live`` (the in-memory counters, None when the session is not in memory; ``unrecorded``: its
+  requests whose ledger line could not be written); a ledger that exists but cannot be read is a 500 naming the
+  file (so is ``/info``, in the request's format);
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
 
@@ -51,7 +53,7 @@ import orjson
 import trio
 
 from ..gate import plan as plans
-from ..store import Store
+from ..store import LedgerError, Store
 from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import has_non_text
 from .info import info_object, render_text
@@ -155,6 +157,7 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
     out: dict[str, Any] = {"requests": session.requests, "errors": session.errors,
                            "input_tokens": session.input_tokens, "output_tokens": session.output_tokens,
                            "overhead_ms": round(session.overhead_ms, 3), "formats": sorted(session.formats),
+                           "unrecorded": session.unrecorded,
                            "idle_s": round(max(0.0, clock - session.last_seen), 3)}
     state = session.supervision
     if isinstance(state, SessionSupervision):
@@ -166,7 +169,11 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
 
 async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float) -> dict[str, Any]:
     """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger is read from disk and
-    pricing may import litellm), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`)."""
+    pricing may import litellm), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`).
+
+    Raises:
+        LedgerError: the session's ledger exists but cannot be read.
+    """
     counters = live(session, clock)
     return await trio.to_thread.run_sync(
         lambda: info_object(session_id, store.read_ledger(session_id) if store else [], counters))
@@ -246,7 +253,10 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
     if session is None and _ledger_mtime(store, session_id) is None:
         return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
     if what == "info":
-        body = await info_json(store, session_id, session, clock)
+        try:
+            body = await info_json(store, session_id, session, clock)
+        except LedgerError as exc:
+            return _error(500, str(exc))
     else:
         body = plan_json(session_id, session, thread_for(session))
     return Response(200, list(_JSON), orjson.dumps(body))

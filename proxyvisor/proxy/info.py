@@ -288,6 +288,11 @@ def render_text(info: Mapping[str, Any]) -> str:
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]
+    unrecorded = (info.get("live") or {}).get("unrecorded")
+    if unrecorded:
+        rows.append(("not in the ledger", f"{unrecorded:,} request{'' if unrecorded == 1 else 's'} (the ledger "
+                                          "could not be written: see the proxyvisor log); the counts above miss "
+                                          f"{'it' if unrecorded == 1 else 'them'}"))
     width = max(len(name) for name, _ in rows)
     head = "proxyvisor /info" + (f" · session {info['session']}" if info.get("session") else "")
     lines = [f"**{head}**", "", f"| {'counter'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]

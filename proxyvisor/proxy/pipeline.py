@@ -30,7 +30,7 @@ import orjson
 import trio
 
 from ..config import Config
-from ..store import Store
+from ..store import LedgerError, Store, unusable
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
@@ -76,6 +76,30 @@ def _ms(seconds: float) -> bytes:
     return b"%.3f" % (seconds * 1000)
 
 
+def check_state(config: Config, store: Store | None) -> tuple[bool, bool]:
+    """Check, without writing, the stores in ``store``'s state directory that the enabled features need, and
+    turn off each feature whose store cannot work, with one warning naming the path and why: the ledger
+    (``store.ledger_off``: requests are then counted in memory only), condensing (its decisions and spill files)
+    and delegation (pool health and claim checks). Every store is optional: none of them is needed to relay an
+    answer. Returns whether condensing and delegation may run."""
+    if store is None:
+        return True, True
+    root = store.root
+
+    def problem(feature: str, consequence: str, *stores: tuple[str, str]) -> str | None:
+        reason = next(filter(None, (unusable(root / folder, database) for folder, database in stores)), None)
+        if reason is not None:
+            log.warning("state directory: %s: %s is off (%s)", reason, feature, consequence)
+        return reason
+
+    store.ledger_off = problem("the ledger", "requests are counted in memory only, for /info", ("ledger", ""))
+    condense = not (config.supervisor.condense.enabled and problem(
+        "condensing", "tool results go upstream whole", ("condense", "cache.db"), ("spill", "")))
+    delegate = not (config.model_routing.enabled and problem(
+        "delegation", "the model is offered no delegation tools", ("health", "cache.db"), ("claims", "cache.db")))
+    return condense, delegate
+
+
 class Pipeline:
     """The proxy's request handler (a :data:`proxyvisor.proxy.server.Handler`).
 
@@ -93,12 +117,13 @@ class Pipeline:
         self.translator = translator
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
+        condense, delegate = check_state(config, store)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
-            config.supervisor, store.root if store is not None else None))
+            config.supervisor, store.root if store is not None and condense else None))
         self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
-            if config.supervisor.enabled and config.model_routing.enabled else None
+            if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -237,10 +262,16 @@ class Pipeline:
 
     async def _command(self, request: Request, fmt: WireFormat, body: dict[str, Any], session: Session,
                        command: str) -> Response:
-        """Answer ``/plan`` or ``/info`` without the model (``proxyvisor.proxy.commands``); one ledger line."""
-        response = await commands.answer(command, fmt, body, session, self.store, self.clock())
-        self._account(session, fmt, body, request, 200, Usage(0, 0), time.perf_counter() - request.received_at,
-                      local=command)
+        """Answer ``/plan`` or ``/info`` without the model (``proxyvisor.proxy.commands``); one ledger line. A
+        ledger that cannot be read is a 500 in the client's format naming the file."""
+        status, failure = 200, None
+        try:
+            response = await commands.answer(command, fmt, body, session, self.store, self.clock())
+        except LedgerError as exc:
+            status, failure = 500, str(exc)
+            response = error(fmt, status, f"proxyvisor {command}: {exc}")
+        self._account(session, fmt, body, request, status, Usage(0, 0), time.perf_counter() - request.received_at,
+                      failure, local=command)
         return response
 
     def _sender(self, request: Request, fmt: WireFormat, path: str, upstream: Any,
@@ -443,10 +474,8 @@ class Pipeline:
             record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail[2] == "tool"))
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
-        try:
-            self.store.append_ledger(session.id, record)
-        except OSError as exc:
-            log.warning("ledger write failed for session %s: %s", session.id, exc)
+        if not self.store.append_ledger(session.id, record):
+            session.unrecorded += 1
 
 
 def _key_header(fmt_name: str) -> bytes:

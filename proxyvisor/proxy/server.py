@@ -289,9 +289,21 @@ async def serve_listeners(listeners: list[trio.SocketListener], handler: Handler
     await trio.serve_listeners(handle, listeners, task_status=task_status)
 
 
+class CannotListen(OSError):
+    """The address cannot be bound (taken, not this machine's, not permitted); ``errno`` and ``strerror`` are
+    the socket's."""
+
+
 async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
-    """Bind ``host:port`` (port 0 picks a free one). Raises OSError when the address is taken."""
-    return await trio.open_tcp_listeners(port, host=host)
+    """Bind ``host:port`` (port 0 picks a free one).
+
+    Raises:
+        CannotListen: the address cannot be bound.
+    """
+    try:
+        return await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise CannotListen(exc.errno, exc.strerror or str(exc)) from exc
 
 
 def bound_port(listeners: list[trio.SocketListener]) -> int:

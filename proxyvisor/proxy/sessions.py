@@ -95,6 +95,8 @@ class Session:
     output_tokens: int = 0
     errors: int = 0
     overhead_ms: float = 0.0
+    unrecorded: int = 0
+    """Requests of the session whose ledger line could not be written (``proxyvisor.store.Store.append_ledger``)."""
     formats: set[str] = field(default_factory=set)
     supervision: Any = None
     """Per-session supervisor state (``proxyvisor.proxy.supervise.SessionSupervision``), made on first use."""
