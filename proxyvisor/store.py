@@ -51,7 +51,7 @@ def private_dir(path: Path) -> Path:
         path.mkdir(mode=0o700)
     except FileNotFoundError:
         private_dir(path.parent)
-        path.mkdir(mode=0o700)
+        return private_dir(path)  # made by another thread meanwhile, or by us now
     except FileExistsError:
         mode = stat.S_IMODE(path.stat().st_mode)
         if not path.is_dir():
