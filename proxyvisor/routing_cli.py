@@ -1,14 +1,15 @@
-"""Command line of delegation and routing: ``supervision``, ``delegate`` and ``health`` (registered by cli.py).
+"""Command line of delegation and routing: ``routing``, ``delegate`` and ``health`` (registered by cli.py).
 
-- ``proxyvisor supervision show|enable|disable|set ...``: read and write ``[model_routing]`` through
+- ``proxyvisor routing show|enable|disable|set ...``: read and write ``[model_routing]`` through
   :mod:`proxyvisor.adapters.settings` (validated against the adapter descriptors, locked, atomic, comments kept,
-  a malformed file fails closed);
+  a malformed file fails closed); ``proxyvisor supervision ...``, its former name, still works for one release,
+  with a deprecation notice on stderr;
 - ``proxyvisor delegate --role R PROMPT``: run one child now and print its shaped result (``--json``: with its
   evidence); ``proxyvisor delegate --record ID``: print a claim-checked result;
 - ``proxyvisor health show|clear``: per-pool breaker state; clearing is the only way state is forgotten.
 
 Exit codes: 0 done; 1 the child failed or was refused; 2 bad usage, configuration, or a request the policy
-cannot satisfy (also: supervision disabled, or the policy does not apply to it).
+cannot satisfy (also: delegation disabled, or the policy does not apply to it).
 """
 
 from __future__ import annotations
@@ -37,32 +38,31 @@ _SET_HELP = textwrap.dedent("""\
     names the adapter whose catalog declares it.
 
     examples:
-      proxyvisor supervision set --mode adaptive --complexity-threshold COMPLICATED \\
+      proxyvisor routing set --mode adaptive --complexity-threshold COMPLICATED \\
           --fallback-policy next_eligible --max-parallel 3
-      proxyvisor supervision set --orchestrator-adapter claude-code --orchestrator-model claude-sonnet-5 \\
+      proxyvisor routing set --orchestrator-adapter claude-code --orchestrator-model claude-sonnet-5 \\
           --orchestrator-effort medium
-      proxyvisor supervision set --role reviewer --role-model claude-haiku-4-5 --role-effort low
-      proxyvisor supervision set --role architect --role-supervises reviewer
-      proxyvisor supervision set --remove-role reviewer
+      proxyvisor routing set --role reviewer --role-model claude-haiku-4-5 --role-effort low
+      proxyvisor routing set --role architect --role-supervises reviewer
+      proxyvisor routing set --remove-role reviewer
     """)
 
 
-def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
-    """Add the ``supervision``, ``delegate`` and ``health`` commands to the ``proxyvisor`` subparsers; each sets
-    ``handler(args, config) -> exit code``."""
-    sup = commands.add_parser("supervision", help="show or change the delegation and routing policy",
-                              formatter_class=formatter, description=textwrap.dedent("""\
-        Show or change [model_routing]: whether delegation to child runtimes is on, the trigger mode, the
-        orchestrator and per-role targets (adapter, model, effort), fallback, parallelism and cooldowns.
-        Comments and unrelated sections of the file are kept."""))
+def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[argparse.ArgumentParser], None],
+                 formatter: type, handler: Callable[[argparse.Namespace, Config], int]) -> None:
+    sup = commands.add_parser(name, help=help_text, formatter_class=formatter, description=textwrap.dedent("""\
+        Show or change [model_routing]: whether delegation to child runtimes is on (off by default), the
+        trigger mode, the orchestrator and per-role targets (adapter, model, effort), fallback, parallelism and
+        cooldowns. Comments and unrelated sections of the file are kept. Supervision itself ([supervisor]:
+        self-report, detectors, verify-gate; on by default) is not changed here."""))
     actions = sup.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = actions.add_parser("show", help="print the complete policy, resolved routes and adapters",
                               formatter_class=formatter)
     show.add_argument("--json", action="store_true", help="print JSON")
     common(show)
-    for name, text in (("enable", "turn delegation on (health state is never cleared by this)"),
-                       ("disable", "turn delegation off: no child, probe, state write or token")):
-        action = actions.add_parser(name, help=text, formatter_class=formatter)
+    for action_name, text in (("enable", "turn delegation on (health state is never cleared by this)"),
+                              ("disable", "turn delegation off: no child, probe, state write or token")):
+        action = actions.add_parser(action_name, help=text, formatter_class=formatter)
         common(action)
     setter = actions.add_parser("set", help="change policy fields", formatter_class=formatter, description=_SET_HELP)
     setter.add_argument("--mode", choices=ROUTING_MODES)
@@ -81,11 +81,20 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
     setter.add_argument("--role-supervises", metavar="R1,R2", help="roles this role may delegate to (replaces)")
     setter.add_argument("--remove-role", metavar="R", help="delete a role")
     common(setter)
-    sup.set_defaults(handler=_supervision)
+    sup.set_defaults(handler=handler)
+
+
+def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
+    """Add the ``routing``, ``delegate`` and ``health`` commands to the ``proxyvisor`` subparsers, and
+    ``supervision``, the deprecated name of ``routing``; each sets ``handler(args, config) -> exit code``."""
+    _add_routing(commands, "routing", "show or change the delegation and routing policy ([model_routing])",
+                 common, formatter, _routing)
+    _add_routing(commands, "supervision", "deprecated name of 'routing' (removed in the next release)", common,
+                 formatter, _deprecated_routing)
 
     delegate = commands.add_parser("delegate", help="run one child for a role and print its result",
                                    formatter_class=formatter, description=textwrap.dedent("""\
-        Run PROMPT as child work of role R on the runtime the policy resolves (supervision must be enabled),
+        Run PROMPT as child work of role R on the runtime the policy resolves (delegation must be enabled),
         under the pool breaker, the child clocks and the claim check, and print the shaped result: the text
         of a finished child, {text, finish_reason} for a stopped or truncated one, an error for a failure.
         In suggest mode, print the route instead of running it. TRACEPARENT, when set, is the parent trace."""))
@@ -114,7 +123,7 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
     health.set_defaults(handler=_health)
 
 
-# ---- supervision ----------------------------------------------------------------------------------------
+# ---- routing -------------------------------------------------------------------------------------------
 
 
 def _config_path(args: argparse.Namespace) -> Path:
@@ -218,8 +227,8 @@ def _adapters(config: Config, registry: Registry) -> dict[str, Any]:
 
 def _print_policy(config: Config, registry: Registry) -> None:
     r = config.model_routing
-    state = "enabled" if r.enabled else "disabled (turn on: proxyvisor supervision enable)"
-    print(f"supervision: {state}   [{config.source}]")
+    state = "enabled" if r.enabled else "disabled (turn on: proxyvisor routing enable)"
+    print(f"delegation: {state}   [{config.source}]")
     print(f"mode: {r.mode}   complexity_threshold: {r.complexity_threshold}   fallback_policy: {r.fallback_policy}")
     print(f"max_parallel: {r.max_parallel}   max_depth: {r.max_depth}   cooldown: {r.cooldown.default_seconds:g} s "
           f"first, {r.cooldown.maximum_seconds:g} s at most")
@@ -247,7 +256,13 @@ def _print_policy(config: Config, registry: Registry) -> None:
         print(f"  (skipped) {error}")
 
 
-def _supervision(args: argparse.Namespace, config: Config) -> int:
+def _deprecated_routing(args: argparse.Namespace, config: Config) -> int:
+    print("proxyvisor: 'supervision' is deprecated and will be removed in the next release: use "
+          f"'proxyvisor routing {args.action}'", file=sys.stderr)
+    return _routing(args, config)
+
+
+def _routing(args: argparse.Namespace, config: Config) -> int:
     from .adapters.settings import SettingsError, routing_table, update
 
     registry = registry_for(config.model_routing.adapters_dir)
@@ -279,7 +294,7 @@ def _supervision(args: argparse.Namespace, config: Config) -> int:
     except (SettingsError, TargetError) as exc:
         print(f"proxyvisor: refused: {exc}", file=sys.stderr)
         return 2
-    print(f"{path}: written; supervision is {'enabled' if new.model_routing.enabled else 'disabled'}")
+    print(f"{path}: written; delegation is {'enabled' if new.model_routing.enabled else 'disabled'}")
     return 0
 
 
@@ -301,7 +316,7 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
         print("proxyvisor: delegate needs --role R and a PROMPT (or --record ID)", file=sys.stderr)
         return 2
     if not config.model_routing.enabled:
-        print("proxyvisor: supervision is disabled; nothing ran (turn it on: proxyvisor supervision enable)",
+        print("proxyvisor: delegation is disabled; nothing ran (turn it on: proxyvisor routing enable)",
               file=sys.stderr)
         return 2
     import trio

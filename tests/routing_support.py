@@ -20,7 +20,7 @@ FAST = ChildrenConfig(wall_clock_s=10.0, idle_warn_s=0.3, idle_cancel_s=1.0, sto
 
 
 def routing_config(roles: dict[str, dict[str, Any]] | None = None, **routing: Any) -> Config:
-    """A validated config with supervision enabled, the fixture adapters discovered, and ``roles``."""
+    """A validated config with delegation enabled, the fixture adapters discovered, and ``roles``."""
     table: dict[str, Any] = {"enabled": True, "adapters_dir": str(FIXTURE_ADAPTERS), **routing}
     if roles is not None:
         table["roles"] = roles

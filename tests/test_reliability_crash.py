@@ -4,7 +4,7 @@ readable, no record half-written, and the next process carries on.
 Each writer runs in its own process and is killed with SIGKILL while it writes: the ledger under a real
 ``proxyvisor serve`` with load on it; the condense decision cache (diskcache) and the pool-health breaker store
 (diskcache) under a writer loop, as the proxy does not write them yet (when it does, drive them through
-``serve`` as the ledger test does); the configuration under ``proxyvisor supervision set`` in a loop.
+``serve`` as the ledger test does); the configuration under ``proxyvisor routing set`` in a loop.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_kill_9_during_breaker_writes_leaves_the_breaker_state_intact(tmp_path: 
     sqlite_is_whole(root / "cache.db")
 
 
-def test_kill_9_during_supervision_set_leaves_a_whole_configuration(tmp_path: Path) -> None:
+def test_kill_9_during_routing_set_leaves_a_whole_configuration(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("# my settings\n[proxy]\nport = 9001  # keep this\n\n[model_routing]\nmax_parallel = 1\n")
     code = f"""
@@ -211,7 +211,7 @@ def test_kill_9_during_supervision_set_leaves_a_whole_configuration(tmp_path: Pa
         from proxyvisor.cli import main
         for i in range(100000):
             with contextlib.redirect_stdout(io.StringIO()):  # the command's own report
-                assert main(["supervision", "set", "--config", {str(config)!r}, "--max-parallel", str(i % 7 + 1)]) == 0
+                assert main(["routing", "set", "--config", {str(config)!r}, "--max-parallel", str(i % 7 + 1)]) == 0
             print(i % 7 + 1, flush=True)
     """
     done = run_until_killed(code, 25)
@@ -222,7 +222,7 @@ def test_kill_9_during_supervision_set_leaves_a_whole_configuration(tmp_path: Pa
     text = config.read_text()
     assert text.startswith("# my settings\n") and "port = 9001  # keep this" in text
     # The lock died with the writer: the next write goes through at once.
-    done = subprocess.run([sys.executable, "-m", "proxyvisor", "supervision", "set", "--config", str(config),
+    done = subprocess.run([sys.executable, "-m", "proxyvisor", "routing", "set", "--config", str(config),
                            "--max-parallel", "5"], capture_output=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert load(str(config)).model_routing.max_parallel == 5

@@ -1,4 +1,5 @@
-"""The command line of routing: ``supervision show|enable|disable|set``, ``delegate`` and ``health``."""
+"""The command line of routing: ``routing show|enable|disable|set`` (and ``supervision``, its deprecated name),
+``delegate`` and ``health``."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_set_writes_the_policy_and_keeps_every_comment_and_unrelated_section(config_file: Path, capsys) -> None:
-    code, out, err = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "reviewer",
+    code, out, err = cli(capsys, "routing", "set", "--config", str(config_file), "--role", "reviewer",
                          "--role-model", "claude-haiku-4-5", "--role-effort", "low", "--max-parallel", "3",
                          "--mode", "adaptive", "--complexity-threshold", "COMPLEX")
     assert code == 0, err
@@ -62,7 +63,7 @@ def test_set_writes_the_policy_and_keeps_every_comment_and_unrelated_section(con
     reviewer = routing.role("reviewer")
     assert (reviewer.adapter, reviewer.model, reviewer.effort) == ("claude-code", "claude-haiku-4-5", "low"), \
         "the adapter is named from the catalog that declares the model"
-    code, _, _ = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "reviewer",
+    code, _, _ = cli(capsys, "routing", "set", "--config", str(config_file), "--role", "reviewer",
                      "--role-effort", "")
     assert code == 0 and load(str(config_file)).model_routing.role("reviewer").effort == ""
 
@@ -81,17 +82,17 @@ def test_set_writes_the_policy_and_keeps_every_comment_and_unrelated_section(con
 def test_a_write_the_dispatcher_could_never_satisfy_is_refused_with_the_reason(config_file: Path, capsys,
                                                                                 argv: list[str], reason: str) -> None:
     before = config_file.read_bytes()
-    code, _, err = cli(capsys, "supervision", "set", "--config", str(config_file), *argv)
+    code, _, err = cli(capsys, "routing", "set", "--config", str(config_file), *argv)
     assert code == 2 and reason in err and "refused" in err
     assert config_file.read_bytes() == before
 
 
 def test_a_cycle_is_refused_at_write_time_with_a_readable_message(config_file: Path, capsys) -> None:
     for role, subs in (("leaf", ""), ("mid", "leaf"), ("lead", "mid")):
-        assert cli(capsys, "supervision", "set", "--config", str(config_file), "--orchestrator-adapter",
+        assert cli(capsys, "routing", "set", "--config", str(config_file), "--orchestrator-adapter",
                    "fixture-cli", "--role", role, "--role-supervises", subs)[0] == 0
     before = config_file.read_bytes()
-    code, _, err = cli(capsys, "supervision", "set", "--config", str(config_file), "--role", "leaf",
+    code, _, err = cli(capsys, "routing", "set", "--config", str(config_file), "--role", "leaf",
                        "--role-supervises", "lead")
     assert code == 2 and "this would make a cycle: mid -> leaf -> lead -> mid" in err
     assert config_file.read_bytes() == before
@@ -100,7 +101,7 @@ def test_a_cycle_is_refused_at_write_time_with_a_readable_message(config_file: P
 def test_a_malformed_file_fails_closed(config_file: Path, capsys) -> None:
     config_file.write_text(HEADER + "[model_routing.roles\nadapter = ")
     before = config_file.read_bytes()
-    code, _, err = cli(capsys, "supervision", "enable", "--config", str(config_file))
+    code, _, err = cli(capsys, "routing", "enable", "--config", str(config_file))
     assert code == 2 and "not valid TOML" in err
     with pytest.raises(settings.SettingsError, match="cannot read it as TOML.*nothing written"):
         settings.update(config_file, lambda doc, current: (set(), False), registry_for(""))
@@ -144,26 +145,46 @@ def test_enable_show_and_disable_round_trip_the_complete_shape(tmp_path: Path, c
     assert not path.exists()
     health = HealthStore(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health", Cooldown())
     health.settle_sync("codex", time.time(), Failure("capacity", True, "known_failed", 600))
-    assert cli(capsys, "supervision", "enable")[0] == 0
+    assert cli(capsys, "routing", "enable")[0] == 0
     assert path.read_text() == "[model_routing]\nenabled = true\n", "a new file holds only what was set"
-    code, out, _ = cli(capsys, "supervision", "show", "--json")
+    code, out, _ = cli(capsys, "routing", "show", "--json")
     shown = json.loads(out)
     assert code == 0 and shown["enabled"] is True and shown["source"] == str(path)
     assert shown["policy"]["cooldown"] == {"default_seconds": 300.0, "maximum_seconds": 3600.0}
     assert shown["policy"]["children"]["wall_clock_s"] == 600.0 and shown["policy"]["roles"] == {}
     assert set(shown["adapters"]) == {"claude-code", "codex", "litellm", "scripted"}
-    assert health.get("codex").state == "cooling_down", "enabling supervision never clears health"
-    assert cli(capsys, "supervision", "disable")[0] == 0
+    assert health.get("codex").state == "cooling_down", "enabling delegation never clears health"
+    assert cli(capsys, "routing", "disable")[0] == 0
     assert load(str(path)).model_routing.enabled is False
+
+
+def test_routing_names_delegation_and_supervision_is_its_deprecated_alias(config_file: Path, capsys) -> None:
+    """``routing`` edits [model_routing] and says "delegation"; ``supervision`` (the old name, kept one release)
+    does the same with a one-line notice on stderr."""
+    code, out, err = cli(capsys, "routing", "show", "--config", str(config_file))
+    assert code == 0 and err == ""
+    assert out.startswith("delegation: disabled (turn on: proxyvisor routing enable)") and "supervision" not in out
+    code, out, err = cli(capsys, "supervision", "enable", "--config", str(config_file))
+    assert code == 0 and out == f"{config_file}: written; delegation is enabled\n"
+    assert err.count("\n") == 1 and "'supervision' is deprecated" in err and "proxyvisor routing enable" in err
+    assert load(str(config_file)).model_routing.enabled is True
+    code, out, err = cli(capsys, "supervision", "show", "--config", str(config_file))
+    assert code == 0 and out.startswith("delegation: enabled") and "deprecated" in err
+    code, out, err = cli(capsys, "routing", "disable", "--config", str(config_file))
+    assert (code, err) == (0, "") and out.endswith("delegation is disabled\n")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = capsys.readouterr().out
+    assert "routing" in listing and "deprecated name of 'routing'" in listing
 
 
 def test_a_saved_target_whose_adapter_is_gone_is_shown_not_blanked(config_file: Path, capsys) -> None:
     config_file.write_text(HEADER + '[model_routing.roles.old]\nadapter = "retired-cli"\nmodel = "m"\n')
-    code, out, _ = cli(capsys, "supervision", "show", "--config", str(config_file))
+    code, out, _ = cli(capsys, "routing", "show", "--config", str(config_file))
     assert code == 0
     assert "old: UNAVAILABLE: unknown adapter 'retired-cli'" in out and "saved: adapter=retired-cli model=m" in out
-    assert cli(capsys, "supervision", "disable", "--config", str(config_file))[0] == 0, "never blocks disabling"
-    code, _, err = cli(capsys, "supervision", "enable", "--config", str(config_file))
+    assert cli(capsys, "routing", "disable", "--config", str(config_file))[0] == 0, "never blocks disabling"
+    code, _, err = cli(capsys, "routing", "enable", "--config", str(config_file))
     assert code == 2 and "role 'old': unknown adapter 'retired-cli'" in err
 
 
@@ -204,10 +225,10 @@ def test_delegate_claim_checks_a_long_result_and_prints_the_record_later(config_
     assert code == 1 and "no stored result" in err
 
 
-def test_delegate_does_nothing_while_supervision_is_disabled(config_file: Path, capsys) -> None:
+def test_delegate_does_nothing_while_delegation_is_disabled(config_file: Path, capsys) -> None:
     config_file.write_text(HEADER + '[model_routing.roles.helper]\nadapter = "scripted"\n')
     code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "hi")
-    assert code == 2 and "supervision is disabled" in err
+    assert code == 2 and "delegation is disabled" in err and "proxyvisor routing enable" in err
     assert files_under(Path(os.environ["PROXYVISOR_STATE_DIR"])) == []
 
 

@@ -138,7 +138,7 @@ class Delegator:
             trio.Cancelled: the caller's scope was cancelled (the child was stopped and its pool settled first).
         """
         if not is_supervised(self.routing, complexity):
-            return Delegation(UNSUPERVISED, ToolResult("supervision does not apply to this request"), {})
+            return Delegation(UNSUPERVISED, ToolResult("the routing policy does not apply to this request"), {})
         trace = child_traceparent(traceparent)
         edges = {r.name: r.supervises for r in self.routing.roles}
         if role not in edges:

@@ -41,9 +41,9 @@ LEVELS = ("request override", "role policy", "orchestrator policy", "preset hint
 def is_supervised(routing: ModelRoutingConfig, complexity: str | None = None) -> bool:
     """Whether the policy applies to a request of ``complexity`` (``CLEAR``...``CHAOTIC``, or None).
 
-    False when supervision is disabled, and under ``adaptive`` when the complexity is below
-    ``complexity_threshold``; a request with no complexity is below every gate. ``explicit`` and ``suggest``
-    always apply.
+    False when delegation is disabled (``[model_routing] enabled = false``), and under ``adaptive`` when the
+    complexity is below ``complexity_threshold``; a request with no complexity is below every gate. ``explicit``
+    and ``suggest`` always apply.
 
     Raises:
         ValueError: ``complexity`` is not one of the four ranks.

@@ -1,6 +1,6 @@
 """Writing the ``[model_routing]`` policy into ``config.toml``: validated, locked, atomic, comment-preserving.
 
-One service behind every writer (``proxyvisor supervision enable|disable|set``; seed 000, "Control surfaces"):
+One service behind every writer (``proxyvisor routing enable|disable|set``; seed 000, "Control surfaces"):
 
 - the file is edited with tomlkit, so comments, formatting and every unrelated or unknown section stay as they
   were; a missing file is created with only what was set;

@@ -191,7 +191,7 @@ class Pipeline:
                 return error(fmt, 405, f"{path} takes POST")
             if self.delegation is None:
                 return error(fmt, 409, "delegation is off: it needs supervision on and [model_routing] enabled = true "
-                                       "(proxyvisor supervision enable)")
+                                       "(proxyvisor routing enable)")
             if bad := self._check_body(request, fmt):
                 return bad
             return await self.delegation.endpoint(request)
