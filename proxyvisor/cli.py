@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
             Then, when [supervisor.model] name is set and FILE is above the threshold, one condenser call: the
             model answers line ranges only, and the narrowed result is printed, made of FILE's own lines byte
             for byte, "[… K lines omitted: original lines A-B …]" markers and a closing notice naming FILE as
-            the full original. Without a model only the view is shown; nothing is written in either case.
+            the full original. api_base = "scripted:" (with any name) calls the embedded scripted upstream's
+            fixed-policy condenser, as demo and replay do: no key, no network. Without a model the header says
+            so and only the view is shown; nothing is written in any case.
 
             exit status: 0 the view (and the condenser's answer, if called) came out; 1 FILE is unreadable or
             the condenser call failed or timed out ([supervisor.condense] timeout_s); 2 bad usage or
@@ -478,8 +480,6 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .condense.offline import condense_command
 
         return condense_command(config, args.file, args.task, args.budget, args.json)
-    parser.error(f"unknown command {args.command}")
-    return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -41,7 +41,8 @@ def test_without_a_model_it_prints_the_numbered_view(tmp_path: Path, capsys: pyt
     assert f"{log}: 1,500 lines, 28,005 tokens (cl100k_base); a condense candidate" in out
     assert " 701| src/widget.c:88:3: error: 'frob' undeclared" in out
     assert "1500| [01499] compiling" in out and "not shown in this view …]" in out
-    assert "(no [supervisor.model] name configured: the deterministic view only)" in out
+    notice = "no [supervisor.model] name configured: the numbered view only, no condenser call"
+    assert notice in out.split("\n\n", 1)[0], "said in the header, before the view"
 
 
 def test_json_output_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,3 +91,36 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
     assert sent["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
     payload = json.loads(sent["messages"][1]["content"])
     assert payload["task_context"] == f"Current request: {TASK}" and payload["results"][0]["total_lines"] == 1500
+
+
+def test_the_scripted_condenser_answers_as_in_demo_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``api_base = "scripted:"`` is the embedded scripted upstream's fixed condenser policy: no key, no network,
+    and the narrowed result keeps the error line verbatim."""
+    log = write_log(tmp_path / "build.log")
+    config = tmp_path / "config.toml"
+    config.write_text('[supervisor.model]\nname = "scripted-condenser"\napi_base = "scripted:"\n', encoding="utf-8")
+    code = main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Provider" not in out + err and "condenser: condensed, 28,005 -> " in out
+    narrowed = out.split("condenser: condensed", 1)[1]
+    assert "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)" in narrowed
+    assert f"full original at {log}" in narrowed
+
+
+def test_a_failing_condenser_is_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from proxyvisor.condense import offline
+
+    def refusing(model):
+        async def call(messages):
+            raise ValueError("Provider NOT provided. Pass in the provider.\n Pass model as E.g. for 'X' pass in ...")
+        return call
+
+    monkeypatch.setattr(offline, "litellm_model", refusing)
+    log = write_log(tmp_path / "build.log")
+    config = tmp_path / "config.toml"
+    config.write_text('[supervisor.model]\nname = "no-such-model"\n', encoding="utf-8")
+    assert main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("(condenser failed: ValueError: Provider NOT provided. Pass in the provider.)")

@@ -235,7 +235,7 @@ class CondenseEngine:
             try:
                 answer = report.answer = await condenser(build_messages(context, items))
             except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
-                report.failure = f"condenser failed: {type(exc).__name__}: {str(exc)[:200]}"
+                report.failure = f"condenser failed: {type(exc).__name__}: {_first_line(str(exc))}"
                 reported = isinstance(exc, ReportedFailure)
         if scope.cancelled_caught:
             report.failure = f"condenser timed out after {self.settings.timeout_s:g} s"
@@ -304,3 +304,10 @@ class CondenseEngine:
 def _untouched(reason: str, tokens: int, text: str) -> Decision:
     total = line_count(text)
     return Decision(None, reason, tokens, tokens, total, total)
+
+
+def _first_line(message: str, limit: int = 200) -> str:
+    """The first line of an error message, at most ``limit`` characters (an ellipsis marks a cut): litellm's
+    messages go on for lines of advice."""
+    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -4,6 +4,8 @@ The file is treated as one plain-text tool result of the current round, alone in
 round budget (``--budget``, else ``[supervisor.condense] view_budget_tokens``). The numbered view is always
 printed. With ``[supervisor.model] name`` set and the file above the threshold, the condenser is called once and
 the narrowed result is printed too; it names FILE itself as the full original, so nothing is spilled or cached.
+``api_base = "scripted:"`` calls the embedded scripted upstream (its fixed condenser policy, no key), served on a
+loopback port for the call, as ``demo`` and ``replay`` do. Without a model, that is said before the view.
 Bytes that are not UTF-8 are kept as they are (``surrogateescape``), so kept lines are byte-exact on stdout.
 """
 
@@ -16,9 +18,11 @@ from pathlib import Path
 
 import trio
 
-from ..config import Config
+from ..adapters.scripted import ScriptedUpstream
+from ..config import SCRIPTED_URL, Config, ConfigError, CondenseConfig
+from ..proxy.server import Limits, bound_port, open_listeners, serve_listeners
+from ..supervisor_model import configured_model, litellm_model
 from .engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
-from ..supervisor_model import litellm_model
 from .protocol import TaskContext
 from .signals import diagnostic_lines
 from .spill import SpillStore
@@ -64,9 +68,12 @@ def condense_command(config: Config, file: str, task: str, budget: int | None, a
     report: RoundReport | None = None
     model = config.supervisor.model
     if candidate and model.name:
-        engine = CondenseEngine(dataclasses.replace(settings, view_budget_tokens=budget), litellm_model(model),
-                                spill=_FileIsSpill(path), model_name=model.name)
-        report = trio.run(engine.run_round, "offline", [result], context)
+        try:
+            report = trio.run(_condense, config, dataclasses.replace(settings, view_budget_tokens=budget), path,
+                              result, context)
+        except ConfigError as exc:
+            print(f"proxyvisor: configuration error: {exc}", file=sys.stderr)
+            return 2
     decision = report.decisions.get("offline") if report else None
 
     if as_json:
@@ -86,13 +93,38 @@ def condense_command(config: Config, file: str, task: str, budget: int | None, a
                   f"below the {threshold:,}-token threshold: the proxy passes it through unchanged")
         print(f"{path}: {len(lines):,} lines, {tokens:,} tokens ({ENCODING}); {status}")
         print(f"view: {len(item.view.shown):,} of {len(lines):,} lines shown, {item.view.tokens:,} tokens of a "
-              f"{budget:,}-token budget; {len(diagnostic_lines(lines))} diagnostic line(s)\n")
-        sys.stdout.write(item.view.text)
+              f"{budget:,}-token budget; {len(diagnostic_lines(lines))} diagnostic line(s)")
         if not model.name:
-            print("\n(no [supervisor.model] name configured: the deterministic view only)")
-        elif report is not None:
+            print("no [supervisor.model] name configured: the numbered view only, no condenser call (a name with "
+                  'api_base = "scripted:" calls the built-in scripted condenser, no key)')
+        print()
+        sys.stdout.write(item.view.text)
+        if report is not None:
             _print_outcome(report)
     return 1 if report is not None and report.failure and not report.answered else 0
+
+
+async def _condense(config: Config, settings: CondenseConfig, path: Path, result: ToolResult,
+                    context: TaskContext) -> RoundReport:
+    """One condenser round over ``result`` with ``[supervisor.model]``; ``api_base = "scripted:"`` is answered by
+    an embedded scripted upstream served on a free loopback port until the round ends.
+
+    Raises:
+        ConfigError: the litellm route without a name.
+    """
+    model = config.supervisor.model
+    async with trio.open_nursery() as nursery:
+        url = None
+        if model.api_base == SCRIPTED_URL:
+            listeners = await open_listeners("127.0.0.1", 0)
+            await nursery.start(serve_listeners, listeners, ScriptedUpstream(record=False), Limits())
+            url = f"http://127.0.0.1:{bound_port(listeners)}"
+        # The session route has no session offline: the model is then called by name through litellm.
+        call = configured_model(model, url) or litellm_model(model)
+        engine = CondenseEngine(settings, call, spill=_FileIsSpill(path), model_name=model.name)
+        report = await engine.run_round("offline", [result], context)
+        nursery.cancel_scope.cancel()
+    return report
 
 
 def _print_outcome(report: RoundReport) -> None:
