@@ -9,14 +9,17 @@
 - ``proxyvisor health show|clear``: per-pool breaker state; clearing is the only way state is forgotten.
 
 Exit codes: 0 done; 1 the child failed or was refused; 2 bad usage, configuration, or a request the policy
-cannot satisfy (also: delegation disabled, or the policy does not apply to it).
+cannot satisfy (also: delegation disabled, or the policy does not apply to it); 128 + N when signal N (SIGTERM,
+SIGINT, SIGHUP) stopped ``delegate``, after its child was stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -29,6 +32,9 @@ import orjson
 from .config import (COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES, Config, RouteTarget, default_config_path,
                      find_config_file)
 from .adapters.descriptors import Registry, TargetError, registry_for
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals on which ``delegate`` stops its child before it exits (128 + the signal's number)."""
 
 _SET_HELP = textwrap.dedent("""\
     Change the routing policy in the configuration file (created if missing). Only the options given change;
@@ -97,7 +103,10 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
         Run PROMPT as child work of role R on the runtime the policy resolves (delegation must be enabled),
         under the pool breaker, the child clocks and the claim check, and print the shaped result: the text
         of a finished child, {text, finish_reason} for a stopped or truncated one, an error for a failure.
-        In suggest mode, print the route instead of running it. TRACEPARENT, when set, is the parent trace."""))
+        In suggest mode, print the route instead of running it. TRACEPARENT, when set, is the parent trace.
+        Progress goes to stderr at the default log level: the child started, idle warnings, a stop and why.
+        On SIGTERM, SIGINT (Ctrl-C) or SIGHUP the child is stopped (SIGTERM to its process group, SIGKILL after
+        [model_routing.children] stop_grace_s) before delegate exits with 128 + the signal's number."""))
     delegate.add_argument("prompt", nargs="?", metavar="PROMPT")
     delegate.add_argument("--role", metavar="R")
     delegate.add_argument("--record", metavar="ID", help="print a stored (claim-checked) result and exit")
@@ -321,15 +330,42 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
         return 2
     import trio
 
-    from .adapters.delegate import FAILED, OK, REFUSED, SKIPPED, Delegator
+    from .adapters.delegate import FAILED, OK, REFUSED, SKIPPED, Delegation, Delegator
 
+    if args.log_level == "warning":  # the default: show the child's progress (started, idle, stopped and why)
+        logging.getLogger("proxyvisor.adapters").setLevel(logging.INFO)
     delegator = Delegator(config)
     override = RouteTarget(args.adapter or "", args.model or "", args.effort or "")
+    stopped_by: list[int] = []
+
+    async def run() -> Delegation | None:
+        # A signal cancels the delegation, which stops the child (its process group: SIGTERM, then SIGKILL after
+        # stop_grace_s) before this returns; the child runs in a session of its own, so nothing else reaches it.
+        with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+            async with trio.open_nursery() as nursery:
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        stopped_by.append(signum)
+                        print(f"proxyvisor: {signal.Signals(signum).name}: stopping the child (SIGTERM, then SIGKILL "
+                              f"after {config.model_routing.children.stop_grace_s:g} s)", file=sys.stderr, flush=True)
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(on_signal)
+                result = await delegator.delegate(args.role, args.prompt, complexity=args.complexity,
+                                                  override=override, traceparent=os.environ.get("TRACEPARENT"))
+                nursery.cancel_scope.cancel()
+                return result
+        return None
+
     try:
-        result = trio.run(lambda: delegator.delegate(args.role, args.prompt, complexity=args.complexity,
-                                                     override=override, traceparent=os.environ.get("TRACEPARENT")))
+        result = trio.run(run)
     finally:
         delegator.close()
+    if result is None:
+        name = signal.Signals(stopped_by[0]).name
+        print(f"proxyvisor: delegate stopped by {name}; the child was stopped, nothing was printed", file=sys.stderr)
+        return 128 + stopped_by[0]
     if args.json:
         print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
     elif result.status in (OK, SKIPPED):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -247,3 +250,52 @@ def test_health_show_and_clear(capsys) -> None:
     assert out == "cleared 1 pool(s): claude-code:opus-4x\n"
     assert [p["pool"] for p in json.loads(cli(capsys, "health", "show", "--json")[1])["pools"]] == [
         "claude-code:haiku-4-5"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_delegate_stops_its_child_on_a_signal_before_it_exits(tmp_path: Path, signum: int) -> None:
+    """The child (here one that ignores SIGTERM, so the hard stop is needed too) runs in a session of its own:
+    only ``delegate`` can stop it. It does, within the grace, and says on stderr what happened."""
+    grace = 1.0
+    config = tmp_path / "config.toml"
+    config.write_text(f'[model_routing]\nenabled = true\nadapters_dir = "{FIXTURE_ADAPTERS}"\n'
+                      '[model_routing.roles.worker]\nadapter = "fixture-cli"\n'
+                      f'[model_routing.children]\nstop_grace_s = {grace}\nidle_warn_s = 0.3\nidle_cancel_s = 60.0\n')
+    runs = tmp_path / "runs.log"
+    env = {**os.environ, "FIXTURE_LOG": str(runs)}
+    process = subprocess.Popen([sys.executable, "-m", "proxyvisor", "delegate", "--config", str(config), "--role",
+                                "worker", "mode:ignore-term"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    child = 0
+    try:
+        deadline = time.monotonic() + 20
+        while not (runs.exists() and runs.read_text().endswith("\n")):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+        child = int(runs.read_text().split()[0])
+        time.sleep(0.6)  # past idle_warn_s: the idle warning comes first
+        sent = time.monotonic()
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=grace + 5)
+        survived = _alive(child)
+    finally:
+        process.kill()
+        if child and _alive(child):  # a failed test leaves no orphan behind
+            os.killpg(child, signal.SIGKILL)
+    assert time.monotonic() - sent < grace + 3
+    assert not survived, "the child outlived delegate"
+    assert process.returncode == 128 + signum and out == ""
+    lines = err.splitlines()
+    expected = ["(worker on fixture-cli, model fixture-fast) started", "idle for 0.3 s", f"{signal.Signals(signum).name}: stopping the child",
+                "ignored SIGTERM", "stopped (killed)", f"delegate stopped by {signal.Signals(signum).name}"]
+    found = [next((i for i, line in enumerate(lines) if text in line), None) for text in expected]
+    assert None not in found and found == sorted(found), err
+    assert "Traceback" not in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

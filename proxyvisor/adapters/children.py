@@ -115,7 +115,7 @@ async def _watch(clock: ChildClock, scope: trio.CancelScope, job: ChildJob, stop
         await trio.sleep_until(clock.next_deadline())
         action = clock.check(trio.current_time())
         if action == IDLE_WARNING:
-            log.warning("child %s (%s on %s) idle for %.0f s", job.job_id, job.role, job.adapter,
+            log.warning("child %s (%s on %s) idle for %g s", job.job_id, job.role, job.adapter,
                         clock.clocks.idle_warn_s)
         elif action is not None:
             log.warning("child %s (%s on %s) stopped: %s", job.job_id, job.role, job.adapter, action)
@@ -141,6 +141,8 @@ async def run_child(runtime: Runtime, job: ChildJob, clocks: ChildrenConfig,
     stopped: list[str] = []
     crash: Exception | None = None
     handle = handle or ChildHandle()
+    log.info("child %s (%s on %s%s) started", job.job_id, job.role, job.adapter,
+             f", model {job.model}" if job.model else "")
     with trio.CancelScope() as scope:
         handle._attach(scope)
         async with trio.open_nursery() as nursery:

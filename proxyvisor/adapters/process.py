@@ -122,6 +122,7 @@ async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
     process = await trio.lowlevel.open_process(
         list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True)
+    log.info("child pid %d started: %s", process.pid, argv[0])
     tail = bytearray()
     try:
         async with trio.open_nursery() as nursery:
