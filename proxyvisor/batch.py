@@ -59,7 +59,7 @@ from .batch_report import TaskResult
 from .config import Config
 from .proxy.info import summarize
 from .proxy.service import running
-from .store import Store
+from .store import Store, private_dir
 from .supervisor_model import describe
 from .wrap import agent_invocation
 
@@ -409,7 +409,8 @@ def _last_line(path: Path) -> str | None:
 def batch_command(config: Config, tasks_file: str, options: Options, require_verified: bool = False,
                   report: str | None = None) -> int:
     """``proxyvisor batch``: check the task file, the command and the report's folder, run the batch with a
-    progress bar on stderr, write ``REPORT.jsonl``, ``REPORT.md`` and the agents' output under ``REPORT-logs/``, and
+    progress bar on stderr, write ``REPORT.jsonl``, ``REPORT.md`` and the agents' output under ``REPORT-logs/``
+    (``report``, default ``batch/batch-YYYYMMDD-HHMMSS`` in the state directory), and
     return the exit status: 0 every agent exited 0 (and, with ``require_verified``, every task is verified: the
     tasks that are not are named on stderr); 1 otherwise; 128+N when signal N (SIGINT, SIGTERM) stopped the run.
 
@@ -423,9 +424,12 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     check_template(options.agent)
     config = batch_config(config)
     started = datetime.now(timezone.utc)
-    prefix = Path(report or f"batch-{started:%Y%m%d-%H%M%S}")
+    # Not the current folder by default: a batch run from a checkout would leave its report in the working tree.
+    prefix = Path(report or config.state_dir() / "batch" / f"batch-{started:%Y%m%d-%H%M%S}")
     options = dataclasses.replace(options, logs=prefix.with_name(prefix.name + "-logs"))
     try:  # made now, so that a report that cannot be written is known before any agent runs
+        if not report:
+            private_dir(private_dir(config.state_dir()) / "batch")
         options.logs.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BatchError(f"--report: cannot make the folder {exc.filename or options.logs}: "

@@ -330,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
             model; [supervisor.model] in config.toml picks another); on the embedded scripted upstream it
             answers with a fixed policy (offline).
 
-            report files (--report PREFIX; default batch-YYYYMMDD-HHMMSS in the current folder; its folder is
-            made, or found unwritable, before any task runs):
+            report files (--report PREFIX; default STATE/batch/batch-YYYYMMDD-HHMMSS, STATE the state directory,
+            so nothing lands in the current folder unless asked; its folder is made, or found unwritable, before
+            any task runs; the last line on stderr names the files):
               PREFIX.jsonl   one JSON object per task that started, in task-file order: id, session, outcome,
                              exit_code, error, seconds, gate_rounds (verifier passes), gaps, reentries, nudges,
                              detector_fires, steers, requests, input_tokens, output_tokens, cost_usd (upstream
@@ -370,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--require-verified", action="store_true",
                        help="exit 1 unless every task's outcome is verified and its agent exited 0")
     batch.add_argument("--report", metavar="PREFIX",
-                       help="write PREFIX.jsonl, PREFIX.md and PREFIX-logs/ (default: batch-YYYYMMDD-HHMMSS)")
+                       help="write PREFIX.jsonl, PREFIX.md and PREFIX-logs/ (default: batch/batch-YYYYMMDD-HHMMSS "
+                            "in the state directory)")
     _common(batch)
     from .routing_cli import register as register_routing
 

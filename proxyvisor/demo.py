@@ -303,7 +303,7 @@ def assistant_message(turn: AssistantTurn) -> dict[str, Any]:
 
 
 
-async def _demo(config: Config, formats: list[str], state_dir: Path, console: Console) -> None:
+async def _demo(config: Config, formats: list[str], state_dir: Path, console: Console, temporary: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="proxyvisor-demo-project-") as scratch:
         workdir = Path(scratch)
         for name in ("README.md", "app.py", "test_app.py"):
@@ -312,7 +312,9 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
         async with running(config, port=0, store=store) as proxy:
             console.print(f"proxyvisor is serving on {proxy.url}\n"
                           "upstream: the embedded scripted model (no API key, no network)")
-            console.print("state dir (ledgers and spill files; the paths below are relative to it):")
+            console.print("state dir (ledgers and spill files; the paths below are relative to it"
+                          + ("; a temporary folder, removed at the end: --state-dir DIR keeps them" if temporary
+                             else "") + "):")
             say(console, None, escape(str(state_dir)))
             console.print()
             if route_of(config.supervisor.model) == LITELLM:
@@ -364,9 +366,12 @@ def _gate_label(line: dict[str, Any]) -> str:
 
 def demo(config: Config, which: str = "all", console: Console | None = None) -> int:
     """Run the demo (see the module docstring). Writes its ledger to the configured state directory when one
-    is set (``--state-dir``), else to a fresh temporary folder. Returns the exit code."""
+    is set (``--state-dir``), else to a fresh temporary folder removed at the end. Returns the exit code."""
     console = console or Console()
     formats = ["chat", "messages", "responses"] if which == "all" else [which]
-    state_dir = Path(config.state.dir) if config.state.dir else Path(tempfile.mkdtemp(prefix="proxyvisor-demo-"))
-    trio.run(_demo, config, formats, state_dir, console)
+    if config.state.dir:
+        trio.run(_demo, config, formats, Path(config.state.dir), console, False)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="proxyvisor-demo-") as state_dir:
+        trio.run(_demo, config, formats, Path(state_dir), console, True)
     return 0

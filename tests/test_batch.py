@@ -457,3 +457,19 @@ def test_the_example_agent_reports_exit_codes_and_kills_a_command_past_its_timeo
 def test_a_missing_task_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert batch(tmp_path, tmp_path / "missing.jsonl")[0] == 2
     assert "missing.jsonl: cannot read the task file: No such file or directory" in capsys.readouterr().err
+
+
+def test_without_report_the_report_goes_to_the_state_directory_not_the_current_folder(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch run from a checkout leaves nothing in the working tree unless --report asks for it."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "prompt": "x", "workdir": str(tmp_path / "work")}) + "\n")
+    assert main(["batch", str(tasks), "--agent", "true {prompt}"]) == 0
+    assert list(checkout.iterdir()) == []
+    (md,) = (state_dir / "batch").glob("batch-*.md")
+    assert md.with_suffix(".jsonl").is_file() and md.with_name(md.stem + "-logs").is_dir()
+    assert str(md) in capsys.readouterr().err, "the last line names where the report went"
+    assert oct((state_dir / "batch").stat().st_mode & 0o777) == "0o700"
