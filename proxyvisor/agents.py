@@ -2,7 +2,8 @@
 
 ``wrap`` gives every command ``ANTHROPIC_BASE_URL``, ``OPENAI_BASE_URL`` and ``OPENAI_API_BASE``
 (:func:`proxyvisor.wrap.agent_env`); Claude Code, aider and the OpenAI and Anthropic SDKs follow them. :data:`KNOWN`
-lists the CLIs that do not, by executable name, each with a function giving the arguments that redirect it. A
+lists the CLIs that do not, by executable name, each with a function giving the arguments that redirect it (and
+the environment variables it needs besides, if any). A
 command is recognised by the file name of its first word (``codex``, ``/usr/local/bin/codex``), not behind
 ``env``, ``npx`` or a shell; those can use the variables by hand, e.g. ``sh -c 'codex -c
 openai_base_url="$OPENAI_BASE_URL" exec ...'``.
@@ -19,14 +20,23 @@ from pathlib import Path
 
 log = logging.getLogger("proxyvisor.agents")
 
-Redirect = Callable[[str, Mapping[str, str], Sequence[str]], list[str]]
-"""``(openai_base_url, agent env, the user's arguments) -> arguments to insert right after the executable``."""
+Redirect = Callable[[str, Mapping[str, str], Sequence[str]], tuple[list[str], dict[str, str]]]
+"""``(openai_base_url, agent env, the user's arguments) -> (arguments to insert right after the executable,
+variables to set in the agent's environment)``."""
+
+CODEX_QUIET_WEBSOCKET = "codex_api::endpoint::responses_websocket=off"
+"""The ``RUST_LOG`` directive that silences Codex's log of a refused Responses WebSocket. The built-in ``openai``
+provider asks for a WebSocket first (a provider setting ``-c`` cannot change); the proxy answers 426, on which
+Codex falls back to HTTP at once, once per session, and costs one loopback round trip, but ``codex exec`` first
+logs ``ERROR codex_api::endpoint::responses_websocket: failed to connect to Responses WebSocket`` on stderr (its
+log filter is ``RUST_LOG``, default ``error``). Nothing else is logged from that module through the proxy, which
+never serves a WebSocket."""
 
 # Codex splits a `-c` key on dots, so only a bare TOML key can name a provider in one.
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
-def codex(openai_base_url: str, env: Mapping[str, str], args: Sequence[str]) -> list[str]:
+def codex(openai_base_url: str, env: Mapping[str, str], args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """``-c`` overrides pointing OpenAI Codex's providers at ``openai_base_url`` (observed with Codex 0.171.0).
 
     Codex ignores ``OPENAI_BASE_URL``: its built-in ``openai`` provider takes the ``openai_base_url`` key, and a
@@ -35,29 +45,37 @@ def codex(openai_base_url: str, env: Mapping[str, str], args: Sequence[str]) -> 
     loaded, so only the providers defined in that file are redirected, and none under ``--ignore-user-config``;
     providers defined only in a ``--profile`` file keep their URL. The overrides go before the user's
     arguments, so the user's own ``-c`` options, which Codex applies later, still win.
+
+    For ``codex exec`` (or ``e``), ``RUST_LOG`` gets :data:`CODEX_QUIET_WEBSOCKET` after the user's own value
+    (default ``error``, as ``codex exec``'s); the interactive TUI logs to a file, so its ``RUST_LOG`` is left alone.
     """
     overrides = [f"openai_base_url={_toml_string(openai_base_url)}"]
     if "--ignore-user-config" not in args:
         home = Path(env["CODEX_HOME"]) if env.get("CODEX_HOME") else Path(env.get("HOME") or Path.home(), ".codex")
         overrides += [f"model_providers.{name}.base_url={_toml_string(openai_base_url)}"
                       for name in _defined_providers(home / "config.toml")]
-    return [arg for override in overrides for arg in ("-c", override)]
+    variables = {}
+    if "exec" in args or "e" in args:
+        variables["RUST_LOG"] = f"{env.get('RUST_LOG') or 'error'},{CODEX_QUIET_WEBSOCKET}"
+    return [arg for override in overrides for arg in ("-c", override)], variables
 
 
 KNOWN: dict[str, Redirect] = {"codex": codex}
 
 
-def agent_command(cmd: Sequence[str], openai_base_url: str, env: Mapping[str, str]) -> list[str]:
-    """``cmd`` with the arguments that point it at the proxy if it is a :data:`KNOWN` CLI, else ``cmd`` as is.
+def agent_command(cmd: Sequence[str], openai_base_url: str,
+                  env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` and ``env`` with the arguments and variables that point it at the proxy if it is a :data:`KNOWN`
+    CLI, else both as they are (``env`` copied).
 
     ``openai_base_url`` is the OpenAI-style base URL (ending in ``/v1``); ``env`` is the agent's environment.
     """
     redirect = KNOWN.get(Path(cmd[0]).name) if cmd else None
     if redirect is None:
-        return list(cmd)
-    extra = redirect(openai_base_url, env, cmd[1:])
-    log.info("%s: added %s", cmd[0], " ".join(extra))
-    return [cmd[0], *extra, *cmd[1:]]
+        return list(cmd), dict(env)
+    extra, variables = redirect(openai_base_url, env, cmd[1:])
+    log.info("%s: added %s", cmd[0], " ".join([*extra, *(f"{k}={v}" for k, v in variables.items())]))
+    return [cmd[0], *extra, *cmd[1:]], {**env, **variables}
 
 
 def _defined_providers(config: Path) -> list[str]:
@@ -77,4 +95,4 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)
 
 
-__all__ = ["KNOWN", "agent_command", "codex"]
+__all__ = ["CODEX_QUIET_WEBSOCKET", "KNOWN", "agent_command", "codex"]

@@ -37,9 +37,9 @@ def agent_invocation(proxy_url: str, session: str, cmd: list[str],
                      base: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run ``cmd`` as session ``session`` of the proxy at ``proxy_url``: the
     base-URL variables of :func:`agent_env` (over ``base``, default ours), and for a CLI that ignores them the
-    arguments of :func:`proxyvisor.agents.agent_command`. Used by ``wrap`` and ``batch``."""
+    arguments and variables of :func:`proxyvisor.agents.agent_command`. Used by ``wrap`` and ``batch``."""
     env = agent_env(proxy_url, session, base)
-    return agent_command(cmd, env["OPENAI_BASE_URL"], env), env
+    return agent_command(cmd, env["OPENAI_BASE_URL"], env)
 
 
 def summary(proxy: RunningProxy, session: str) -> str:
