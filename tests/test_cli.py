@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,30 @@ def test_demo_shows_the_tool_call_round_trip_in_every_format(tmp_path: Path) -> 
     assert condensed and int(condensed[2].replace(",", "")) * 10 < int(condensed[1].replace(",", ""))
     spill = tmp_path / re.search(r"full original, relative to the state dir:\n {13}(\S+)\n", text)[1]
     assert spill.is_relative_to(tmp_path / "spill") and spill.read_text() == failing_suite_log() + "exit code 0"
+
+
+def test_the_sample_trajectory_replays_with_the_loop_detected_and_steered(capsys: pytest.CaptureFixture[str]) -> None:
+    sample = Path(__file__).resolve().parent.parent / "examples" / "replay" / "polling-loop.jsonl"
+    assert main(["replay", str(sample)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rounds = [line for line in lines if line.startswith("round ")]
+    assert len(rounds) == 6 and "fired loop@" not in "".join(rounds[:3])
+    assert "fired loop@6" in rounds[3] and "steer note: loop" in rounds[3]
+    assert lines[-1] == "6 rounds, 5 tool calls, 0 failed"
+
+
+def test_the_demo_leaves_no_folder_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --state-dir the demo's state (ledgers, spill files) and its scratch project live in temporary
+    folders, both removed at the end; the demo says so."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = io.StringIO()
+    assert demo(Config(), "chat", Console(file=out, width=120)) == 0
+    words = " ".join(out.getvalue().split())
+    assert "a temporary folder, removed at the end: --state-dir DIR keeps them" in words
+    assert "condensed the bash result for the model" in words, "the scenes that write ran"
+    assert list(scratch.iterdir()) == []
 
 
 @pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
