@@ -2,12 +2,15 @@
 
 Every test runs with ``HOME``, ``XDG_*`` and ``PROXYVISOR_STATE_DIR`` pointing into its own ``tmp_path``, so no
 test can read the developer's configuration or write into their state directory, and a test can check that
-nothing at all was written.
+nothing at all was written. The whole run has a ``TMPDIR`` of its own, which must be empty at the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,28 @@ from helpers import serve_handler
 _LEAKY_ENV = ("PROXYVISOR_CONFIG", "OPENAI_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_ORG_ID",
               "OPENAI_PROJECT_ID", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL",
               "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_litter_in_the_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Points ``TMPDIR`` (ours and every subprocess's) at an empty folder for the whole run, and fails the run if
+    anything is left in it at the end: tests use ``tmp_path``, and the product removes its own temporary folders.
+    pytest's own ``tmp_path`` root is made first, under the real temporary directory, so it is not counted."""
+    tmp_path_factory.getbasetemp()
+    scratch = Path(tempfile.mkdtemp(prefix="proxyvisor-tests-tmpdir-"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(scratch), str(scratch)
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        litter = sorted(p.name for p in scratch.iterdir())
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert litter == [], f"left in the temporary directory by the test run: {litter}"
 
 
 @pytest.fixture(autouse=True)

@@ -34,11 +34,13 @@ FINAL = {"text": "The coder listed the folder."}
 
 
 async def test_claude_code_runs_as_a_child_and_its_evidence_comes_back(tmp_path: Path, scripted_server) -> None:
-    work, home = tmp_path / "work", tmp_path / "claude-home"
-    for folder in (work, home):
+    work, home, tmp = tmp_path / "work", tmp_path / "claude-home", tmp_path / "tmp"
+    for folder in (work, home, tmp):
         folder.mkdir()
     (work / MARKER).write_text("hello\n")
+    # TMPDIR: Claude Code keeps scratch files in a claude-UID folder there, and leaves them.
     env = [f"ANTHROPIC_BASE_URL={scripted_server.url}", "ANTHROPIC_API_KEY=dummy", f"CLAUDE_CONFIG_DIR={home}",
+           f"TMPDIR={tmp}",
            "DISABLE_TELEMETRY=1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1"]
     config = parse({"model_routing": {
         "enabled": True,

@@ -130,9 +130,13 @@ def proxyvisor(ws: Workspace, args: list[str], env: dict[str, str], timeout_s: f
     """Run ``python -m proxyvisor ARGS`` in ``ws.work`` with ``env`` added; fails on a hang.
 
     The run gets its own process group, so a timeout kills ``wrap``'s agent too; ``batch`` runs each agent in a
-    group of its own, so it first gets SIGTERM, on which it stops them.
+    group of its own, so it first gets SIGTERM, on which it stops them. Its ``TMPDIR`` is a folder of the
+    workspace: the agent CLIs keep scratch files there (Claude Code its ``claude-UID`` folder) and leave them.
     """
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)} | env
+    tmp = ws.home / "tmp"
+    tmp.mkdir(exist_ok=True)
+    own = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)}
+    full_env = own | {"TMPDIR": str(tmp)} | env
     proc = subprocess.Popen([sys.executable, "-m", "proxyvisor", *args], cwd=ws.work, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
