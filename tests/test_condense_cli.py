@@ -93,7 +93,8 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
     assert payload["task_context"] == f"Current request: {TASK}" and payload["results"][0]["total_lines"] == 1500
 
 
-def test_the_scripted_condenser_answers_as_in_demo_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_scripted_condenser_answers_as_in_demo_and_replay(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """``api_base = "scripted:"`` is the embedded scripted upstream's fixed condenser policy: no key, no network,
     and the narrowed result keeps the error line verbatim."""
     log = write_log(tmp_path / "build.log")

@@ -286,8 +286,9 @@ def test_delegate_stops_its_child_on_a_signal_before_it_exits(tmp_path: Path, si
     assert not survived, "the child outlived delegate"
     assert process.returncode == 128 + signum and out == ""
     lines = err.splitlines()
-    expected = ["(worker on fixture-cli, model fixture-fast) started", "idle for 0.3 s", f"{signal.Signals(signum).name}: stopping the child",
-                "ignored SIGTERM", "stopped (killed)", f"delegate stopped by {signal.Signals(signum).name}"]
+    name = signal.Signals(signum).name
+    expected = ["(worker on fixture-cli, model fixture-fast) started", "idle for 0.3 s", f"{name}: stopping the child",
+                "ignored SIGTERM", "stopped (killed)", f"delegate stopped by {name}"]
     found = [next((i for i, line in enumerate(lines) if text in line), None) for text in expected]
     assert None not in found and found == sorted(found), err
     assert "Traceback" not in err
