@@ -85,11 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.dedent("""\
             proxyvisor sits between an LLM agent and its model endpoint. It speaks the three wire formats
             agents use (OpenAI Chat Completions, Anthropic Messages, OpenAI Responses), streaming and not.
-            With supervision off it is a byte relay that writes nothing. With it on, it keeps a ledger per
-            session, reads and hides the model's self-report, runs loop / no-progress / recovery detectors
-            and steers with advisory notes, condenses oversized tool output for the model's copy (with a
-            supervisor model configured), and runs delegated child work under per-pool breakers (with
-            [model_routing] enabled).
+            Supervision is on by default: it keeps a ledger per session, reads and hides the model's
+            self-report, runs loop / no-progress / recovery detectors and steers with advisory notes,
+            verifies turn-ending answers (verify-gate) and condenses oversized tool output for the model's
+            copy. With it off (--no-supervision) proxyvisor is a byte relay that writes nothing. Delegated
+            child work under per-pool breakers is separate, off by default ('proxyvisor routing').
             """),
         epilog=textwrap.dedent("""\
             examples:
