@@ -147,6 +147,7 @@ def test_the_sample_trajectory_replays_with_the_loop_detected_and_steered(capsys
     rounds = [line for line in lines if line.startswith("round ")]
     assert len(rounds) == 6 and "fired loop@" not in "".join(rounds[:3])
     assert "fired loop@6" in rounds[3] and "steer note: loop" in rounds[3]
+    assert "state progressing" in rounds[1] and "state need_input" in rounds[5], "its self-reports are valid"
     assert lines[-1] == "6 rounds, 5 tool calls, 0 failed"
 
 
