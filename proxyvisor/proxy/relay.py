@@ -3,10 +3,12 @@
 Bodies are never re-encoded: the request body goes up as received, and the response body comes back as the
 upstream sent it (even a compressed body is passed through with its ``content-encoding``). Server-Sent Event
 streams are forwarded as they arrive, each piece as soon as it is read (what arrived together is forwarded
-together); other bodies are read whole first (so a body cut short becomes a clean 502 instead of a truncated
-200). The one change ever made to a body: an error body that quotes the upstream's configured API key gets
-``[redacted]`` in its place. The client's headers go up as they are, less hop-by-hop ones: nothing is added but
-``host`` and ``content-length``.
+together); other bodies, and every error body (status 400 and above), are read whole first (so a body cut short
+becomes a clean 502 instead of a truncated 200). The one change ever made to a body: an error body that quotes
+the upstream's configured API key gets ``[redacted]`` in its place. A compressed error body is searched decoded
+and, when it quoted the key, relayed decoded (without its ``content-encoding``); one that cannot be decoded
+within :data:`MAX_DECODED_ERROR` is not relayed at all. The client's headers go up as they are, less hop-by-hop
+ones: nothing is added but ``host`` and ``content-length``.
 
 Failures become :class:`UpstreamError` with the status the client should see: 502 for a refused or reset
 connection or a DNS failure, 504 for a first byte later than ``first_byte_timeout_s``. A stream that breaks
@@ -28,6 +30,7 @@ import trio
 
 from ..config import UpstreamConfig
 from .client import Connection, ConnectionPool, ConnectTimeout
+from .codings import UndecodableBody, decode
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -36,16 +39,19 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 _AUTH = frozenset({b"authorization", b"x-api-key", b"api-key"})
 MAX_BUFFERED_BODY = 256 * 1024 * 1024
+MAX_DECODED_ERROR = 16 * 1024 * 1024
+"""The most bytes a compressed error body may decode to for its search for the configured key."""
 # What a broken upstream connection raises: resets and refusals (OSError, including ssl.SSLError and DNS
 # failures), trio's wrappers of them, and h11's verdict on a malformed or truncated message.
 _BROKEN = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 
 
 class UpstreamError(Exception):
-    """The upstream could not be reached or did not answer in time.
+    """The upstream could not be reached, did not answer in time, or answered an error that cannot be relayed.
 
-    ``status`` is what the client should get (502 unreachable or broken, 504 timed out); ``message`` says which
-    upstream and what happened, without any credential.
+    ``status`` is what the client should get (502 unreachable or broken, 504 timed out, the upstream's own
+    status for an error body that cannot be checked for the configured key); ``message`` says which upstream and
+    what happened, without any credential.
     """
 
     def __init__(self, status: int, message: str) -> None:
@@ -189,7 +195,9 @@ class HttpRelay:
         Raises:
             UpstreamError: unreachable or broken before the head (502), no connection within
                 ``connect_timeout_s`` or no head within ``first_byte_timeout_s`` (504), a non-streaming body
-                cut short (502) or stalled for ``idle_timeout_s`` (504).
+                cut short (502) or stalled for ``idle_timeout_s`` (504), an error body in a content coding that
+                cannot be undone within :data:`MAX_DECODED_ERROR` bytes while a key is configured (the
+                upstream's status).
         """
         name = self.upstream.name
         started = time.perf_counter()
@@ -208,7 +216,7 @@ class HttpRelay:
         status = head.status_code
         headers_out = reply_headers(head.headers.raw_items(), status)
         ctype = next((v for k, v in head.headers if k == b"content-type"), b"")
-        if ctype.startswith(b"text/event-stream"):
+        if ctype.startswith(b"text/event-stream") and status < 400:
             return UpstreamReply(status, headers_out, RelayedStream(conn, self.pool, self.upstream.idle_timeout_s),
                                  time.perf_counter() - started)
         parts: list[bytes] = []
@@ -229,8 +237,30 @@ class HttpRelay:
         finally:
             await self.pool.release(conn, complete)
         data = b"".join(parts)
-        if status >= 400 and self.api_key and len(self.api_key) >= 4 and self.api_key.encode() in data:
-            # An upstream quoting the credential back ("Incorrect API key provided: ...") must not hand the key
-            # configured for proxyvisor to its client (the translation path redacts litellm's errors alike).
-            data = data.replace(self.api_key.encode(), b"[redacted]")
+        if status >= 400 and self.api_key and len(self.api_key) >= 4:
+            data, headers_out = self._redacted(status, headers_out, data)
         return UpstreamReply(status, headers_out, data, time.perf_counter() - started)
+
+    def _redacted(self, status: int, headers: Headers, data: bytes) -> tuple[bytes, Headers]:
+        """An error body and its headers with the configured key replaced by ``[redacted]``.
+
+        An upstream quoting the credential back ("Incorrect API key provided: ...") must not hand the key
+        configured for proxyvisor to its client (the translation path redacts litellm's errors alike). A body in a
+        content coding is searched decoded, and only when it holds the key is it relayed decoded, without its
+        ``content-encoding`` (the server sets the new length).
+
+        Raises:
+            UpstreamError: with ``status``, the body is in a coding that cannot be undone within
+                :data:`MAX_DECODED_ERROR` bytes, so it cannot be checked.
+        """
+        key = self.api_key.encode()
+        codings = ", ".join(v.decode("latin-1") for k, v in headers if k.lower() == b"content-encoding")
+        try:
+            plain = decode(data, codings, MAX_DECODED_ERROR)
+        except UndecodableBody as exc:
+            raise UpstreamError(status, f"upstream {self.upstream.name!r} answered {status} with an error body in "
+                                        f"content-encoding {codings!r} that proxyvisor cannot check for its "
+                                        f"configured key ({exc}); not relayed") from None
+        if key not in plain:
+            return data, headers
+        return plain.replace(key, b"[redacted]"), [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
