@@ -97,6 +97,7 @@ class UpstreamConfig:
     connect_timeout_s: float = positive(10.0)
     first_byte_timeout_s: float = positive(600.0)
     idle_timeout_s: float = positive(300.0)
+    keepalive_timeout_s: float = positive(30.0)
     script: str = ""
     chunk_delay_ms: float = 0.0
     model: str = ""

@@ -1,4 +1,5 @@
-"""The upstream side of a flaky or hostile upstream: a compressed error body quoting the configured key.
+"""The upstream side of a flaky or hostile upstream: a compressed error body quoting the configured key, and idle
+kept-alive connections expiring on their own.
 
 What each test pins is listed in ``docs/reliability.md``.
 """
@@ -10,8 +11,10 @@ import os
 import tracemalloc
 import zlib
 
+import h11
 import orjson
 import pytest
+import trio
 
 from proxyvisor.proxy.codings import UndecodableBody, decode
 from proxyvisor.proxy.relay import MAX_DECODED_ERROR
@@ -150,3 +153,92 @@ def test_decoding_a_zip_bomb_stops_at_the_bound_without_inflating_it() -> None:
         tracemalloc.stop()
     assert peak < 3 * limit
     assert decode(gzip.compress(b"x" * limit), "gzip", limit) == b"x" * limit  # exactly the bound is fine
+
+
+# ---- fake upstreams at the connection level ---------------------------------------------------------------------
+
+
+class KeepAlive:
+    """An HTTP/1.1 upstream that answers requests with a small JSON 200 (``delay_s`` before each answer) and keeps
+    its connections open, never sending ``Connection: close``. With ``answers``, it answers that many requests on
+    a connection and then drops it when the next one arrives, without a byte of response, as providers and load
+    balancers drop a connection they consider idle just as a request crosses the close (with ``half_head``, it
+    sends half a status line first). Counts connections opened and open now, requests received and answered."""
+
+    def __init__(self, delay_s: float = 0.0, answers: int | None = None, half_head: bool = False) -> None:
+        self.delay_s, self.answers, self.half_head = delay_s, answers, half_head
+        self.opened = self.open = self.requests = self.answered = 0
+        self.all_closed = trio.Event()
+
+    async def __call__(self, stream: trio.SocketStream) -> None:
+        self.opened += 1
+        self.open += 1
+        conn = h11.Connection(h11.SERVER)
+        answered = 0
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    conn.receive_data(data)
+                elif isinstance(event, h11.EndOfMessage):
+                    self.requests += 1
+                    if answered == self.answers:
+                        if self.half_head:
+                            await stream.send_all(b"HTTP/1.1 2")
+                        return
+                    await trio.sleep(self.delay_s)
+                    answered += 1
+                    self.answered += 1
+                    body = b'{"n":%d}' % self.answered
+                    await stream.send_all(conn.send(h11.Response(status_code=200, headers=[
+                        *_JSON, (b"content-length", b"%d" % len(body))])) + conn.send(h11.Data(data=body))
+                        + conn.send(h11.EndOfMessage()))
+                    conn.start_next_cycle()
+                elif isinstance(event, h11.ConnectionClosed):
+                    return
+        except (trio.BrokenResourceError, h11.ProtocolError):
+            return
+        finally:
+            self.open -= 1
+            if not self.open:
+                self.all_closed.set()
+            await trio.aclose_forcefully(stream)
+
+
+async def serve_raw(nursery: trio.Nursery, handler: KeepAlive) -> str:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(trio.serve_listeners, handler, listeners)
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+# ---- idle upstream connections -------------------------------------------------------------------------------
+
+
+@MODES
+async def test_idle_upstream_connections_are_closed_on_time_without_another_request(supervised: bool,
+                                                                                   start_proxy) -> None:
+    upstream = KeepAlive(delay_s=0.1)
+    keepalive_s = 0.3
+    async with trio.open_nursery() as nursery:
+        url = await serve_raw(nursery, upstream)
+        async with start_proxy(supervised=supervised, upstream_url=url,
+                               upstream={"keepalive_timeout_s": keepalive_s}) as rp:
+            async with http_client() as client:
+                async def one(fmt: str) -> None:
+                    reply = await client.post(rp.url + path_of(fmt), content=orjson.dumps(request_body(fmt)),
+                                              headers={"content-type": "application/json"})
+                    assert reply.status_code == 200
+
+                async with trio.open_nursery() as burst:
+                    for n in range(12):
+                        burst.start_soon(one, FORMATS[n % 3])
+            assert upstream.opened >= 6 and upstream.open == upstream.opened  # all kept alive after the burst
+            burst_done = trio.current_time()
+            with trio.fail_after(keepalive_s + 2):
+                await upstream.all_closed.wait()
+            assert trio.current_time() - burst_done >= keepalive_s - 0.05  # kept for reuse meanwhile
+            assert upstream.requests == 12  # no request was needed to close them
+        nursery.cancel_scope.cancel()

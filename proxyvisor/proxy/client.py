@@ -16,7 +16,6 @@ the caller maps them to what its client should see.
 from __future__ import annotations
 
 import ssl
-import time
 from urllib.parse import urlsplit
 
 import h11
@@ -102,8 +101,10 @@ class Connection:
 class ConnectionPool:
     """Keep-alive connections to one origin (``http://`` or ``https://`` host and port of ``url``).
 
-    At most ``max_idle`` idle connections are kept, each for at most ``idle_expiry_s``; there is no cap on
-    connections in use. Create and use inside one trio run; close with :meth:`aclose`.
+    At most ``max_idle`` idle connections are kept, each for at most ``idle_expiry_s`` seconds: :meth:`expire_idle`,
+    run in the nursery that owns the pool, closes each as its time is up (without it, expired connections are
+    closed only when a request next looks for one). There is no cap on connections in use. Create and use inside
+    one trio run; close with :meth:`aclose`.
     """
 
     def __init__(self, url: str, connect_timeout_s: float, max_idle: int = 256, idle_expiry_s: float = 30.0,
@@ -123,6 +124,8 @@ class ConnectionPool:
         self.idle_expiry_s = idle_expiry_s
         self.ssl_context = (ssl_context or tls_context()) if self.https else None
         self._idle: list[Connection] = []
+        """Oldest first: released connections are appended and taken from the end."""
+        self._went_idle = trio.Event()
         self._closed = False
 
     async def _connect(self) -> Connection:
@@ -143,7 +146,7 @@ class ConnectionPool:
         return Connection(stream)
 
     async def _acquire(self) -> Connection:
-        now = time.monotonic()
+        now = trio.current_time()
         while self._idle:
             conn = self._idle.pop()
             if now - conn.idle_since < self.idle_expiry_s and not conn.stale():
@@ -186,10 +189,22 @@ class ConnectionPool:
         """Keep ``conn`` for reuse when its exchange ``completed`` cleanly and both sides allow it; else close it."""
         if completed and not self._closed and conn.reusable and len(self._idle) < self.max_idle:
             conn.h11.start_next_cycle()
-            conn.idle_since = time.monotonic()
+            conn.idle_since = trio.current_time()
             self._idle.append(conn)
+            self._went_idle.set()
         else:
             await trio.aclose_forcefully(conn.stream)
+
+    async def expire_idle(self) -> None:
+        """Close each idle connection once it has been idle for ``idle_expiry_s``; runs until cancelled."""
+        while True:
+            if not self._idle:
+                self._went_idle = trio.Event()
+                await self._went_idle.wait()
+            elif trio.current_time() < (expiry := self._idle[0].idle_since + self.idle_expiry_s):
+                await trio.sleep_until(expiry)
+            else:
+                await trio.aclose_forcefully(self._idle.pop(0).stream)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -180,8 +180,13 @@ class HttpRelay:
         self.api_key = api_key
         self.prefix = urlsplit(self.base).path
         """The upstream URL's path, put before each request's target (``/openai`` in ``https://h/openai/v1``)."""
-        self.pool = ConnectionPool(self.base, upstream.connect_timeout_s, max_idle=256, idle_expiry_s=30.0,
-                                   ssl_context=ssl_context)
+        self.pool = ConnectionPool(self.base, upstream.connect_timeout_s, max_idle=256,
+                                   idle_expiry_s=upstream.keepalive_timeout_s, ssl_context=ssl_context)
+
+    async def expire_idle(self) -> None:
+        """Close idle upstream connections as they expire (``keepalive_timeout_s``); runs until cancelled, in the
+        nursery that owns the relay."""
+        await self.pool.expire_idle()
 
     async def aclose(self) -> None:
         await self.pool.aclose()

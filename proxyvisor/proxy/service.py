@@ -117,6 +117,8 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
             urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
         relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
+        for relay in relays.values():
+            nursery.start_soon(relay.expire_idle)
         route = SUPPLIED
         if model is None:
             route = LITELLM
