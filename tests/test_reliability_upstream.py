@@ -1,5 +1,5 @@
-"""The upstream side of a flaky or hostile upstream: a compressed error body quoting the configured key, and idle
-kept-alive connections expiring on their own.
+"""The upstream side of a flaky or hostile upstream: a compressed error body quoting the configured key, idle
+kept-alive connections expiring on their own, and kept-alive connections the upstream dropped without a word.
 
 What each test pins is listed in ``docs/reliability.md``.
 """
@@ -241,4 +241,52 @@ async def test_idle_upstream_connections_are_closed_on_time_without_another_requ
                 await upstream.all_closed.wait()
             assert trio.current_time() - burst_done >= keepalive_s - 0.05  # kept for reuse meanwhile
             assert upstream.requests == 12  # no request was needed to close them
+        nursery.cancel_scope.cancel()
+
+
+# ---- kept-alive connections the upstream dropped -----------------------------------------------------------------
+
+
+@MODES
+async def test_a_kept_alive_connection_the_upstream_dropped_is_retried_once_on_a_fresh_one(
+        supervised: bool, start_proxy) -> None:
+    """Sequential requests, each but the first on the connection the one before left, which the upstream drops
+    as the request arrives: every one is answered, each sent once more on a fresh connection."""
+    upstream = KeepAlive(answers=1)
+    n = 200
+    async with trio.open_nursery() as nursery:
+        url = await serve_raw(nursery, upstream)
+        async with start_proxy(supervised=supervised, upstream_url=url) as rp, http_client() as client:
+            statuses = []
+            for i in range(n):
+                fmt = FORMATS[i % 3]
+                reply = await client.post(rp.url + path_of(fmt), content=orjson.dumps(request_body(fmt)),
+                                          headers={"content-type": "application/json"})
+                statuses.append(reply.status_code)
+        nursery.cancel_scope.cancel()
+    assert statuses.count(200) == n, [s for s in statuses if s != 200][:5]
+    assert (upstream.answered, upstream.requests, upstream.opened) == (n, 2 * n - 1, n)
+
+
+@MODES
+async def test_a_fresh_connections_failure_and_a_half_sent_response_are_never_retried(
+        supervised: bool, start_proxy) -> None:
+    async with trio.open_nursery() as nursery:
+        hangs_up = KeepAlive(answers=0)
+        hangs_up_url = await serve_raw(nursery, hangs_up)
+        half = KeepAlive(answers=1, half_head=True)
+        half_url = await serve_raw(nursery, half)
+        async with start_proxy(supervised=supervised, upstream_url=hangs_up_url) as rp, http_client() as client:
+            reply = await client.post(rp.url + path_of("chat"), content=orjson.dumps(request_body("chat")),
+                                      headers={"content-type": "application/json"})
+            # A fresh connection closed without an answer: a real error, never resent.
+            assert reply.status_code == 502 and (hangs_up.requests, hangs_up.opened) == (1, 1)
+        async with start_proxy(supervised=supervised, upstream_url=half_url) as rp, http_client() as client:
+            statuses = []
+            for _ in range(2):
+                reply = await client.post(rp.url + path_of("chat"), content=orjson.dumps(request_body("chat")),
+                                          headers={"content-type": "application/json"})
+                statuses.append(reply.status_code)
+            # The second request, on the reused connection, got a response byte: a real error, never resent.
+            assert statuses == [200, 502] and (half.requests, half.answered, half.opened) == (2, 1, 1)
         nursery.cancel_scope.cancel()

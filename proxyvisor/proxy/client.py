@@ -10,11 +10,14 @@ come back as one piece, so a burst costs one write to the client, not one per ch
 It sends exactly the headers it is given, plus ``host`` and ``content-length``: nothing like httpx's default
 ``accept-encoding`` or ``user-agent`` is added. Errors are raised as they occur (``OSError``, including
 ``ssl.SSLError`` and DNS failures, ``trio.BrokenResourceError``, ``h11.ProtocolError``, :class:`ConnectTimeout`);
-the caller maps them to what its client should see.
+the caller maps them to what its client should see. The one exception: a kept-alive connection that the upstream
+closed while it sat idle (providers and load balancers drop them without a ``Connection: close``) fails before
+any byte of the response; such a request is sent once more on a fresh connection (:meth:`ConnectionPool.request`).
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
 from urllib.parse import urlsplit
 
@@ -22,10 +25,14 @@ import h11
 import trio
 
 Headers = list[tuple[bytes, bytes]]
+log = logging.getLogger("proxyvisor.upstream")
 
 _READ_SIZE = 256 * 1024
 """Bytes asked of the socket per read: a 77 KB body in one or two reads, not five."""
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+# How a connection the upstream closed shows itself: a reset or a broken pipe, or h11 seeing the end of the
+# stream where a response should start.
+_DROPPED = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError)
 
 
 class ConnectTimeout(Exception):
@@ -42,21 +49,32 @@ def tls_context() -> ssl.SSLContext:
 
 
 class Connection:
-    """One upstream connection and its h11 state; :meth:`next_piece` reads a response body as it arrives."""
+    """One upstream connection and its h11 state; :meth:`next_piece` reads a response body as it arrives.
 
-    __slots__ = ("stream", "h11", "idle_since")
+    ``exchanges`` counts the requests it completed (a connection with some is a reused one); ``received`` the
+    bytes it read since its current request was sent; ``idle_since`` is the trio time it went idle.
+    """
+
+    __slots__ = ("stream", "h11", "idle_since", "exchanges", "received")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
+        self.exchanges = 0
+        self.received = 0
+
+    async def _receive(self) -> None:
+        data = await self.stream.receive_some(_READ_SIZE)
+        self.received += len(data)
+        self.h11.receive_data(data)
 
     async def _event(self) -> object:
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            self.h11.receive_data(await self.stream.receive_some(_READ_SIZE))
+            await self._receive()
 
     async def response(self) -> h11.Response:
         """The response head, past any 1xx. Raises h11.RemoteProtocolError when the upstream hangs up first."""
@@ -77,7 +95,7 @@ class Connection:
             if event is h11.NEED_DATA:
                 if parts:
                     return b"".join(parts), False
-                self.h11.receive_data(await self.stream.receive_some(_READ_SIZE))
+                await self._receive()
             elif isinstance(event, h11.Data):
                 parts.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -159,36 +177,53 @@ class ConnectionPool:
         """Send a request (head and body in one write) and wait for the response head.
 
         Returns the connection, positioned at the response body (read it with :meth:`Connection.next_piece`,
-        then hand it back with :meth:`release`), and the head. On any error or cancellation the connection is
-        closed and the error propagates.
+        then hand it back with :meth:`release`), and the head. A reused connection that breaks before any byte
+        of the response arrived (the upstream had closed it while it sat idle) is closed and the request sent
+        once more on a fresh connection; a fresh connection's failure, and any failure after a response byte,
+        propagate. On any error or cancellation the connection is closed and the error propagates.
         """
+        head = [(b"host", self.host_header), *headers]
+        if body or method in _BODY_METHODS:
+            head.append((b"content-length", b"%d" % len(body)))
+        request = h11.Request(method=method, target=target, headers=head)
         conn = await self._acquire()
-        try:
-            head = [(b"host", self.host_header), *headers]
-            if body or method in _BODY_METHODS:
-                head.append((b"content-length", b"%d" % len(body)))
-            data = conn.h11.send(h11.Request(method=method, target=target, headers=head))
-            if body:
-                data += conn.h11.send(h11.Data(data=body))
-            data += conn.h11.send(h11.EndOfMessage())
+        while True:
             try:
-                await conn.stream.send_all(data)
-            except trio.BrokenResourceError as exc:
-                # An upstream may answer early (a 413, say) and close before reading the whole body: relay that
-                # answer if there is one, as httpx does, rather than a bare "connection reset".
-                try:
-                    return conn, await conn.response()
-                except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise exc from None
-            return conn, await conn.response()
-        except BaseException:
-            await trio.aclose_forcefully(conn.stream)
-            raise
+                return conn, await self._exchange(conn, request, body)
+            except _DROPPED as exc:
+                await trio.aclose_forcefully(conn.stream)
+                if not conn.exchanges or conn.received:
+                    raise
+                log.debug("upstream %s:%d had closed a kept-alive connection (%s); sending the request again on "
+                          "a fresh one", self.host, self.port, type(exc).__name__)
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
+            conn = await self._connect()
+
+    @staticmethod
+    async def _exchange(conn: Connection, request: h11.Request, body: bytes) -> h11.Response:
+        conn.received = 0
+        data = conn.h11.send(request)
+        if body:
+            data += conn.h11.send(h11.Data(data=body))
+        data += conn.h11.send(h11.EndOfMessage())
+        try:
+            await conn.stream.send_all(data)
+        except trio.BrokenResourceError as exc:
+            # An upstream may answer early (a 413, say) and close before reading the whole body: relay that
+            # answer if there is one, as httpx does, rather than a bare "connection reset".
+            try:
+                return await conn.response()
+            except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                raise exc from None
+        return await conn.response()
 
     async def release(self, conn: Connection, completed: bool) -> None:
         """Keep ``conn`` for reuse when its exchange ``completed`` cleanly and both sides allow it; else close it."""
         if completed and not self._closed and conn.reusable and len(self._idle) < self.max_idle:
             conn.h11.start_next_cycle()
+            conn.exchanges += 1
             conn.idle_since = trio.current_time()
             self._idle.append(conn)
             self._went_idle.set()
