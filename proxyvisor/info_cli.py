@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.client
 import sys
 import textwrap
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import orjson
 
 from .cli import _FILES, session_id_arg
 from .config import Config
 
 _TIMEOUT_S = 5.0
-"""How long to wait for the proxy (seconds); an /info that prices a long ledger may import litellm first."""
+"""How long to wait for the proxy (seconds) to connect and for each read of its answer."""
 
 _ASKED = """\
 where the answer comes from:
@@ -81,8 +81,10 @@ _INFO_HELP = textwrap.dedent("""\
     steer notes by signal; verify-gate runs, passes, gaps, nudges, re-entries, refutations and turn
     outcomes (verified, unknown, failed, unverified); condensed tool results and the input tokens they
     saved; planner calls; supervisor model calls by purpose with their tokens and cost; upstream tokens
-    and their cost (litellm's cost map, priced when shown; a model it does not price counts $0 and is
-    named); and the proxy's overhead per request (total, mean, median, max; milliseconds).
+    and their cost (litellm's cost map, priced when shown; a model it does not price is named, "price
+    unknown", and the built-in scripted model's answers are never priced); and the proxy overhead per
+    request (total, mean, median, max; milliseconds): the time proxyvisor itself added, without the
+    time spent waiting for the upstream and for supervisor model calls.
 
     Everything is summed from the session's ledger, so a session of a stopped proxy shows the same.
     --json prints the object that GET /proxyvisor/sessions/SESSION/info returns (the schema is in
@@ -149,13 +151,14 @@ class _Refused(Exception):
 
 
 class _Proxy:
-    """The running proxy's session endpoints; :meth:`get` returns None when nothing (or no proxyvisor) answers."""
+    """The running proxy's session endpoints; :meth:`get` returns None when nothing (or no proxyvisor) answers.
+    http.client, not an HTTP library: a command that must answer in a fraction of a second cannot spend a fifth of
+    one importing it; and never through a proxy of the environment (the address is the proxy's own)."""
 
     def __init__(self, url: str, config: Config) -> None:
         token = config.proxy.auth_token
         self.url = url
-        self.client = httpx.Client(base_url=url, timeout=_TIMEOUT_S, trust_env=False,
-                                   headers={"x-proxyvisor-auth": token} if token else {})
+        self.headers = {"x-proxyvisor-auth": token} if token else {}
 
     def get(self, path: str, probe: bool = False) -> dict[str, Any] | None:
         """The JSON object at ``path``; None when nothing answers or the answer is not JSON (not proxyvisor),
@@ -164,16 +167,22 @@ class _Proxy:
         Raises:
             _Refused: the proxy answered with an error (its message; 404 for an unknown session).
         """
+        url = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(url.hostname or "", url.port, timeout=_TIMEOUT_S)
         try:
-            reply = self.client.get(path)
-            body = reply.json()
-        except (httpx.TransportError, ValueError):
+            connection.request("GET", path, headers=self.headers)
+            reply = connection.getresponse()
+            status, body = reply.status, orjson.loads(reply.read())
+        except (OSError, http.client.HTTPException, orjson.JSONDecodeError):
             return None
-        if not isinstance(body, dict) or (probe and reply.status_code not in (200, 401)):
+        finally:
+            connection.close()
+        if not isinstance(body, dict) or (probe and status not in (200, 401)):
             return None
-        if reply.status_code != 200:
+        if status != 200:
             error = body.get("error")
-            raise _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {reply.status_code}")
+            raise _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {status}")
         return body
 
 
@@ -185,17 +194,16 @@ def _ask(args: argparse.Namespace, config: Config, what: str) -> tuple[str | Non
     """
     url = _base_url(args, config)
     proxy = _Proxy(url, config)
-    with proxy.client:
-        listing = proxy.get("/proxyvisor/sessions", probe=True)
-        if listing is None or not isinstance(listing.get("sessions"), list):
-            return args.session, None, url
-        session = args.session or next((s.get("id") for s in listing["sessions"] if isinstance(s, dict)), None)
-        if session is None:
-            raise _Refused(f"the proxy at {url} has no sessions yet")
-        answer = proxy.get(f"/proxyvisor/sessions/{session}/{what}")
-        if answer is None:
-            raise _Refused(f"the proxy at {url} stopped answering")
-        return session, answer, url
+    listing = proxy.get("/proxyvisor/sessions", probe=True)
+    if listing is None or not isinstance(listing.get("sessions"), list):
+        return args.session, None, url
+    session = args.session or next((s.get("id") for s in listing["sessions"] if isinstance(s, dict)), None)
+    if session is None:
+        raise _Refused(f"the proxy at {url} has no sessions yet")
+    answer = proxy.get(f"/proxyvisor/sessions/{session}/{what}")
+    if answer is None:
+        raise _Refused(f"the proxy at {url} stopped answering")
+    return session, answer, url
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import trio
 
-from .config import Config
+from .config import Config, default_config_path
 from .proxy.server import CannotListen
 from .proxy.service import RunningProxy, running, tune_gc
 from .supervisor_model import describe, key_warning
@@ -15,12 +15,18 @@ from .supervisor_model import describe, key_warning
 
 def start_notices(config: Config) -> list[str]:
     """The lines ``serve`` and ``wrap`` print on stderr as they start, before anything else: each upstream that is
-    the embedded scripted model, so no one takes its answers for a real model's, and a supervisor key variable that
-    is not set (:func:`proxyvisor.supervisor_model.key_warning`)."""
-    notices = [f"proxyvisor: upstream{'' if len(config.upstreams) == 1 else ' ' + u.name}: the built-in scripted "
-               "model (no key, no network): answers are not a real model's; set "
-               f"[upstreams.{u.name}] url to use a real one (README: Use it with your agent)"
-               for u in config.upstreams if u.scripted]
+    the embedded scripted model, so no one takes its answers for a real model's, with how to configure a real one
+    (the config file to write, and the one in use), and a supervisor key variable that is not set
+    (:func:`proxyvisor.supervisor_model.key_warning`)."""
+    scripted = [u.name for u in config.upstreams if u.scripted]
+    notices = [f"proxyvisor: upstream{'' if len(config.upstreams) == 1 else ' ' + name}: the built-in scripted model "
+               "(no key, no network): answers are not a real model's" for name in scripted]
+    if scripted:
+        where = "the built-in defaults" if config.source == Config.source else config.source
+        tables = ", ".join(f"[upstreams.{name}]" for name in scripted)
+        notices.append(f"proxyvisor:   for a real model, replace {tables} in a config file (--config FILE, or "
+                       f"{default_config_path()}; in use: {where}) with your upstream, e.g. [upstreams.anthropic] "
+                       'url = "https://api.anthropic.com", formats = ["messages"] (README: Use it with your agent)')
     warning = key_warning(config.supervisor.model) if config.supervisor.enabled else None
     return notices + ([f"proxyvisor: warning: {warning}"] if warning else [])
 

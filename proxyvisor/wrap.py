@@ -16,8 +16,10 @@ import trio
 
 from .agents import agent_command
 from .config import Config
+from .proxy.info import counts_text, plural, summarize, supervisor_text, upstream_cost
 from .proxy.service import RunningProxy, running, tune_gc
 from .proxy.sessions import SESSION_ID
+from .store import LedgerError
 from .serve import start_notices, stop_notices
 from .supervisor_model import describe
 
@@ -42,13 +44,51 @@ def agent_invocation(proxy_url: str, session: str, cmd: list[str],
     return agent_command(cmd, env["OPENAI_BASE_URL"], env)
 
 
-def summary(proxy: RunningProxy, session: str) -> str:
-    s = proxy.pipeline.sessions.get(session)
-    if s is None:
-        return f"proxyvisor: session {session}: no model requests seen"
-    return (f"proxyvisor: session {session}: {s.requests} requests ({', '.join(sorted(s.formats))}), "
-            f"{s.input_tokens} input / {s.output_tokens} output tokens, {s.errors} errors, "
-            f"proxy overhead {s.overhead_ms:.1f} ms in all")
+def summary(proxy: RunningProxy, session: str) -> list[str]:
+    """The lines ``wrap`` prints at exit for ``session`` of ``proxy``. With supervision on, from the session's
+    ledger (:func:`proxyvisor.proxy.info.summarize`): model requests, errors and tool rounds, upstream tokens and
+    cost, what supervision did (self-reports, detector fires and steer notes by signal, gate outcomes, condensed
+    results and tokens saved, supervisor model calls with tokens, cost and time) and the proxy overhead; the
+    questions proxyvisor answered itself (``/info``, ``/plan``). With it off, the in-memory counts of the byte
+    relay: requests, errors, overhead."""
+    head = f"proxyvisor: session {session}:"
+    store = proxy.pipeline.store
+    if not proxy.pipeline.supervised or store is None or store.ledger_off is not None:
+        why = "supervision off: nothing read or written" if not proxy.pipeline.supervised \
+            else "the ledger is off: counted in memory"
+        s = proxy.pipeline.sessions.get(session)
+        if s is None or not s.requests:
+            return [f"{head} no model requests seen ({why})"]
+        return [f"{head} {plural(s.requests, 'model request')} ({', '.join(sorted(s.formats))}), "
+                f"{plural(s.errors, 'error')}; proxy overhead {s.overhead_ms:,.1f} ms in all ({why})"]
+    try:
+        lines = store.read_ledger(session)
+    except LedgerError as exc:
+        return [f"{head} {exc}"]
+    info = summarize(lines)
+    local = info["local"]
+    answered = (f"{plural(sum(local.values()), 'question')} answered by proxyvisor itself ({counts_text(local)})"
+                if local else "")
+    if not info["requests"]:
+        return [f"{head} no model requests" + (f"; {answered}" if answered else " seen")]
+    formats = sorted({line["format"] for line in lines if isinstance(line.get("format"), str) and
+                      not isinstance(line.get("local"), str)})
+    up, gate, over = info["upstream"], info["gate"], info["overhead_ms"]
+    out = [f"{head} {plural(info['requests'], 'model request')} ({', '.join(formats)}), "
+           f"{plural(info['errors'], 'error')}, {plural(info['tool_rounds'], 'tool round')}; upstream "
+           f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens, {upstream_cost(up)}"
+           + (f"; {answered}" if answered else "")]
+    detectors = info["detectors"]
+    gate_text = "did not run" if not gate["runs"] else (
+        f"{plural(gate['runs'], 'run')}, outcomes {counts_text(gate['outcomes'])}")
+    out.append(f"proxyvisor:   self-reports {counts_text(info['self_report']['by_status'])}; detector fires "
+               f"{counts_text(detectors['fires'])}; steer notes {counts_text(detectors['steers'])}")
+    out.append(f"proxyvisor:   verify-gate {gate_text}; condensed {plural(info['condense']['results'], 'result')}, "
+               f"saved {plural(info['condense']['saved_tokens'], 'token')}; supervisor model "
+               f"{supervisor_text(info['supervisor_model'])}")
+    out.append(f"proxyvisor:   proxy overhead {over['total']:,.1f} ms in all (mean {over['mean']:,.1f}, max "
+               f"{over['max']:,.1f} ms a request; upstream and supervisor model time left out)")
+    return out
 
 
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
@@ -77,8 +117,8 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
             nursery.start_soon(forward_signals)
             await process.wait()
             nursery.cancel_scope.cancel()
-        if not quiet and config.supervisor.enabled:
-            print(summary(proxy, session), file=sys.stderr)
+        if not quiet:
+            print("\n".join(summary(proxy, session)), file=sys.stderr)
         for notice in stop_notices(proxy):
             print(notice, file=sys.stderr)
         code = process.returncode

@@ -16,7 +16,7 @@ from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.detectors.selfreport import ReportOutcome, SelfReport
 from proxyvisor.proxy.condensing import Condensed, CondenseRecord
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
-from proxyvisor.proxy.info import ledger_fields, litellm_price, render_text, summarize
+from proxyvisor.proxy.info import ledger_fields, render_text, summarize
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.supervise import ModelUse, RequestRecord
 from proxyvisor.store import Store
@@ -36,13 +36,14 @@ LINES: list[dict[str, Any]] = [
      "input_tokens": 2000, "output_tokens": 50, "overhead_ms": 3.0, "tool_round": True,
      "report": {"status": "ok", "state": "progressing"}, "signals": ["loop", "no_progress"], "steer": "loop",
      "condensed": {"results": 1, "saved_tokens": 900},
-     "supervisor_model": {"calls": {"condense": 1}, "input_tokens": 400, "output_tokens": 20, "cost_usd": 0.01}},
+     "supervisor_model": {"calls": {"condense": 1}, "input_tokens": 400, "output_tokens": 20, "cost_usd": 0.01,
+                          "time_ms": 120.0}},
     {"time": "2026-01-01T00:00:02.000+00:00", "format": "chat", "model": "local-llm", "status": 200,
      "input_tokens": 10, "output_tokens": 5, "overhead_ms": 2.0, "tool_round": True,
      "report": {"status": "ok", "state": "done"}, "signals": ["loop"], "condensed": {"results": 0, "saved_tokens": 900},
      "gate": GATE,
      "supervisor_model": {"calls": {"verify": 2, "plan": 1}, "input_tokens": 100, "output_tokens": 10,
-                          "cost_usd": 0.005}},
+                          "cost_usd": 0.005, "time_ms": 30.5}},
     {"time": "2026-01-01T00:00:03.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 529,
      "input_tokens": None, "output_tokens": None, "overhead_ms": 0.5, "error": "overloaded",
      "gate": {"verdicts": ["unavailable"], "decided_by": ["model"], "outcome": "unverified", "passed": False}},
@@ -75,7 +76,8 @@ def test_summarize_sums_every_counter_of_a_session() -> None:
     assert info["condense"] == {"results": 1, "saved_tokens": 1800}
     assert info["planner_calls"] == 1
     assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,
-                                        "input_tokens": 500, "output_tokens": 30, "cost_usd": pytest.approx(0.015)}
+                                        "input_tokens": 500, "output_tokens": 30, "cost_usd": pytest.approx(0.015),
+                                        "time_ms": 150.5}
     up = info["upstream"]
     assert (up["input_tokens"], up["output_tokens"]) == (3010, 155)
     assert up["cost_usd"] == pytest.approx(3000e-6 + 150 * 2e-6)  # local-llm is not priced: 0, and named
@@ -91,7 +93,7 @@ def test_an_empty_ledger_sums_to_zero_and_prices_nothing() -> None:
     info = summarize([], no_price)
     assert info["requests"] == 0 and info["first"] is None
     assert info["upstream"] == {"input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0, "cost_known": True,
-                                "unpriced": []}
+                                "unpriced": [], "scripted_requests": 0}
     assert info["overhead_ms"] == {"total": 0.0, "mean": 0.0, "p50": 0.0, "max": 0.0}
     assert "none" in render_text(info)
 
@@ -105,11 +107,6 @@ def test_an_unpriced_model_is_asked_once() -> None:
 
     summarize(LINES + [LINES[2]] * 3, counting)
     assert asked == {"gpt-4o-mini": 2, "local-llm": 1}
-
-
-def test_litellm_prices_known_models_and_not_unknown_ones() -> None:
-    assert litellm_price("gpt-4o-mini", 1_000_000, 0) == pytest.approx(0.15)
-    assert litellm_price("scripted-model", 1000, 10) is None
 
 
 def test_turns_are_counted_by_what_decided_their_last_pass() -> None:
@@ -138,7 +135,7 @@ def test_render_text_is_a_table_with_every_counter() -> None:
     assert rows["condensed"] == "results 1 · saved 1,800 tokens"
     assert rows["planner calls"] == "1"
     assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out")
-    assert rows["upstream"] == "3,010 in / 155 out tokens · $0.0033 (not priced: local-llm)"
+    assert rows["upstream"] == "3,010 in / 155 out tokens · $0.0033 + price unknown for local-llm"
     assert rows["proxy overhead"] == "total 15.5 ms · mean 3.1 · p50 2.0 · max 9.0 ms"
 
 
@@ -149,12 +146,13 @@ def test_ledger_fields_of_a_request_record() -> None:
     narrowed = Decision("short", "condensed", 900, 100, 3, 90)
     record.condense = CondenseRecord([Condensed("c1", "bash", narrowed), Condensed("c2", "bash", whole)], new=2,
                                      applied=2, saved_tokens=1500)
-    record.model = ModelUse(Counter({"verify": 1}), 100, 20, 0.5)
+    record.model = ModelUse(Counter({"verify": 1}), 100, 20, 0.5, time_s=0.25)
     record.gate = GATE
     assert ledger_fields(record, True) == {
         "tool_round": True, "report": {"status": "ok", "state": "done"}, "signals": [LOOP, LOOP, "no_progress"],
         "steer": LOOP, "condensed": {"results": 1, "saved_tokens": 1500},
-        "supervisor_model": {"calls": {"verify": 1}, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.5},
+        "supervisor_model": {"calls": {"verify": 1}, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.5,
+                             "time_ms": 250.0},
         "gate": GATE}
     # Nothing to say: only the tool round; a malformed report has no state.
     bare = RequestRecord(report=ReportOutcome("malformed", error="bad"))
@@ -199,8 +197,10 @@ async def test_a_real_run_writes_what_supervision_did_and_info_sums_it(tmp_path:
     assert (info["requests"], info["tool_rounds"], info["errors"]) == (4, 3, 0)
     assert info["detectors"] == {"fires": {LOOP: 1}, "steers": {LOOP: 1}}
     assert info["self_report"]["by_state"] == {"progressing": 4}
-    assert info["upstream"] == {"input_tokens": 400, "output_tokens": 40, "cost_usd": 0.0, "cost_known": False,
-                                "unpriced": [MODEL]}
+    # The built-in scripted model answered: its tokens count, and are never priced under the client's model name.
+    assert all(line["scripted"] is True for line in lines)
+    assert info["upstream"] == {"input_tokens": 400, "output_tokens": 40, "cost_usd": 0.0, "cost_known": True,
+                                "unpriced": [], "scripted_requests": 4}
     # The endpoint gives the same sum, with the in-memory counters.
     assert {k: v for k, v in listing.items() if k not in ("session", "live")} == orjson.loads(orjson.dumps(info))
     assert listing["session"] == "poller" and listing["live"]["requests"] == 4

@@ -117,8 +117,9 @@ def load_script(path: str | Path) -> list[dict[str, Any]]:
 def turn_of(step: dict[str, Any]) -> AssistantTurn:
     calls = [ToolCall(c["name"], freeform_arguments(c["name"], c["input"]), c.get("id", ""), "custom") if "input" in c
              else ToolCall(c["name"], args_of(c.get("arguments")), c.get("id", "")) for c in step.get("tool_calls") or ()]
-    return AssistantTurn(step.get("text", ""), tuple(calls), int(step.get("input_tokens", 0)),
-                         int(step.get("output_tokens", 0)))
+    tokens_in, tokens_out = step.get("input_tokens"), step.get("output_tokens")
+    return AssistantTurn(step.get("text", ""), tuple(calls), None if tokens_in is None else int(tokens_in),
+                         None if tokens_out is None else int(tokens_out))
 
 
 def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
@@ -251,7 +252,7 @@ class ScriptedUpstream:
             turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
-        if not turn.input_tokens:
+        if turn.input_tokens is None:
             turn = dataclasses.replace(turn, input_tokens=max(1, len(request.body) // 4))
         model = _model(body)
         if fault.get("truncate_body"):

@@ -17,8 +17,8 @@ in the request's format, streamed or not, without calling the model (issue 4, "/
   thread is the one the request's history belongs to, else the session's most recently used one (a new
   conversation asking ``/plan`` in the same session).
 
-The answer is one ledger line with ``"local": COMMAND``, status 200 and 0 tokens, which ``/info`` does not count
-as a model request. Earlier command exchanges (the command message and the assistant message right after it)
+The answer reports zero usage (no model ran: a client that prices usage must see no cost) and is one ledger line
+with ``"local": COMMAND``, status 200 and 0 tokens, which ``/info`` does not count as a model request. Earlier command exchanges (the command message and the assistant message right after it)
 are removed from the history of every later request before supervision reads it (:func:`strip_exchanges`), so
 the model never sees them; the agent keeps them in its own history. With supervision disabled (the byte relay)
 nothing is parsed, so commands are not intercepted: the model gets them like any other message.
@@ -168,8 +168,8 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
 
 
 async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float) -> dict[str, Any]:
-    """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger is read from disk and
-    pricing may import litellm), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`).
+    """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger and the cost map are
+    read from disk), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`).
 
     Raises:
         LedgerError: the session's ledger exists but cannot be read.
@@ -190,7 +190,7 @@ async def answer(command: str, fmt: WireFormat, body: dict[str, Any], session: S
         strip_exchanges(fmt, stripped)
         text = plan_json(session.id, session, thread_for(session, fmt, stripped))["text"]
     model = body["model"] if isinstance(body.get("model"), str) else "proxyvisor"
-    turn = AssistantTurn(text)
+    turn = AssistantTurn(text, input_tokens=0, output_tokens=0)  # no model ran: a client must not price it
     if not body.get("stream"):
         return Response(200, list(_JSON), orjson.dumps(fmt.render(turn, model)))
     return Response(200, list(_SSE), _play(fmt.render_stream(turn, model, body)))

@@ -7,7 +7,9 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
 - ``status``: HTTP status of the answer (499: the client left before it); ``format``: ``chat``, ``messages`` or
   ``responses``; ``model``: the model the request named (str, or None);
 - ``input_tokens``, ``output_tokens``: upstream tokens the answer reported (int, or None when it reported none);
-- ``overhead_ms``: time proxyvisor added to the request (ms);
+- ``scripted``: true when the answer came from the built-in scripted model (its tokens are never priced);
+- ``overhead_ms``: the proxy overhead of the request (ms): the wall time proxyvisor itself added before the reply's
+  headers, that is the request's time less the time waiting for the upstream and for supervisor model calls;
 - ``local``: ``"/info"`` or ``"/plan"``: answered by proxyvisor itself (``proxyvisor.proxy.commands``), no model
   call; such a line is counted under ``local`` and nowhere else;
 - ``tool_round``: true when the agent's history ended with tool results (as the agent sent it, before notes);
@@ -19,7 +21,7 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   and the tokens the narrowed results (new and earlier ones) saved in its upstream body;
 - ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "route", "model"}``:
   the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when
-  it made any, and the route and model they took (``route``: ``session``, ``litellm`` or ``supplied``, a call given
+  it made any, with ``time_ms``, the wall time spent waiting for them (ms), and the route and model they took (``route``: ``session``, ``litellm`` or ``supplied``, a call given
   to ``proxyvisor.proxy.service.running``; ``model``: the model named, empty when the route names none);
 - ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
   ``malformed``, ``unavailable``), ``decided_by`` (per verdict: ``evidence``, the free pre-check, or ``model``),
@@ -44,11 +46,14 @@ are milliseconds:
 - ``condense``: ``{"results", "saved_tokens"}``: ``saved_tokens`` sums every request's saving, i.e. the input
   tokens not sent upstream over the session;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
-- ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd"}``
-  (cost as litellm reported it when the call was made);
-- ``upstream``: ``{"input_tokens", "output_tokens", "cost_usd", "cost_known", "unpriced": [model]}``: the cost
-  is litellm's cost map applied per request when the summary is made; a model the map does not price (the
-  scripted upstream, a local model) counts 0 USD, is listed in ``unpriced`` and makes ``cost_known`` false;
+- ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
+  "time_ms"}`` (cost as priced when the call was made; ``time_ms``: the wall time of the calls, which the
+  overhead leaves out);
+- ``upstream``: ``{"input_tokens", "output_tokens", "cost_usd", "cost_known", "unpriced": [model],
+  "scripted_requests"}``: the cost is litellm's cost map (``proxyvisor.pricing``) applied per request when the
+  summary is made; a model the map does not price (a local model) adds nothing to ``cost_usd``, is listed in
+  ``unpriced`` and makes ``cost_known`` false; the answers of the built-in scripted model are never priced and are
+  counted in ``scripted_requests``;
 - ``overhead_ms``: ``{"total", "mean", "p50", "max"}`` over model requests (0 without any).
 """
 
@@ -58,6 +63,8 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from ..pricing import price as cost_map_price
 
 if TYPE_CHECKING:
     from .supervise import RequestRecord
@@ -87,7 +94,8 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
     model = record.model
     if model.calls:
         out["supervisor_model"] = {"calls": dict(model.calls), "input_tokens": model.input_tokens,
-                                   "output_tokens": model.output_tokens, "cost_usd": model.cost_usd, **model.route}
+                                   "output_tokens": model.output_tokens, "cost_usd": model.cost_usd,
+                                   "time_ms": _ms(model.time_s * 1000), **model.route}
     if record.gate is not None:
         out["gate"] = record.gate
     return out
@@ -96,20 +104,6 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
 def judge_label(route: Mapping[str, Any]) -> str:
     """``session: MODEL`` (or ``litellm: ...``): a gate object's ``route`` and ``model`` as /info counts them."""
     return f"{route.get('route')}: {route.get('model') or '(no model named)'}"
-
-
-def litellm_price(model: str, input_tokens: int, output_tokens: int) -> float | None:
-    """The cost of one request from litellm's cost map (``litellm.cost_per_token``); None for a model it does
-    not price. Imports litellm on first use (seconds: call it off the event loop)."""
-    from ..adapters.litellm_bridge import import_litellm
-
-    litellm = import_litellm()
-    try:
-        prompt, completion = litellm.cost_per_token(model=model, prompt_tokens=input_tokens,
-                                                    completion_tokens=output_tokens)
-    except Exception:  # noqa: BLE001 - litellm raises several types for a model missing from its map
-        return None
-    return float(prompt) + float(completion)
 
 
 def _num(value: Any) -> float:
@@ -136,8 +130,8 @@ def _ms(value: float) -> float:
 def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) -> dict[str, Any]:
     """The /info object (module docstring) of one session's ledger ``lines`` (in ledger order).
 
-    ``price`` prices the upstream tokens (default :func:`litellm_price`, only called when there are tokens);
-    each model is asked once per line until it proves unpriced. Odd field values count as absent; never raises
+    ``price`` prices the upstream tokens (default :func:`proxyvisor.pricing.price`, only called for a line with
+    tokens that the scripted model did not answer); each model is asked once per line until it proves unpriced. Odd field values count as absent; never raises
     for a line's content.
     """
     requests = errors = tool_rounds = 0
@@ -156,12 +150,12 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     condensed: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     sup_in = sup_out = 0
-    sup_cost = 0.0
-    tokens_in = tokens_out = 0
+    sup_cost = sup_ms = 0.0
+    tokens_in = tokens_out = scripted = 0
     cost = 0.0
     unpriced: set[str] = set()
     overheads: list[float] = []
-    price = price or litellm_price
+    price = price or cost_map_price
     for line in lines:
         first = first or line.get("time")
         last = line.get("time") or last
@@ -206,10 +200,13 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         sup_in += _int(m.get("input_tokens"))
         sup_out += _int(m.get("output_tokens"))
         sup_cost += _num(m.get("cost_usd"))
+        sup_ms += _num(m.get("time_ms"))
         t_in, t_out = _int(line.get("input_tokens")), _int(line.get("output_tokens"))
         tokens_in += t_in
         tokens_out += t_out
-        if t_in or t_out:
+        if line.get("scripted") is True:
+            scripted += 1
+        elif t_in or t_out:
             model = line.get("model")
             usd = price(model, t_in, t_out) if isinstance(model, str) and model not in unpriced else None
             if usd is None:
@@ -233,9 +230,10 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"]},
         "planner_calls": calls["plan"],
         "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
-                             "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost},
+                             "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost,
+                             "time_ms": _ms(sup_ms)},
         "upstream": {"input_tokens": tokens_in, "output_tokens": tokens_out, "cost_usd": cost,
-                     "cost_known": not unpriced, "unpriced": sorted(unpriced)},
+                     "cost_known": not unpriced, "unpriced": sorted(unpriced), "scripted_requests": scripted},
         "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
                         "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
                         "max": _ms(max(overheads, default=0.0))},
@@ -248,14 +246,45 @@ def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str
     return {"session": session, **summarize(lines), "live": live}
 
 
-def _counts(counts: Mapping[str, int]) -> str:
+def counts_text(counts: Mapping[str, int]) -> str:
     """``a 3 · b 1``, largest first; ``none`` when empty."""
     items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return " · ".join(f"{k} {v:,}" for k, v in items) or "none"
 
 
-def _usd(value: float) -> str:
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 call``, ``2 calls``: ``count`` (with thousands separators) and ``noun``, or its plural ``nouns``
+    (default ``noun + "s"``) for any count but 1."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def usd(value: float) -> str:
     return f"${value:,.4f}"
+
+
+def upstream_cost(up: Mapping[str, Any]) -> str:
+    """What the upstream tokens of a :func:`summarize` object's ``upstream`` cost, as text: ``$0.0123``;
+    ``price unknown (local-llm)`` when no priced model had tokens, else ``$0.0123 + price unknown for local-llm``;
+    with the scripted model's answers, that they are not priced."""
+    unknown = ", ".join(up.get("unpriced") or ())
+    scripted = up.get("scripted_requests") or 0
+    parts = []
+    if up["cost_usd"] > 0 or not (unknown or scripted):
+        parts.append(usd(up["cost_usd"]) + (f" + price unknown for {unknown}" if unknown else ""))
+    elif unknown:
+        parts.append(f"price unknown ({unknown})")
+    if scripted:
+        parts.append(f"{plural(scripted, 'answer')} of the built-in scripted model, not priced")
+    return "; ".join(parts)
+
+
+def supervisor_text(sup: Mapping[str, Any]) -> str:
+    """A :func:`summarize` object's ``supervisor_model`` as text: ``2 calls (verify 2) · 500 in / 30 out tokens ·
+    $0.0015 · 1,234.0 ms``."""
+    if not sup["total_calls"]:
+        return "no calls"
+    return (f"{plural(sup['total_calls'], 'call')} ({counts_text(sup['calls'])}) · {sup['input_tokens']:,} in / "
+            f"{sup['output_tokens']:,} out tokens · {usd(sup['cost_usd'])} · {sup.get('time_ms', 0.0):,.1f} ms")
 
 
 def render_text(info: Mapping[str, Any]) -> str:
@@ -267,24 +296,23 @@ def render_text(info: Mapping[str, Any]) -> str:
     rows = [
         ("model requests", f"{info['requests']:,} (tool rounds {info['tool_rounds']:,}, errors {info['errors']:,})"
                            + (f"; {local:,} answered by proxyvisor" if local else "")),
-        ("self-reports", _counts(report["by_status"])),
-        ("reported states", _counts(report["by_state"])),
-        ("detector fires", _counts(info["detectors"]["fires"])),
-        ("steer notes", _counts(info["detectors"]["steers"])),
+        ("self-reports", counts_text(report["by_status"])),
+        ("reported states", counts_text(report["by_state"])),
+        ("detector fires", counts_text(info["detectors"]["fires"])),
+        ("steer notes", counts_text(info["detectors"]["steers"])),
         ("gate", (f"runs {gate['runs']:,} · passes {gate['passes']:,} · gaps {gate['gaps']:,} · nudges "
                   f"{gate['nudges']:,} · re-entries {gate['reentries']:,} · refuted {gate['refuted']:,} · "
                   f"unavailable {gate['unavailable']:,}")),
-        ("gate outcomes", _counts(gate["outcomes"])
+        ("gate outcomes", counts_text(gate["outcomes"])
          + (f" (last: {gate['last_outcome']})" if gate["last_outcome"] else "")
          + (f" · decided by evidence {gate['decided_by']['evidence']:,}, by the model "
             f"{gate['decided_by']['model']:,}" if gate["outcomes"] else "")),
-        ("gate judged by", _counts(gate.get("judges") or {})),
-        ("condensed", f"results {info['condense']['results']:,} · saved {info['condense']['saved_tokens']:,} tokens"),
+        ("gate judged by", counts_text(gate.get("judges") or {})),
+        ("condensed", f"results {info['condense']['results']:,} · saved "
+                      f"{plural(info['condense']['saved_tokens'], 'token')}"),
         ("planner calls", f"{info['planner_calls']:,}"),
-        ("supervisor model", (f"{sup['total_calls']:,} calls ({_counts(sup['calls'])}) · {sup['input_tokens']:,} "
-                              f"in / {sup['output_tokens']:,} out tokens · {_usd(sup['cost_usd'])}")),
-        ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens · {_usd(up['cost_usd'])}"
-                     + ("" if up["cost_known"] else f" (not priced: {', '.join(up['unpriced'])})")),
+        ("supervisor model", supervisor_text(sup)),
+        ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens · {upstream_cost(up)}"),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]

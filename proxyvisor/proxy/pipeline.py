@@ -3,10 +3,16 @@
 Two paths (DESIGN.md, principles 3 and 4):
 
 - **disabled supervision, same format upstream**: the byte relay. The body is not parsed, nothing is written,
-  and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header.
+  and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header; a request under a session prefix
+  is counted in memory only (requests, errors, overhead: what ``wrap`` sums up at exit).
 - **otherwise**: the body is parsed (malformed input gets a 4xx in the client's format), the session is
   identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
-  client's format), usage is read from the reply, and one ledger line is written per request. With
+  client's format), usage is read from the reply, and one ledger line is written per request.
+
+The proxy overhead of a request (the header, the ledger's ``overhead_ms``) is the wall time proxyvisor itself added
+before the reply's headers: the request's time so far less the time waiting for the upstream (continued turns
+included) and for supervisor model calls (condenser, verifier, refuter, planner alike; their time is the ledger's
+``supervisor_model.time_ms``). With
   ``[model_routing] enabled`` too, the model is offered delegation tools and the turn may be continued upstream
   after the children ran (``proxyvisor.proxy.delegation``); ``POST /proxyvisor/delegate`` runs one child.
   A request whose last user message is ``/plan`` or ``/info`` is answered by proxyvisor itself, and earlier such
@@ -31,6 +37,7 @@ import trio
 
 from ..config import Config
 from ..store import LedgerError, Store, unusable
+from ..supervisor_model import ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
@@ -42,7 +49,7 @@ from . import commands
 from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .gating import Gating, eligible
-from .supervise import Exchange, Supervisor
+from .supervise import Exchange, ModelUse, Supervisor
 from .sse import SSEParser, at_event_end
 from .streamedit import EditedStream
 
@@ -234,7 +241,7 @@ class Pipeline:
             return bad
         upstream, native = self.config.upstream_for(fmt.name)
         if not self.supervised and native:
-            return await self._relay(request, fmt, path, upstream.name, None, None)
+            return await self._relay(request, fmt, path, upstream.name, None, self._counted(path_session))
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
@@ -245,13 +252,13 @@ class Pipeline:
             session_id, _source = identify(path_session, request.header, fmt, body)
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
-        session = self.sessions.touch(session_id, self.clock()) if self.supervised else None
-        if session is not None:
+        session = self.sessions.touch(session_id, self.clock()) if self.supervised else self._counted(path_session)
+        if self.supervised:
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
         exchange = None
-        if session is not None:
+        if self.supervised:
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
         if not native:
@@ -259,6 +266,11 @@ class Pipeline:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
             return await self._translate(request, fmt, upstream, body, session, exchange)
         return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+
+    def _counted(self, path_session: str | None) -> Session | None:
+        """With supervision off, the in-memory session that counts a request under a session prefix (None
+        without one): requests, errors and overhead only, as nothing of the request or reply is read."""
+        return self.sessions.touch(path_session, self.clock()) if path_session else None
 
     async def _command(self, request: Request, fmt: WireFormat, body: dict[str, Any], session: Session,
                        command: str) -> Response:
@@ -308,6 +320,8 @@ class Pipeline:
             send, upstream, secrets, translated = sender
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
             exchange = self.supervisor.begin(session, fmt, body, model, route)
+            if exchange.model is not None:
+                exchange.model = _timed(exchange.model, exchange.record.model)
             exchange.send = send
             if self.delegation is not None:
                 exchange.delegation = self.delegation.turn(exchange, traceparent)
@@ -321,7 +335,7 @@ class Pipeline:
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
         relay = self.relays[upstream_name]
-        headers = self._headers(request, fmt, relay, session is not None)
+        headers = self._headers(request, fmt, relay, self.supervised)
         content = request.body
         if exchange is not None:
             try:
@@ -374,13 +388,14 @@ class Pipeline:
 
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                  session: Session | None, exchange: Exchange | None = None) -> Response:
-        overhead = time.perf_counter() - request.received_at - reply.upstream_s
+        waited = reply.upstream_s + (exchange.record.model.time_s if exchange is not None else 0.0)
+        overhead = max(0.0, time.perf_counter() - request.received_at - waited)
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
         if not reply.streaming:
             assert isinstance(reply.body, bytes)
             if session is not None:
                 usage = Usage()
-                if reply.status < 400:
+                if reply.status < 400 and self.supervised:
                     try:
                         usage = fmt.usage(orjson.loads(reply.body))
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
@@ -404,7 +419,7 @@ class Pipeline:
         parser = None
         if isinstance(stream, EditedStream):
             stream.observe = read_usage  # the editor parses every event already: read usage there, not twice
-        elif session is not None:
+        elif session is not None and self.supervised:
             parser = SSEParser()
         failure: UpstreamError | None = None
         last = b""
@@ -451,7 +466,7 @@ class Pipeline:
             session.overhead_ms += overhead_s * 1000
             if status >= 400:
                 session.errors += 1
-        if self.store is None:
+        if self.store is None or not self.supervised:
             return
         record = {
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -464,6 +479,8 @@ class Pipeline:
             "latency_ms": round((time.perf_counter() - request.received_at) * 1000, 3),
             "overhead_ms": round(overhead_s * 1000, 3),
         }
+        if local is None and self.config.upstream_for(fmt.name)[0].scripted:
+            record["scripted"] = True
         if failure:
             record["error"] = failure
         if exchange is not None and exchange.delegation is not None and exchange.delegation.results:
@@ -476,6 +493,27 @@ class Pipeline:
             record["tool_round"] = fmt.ends_with_tool_result(body)
         if not self.store.append_ledger(session.id, record):
             session.unrecorded += 1
+
+
+def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
+    """``call``, adding to ``use.time_s`` the wall time during which at least one of its calls was under way
+    (concurrent calls count once), which the proxy overhead leaves out."""
+    busy = 0
+    since = 0.0
+
+    async def timed(messages: list[dict[str, str]]) -> str:
+        nonlocal busy, since
+        if busy == 0:
+            since = time.perf_counter()
+        busy += 1
+        try:
+            return await call(messages)
+        finally:
+            busy -= 1
+            if busy == 0:
+                use.time_s += time.perf_counter() - since
+
+    return timed
 
 
 def _key_header(fmt_name: str) -> bytes:

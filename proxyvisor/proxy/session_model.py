@@ -27,8 +27,8 @@ credential: :func:`refusal`) is a refusal: the gate labels the turn ``unverified
 Credentials stay in the request's own closures (``send``) and are never written: error reasons quote the upstream's
 message with every credential the request carried replaced by ``[redacted]``.
 
-Usage is read from the answer (``WireFormat.usage``) and priced by litellm's cost map on a worker thread (0 for a
-model the map does not know, and never asked for the scripted upstream).
+Usage is read from the answer (``WireFormat.usage``) and priced by litellm's cost map (``proxyvisor.pricing``, on a
+worker thread: 0 for a model the map does not know, and never asked for the scripted upstream).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import orjson
 import trio
 
 from ..config import ModelConfig, UpstreamConfig
+from ..pricing import price
 from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, ReportedFailure, schema_of
 from .formats import WireFormat
-from .info import litellm_price
 from .relay import Headers, UpstreamReply
 from .sse import SSEParser
 
@@ -165,7 +165,8 @@ class SessionModel:
         tokens_in, tokens_out = usage.input_tokens or 0, usage.output_tokens or 0
         cost = 0.0
         if not self.upstream.scripted and (tokens_in or tokens_out) and self.model:
-            cost = await trio.to_thread.run_sync(litellm_price, self.model, tokens_in, tokens_out,
+            # A worker thread: the first price reads litellm's cost map from disk.
+            cost = await trio.to_thread.run_sync(price, self.model, tokens_in, tokens_out,
                                                  abandon_on_cancel=True) or 0.0
         return ModelAnswer(text, tokens_in, tokens_out, cost)
 

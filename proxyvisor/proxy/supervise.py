@@ -95,6 +95,8 @@ class ModelUse:
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    time_s: float = 0.0
+    """Wall time (s) during which a call was under way (``proxyvisor.proxy.pipeline`` times them)."""
     route: dict[str, str] = field(default_factory=dict)
     """Which route and model the calls take: ``{"route": "session"|"litellm"|"supplied", "model": name}``."""
 

@@ -60,18 +60,21 @@ class ToolCall:
 class AssistantTurn:
     """An assistant response independent of format: text, then zero or more tool calls.
 
-    ``input_tokens``/``output_tokens`` are reported as usage (tokens); when 0 they are estimated from the text.
+    ``input_tokens``/``output_tokens`` are reported as usage (tokens); when None they are estimated from the text
+    (an answer proxyvisor makes itself, costing no model tokens, gives 0).
     """
 
     text: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
 
     @property
     def usage(self) -> tuple[int, int]:
-        out = self.output_tokens or max(1, len(self.text.split()) + 8 * len(self.tool_calls))
-        return self.input_tokens or 1, out
+        out = self.output_tokens
+        if out is None:
+            out = max(1, len(self.text.split()) + 8 * len(self.tool_calls))
+        return (1 if self.input_tokens is None else self.input_tokens), out
 
 
 @dataclass

@@ -147,7 +147,7 @@ class MessagesFormat(WireFormat):
         i, o = turn.usage
         message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": i, "output_tokens": 1}}
+                   "usage": {"input_tokens": i, "output_tokens": min(o, 1)}}
         events = [sse(dumps({"type": "message_start", "message": message}), "message_start"),
                   sse(b'{"type":"ping"}', "ping")]
         index = 0
