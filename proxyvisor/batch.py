@@ -57,7 +57,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import batch_report
 from .batch_report import TaskResult
 from .config import Config
-from .proxy.info import summarize
+from .proxy.info import plural, summarize
 from .proxy.service import running
 from .store import Store, private_dir
 from .supervisor_model import describe
@@ -449,7 +449,7 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     finally:
         logging.getLogger("proxyvisor.gate").removeFilter(quiet_gate)
     unverified = [r for r in results if not r.verified]
-    facts = [("tasks", f"{tasks_file} ({len(tasks)} tasks, {len(results)} run)"),
+    facts = [("tasks", f"{tasks_file} ({plural(len(tasks), 'task')}, {len(results)} run)"),
              ("agent", f"`{options.agent}`"),
              ("started", (f"{started:%Y-%m-%d %H:%M:%S} UTC, {options.parallel} at a time, timeout "
                           f"{options.timeout_s:g} s per task")),
@@ -461,10 +461,10 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
              ("ledgers", str(config.state_dir() / "ledger"))]
     if batch.interrupted is not None:
         facts.append(("interrupted", (f"by {signal.Signals(batch.interrupted).name} after {len(results)} of "
-                                      f"{len(tasks)} tasks started")))
+                                      f"{plural(len(tasks), 'task')} started")))
     jsonl, md = batch_report.write(prefix, results, facts)
     counts = batch_report.outcome_counts(results)
-    console.print(f"proxyvisor batch: {len(results)} of {len(tasks)} tasks: "
+    console.print(f"proxyvisor batch: {len(results)} of {plural(len(tasks), 'task')}: "
                   f"{', '.join(f'{k} {v}' for k, v in counts.items()) or 'none run'}; report {md} and {jsonl}",
                   markup=False, highlight=False, soft_wrap=True)
     if batch.interrupted is not None:
@@ -472,8 +472,8 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     clean = len(results) == len(tasks) and all(r.exit_code == 0 and r.error is None for r in results)
     if require_verified and unverified:
         listed = ", ".join(f"{r.id} ({r.outcome}, exit {batch_report.cell(r, 'exit_code')})" for r in unverified)
-        console.print(f"proxyvisor batch: --require-verified: {len(unverified)} of {len(tasks)} tasks not verified "
-                      f"(outcome verified with exit 0): {listed}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"proxyvisor batch: --require-verified: {len(unverified)} of {plural(len(tasks), 'task')} "
+                      f"not verified (outcome verified with exit 0): {listed}", markup=False, highlight=False, soft_wrap=True)
         return 1
     return 0 if clean else 1
 

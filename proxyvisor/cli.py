@@ -145,7 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
               -c model_providers.NAME.base_url="URL"    for each provider in $CODEX_HOME/config.toml (~/.codex)
             (URL is OPENAI_BASE_URL's value); '-c' options of your own come later and win.
             SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD (a terminal's Ctrl-C reaches it directly).
-            At exit, a session summary goes to stderr.
+            At exit, a session summary goes to stderr (--quiet: none): model requests, errors and tool
+            rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer
+            notes, verify-gate outcomes, condensed results and tokens saved, supervisor model calls with
+            their tokens, cost and time), the /info and /plan questions proxyvisor answered itself, and the
+            proxy overhead (proxyvisor's own time, without the upstream's and the supervisor model's).
+            With --no-supervision: model requests, errors and overhead, counted in memory; nothing is
+            written.
             """),
         epilog=textwrap.dedent("""\
             examples:

@@ -35,6 +35,7 @@ from rich.text import Text
 
 from .demo import agent_turn, assistant_message, call_text, opening, output_text, run_tool, say
 from .proxy.formats import WireFormat
+from .proxy.info import plural
 
 TASK = "Fix the bug in app.py so that test_app.py passes."
 APP = "def add(a, b):\n    return a - b\n"
@@ -126,8 +127,8 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
     say(console, "[red]proxyvisor[/red]", f"answers /info itself (status {status}, model calls: {calls}):")
     say(console, "", Markdown(turn.text), bar=True)
     requests = sum(1 for line in ledger if not line.get("local"))
-    say(console, "", f"\"model requests {requests}\" counts the agent's requests; the model replied {replies} times "
-        "above, as each re-entry is one more model call inside the same agent request")
+    say(console, "", f"\"model requests {requests}\" counts the agent's requests; the model replied "
+        f"{plural(replies, 'time')} above, as each re-entry is one more model call inside the same agent request")
     _show_ledger(ledger, console)
 
 

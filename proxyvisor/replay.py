@@ -30,6 +30,7 @@ from .config import Config, ConfigError
 from .detectors.selfreport import strip
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.formats.base import args_of, chat_text
+from .proxy.info import plural
 from .proxy.service import running
 from .proxy.sse import SSEParser
 from .store import Store
@@ -439,9 +440,10 @@ def _replay_command(config: Config, path: str, messages: list[dict[str, Any]], f
     bad = [r for r in rounds if not r.matches]
     if not as_json:
         saved = sum(r.condense_saved_tokens for r in rounds)
-        print(f"{len(rounds)} rounds, {sum(len(r.tool_calls) for r in rounds)} tool calls, {len(bad)} failed"
-              + (f"; condensed {sum(1 for r in rounds for c in r.condensed if c['spill_path'])} tool result(s), "
-                 f"{saved:,} input tokens saved over all requests" if condense else ""))
+        condensed = sum(1 for r in rounds for c in r.condensed if c['spill_path'])
+        print(f"{plural(len(rounds), 'round')}, {plural(sum(len(r.tool_calls) for r in rounds), 'tool call')}, "
+              f"{len(bad)} failed" + (f"; condensed {plural(condensed, 'tool result')}, "
+                                      f"{plural(saved, 'input token')} saved over all requests" if condense else ""))
         if gate:
             print(gate_summary(gate_stops(rounds)))
     return 1 if bad else 0

@@ -77,7 +77,7 @@ def test_wrap_returns_the_agent_exit_code_and_hands_it_the_base_urls(tmp_path: P
                    sys.executable, "-c", script)
     assert done.returncode == 7, done.stderr
     assert "Hello from the scripted upstream." in done.stdout
-    assert "session s-test: 1 requests (chat)" in done.stderr
+    assert "session s-test: 1 model request (chat), 0 errors" in done.stderr
     ledger = (tmp_path / "state" / "ledger" / "s-test.jsonl").read_text().splitlines()
     assert len(ledger) == 1 and json.loads(ledger[0])["status"] == 200
 
@@ -246,8 +246,8 @@ def test_replay_names_a_line_with_malformed_tool_calls(tmp_path: Path) -> None:
         load_trajectory(path)
 
 
-SCRIPTED_NOTICE = ("upstream: the built-in scripted model (no key, no network): answers are not a real model's; "
-                   "set [upstreams.scripted] url to use a real one")
+SCRIPTED_NOTICE = "upstream: the built-in scripted model (no key, no network): answers are not a real model's\n"
+SCRIPTED_HOWTO = "for a real model, replace [upstreams.scripted] in a config file (--config FILE, or "
 KEY_WARNING = ("[supervisor.model] api_key_env names PROXYVISOR_TEST_KEY_NOT_SET, which is not set: every supervisor "
                "call will fail")
 
@@ -276,10 +276,15 @@ def test_serve_and_wrap_say_when_the_upstream_is_the_scripted_model(tmp_path: Pa
     default.write_text("")
     real = tmp_path / "real.toml"
     real.write_text('[upstreams.openai]\nurl = "http://127.0.0.1:9"\n')
-    assert serve_start(default).count(SCRIPTED_NOTICE) == 1
+    started = serve_start(default)
+    assert started.count(SCRIPTED_NOTICE) == 1 and started.count(SCRIPTED_HOWTO) == 1
+    # How to add a real one: the file to write (in the isolated HOME), and the one in use.
+    assert f"{tmp_path}/home/.config/proxyvisor/config.toml; in use: {default})" in started
+    assert 'e.g. [upstreams.anthropic] url = "https://api.anthropic.com"' in started
     assert "scripted model" not in serve_start(real)
     done = run_cli("wrap", "--config", str(default), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and done.stderr.count(SCRIPTED_NOTICE) == 1, done.stderr
+    assert done.stderr.count(SCRIPTED_HOWTO) == 1, done.stderr
     done = run_cli("wrap", "--config", str(real), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and "scripted model" not in done.stderr, done.stderr
 

@@ -330,7 +330,7 @@ def test_replay_command_condenses_with_the_scripted_upstream(tmp_path: Path,
         assert c["reason"] == "condensed" and c["kept_lines"] < 60 and Path(c["spill_path"]).is_file()
     assert main(["replay", "--condense", "--state-dir", str(tmp_path / "state"), str(path)]) == 0
     text = capsys.readouterr().out
-    assert f"condensed bash {count_tokens(BIG_A):,} -> " in text and "condensed 2 tool result(s)" in text
+    assert f"condensed bash {count_tokens(BIG_A):,} -> " in text and "condensed 2 tool results" in text
 
 
 def test_the_scripted_condenser_answers_only_condenser_requests() -> None:

@@ -64,7 +64,7 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
     assert "proxyvisor answers /info itself (status 200, model calls: 0):" in text
     assert re.search(r"gate\s+runs 2 · passes 1 · gaps 1 · nudges 0 · re-entries 1", text)
     assert re.search(r"gate outcomes\s+verified 1 \(last: verified\) · decided by evidence 0, by the model 1", text)
-    assert re.search(r"supervisor model\s+1 calls \(verify 1\)", text)  # the first pass cost no model call
+    assert re.search(r"supervisor model\s+1 call \(verify 1\)", text)  # the first pass cost no model call
     # Five model replies were shown for four agent requests: the demo says why, next to /info's count.
     assert re.search(r"model requests\s+4 \(tool rounds 3", text)
     assert '"model requests 4" counts the agent\'s requests; the model replied 5 times above' in text

@@ -18,8 +18,8 @@ in the request's format, streamed or not, without calling the model (issue 4, "/
   conversation asking ``/plan`` in the same session).
 
 The answer reports zero usage (no model ran: a client that prices usage must see no cost) and is one ledger line
-with ``"local": COMMAND``, status 200 and 0 tokens, which ``/info`` does not count as a model request. Earlier command exchanges (the command message and the assistant message right after it)
-are removed from the history of every later request before supervision reads it (:func:`strip_exchanges`), so
+with ``"local": COMMAND``, status 200 and 0 tokens, which ``/info`` does not count as a model request. Earlier
+command exchanges (the command message and the assistant message right after it) are removed from the history of every later request before supervision reads it (:func:`strip_exchanges`), so
 the model never sees them; the agent keeps them in its own history. With supervision disabled (the byte relay)
 nothing is parsed, so commands are not intercepted: the model gets them like any other message.
 

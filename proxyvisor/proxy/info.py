@@ -19,10 +19,11 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   the steer note added to this request (str);
 - ``condensed``: ``{"results": n, "saved_tokens": n}``: tool results narrowed for the first time on this request,
   and the tokens the narrowed results (new and earlier ones) saved in its upstream body;
-- ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "route", "model"}``:
-  the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``, ``plan``), only when
-  it made any, with ``time_ms``, the wall time spent waiting for them (ms), and the route and model they took (``route``: ``session``, ``litellm`` or ``supplied``, a call given
-  to ``proxyvisor.proxy.service.running``; ``model``: the model named, empty when the route names none);
+- ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "time_ms", "route",
+  "model"}``: the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``,
+  ``plan``), only when it made any; ``time_ms``: the wall time spent waiting for them (ms); the route and model they
+  took (``route``: ``session``, ``litellm`` or ``supplied``, a call given to ``proxyvisor.proxy.service.running``;
+  ``model``: the model named, empty when the route names none);
 - ``gate``: what the verify-gate did (``proxyvisor.proxy.gating``): ``verdicts`` (list of ``pass``, ``gaps``,
   ``malformed``, ``unavailable``), ``decided_by`` (per verdict: ``evidence``, the free pre-check, or ``model``),
   ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``, ``unknown``, ``failed``,
@@ -131,8 +132,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     """The /info object (module docstring) of one session's ledger ``lines`` (in ledger order).
 
     ``price`` prices the upstream tokens (default :func:`proxyvisor.pricing.price`, only called for a line with
-    tokens that the scripted model did not answer); each model is asked once per line until it proves unpriced. Odd field values count as absent; never raises
-    for a line's content.
+    tokens that the scripted model did not answer); each model is asked once per line until it proves unpriced.
+    Odd field values count as absent; never raises for a line's content.
     """
     requests = errors = tool_rounds = 0
     local: Counter[str] = Counter()
