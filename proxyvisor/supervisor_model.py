@@ -136,7 +136,7 @@ def configured_model(model: ModelConfig, scripted_url: str | None = None,
                           f'([upstreams.NAME] url = "{SCRIPTED_URL}")')
     local = dataclasses.replace(model, name="openai/" + model.name.rsplit("/", 1)[-1],
                                 api_base=scripted_url + "/v1", api_key_env="")
-    return litellm_model(local, env, api_key=SCRIPTED_KEY)
+    return litellm_model(local, env, api_key=SCRIPTED_KEY, priced=False)
 
 
 def with_condense(config: Config) -> Config:
@@ -146,8 +146,9 @@ def with_condense(config: Config) -> Config:
 
 
 def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
-                  api_key: str | None = None) -> ModelCall:
-    """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``.
+                  api_key: str | None = None, priced: bool = True) -> ModelCall:
+    """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``;
+    ``priced`` false (the embedded scripted upstream) reports every answer's cost as 0 whatever model it names.
 
     Verifier, refuter and planner calls ask for their answer's JSON schema through ``response_format``
     (:func:`schema_of`; litellm drops it for a model that takes none).
@@ -182,10 +183,12 @@ def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
             if not isinstance(text, str) or not text:
                 raise ValueError("the supervisor model answered without text")
             usage = getattr(response, "usage", None)
+            cost = 0.0
             try:
-                cost = float(litellm.completion_cost(completion_response=response) or 0.0)
+                if priced:
+                    cost = float(litellm.completion_cost(completion_response=response) or 0.0)
             except Exception:  # noqa: BLE001 - a model missing from litellm's cost map costs "unknown", shown as 0
-                cost = 0.0
+                pass
             return ModelAnswer(text, int(getattr(usage, "prompt_tokens", 0) or 0),
                                int(getattr(usage, "completion_tokens", 0) or 0), cost)
 

@@ -15,11 +15,12 @@ import pytest
 import trio
 
 from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.config import Config, CondenseConfig, GateConfig
+from proxyvisor.config import Config, CondenseConfig, GateConfig, ModelConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.service import running
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import SCRIPTED_KEY, configured_model, litellm_model, usage_of
 
 from helpers import FORMATS, MODEL, http_client, request_body, sse_events
 
@@ -152,6 +153,17 @@ async def test_a_local_answer_reports_zero_usage(tmp_path: Path, fmt: str, strea
     text = f.assemble([(e.event, e.data) for e in sse_events(reply.content)]).text if stream \
         else f.parse_response(reply.json()).text
     assert ("proxyvisor /info" in text) if command == "/info" else ("plan" in text.lower())
+
+
+async def test_the_scripted_model_as_the_litellm_route_is_never_priced(scripted_server) -> None:
+    """``api_base = "scripted:"`` with a model name litellm prices: the scripted answer still costs nothing (the
+    same endpoint reached as that model is priced)."""
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "hi"}]
+    named = ModelConfig(name="openai/gpt-4o-mini", api_base="scripted:")
+    scripted = usage_of(await configured_model(named, scripted_server.url)(messages))
+    assert scripted[0] > 0 and scripted[2] == 0.0
+    as_real = ModelConfig(name="openai/gpt-4o-mini", api_base=scripted_server.url + "/v1")
+    assert usage_of(await litellm_model(as_real, api_key=SCRIPTED_KEY)(messages))[2] > 0
 
 
 # ---- proxy overhead ------------------------------------------------------------------------------------------
