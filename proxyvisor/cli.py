@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
               POST /v1/responses              OpenAI Responses
               POST /v1/messages/count_tokens  GET /v1/models
               POST /proxyvisor/delegate       run one child for a role ([model_routing] enabled)
-              GET  /proxyvisor/sessions       sessions; .../sessions/ID/info and .../ID/plan as JSON
+              GET  /proxyvisor/sessions       the session ids (needs [proxy] admin_token in x-proxyvisor-admin)
+              GET  /proxyvisor/sessions/ID/info, .../ID/plan   one session as JSON (its id is the key)
               HEAD /   GET /healthz           liveness, no authentication
 
             Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:8377 (no /v1) or

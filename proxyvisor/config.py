@@ -77,9 +77,12 @@ class ProxyConfig:
     port: int = within(8377, 0, 65535)
     max_body_bytes: int = within(32 * 1024 * 1024, 1024)
     auth_token: str = ""
+    admin_token: str = ""
     request_header_timeout_s: float = positive(30.0)
     request_body_timeout_s: float = positive(120.0)
+    request_body_deadline_s: float = positive(300.0)
     keepalive_timeout_s: float = positive(75.0)
+    max_stream_s: float = within(3600.0, 0)  # 0 = no limit
 
 
 @dataclass(frozen=True)

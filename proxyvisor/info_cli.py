@@ -29,8 +29,8 @@ _ASKED = """\
 where the answer comes from:
   First the proxy at --url, else http://[proxy] host:port of the configuration (default
   http://127.0.0.1:8377; a wildcard host is asked on loopback, with [proxy] auth_token sent
-  as x-proxyvisor-auth when set). A proxy run by 'proxyvisor wrap' listens on a random port,
-  printed nowhere: ask it with --url.
+  as x-proxyvisor-auth and [proxy] admin_token as x-proxyvisor-admin when set). A proxy run by
+  'proxyvisor wrap' listens on a random port, printed nowhere: ask it with --url.
 """
 _INFO_FALLBACK = """\
   When no proxy answers there, the state directory ([state] dir, --state-dir, else
@@ -45,7 +45,7 @@ _PLAN_FALLBACK = """\
 _SESSION = """\
 SESSION:
   A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it.
-  GET /proxyvisor/sessions lists the ids{listed}.
+  GET /proxyvisor/sessions lists the ids to the admin ([proxy] admin_token){listed}.
   Default: the session with the most recent activity ({latest}).
 """
 _INFO_EXIT = """\
@@ -64,7 +64,7 @@ def _epilog(name: str, example: str) -> str:
     """The help's epilog of ``info`` or ``plan``: the parts they share, and each one's own."""
     info = name == "info"
     session = _SESSION.format(listed=", and so does STATE_DIR/ledger/" if info else "",
-                              latest="the proxy's list, else the ledger written last" if info else "the proxy's list")
+                              latest="the proxy's list with the admin token, else the ledger written last")
     examples = textwrap.dedent(f"""\
         examples:
           proxyvisor {name}                 the most recently active session
@@ -156,17 +156,13 @@ class _Proxy:
     one importing it; and never through a proxy of the environment (the address is the proxy's own)."""
 
     def __init__(self, url: str, config: Config) -> None:
-        token = config.proxy.auth_token
         self.url = url
-        self.headers = {"x-proxyvisor-auth": token} if token else {}
+        self.headers = {name: token for name, token in (("x-proxyvisor-auth", config.proxy.auth_token),
+                                                        ("x-proxyvisor-admin", config.proxy.admin_token)) if token}
 
-    def get(self, path: str, probe: bool = False) -> dict[str, Any] | None:
-        """The JSON object at ``path``; None when nothing answers or the answer is not JSON (not proxyvisor),
-        and, when ``probe``, for an error other than 401 (a proxyvisor answers its session list with 200).
-
-        Raises:
-            _Refused: the proxy answered with an error (its message; 404 for an unknown session).
-        """
+    def get(self, path: str) -> tuple[int, dict[str, Any]] | None:
+        """(status, JSON object) of the proxy's answer at ``path``; None when nothing answers or what answers is
+        not proxyvisor (every answer of proxyvisor's carries ``x-proxyvisor-overhead-ms``)."""
         url = urllib.parse.urlsplit(self.url)
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         connection = kind(url.hostname or "", url.port, timeout=_TIMEOUT_S)
@@ -174,36 +170,58 @@ class _Proxy:
             connection.request("GET", path, headers=self.headers)
             reply = connection.getresponse()
             status, body = reply.status, orjson.loads(reply.read())
+            ours = reply.getheader("x-proxyvisor-overhead-ms") is not None
         except (OSError, http.client.HTTPException, orjson.JSONDecodeError):
             return None
         finally:
             connection.close()
-        if not isinstance(body, dict) or (probe and status not in (200, 401)):
+        if not isinstance(body, dict) or not ours:
             return None
-        if status != 200:
-            error = body.get("error")
-            raise _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {status}")
-        return body
+        return status, body
+
+
+def _refusal(status: int, body: dict[str, Any]) -> _Refused:
+    error = body.get("error")
+    return _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {status}")
 
 
 def _ask(args: argparse.Namespace, config: Config, what: str) -> tuple[str | None, dict[str, Any] | None, str]:
     """(session, the proxy's answer for it or None when no proxy answers, the proxy's URL).
+
+    Without a session named, the proxy's listing gives the most recent one; a proxy that lists its sessions only
+    to the admin (``[proxy] admin_token``, not configured here) is asked for the session of the ledger written last.
 
     Raises:
         _Refused: the proxy refused, or it knows no session to show.
     """
     url = _base_url(args, config)
     proxy = _Proxy(url, config)
-    listing = proxy.get("/proxyvisor/sessions", probe=True)
-    if listing is None or not isinstance(listing.get("sessions"), list):
-        return args.session, None, url
-    session = args.session or next((s.get("id") for s in listing["sessions"] if isinstance(s, dict)), None)
+    session = args.session
     if session is None:
-        raise _Refused(f"the proxy at {url} has no sessions yet")
+        listing = proxy.get("/proxyvisor/sessions")
+        if listing is None:
+            return None, None, url
+        status, body = listing
+        if status == 403 and not config.proxy.admin_token:
+            session = _latest(config)[1]
+            if session is None:
+                raise _Refused(f"the proxy at {url} lists its sessions only with [proxy] admin_token, and no "
+                               "ledger names one here: name the session")
+        elif status != 200 or not isinstance(body.get("sessions"), list):
+            raise _refusal(status, body)
+        else:
+            session = next((s.get("id") for s in body["sessions"] if isinstance(s, dict)), None)
+            if session is None:
+                raise _Refused(f"the proxy at {url} has no sessions yet")
     answer = proxy.get(f"/proxyvisor/sessions/{session}/{what}")
     if answer is None:
+        if args.session is not None:
+            return session, None, url
         raise _Refused(f"the proxy at {url} stopped answering")
-    return session, answer, url
+    status, body = answer
+    if status != 200:
+        raise _refusal(status, body)
+    return session, body, url
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:

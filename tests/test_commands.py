@@ -201,11 +201,12 @@ async def test_the_upstream_never_gets_the_instruction_for_a_command(start_proxy
 # ---- endpoints --------------------------------------------------------------------------------------------------
 
 async def test_session_endpoints(start_proxy, state_dir) -> None:
-    async with start_proxy([{"text": "one"}, {"text": "two"}]) as rp:
+    async with start_proxy([{"text": "one"}, {"text": "two"}], proxy={"admin_token": "adm"}) as rp:
         await sdk_ask("chat", f"{rp.url}/s/first", [{"role": "user", "content": "hi"}], False)
         await sdk_ask("chat", f"{rp.url}/s/second", [{"role": "user", "content": "hi"}], False)
         rp.pipeline.sessions._sessions.pop("first")  # evicted: only its ledger is left
         async with http_client(rp.url) as client:
+            client.headers["x-proxyvisor-admin"] = "adm"
             listing = (await client.get("/proxyvisor/sessions")).json()["sessions"]
             assert [(s["id"], s["in_memory"]) for s in listing] == [("second", True), ("first", False)]
             assert all(s["last_activity"].endswith("+00:00") for s in listing)
@@ -223,7 +224,8 @@ async def test_session_endpoints(start_proxy, state_dir) -> None:
 
 
 async def test_session_endpoints_need_the_auth_token(start_proxy) -> None:
-    async with start_proxy(proxy={"auth_token": "sekret"}) as rp, http_client(rp.url) as client:
-        assert (await client.get("/proxyvisor/sessions")).status_code == 401
-        reply = await client.get("/proxyvisor/sessions", headers={"x-proxyvisor-auth": "sekret"})
+    async with start_proxy(proxy={"auth_token": "sekret", "admin_token": "adm"}) as rp, http_client(rp.url) as client:
+        assert (await client.get("/proxyvisor/sessions", headers={"x-proxyvisor-admin": "adm"})).status_code == 401
+        reply = await client.get("/proxyvisor/sessions", headers={"x-proxyvisor-auth": "sekret",
+                                                                  "x-proxyvisor-admin": "adm"})
         assert reply.json() == {"sessions": []}

@@ -38,7 +38,7 @@ async def test_info_and_plan_ask_the_running_proxy(start_proxy, capsys) -> None:
                 reply = await client.post(f"/s/{session}/v1/chat/completions", json=request_body("chat"))
                 assert reply.status_code == 200
         code, out, err = await cli(capsys, "info", "--url", rp.url)
-        assert code == 0 and err == ""
+        assert (code, err) == (0, "")
         assert out.startswith("**proxyvisor /info · session newer**")  # the most recently active session
         assert rows(out)["model requests"] == "1 (tool rounds 0, errors 0)"
         assert rows(out)["upstream"].startswith("50 in / 5 out tokens")
@@ -74,6 +74,24 @@ async def test_the_configured_address_and_token_are_used(start_proxy, capsys, tm
         config.write_text(f'[proxy]\nport = {rp.port}\nauth_token = "wrong-1"\n')
         code, out, err = await cli(capsys, "info", "--config", str(config))
         assert code == 1 and "x-proxyvisor-auth" in err
+
+
+async def test_the_listing_is_asked_with_the_admin_token_and_without_it_the_latest_ledger_names_the_session(
+        start_proxy, capsys, tmp_path: Path) -> None:
+    async with start_proxy(proxy={"admin_token": "adm-123"}) as rp:
+        async with http_client(rp.url) as client:
+            await client.post("/s/listed/v1/messages", json=request_body("messages"))
+        config, empty = tmp_path / "config.toml", tmp_path / "empty-state"
+        config.write_text(f'[proxy]\nport = {rp.port}\nadmin_token = "adm-123"\n')
+        code, out, _ = await cli(capsys, "info", "--config", str(config), "--state-dir", str(empty), "--json")
+        assert code == 0 and json.loads(out)["session"] == "listed"  # from the listing: no ledger here
+        config.write_text(f'[proxy]\nport = {rp.port}\n')
+        code, out, err = await cli(capsys, "plan", "--config", str(config), "--state-dir", str(empty))
+        assert code == 1 and "admin_token" in err and "name the session" in err
+        code, out, _ = await cli(capsys, "plan", "--config", str(config), "--json")  # the ledger written last
+        assert code == 0 and json.loads(out)["session"] == "listed"
+        code, out, _ = await cli(capsys, "plan", "listed", "--config", str(config), "--state-dir", str(empty))
+        assert code == 0 and out.startswith(plans.NO_PLAN)
 
 
 def _ledger(state: Path, session: str, lines: list[dict[str, Any]]) -> None:

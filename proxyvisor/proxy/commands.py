@@ -39,6 +39,11 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
 
 An unknown session is a 404, an invalid id (``proxyvisor.proxy.sessions.SESSION_ID``) a 400.
+
+Who may read what: the listing names every session, so it is the admin's: it needs ``[proxy] admin_token`` in
+the ``x-proxyvisor-admin`` header (403 without it, and always when no admin token is configured). A session's
+own endpoints need only its id: the id is a capability, known to whoever runs the session (``wrap`` makes it 128
+random bits), and nothing else a client can reach names it.
 """
 
 from __future__ import annotations
@@ -236,8 +241,10 @@ def sessions_json(table: SessionTable, store: Store | None, clock: float) -> dic
                          for sid, wall in ordered]}
 
 
-async def endpoint(method: str, path: str, table: SessionTable, store: Store | None, clock: float) -> Response:
-    """Answer a request for ``/proxyvisor/sessions...`` (module docstring); ``clock`` is the table's now."""
+async def endpoint(method: str, path: str, table: SessionTable, store: Store | None, clock: float,
+                   admin: bool | None) -> Response:
+    """Answer a request for ``/proxyvisor/sessions...`` (module docstring); ``clock`` is the table's now; ``admin``
+    whether the request carries the admin token (None: no admin token is configured)."""
     match = _PATH.match(path)
     if match is None:
         return _error(404, f"no such endpoint: {path}. Use GET /proxyvisor/sessions, "
@@ -246,6 +253,11 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
         return _error(405, f"{path} takes GET")
     session_id, what = match.groups()
     if session_id is None:
+        if not admin:
+            return _error(403, "the session listing needs the admin token: "
+                          + ("send [proxy] admin_token in the x-proxyvisor-admin header" if admin is False else
+                             "set [proxy] admin_token in the proxy's configuration and send it in x-proxyvisor-admin")
+                          + "; a session's own /proxyvisor/sessions/ID/info and /plan need only its id")
         return Response(200, list(_JSON), orjson.dumps(sessions_json(table, store, clock)))
     if not SESSION_ID.match(session_id):
         return _error(400, "invalid session id: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")

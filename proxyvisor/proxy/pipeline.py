@@ -25,8 +25,8 @@ client's format and logs the reason.
 
 from __future__ import annotations
 
-import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -60,6 +60,7 @@ OVERHEAD_HEADER = b"x-proxyvisor-overhead-ms"
 _CANCELLED = "cancelled before the answer: the client left (or proxyvisor stopped)"
 """The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
 AUTH_HEADER = "x-proxyvisor-auth"
+ADMIN_HEADER = "x-proxyvisor-admin"
 
 
 def format_for_path(path: str) -> WireFormat:
@@ -163,6 +164,9 @@ class Pipeline:
             path_session, path = split_prefix(request.path)
         except InvalidSession as exc:
             return error(format_for_path(request.path), 400, str(exc))
+        if request.too_slow:
+            return error(format_for_path(path), 408, "request body not received in time: a body must arrive whole "
+                         f"within {self.config.proxy.request_body_deadline_s:g} s ([proxy] request_body_deadline_s)")
         if path == "/" and request.method in ("HEAD", "GET"):
             return Response(200, _JSON, orjson.dumps({"name": "proxyvisor", "status": "ok"}))
         if path == "/healthz" and request.method in ("GET", "HEAD"):
@@ -170,8 +174,7 @@ class Pipeline:
                                                       "supervision": self.supervised}))
         fmt = format_for_path(path)
         token = self.config.proxy.auth_token
-        if token and not hmac.compare_digest((request.header(AUTH_HEADER) or "").encode("latin-1"),
-                                             token.encode()):  # constant time: no guessing by timing
+        if token and not request.header_is(AUTH_HEADER, token):
             return error(fmt, 401, f"proxyvisor requires the '{AUTH_HEADER}' header on this address")
         model_format = BY_PATH.get(path)
         if model_format is not None:
@@ -203,7 +206,9 @@ class Pipeline:
                 return bad
             return await self.delegation.endpoint(request)
         if path.startswith("/proxyvisor/sessions"):
-            return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock())
+            admin = self.config.proxy.admin_token
+            return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock(),
+                                           request.header_is(ADMIN_HEADER, admin) if admin else None)
         return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "
                                "/v1/chat/completions, /v1/messages, /v1/responses, /v1/messages/count_tokens, "
                                "/proxyvisor/delegate, GET /v1/models, /proxyvisor/sessions[/{id}/info|plan] "
@@ -423,15 +428,29 @@ class Pipeline:
             parser = SSEParser()
         failure: UpstreamError | None = None
         last = b""
+        numbered = b""  # the last chunk with an event in it: a Responses error event is numbered after it
         ended = False
+        limit = self.config.proxy.max_stream_s
+        deadline = trio.current_time() + limit if limit > 0 else math.inf
+        chunks = aiter(stream)
         try:
-            async for chunk in stream:
+            async for chunk in chunks:
+                # Checked per piece, not with a cancel scope per wait (which cost ~10 us a piece): a stream kept
+                # alive by pings ends at the first piece past the deadline, and a silent one at idle_timeout_s.
+                if trio.current_time() > deadline:
+                    failure = UpstreamError(504, f"stream exceeded {limit:g} s ([proxy] max_stream_s)")
+                    aclose = getattr(chunks, "aclose", None)
+                    if aclose is not None:
+                        await aclose()  # the upstream's connection is closed, not left to the collector
+                    break
                 if parser is not None:
                     for event in parser.feed(chunk):
                         read_usage(event.event, event.data)
                 yield chunk
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
-            failure = getattr(stream, "error", None)
+                if chunk[:1] != b":" or b"data:" in chunk:  # not a keep-alive comment (": ping")
+                    numbered = chunk
+            failure = failure or getattr(stream, "error", None)
             mid_event = bool(last) and not at_event_end(last)
             if failure is None and mid_event:
                 # A clean end of the body in the middle of an event (an upstream framing the stream by closing
@@ -441,8 +460,7 @@ class Pipeline:
             if failure is not None:
                 log.warning("upstream stream ended early: %s", failure.message)
                 # Blank lines first: the error must not join the unfinished event's last line.
-                yield (b"\n\n" if mid_event else b"") + fmt.stream_error(
-                    failure.status, failure.message, getattr(stream, "last_chunk", b""))
+                yield (b"\n\n" if mid_event else b"") + fmt.stream_error(failure.status, failure.message, numbered)
             ended = True
         finally:
             if session is not None:

@@ -6,14 +6,17 @@ the protocol; this module only moves bytes, applies limits and timeouts, and wat
 
 Contract of a handler: ``async def handler(request: Request) -> Response``. It runs inside a cancel scope that
 is cancelled when the client disconnects before the response is complete, so an upstream call made inside it is
-cancelled too. A streaming :class:`Response` body is an async iterator of bytes; it is sent with chunked transfer
+cancelled too. A client that only closes its sending side after its request (``shutdown(SHUT_WR)``, a
+half-close) has not disconnected: it gets its response (see :meth:`Connection._tell_apart`). A streaming :class:`Response` body is an async iterator of bytes; it is sent with chunked transfer
 encoding (or the ``content-length`` the handler set) as each chunk arrives, and closed (``aclose``) whatever
 happens.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +44,9 @@ class Request:
     """``time.perf_counter()`` when the request head was parsed (s)."""
     too_large: bool = False
     """The body exceeded the server's limit and was not read; ``body`` is empty."""
+    too_slow: bool = False
+    """The body did not arrive whole within the server's total deadline (``Limits.body_deadline_s``); ``body``
+    is empty."""
     peer: str = ""
 
     @property
@@ -57,6 +63,10 @@ class Request:
             if k == key:
                 return v.decode("latin-1")
         return None
+
+    def header_is(self, name: str, secret: str) -> bool:
+        """Whether header ``name`` holds exactly ``secret``, compared in constant time (no guessing by timing)."""
+        return hmac.compare_digest((self.header(name) or "").encode("latin-1"), secret.encode())
 
 
 @dataclass
@@ -75,6 +85,9 @@ class Limits:
     header_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0
     body_timeout_s: float = 120.0
+    """Seconds between two reads of a request body; past it the connection is closed without an answer."""
+    body_deadline_s: float = 300.0
+    """Seconds for a whole request body; past it the handler gets the request with ``too_slow`` set."""
 
 
 class _ClientGone(Exception):
@@ -96,8 +109,14 @@ class Connection:
         self.conn = h11.Connection(h11.SERVER)
         # The reader task hands what it reads to this task; unbuffered, so it reads ahead by one piece at most.
         self._inbox_in, self._inbox = trio.open_memory_channel[bytes](0)
+        self._nursery: trio.Nursery | None = None
         self._handling: trio.CancelScope | None = None
-        self._hung_up = False
+        self._read_closed = False
+        """The client sent EOF: it will send nothing more (it left, or closed only its sending side)."""
+        self._gone = False
+        """The client is gone for sure: a reset, or a write that failed."""
+        self._probing: trio.Event | None = None
+        """Set while :meth:`_tell_apart` writes its interim response; other writes wait for it."""
 
     async def _reader(self) -> None:
         """Owns the socket's receiving side for the connection's whole life, so a hang-up is seen at once, also
@@ -108,13 +127,57 @@ class Connection:
                 try:
                     data = await self.stream.receive_some(_READ_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    data = b""
-                if not data:
-                    self._hung_up = True
-                    if self._handling is not None:
-                        self._handling.cancel()
+                    self._lose()  # a reset: the client is gone
                     return
+                if not data:
+                    break
                 await self._inbox_in.send(data)
+        self._read_closed = True
+        if self._handling is not None:
+            await self._tell_apart(self._handling)
+
+    def _lose(self) -> None:
+        """The client is gone: cancel the handler, if one runs."""
+        self._gone = True
+        if self._handling is not None:
+            self._handling.cancel()
+
+    async def _tell_apart(self, scope: trio.CancelScope) -> None:
+        """EOF came while the response of the handler running in ``scope`` is due: tell a client that left from
+        one that only half-closed, and cancel the handler of the first.
+
+        TCP shows both as the same EOF until something is written: a client that left answers a write with a
+        reset. Before the response has started, the probe is an interim ``100 Continue``, which an HTTP/1.1 client
+        must accept and skip before the final response (RFC 9110, 15.2); the reset is then seen as the socket's
+        pending error within about a round trip (watched for 1 s). An HTTP/1.0 client may not get an interim
+        response: it gets its answer, and only a failed write of it counts as gone. Once the response body has
+        started, EOF is taken as the client leaving (no byte can be added to a body to probe it).
+        """
+        if self.conn.our_state is not h11.SEND_RESPONSE:
+            self._lose()
+            return
+        sock = getattr(self.stream, "socket", None)
+        if sock is None or self.conn.their_http_version is None or self.conn.their_http_version < b"1.1":
+            return
+        data = self.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+        self._probing = written = trio.Event()
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self._lose()
+            return
+        finally:
+            self._probing = None
+            written.set()
+        delay = 0.001
+        while scope is self._handling:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._lose()
+                return
+            if delay > 1.0:
+                return  # no reset within a second of a round trip: the client is there, only done sending
+            await trio.sleep(delay)
+            delay *= 2
 
     async def _receive(self) -> None:
         try:
@@ -135,6 +198,8 @@ class Connection:
                     return event
 
     async def _send(self, *events: object) -> None:
+        if self._probing is not None:  # the interim response goes out first, whole
+            await self._probing.wait()
         # Several events go out in one write: each write wakes the client, and a wake-up costs more than a copy.
         data = b"".join([self.conn.send(event) or b"" for event in events])
         if data:
@@ -146,6 +211,7 @@ class Connection:
     async def serve(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._reader)
                 await self._serve_requests()
                 nursery.cancel_scope.cancel()
@@ -199,6 +265,7 @@ class Connection:
             pass
 
     async def _read_body(self, request: Request) -> bool:
+        """Read the body of ``request`` into it; False when the connection is to be closed without an answer."""
         declared = request.header("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
             request.too_large = True
@@ -206,47 +273,58 @@ class Connection:
         parts: list[bytes] = []
         size = 0
         try:
-            while True:
-                event = await self._next_event(self.limits.body_timeout_s)
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > self.limits.max_body_bytes:
-                        request.too_large = True
-                        return True
-                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-                else:
-                    return False
+            if self.conn.they_are_waiting_for_100_continue:
+                # A client that sent `Expect: 100-continue` holds its body back until told to go on (curl waits
+                # 1 s for it on every body over 1 MiB); one refused by its declared size got its 413 above.
+                await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+            with trio.move_on_after(self.limits.body_deadline_s) as deadline:
+                while True:
+                    event = await self._next_event(self.limits.body_timeout_s)
+                    if isinstance(event, h11.Data):
+                        size += len(event.data)
+                        if size > self.limits.max_body_bytes:
+                            request.too_large = True
+                            return True
+                        parts.append(event.data)  # bytes or bytearray: the join below copies either way
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    else:
+                        return False
         except trio.TooSlowError:
             return False
         except h11.RemoteProtocolError as exc:
             await self._bad_request(exc)
             return False
+        if deadline.cancelled_caught:
+            request.too_slow = True
+            return True
         request.body = b"".join(parts)
         return True
 
     async def _respond(self, request: Request) -> None:
         gone = False
         with trio.CancelScope() as scope:
-            # Clients do not send while awaiting a response (no pipelining in practice); EOF means they hung up.
+            # Clients do not send while awaiting a response (no pipelining in practice): the reader sees only an EOF
+            # or a reset, and tells them apart (_tell_apart).
             self._handling = scope
-            if self._hung_up:
+            if self._gone:
                 scope.cancel()
+            elif self._read_closed and self._nursery is not None:
+                self._nursery.start_soon(self._tell_apart, scope)
             try:
                 await self._run_handler(request)
             except (_ClientGone, AbortConnection):
                 gone = True
             finally:
                 self._handling = None
-        if gone or self._hung_up:
+        if gone or self._gone:
             raise _ClientGone()
 
     async def _run_handler(self, request: Request) -> None:
         response = await self.handler(request)
         body = response.body
         headers = list(response.headers)
-        if request.too_large:
+        if request.too_large or request.too_slow:  # the rest of its body may still come: no next request
             headers.append((b"connection", b"close"))
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):

@@ -75,7 +75,7 @@ def tune_gc() -> None:
 def limits_of(config: Config) -> Limits:
     p = config.proxy
     return Limits(max_body_bytes=p.max_body_bytes, header_timeout_s=p.request_header_timeout_s,
-                  body_timeout_s=p.request_body_timeout_s,
+                  body_timeout_s=p.request_body_timeout_s, body_deadline_s=p.request_body_deadline_s,
                   keepalive_timeout_s=p.keepalive_timeout_s)
 
 
