@@ -151,15 +151,20 @@ class Connection:
         must accept and skip before the final response (RFC 9110, 15.2); the reset is then seen as the socket's
         pending error within about a round trip (watched for 1 s). An HTTP/1.0 client may not get an interim
         response: it gets its answer, and only a failed write of it counts as gone. Once the response body has
-        started, EOF is taken as the client leaving (no byte can be added to a body to probe it).
+        started, EOF is taken as the client leaving (no byte can be added to a body to probe it); once the whole
+        response is on its way out, its write tells.
         """
-        if self.conn.our_state is not h11.SEND_RESPONSE:
+        if self.conn.our_state is h11.SEND_BODY:
             self._lose()
             return
         sock = getattr(self.stream, "socket", None)
-        if sock is None or self.conn.their_http_version is None or self.conn.their_http_version < b"1.1":
+        if self.conn.our_state is not h11.SEND_RESPONSE or sock is None \
+                or self.conn.their_http_version is None or self.conn.their_http_version < b"1.1":
             return
-        data = self.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+        try:
+            data = self.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+        except h11.LocalProtocolError:
+            return
         self._probing = written = trio.Event()
         try:
             await self.stream.send_all(data)
