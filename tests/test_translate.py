@@ -22,14 +22,19 @@ import orjson
 import pytest
 import trio
 
+from proxyvisor.adapters.litellm_bridge import import_litellm
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, UpstreamConfig
+from proxyvisor.proxy import translate
 from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.relay import UpstreamError
+from proxyvisor.proxy.server import Request, Response
 from proxyvisor.proxy.service import RunningProxy, running
+from proxyvisor.proxy.translate import ToolCallSplitter
 from proxyvisor.store import Store
 
 from helpers import (TEXT_STEP, TOOL_STEP, TWO_CALLS_STEP, anthropic_client, ask, assert_error_shape, closed_port,
-                     json_events, openai_client, raw_stream, request_body, serve_handler)
+                     json_events, openai_client, raw_stream, request_body, serve_handler, sse_events)
 from test_faults import Observed
 
 DIRECTIONS = [("chat", "messages"), ("chat", "responses"), ("messages", "chat"), ("messages", "responses"),
@@ -323,3 +328,169 @@ async def test_client_disconnect_mid_stream_cancels_the_upstream_request(client:
         with trio.fail_after(10):
             await upstream.closed.wait()
         assert upstream.cancelled
+
+
+# ---- upstreams that emit exactly given bytes ------------------------------------------------------------------
+
+class RawUpstream:
+    """An upstream answering every request with fixed bytes: ``stream`` (SSE) to a request with ``stream: true``,
+    ``json`` otherwise, both with ``status``; records the bodies it got."""
+
+    def __init__(self, json_body: bytes, stream: bytes = b"", status: int = 200) -> None:
+        self.json_body, self.stream, self.status = json_body, stream, status
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, request: Request) -> Response:
+        body = orjson.loads(request.body)
+        self.bodies.append(body)
+        if body.get("stream") and self.stream:
+            async def play() -> AsyncIterator[bytes]:
+                yield self.stream
+            return Response(self.status, [(b"content-type", b"text/event-stream")], play())
+        return Response(self.status, [(b"content-type", b"application/json")], self.json_body)
+
+
+@asynccontextmanager
+async def raw_translating(upstream: RawUpstream, upstream_format: str, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    async with serve_handler(upstream) as url, translating(upstream_format, tmp_path, url=url) as rp:
+        yield rp
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    obj = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1, "model": "m",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _call_start(call_id: str) -> bytes:
+    return _chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                   "function": {"name": "read", "arguments": ""}}]})
+
+
+def _call_args(fragment: str) -> bytes:
+    return _chunk({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
+
+
+# Two parallel calls, both at index 0 (LiteLLM #33678's shape): call_a reads a.rs, call_b b.rs.
+SAME_INDEX_STREAM = b"".join([
+    _chunk({"role": "assistant", "content": None}),
+    _call_start("call_a"), _call_args('{"path":'), _call_args('"a.rs"}'),
+    _call_start("call_b"), _call_args('{"path":'), _call_args('"b.rs"}'),
+    _chunk({}, "tool_calls"), b"data: [DONE]\n\n"])
+SAME_INDEX_JSON = json.dumps({
+    "id": "chatcmpl-7", "object": "chat.completion", "created": 1, "model": "m",
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": c, "type": "function", "function": {"name": "read", "arguments": a}}
+                                for c, a in (("call_a", '{"path":"a.rs"}'), ("call_b", '{"path":"b.rs"}'))]}}],
+    "usage": {"prompt_tokens": 20, "completion_tokens": 12, "total_tokens": 32}}).encode()
+READ_TOOL = {"type": "object", "properties": {"path": {"type": "string"}}}
+
+
+def _read_request(client: str, stream: bool) -> dict[str, Any]:
+    body = request_body(client, stream=stream)
+    body["tools"] = {"messages": [{"name": "read", "input_schema": READ_TOOL}],
+                     "responses": [{"type": "function", "name": "read", "parameters": READ_TOOL}]}[client]
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("client", ["responses", "messages"])
+async def test_parallel_calls_at_one_index_are_split_by_id(client: str, stream: bool, tmp_path: Path) -> None:
+    upstream = RawUpstream(SAME_INDEX_JSON, SAME_INDEX_STREAM)
+    async with raw_translating(upstream, "chat", tmp_path) as rp:
+        reply, data = await raw_stream(rp.url, client, _read_request(client, stream))
+    assert reply.status_code == 200 and upstream.bodies[-1].get("stream", False) is stream
+    want = [("call_a", {"path": "a.rs"}), ("call_b", {"path": "b.rs"})]
+    if not stream:
+        final = orjson.loads(data)
+    elif client == "messages":
+        final = BY_NAME["messages"].stream_response([(e.event, e.data) for e in sse_events(data)])
+    else:
+        events = json_events(data)
+        [completed] = [obj["response"] for name, obj in events if name == "response.completed"]
+        final = completed
+        added = [obj["item"]["id"] for name, obj in events if name == "response.output_item.added"]
+        done = {obj["item"]["id"]: obj["item"] for name, obj in events if name == "response.output_item.done"}
+        assert sorted(added) == sorted(done)  # every call announced is completed
+        for item_id, item in done.items():
+            deltas = "".join(obj["delta"] for name, obj in events
+                             if name == "response.function_call_arguments.delta" and obj["item_id"] == item_id)
+            assert deltas == item["arguments"]  # each fragment once, in its own call
+    turn = BY_NAME[client].parse_response(final)
+    assert [(call.id, call.arguments) for call in turn.tool_calls] == want
+
+
+def test_the_tool_call_splitter_renumbers_only_a_reused_index_at_every_split() -> None:
+    out = ToolCallSplitter().feed(SAME_INDEX_STREAM)
+    calls = [call for e in sse_events(out) if e.data != "[DONE]"
+             for call in json.loads(e.data)["choices"][0]["delta"].get("tool_calls", ())]
+    assert [(c.get("id"), c["index"]) for c in calls] == [("call_a", 0), (None, 0), (None, 0),
+                                                           ("call_b", 1), (None, 1), (None, 1)]
+    distinct = SAME_INDEX_STREAM.replace(b'"index": 0, "id": "call_b"', b'"index": 1, "id": "call_b"')
+    assert distinct != SAME_INDEX_STREAM
+    assert ToolCallSplitter().feed(distinct) == distinct  # already distinct: byte for byte
+    for cut in range(len(SAME_INDEX_STREAM)):
+        splitter = ToolCallSplitter()
+        pieces = splitter.feed(SAME_INDEX_STREAM[:cut]) + splitter.feed(SAME_INDEX_STREAM[cut:]) + splitter.finish()
+        assert pieces == out
+
+
+ANTHROPIC_BLOCKS = [
+    {"role": "user", "content": "Read a.rs."},
+    {"role": "assistant", "content": [{"type": "text", "text": "Reading."},
+                                      {"type": "tool_use", "id": "toolu_1", "name": "read",
+                                       "input": {"path": "a.rs"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "fn main() {}"}]}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_anthropic_blocks_on_chat_completions_are_a_400_without_a_traceback(stream: bool,
+                                                                                  tmp_path: Path) -> None:
+    upstream = RawUpstream(b'{"type":"message"}')
+    async with raw_translating(upstream, "messages", tmp_path) as rp:
+        reply, data = await raw_stream(rp.url, "chat", request_body("chat", stream=stream,
+                                                                    messages=ANTHROPIC_BLOCKS))
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
+    message = assert_error_shape("chat", 400, data)["message"]
+    assert "\n" not in message and "Traceback" not in message and ".py" not in message
+    assert "assistant message" in message and "'tool_use'" in message
+    assert upstream.bodies == []
+
+
+def test_litellms_own_failure_text_reaches_the_client_as_one_line() -> None:
+    litellm = import_litellm()
+    text = ("Invalid user message at index 3. Please ensure all user messages are valid.\nTraceback (most recent "
+            'call last):\n  File "/venv/lib/python3.11/site-packages/litellm/utils.py", line 9730, in validate\n'
+            "    raise Exception(\nException: invalid content type=tool_result\n")
+    for exc in (litellm.APIConnectionError(message=text, llm_provider="anthropic", model="m"),
+                litellm.BadRequestError(message="failed in /venv/lib/python3.11/site-packages/litellm/main.py",
+                                        llm_provider="anthropic", model="m")):
+        try:
+            reply = translate._failure(BY_NAME["chat"], "s", exc, "sk-key")
+            body = reply.body
+        except UpstreamError as error:
+            body = BY_NAME["chat"].error_body(error.status, error.message)
+        message = orjson.loads(body)["error"]["message"]
+        assert "\n" not in message and "Traceback" not in message and ".py" not in message and "site-packages" \
+            not in message, message
+
+
+CONTEXT_ERROR = json.dumps({"error": {"message": "This model's maximum context length is 8192 tokens.",
+                                      "type": "invalid_request_error", "param": "messages",
+                                      "code": "context_length_exceeded"}}).encode()
+ANTHROPIC_CONTEXT_ERROR = json.dumps({"type": "error", "error": {
+    "type": "invalid_request_error", "message": "prompt is too long: 210000 tokens > 200000 maximum"}}).encode()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("client", "upstream"), DIRECTIONS, ids=[f"{c}-on-{u}" for c, u in DIRECTIONS])
+async def test_an_upstream_error_code_reaches_the_client(client: str, upstream: str, stream: bool,
+                                                         tmp_path: Path) -> None:
+    """OpenAI-format upstreams name the code; Anthropic's error has none, and litellm recognises it."""
+    body = ANTHROPIC_CONTEXT_ERROR if upstream == "messages" else CONTEXT_ERROR
+    async with raw_translating(RawUpstream(body, status=400), upstream, tmp_path) as rp:
+        reply, data = await raw_stream(rp.url, client, request_body(client, stream=stream))
+    assert reply.status_code == 400
+    error = assert_error_shape(client, 400, data)
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"] == orjson.loads(body)["error"]["message"]

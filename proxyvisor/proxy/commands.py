@@ -8,7 +8,9 @@ in the request's format, streamed or not, without calling the model (issue 4, "/
 - "last user message": the history's last item that is not a system message (Claude Code puts one after the
   prompt) must be a user message, not tool results; its text, without the harness's
   ``<system-reminder>...</system-reminder>`` blocks (Claude Code sends its context as such a block in the same
-  message) and surrounding whitespace, must equal the command;
+  message) and surrounding whitespace, must be the command alone on its first line; what follows that line is
+  text a harness appended (aider adds its format reminder to the user's message) and is ignored, so
+  ``/info\n\nReply in this format...`` asks ``/info`` but ``/info please`` does not;
 - ``/info``: the session's counters, summed from its ledger (``proxyvisor.proxy.info``);
 - ``/plan``: the plan of the request's thread with phase status (``proxyvisor.gate.plan.render_text``), or "no
   plan"; the user's prohibitions in force, each with the user turn that stated it (``- [turn 2] Do not run the
@@ -74,8 +76,9 @@ _PATH = re.compile(r"^/proxyvisor/sessions(?:/([^/]*)/(info|plan))?$")
 
 
 def _command(text: str) -> str | None:
-    text = goal_text(text)
-    return text if text in COMMANDS else None
+    """The command ``text`` (a user message's text) asks: the whole of its first line (module docstring)."""
+    first = goal_text(text).partition("\n")[0].strip()
+    return first if first in COMMANDS else None
 
 
 def command_of(fmt: WireFormat, body: dict[str, Any]) -> str | None:

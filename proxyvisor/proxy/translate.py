@@ -26,10 +26,15 @@ increasing ``sequence_number``. proxyvisor never retries (``max_retries=0``): cl
 
 The credential is the upstream's configured key, else the client's own (``Authorization: Bearer`` or
 ``x-api-key``), else a placeholder: never a key from proxyvisor's environment, where litellm would otherwise look.
+
+A chat upstream's stream is normalised before litellm reads it (:class:`ToolCallSplitter`): a tool call delta
+with a new ``id`` at an ``index`` that an earlier call holds is a new call, given an index of its own (some
+providers stream parallel calls all at index 0, which litellm's Responses bridge merges into one call).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import math
@@ -39,6 +44,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+import openai
 import orjson
 import trio
 
@@ -120,6 +127,17 @@ _CLIENTS: dict[str, _Client] = {
 
 # litellm's prefixes before the upstream's message: "litellm.RateLimitError: RateLimitError: OpenAIException - ".
 _PREFIX = re.compile(r"^(?:litellm\.\w+: |\w+Error: )*(?:\w+Exception - )?")
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\):")
+_SOURCE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+@-]+)+\.py[cw]?\b")
+"""A Python source file's path, as litellm quotes them in the tracebacks it puts into its messages."""
+
+# The content part types a Chat Completions message of each role may hold: the documented ones, and for user
+# messages those litellm accepts too (it validates only user messages, and fails with a traceback).
+_CHAT_PARTS: dict[str, frozenset[str]] = {
+    "user": frozenset({"text", "image_url", "input_audio", "file", "audio_url", "document", "video_url",
+                       "guarded_text", "grounding_source", "query"}),
+    "assistant": frozenset({"text", "refusal"}),
+}
 
 
 def _route_for(client: str, upstream_formats: tuple[str, ...]) -> tuple[str, _Route]:
@@ -155,6 +173,7 @@ class Translator:
     def __init__(self, relays: dict[str, HttpRelay]) -> None:
         self.relays = relays
         self._registered: set[str] = set()
+        self._http: httpx.AsyncClient | None = None
 
     async def send(self, fmt: WireFormat, upstream: UpstreamConfig, body: dict[str, Any],
                    headers: Headers) -> UpstreamReply:
@@ -164,15 +183,23 @@ class Translator:
         ``overloaded_error``), the format's error body and the upstream's ``Retry-After`` (a 429 always has
         one). A stream is an async iterable of SSE bytes whose ``error`` is set when it broke mid-way.
 
+        The upstream's error ``code`` (``context_length_exceeded``, on which clients compact; litellm's
+        recognition of a context window error where the upstream's format has no code) is kept in the client's
+        error body. No message from litellm's own code reaches the client beyond its first line, and never a
+        traceback or a source path.
+
         Raises:
-            UpstreamError: no translation exists (501), no model is known (400), the upstream is unreachable
-                (502) or sent nothing within ``first_byte_timeout_s`` (504).
+            UpstreamError: no translation exists (501), no model is known (400), a Chat Completions request
+                holds content parts of another format (400: litellm cannot translate them), the upstream is
+                unreachable (502) or sent nothing within ``first_byte_timeout_s`` (504).
         """
         target, route = _route_for(fmt.name, upstream.formats)
         relay = self.relays[upstream.name]
         model = upstream.model or body.get("model")
         if not isinstance(model, str) or not model:
             raise UpstreamError(400, "the request names no model and [upstreams] model is not set")
+        if fmt.name == "chat" and (problem := _chat_problem(body.get("messages"))):
+            raise UpstreamError(400, problem)
         key = relay.api_key or _client_key(headers) or NO_KEY
         stream = body.get("stream") is True
         kwargs = {k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}
@@ -200,11 +227,21 @@ class Translator:
         litellm = litellm_bridge.import_litellm()
         if target == "responses" and kwargs["stream"]:
             self._native_streaming(litellm, model)
+        if target == "chat":
+            kwargs = {**kwargs, "client": openai.AsyncOpenAI(api_key=kwargs["api_key"], base_url=kwargs["api_base"],
+                                                             max_retries=0, http_client=self._chat_http())}
         if route.call == "acompletion":
             return await litellm.acompletion(**kwargs)
         if route.call == "aresponses":
             return await litellm.aresponses(**kwargs)
         return await litellm.anthropic.messages.acreate(**kwargs)
+
+    def _chat_http(self) -> httpx.AsyncClient:
+        """The HTTP client of litellm's calls to chat upstreams, whose streams it normalises
+        (:class:`ToolCallSplitter`). Made on the litellm thread, on first use: it belongs to that thread's loop."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(transport=_SplittingTransport(httpx.AsyncHTTPTransport()), timeout=None)
+        return self._http
 
     def _native_streaming(self, litellm: Any, model: str) -> None:
         # litellm fakes a stream (one non-streaming upstream call, replayed in slices) for a Responses model
@@ -218,6 +255,107 @@ class Translator:
             litellm.register_model({f"openai/{model}": {"litellm_provider": "openai",
                                                         "supports_native_streaming": True}},
                                    persist_across_reloads=False, add_to_provider_model_sets=False)
+
+
+class ToolCallSplitter:
+    """Rewrites a Chat Completions SSE stream so that each tool call has an ``index`` of its own.
+
+    A ``tool_calls`` delta carrying an ``id`` that differs from the id of the call streaming at its ``index``
+    starts a new call: it and the id-less deltas after it at that index get the next free index. Streams that
+    index their calls distinctly pass unchanged (each index keeps its number); lines without ``tool_calls``
+    pass byte for byte. Feed the body in any pieces; :meth:`feed` returns the bytes to pass on, :meth:`finish`
+    what an unterminated last line left.
+    """
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._calls: dict[tuple[int, int], tuple[int, str]] = {}
+        """(choice, upstream index) -> (index given, id of the call streaming there)."""
+        self._given: dict[int, set[int]] = {}
+        """choice -> the indexes given so far."""
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._rest + data
+        end = data.rfind(b"\n") + 1
+        self._rest = data[end:]
+        if b'"tool_calls"' not in data[:end]:
+            return data[:end]
+        return b"".join(self._line(line) for line in data[:end].splitlines(keepends=True))
+
+    def finish(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return self._line(rest) if rest else b""
+
+    def _line(self, line: bytes) -> bytes:
+        if not line.startswith(b"data:") or b'"tool_calls"' not in line:
+            return line
+        body = line[5:].strip()
+        try:
+            chunk = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return line
+        changed = False
+        for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else ():
+                if isinstance(call, dict) and isinstance(call.get("index"), int):
+                    given = self._index(choice.get("index", 0), call["index"], call.get("id"))
+                    if given != call["index"]:
+                        call["index"] = given
+                        changed = True
+        if not changed:
+            return line
+        return b"data: " + orjson.dumps(chunk) + line[len(line.rstrip(b"\r\n")):]
+
+    def _index(self, choice: Any, index: int, call_id: Any) -> int:
+        key = (choice if isinstance(choice, int) else 0, index)
+        current = self._calls.get(key)
+        if current is not None and (not call_id or call_id == current[1]):
+            return current[0]
+        given = self._given.setdefault(key[0], set())
+        new = index if index not in given else max(given) + 1
+        given.add(new)
+        self._calls[key] = (new, call_id if isinstance(call_id, str) else "")
+        return new
+
+
+class _SplittingTransport(httpx.AsyncBaseTransport):
+    """An HTTP transport that passes Chat Completions streams through a :class:`ToolCallSplitter`."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        chat = request.url.path.endswith("/chat/completions")
+        if chat:
+            request.headers["accept-encoding"] = "identity"  # the splitter reads the bytes as sent
+        response = await self.inner.handle_async_request(request)
+        if not chat or not response.headers.get("content-type", "").startswith("text/event-stream") \
+                or response.headers.get("content-encoding", "identity") != "identity":
+            return response
+        return httpx.Response(response.status_code, headers=response.headers, stream=_SplitStream(response.stream),
+                              extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _SplitStream(httpx.AsyncByteStream):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.splitter = ToolCallSplitter()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for piece in self.inner:
+            out = self.splitter.feed(piece)
+            if out:
+                yield out
+        if rest := self.splitter.finish():
+            yield rest
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 @dataclass
@@ -307,7 +445,45 @@ def _failure(fmt: WireFormat, upstream: str, exc: Exception, key: str) -> Upstre
     retry = _retry_after(exc)
     if retry or status == 429:
         headers.append((b"retry-after", (retry or "1").encode()))
-    return UpstreamReply(status, headers, fmt.error_body(status, message), 0.0)
+    return UpstreamReply(status, headers, fmt.error_body(status, message, _code(exc)), 0.0)
+
+
+def _chat_problem(messages: Any) -> str | None:
+    """Why litellm cannot translate a Chat Completions ``messages`` list, in one line, or None: a message that is
+    not an object with a ``role``, or a user or assistant content part of a type Chat Completions lacks (an
+    Anthropic ``tool_use`` or ``tool_result`` block)."""
+    if not isinstance(messages, list):
+        return None  # litellm's own check says what is missing
+    # No positions in the message: the body here may hold proxyvisor's additions, so they would not be the client's.
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return "every item of 'messages' must be an object with a 'role'"
+        allowed = _CHAT_PARTS.get(message["role"])
+        content = message.get("content")
+        if allowed is None or not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in allowed:
+                return (f"a Chat Completions {message['role']} message cannot hold a content part of type "
+                        f"{kind!r} (only {', '.join(sorted(allowed))}): tool calls go in an assistant message's "
+                        "'tool_calls' and their results in 'tool' messages; Anthropic content blocks go to "
+                        "/v1/messages")
+    return None
+
+
+def _code(exc: Exception) -> str | None:
+    """The machine-readable error code to give the client: the upstream's own ``code``, else
+    ``context_length_exceeded`` when litellm recognised a context window error (Anthropic's has no code), else
+    None."""
+    original = getattr(exc, "original_exception", None)
+    for candidate in (exc, original) if isinstance(original, Exception) else (exc,):
+        code = _upstream_error(candidate).get("code")
+        if isinstance(code, str) and code:
+            return code
+    if isinstance(exc, litellm_bridge.import_litellm().ContextWindowExceededError):
+        return "context_length_exceeded"
+    return None
 
 
 def _is_api_error(exc: Exception) -> bool:
@@ -336,17 +512,33 @@ def _status(exc: Exception) -> int:
 
 
 def _upstream_error(exc: Exception) -> dict[str, Any]:
-    """The upstream's JSON error object quoted in litellm's message (``{"error": {...}}``), or {}."""
+    """The upstream's JSON error object quoted in litellm's message (``{"error": {...}}``, also as the repr of
+    a bytes object, ``b'{...}'``), or {}."""
     text = str(getattr(exc, "message", "") or exc)
     start = text.find("{")
     if start < 0:
         return {}
+    if start >= 2 and text[start - 2:start] in ("b'", 'b"'):
+        text, start = _unquoted(text, start - 2), 0
     try:
         body, _end = json.JSONDecoder().raw_decode(text, start)
     except ValueError:
         return {}
     error = body.get("error") if isinstance(body, dict) else None
     return error if isinstance(error, dict) else {}
+
+
+def _unquoted(text: str, start: int) -> str:
+    """The text of the bytes literal at ``text[start:]`` (``b'...'``), or "" when it is not one."""
+    quote = text[start + 1]
+    end = start + 2
+    while (end := text.find(quote, end)) > 0 and text[end - 1] == "\\":
+        end += 1
+    try:
+        value = ast.literal_eval(text[start:end + 1]) if end > 0 else b""
+    except (ValueError, SyntaxError):
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else ""
 
 
 def _message(exc: Exception, key: str) -> str:
@@ -356,8 +548,16 @@ def _message(exc: Exception, key: str) -> str:
     exc = original if isinstance(original, Exception) else exc
     message = _upstream_error(exc).get("message")
     if not isinstance(message, str) or not message:
-        message = _PREFIX.sub("", str(getattr(exc, "message", "") or exc), count=1) or type(exc).__name__
+        message = _first_line(_PREFIX.sub("", str(getattr(exc, "message", "") or exc), count=1)) \
+            or type(exc).__name__
     return message.replace(key, "[redacted]") if len(key) >= 4 else message
+
+
+def _first_line(text: str) -> str:
+    """litellm's own message as one line: what comes before a traceback or a second line, with source paths
+    removed."""
+    text = _TRACEBACK.split(text, maxsplit=1)[0].strip()
+    return _SOURCE_PATH.sub("[path]", text.splitlines()[0]).strip() if text else ""
 
 
 def _retry_after(exc: Exception) -> str | None:

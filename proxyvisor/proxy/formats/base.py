@@ -257,8 +257,9 @@ class WireFormat:
     comment, which every SSE client skips and which resets its read timeout."""
 
     # ---- errors -------------------------------------------------------------------------------------------
-    def error_body(self, status: int, message: str) -> bytes:
-        """The API's JSON error body for ``status``."""
+    def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
+        """The API's JSON error body for ``status``; ``code`` is a machine-readable error code to keep (an
+        upstream's ``context_length_exceeded``, on which clients compact), None for the status's default."""
         raise NotImplementedError
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:

@@ -23,9 +23,10 @@ class ChatFormat(WireFormat):
     history_field = "messages"
     result_part_type = "text"
 
-    def error_body(self, status: int, message: str) -> bytes:
+    def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
         kind = error_types(status)[0]
-        return dumps({"error": {"message": message, "type": kind, "param": None, "code": kind if status != 429 else "rate_limit_exceeded"}})
+        code = code or (kind if status != 429 else "rate_limit_exceeded")
+        return dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         # The openai SDK raises APIError on a data line whose object has an "error" key.

@@ -28,8 +28,11 @@ class MessagesFormat(WireFormat):
     """Anthropic's own keep-alive event (its API sends it; the SDKs skip it anywhere in a stream)."""
     result_part_type = "text"
 
-    def error_body(self, status: int, message: str) -> bytes:
-        return dumps({"type": "error", "error": {"type": error_types(status)[1], "message": message}})
+    def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
+        error = {"type": error_types(status)[1], "message": message}
+        if code:
+            error["code"] = code  # not in Anthropic's shape, which has none; its SDK keeps unknown fields
+        return dumps({"type": "error", "error": error})
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         return sse(self.error_body(status, message), event="error")

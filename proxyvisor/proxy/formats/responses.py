@@ -119,9 +119,10 @@ class ResponsesFormat(WireFormat):
     history_field = "input"
     result_part_type = "input_text"
 
-    def error_body(self, status: int, message: str) -> bytes:
+    def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
         kind = error_types(status)[0]
-        return dumps({"error": {"message": message, "type": kind, "param": None, "code": kind if status != 429 else "rate_limit_exceeded"}})
+        code = code or (kind if status != 429 else "rate_limit_exceeded")
+        return dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         found = _SEQ.findall(last_chunk)
