@@ -117,6 +117,35 @@ def test_the_command_is_the_last_user_message_exactly() -> None:
     assert command_of(MESSAGES, {"messages": []}) is None
 
 
+AIDER_REMINDER = ("\n\nTo suggest changes to a file you MUST return the entire content of the updated file.\n"
+                  "You MUST use this *file listing* format:\n\npath/to/filename.js\n```\n// entire file\n```\n")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_command_alone_on_the_first_line_is_asked_whatever_follows(fmt: str) -> None:
+    """aider appends its format reminder to the user's message; the command still stands alone on line one."""
+    wire = BY_NAME[fmt]
+
+    def asked(text: str) -> str | None:
+        return command_of(wire, wire.request_from_chat([{"role": "system", "content": SYSTEM},
+                                                         {"role": "user", "content": text}], MODEL, False))
+
+    assert asked("/info" + AIDER_REMINDER) == "/info"
+    assert asked(" /plan \r\n" + AIDER_REMINDER) == "/plan"
+    assert asked("/info please" + AIDER_REMINDER) is None
+    assert asked("Fix the bug.\n/info") is None
+    assert asked("/info") == "/info"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_command_with_a_harness_reminder_is_answered_locally(fmt: str, start_proxy) -> None:
+    async with start_proxy([{"text": "should not be used"}]) as rp:
+        text = await sdk_ask(fmt, f"{rp.url}/s/aider-like", [{"role": "user", "content": "/info" + AIDER_REMINDER}],
+                             stream=False)
+        assert text.startswith("**proxyvisor /info · session aider-like**")
+        assert rp.scripted["scripted"].requests == []
+
+
 def test_claude_codes_request_shape_is_a_command() -> None:
     """Claude Code sends its context as a ``<system-reminder>`` block in the prompt's message and puts a system
     message after it (../shared/reference/client-captures/claude-code_2.1.197_turn1.json)."""
