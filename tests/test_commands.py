@@ -4,6 +4,7 @@ session endpoints that give the same as JSON."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -79,9 +80,12 @@ async def test_plan_and_info_are_answered_locally_and_kept_from_the_model(fmt: s
                 assert rows["model requests"] == "1 (tool rounds 0, errors 0)"
                 assert rows["self-reports"] == "ok 1"
                 assert rows["reported states"] == "progressing 1"
-                # A Chat stream reports usage only when asked (stream_options.include_usage); the SDK does not ask.
-                tokens = "0 in / 0 out" if (fmt, stream) == ("chat", True) else "300 in / 30 out"
-                assert rows["upstream"].startswith(tokens)
+                # A Chat stream reports usage only when asked (stream_options.include_usage); the SDK does not ask,
+                # so proxyvisor counts the tokens itself and says so.
+                if (fmt, stream) == ("chat", True):
+                    assert re.match(r"[1-9]\d* in / [1-9]\d* out tokens \(estimated for 1 request\)", rows["upstream"])
+                else:
+                    assert rows["upstream"].startswith("300 in / 30 out tokens ·")
             else:
                 assert text == (f"{plans.NO_PLAN}\n\nRetained critical knowledge (from the latest self-report):\n"
                                 "- tests: pytest -q tests/parser\n- the bug is in src/parse.c:88")

@@ -93,7 +93,7 @@ def test_an_empty_ledger_sums_to_zero_and_prices_nothing() -> None:
     info = summarize([], no_price)
     assert info["requests"] == 0 and info["first"] is None
     assert info["upstream"] == {"input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0, "cost_known": True,
-                                "unpriced": [], "scripted_requests": 0}
+                                "unpriced": [], "scripted_requests": 0, "estimated_requests": 0}
     assert info["overhead_ms"] == {"total": 0.0, "mean": 0.0, "p50": 0.0, "max": 0.0}
     assert "none" in render_text(info)
 
@@ -200,7 +200,7 @@ async def test_a_real_run_writes_what_supervision_did_and_info_sums_it(tmp_path:
     # The built-in scripted model answered: its tokens count, and are never priced under the client's model name.
     assert all(line["scripted"] is True for line in lines)
     assert info["upstream"] == {"input_tokens": 400, "output_tokens": 40, "cost_usd": 0.0, "cost_known": True,
-                                "unpriced": [], "scripted_requests": 4}
+                                "unpriced": [], "scripted_requests": 4, "estimated_requests": 0}
     # The endpoint gives the same sum, with the in-memory counters.
     assert {k: v for k, v in listing.items() if k not in ("session", "live")} == orjson.loads(orjson.dumps(info))
     assert listing["session"] == "poller" and listing["live"]["requests"] == 4

@@ -7,6 +7,8 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
 - ``status``: HTTP status of the answer (499: the client left before it); ``format``: ``chat``, ``messages`` or
   ``responses``; ``model``: the model the request named (str, or None);
 - ``input_tokens``, ``output_tokens``: upstream tokens the answer reported (int, or None when it reported none);
+  ``usage_estimated``: true when proxyvisor counted them itself, the answer having reported none
+  (``proxyvisor.proxy.estimate``);
 - ``scripted``: true when the answer came from the built-in scripted model (its tokens are never priced);
 - ``overhead_ms``: the proxy overhead of the request (ms): the wall time proxyvisor itself added before the reply's
   headers, that is the request's time less the time waiting for the upstream and for supervisor model calls;
@@ -51,7 +53,8 @@ are milliseconds:
   "time_ms"}`` (cost as priced when the call was made; ``time_ms``: the wall time of the calls, which the
   overhead leaves out);
 - ``upstream``: ``{"input_tokens", "output_tokens", "cost_usd", "cost_known", "unpriced": [model],
-  "scripted_requests"}``: the cost is litellm's cost map (``proxyvisor.pricing``) applied per request when the
+  "scripted_requests", "estimated_requests"}``: ``estimated_requests`` counts the requests whose tokens are
+  proxyvisor's estimate; the cost is litellm's cost map (``proxyvisor.pricing``) applied per request when the
   summary is made; a model the map does not price (a local model) adds nothing to ``cost_usd``, is listed in
   ``unpriced`` and makes ``cost_known`` false; the answers of the built-in scripted model are never priced and are
   counted in ``scripted_requests``;
@@ -152,7 +155,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     calls: Counter[str] = Counter()
     sup_in = sup_out = 0
     sup_cost = sup_ms = 0.0
-    tokens_in = tokens_out = scripted = 0
+    tokens_in = tokens_out = scripted = estimated = 0
     cost = 0.0
     unpriced: set[str] = set()
     overheads: list[float] = []
@@ -205,6 +208,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         t_in, t_out = _int(line.get("input_tokens")), _int(line.get("output_tokens"))
         tokens_in += t_in
         tokens_out += t_out
+        estimated += line.get("usage_estimated") is True
         if line.get("scripted") is True:
             scripted += 1
         elif t_in or t_out:
@@ -234,7 +238,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
                              "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost,
                              "time_ms": _ms(sup_ms)},
         "upstream": {"input_tokens": tokens_in, "output_tokens": tokens_out, "cost_usd": cost,
-                     "cost_known": not unpriced, "unpriced": sorted(unpriced), "scripted_requests": scripted},
+                     "cost_known": not unpriced, "unpriced": sorted(unpriced), "scripted_requests": scripted,
+                     "estimated_requests": estimated},
         "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
                         "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
                         "max": _ms(max(overheads, default=0.0))},
@@ -313,7 +318,9 @@ def render_text(info: Mapping[str, Any]) -> str:
                       f"{plural(info['condense']['saved_tokens'], 'token')}"),
         ("planner calls", f"{info['planner_calls']:,}"),
         ("supervisor model", supervisor_text(sup)),
-        ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens · {upstream_cost(up)}"),
+        ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"
+                     + (f" (estimated for {plural(up['estimated_requests'], 'request')})"
+                        if up.get("estimated_requests") else "") + f" · {upstream_cost(up)}"),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]

@@ -45,7 +45,7 @@ from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
-from . import commands
+from . import commands, estimate
 from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .gating import Gating, eligible
@@ -61,6 +61,8 @@ _CANCELLED = "cancelled before the answer: the client left (or proxyvisor stoppe
 """The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
 AUTH_HEADER = "x-proxyvisor-auth"
 ADMIN_HEADER = "x-proxyvisor-admin"
+_KEPT_FOR_ESTIMATE = 8 * 1024 * 1024
+"""Characters of stream event data kept to estimate the output tokens of a stream that reports no usage."""
 
 
 def format_for_path(path: str) -> WireFormat:
@@ -136,6 +138,8 @@ class Pipeline:
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
         self.started = time.time()
+        if self.supervised:
+            estimate.warm()
 
     def close(self) -> None:
         """Release what the pipeline holds open (the delegation state stores)."""
@@ -402,7 +406,8 @@ class Pipeline:
                 usage = Usage()
                 if reply.status < 400 and self.supervised:
                     try:
-                        usage = fmt.usage(orjson.loads(reply.body))
+                        answer = orjson.loads(reply.body)
+                        usage = estimate.completed(fmt.usage(answer), fmt, body, fmt.parse_response(answer))
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
                 self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange)
@@ -415,11 +420,17 @@ class Pipeline:
         stream = reply.body
         assert isinstance(stream, RelayedStream) or hasattr(stream, "__aiter__")
         usage = Usage()
+        events: list[tuple[str | None, str]] = []
+        kept = 0
 
         def read_usage(name: str | None, data: str) -> None:
+            nonlocal kept
             found = _event_usage(fmt, name, data)
             if found:
                 usage.add(found)
+            if kept < _KEPT_FOR_ESTIMATE:  # the answer, should the stream report no usage (its own data strings)
+                events.append((name, data))
+                kept += len(data)
 
         parser = None
         if isinstance(stream, EditedStream):
@@ -465,6 +476,8 @@ class Pipeline:
         finally:
             if session is not None:
                 message = failure.message if failure else None if ended else "client disconnected mid-stream"
+                if reply.status < 400:
+                    usage = estimate.completed(usage, fmt, body, _assembled(fmt, events))
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
 
@@ -494,6 +507,7 @@ class Pipeline:
             "status": status,
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
+            **({"usage_estimated": True} if usage.estimated else {}),
             "latency_ms": round((time.perf_counter() - request.received_at) * 1000, 3),
             "overhead_ms": round(overhead_s * 1000, 3),
         }
@@ -537,6 +551,15 @@ def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
 def _key_header(fmt_name: str) -> bytes:
     """Where a configured key goes: Anthropic's ``x-api-key`` for its endpoints, else ``authorization``."""
     return b"x-api-key" if fmt_name == "messages" else b"authorization"
+
+
+def _assembled(fmt: WireFormat, events: list[tuple[str | None, str]]) -> Any:
+    """The answer streamed in ``events`` (an ``AssistantTurn``), or None when they do not assemble into one."""
+    try:
+        return fmt.assemble(events)
+    except Exception as exc:  # noqa: BLE001 - a stream cut anywhere: no estimate rather than a lost ledger line
+        log.debug("cannot assemble the streamed answer for a usage estimate (%s)", type(exc).__name__)
+        return None
 
 
 def _event_usage(fmt: WireFormat, name: str | None, data: str) -> Usage | None:

@@ -83,6 +83,8 @@ class Usage:
 
     input_tokens: int | None = None
     output_tokens: int | None = None
+    estimated: bool = False
+    """Whether proxyvisor counted some of them itself (``proxyvisor.proxy.estimate``)."""
 
     def add(self, other: Usage) -> None:
         if other.input_tokens is not None:

@@ -1,0 +1,117 @@
+"""Token counts for answers that report none: estimated with tiktoken, and marked as estimates.
+
+A Chat Completions stream carries usage only when the request asked for it (``stream_options.include_usage``;
+aider and the openai SDK do not by default), and some local servers report none at all. The pipeline then
+counts the tokens itself (``Pipeline._account`` writes ``usage_estimated: true`` on the ledger line):
+
+- input: the request body's history as the upstream got it (each message's text, tool calls' names and
+  arguments, tool results' text, plus 3 tokens per message for the role and separators, as OpenAI counts them),
+  the system prompt when it is not a history message, and the tools' JSON;
+- output: the answer's text and tool calls' names and arguments.
+
+The encoding is ``o200k_base`` (OpenAI's current models; other providers' tokenizers differ by some percent),
+read from the copy bundled with litellm so nothing is downloaded, else ``cl100k_base``, else 4 characters a
+token. Texts beyond :data:`EXACT_CHARS` are counted on their start and scaled, so an estimate costs at most a few
+milliseconds on the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .formats import AssistantTurn, Usage, WireFormat
+
+log = logging.getLogger("proxyvisor.estimate")
+
+EXACT_CHARS = 200_000
+"""Characters counted exactly per estimate; the rest is counted at the same tokens-per-character rate."""
+_PER_MESSAGE = 3
+_ENCODINGS = ("o200k_base", "cl100k_base")
+
+
+def _bundled_tokenizers() -> str | None:
+    """litellm's folder of tiktoken files, found without importing litellm (which takes seconds)."""
+    spec = importlib.util.find_spec("litellm")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(root) / "litellm_core_utils" / "tokenizers"
+        if folder.is_dir():
+            return str(folder)
+    return None
+
+
+@functools.cache
+def _encoding() -> Any:
+    import tiktoken
+
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and (folder := _bundled_tokenizers()):
+        os.environ["TIKTOKEN_CACHE_DIR"] = folder  # the folder litellm itself points tiktoken at
+    for name in _ENCODINGS:
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception:  # noqa: BLE001 - a missing file means a download, which fails offline: try the next
+            continue
+    return None
+
+
+def warm() -> None:
+    """Load the encoding on a background thread (about 1 s), so that the first estimate does not wait for it."""
+    if _encoding.cache_info().currsize == 0:
+        threading.Thread(target=_encoding, name="proxyvisor-tiktoken", daemon=True).start()
+
+
+def count(text: str) -> int:
+    """Tokens in ``text`` (see the module docstring for the encoding and the cut beyond :data:`EXACT_CHARS`)."""
+    if not text:
+        return 0
+    head = text[:EXACT_CHARS]
+    encoding = _encoding()
+    tokens = len(encoding.encode(head, disallowed_special=())) if encoding is not None else (len(head) + 3) // 4
+    return tokens if len(text) == len(head) else round(tokens * len(text) / len(head))
+
+
+def input_tokens(fmt: WireFormat, body: dict[str, Any]) -> int:
+    """Estimated input tokens of the request ``body`` in ``fmt`` (module docstring)."""
+    parts: list[str] = []
+    messages = [fmt.message(item) for item in fmt.history(body)]
+    if not any(m.role == "system" for m in messages):
+        parts.append(fmt.fingerprint_parts(body)[0])
+    for message in messages:
+        parts.append(message.text)
+        parts += [use.name + orjson.dumps(use.arguments).decode() for use in message.tool_uses]
+        parts += [out.text for out in message.tool_outputs]
+    tools = body.get("tools")
+    if tools:
+        parts.append(orjson.dumps(tools).decode())
+    return count("\n".join(parts)) + _PER_MESSAGE * len(messages)
+
+
+def output_tokens(turn: AssistantTurn) -> int:
+    """Estimated output tokens of an answer: its text and its tool calls' names and arguments."""
+    calls = [call.name + orjson.dumps(call.arguments).decode() for call in turn.tool_calls]
+    return count("\n".join([turn.text, *calls]))
+
+
+def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: AssistantTurn | None) -> Usage:
+    """``usage`` with each count the answer did not report estimated (``estimated`` then True): input from
+    ``body`` (none without it), output from ``turn`` (none without it). Never raises: a count that fails is
+    left unreported (and logged)."""
+    if usage.input_tokens is not None and usage.output_tokens is not None:
+        return usage
+    filled = Usage(usage.input_tokens, usage.output_tokens)
+    try:
+        if filled.input_tokens is None and body is not None:
+            filled.input_tokens = input_tokens(fmt, body)
+        if filled.output_tokens is None and turn is not None:
+            filled.output_tokens = output_tokens(turn)
+    except Exception as exc:  # noqa: BLE001 - an estimate must never cost the agent its answer or ledger line
+        log.warning("cannot estimate the usage of an answer that reported none (%s)", type(exc).__name__)
+    filled.estimated = (filled.input_tokens, filled.output_tokens) != (usage.input_tokens, usage.output_tokens)
+    return filled

@@ -1,0 +1,79 @@
+"""Usage of answers that report none: counted with tiktoken and marked as estimated in the ledger and /info
+(``proxyvisor.proxy.estimate``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import tiktoken
+
+from proxyvisor.proxy.estimate import count
+from proxyvisor.proxy.server import Request, Response
+
+from helpers import MODEL, http_client, raw_stream, serve_handler
+
+AIDER_SYSTEM = "Act as an expert software developer.\nTake requests for changes to the supplied code."
+ANSWER = "Ok, I will change the greeting.\n\nhello.txt\n```\nhey from file\n```\n"
+
+
+def aider_body(stream: bool, prompt: str = "change the greeting") -> dict[str, Any]:
+    """What aider sends (client-captures/aider_0.86.2_edit_request.json, in small): a stream without
+    ``stream_options``, ``temperature: 0``, a system prompt and canned example messages, no tools."""
+    return {"model": MODEL, "stream": stream, "temperature": 0, "messages": [
+        {"role": "system", "content": AIDER_SYSTEM},
+        {"role": "user", "content": "Change the greeting to be more casual"},
+        {"role": "assistant", "content": "Ok, I will:\n\n1. Switch the greeting text."},
+        {"role": "user", "content": prompt}]}
+
+
+def ledger(state_dir) -> list[dict[str, Any]]:
+    [path] = (state_dir / "ledger").glob("*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def reference(text: str) -> int:
+    """An independent count: o200k_base as tiktoken gives it."""
+    return len(tiktoken.get_encoding("o200k_base").encode(text))
+
+
+async def test_a_chat_stream_without_usage_is_counted_and_marked_estimated(start_proxy, state_dir) -> None:
+    async with start_proxy([{"text": ANSWER}, {"text": ANSWER, "input_tokens": 70, "output_tokens": 9}]) as rp:
+        reply, data = await raw_stream(f"{rp.url}/s/est", "chat", aider_body(stream=True))
+        assert reply.status_code == 200 and b'"usage"' not in data
+        asked = aider_body(stream=True, prompt="change it back")
+        asked["stream_options"] = {"include_usage": True}
+        await raw_stream(f"{rp.url}/s/est", "chat", asked)
+        async with http_client(rp.url) as client:
+            info = (await client.get("/proxyvisor/sessions/est/info")).json()
+    estimated, reported = ledger(state_dir)
+    assert estimated["usage_estimated"] is True
+    assert estimated["output_tokens"] == reference(ANSWER)
+    texts = [m["content"] for m in aider_body(True)["messages"]]
+    assert estimated["input_tokens"] >= reference("\n".join(texts)) + 3 * len(texts)
+    assert (reported["input_tokens"], reported["output_tokens"]) == (70, 9) and "usage_estimated" not in reported
+    assert info["upstream"]["estimated_requests"] == 1
+    assert info["upstream"]["output_tokens"] == reference(ANSWER) + 9
+
+
+async def test_a_json_answer_without_usage_is_counted_from_its_text_and_tool_calls(start_proxy, state_dir) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.rs"}'}}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+              "choices": [{"index": 0, "finish_reason": "tool_calls",
+                           "message": {"role": "assistant", "content": "Reading.", "tool_calls": [call]}}]}
+
+    async def upstream(request: Request) -> Response:
+        return Response(200, [(b"content-type", b"application/json")], orjson.dumps(answer))
+
+    async with serve_handler(upstream) as url, start_proxy(upstream_url=url) as rp:
+        reply, _data = await raw_stream(rp.url, "chat", aider_body(stream=False))
+        assert reply.status_code == 200
+    [line] = ledger(state_dir)
+    assert line["usage_estimated"] is True and line["input_tokens"] > 0
+    assert line["output_tokens"] == reference('Reading.\nread{"path":"a.rs"}')
+
+
+def test_long_texts_are_counted_on_their_start_and_scaled() -> None:
+    text = "word " * 100_000  # 500,000 characters
+    assert abs(count(text) - reference(text)) <= reference(text) * 0.02
