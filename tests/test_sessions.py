@@ -54,17 +54,58 @@ def test_body_hints_that_are_not_safe_ids_are_hashed(hint: str) -> None:
     Store.ledger_path(Store("/tmp/unused"), session)  # accepted by the store
 
 
-def test_hash_fallback_is_stable_as_the_conversation_grows() -> None:
+SYSTEM = "Act as an expert software developer. Take requests for changes to the supplied code."
+CANNED = [{"role": "user", "content": "Change the greeting to be more casual"},
+          {"role": "assistant", "content": "Ok, I will:\n\n1. Switch the greeting text."},
+          {"role": "user", "content": "I switched to a new code base."},
+          {"role": "assistant", "content": "Ok."}]
+"""Like aider's: the same example exchange opens every run (client-captures/aider_0.86.2_edit_request.json)."""
+
+
+def aider_run(fmt, prompt: str, answers: int = 0) -> list[dict]:
+    """The request bodies of one harness run that sends no id: canned examples, then ``prompt``, then the history
+    growing by an answer and a user message ``answers`` times."""
+    history = [*CANNED, {"role": "user", "content": prompt}]
+    bodies = []
+    for turn in range(answers + 1):
+        bodies.append(fmt.request_from_chat([{"role": "system", "content": SYSTEM}, *history], "m", True))
+        history += [{"role": "assistant", "content": f"Answer {turn} to {prompt}"},
+                    {"role": "user", "content": f"Now step {turn + 1}."}]
+    return bodies
+
+
+@pytest.mark.parametrize("fmt", [CHAT, MESSAGES, RESPONSES], ids=lambda f: f.name)
+def test_clients_without_an_id_get_a_session_per_conversation(fmt) -> None:
     none = headers_of({})
-    first = request_body("chat")
-    later = request_body("chat")
-    later["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and now?"}]
-    other = request_body("chat")
-    other["messages"][1]["content"] = "A different task."
-    assert identify(None, none, CHAT, first) == identify(None, none, CHAT, later)
-    assert identify(None, none, CHAT, first) != identify(None, none, CHAT, other)
-    for fmt, name in ((MESSAGES, "messages"), (RESPONSES, "responses")):
-        assert identify(None, none, fmt, request_body(name))[1] == "hash"
+    table = SessionTable(idle_s=60, max_sessions=10)
+
+    def session(body: dict, now: float = 0.0) -> str:
+        sid, source = identify(None, none, fmt, body, table.conversations, now)
+        assert source == "hash" and SESSION_ID.match(sid)
+        return sid
+
+    first = [session(body, now=i) for i, body in enumerate(aider_run(fmt, "change the greeting", answers=3))]
+    assert len(set(first)) == 1  # one run's growing history: one session
+    second = session(aider_run(fmt, "add a test")[0], now=5)
+    assert second != first[0]  # same system prompt and canned messages, another first message: another run
+    assert session(aider_run(fmt, "add a test")[0], now=6) == second  # the same request again: a retry
+    # A run that continues from an earlier point of the first run (a client re-sending after an edit) stays in it.
+    assert session(aider_run(fmt, "change the greeting", answers=1)[1], now=7) == first[0]
+    # The system prompt and canned messages alone match no run.
+    assert session(fmt.request_from_chat([{"role": "system", "content": SYSTEM}, *CANNED], "m", True), 8) \
+        not in (first[0], second)
+    # Idle beyond idle_s: the conversation is no longer live, and the same start is a new run.
+    assert session(aider_run(fmt, "add a test")[0], now=100) != second
+
+
+async def test_two_aider_runs_through_the_proxy_are_two_sessions(start_proxy, state_dir) -> None:
+    async with start_proxy() as rp:
+        for prompt, answers in (("change the greeting", 2), ("add a test", 0)):
+            for body in aider_run(CHAT, prompt, answers):
+                reply, _ = await raw_stream(rp.url, "chat", body)
+                assert reply.status_code == 200
+    store = Store(state_dir)
+    assert sorted(len(store.read_ledger(sid)) for sid in store.sessions()) == [1, 3]
 
 
 @pytest.mark.parametrize("bad", ["..", "../x", ".x", "-x", "a/b", "a b", "a%2Fb", "", "x" * 129, "x\n", "é"])

@@ -258,7 +258,8 @@ class Pipeline:
         if not isinstance(body, dict):
             return error(fmt, 400, f"request body must be a JSON object, got {type(body).__name__}")
         try:
-            session_id, _source = identify(path_session, request.header, fmt, body)
+            session_id, _source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
+                                           self.clock())
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else self._counted(path_session)

@@ -7,7 +7,12 @@ Identity, first match wins (DESIGN.md, "Sessions"):
 3. the client's own ids: ``X-Claude-Code-Session-Id``, ``session-id`` (Codex), ``x-session-id`` (opencode);
 4. ids in the body: Anthropic ``metadata.user_id`` (Claude Code's JSON string gives its ``session_id``), OpenAI
    ``user``, Responses ``prompt_cache_key``;
-5. a hash of the system prompt and the first user message.
+5. the conversation: a client that sends no id (aider, the SDKs) sends its whole history with every request, so
+   a request whose history extends (or repeats) the history of a live session's earlier request belongs to that
+   session (:class:`Conversations`), and one whose history continues no live session starts a new one (with a
+   new id, ``h-`` and 24 hex digits). Two runs of a harness with the same system prompt and canned example
+   messages are two sessions; the system prompt alone never identifies one. A request repeated exactly (a
+   client's retry) stays in its session.
 
 Ids from paths and headers must match :data:`SESSION_ID` (letters, digits, ``.``, ``_``, ``-``; at most 128
 characters); anything else is refused, so an id can never walk out of the state directory. An id taken from a
@@ -18,15 +23,20 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .formats import WireFormat
+from .formats.transcript import fingerprint
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
 _OURS = "x-proxyvisor-session"
 _HEADERS = (_OURS, "x-claude-code-session-id", "session-id", "x-session-id")
+_ENDS_PER_SESSION = 8
+"""History ends kept per session of the table's bound: a session's recent requests, for clients that retry or
+branch from an earlier point."""
 
 
 class InvalidSession(ValueError):
@@ -52,10 +62,13 @@ def _hashed(kind: str, value: str) -> str:
     return kind + "-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
-def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any]) -> tuple[str, str]:
+def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any],
+             conversations: Conversations | None = None, now: float = 0.0) -> tuple[str, str]:
     """(session id, where it came from: ``path``, ``header:NAME``, ``body`` or ``hash``).
 
-    ``header`` is a callable ``name -> str | None``.
+    ``header`` is a callable ``name -> str | None``. ``conversations`` holds the live conversations of clients
+    that send no id (the hash fallback; without it, every such request starts a new session) and records this
+    request's history in them; ``now`` is seconds on its clock.
 
     A client's own session header (Claude Code's, Codex's, opencode's) holding a value that is not a valid id is
     hashed into one (it is the client's format, not a request to proxyvisor); ``x-proxyvisor-session`` and the
@@ -79,8 +92,55 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
     hint = fmt.session_hint(body)
     if hint:
         return (hint if SESSION_ID.match(hint) else _hashed("b", hint)), "body"
-    system, first_user = fmt.fingerprint_parts(body)
-    return _hashed("h", system + "\x00" + first_user), "hash"
+    return (conversations or Conversations(0.0, 1)).session_for(fmt, body, now), "hash"
+
+
+class Conversations:
+    """Which session a request of a client that sends no id continues, from its history (module docstring, 5).
+
+    A request's history is read as a hash chain: a seed of the format and the system prompt, then one link per
+    history item (:func:`~.formats.transcript.fingerprint`: role, ids, lengths, start and end of each text; not
+    ``cache_control`` marks, which clients move). The chain's end of each request is kept with its session; a
+    later request whose chain passes through a kept end, and that end is not older than ``idle_s``, belongs to
+    that session (the longest such prefix wins). At most ``max_ends`` ends are kept, the least recently used
+    dropped first. Time is passed in (seconds on any monotonic clock), so this is testable without a clock.
+    """
+
+    def __init__(self, idle_s: float, max_ends: int) -> None:
+        self.idle_s = idle_s
+        self.max_ends = max_ends
+        self._ends: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._started = 0
+
+    def session_for(self, fmt: WireFormat, body: dict[str, Any], now: float) -> str:
+        """The session id of the request ``body`` in ``fmt``, and its history's end recorded for it."""
+        link = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
+            "utf-8", "surrogatepass")]), digest_size=16).digest()
+        chain: list[bytes] = []
+        conversing = False  # whether the history holds more than system messages so far
+        for item in fmt.history(body):
+            message = fmt.message(item)
+            link = hashlib.blake2b(link + fingerprint(message), digest_size=16).digest()
+            conversing = conversing or message.role != "system"
+            if conversing:
+                chain.append(link)
+        session = None
+        for end in reversed(chain):
+            kept = self._ends.get(end)
+            if kept is not None and now - kept[1] <= self.idle_s:
+                session = kept[0]
+                break
+        if session is None:
+            # Unique, not the history's hash: the same first request made again after idle_s (a harness run
+            # twice with the same prompt) is another run.
+            self._started += 1
+            session = _hashed("h", f"{link.hex()}:{now!r}:{self._started}:{id(self)}")
+        if chain:
+            self._ends[chain[-1]] = (session, now)
+            self._ends.move_to_end(chain[-1])
+            while len(self._ends) > self.max_ends:
+                self._ends.popitem(last=False)
+        return session
 
 
 @dataclass
@@ -112,6 +172,8 @@ class SessionTable:
         self.idle_s = idle_s
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
+        self.conversations = Conversations(idle_s, _ENDS_PER_SESSION * max_sessions)
+        """The live conversations of clients that send no session id (:func:`identify`)."""
 
     def __len__(self) -> int:
         return len(self._sessions)
