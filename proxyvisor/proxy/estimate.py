@@ -101,7 +101,8 @@ def output_tokens(turn: AssistantTurn) -> int:
 
 def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: AssistantTurn | None) -> Usage:
     """``usage`` with each count the answer did not report estimated (``estimated`` then True): input from
-    ``body`` (none without it), output from ``turn`` (none without it). Never raises: a count that fails is
+    ``body`` (none without it), output from ``turn`` (none without it, or when it holds nothing: a stream
+    that did not parse as the format's events). Never raises: a count that fails is
     left unreported (and logged)."""
     if usage.input_tokens is not None and usage.output_tokens is not None:
         return usage
@@ -109,7 +110,7 @@ def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: 
     try:
         if filled.input_tokens is None and body is not None:
             filled.input_tokens = input_tokens(fmt, body)
-        if filled.output_tokens is None and turn is not None:
+        if filled.output_tokens is None and turn is not None and (turn.text or turn.tool_calls):
             filled.output_tokens = output_tokens(turn)
     except Exception as exc:  # noqa: BLE001 - an estimate must never cost the agent its answer or ledger line
         log.warning("cannot estimate the usage of an answer that reported none (%s)", type(exc).__name__)
