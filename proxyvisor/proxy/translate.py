@@ -268,22 +268,26 @@ class ToolCallSplitter:
     """
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._rest: list[bytes] = []
+        """The pieces of an unfinished line (joined once it ends: a long line costs its size, not its square)."""
         self._calls: dict[tuple[int, int], tuple[int, str]] = {}
         """(choice, upstream index) -> (index given, id of the call streaming there)."""
         self._given: dict[int, set[int]] = {}
         """choice -> the indexes given so far."""
 
     def feed(self, data: bytes) -> bytes:
-        data = self._rest + data
         end = data.rfind(b"\n") + 1
-        self._rest = data[end:]
-        if b'"tool_calls"' not in data[:end]:
-            return data[:end]
-        return b"".join(self._line(line) for line in data[:end].splitlines(keepends=True))
+        if not end:
+            self._rest.append(data)
+            return b""
+        lines = b"".join([*self._rest, data[:end]])
+        self._rest = [data[end:]] if end < len(data) else []
+        if b'"tool_calls"' not in lines:
+            return lines
+        return b"".join(self._line(line) for line in lines.splitlines(keepends=True))
 
     def finish(self) -> bytes:
-        rest, self._rest = self._rest, b""
+        rest, self._rest = b"".join(self._rest), []
         return self._line(rest) if rest else b""
 
     def _line(self, line: bytes) -> bytes:
