@@ -26,6 +26,12 @@ growth from the end of the warm-up to the end of the run (target < 10 %), open f
 and after it (clients gone), and threads; for proxyvisor also its own ``x-proxyvisor-overhead-ms`` and whether
 every request has its ledger line. The figures and the command go into the "Load and soak (issue 7)" section of
 ``bench/RESULTS.md``.
+
+The big-event case (``--big-event-mb``; 100 MB, 10 MB with ``--quick``, 0 leaves it out): one SSE event of that
+size (a Chat stream whose one content delta holds it) is relayed alone through proxyvisor with supervision on and
+off before the arms, then once more in the middle of the proxyvisor arm, among the load. It reports the relay
+times and the other sessions' added p90 while it relays: the p90 of the requests that started during the relay
+minus that of the arm's other requests (target < 50 ms): one stream must never hold the loop that serves all.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -58,7 +65,8 @@ from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, com
 from bench.results import write_section
 from proxyvisor.adapters.scripted import ScriptedUpstream
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
-from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
+from proxyvisor.proxy.formats.base import sse
+from proxyvisor.proxy.server import Limits, Response, bound_port, open_listeners, serve_listeners
 from proxyvisor.proxy.sse import SSEParser
 
 SECTION = "Load and soak (issue 7)"
@@ -67,6 +75,9 @@ TARGET_RSS_GROWTH = 0.10
 SOAK_S = 120.0
 """Shortest proxyvisor arm whose RSS growth is judged: in a shorter run the histories are still growing towards
 ``--max-messages`` (an agent adds two messages per request, one every 2-3 s), so growth there is not a leak."""
+TARGET_BIG_EVENT_P90_MS = 50.0
+BIG = re.compile(rb"\(big event (\d+) bytes\)")
+"""Asks the upstream for a Chat stream whose one content delta is that many bytes (the big-event case)."""
 _TERMINAL = {"chat": "[DONE]", "messages": "message_stop", "responses": "response.completed"}
 """What the last event of a complete stream is: chat's data, or the others' event name."""
 _LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
@@ -291,9 +302,12 @@ class Arm:
     machine: dict[str, float] = field(default_factory=dict)
     """CPU used over the arm, as a share of one core: ``load generator``, ``upstream`` (and the proxy's in
     :func:`process_of`). On a small machine the three compete, and latency shows it."""
+    big: BigEvent | None = None
+    """The big event relayed among this arm's load (the big-event case), if it ran."""
 
 
-async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: subprocess.Popen[bytes]) -> None:
+async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: subprocess.Popen[bytes],
+                  big_event: int = 0) -> None:
     t0 = time.perf_counter()
     deadline = t0 + arm.duration_s
     cpu = time.process_time(), cpu_time(upstream)
@@ -304,6 +318,8 @@ async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: s
         if arm.proc is not None:
             nursery.start_soon(sample_usage, arm.proc, t0, arm.usage)
         async with trio.open_nursery() as agents:
+            if big_event:
+                agents.start_soon(big_event_among_load, arm, arm.port, big_event, t0)
             for i in range(settings.sessions):
                 agents.start_soon(agent, i, f"http://127.0.0.1:{arm.port}", arm.name, settings, deadline, t0,
                                   arm.samples, tls)
@@ -400,8 +416,30 @@ def _f(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None or math.isnan(value) else fmt.format(value)
 
 
+def big_event_text(arms: list[Arm], alone: dict[str, BigEvent], size: int, peak_mb: float | None) -> list[str]:
+    """The big-event case's paragraph (module docstring); empty when it did not run."""
+    if not size:
+        return []
+
+    def relay(big: BigEvent | None) -> str:
+        return "-" if big is None else f"failed ({big.error})" if big.error else f"{big.seconds:.2f} s"
+
+    pv = next((a for a in arms if a.name == "proxyvisor"), None)
+    text = (f"**Big event**: one SSE event of {size / 1e6:g} MB (a Chat content delta) relayed alone: supervision "
+            f"on {relay(alone.get('on'))}, off {relay(alone.get('off'))}"
+            + (f" (proxyvisor's peak RSS after it: {peak_mb:.0f} MB)" if peak_mb is not None else "")
+            + f"; among the load: {relay(pv.big if pv else None)}.")
+    figures = big_event_p90(pv) if pv else None
+    if figures is not None:
+        during, other, n = figures
+        text += (f" Other sessions while it relayed: p90 {during:.1f} ms over {n} requests against {other:.1f} ms "
+                 f"for those that started before it: added p90 {during - other:+.1f} ms (target < "
+                 f"{TARGET_BIG_EVENT_P90_MS:g} ms).")
+    return ["", text]
+
+
 def markdown(arms: list[Arm], rows: list[Row], command: str, setup: str, notes: list[str],
-             errors: dict[str, dict[str, int]]) -> str:
+             errors: dict[str, dict[str, int]], big: list[str] | None = None) -> str:
     cols = ["arm", "kind", "requests", "errors", "req/s", "p50", "p99", "+p50", "+p99", "TTFB p50", "+TTFB p50",
             "+TTFB p99", "overhead header p50 / p99"]
     lines = [f"Command: `{command}`", "", setup, "",
@@ -414,6 +452,7 @@ def markdown(arms: list[Arm], rows: list[Row], command: str, setup: str, notes: 
             _f(r.add_p99, "{:+.1f}"), _f(r.ttfb_p50), _f(r.add_ttfb_p50, "{:+.1f}"), _f(r.add_ttfb_p99, "{:+.1f}"),
             f"{_f(r.header_p50, '{:.2f}')} / {_f(r.header_p99, '{:.2f}')}" if r.header_p50 is not None else "-"])
             + " |")
+    lines += big or []
     lines += ["", "**Proxy process** (from /proc; growth: end of warm-up to end of run; CPU after the warm-up)", "",
               ("| arm | peak RSS MB | RSS after warm-up MB | RSS at end MB | growth | CPU ms/request | CPU (one core) "
                "| threads (max) | fds before load | fds peak | fds after load |"), "|" + "---|" * 11]
@@ -460,6 +499,15 @@ def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[b
         if m is not None and arm.duration_s >= SOAK_S:
             out.append((m.growth < TARGET_RSS_GROWTH, (f"proxyvisor: RSS growth after warm-up {m.growth:+.1%} "
                                                        f"(target < {TARGET_RSS_GROWTH:.0%})")))
+        if arm.big is not None:
+            figures = big_event_p90(arm)
+            if arm.big.error:
+                out.append((False, f"proxyvisor: the big event failed: {arm.big.error}"))
+            elif figures is not None:
+                added = figures[0] - figures[1]
+                out.append((added < TARGET_BIG_EVENT_P90_MS,
+                            f"proxyvisor: other sessions' added p90 while the big event relayed {added:+.1f} ms "
+                            f"(target < {TARGET_BIG_EVENT_P90_MS:g} ms)"))
         if arm.ledger_lines is not None:
             out.append((arm.ledger_lines == n, (f"proxyvisor: {arm.ledger_lines} ledger lines for {n} requests "
                                                 "(every request accounted for)")))
@@ -476,16 +524,105 @@ def print_report(text: str) -> None:
 # ---- the processes -------------------------------------------------------------------------------------------
 class ThinkingModel:
     """The scripted upstream with a model's time to first token: a request waits as long as the last
-    :data:`DELAY` marker in it asks before the scripted answer starts."""
+    :data:`DELAY` marker in it asks before the scripted answer starts. A request with the :data:`BIG_HEADER`
+    header (the agent's own, which proxyvisor forwards; its supervisor calls never carry it) gets
+    :func:`big_event_stream` instead."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     async def __call__(self, request: Any) -> Any:
+        size = request.header(BIG_HEADER.decode())
+        if size is not None:
+            return Response(200, [(b"content-type", b"text/event-stream")], big_event_stream(int(size)))
         found = DELAY.findall(request.body)
         if found:
             await trio.sleep(int(found[-1]) / 1000)
         return await self.inner(request)
+
+
+BIG_HEADER = b"x-bench-big-event"
+_PIECE = 1024 * 1024
+
+
+async def big_event_stream(size: int) -> AsyncIterator[bytes]:
+    """A Chat stream whose one content delta is ``size`` bytes of prose, sent in 1 MiB pieces as a network
+    would deliver them: the role chunk, the big event, the finish chunk, ``[DONE]``."""
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse(orjson.dumps({"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": 0,
+                                 "model": MODEL, "choices": [{"index": 0, "delta": delta,
+                                                              "finish_reason": finish}]}))
+    yield chunk({"role": "assistant", "content": ""})
+    head, tail = chunk({"content": "@"}).split(b"@")
+    words = b"the quick brown fox jumps over the lazy dog. "
+    piece = words * (_PIECE // len(words))
+    yield head
+    sent = 0
+    while sent < size:
+        part = piece[:size - sent]
+        sent += len(part)
+        yield part
+        await trio.sleep(0)
+    yield tail + chunk({}, "stop") + sse(b"[DONE]")
+
+
+@dataclass
+class BigEvent:
+    """One big-event relay: when it started and ended (seconds since its arm started) and what came back."""
+
+    started: float
+    ended: float
+    received: int
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+async def relay_big_event(port: int, size: int, t0: float) -> BigEvent:
+    """Ask through the proxy on ``port`` for a stream with one ``size``-byte event and read it all."""
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Write at length."}]}
+    headers = {"content-type": "application/json", "authorization": "Bearer " + API_KEY.decode(),
+               "x-proxyvisor-session": "load-big-event", BIG_HEADER.decode(): str(size)}
+    started = time.perf_counter()
+    received, tail, error = 0, b"", None
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=None, trust_env=False) as client:
+            with trio.fail_after(600):
+                async with client.stream("POST", "/v1/chat/completions", content=orjson.dumps(body),
+                                         headers=headers) as reply:
+                    async for part in reply.aiter_raw():
+                        received += len(part)
+                        tail = (tail + part)[-256:]
+                    if reply.status_code != 200:
+                        error = f"HTTP {reply.status_code}"
+    except (trio.TooSlowError, httpx.HTTPError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"[:200]
+    if error is None and (received < size or b"[DONE]" not in tail):
+        error = f"incomplete stream ({received} bytes)"
+    return BigEvent(started - t0, time.perf_counter() - t0, received, error)
+
+
+async def big_event_among_load(arm: Arm, port: int, size: int, t0: float) -> None:
+    """The big event once, in the middle of the arm's measured span."""
+    await trio.sleep(arm.warmup_s + (arm.duration_s - arm.warmup_s) / 3)
+    arm.big = await relay_big_event(port, size, t0)
+
+
+def big_event_p90(arm: Arm) -> tuple[float, float, int] | None:
+    """(p90 of the requests that started while the big event relayed, p90 of those that started after the
+    warm-up and before it, how many started during it), in ms; None without a big event or the requests to
+    compare. The baseline is the same arm before the event, so the difference is what the event added."""
+    big = arm.big
+    if big is None:
+        return None
+    ok = [s for s in arm.samples if not s.error]
+    during = [s.total_ms for s in ok if big.started <= s.started <= big.ended]
+    before = [s.total_ms for s in ok if arm.warmup_s <= s.started < big.started]
+    if not during or not before:
+        return None
+    return pct(during, 90), pct(before, 90), len(during)
 
 
 async def serve_upstream(chunk_delay_ms: float) -> None:
@@ -496,12 +633,15 @@ async def serve_upstream(chunk_delay_ms: float) -> None:
         print(f"PORT {bound_port(listeners)}", flush=True)
 
 
-def start_proxyvisor(upstream_port: int, work: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """``python -m proxyvisor serve`` with supervision on, on a free port, relaying to the upstream."""
-    config = work / "proxyvisor.toml"
-    config.write_text(f'[proxy]\nport = 0\n\n[state]\ndir = "{work / "state"}"\n\n[supervisor]\nenabled = true\n\n'
+def start_proxyvisor(upstream_port: int, work: Path, supervision: bool = True,
+                     name: str = "proxyvisor") -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m proxyvisor serve`` (supervision on unless told), on a free port, relaying to the upstream;
+    its config, state and log are ``work/name*``."""
+    config = work / f"{name}.toml"
+    config.write_text(f'[proxy]\nport = 0\n\n[state]\ndir = "{work / (name + "-state")}"\n\n[supervisor]\n'
+                      f'enabled = {"true" if supervision else "false"}\n\n'
                       f'[upstreams.bench]\nurl = "http://127.0.0.1:{upstream_port}"\n')
-    log = work / "proxyvisor.log"
+    log = work / f"{name}.log"
     proc = subprocess.Popen([sys.executable, "-m", "proxyvisor", "serve", "--config", str(config)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log.open("wb"), cwd=ROOT,
                             env=dict(os.environ, NO_PROXY="*"))
@@ -522,8 +662,8 @@ def ledger_lines(state: Path) -> int:
 # ---- main --------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sized_parser(__doc__.split("\n\n")[0],
-                     "CI-size run of about 30 s: --duration 18 --compare-duration 8, no LiteLLM arm unless "
-                     "--litellm (flags given explicitly still win)")
+                     "CI-size run of about 30 s: --duration 18 --compare-duration 8 --big-event-mb 10, no LiteLLM "
+                     "arm unless --litellm (flags given explicitly still win)")
     p.add_argument("--sessions", type=int, default=200, help="concurrent agent sessions (default 200)")
     p.add_argument("--duration", type=float, help="seconds of the proxyvisor arm (default 300; quick 18)")
     p.add_argument("--compare-duration", type=float,
@@ -537,11 +677,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the next prompt (default 200,2000)")
     p.add_argument("--max-messages", type=int, default=60, help="history length at which an agent compacts (60)")
     p.add_argument("--tool-output-kb", type=float, default=2.0, help="mean tool result size in KB (default 2)")
+    p.add_argument("--big-event-mb", type=float,
+                   help="size of the big-event case's one SSE event in MB, 0 to leave it out (default 100; quick 10)")
     p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
     add_arm_options(p)
     p.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
-    args = parse_sized(p, argv, quick={"duration": 18.0, "compare_duration": 8.0},
-                       full={"duration": 300.0, "compare_duration": 60.0})
+    args = parse_sized(p, argv, quick={"duration": 18.0, "compare_duration": 8.0, "big_event_mb": 10.0},
+                       full={"duration": 300.0, "compare_duration": 60.0, "big_event_mb": 100.0})
+    args.big_event = int(args.big_event_mb * 1e6)
     args.think_s = tuple(float(v) / 1000 for v in args.think_ms.split(","))
     args.model_delay_s = tuple(float(v) / 1000 for v in args.model_delay_ms.split(","))
     args.with_litellm = not args.no_litellm and (args.litellm or not args.quick)
@@ -596,6 +739,18 @@ def main(argv: list[str] | None = None) -> int:
         arms = [Arm("direct", up_port, None, args.compare_duration, warmup_of(args.compare_duration))]
         pv_proc, pv_port = start_proxyvisor(up_port, work)
         procs.append(pv_proc)
+        big_alone: dict[str, BigEvent] = {}
+        big_peak_mb = None
+        if args.big_event:
+            off_proc, off_port = start_proxyvisor(up_port, work, supervision=False, name="unsupervised")
+            procs.append(off_proc)
+            print(f"big event of {args.big_event_mb:g} MB alone ...", end="", flush=True)
+            for key, port in (("on", pv_port), ("off", off_port)):
+                big_alone[key] = trio.run(relay_big_event, port, args.big_event, time.perf_counter())
+            measured = usage_of(pv_proc, 0.0)
+            big_peak_mb = measured.hwm_kb / 1024 if measured else None
+            print(" supervision " + ", ".join(f"{k} {v.seconds:.2f} s" + (f" ({v.error})" if v.error else "")
+                                            for k, v in big_alone.items()), flush=True)
         arms.append(Arm("proxyvisor", pv_port, pv_proc, args.duration, warmup_of(args.duration)))
         if exe is not None:
             ll_proc, ll_port = start_litellm(exe, up_port, work)
@@ -610,9 +765,10 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         for arm in arms:
             print(f"  {arm.name} ...", end="", flush=True)
-            trio.run(run_arm, arm, settings, tls, upstream)
+            trio.run(run_arm, arm, settings, tls, upstream, args.big_event if arm.name == "proxyvisor" else 0)
             if arm.name == "proxyvisor":
-                arm.ledger_lines = ledger_lines(work / "state")
+                arm.ledger_lines = (ledger_lines(work / "proxyvisor-state") - bool(big_alone.get("on"))
+                                    - (arm.big is not None))  # the big event's own lines
             print(f" {len(arm.samples)} requests, {sum(1 for s in arm.samples if s.error)} errors", flush=True)
         errors = {arm.name: error_kinds(arm) for arm in arms}
         for arm in arms:
@@ -622,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"{arm.name}: errors: {detail}"[:600])
         rows = rows_of(arms)
         setup = setup_text(args, settings, arms, litellm_note if exe is not None else "", started, load_before)
-        text = markdown(arms, rows, command, setup, notes, errors)
+        text = markdown(arms, rows, command, setup, notes, errors,
+                        big_event_text(arms, big_alone, args.big_event, big_peak_mb))
         print_report(text)
         if not args.no_write:
             write_section(SECTION, text, args.results)

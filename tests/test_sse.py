@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.proxy.sse import Event, SSEParser
+from proxyvisor.proxy.sse import Event, EventTooLarge, SSEParser
+from proxyvisor.proxy.streamedit import EventSplitter
 
 # Field values: any text without line breaks, multi-byte UTF-8 included (astral plane too).
 _value = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12)
@@ -88,3 +90,34 @@ def test_incomplete_event_waits() -> None:
     assert parser.feed(b"event: x\ndata: partial") == []
     assert parser.pending() > 0
     assert parser.feed(b"\n\n") == [Event("x", "partial")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(streams(), st.data())
+def test_any_split_gives_the_splitter_the_same_blocks(stream: tuple[bytes, list[Event]], data: st.DataObject) -> None:
+    """The supervised stream's splitter: whole event blocks whose bytes are the stream's, however it is cut."""
+    raw, expected = stream
+    whole = EventSplitter()
+    blocks = whole.feed(raw) + [whole.rest()]  # a CR at the very end waits for an LF: the last block is rest
+    assert b"".join(blocks) == raw
+    assert [e for block in blocks for e in SSEParser().feed(block)] == expected
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12), label="cuts"))
+    splitter, got, previous = EventSplitter(), [], 0
+    for cut in cuts + [len(raw)]:
+        got += splitter.feed(raw[previous:cut])
+        previous = cut
+    assert got + [splitter.rest()] == blocks
+
+
+def test_an_event_past_the_limit_raises_with_the_events_before_it() -> None:
+    first = b"data: one\n\n"
+    for make in (lambda: SSEParser(max_event=16), lambda: EventSplitter(max_event=32)):
+        reader = make()
+        with pytest.raises(EventTooLarge) as raised:
+            reader.feed(first + b"data: " + b"x" * 40)  # a line that has not ended counts
+        assert raised.value.complete in ([Event(None, "one")], [first])
+        reader = make()
+        assert reader.feed(first) in ([Event(None, "one")], [first])
+        reader.feed(b"data: " + b"x" * 8)
+        with pytest.raises(EventTooLarge):
+            reader.feed(b"x" * 30 + b"\n\n")  # an event completed past the limit is refused as well

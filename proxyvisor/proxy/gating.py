@@ -74,8 +74,8 @@ from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
-from .sse import SSEParser
-from .streamedit import EventSplitter
+from .sse import EventTooLarge, SSEParser, feed_cost
+from .streamedit import EventSplitter, off_loop
 from .supervise import Exchange
 
 log = logging.getLogger("proxyvisor.gate")
@@ -412,12 +412,17 @@ class GatedStream:
                 stop: list[bytes] = []  # the stop's blocks as they came
                 events: list[tuple[str | None, str]] = []
                 passing = False
-                async for chunk in stream:
+                too_large: EventTooLarge | None = None
+                iterator = stream.__aiter__()
+                async for chunk in iterator:
                     if passing:
                         yield self._sent(chunk)
                         continue
                     out: list[bytes] = []
-                    blocks = splitter.feed(chunk)
+                    try:
+                        blocks = await off_loop(feed_cost(splitter.pending, chunk), splitter.feed, chunk)
+                    except EventTooLarge as exc:
+                        blocks, too_large = exc.complete, exc
                     for n, block in enumerate(blocks):
                         if block == g.fmt.keepalive:
                             # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
@@ -430,9 +435,9 @@ class GatedStream:
                             passing = True
                             break
                         stopped, replaced = splice.stopped, None
-                        for event in parser.feed(block):
+                        for event in await off_loop(len(block), parser.feed, block):
                             events.append((event.event, event.data))
-                            replaced = splice.event(event.event, event.data)
+                            replaced = await off_loop(len(block), splice.event, event.event, event.data)
                         if splice.stopped:
                             stop.append(block)
                             if stopped:
@@ -447,7 +452,16 @@ class GatedStream:
                             held = []
                     if out and (data := b"".join(out)):
                         yield self._sent(data)
+                    if too_large is not None:
+                        aclose = getattr(iterator, "aclose", None)
+                        if aclose is not None:
+                            with trio.CancelScope(shield=True):
+                                await aclose()
+                        break
                 self.error = getattr(stream, "error", None)
+                if too_large is not None:
+                    # Like a broken stream: the agent gets what came, then the format's error event.
+                    self.error = UpstreamError(502, str(too_large))
                 if passing:
                     return
                 rest = splitter.rest()

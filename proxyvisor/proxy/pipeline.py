@@ -50,8 +50,8 @@ from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
-from .sse import SSEParser, at_event_end
-from .streamedit import EditedStream
+from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost
+from .streamedit import EditedStream, off_loop
 
 log = logging.getLogger("proxyvisor.pipeline")
 
@@ -456,7 +456,13 @@ class Pipeline:
                         await aclose()  # the upstream's connection is closed, not left to the collector
                     break
                 if parser is not None:
-                    for event in parser.feed(chunk):
+                    try:
+                        events = await off_loop(feed_cost(parser.pending(), chunk), parser.feed, chunk)
+                    except EventTooLarge as exc:
+                        # Only the usage is read from a stream relayed as it comes: the client loses nothing.
+                        events, parser = exc.complete, None
+                        log.warning("stream usage not read past an event over %d bytes", exc.limit)
+                    for event in events:
                         read_usage(event.event, event.data)
                 yield chunk
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk

@@ -29,6 +29,7 @@ import h11
 import trio
 
 from ..config import UpstreamConfig
+from . import limits
 from .client import Connection, ConnectionPool, ConnectTimeout
 from .codings import UndecodableBody, decode
 
@@ -38,7 +39,6 @@ Headers = list[tuple[bytes, bytes]]
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 _AUTH = frozenset({b"authorization", b"x-api-key", b"api-key"})
-MAX_BUFFERED_BODY = 256 * 1024 * 1024
 MAX_DECODED_ERROR = 16 * 1024 * 1024
 """The most bytes a compressed error body may decode to for its search for the configured key."""
 # What a broken upstream connection raises: resets and refusals (OSError, including ssl.SSLError and DNS
@@ -231,8 +231,9 @@ class HttpRelay:
                 with trio.fail_after(self.upstream.idle_timeout_s):
                     piece, complete = await conn.next_piece()
                 size += len(piece)
-                if size > MAX_BUFFERED_BODY:
-                    raise UpstreamError(502, f"upstream {name!r} response exceeds {MAX_BUFFERED_BODY} bytes")
+                if size > limits.MAX_BUFFERED_BODY:
+                    raise UpstreamError(502, f"upstream {name!r} response exceeds {limits.MAX_BUFFERED_BODY} "
+                                             "bytes")
                 parts.append(piece)
         except trio.TooSlowError:
             raise UpstreamError(504, f"upstream {name!r} sent nothing for {self.upstream.idle_timeout_s:g} s "

@@ -9,6 +9,9 @@ complete, and invalid UTF-8 becomes U+FFFD rather than an exception.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from . import limits
 
 
 @dataclass(frozen=True)
@@ -19,68 +22,117 @@ class Event:
     data: str
 
 
+class EventTooLarge(ValueError):
+    """An event grew past the parser's limit (a line that never ends counts as it grows). ``complete`` holds
+    what the same feed completed before it (events or blocks, in order), so nothing before it is lost."""
+
+    def __init__(self, limit: int, complete: list[Any]) -> None:
+        super().__init__(f"upstream stream has an event larger than {limit} bytes")
+        self.limit = limit
+        self.complete = complete
+
+
+def next_line_end(chunk: bytes, pos: int) -> tuple[int, int]:
+    """(where the first line ending at or after ``pos`` starts, where the next line starts), or (-1, -1).
+
+    A CR at the very end of ``chunk`` counts as a line ending of its own; whether an LF follows it is for the
+    next chunk to say. Only the bytes from ``pos`` to the first LF are looked at, so a scan is linear.
+    """
+    n = len(chunk)
+    lf = chunk.find(b"\n", pos)
+    cr = chunk.find(b"\r", pos, lf if lf >= 0 else n)
+    if cr < 0:
+        return (lf, lf + 1) if lf >= 0 else (-1, -1)
+    return cr, cr + 2 if cr + 1 < n and chunk[cr + 1] == 0x0A else cr + 1
+
+
+def feed_cost(pending: int, chunk: bytes) -> int:
+    """Bytes that feeding ``chunk`` to a parser or splitter holding ``pending`` bytes may copy and hand on: all
+    of them when ``chunk`` ends a line (it may complete the event), else only ``chunk``'s."""
+    return pending + len(chunk) if b"\n" in chunk or b"\r" in chunk else len(chunk)
+
+
 class SSEParser:
     """Feed bytes with :meth:`feed`; it returns the events that became complete.
 
-    Memory is bounded by the longest single event in the stream; :meth:`pending` says how many bytes wait.
+    Each byte is scanned and copied a bounded number of times however the input is split (an unfinished line is
+    kept as a list of pieces, joined once), so the work per event is linear in its size. One event may hold at
+    most ``max_event`` bytes (default :data:`~.limits.MAX_BUFFERED_BODY`), its data lines and any unfinished line
+    counted: past that :meth:`feed` raises :class:`EventTooLarge`. :meth:`pending` says how many bytes wait.
     """
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    def __init__(self, max_event: int | None = None) -> None:
+        self.max_event = limits.MAX_BUFFERED_BODY if max_event is None else max_event
+        self._line: list[bytes] = []  # pieces of the unfinished last line
+        self._line_size = 0
         self._event: str | None = None
         self._data: list[bytes] = []
+        self._data_size = 0
         self._has_data = False
         self._skip_lf = False
 
     def pending(self) -> int:
-        return len(self._buffer) + sum(len(d) for d in self._data)
+        return self._line_size + self._data_size
 
     def feed(self, chunk: bytes) -> list[Event]:
+        """The events ``chunk`` completed.
+
+        Raises:
+            EventTooLarge: the current event passed ``max_event`` bytes (the events before it are in the
+                exception); the parser is then spent.
+        """
         if not chunk:  # an empty read between the CR and LF of one line ending must not forget the CR
             return []
-        if self._skip_lf and chunk[:1] == b"\n":
-            chunk = chunk[1:]
+        start = 1 if self._skip_lf and chunk[:1] == b"\n" else 0
         self._skip_lf = False
-        buffer = self._buffer + chunk
         events: list[Event] = []
-        start = 0
-        n = len(buffer)
+        n = len(chunk)
         while start < n:
-            # A CR only matters before the next LF: bounding its search keeps a big chunk linear, not quadratic.
-            lf = buffer.find(b"\n", start)
-            cr = buffer.find(b"\r", start, lf if lf != -1 else n)
-            if cr == -1 and lf == -1:
+            end, nxt = next_line_end(chunk, start)
+            if end < 0:
                 break
-            if cr == -1 or (lf != -1 and lf < cr):
-                end, nxt = lf, lf + 1
+            self._skip_lf = nxt == end + 1 == n and chunk[end] == 0x0D  # its LF may start the next chunk
+            if self._line:
+                self._line.append(chunk[start:end])
+                line = b"".join(self._line)
+                self._line, self._line_size = [], 0
             else:
-                end = cr
-                if cr + 1 < n:
-                    nxt = cr + 2 if buffer[cr + 1:cr + 2] == b"\n" else cr + 1
-                else:
-                    nxt = cr + 1
-                    self._skip_lf = True
-            self._line(buffer[start:end], events)
+                line = chunk[start:end]
+            if self._data_size + len(line) > self.max_event:
+                self._spend(events)
+            self._take(line, events)
             start = nxt
-        self._buffer = buffer[start:]
+        if start < n:
+            self._line.append(chunk[start:])
+            self._line_size += n - start
+        if self.pending() > self.max_event:
+            self._spend(events)
         return events
 
-    def _line(self, line: bytes, events: list[Event]) -> None:
+    def _spend(self, events: list[Event]) -> None:
+        self._line, self._data, self._line_size, self._data_size = [], [], 0, 0
+        raise EventTooLarge(self.max_event, events)
+
+    def _take(self, line: bytes, events: list[Event]) -> None:
         if not line:
             if self._has_data:
-                data = b"\n".join(self._data).decode("utf-8", "replace")
-                events.append(Event(self._event, data))
-            self._event, self._data, self._has_data = None, [], False
+                data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+                events.append(Event(self._event, data.decode("utf-8", "replace")))
+            self._event, self._data, self._data_size, self._has_data = None, [], 0, False
             return
         if line[:1] == b":":
             return
-        name, sep, value = line.partition(b":")
-        if sep and value[:1] == b" ":
-            value = value[1:]
+        colon = line.find(b":")
+        name = line if colon < 0 else line[:colon]
+        if name not in (b"data", b"event"):
+            return
+        # One slice for the value (a big data line is copied once here, not once per step).
+        value = b"" if colon < 0 else line[colon + 2 if line[colon + 1:colon + 2] == b" " else colon + 1:]
         if name == b"data":
             self._data.append(value)
+            self._data_size += len(value) + 1
             self._has_data = True
-        elif name == b"event":
+        else:
             self._event = value.decode("utf-8", "replace")
 
 

@@ -8,50 +8,112 @@ as soon as it is complete, so an edited stream adds no buffering beyond one even
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from .formats.transcript import StreamEditor
 from .relay import UpstreamError
-from .sse import SSEParser
+from . import limits
+from .sse import EventTooLarge, SSEParser, feed_cost, next_line_end
+
+T = TypeVar("T")
 
 
 class EventSplitter:
-    """Feed bytes; get back each complete event block (its lines and the blank line ending it), in order."""
+    """Feed bytes; get back each complete event block (its lines and the blank line ending it), in order.
 
-    def __init__(self) -> None:
-        self._buf = b""
-        self._pos = 0  # where the next unread line starts in _buf
+    The unfinished event is kept as a list of pieces and only new bytes are scanned, so each byte is looked at
+    and copied a bounded number of times: the work per event is linear in its size, however it was split. One
+    event may hold at most ``max_event`` bytes (default :data:`~.limits.MAX_BUFFERED_BODY`; a line that never ends
+    counts as it grows): past that
+    :meth:`feed` raises :class:`~.sse.EventTooLarge`.
+    """
+
+    def __init__(self, max_event: int | None = None) -> None:
+        self.max_event = limits.MAX_BUFFERED_BODY if max_event is None else max_event
+        self._parts: list[bytes] = []  # the unfinished event's bytes
+        self._size = 0
+        self._mid_line = False  # the unfinished event ends inside a line
+        self._cr = False  # it ends with a CR whose LF may start the next chunk
+        self._cr_blank = False  # ... and that CR ended a blank line: the event is complete but for that LF
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk if self._buf else chunk
+        """The event blocks ``chunk`` completed.
+
+        Raises:
+            EventTooLarge: the unfinished event passed ``max_event`` bytes (the blocks before it are in the
+                exception); the splitter is then spent.
+        """
+        if not chunk:
+            return []
         blocks: list[bytes] = []
-        start, pos, n = 0, self._pos, len(buf)
+        start = pos = 0  # chunk[:start] went out in blocks; pos is where the next line starts
+        n = len(chunk)
+        if self._cr:
+            self._cr = False
+            pos = 1 if chunk[0] == 0x0A else 0
+            if self._cr_blank:
+                self._block(chunk[:pos], blocks)
+                start = pos
         while pos < n:
-            # A CR only matters before the next LF: bounding its search keeps a big chunk linear, not quadratic.
-            lf = buf.find(b"\n", pos)
-            cr = buf.find(b"\r", pos, lf if lf >= 0 else n)
-            if cr < 0 and lf < 0:
+            end, nxt = next_line_end(chunk, pos)
+            if end < 0:
+                self._mid_line = True
                 break
-            if cr < 0 or 0 <= lf < cr:
-                end, nxt = lf, lf + 1
-            elif cr + 1 == n:
-                break  # a CR at the end may be the first half of a CRLF
-            else:
-                end, nxt = cr, cr + 2 if buf[cr + 1] == 0x0A else cr + 1
-            if end == pos:  # a blank line ends the event
-                blocks.append(buf[start:nxt])
+            blank = end == pos and not self._mid_line
+            self._mid_line = False
+            if nxt == end + 1 == n and chunk[end] == 0x0D:
+                self._cr, self._cr_blank = True, blank
+            elif blank:
+                self._block(chunk[start:nxt], blocks)
                 start = nxt
             pos = nxt
-        self._buf, self._pos = buf[start:], pos - start
+        if start < n:
+            self._parts.append(chunk[start:])
+            self._size += n - start
+        if self._size > self.max_event:
+            self._parts, self._size = [], 0
+            raise EventTooLarge(self.max_event, blocks)
         return blocks
+
+    def _block(self, piece: bytes, blocks: list[bytes]) -> None:
+        """Append to ``blocks`` the unfinished event completed by ``piece``."""
+        if self._size + len(piece) > self.max_event:
+            self._parts, self._size = [], 0
+            raise EventTooLarge(self.max_event, blocks)
+        self._parts.append(piece)
+        blocks.append(self._parts[0] if len(self._parts) == 1 else b"".join(self._parts))
+        self._parts, self._size = [], 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the unfinished event held."""
+        return self._size
 
     def rest(self) -> bytes:
         """Bytes of an unfinished last event (a stream cut short), returned once."""
-        rest, self._buf, self._pos = self._buf, b"", 0
+        rest = b"".join(self._parts)
+        self._parts, self._size, self._mid_line, self._cr, self._cr_blank = [], 0, False, False, False
         return rest
+
+
+OFF_LOOP_BYTES = 1024 * 1024
+"""Work on this many bytes of one event or more runs in a worker thread (:func:`off_loop`)."""
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, run in a worker thread when it handles ``size`` bytes or more (:data:`OFF_LOOP_BYTES`).
+
+    Parsing and editing one big event takes long (a 100 MB one about a second): in a thread, the event loop,
+    which serves every session, gets the interpreter back between its steps and waits at most for the longest
+    single step (a JSON parse of the event). ``fn`` must touch only state of its own stream.
+    """
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await trio.to_thread.run_sync(functools.partial(fn, *args))
 
 
 Observer = Callable[[str | None, str], None]
@@ -82,11 +144,13 @@ def edit_blocks(blocks: list[bytes], editor: StreamEditor, parser: SSEParser | N
 class EditedStream:
     """An upstream stream (a ``RelayedStream`` or any async iterable of bytes) rewritten by ``editor``.
 
-    ``error`` is the inner stream's (or says the stream stopped inside an event); ``last_chunk`` is the last bytes
-    sent. ``on_end(complete)`` runs once when iteration stops: ``complete`` is True when the upstream stream ended
-    normally and everything was sent. The inner stream is closed whatever happens, also when the client goes away
-    mid-stream. :attr:`observe`, when set before iterating, sees each complete upstream event: a reader of the
-    stream (the pipeline's usage) that need not parse the bytes a second time.
+    ``error`` is the inner stream's (or says the stream stopped inside an event, or had an event over the size
+    limit: the events before it are delivered, then the pipeline sends the format's error event);
+    ``last_chunk`` is the last bytes sent. ``on_end(complete)`` runs once when iteration stops: ``complete`` is
+    True when the upstream stream ended normally and everything was sent. The inner stream is closed whatever
+    happens, also when the client goes away mid-stream. :attr:`observe`, when set before iterating, sees each
+    complete upstream event: a reader of the stream (the pipeline's usage) that need not parse the bytes a second
+    time. A big event is parsed and edited off the event loop (:func:`off_loop`).
     """
 
     def __init__(self, inner: Any, editor: StreamEditor, on_end: Callable[[bool], None]) -> None:
@@ -97,13 +161,24 @@ class EditedStream:
         self.last_chunk = b""
         self.cut_short = False
         """The stream stopped inside an event; its bytes were held back (:attr:`error` then says so)."""
+        self.too_large: EventTooLarge | None = None
+        """The stream had an event over :data:`~.limits.MAX_BUFFERED_BODY`; reading stopped there."""
 
     @property
     def error(self) -> Any:
         error = getattr(self.inner, "error", None)
+        if error is None and self.too_large is not None:
+            return UpstreamError(502, str(self.too_large))
         if error is None and self.cut_short:
             return UpstreamError(502, "upstream stream ended in the middle of an event")
         return error
+
+    def _edit(self, splitter: EventSplitter, parser: SSEParser, chunk: bytes) -> bytes:
+        try:
+            blocks = splitter.feed(chunk)
+        except EventTooLarge as exc:
+            blocks, self.too_large = exc.complete, exc
+        return edit_blocks(blocks, self.editor, parser, self.observe)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         splitter, parser = EventSplitter(), SSEParser()
@@ -111,15 +186,17 @@ class EditedStream:
         complete = False
         try:
             async for chunk in iterator:
-                out = edit_blocks(splitter.feed(chunk), self.editor, parser, self.observe)
+                out = await off_loop(feed_cost(splitter.pending, chunk), self._edit, splitter, parser, chunk)
                 if out:
                     self.last_chunk = out
                     yield out
-            if splitter.rest():
+                if self.too_large is not None:
+                    break
+            if self.too_large is None and splitter.rest():
                 # Half an event is held back: the client's SDK would drop it silently or choke on it, while the
                 # format's error event that follows (the pipeline sends it) is an error it reports.
                 self.cut_short = True
-            else:
+            elif self.too_large is None:
                 tail = b"".join(self.editor.close())
                 if tail:
                     self.last_chunk = tail
