@@ -86,22 +86,48 @@ def test_shape_test_separates_reports_from_real_superscripts(body: str, shaped: 
     assert looks_like_report(body) is shaped
 
 
-def test_strip_removes_every_report_token_and_keeps_the_rest() -> None:
+def test_strip_removes_json_reports_and_only_a_trailing_legacy_one() -> None:
     text = f"before {TOKEN} x<sup>2</sup> <sup>done</sup> after"
-    clean, bodies = strip(text)
-    assert clean == "before  x<sup>2</sup>  after"
-    assert bodies == [REPORT, "done"]
+    assert strip(text) == ("before  x<sup>2</sup> <sup>done</sup> after", [REPORT])
+    assert strip("all <sup>done · tests pass</sup>") == ("all", ["done · tests pass"])
     assert strip("a <sup>2</sup> and <sup>{\"focus\":1}</sup> stay") == (
         "a <sup>2</sup> and <sup>{\"focus\":1}</sup> stay", [])
     assert strip(f"unclosed <sup>{REPORT}") == (f"unclosed <sup>{REPORT}", [])
     assert strip("plain") == ("plain", [])
 
 
+def test_superscripts_in_the_answer_are_content_byte_for_byte() -> None:
+    answer = "x<sup>2</sup> is squared, <sup>done</sup> was a label, <sup>a | b</sup> a choice, <sup>blocked · x</sup>."
+    assert strip(answer) == (answer, [])
+    assert strip(answer + "\n" + TOKEN) == (answer, [REPORT])
+    assert strip(answer + " <sup>done</sup>\n") == (answer, ["done"])
+    assert strip("<sup>done</sup> <sup>2</sup>") == ("<sup>done</sup> <sup>2</sup>", [])  # the last is content
+
+
+@pytest.mark.parametrize("text, clean", [
+    (f"Done. {TOKEN}", "Done."),
+    (f"Done.\n\n{TOKEN}\n", "Done."),
+    ("Done. <sup>done</sup>  ", "Done."),
+    (f"Done. {TOKEN} <sup>done</sup>", "Done."),  # both removed: nothing of either leaves a space behind
+    (f"Done. {TOKEN} and more", "Done.  and more"),  # a report mid-text: the text around it is untouched
+    ("Done. \n", "Done. \n"),  # no report: trailing whitespace is content
+    (f"Done.{' ' * (MAX_BODY + 1)}{TOKEN}", f"Done.{' ' * (MAX_BODY + 1)}"),  # too long to be held: kept
+])
+def test_a_trailing_report_leaves_no_dangling_whitespace(text: str, clean: str) -> None:
+    assert strip(text)[0] == clean
+    assert stream(list(text))[0] == clean
+
+
 def test_the_last_report_wins_and_bad_ones_are_counted_not_fatal() -> None:
     assert outcome(strip(f"{TOKEN} then <sup>blocked · creds</sup>")[1]).report.state == "blocked"
+    assert outcome(strip(f"{TOKEN} then <sup>blocked · creds</sup> and text")[1]).report.state == "progressing"
     bad = outcome(strip('x <sup>{"state":"weird","focus":"f","carry":[]}</sup>')[1])
     assert (bad.status, bad.report) == ("malformed", None) and "state" in bad.error
     assert outcome([]).status == "missing"
+
+
+HOLD_BOUND = 2 * (len("<sup>") + MAX_BODY + len("</sup>")) + 2 * MAX_BODY
+"""The most a Stripper holds: an open token, whitespace before and after a closed report-shaped token, and it."""
 
 
 def stream(pieces: list[str]) -> tuple[str, list[str], list[int]]:
@@ -147,15 +173,18 @@ def test_streaming_equals_stripping_for_any_text_and_any_split(fragments: list[s
     text = "".join(fragments)
     out, bodies, held = stream(_splits(text, cuts))
     assert (out, bodies) == strip(text)
-    assert all(h <= len("<sup>") + MAX_BODY + len("</sup>") for h in held)
+    assert all(h <= HOLD_BOUND for h in held)
 
 
-def test_text_flows_without_delay_unless_it_could_start_a_token() -> None:
+def test_text_flows_without_delay_unless_a_report_could_change_it() -> None:
     stripper = Stripper()
-    assert stripper.feed("Reading the handlers now, ") == "Reading the handlers now, "
-    assert stripper.feed("then x < y and <b>bold</b> ") == "then x < y and <b>bold</b> "
-    assert stripper.feed("and <su") == "and " and stripper.held == 3
-    assert stripper.feed("b> is not it") == "<sub> is not it" and stripper.held == 0
+    assert stripper.feed("Reading the handlers now,") == "Reading the handlers now,"
+    assert stripper.feed(" then x < y and <b>bold</b> ") == " then x < y and <b>bold</b>"
+    assert stripper.held == 1  # the space a trailing report would leave dangling
+    assert stripper.feed("and <su") == " and" and stripper.held == 4
+    assert stripper.feed("b> is not it") == " <sub> is not it" and stripper.held == 0
+    assert stripper.feed("<sup>done</sup>") == "" and stripper.held == len("<sup>done</sup>")
+    assert stripper.feed("\n") == "" and stripper.feed(" it goes on") == "<sup>done</sup>\n it goes on"
     assert stripper.feed('<sup>{"state":') == "" and stripper.held > 0
     assert stripper.feed('"done","focus":"f","carry":[]}</sup> after') == " after"
     assert stripper.bodies == ['{"state":"done","focus":"f","carry":[]}']
@@ -174,3 +203,28 @@ def test_the_instruction_asks_for_every_state_and_is_fixed() -> None:
     assert INSTRUCTION.count("<sup>") == 1 and "<supervisor-note>" in INSTRUCTION
     token = INSTRUCTION[INSTRUCTION.index("<sup>"):INSTRUCTION.index("</sup>") + len("</sup>")]
     assert parse_body(strip(token)[1][0]).state == "progressing"  # the example in the instruction is valid
+
+
+# Content as answers hold it: prose, whitespace, and superscripts of every kind that is not a JSON report (legacy
+# shapes included: only the last thing in a response can be a legacy report), stray tag pieces too.
+_CONTENT = st.lists(st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="<"), max_size=12),
+    st.sampled_from([" ", "\n", "\n\n", "<", "<su", "</sup>", "<sup>", "x<sup>2</sup>", "<sup>th</sup>"]),
+    st.builds("<sup>{}</sup>".format, st.sampled_from(["done", "a | b", "blocked · creds", "2", "need-input",
+                                                      "STATE", "{\"focus\": 1}", "®"]))), max_size=12)
+_REPORTS = st.sampled_from([TOKEN, "<sup>done</sup>", "<sup>blocked | waiting on creds</sup>",
+                            "<sup>progressing · reading</sup>"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(_CONTENT, st.sampled_from(["", " ", "\n", "\n\n"]), _REPORTS, st.sampled_from(["", "\n", " \n"]),
+       st.lists(st.integers(min_value=0, max_value=400), max_size=30))
+def test_content_with_superscripts_loses_exactly_its_trailing_report_at_every_split(
+        parts: list[str], before: str, report: str, after: str, cuts: list[int]) -> None:
+    content = "".join(parts)
+    text = content + before + report + after
+    body = report[len("<sup>"):-len("</sup>")]
+    expected = (content.rstrip(), [body])
+    assert strip(text) == expected
+    assert stream(_splits(text, cuts))[:2] == expected
+    assert stream(list(text))[:2] == expected

@@ -15,15 +15,21 @@ Rules (seed 003 "Self-report"; ``reference/in-session-supervisor-mechanics.md`` 
   malformed. ``focus`` and ``carry`` entries are trimmed and empty ``carry`` entries dropped.
 - **Legacy bodies**: ``STATE`` or ``STATE · reason`` with the separators ``·``, ``|``, ``:``, ``-``, space or tab; the
   reason becomes ``focus``. A copied placeholder (``state · done``) uses the word after ``state``.
-- **Shape test** (what is stripped): a body that starts with ``{`` and contains ``"state"``, or whose first word is a
-  state, an alias or the literal ``state``, or that contains ``·`` or ``|``; and at most :data:`MAX_BODY` characters
-  (a report is one short line; the bound also caps what a stream holds back). Real superscripts (``2``, ``th``) and
-  JSON without a ``state`` key are kept. A malformed report that passes the shape test is still stripped.
+- **Shape test** (what can be a report): a body that starts with ``{`` and contains ``"state"`` (the JSON form),
+  or whose first word is a state, an alias or the literal ``state``, or that contains ``·`` or ``|`` (the legacy
+  forms); and at most :data:`MAX_BODY` characters (a report is one short line; the bound also caps what a stream
+  holds back). Real superscripts (``2``, ``th``) and JSON without a ``state`` key are never reports.
 - **Tokens**: scanning left to right, each ``</sup>`` closes the nearest ``<sup>`` before it, if that one opened at
   most :data:`MAX_BODY` characters earlier; any other ``<sup>`` is plain text (so a stray opener before a report
   cannot hide it). The tags are case-sensitive.
-  Whitespace around a stripped token is kept: trimming it would delay whitespace in streams.
-- The **last** report-shaped token of a response is its report.
+- **What is stripped**: a JSON-form token wherever it stands (a model writes that shape only as its report), and a
+  legacy-form token only as the last thing in the text (nothing but whitespace after it, at most
+  :data:`MAX_BODY` characters of it): anywhere else ``<sup>done</sup>`` or ``<sup>a | b</sup>`` is the answer's
+  own content and is kept byte for byte. A malformed report that passes the shape test is still stripped.
+- **Whitespace**: when the stripped report is the last thing in the text, the whitespace after it and the
+  whitespace its removal leaves at the end (at most :data:`MAX_BODY` characters; a longer run is kept) go with it:
+  ``"Done. <sup>{...}</sup>"`` becomes ``"Done."``. Whitespace around a report in mid-text is kept.
+- The **last** stripped token of a response is its report.
 """
 
 from __future__ import annotations
@@ -172,41 +178,31 @@ def _find_close(text: str, body_start: int) -> int:
     return text.find(CLOSE, body_start, body_start + MAX_BODY + len(CLOSE))
 
 
+def _is_json_report(body: str) -> bool:
+    """The JSON form of the shape test: a report wherever it stands."""
+    return body.lstrip().startswith("{") and looks_like_report(body)
+
+
+def _trailing_space(text: str) -> int:
+    """Length of the whitespace at the end of ``text``, counted up to ``MAX_BODY + 1`` (past that it is never
+    trimmed, so its exact length does not matter)."""
+    n = len(text)
+    i = n
+    while i > 0 and n - i <= MAX_BODY and text[i - 1].isspace():
+        i -= 1
+    return n - i
+
+
 def strip(text: str) -> tuple[str, list[str]]:
-    """``text`` without its report-shaped tokens, and the bodies of the removed tokens in order.
+    """``text`` without its self-report, and the bodies of the removed tokens in order (module docstring).
 
     The result equals what :class:`Stripper` emits for the same text split anywhere.
     """
     if OPEN not in text:
         return text, []
-    out: list[str] = []
-    bodies: list[str] = []
-    pos = 0
-    n = len(text)
-    while pos < n:
-        start = text.find(OPEN, pos)
-        if start < 0:
-            break
-        close = _find_close(text, start + len(OPEN))
-        inner = text.find(OPEN, start + len(OPEN), close if close >= 0 else start)
-        if inner >= 0:
-            out.append(text[pos:inner])  # a nearer opener: this one is plain text
-            pos = inner
-            continue
-        if close < 0:
-            out.append(text[pos:start + 1])  # this "<" is plain text; a later "<sup>" may still open a token
-            pos = start + 1
-            continue
-        body = text[start + len(OPEN):close]
-        end = close + len(CLOSE)
-        if looks_like_report(body):
-            out.append(text[pos:start])
-            bodies.append(body)
-        else:
-            out.append(text[pos:end])
-        pos = end
-    out.append(text[pos:])
-    return "".join(out), bodies
+    stripper = Stripper()
+    clean = stripper.feed(text) + stripper.finish()
+    return clean, stripper.bodies
 
 
 def _held_prefix(text: str) -> int:
@@ -220,69 +216,134 @@ def _held_prefix(text: str) -> int:
 class Stripper:
     """Streaming :func:`strip`: feed text pieces, get back the text that is safe to show now.
 
-    It holds back only what could still be part of a token: a tail that is a prefix of ``<sup>``, or an open
-    token until its ``</sup>`` arrives or its body exceeds :data:`MAX_BODY`. :meth:`finish` returns the rest at
-    the end of the text. ``bodies`` collects the bodies of removed tokens, in order. Pure and clock-free.
+    It holds back only what the rest of the text may still change, each part at most about :data:`MAX_BODY`
+    characters: a tail that is a prefix of ``<sup>``, or an open token until its ``</sup>`` arrives or its body
+    exceeds :data:`MAX_BODY`; a report-shaped token until something other than whitespace follows it (then a
+    legacy one is content and goes out as it came) or the text ends (then it is the trailing report); and the
+    whitespace at the end of the text so far, which a trailing report would leave dangling. :meth:`finish`
+    returns the rest at the end of the text. ``bodies`` collects the bodies of removed tokens, in order. Pure and
+    clock-free.
     """
 
     def __init__(self) -> None:
         self._buf = ""
         self._open = False  # self._buf starts with a complete "<sup>"
+        self._space = ""  # whitespace at the end of the output so far, held
+        self._long_space = False  # that whitespace ran past MAX_BODY: it went out and is never trimmed
+        self._token: tuple[str, str] | None = None  # (raw, body) of a report-shaped token followed by whitespace only
+        self._after = ""  # the whitespace after it
+        self._out: list[str] = []
         self.bodies: list[str] = []
 
     @property
     def held(self) -> int:
         """Characters currently held back."""
-        return len(self._buf)
+        return len(self._buf) + len(self._space) + len(self._token[0] if self._token else "") + len(self._after)
 
     def feed(self, piece: str) -> str:
         if not piece:
             return ""
         if not self._buf and OPEN[0] not in piece:
-            return piece  # the common case: no "<" anywhere
-        self._buf += piece
-        return self._drain(final=False)
+            self._text(piece)  # the common case: no "<" anywhere
+        else:
+            self._buf += piece
+            self._drain(final=False)
+        return self._emit()
 
     def finish(self) -> str:
-        return self._drain(final=True)
+        self._drain(final=True)
+        if self._token is not None:  # the last thing in the text: its report, and the whitespace around it goes
+            self.bodies.append(self._token[1])
+            self._token, self._after = None, ""
+        else:
+            self._out.append(self._space)
+        self._space, self._long_space = "", False
+        return self._emit()
 
-    def _drain(self, final: bool) -> str:
-        out: list[str] = []
+    def _emit(self) -> str:
+        out, self._out = "".join(self._out), []
+        return out
+
+    def _text(self, text: str) -> None:
+        """Text that is not a token."""
+        if not text:
+            return
+        if self._token is not None:
+            if len(self._after) + len(text) <= MAX_BODY and text.isspace():
+                self._after += text
+                return
+            self._settle()
+        space = _trailing_space(text)
+        if space == len(text):
+            self._add_space(text)
+            return
+        self._out += [self._space, text[:len(text) - space] if space else text]
+        self._space, self._long_space = "", False
+        if space:
+            self._add_space(text[len(text) - space:])
+
+    def _add_space(self, space: str) -> None:
+        if self._long_space:
+            self._out.append(space)
+            return
+        self._space += space
+        if len(self._space) > MAX_BODY:
+            self._out.append(self._space)
+            self._space, self._long_space = "", True
+
+    def _token_found(self, raw: str, body: str) -> None:
+        if self._token is not None:
+            self._settle()
+        if looks_like_report(body):
+            self._token, self._after = (raw, body), ""
+        else:
+            self._out += [self._space, raw]
+            self._space, self._long_space = "", False
+
+    def _settle(self) -> None:
+        """The held token is not the last thing in the text: a JSON report is removed all the same, a legacy one
+        is content."""
+        assert self._token is not None
+        (raw, body), after = self._token, self._after
+        self._token, self._after = None, ""
+        if _is_json_report(body):
+            self.bodies.append(body)
+        else:
+            self._out += [self._space, raw]
+            self._space, self._long_space = "", False
+        self._add_space(after)
+
+    def _drain(self, final: bool) -> None:
         buf = self._buf
         while buf:
             if not self._open:
                 start = buf.find(OPEN)
                 if start < 0:
                     keep = 0 if final else _held_prefix(buf)
-                    out.append(buf[:len(buf) - keep])
+                    self._text(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
-                out.append(buf[:start])
+                self._text(buf[:start])
                 buf = buf[start:]
                 self._open = True
             close = _find_close(buf, len(OPEN))
             inner = buf.find(OPEN, len(OPEN), close if close >= 0 else len(buf))
             if inner >= 0:  # a nearer opener: text before it is plain
-                out.append(buf[:inner])
+                self._text(buf[:inner])
                 buf = buf[inner:]
                 continue
             if close >= 0:
-                body = buf[len(OPEN):close]
-                if looks_like_report(body):
-                    self.bodies.append(body)
-                else:
-                    out.append(buf[:close + len(CLOSE)])
+                self._token_found(buf[:close + len(CLOSE)], buf[len(OPEN):close])
                 buf = buf[close + len(CLOSE):]
                 self._open = False
             elif final or len(buf) >= len(OPEN) + MAX_BODY + len(CLOSE):
                 # No closing tag within reach: this "<" is plain text; rescan the rest.
-                out.append(buf[0])
+                self._text(buf[0])
                 buf = buf[1:]
                 self._open = False
             else:
                 break
         self._buf = buf
-        return "".join(out)
 
 
 @dataclass(frozen=True)
