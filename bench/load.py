@@ -28,8 +28,9 @@ every request has its ledger line. The figures and the command go into the "Load
 ``bench/RESULTS.md``.
 
 The big-event case (``--big-event-mb``; 100 MB, 10 MB with ``--quick``, 0 leaves it out): one SSE event of that
-size (a Chat stream whose one content delta holds it) is relayed alone through proxyvisor with supervision on and
-off before the arms, then once more in the middle of the proxyvisor arm, among the load. It reports the relay
+size (a Chat stream whose one content delta holds it) is relayed alone through proxyvisor with supervision on
+(``GET /healthz`` sent every 20 ms meanwhile: its latency is how long the event loop is held) and off before the
+arms, then once more in the middle of the proxyvisor arm, among the load. It reports the relay
 times and the other sessions' added p90 while it relays: the p90 of the requests that started during the relay
 minus that of the arm's other requests (target < 50 ms): one stream must never hold the loop that serves all.
 """
@@ -416,7 +417,8 @@ def _f(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None or math.isnan(value) else fmt.format(value)
 
 
-def big_event_text(arms: list[Arm], alone: dict[str, BigEvent], size: int, peak_mb: float | None) -> list[str]:
+def big_event_text(arms: list[Arm], alone: dict[str, BigEvent], size: int, peak_mb: float | None,
+                   pings: list[float]) -> list[str]:
     """The big-event case's paragraph (module docstring); empty when it did not run."""
     if not size:
         return []
@@ -428,6 +430,8 @@ def big_event_text(arms: list[Arm], alone: dict[str, BigEvent], size: int, peak_
     text = (f"**Big event**: one SSE event of {size / 1e6:g} MB (a Chat content delta) relayed alone: supervision "
             f"on {relay(alone.get('on'))}, off {relay(alone.get('off'))}"
             + (f" (proxyvisor's peak RSS after it: {peak_mb:.0f} MB)" if peak_mb is not None else "")
+            + (f"; `GET /healthz` every 20 ms meanwhile: p50 {pct(pings, 50):.1f}, p90 {pct(pings, 90):.1f}, max "
+               f"{max(pings):.1f} ms over {len(pings)} pings (how long the event loop was held)" if pings else "")
             + f"; among the load: {relay(pv.big if pv else None)}.")
     figures = big_event_p90(pv) if pv else None
     if figures is not None:
@@ -604,6 +608,29 @@ async def relay_big_event(port: int, size: int, t0: float) -> BigEvent:
     return BigEvent(started - t0, time.perf_counter() - t0, received, error)
 
 
+async def big_event_with_pings(port: int, size: int) -> tuple[BigEvent, list[float]]:
+    """:func:`relay_big_event` alone, while ``GET /healthz`` goes to the same proxy every 20 ms: how long the
+    proxy's event loop, which serves every session, is held (the pings' latencies during the relay, ms)."""
+    pings: list[float] = []
+    done = trio.Event()
+
+    async def ping() -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                await client.get("/healthz")
+                pings.append((time.perf_counter() - started) * 1000)
+                await trio.sleep(0.02)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ping)
+        await trio.sleep(0.5)
+        before = len(pings)
+        big = await relay_big_event(port, size, time.perf_counter())
+        done.set()
+    return big, pings[before:]
+
+
 async def big_event_among_load(arm: Arm, port: int, size: int, t0: float) -> None:
     """The big event once, in the middle of the arm's measured span."""
     await trio.sleep(arm.warmup_s + (arm.duration_s - arm.warmup_s) / 3)
@@ -740,13 +767,13 @@ def main(argv: list[str] | None = None) -> int:
         pv_proc, pv_port = start_proxyvisor(up_port, work)
         procs.append(pv_proc)
         big_alone: dict[str, BigEvent] = {}
-        big_peak_mb = None
+        big_peak_mb, big_pings = None, []
         if args.big_event:
             off_proc, off_port = start_proxyvisor(up_port, work, supervision=False, name="unsupervised")
             procs.append(off_proc)
             print(f"big event of {args.big_event_mb:g} MB alone ...", end="", flush=True)
-            for key, port in (("on", pv_port), ("off", off_port)):
-                big_alone[key] = trio.run(relay_big_event, port, args.big_event, time.perf_counter())
+            big_alone["on"], big_pings = trio.run(big_event_with_pings, pv_port, args.big_event)
+            big_alone["off"] = trio.run(relay_big_event, off_port, args.big_event, time.perf_counter())
             measured = usage_of(pv_proc, 0.0)
             big_peak_mb = measured.hwm_kb / 1024 if measured else None
             print(" supervision " + ", ".join(f"{k} {v.seconds:.2f} s" + (f" ({v.error})" if v.error else "")
@@ -779,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows_of(arms)
         setup = setup_text(args, settings, arms, litellm_note if exe is not None else "", started, load_before)
         text = markdown(arms, rows, command, setup, notes, errors,
-                        big_event_text(arms, big_alone, args.big_event, big_peak_mb))
+                        big_event_text(arms, big_alone, args.big_event, big_peak_mb, big_pings))
         print_report(text)
         if not args.no_write:
             write_section(SECTION, text, args.results)

@@ -50,7 +50,6 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -474,15 +473,17 @@ class GatedStream:
                     if self.error is None:
                         self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
                     return
-                items = None
-                held_response = functools.partial(g.fmt.stream_response, events)
+                items, response = None, None
+                size = sum(len(data) for _name, data in events)  # a big answer is read off the event loop
                 try:
-                    calls = splice.calling or g._calls_tools(held_response())
+                    if not splice.calling:
+                        response = await off_loop(size, g.fmt.stream_response, events)
+                    calls = splice.calling or await off_loop(size, g._calls_tools, response)
                 except Exception:  # noqa: BLE001 - a stream the gate cannot read is delivered unjudged
                     log.exception("reading a held stream failed; delivering it unjudged")
                     calls = True
                 if not calls:
-                    job = Job(g.judged, held_response)
+                    job = Job(g.judged, lambda: response)
                     async for keepalive in job.keepalives(g.fmt, g.background):
                         yield self._sent(keepalive)
                     items = job.result  # judged() never raises but for cancellation; None: deliver

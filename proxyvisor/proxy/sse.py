@@ -92,15 +92,15 @@ class SSEParser:
             if end < 0:
                 break
             self._skip_lf = nxt == end + 1 == n and chunk[end] == 0x0D  # its LF may start the next chunk
+            if self._data_size + self._line_size + end - start > self.max_event:
+                self._spend(events)
             if self._line:
                 self._line.append(chunk[start:end])
                 line = b"".join(self._line)
                 self._line, self._line_size = [], 0
+                self._take(line, 0, len(line), events)
             else:
-                line = chunk[start:end]
-            if self._data_size + len(line) > self.max_event:
-                self._spend(events)
-            self._take(line, events)
+                self._take(chunk, start, end, events)
             start = nxt
         if start < n:
             self._line.append(chunk[start:])
@@ -113,21 +113,23 @@ class SSEParser:
         self._line, self._data, self._line_size, self._data_size = [], [], 0, 0
         raise EventTooLarge(self.max_event, events)
 
-    def _take(self, line: bytes, events: list[Event]) -> None:
-        if not line:
+    def _take(self, buf: bytes, start: int, end: int, events: list[Event]) -> None:
+        """The line ``buf[start:end]`` (never sliced whole: a big data line is copied once, into its value)."""
+        if start == end:
             if self._has_data:
                 data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
                 events.append(Event(self._event, data.decode("utf-8", "replace")))
             self._event, self._data, self._data_size, self._has_data = None, [], 0, False
             return
-        if line[:1] == b":":
+        if buf[start] == 0x3A:  # ":" starts a comment
             return
-        colon = line.find(b":")
-        name = line if colon < 0 else line[:colon]
+        colon = buf.find(b":", start, end)
+        name_end = end if colon < 0 else colon
+        name = buf[start:name_end] if name_end - start in (4, 5) else b""
         if name not in (b"data", b"event"):
             return
-        # One slice for the value (a big data line is copied once here, not once per step).
-        value = b"" if colon < 0 else line[colon + 2 if line[colon + 1:colon + 2] == b" " else colon + 1:]
+        value = b"" if colon < 0 else buf[colon + 2 if buf[colon + 1:colon + 2] == b" " and colon + 1 < end
+                                          else colon + 1:end]
         if name == b"data":
             self._data.append(value)
             self._data_size += len(value) + 1

@@ -187,9 +187,11 @@ class EditedStream:
         try:
             async for chunk in iterator:
                 out = await off_loop(feed_cost(splitter.pending, chunk), self._edit, splitter, parser, chunk)
-                if out:
-                    self.last_chunk = out
-                    yield out
+                # A big event goes out in slices: each write to the client (one copy, by h11) stays short, and
+                # the loop serves others between them.
+                for start in range(0, len(out), OFF_LOOP_BYTES):
+                    self.last_chunk = out[start:start + OFF_LOOP_BYTES] if len(out) > OFF_LOOP_BYTES else out
+                    yield self.last_chunk
                 if self.too_large is not None:
                     break
             if self.too_large is None and splitter.rest():
