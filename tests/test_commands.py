@@ -67,7 +67,7 @@ async def test_plan_and_info_are_answered_locally_and_kept_from_the_model(fmt: s
         url = f"{rp.url}/s/cmd"
         history = [{"role": "user", "content": "Fix the parser."}]
         answer = await sdk_ask(fmt, url, history, stream)
-        assert answer == "I read the parser.\n"
+        assert answer == "I read the parser."
         history.append({"role": "assistant", "content": answer})
         for command in ("/info", " /plan\n"):
             history.append({"role": "user", "content": command})
@@ -94,7 +94,7 @@ async def test_plan_and_info_are_answered_locally_and_kept_from_the_model(fmt: s
         assert await sdk_ask(fmt, url, history, stream) == "Continuing."
         sent = orjson.loads(upstream.requests[-1][1])
         messages = [BY_NAME[fmt].message(item) for item in BY_NAME[fmt].history(sent)]
-        assert [m.text for m in messages if m.role != "system"] == ["Fix the parser.", "I read the parser.\n", "Go on."]
+        assert [m.text for m in messages if m.role != "system"] == ["Fix the parser.", "I read the parser.", "Go on."]
     lines = [json.loads(line) for line in (state_dir / "ledger" / "cmd.jsonl").read_text().splitlines()]
     assert [line.get("local") for line in lines] == [None, "/info", "/plan", None]
     assert [(line["status"], line["input_tokens"], line["output_tokens"]) for line in lines[1:3]] == [(200, 0, 0)] * 2

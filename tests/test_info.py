@@ -223,7 +223,7 @@ async def test_the_gate_and_the_supervisor_model_reach_the_ledger_and_info(tmp_p
         assert reply.status_code == 200
         turn = f.assemble([(e.event, e.data) for e in sse_events(reply.content)]) if stream \
             else f.parse_response(reply.json())
-        assert turn.text == "Three files.\n"
+        assert turn.text == "Three files."
     (line,) = store.read_ledger("gated")
     assert line["gate"]["verdicts"] == ["pass"] and line["gate"]["passed"] is True
     assert line["supervisor_model"]["calls"] == {"verify": 1}
