@@ -457,12 +457,12 @@ class Pipeline:
                     break
                 if parser is not None:
                     try:
-                        events = await off_loop(feed_cost(parser.pending(), chunk), parser.feed, chunk)
+                        parsed = await off_loop(feed_cost(parser.pending(), chunk), parser.feed, chunk)
                     except EventTooLarge as exc:
                         # Only the usage is read from a stream relayed as it comes: the client loses nothing.
-                        events, parser = exc.complete, None
+                        parsed, parser = exc.complete, None
                         log.warning("stream usage not read past an event over %d bytes", exc.limit)
-                    for event in events:
+                    for event in parsed:
                         read_usage(event.event, event.data)
                 yield chunk
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
