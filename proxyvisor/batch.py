@@ -59,7 +59,7 @@ from .batch_report import TaskResult
 from .config import Config
 from .proxy.info import plural, summarize
 from .proxy.service import running
-from .store import Store, private_dir
+from .store import Store, private_dir, private_opener
 from .supervisor_model import describe
 from .wrap import agent_invocation
 
@@ -292,7 +292,7 @@ class Batch:
         started = time.monotonic()
         finished = False
         try:
-            with out_path.open("wb") as out, err_path.open("wb") as err:
+            with open(out_path, "wb", opener=private_opener) as out, open(err_path, "wb", opener=private_opener) as err:
                 try:
                     workdir = self._workdir(task)
                 except OSError as exc:  # this task's own problem: the others still run
@@ -430,7 +430,8 @@ def batch_command(config: Config, tasks_file: str, options: Options, require_ver
     try:  # made now, so that a report that cannot be written is known before any agent runs
         if not report:
             private_dir(private_dir(config.state_dir()) / "batch")
-        options.logs.mkdir(parents=True, exist_ok=True)
+        options.logs.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(options.logs)  # the agents' output may hold what they read: private, like the state dir
     except OSError as exc:
         raise BatchError(f"--report: cannot make the folder {exc.filename or options.logs}: "
                          f"{exc.strerror or exc}") from None

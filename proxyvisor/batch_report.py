@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from .store import atomic_write
+
 NO_VERDICT = "no_verdict"
 VERIFIED = "verified"
 OUTCOMES = (VERIFIED, "unknown", "failed", "unverified", NO_VERDICT)
@@ -39,7 +41,8 @@ class TaskResult:
     gaps; ``nudges``: continue nudges of the headless pre-check; ``detector_fires`` and ``steers``: detector signals
     fired and steer notes added, all signals together. ``input_tokens``/``output_tokens``: the agent's model
     (upstream) tokens; ``cost_usd``: upstream plus supervisor model, in USD, with ``cost_known`` false when some
-    upstream model is missing from litellm's cost map (it then counts 0). ``requests``: model requests through the
+    upstream or supervisor answer is not priced (the built-in scripted model's, or a model missing from litellm's
+    cost map: it then counts 0, and a cost of 0 reads "not priced"). ``requests``: model requests through the
     proxy. ``seconds``: the agent's wall time. ``exit_code``: the agent's exit status (128+N when a signal N ended
     it; 127 when it could not start, None when it never ran). ``error``: why the task did not end cleanly (timed
     out, interrupted, could not start, or the last line of the agent's stderr when it exited non-zero), else None.
@@ -96,14 +99,15 @@ def from_summary(info: Mapping[str, Any], **run: Any) -> TaskResult:
         gaps=gate["gaps"], reentries=gate["reentries"], nudges=gate["nudges"],
         detector_fires=sum(info["detectors"]["fires"].values()), steers=sum(info["detectors"]["steers"].values()),
         requests=info["requests"], input_tokens=upstream["input_tokens"], output_tokens=upstream["output_tokens"],
-        cost_usd=upstream["cost_usd"] + supervisor["cost_usd"], cost_known=upstream["cost_known"], **run)
+        cost_usd=upstream["cost_usd"] + supervisor["cost_usd"], cost_known=upstream["cost_known"] and not upstream["scripted_requests"]
+        and not supervisor.get("unpriced_calls"), **run)
 
 
 def cell(result: TaskResult, field: str) -> str:
     """The Markdown cell of ``field`` of ``result`` (the one rule both the rows and the tests read)."""
     value = getattr(result, field)
     if field == "cost_usd":
-        return f"{value:.4f}" + ("" if result.cost_known else "*")
+        return f"{value:.4f}" + ("" if result.cost_known else "*") if value or result.cost_known else "not priced"
     if field == "seconds":
         return f"{value:.1f}"
     if value is None:
@@ -133,11 +137,13 @@ def markdown(results: Sequence[TaskResult], facts: Sequence[tuple[str, str]]) ->
     total = {field: sum(getattr(r, field) for r in results) for field in _SUMMED}
     verified = sum(r.verified for r in results)
     totals = {"id": "**total**", "outcome": f"{verified} of {len(results)} verified", "exit_code": "", "error": "",
-              "cost_usd": f"{total['cost_usd']:.4f}" + ("" if all(r.cost_known for r in results) else "*"),
+              "cost_usd": f"{total['cost_usd']:.4f}" + ("" if all(r.cost_known for r in results) else "*")
+              if total["cost_usd"] or all(r.cost_known for r in results) else "not priced",
               "seconds": f"{total['seconds']:.1f}"}
     lines.append("| " + " | ".join(totals.get(field, str(total.get(field, ""))) for _, field in COLUMNS) + " |")
     if not all(r.cost_known for r in results):
-        unpriced = "* includes upstream tokens of a model litellm's cost map does not price, counted as 0 USD."
+        unpriced = ("* or not priced: the answers of the built-in scripted model, and tokens of a model litellm's "
+                    "cost map does not price, count as 0 USD.")
         lines += ["", unpriced]
     lines += ["", "| task | session | working directory | stdout | stderr |", "|---|---|---|---|---|"]
     lines += [f"| {r.id} | {r.session} | {_escape(r.workdir)} | {_escape(r.stdout)} | {_escape(r.stderr)} |"
@@ -146,11 +152,12 @@ def markdown(results: Sequence[TaskResult], facts: Sequence[tuple[str, str]]) ->
 
 
 def write(prefix: Path, results: Sequence[TaskResult], facts: Sequence[tuple[str, str]]) -> tuple[Path, Path]:
-    """Write ``PREFIX.jsonl`` and ``PREFIX.md`` (replacing them); returns their paths. Raises OSError."""
+    """Write ``PREFIX.jsonl`` and ``PREFIX.md`` (replacing them, each whole or not at all; new files are 0600:
+    they quote the agents' output); returns their paths. Raises OSError."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     jsonl, md = prefix.with_name(prefix.name + ".jsonl"), prefix.with_name(prefix.name + ".md")
-    jsonl.write_bytes(b"".join(orjson.dumps(dataclasses.asdict(r)) + b"\n" for r in results))
-    md.write_text(markdown(results, facts), encoding="utf-8")
+    atomic_write(jsonl, b"".join(orjson.dumps(dataclasses.asdict(r)) + b"\n" for r in results))
+    atomic_write(md, markdown(results, facts).encode("utf-8"))
     return jsonl, md
 
 

@@ -27,6 +27,8 @@ FORMATS = ("chat", "messages", "responses")
 
 SCRIPTED_URL = "scripted:"
 """The ``url`` of an upstream that proxyvisor plays itself from a script (no network, no key)."""
+SCRIPTED_MODEL = "scripted-model"
+"""The model name the embedded scripted upstream answers as, whatever model a request names."""
 
 
 class ConfigError(ValueError):

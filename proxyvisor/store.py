@@ -63,6 +63,11 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def private_opener(path: str, flags: int) -> int:
+    """An ``opener`` for :func:`open` whose new files are 0600 (the umask may only remove more)."""
+    return os.open(path, flags, 0o600)
+
+
 def unusable(folder: Path, database: str = "") -> str | None:
     """Why a store kept in ``folder`` cannot work, found without creating or changing anything: a component of
     the path is not a folder, the folder (or, while it does not exist, its nearest existing parent) cannot be

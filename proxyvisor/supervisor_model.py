@@ -42,22 +42,24 @@ went through litellm, carrying its usage); raises on any failure."""
 
 
 class ModelAnswer(str):
-    """The answer text of a litellm call, with its usage: ``input_tokens``, ``output_tokens`` and ``cost_usd``
-    (litellm's cost map; 0.0 for a model the map does not price, such as the scripted upstream). A ``str``, so
+    """The answer text of a model call, with its usage: ``input_tokens``, ``output_tokens`` and ``cost_usd``
+    (litellm's cost map; None, not priced, for a model the map does not price and for the scripted upstream). A ``str``, so
     callers that want only the text need nothing else; :func:`usage_of` reads the usage of any answer."""
 
     input_tokens: int
     output_tokens: int
-    cost_usd: float
+    cost_usd: float | None
 
-    def __new__(cls, text: str, input_tokens: int = 0, output_tokens: int = 0, cost_usd: float = 0.0) -> ModelAnswer:
+    def __new__(cls, text: str, input_tokens: int = 0, output_tokens: int = 0,
+                cost_usd: float | None = 0.0) -> ModelAnswer:
         answer = super().__new__(cls, text)
         answer.input_tokens, answer.output_tokens, answer.cost_usd = input_tokens, output_tokens, cost_usd
         return answer
 
 
-def usage_of(answer: str) -> tuple[int, int, float]:
-    """(input tokens, output tokens, cost in USD) of a model answer; zeros for a plain ``str`` (a test double)."""
+def usage_of(answer: str) -> tuple[int, int, float | None]:
+    """(input tokens, output tokens, cost in USD or None when not priced) of a model answer; zeros for a plain
+    ``str`` (a test double)."""
     if isinstance(answer, ModelAnswer):
         return answer.input_tokens, answer.output_tokens, answer.cost_usd
     return 0, 0, 0.0
@@ -183,11 +185,11 @@ def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
             if not isinstance(text, str) or not text:
                 raise ValueError("the supervisor model answered without text")
             usage = getattr(response, "usage", None)
-            cost = 0.0
+            cost: float | None = None
             try:
                 if priced:
                     cost = float(litellm.completion_cost(completion_response=response) or 0.0)
-            except Exception:  # noqa: BLE001 - a model missing from litellm's cost map costs "unknown", shown as 0
+            except Exception:  # noqa: BLE001 - a model missing from litellm's cost map is not priced (None)
                 pass
             return ModelAnswer(text, int(getattr(usage, "prompt_tokens", 0) or 0),
                                int(getattr(usage, "completion_tokens", 0) or 0), cost)

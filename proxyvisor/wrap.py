@@ -76,7 +76,8 @@ def summary(proxy: RunningProxy, session: str) -> list[str]:
     up, gate, over = info["upstream"], info["gate"], info["overhead_ms"]
     out = [f"{head} {plural(info['requests'], 'model request')} ({', '.join(formats)}), "
            f"{plural(info['errors'], 'error')}, {plural(info['tool_rounds'], 'tool round')}; upstream "
-           f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens, {upstream_cost(up)}"
+           f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"
+           + (f", {cost}" if (cost := upstream_cost(up)) else "")
            + (f"; {answered}" if answered else "")]
     detectors = info["detectors"]
     gate_text = "did not run" if not gate["runs"] else (

@@ -42,7 +42,8 @@ async def test_bad_bodies_get_4xx_in_the_clients_format(fmt: str, supervised: bo
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_supervised_path_explains_what_is_wrong(fmt: str, proxy) -> None:
     async with http_client(proxy.url) as client:
-        cases = [(b"[1, 2]", "must be a JSON object"), (b"{", "not valid JSON"), (b"\xff", "not valid JSON")]
+        cases = [(b"[1, 2]", "must be a JSON object"), (b"{", "not valid JSON"),
+                 (b"\xff", "not valid UTF-8 (byte 0: 0xff)"), (b'{"a": "\xc3\x28"}', "not valid UTF-8 (byte 7: 0xc3)")]
         for body, words in cases:
             reply = await client.post(path_of(fmt), content=body, headers={"content-type": "application/json"})
             assert reply.status_code == 400

@@ -110,13 +110,13 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
         assert "<sup>" not in stdout
         assert r["seconds"] > 0
         if r["id"] == "crash":
-            assert (r["input_tokens"], r["output_tokens"], r["cost_usd"], r["cost_known"]) == (0, 0, 0.0, True)
+            assert (r["input_tokens"], r["output_tokens"], r["cost_usd"], r["cost_known"]) == (0, 0, 0.0, False)
             assert r["error"] == "example_agent: the model call failed: Error code: 400 - scripted: this task's " \
                                  "model refuses every request"
             assert stdout == "" and r["error"] in Path(r["stderr"]).read_text()
         else:
-            # The scripted model reports tokens, and its answers are never priced: they cost nothing.
-            assert r["input_tokens"] > 0 and r["output_tokens"] > 0 and (r["cost_usd"], r["cost_known"]) == (0.0, True)
+            # The scripted model reports tokens, and its answers are never priced.
+            assert r["input_tokens"] > 0 and r["output_tokens"] > 0 and (r["cost_usd"], r["cost_known"]) == (0.0, False)
             assert r["error"] is None
             out = stdout.strip()
             if r["outcome"] in ("failed", "unverified"):  # delivered not passed under fail_closed: the notice
@@ -129,7 +129,9 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
     for r in report:
         row = rows[r["id"]]
         for heading, field in COLUMNS:
-            if field in ("cost_usd", "seconds"):
+            if field == "cost_usd" and not r["cost_known"] and not r["cost_usd"]:
+                assert row[heading] == "not priced", r["id"]
+            elif field in ("cost_usd", "seconds"):
                 # Rounded to 1 decimal (seconds) or 4 (cost); 0.051 as a float's half-way case (1.25) may round down.
                 assert float(row[heading].rstrip("*")) == pytest.approx(r[field], abs=0.051), (r["id"], field)
             elif r[field] is None:
@@ -141,7 +143,10 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
         if field in ("gate_rounds", "gaps", "reentries", "nudges", "detector_fires", "steers", "requests",
                      "input_tokens", "output_tokens"):
             assert int(total[heading]) == sum(r[field] for r in report), heading
-    assert total["outcome"] == "3 of 7 verified"
+    assert total["outcome"] == "3 of 7 verified" and total["cost (USD)"] == "not priced"
+    # The report quotes the agents' output: private, as the state directory is.
+    for path in (md_path := Path(report[0]["stdout"]).parent, *md_path.iterdir()):
+        assert path.stat().st_mode & 0o077 == 0, path
     assert "- outcomes: verified 3, unknown 1, failed 1, unverified 1, no_verdict 1" in md
     for r in report:  # the second table: where each task's session and files are
         assert f"| {r['id']} | {r['session']} | {r['workdir']} | {r['stdout']} | {r['stderr']} |" in md

@@ -164,8 +164,9 @@ async def test_auth_token_guards_everything_but_health(start_proxy) -> None:
             reply, data = await raw_stream(rp.url, fmt, request_body(fmt))
             assert reply.status_code == 401
             assert "x-proxyvisor-auth" in assert_error_shape(fmt, 401, data)["message"]
-            reply, _ = await raw_stream(rp.url, fmt, request_body(fmt), headers={"x-proxyvisor-auth": "wrong"})
+            reply, data = await raw_stream(rp.url, fmt, request_body(fmt), headers={"x-proxyvisor-auth": "wrong"})
             assert reply.status_code == 401
+            assert "does not hold this proxy's auth_token" in assert_error_shape(fmt, 401, data)["message"]
             reply, _ = await raw_stream(rp.url, fmt, request_body(fmt), headers={"x-proxyvisor-auth": "tok-1"})
             assert reply.status_code == 200
             assert "x-proxyvisor-auth" not in rp.scripted["scripted"].requests[-1][2]

@@ -43,7 +43,7 @@ LINES: list[dict[str, Any]] = [
      "report": {"status": "ok", "state": "done"}, "signals": ["loop"], "condensed": {"results": 0, "saved_tokens": 900},
      "gate": GATE,
      "supervisor_model": {"calls": {"verify": 2, "plan": 1}, "input_tokens": 100, "output_tokens": 10,
-                          "cost_usd": 0.005, "time_ms": 30.5}},
+                          "cost_usd": 0.005, "unpriced": 1, "time_ms": 30.5}},
     {"time": "2026-01-01T00:00:03.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 529,
      "input_tokens": None, "output_tokens": None, "overhead_ms": 0.5, "error": "overloaded",
      "gate": {"verdicts": ["unavailable"], "decided_by": ["model"], "outcome": "unverified", "passed": False}},
@@ -77,7 +77,7 @@ def test_summarize_sums_every_counter_of_a_session() -> None:
     assert info["planner_calls"] == 1
     assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,
                                         "input_tokens": 500, "output_tokens": 30, "cost_usd": pytest.approx(0.015),
-                                        "time_ms": 150.5}
+                                        "unpriced_calls": 1, "time_ms": 150.5}
     up = info["upstream"]
     assert (up["input_tokens"], up["output_tokens"]) == (3010, 155)
     assert up["cost_usd"] == pytest.approx(3000e-6 + 150 * 2e-6)  # local-llm is not priced: 0, and named
@@ -96,6 +96,7 @@ def test_an_empty_ledger_sums_to_zero_and_prices_nothing() -> None:
                                 "unpriced": [], "scripted_requests": 0, "estimated_requests": 0}
     assert info["overhead_ms"] == {"total": 0.0, "mean": 0.0, "p50": 0.0, "max": 0.0}
     assert "none" in render_text(info)
+    assert "$" not in render_text(info)  # no tokens: nothing priced, not "$0.0000"
 
 
 def test_an_unpriced_model_is_asked_once() -> None:
@@ -134,7 +135,8 @@ def test_render_text_is_a_table_with_every_counter() -> None:
                                      "model 2")
     assert rows["condensed"] == "results 1 · saved 1,800 tokens"
     assert rows["planner calls"] == "1"
-    assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out")
+    assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out tokens · "
+                                               "$0.0150 + 1 answer not priced")
     assert rows["upstream"] == "3,010 in / 155 out tokens · $0.0033 + price unknown for local-llm"
     assert rows["proxy overhead"] == "total 15.5 ms · mean 3.1 · p50 2.0 · max 9.0 ms"
 
@@ -232,3 +234,6 @@ async def test_the_gate_and_the_supervisor_model_reach_the_ledger_and_info(tmp_p
     assert (info["gate"]["runs"], info["gate"]["passes"], info["gate"]["last_outcome"]) == \
         (1, 1, line["gate"]["outcome"])
     assert info["supervisor_model"]["calls"] == {"verify": 1} and info["planner_calls"] == 0
+    # The scripted upstream's answers are never priced, whatever model name they go by.
+    assert line["supervisor_model"]["unpriced"] == 1 and line["supervisor_model"]["cost_usd"] == 0
+    assert "· not priced ·" in render_text(info)

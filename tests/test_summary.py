@@ -156,12 +156,12 @@ async def test_a_local_answer_reports_zero_usage(tmp_path: Path, fmt: str, strea
 
 
 async def test_the_scripted_model_as_the_litellm_route_is_never_priced(scripted_server) -> None:
-    """``api_base = "scripted:"`` with a model name litellm prices: the scripted answer still costs nothing (the
+    """``api_base = "scripted:"`` with a model name litellm prices: the scripted answer is not priced (the
     same endpoint reached as that model is priced)."""
     messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "hi"}]
     named = ModelConfig(name="openai/gpt-4o-mini", api_base="scripted:")
     scripted = usage_of(await configured_model(named, scripted_server.url)(messages))
-    assert scripted[0] > 0 and scripted[2] == 0.0
+    assert scripted[0] > 0 and scripted[2] is None  # not priced
     as_real = ModelConfig(name="openai/gpt-4o-mini", api_base=scripted_server.url + "/v1")
     assert usage_of(await litellm_model(as_real, api_key=SCRIPTED_KEY)(messages))[2] > 0
 

@@ -59,6 +59,7 @@ from typing import Any
 import orjson
 import trio
 
+from ..config import SCRIPTED_MODEL
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
 from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
@@ -69,7 +70,7 @@ from . import scripted_condenser, scripted_planner, scripted_verifier
 
 log = logging.getLogger("proxyvisor.scripted")
 
-MODEL = "scripted-model"
+MODEL = SCRIPTED_MODEL
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 

@@ -50,8 +50,9 @@ are milliseconds:
   tokens not sent upstream over the session;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
-  "time_ms"}`` (cost as priced when the call was made; ``time_ms``: the wall time of the calls, which the
-  overhead leaves out);
+  "unpriced_calls", "time_ms"}`` (cost as priced when the call was made, over the priced answers;
+  ``unpriced_calls``: answers not priced, those of the scripted upstream or of a model litellm's cost map lacks;
+  ``time_ms``: the wall time of the calls, which the overhead leaves out);
 - ``upstream``: ``{"input_tokens", "output_tokens", "cost_usd", "cost_known", "unpriced": [model],
   "scripted_requests", "estimated_requests"}``: ``estimated_requests`` counts the requests whose tokens are
   proxyvisor's estimate; the cost is litellm's cost map (``proxyvisor.pricing``) applied per request when the
@@ -100,6 +101,8 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
         out["supervisor_model"] = {"calls": dict(model.calls), "input_tokens": model.input_tokens,
                                    "output_tokens": model.output_tokens, "cost_usd": model.cost_usd,
                                    "time_ms": _ms(model.time_s * 1000), **model.route}
+        if model.unpriced:
+            out["supervisor_model"]["unpriced"] = model.unpriced
     if record.gate is not None:
         out["gate"] = record.gate
     return out
@@ -153,7 +156,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     last_judge = None
     condensed: Counter[str] = Counter()
     calls: Counter[str] = Counter()
-    sup_in = sup_out = 0
+    sup_in = sup_out = sup_unpriced = 0
     sup_cost = sup_ms = 0.0
     tokens_in = tokens_out = scripted = estimated = 0
     cost = 0.0
@@ -204,6 +207,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         sup_in += _int(m.get("input_tokens"))
         sup_out += _int(m.get("output_tokens"))
         sup_cost += _num(m.get("cost_usd"))
+        sup_unpriced += _int(m.get("unpriced"))
         sup_ms += _num(m.get("time_ms"))
         t_in, t_out = _int(line.get("input_tokens")), _int(line.get("output_tokens"))
         tokens_in += t_in
@@ -236,7 +240,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "planner_calls": calls["plan"],
         "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
                              "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost,
-                             "time_ms": _ms(sup_ms)},
+                             "unpriced_calls": sup_unpriced, "time_ms": _ms(sup_ms)},
         "upstream": {"input_tokens": tokens_in, "output_tokens": tokens_out, "cost_usd": cost,
                      "cost_known": not unpriced, "unpriced": sorted(unpriced), "scripted_requests": scripted,
                      "estimated_requests": estimated},
@@ -271,11 +275,12 @@ def usd(value: float) -> str:
 def upstream_cost(up: Mapping[str, Any]) -> str:
     """What the upstream tokens of a :func:`summarize` object's ``upstream`` cost, as text: ``$0.0123``;
     ``price unknown (local-llm)`` when no priced model had tokens, else ``$0.0123 + price unknown for local-llm``;
-    with the scripted model's answers, that they are not priced."""
+    with the scripted model's answers, that they are not priced; empty when there were no tokens to price."""
     unknown = ", ".join(up.get("unpriced") or ())
     scripted = up.get("scripted_requests") or 0
     parts = []
-    if up["cost_usd"] > 0 or not (unknown or scripted):
+    tokens = up["input_tokens"] or up["output_tokens"]
+    if up["cost_usd"] > 0 or (tokens and not (unknown or scripted)):
         parts.append(usd(up["cost_usd"]) + (f" + price unknown for {unknown}" if unknown else ""))
     elif unknown:
         parts.append(f"price unknown ({unknown})")
@@ -289,8 +294,11 @@ def supervisor_text(sup: Mapping[str, Any]) -> str:
     $0.0015 · 1,234.0 ms``."""
     if not sup["total_calls"]:
         return "no calls"
+    unpriced = sup.get("unpriced_calls") or 0
+    cost = usd(sup["cost_usd"]) if not unpriced else "not priced" if not sup["cost_usd"] else \
+        f"{usd(sup['cost_usd'])} + {plural(unpriced, 'answer')} not priced"
     return (f"{plural(sup['total_calls'], 'call')} ({counts_text(sup['calls'])}) · {sup['input_tokens']:,} in / "
-            f"{sup['output_tokens']:,} out tokens · {usd(sup['cost_usd'])} · {sup.get('time_ms', 0.0):,.1f} ms")
+            f"{sup['output_tokens']:,} out tokens · {cost} · {sup.get('time_ms', 0.0):,.1f} ms")
 
 
 def render_text(info: Mapping[str, Any]) -> str:
@@ -320,7 +328,8 @@ def render_text(info: Mapping[str, Any]) -> str:
         ("supervisor model", supervisor_text(sup)),
         ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"
                      + (f" (estimated for {plural(up['estimated_requests'], 'request')})"
-                        if up.get("estimated_requests") else "") + f" · {upstream_cost(up)}"),
+                        if up.get("estimated_requests") else "")
+                     + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]

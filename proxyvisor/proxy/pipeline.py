@@ -82,6 +82,15 @@ def error(fmt: WireFormat, status: int, message: str, headers: Headers = ()) -> 
     return Response(status, _JSON + extra, fmt.error_body(status, message))
 
 
+def _not_json(body: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why ``body`` is not a JSON request, in words: orjson calls any byte that is not UTF-8 a surrogate."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"request body is not valid UTF-8 (byte {bad.start}: 0x{body[bad.start]:02x})"
+    return f"request body is not valid JSON: {exc}"
+
+
 def _ms(seconds: float) -> bytes:
     return b"%.3f" % (seconds * 1000)
 
@@ -179,7 +188,9 @@ class Pipeline:
         fmt = format_for_path(path)
         token = self.config.proxy.auth_token
         if token and not request.header_is(AUTH_HEADER, token):
-            return error(fmt, 401, f"proxyvisor requires the '{AUTH_HEADER}' header on this address")
+            return error(fmt, 401, f"the '{AUTH_HEADER}' header does not hold this proxy's auth_token"
+                         if request.header(AUTH_HEADER) else
+                         f"proxyvisor requires the '{AUTH_HEADER}' header on this address")
         model_format = BY_PATH.get(path)
         if model_format is not None:
             if request.method != "POST":
@@ -254,7 +265,7 @@ class Pipeline:
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
-            return error(fmt, 400, f"request body is not valid JSON: {exc}")
+            return error(fmt, 400, _not_json(request.body, exc))
         if not isinstance(body, dict):
             return error(fmt, 400, f"request body must be a JSON object, got {type(body).__name__}")
         try:

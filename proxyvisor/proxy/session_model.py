@@ -28,7 +28,7 @@ Credentials stay in the request's own closures (``send``) and are never written:
 message with every credential the request carried replaced by ``[redacted]``.
 
 Usage is read from the answer (``WireFormat.usage``) and priced by litellm's cost map (``proxyvisor.pricing``, on a
-worker thread: 0 for a model the map does not know, and never asked for the scripted upstream).
+worker thread): None, not priced, for a model the map does not know and for the scripted upstream).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 import trio
 
-from ..config import ModelConfig, UpstreamConfig
+from ..config import SCRIPTED_MODEL, ModelConfig, UpstreamConfig
 from ..pricing import price
 from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, ReportedFailure, schema_of
 from .formats import WireFormat
@@ -107,7 +107,9 @@ class SupervisorRoutes:
             return self.fixed, {"route": self.fixed_route, "model": self.settings.name}
         model = self.settings.name or (body.get("model") if isinstance(body.get("model"), str) else "")
         call = SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body)
-        return call, {"route": SESSION, "model": upstream.model if translated and upstream.model else model}
+        # The built-in scripted upstream answers whatever model is asked for: it, not that name, judged.
+        named = SCRIPTED_MODEL if upstream.scripted else upstream.model if translated and upstream.model else model
+        return call, {"route": SESSION, "model": named}
 
     def failed(self, upstream: str, status: int, reason: str) -> None:
         """Log a route's refusal or error once per upstream and status (later ones at debug level)."""
@@ -163,11 +165,10 @@ class SessionModel:
             raise ValueError("the supervisor model answered without text")
         usage = self.fmt.usage(response)
         tokens_in, tokens_out = usage.input_tokens or 0, usage.output_tokens or 0
-        cost = 0.0
-        if not self.upstream.scripted and (tokens_in or tokens_out) and self.model:
+        cost: float | None = None if self.upstream.scripted or not self.model else 0.0
+        if cost is not None and (tokens_in or tokens_out):
             # A worker thread: the first price reads litellm's cost map from disk.
-            cost = await trio.to_thread.run_sync(price, self.model, tokens_in, tokens_out,
-                                                 abandon_on_cancel=True) or 0.0
+            cost = await trio.to_thread.run_sync(price, self.model, tokens_in, tokens_out, abandon_on_cancel=True)
         return ModelAnswer(text, tokens_in, tokens_out, cost)
 
     def request(self, messages: list[dict[str, str]], schema: tuple[str, dict[str, Any]] | None,

@@ -89,12 +89,14 @@ class Delegated:
 @dataclass
 class ModelUse:
     """The supervisor model's calls for one request: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
-    ``plan``), their tokens and cost in USD (litellm's cost map; ``proxyvisor.supervisor_model.usage_of``)."""
+    ``plan``), their tokens and cost in USD (litellm's cost map; ``proxyvisor.supervisor_model.usage_of``) over
+    the priced answers, and how many answers were not priced (the scripted upstream, a model the map lacks)."""
 
     calls: Counter[str] = field(default_factory=Counter)
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    unpriced: int = 0
     time_s: float = 0.0
     """Wall time (s) during which a call was under way (``proxyvisor.proxy.pipeline`` times them)."""
     route: dict[str, str] = field(default_factory=dict)
@@ -107,7 +109,10 @@ class ModelUse:
             tokens_in, tokens_out, cost = usage_of(answer)
             self.input_tokens += tokens_in
             self.output_tokens += tokens_out
-            self.cost_usd += cost
+            if cost is None:
+                self.unpriced += 1
+            else:
+                self.cost_usd += cost
 
 
 @dataclass
