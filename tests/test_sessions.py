@@ -108,6 +108,100 @@ async def test_two_aider_runs_through_the_proxy_are_two_sessions(start_proxy, st
     assert sorted(len(store.read_ledger(sid)) for sid in store.sessions()) == [1, 3]
 
 
+REPO_MAP = [{"role": "user", "content": "Here are summaries of some files present in my git repository:\n\ngreet.py"},
+            {"role": "assistant", "content": "Ok, I won't try and edit those files without asking first."}]
+REMINDER = "\n\nReply with SEARCH/REPLACE blocks only."
+
+
+def aider_interactive(fmt, turns: list[tuple[str, str]], files: str = "greet.py") -> list[dict]:
+    """The request bodies of an interactive aider-like run: each turn ``(prompt, answer)`` asked in order. As
+    aider orders them: system, canned examples, repo map, the turns done (prompt without the reminder, the answer
+    as delivered), the chat files, then the current prompt with a reminder appended. So a request never extends
+    the one before it: the chat files moved behind the turn just done."""
+    bodies, done = [], []
+    for prompt, answer in turns:
+        chat_files = [{"role": "user", "content": f"I have added these files to the chat: {files}"},
+                      {"role": "assistant", "content": "Ok, any changes I propose will be to those files."}]
+        bodies.append(fmt.request_from_chat([{"role": "system", "content": SYSTEM}, *CANNED, *REPO_MAP, *done,
+                                             *chat_files, {"role": "user", "content": prompt + REMINDER}], "m", True))
+        done += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    return bodies
+
+
+@pytest.mark.parametrize("fmt", [CHAT, MESSAGES, RESPONSES], ids=lambda f: f.name)
+def test_aider_interactive_turns_join_the_session_whose_answer_they_carry(fmt) -> None:
+    table = SessionTable(idle_s=60, max_sessions=10)
+    clock = iter(range(100))
+
+    def run(turns: list[tuple[str, str]], files: str = "greet.py") -> list[str]:
+        sids = []
+        for body, (_prompt, answer) in zip(aider_interactive(fmt, turns, files), turns):
+            now = next(clock)
+            sid, source = identify(None, headers_of({}), fmt, body, table.conversations, now)
+            assert source == "hash"
+            # The answer as the client got it: aider trims the text it keeps.
+            table.conversations.answered(fmt, body, sid, f"\n{answer}  \n", [], now)
+            sids.append(sid)
+        return sids
+
+    first = run([("make the greeting casual", "greet.py\n<<<<<<< SEARCH\nHello\n=======\nHi\n>>>>>>> REPLACE"),
+                 ("and add a name", "Done."),
+                 ("now a test", "tests/test_greet.py\n<<<<<<< SEARCH\n=======\ndef test(): ...\n>>>>>>> REPLACE")])
+    assert len(set(first)) == 1  # one run's turns: one session, though no request extends the one before
+    # Another run with the same system prompt, examples and repo map is another session. It answers "Done." too
+    # (delivered to two sessions, that text identifies neither) and "Ok." (the canned example's text: never a
+    # link, or every run would join this one).
+    second = run([("rename greet", "greet.py\n<<<<<<< SEARCH\ndef greet\n=======\ndef hello\n>>>>>>> REPLACE"),
+                  ("also the docs", "Done."), ("thanks", "Ok."), ("one more", "Ok.")], files="docs.md")
+    assert second[0] not in first and len(set(second)) == 1
+    third = run([("a new task", "Ok.")])
+    assert third[0] not in first + second
+    # The first run's next turn carries "Done." (ambiguous now) and its earlier answers: it stays in its session.
+    assert run([("make the greeting casual", "greet.py\n<<<<<<< SEARCH\nHello\n=======\nHi\n>>>>>>> REPLACE"),
+                ("and add a name", "Done."), ("now a test", "x"), ("last", "y")])[-1] == first[0]
+
+
+def test_a_tool_call_id_delivered_links_a_rewritten_history() -> None:
+    """An SDK program that rewrites its earlier messages (a summary in place of the first turns) keeps its
+    session through the ids of the tool calls it was answered with."""
+    table = SessionTable(idle_s=60, max_sessions=10)
+    start = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list the files"}]
+    first = MESSAGES.request_from_chat(start, "m", False)
+    sid, _ = identify(None, headers_of({}), MESSAGES, first, table.conversations, 0)
+    table.conversations.answered(MESSAGES, first, sid, "", ["toolu_01A"], 1)
+    rewritten = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "(summary) list the files"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "toolu_01A", "type": "function", "function": {"name": "Bash",
+                                                                          "arguments": '{"command": "ls"}'}}]},
+                 {"role": "tool", "tool_call_id": "toolu_01A", "content": "a.py"}]
+    body = MESSAGES.request_from_chat(rewritten, "m", False)
+    assert identify(None, headers_of({}), MESSAGES, body, table.conversations, 2) == (sid, "hash")
+    # Past idle_s the answer is no link any more.
+    assert identify(None, headers_of({}), MESSAGES, body, table.conversations, 100)[0] != sid
+
+
+async def test_aider_interactive_turns_through_the_proxy_are_one_session(start_proxy, state_dir) -> None:
+    report = '<sup>{"state":"progressing","focus":"greeting","next":"test","carry":[],"plan":null}</sup>'
+    answers = ["greet.py\n<<<<<<< SEARCH\nHello\n=======\nHi\n>>>>>>> REPLACE", "Added the name.",
+               "Renamed it."]
+    async with start_proxy([{"text": f"{answers[0]}\n{report}"}, {"text": f"{answers[1]}\n{report}"},
+                            {"text": answers[2]}]) as rp:
+        turns = [("make the greeting casual", answers[0]), ("and add a name", answers[1])]
+        for stream, body in zip((True, False), aider_interactive(CHAT, turns)):
+            body["stream"] = stream
+            reply, data = await raw_stream(rp.url, "chat", body)
+            assert reply.status_code == 200 and b"<sup>" not in data  # the client gets the answer without it
+        # Another run, same system prompt, examples and repo map: another session.
+        reply, _ = await raw_stream(rp.url, "chat", aider_interactive(CHAT, [("rename greet", answers[2])])[0])
+        assert reply.status_code == 200
+        # The first run's third turn echoes the second answer, which came as JSON without its self-report.
+        third = aider_interactive(CHAT, [*turns, ("now a test", "")])[2]
+        reply, _ = await raw_stream(rp.url, "chat", third)
+        assert reply.status_code == 200
+    store = Store(state_dir)
+    assert sorted(len(store.read_ledger(sid)) for sid in store.sessions()) == [1, 3]
+
+
 @pytest.mark.parametrize("bad", ["..", "../x", ".x", "-x", "a/b", "a b", "a%2Fb", "", "x" * 129, "x\n", "é"])
 def test_invalid_ids_are_refused_everywhere(bad: str) -> None:
     if "/" not in bad:  # "/s/a/b/..." is session "a" on path "/b/..."

@@ -7,7 +7,9 @@ Two paths (DESIGN.md, principles 3 and 4):
   is counted in memory only (requests, errors, overhead: what ``wrap`` sums up at exit).
 - **otherwise**: the body is parsed (malformed input gets a 4xx in the client's format), the session is
   identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
-  client's format), usage is read from the reply, and one ledger line is written per request.
+  client's format), usage is read from the reply, and one ledger line is written per request. The answer the
+  client got is recorded with the conversation of a session identified by its history
+  (``Conversations.answered``), so that its next request, which carries the answer, finds the session.
 
 The proxy overhead of a request (the header, the ledger's ``overhead_ms``) is the wall time proxyvisor itself added
 before the reply's headers: the request's time so far less the time waiting for the upstream (continued turns
@@ -25,6 +27,7 @@ client's format and logs the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -36,9 +39,10 @@ import orjson
 import trio
 
 from ..config import Config
+from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelCall
-from .formats import BY_PATH, CHAT, MESSAGES, Usage, WireFormat
+from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
@@ -269,12 +273,13 @@ class Pipeline:
         if not isinstance(body, dict):
             return error(fmt, 400, f"request body must be a JSON object, got {type(body).__name__}")
         try:
-            session_id, _source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
-                                           self.clock())
+            session_id, source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
+                                          self.clock())
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else self._counted(path_session)
         if self.supervised:
+            session.identified = source
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
@@ -419,7 +424,9 @@ class Pipeline:
                 if reply.status < 400 and self.supervised:
                     try:
                         answer = orjson.loads(reply.body)
-                        usage = estimate.completed(fmt.usage(answer), fmt, body, fmt.parse_response(answer))
+                        turn = fmt.parse_response(answer)
+                        usage = estimate.completed(fmt.usage(answer), fmt, body, turn)
+                        self._delivered(session, fmt, body, turn)
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
                 self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange)
@@ -494,10 +501,23 @@ class Pipeline:
         finally:
             if session is not None:
                 message = failure.message if failure else None if ended else "client disconnected mid-stream"
+                turn = _assembled(fmt, events) if reply.status < 400 else None
                 if reply.status < 400:
-                    usage = estimate.completed(usage, fmt, body, _assembled(fmt, events))
+                    usage = estimate.completed(usage, fmt, body, turn)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
+                if turn is not None and isinstance(stream, EditedStream):
+                    # The events are the upstream's: the client got their text without the self-report.
+                    turn = dataclasses.replace(turn, text=strip(turn.text)[0])
+                self._delivered(session, fmt, body, turn)
+
+    def _delivered(self, session: Session, fmt: WireFormat, body: dict[str, Any] | None,
+                   turn: AssistantTurn | None) -> None:
+        """Record ``turn``, the answer the client got, with the conversation of a session identified by it
+        (``SessionTable.conversations``), so that the client's next request, which carries it, finds the session."""
+        if turn is not None and body is not None and session.identified == "hash":
+            self.sessions.conversations.answered(fmt, body, session.id, turn.text,
+                                                 [call.id for call in turn.tool_calls], self.clock())
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                  status: int, usage: Usage, overhead_s: float, failure: str | None = None,

@@ -9,10 +9,12 @@ Identity, first match wins (DESIGN.md, "Sessions"):
    ``user``, Responses ``prompt_cache_key``;
 5. the conversation: a client that sends no id (aider, the SDKs) sends its whole history with every request, so
    a request whose history extends (or repeats) the history of a live session's earlier request belongs to that
-   session (:class:`Conversations`), and one whose history continues no live session starts a new one (with a
-   new id, ``h-`` and 24 hex digits). Two runs of a harness with the same system prompt and canned example
-   messages are two sessions; the system prompt alone never identifies one. A request repeated exactly (a
-   client's retry) stays in its session.
+   session, and so does one whose history holds an answer proxyvisor delivered to that session (its tool-call
+   ids, or its text: a client that reorders its history, such as aider moving the chat files after the turns
+   done, extends no earlier request but carries the answers it got) (:class:`Conversations`). One whose history
+   continues no live session starts a new one (with a new id, ``h-`` and 24 hex digits). Two runs of a harness
+   with the same system prompt and canned example messages are two sessions; the system prompt alone never
+   identifies one. A request repeated exactly (a client's retry) stays in its session.
 
 Ids from paths and headers must match :data:`SESSION_ID` (letters, digits, ``.``, ``_``, ``-``; at most 128
 characters); anything else is refused, so an id can never walk out of the state directory. An id taken from a
@@ -28,15 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .formats import WireFormat
-from .formats.transcript import fingerprint
+from .formats.transcript import Message, fingerprint
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
 _OURS = "x-proxyvisor-session"
 _HEADERS = (_OURS, "x-claude-code-session-id", "session-id", "x-session-id")
-_ENDS_PER_SESSION = 8
-"""History ends kept per session of the table's bound: a session's recent requests, for clients that retry or
-branch from an earlier point."""
+_ENDS_PER_SESSION = 16
+"""Conversation links kept per session of the table's bound: the history ends of a session's recent requests (for
+clients that retry or branch from an earlier point) and the keys of the answers it was delivered."""
 
 
 class InvalidSession(ValueError):
@@ -98,36 +100,46 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
 class Conversations:
     """Which session a request of a client that sends no id continues, from its history (module docstring, 5).
 
-    A request's history is read as a hash chain: a seed of the format and the system prompt, then one link per
-    history item (:func:`~.formats.transcript.fingerprint`: role, ids, lengths, start and end of each text; not
-    ``cache_control`` marks, which clients move). The chain's end of each request is kept with its session; a
-    later request whose chain passes through a kept end, and that end is not older than ``idle_s``, belongs to
-    that session (the longest such prefix wins). At most ``max_ends`` ends are kept, the least recently used
-    dropped first. Time is passed in (seconds on any monotonic clock), so this is testable without a clock.
+    Two kinds of link are kept, each with its session and the time it was last used:
+
+    - history ends: a request's history is read as a hash chain (a seed of the format and the system prompt, then
+      one link per history item, :func:`~.formats.transcript.fingerprint`: role, ids, lengths, start and end of
+      each text; not ``cache_control`` marks, which clients move), and the chain's end of each request is kept;
+    - answers (:meth:`answered`): the tool-call ids of an answer delivered to the session, and a digest of its
+      text without whitespace (so a client's trimming or re-joining of text parts does not matter). An answer
+      text that the request's own history already holds as an assistant message (a harness's canned example
+      repeated by the model) is not kept: every run of that harness would carry it.
+
+    A later request belongs to the session of the link nearest the end of its history: at each history item from
+    the last back, the chain's link through that item, then the item's answer keys. A link older than ``idle_s``
+    counts for nothing; so does an answer key that two sessions were delivered (a short stock answer such as
+    "Done."), and the search goes on to earlier items. At most ``max_ends`` links are kept, the least recently
+    used dropped first. Time is passed in (seconds on any monotonic clock), so this is testable without a clock.
     """
 
     def __init__(self, idle_s: float, max_ends: int) -> None:
         self.idle_s = idle_s
         self.max_ends = max_ends
-        self._ends: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._ends: OrderedDict[bytes, tuple[str | None, float]] = OrderedDict()
+        """Link -> (session, last used); session None: an answer key delivered to two sessions."""
         self._started = 0
 
     def session_for(self, fmt: WireFormat, body: dict[str, Any], now: float) -> str:
         """The session id of the request ``body`` in ``fmt``, and its history's end recorded for it."""
         link = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
             "utf-8", "surrogatepass")]), digest_size=16).digest()
-        chain: list[bytes] = []
+        links: list[list[bytes]] = []  # per history item once conversing: its chain link, then its answer keys
         conversing = False  # whether the history holds more than system messages so far
         for item in fmt.history(body):
             message = fmt.message(item)
             link = hashlib.blake2b(link + fingerprint(message), digest_size=16).digest()
             conversing = conversing or message.role != "system"
             if conversing:
-                chain.append(link)
+                links.append([link, *_answer_keys(message)])
         session = None
-        for end in reversed(chain):
-            kept = self._ends.get(end)
-            if kept is not None and now - kept[1] <= self.idle_s:
+        for key in (key for keys in reversed(links) for key in keys):
+            kept = self._ends.get(key)
+            if kept is not None and kept[0] is not None and now - kept[1] <= self.idle_s:
                 session = kept[0]
                 break
         if session is None:
@@ -135,12 +147,56 @@ class Conversations:
             # twice with the same prompt) is another run.
             self._started += 1
             session = _hashed("h", f"{link.hex()}:{now!r}:{self._started}:{id(self)}")
-        if chain:
-            self._ends[chain[-1]] = (session, now)
-            self._ends.move_to_end(chain[-1])
-            while len(self._ends) > self.max_ends:
-                self._ends.popitem(last=False)
+        if links:
+            self._keep(links[-1][0], session, now)
         return session
+
+    def answered(self, fmt: WireFormat, body: dict[str, Any], session: str, text: str, call_ids: list[str],
+                 now: float) -> None:
+        """Record the answer delivered to ``session`` for the request ``body`` in ``fmt``: ``text`` as the client
+        got it (self-report stripped) and the ids of its tool calls (the first :data:`_CALLS_PER_ANSWER` kept;
+        one is enough to recognise the answer in a later history)."""
+        keys = [_call_key(i) for i in dict.fromkeys(call_ids) if i][:_CALLS_PER_ANSWER]
+        if (key := _text_key(text)) is not None and not any(
+                key in _answer_keys(fmt.message(item)) for item in fmt.history(body)):
+            keys.append(key)
+        for key in keys:
+            kept = self._ends.get(key)
+            if kept is not None and kept[0] != session and now - kept[1] <= self.idle_s:
+                self._keep(key, None, now)  # delivered to two live sessions: identifies neither
+            else:
+                self._keep(key, session, now)
+
+    def _keep(self, key: bytes, session: str | None, now: float) -> None:
+        self._ends[key] = (session, now)
+        self._ends.move_to_end(key)
+        while len(self._ends) > self.max_ends:
+            self._ends.popitem(last=False)
+
+
+_CALLS_PER_ANSWER = 4
+
+
+def _call_key(call_id: str) -> bytes:
+    return hashlib.blake2b(b"call\x00" + call_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _text_key(text: str) -> bytes | None:
+    """The digest of ``text`` without any whitespace, or None for a text that is only whitespace."""
+    bare = "".join(text.split())
+    if not bare:
+        return None
+    return hashlib.blake2b(b"text\x00" + bare.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _answer_keys(message: Message) -> list[bytes]:
+    """The answer keys of a history item: its tool-call ids and text digest when it is an assistant message."""
+    if message.role != "assistant":
+        return []
+    keys = [_call_key(use.id) for use in message.tool_uses if use.id]
+    if (key := _text_key(message.text)) is not None:
+        keys.append(key)
+    return keys
 
 
 @dataclass
@@ -158,6 +214,9 @@ class Session:
     unrecorded: int = 0
     """Requests of the session whose ledger line could not be written (``proxyvisor.store.Store.append_ledger``)."""
     formats: set[str] = field(default_factory=set)
+    identified: str = ""
+    """Where the id of the session's latest request came from (:func:`identify`'s source; ``hash``: from the
+    conversation, so proxyvisor records the answers it delivers, :meth:`Conversations.answered`)."""
     supervision: Any = None
     """Per-session supervisor state (``proxyvisor.proxy.supervise.SessionSupervision``), made on first use."""
 
