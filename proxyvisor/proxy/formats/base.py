@@ -373,7 +373,22 @@ class WireFormat:
         limit (None: none added; ``completion_tokens``: Chat's ``max_completion_tokens``), ``temperature``, ``top_p``
         when below 1, and the reasoning ``effort`` where the format takes one (empty: none); ``temperature`` None
         leaves the sampling out (a plain request)."""
+        if max_tokens is not None:  # else the limit request_from_chat set (Anthropic requires one)
+            body[self.limit_key(completion_tokens)] = max_tokens
+        if temperature is None:
+            return
+        body["temperature"] = temperature
+        if top_p < 1.0:
+            body["top_p"] = top_p
+        if effort:
+            self.ask_effort(body, effort)
+
+    def limit_key(self, completion_tokens: bool) -> str:
+        """The request field of the output token limit (``completion_tokens``: Chat's newer name)."""
         raise NotImplementedError
+
+    def ask_effort(self, body: dict[str, Any], effort: str) -> None:
+        """Add the reasoning ``effort`` to ``body`` where the format takes one (by default it does not)."""
 
     def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
         """Ask, in a request ``body``, for an answer that is JSON matching ``schema`` (named ``name``), in place."""

@@ -182,17 +182,11 @@ class ChatFormat(WireFormat):
             if isinstance(message, dict) and message.get("content") is not None:
                 message["content"] = edit_parts(message["content"], edit)
 
-    def ask_settings(self, body: dict[str, Any], max_tokens: int | None, temperature: float | None, top_p: float,
-                     effort: str, completion_tokens: bool = False) -> None:
-        if max_tokens is not None:
-            body["max_completion_tokens" if completion_tokens else "max_tokens"] = max_tokens
-        if temperature is None:
-            return
-        body["temperature"] = temperature
-        if top_p < 1.0:
-            body["top_p"] = top_p
-        if effort:
-            body["reasoning_effort"] = effort
+    def limit_key(self, completion_tokens: bool) -> str:
+        return "max_completion_tokens" if completion_tokens else "max_tokens"
+
+    def ask_effort(self, body: dict[str, Any], effort: str) -> None:
+        body["reasoning_effort"] = effort
 
     def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema,

@@ -258,15 +258,8 @@ class MessagesFormat(WireFormat):
             kept.append(block)
         content[:] = kept or ([{"type": "text", "text": EMPTIED}] if content else [])
 
-    def ask_settings(self, body: dict[str, Any], max_tokens: int | None, temperature: float | None, top_p: float,
-                     effort: str, completion_tokens: bool = False) -> None:
-        if max_tokens is not None:  # else the limit request_from_chat set: Anthropic requires one
-            body["max_tokens"] = max_tokens
-        if temperature is None:
-            return
-        body["temperature"] = temperature
-        if top_p < 1.0:
-            body["top_p"] = top_p
+    def limit_key(self, completion_tokens: bool) -> str:
+        return "max_tokens"
 
     def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
         # No JSON mode on Messages: a tool the model must call, whose input is the answer.

@@ -350,17 +350,11 @@ class ResponsesFormat(WireFormat):
             if isinstance(item, dict) and item.get("type") == "message":
                 _edit_message(item, edit)
 
-    def ask_settings(self, body: dict[str, Any], max_tokens: int | None, temperature: float | None, top_p: float,
-                     effort: str, completion_tokens: bool = False) -> None:
-        if max_tokens is not None:
-            body["max_output_tokens"] = max_tokens
-        if temperature is None:
-            return
-        body["temperature"] = temperature
-        if top_p < 1.0:
-            body["top_p"] = top_p
-        if effort:
-            body["reasoning"] = {"effort": effort}
+    def limit_key(self, completion_tokens: bool) -> str:
+        return "max_output_tokens"
+
+    def ask_effort(self, body: dict[str, Any], effort: str) -> None:
+        body["reasoning"] = {"effort": effort}
 
     def ask_schema(self, body: dict[str, Any], name: str, schema: dict[str, Any]) -> None:
         body["text"] = {"format": {"type": "json_schema", "name": name, "schema": schema, "strict": False}}
