@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Sequence
 
 from . import __version__
-from .config import Config, ConfigError, load
+from .config import Config, ConfigError, find_config_file, load
 
 _FILES = """\
 files and environment:
@@ -393,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    config = load(args.config)
+    named = find_config_file(args.config)
+    # A writer creates the file it names; until then the configuration is the defaults.
+    missing = getattr(args, "creates_config", False) and named is not None and not named.exists()
+    config = Config() if missing else load(args.config)
     changes: dict[str, dict[str, object]] = {}
     if getattr(args, "supervision", None) is not None:
         changes["supervisor"] = {"enabled": args.supervision}

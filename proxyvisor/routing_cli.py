@@ -70,6 +70,7 @@ def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[arg
                               ("disable", "turn delegation off: no child, probe, state write or token")):
         action = actions.add_parser(action_name, help=text, formatter_class=formatter)
         common(action)
+        action.set_defaults(creates_config=True)
     setter = actions.add_parser("set", help="change policy fields", formatter_class=formatter, description=_SET_HELP)
     setter.add_argument("--mode", choices=ROUTING_MODES)
     setter.add_argument("--complexity-threshold", choices=COMPLEXITY)
@@ -87,6 +88,7 @@ def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[arg
     setter.add_argument("--role-supervises", metavar="R1,R2", help="roles this role may delegate to (replaces)")
     setter.add_argument("--remove-role", metavar="R", help="delete a role")
     common(setter)
+    setter.set_defaults(creates_config=True)
     sup.set_defaults(handler=handler)
 
 

@@ -161,6 +161,18 @@ def test_enable_show_and_disable_round_trip_the_complete_shape(tmp_path: Path, c
     assert load(str(path)).model_routing.enabled is False
 
 
+def test_a_missing_config_file_named_by_config_is_created_by_every_writer(tmp_path: Path, capsys) -> None:
+    for argv in (["enable"], ["disable"], ["set", "--max-parallel", "3"]):
+        path = tmp_path / argv[0] / "config.toml"
+        code, out, err = cli(capsys, "routing", *argv, "--config", str(path))
+        assert (code, err) == (0, ""), err
+        assert out.startswith(f"{path}: written") and path.exists()
+    assert load(str(tmp_path / "enable" / "config.toml")).model_routing.enabled is True
+    assert load(str(tmp_path / "set" / "config.toml")).model_routing.max_parallel == 3
+    code, _, err = cli(capsys, "routing", "show", "--config", str(tmp_path / "nothing.toml"))
+    assert code == 2 and "cannot read" in err, "a reader still names a missing file"
+
+
 def test_routing_names_delegation_and_supervision_is_its_deprecated_alias(config_file: Path, capsys) -> None:
     """``routing`` edits [model_routing] and says "delegation"; ``supervision`` (the old name, kept one release)
     does the same with a one-line notice on stderr."""
