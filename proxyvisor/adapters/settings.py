@@ -9,8 +9,8 @@ One service behind every writer (``proxyvisor routing enable|disable|set``; seed
 - the result is validated as a whole (types, ranges, the supervision graph) and the targets the write touches
   are checked against the adapter descriptors (unknown adapter, undeclared model, effort without
   ``effort_selection``), so a policy the dispatcher can never satisfy is rejected with the reason at write time;
-- writers are serialised by an exclusive ``flock`` on ``<file>.lock``, and the new text replaces the file
-  atomically (a temporary file in the same folder, fsynced, then ``os.replace``), keeping the file's mode.
+- writers are serialised by an exclusive ``flock`` on the file's folder (the file itself is replaced, and a
+  lock file would be left behind), and the new text replaces the file atomically (a temporary file in the same folder, fsynced, then ``os.replace``), keeping the file's mode.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ class SettingsError(ValueError):
 
 @contextmanager
 def locked(path: Path, timeout_s: float | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on ``<path>.lock`` for the block.
+    """Hold an exclusive lock for writing ``path`` for the block: a ``flock`` on its folder, created if missing,
+    which leaves no file behind.
 
     Raises:
         SettingsError: another writer held it for ``timeout_s`` seconds (default :data:`LOCK_TIMEOUT_S`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
         while True:
@@ -55,7 +56,7 @@ def locked(path: Path, timeout_s: float | None = None) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SettingsError(f"{path}: another writer holds {path}.lock; nothing written") from None
+                    raise SettingsError(f"{path}: another writer is changing it; nothing written") from None
                 time.sleep(0.05)
         yield
     finally:
