@@ -181,7 +181,7 @@ async def test_the_parent_cancels_a_child_and_cancel_is_idempotent(fixture_log: 
         handle.cancel()
         handle.cancel()
     assert outcome[0].finish_reason == "cancelled" and outcome[0].failure is None
-    assert outcome[0].breaker_failure.category == "unavailable", "a cancel is no success for the breaker"
+    assert outcome[0].cancelled, "a cancel says nothing about the pool"
     assert not alive(runs(fixture_log)[0][0])
 
 
@@ -192,8 +192,26 @@ async def test_cancelling_the_callers_scope_stops_the_child_and_releases_its_pro
     with trio.move_on_after(0.5):
         await delegator.delegate("worker", "mode:hang")
     health = delegator.health.get("fixture-cli:big")
-    assert (health.state, health.lease_id, health.failure_count) == ("healthy", "", 1)
+    assert (health.state, health.lease_id, health.failure_count) == ("half_open", "", 1), "the lease is released"
+    assert health.last_category == "capacity", "the cancel recorded nothing of its own"
     assert not alive(runs(fixture_log)[0][0])
+    again = await delegator.delegate("worker", "mode:echo next")
+    assert again.status == "ok", "the next caller probes at once"
+    assert delegator.health.get("fixture-cli:big").state == "healthy"
+    delegator.close()
+
+
+async def test_a_cancelled_delegation_records_nothing_on_a_healthy_pool(tmp_path: Path, fixture_log: Path) -> None:
+    delegator = make_delegator(routing_config(WORKER), tmp_path / "state")
+    handle = ChildHandle()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: delegator.delegate("worker", "mode:hang", handle=handle))
+        while not runs(fixture_log):
+            await trio.sleep(0.02)
+        handle.cancel()
+    with trio.move_on_after(0.5):
+        await delegator.delegate("worker", "mode:hang")
+    assert delegator.health.all() == [], "neither the parent's cancel nor the caller's scope is a pool failure"
     delegator.close()
 
 

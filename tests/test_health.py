@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from proxyvisor.adapters.failures import Failure, from_http, from_text
 from proxyvisor.adapters.health import (COOLING_DOWN, HALF_OPEN, HEALTHY, STATES, TRANSITIONS, Cooldown,
-                                        PoolHealth, adapter_summary, admit, fleet_wait, settle)
+                                        PoolHealth, adapter_summary, admit, fleet_wait, release, settle)
 from proxyvisor.adapters.health_store import HealthStore
 
 T0 = 1_800_000_000.0
@@ -132,6 +132,17 @@ def test_a_probe_failing_for_another_reason_releases_its_lease_at_once_and_keeps
     assert again.cooldown_until == T0 + 12 + 20, "the backoff kept escalating"
 
 
+def test_a_cancel_records_nothing_but_gives_a_held_probe_lease_back() -> None:
+    healthy = PoolHealth("a:pool")
+    assert release(healthy, T0, "") == healthy, "a cancel is no failure of a healthy pool"
+    lease, health = probe(tripped(), T0 + 10, lease_s=600)
+    released = release(health, T0 + 11, lease)
+    assert (released.state, released.lease_id, released.failure_count) == (HALF_OPEN, "", 1)
+    assert released.last_category == health.last_category, "nothing of the cancel is noted"
+    assert admit(released, T0 + 11, 600)[0].probe, "the next caller probes at once"
+    assert release(health, T0 + 11, "another") == health, "only the holder releases the lease"
+
+
 def test_a_probe_hitting_the_limit_again_cools_down_longer() -> None:
     lease, health = probe(tripped(), T0 + 10)
     health = settle(health, T0 + 11, CAPACITY, COOL, lease)
@@ -144,7 +155,7 @@ def test_results_of_calls_admitted_before_the_trip_change_nothing() -> None:
     assert settle(health, T0 + 1, OTHER, COOL).state == COOLING_DOWN
 
 
-OPERATIONS = st.lists(st.tuples(st.sampled_from(["admit", "ok", "capacity", "other", "late-ok"]),
+OPERATIONS = st.lists(st.tuples(st.sampled_from(["admit", "ok", "capacity", "other", "late-ok", "cancel"]),
                                 st.floats(min_value=0, max_value=40), st.integers(min_value=1, max_value=30)),
                       max_size=40)
 
@@ -160,6 +171,8 @@ def test_every_state_change_is_an_entry_of_the_transition_table(operations: list
         if op == "admit":
             admission, health = admit(health, now, 10)
             lease = admission.lease_id or lease
+        elif op == "cancel":
+            health = release(health, now, lease)
         else:
             failure = {"ok": None, "late-ok": None, "capacity": capacity(retry), "other": OTHER}[op]
             health = settle(health, now, failure, COOL, "" if op == "late-ok" else lease)

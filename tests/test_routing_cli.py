@@ -305,6 +305,11 @@ def test_delegate_stops_its_child_on_a_signal_before_it_exits(tmp_path: Path, si
     found = [next((i for i, line in enumerate(lines) if text in line), None) for text in expected]
     assert None not in found and found == sorted(found), err
     assert "Traceback" not in err
+    store = HealthStore(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health", Cooldown())
+    pools = store.all()
+    store.close()
+    assert [(p.pool, p.last_category) for p in pools if p.last_category or p.failure_count] == [], \
+        "the user's own cancel is no failure of the pool"
 
 
 def _alive(pid: int) -> bool:

@@ -102,12 +102,9 @@ class ChildOutcome:
     duration_s: float = 0.0
 
     @property
-    def breaker_failure(self) -> Failure | None:
-        """What the pool's breaker is told: the failure, or for a child the parent cancelled, a non-capacity
-        failure (a cancel says nothing about capacity, but it is no success either)."""
-        if self.finish_reason == CANCELLED and self.failure is None:
-            return Failure(UNAVAILABLE, True, UNKNOWN, None, "cancelled by the parent")
-        return self.failure
+    def cancelled(self) -> bool:
+        """The parent cancelled the child before it failed: the outcome says nothing about the pool."""
+        return self.finish_reason == CANCELLED and self.failure is None
 
 
 async def _watch(clock: ChildClock, scope: trio.CancelScope, job: ChildJob, stopped: list[str]) -> None:

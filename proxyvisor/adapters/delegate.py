@@ -35,7 +35,7 @@ from ..config import ChildrenConfig, Config, RouteTarget
 from .children import (Budget, BudgetExhausted, ChildHandle, ChildOutcome, ParallelGate, ParallelLimitReached,
                        run_child)
 from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetError, registry_for
-from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, UNKNOWN, Failure
+from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, Failure
 from .graph import ROOT, may_delegate
 from .health import Admission, Cooldown, fleet_wait
 from .health_store import HealthStore
@@ -208,7 +208,8 @@ class Delegator:
 
     async def _run(self, route: Route, admission: Admission, job: ChildJob,
                    handle: ChildHandle | None) -> ChildOutcome:
-        """Run one child and settle its pool in every case (shielded, so a cancel still releases a lease)."""
+        """Run one child and settle its pool in every case (shielded, so a cancel still releases a lease); a
+        cancelled child records nothing on the pool but the release of its lease."""
         outcome: ChildOutcome | None = None
         try:
             try:
@@ -219,10 +220,13 @@ class Delegator:
             outcome = await run_child(runtime, job, self.clocks, handle)
             return outcome
         finally:
-            failure = outcome.breaker_failure if outcome is not None else Failure(
-                UNAVAILABLE, True, UNKNOWN, None, "the delegation was cancelled")
             with trio.CancelScope(shield=True):
-                await self.health.settle(route.pool, self.now(), failure, admission.lease_id)
+                # No outcome: the caller's scope was cancelled (a user's signal, a client gone), like a parent's
+                # cancel no failure of the pool; only a probe lease it held is given back.
+                if outcome is None or outcome.cancelled:
+                    await self.health.release(route.pool, self.now(), admission.lease_id)
+                else:
+                    await self.health.settle(route.pool, self.now(), outcome.failure, admission.lease_id)
 
     def _result(self, role: str, trace: str, route: Route, admission: Admission, outcome: ChildOutcome) -> Delegation:
         record_id = None

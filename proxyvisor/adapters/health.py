@@ -18,6 +18,9 @@ Events:
   and the pool is settled back to healthy *keeping* ``failure_count``, so an unrelated error cannot reset an
   escalating backoff.
 - ``success``: an ordinary call succeeded while healthy: ``failure_count`` reset.
+- ``release``: the lease holder was cancelled by its caller (a user's signal, a client that went away): a
+  cancel says nothing about the pool, so only the lease is given back and the pool stays ``half_open`` for the
+  next caller's probe. A cancelled call that held no lease records nothing (see :func:`release`).
 
 An event with no entry in the table for the current state changes nothing: it is a stale result (a call
 admitted before the breaker opened, or a probe whose lease was taken over).
@@ -35,6 +38,7 @@ from .failures import Failure
 HEALTHY, COOLING_DOWN, HALF_OPEN = "healthy", "cooling_down", "half_open"
 STATES = (HEALTHY, COOLING_DOWN, HALF_OPEN)
 CAPACITY, PROBE, PROBE_SUCCESS, PROBE_OTHER, SUCCESS = "capacity", "probe", "probe_success", "probe_other", "success"
+RELEASE = "release"
 
 TRANSITIONS: dict[tuple[str, str], str] = {
     (HEALTHY, CAPACITY): COOLING_DOWN,
@@ -45,6 +49,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (HALF_OPEN, CAPACITY): COOLING_DOWN,
     (HALF_OPEN, PROBE_SUCCESS): HEALTHY,
     (HALF_OPEN, PROBE_OTHER): HEALTHY,
+    (HALF_OPEN, RELEASE): HALF_OPEN,
 }
 """(state, event) -> next state. Nothing else decides a transition."""
 
@@ -163,6 +168,19 @@ def settle(health: PoolHealth, now: float, failure: Failure | None, cooldown: Co
                                    lease_until=0.0)
     count = health.failure_count if event == PROBE_OTHER else 0
     return dataclasses.replace(noted, state=nxt, failure_count=count, lease_id="", lease_until=0.0, updated_at=now)
+
+
+def release(health: PoolHealth, now: float, lease_id: str = "") -> PoolHealth:
+    """Record a call admitted by :func:`admit` that its caller cancelled (``lease_id``: its probe lease, if any).
+
+    A cancel is neither a success nor a failure of the pool: the value is returned unchanged, except that the
+    lease holder gives its lease back (the pool stays ``half_open``, so the next caller may probe at once).
+    """
+    holder = bool(lease_id) and lease_id == health.lease_id and health.state == HALF_OPEN
+    nxt = _step(health, RELEASE) if holder else None
+    if nxt is None:
+        return health
+    return dataclasses.replace(health, state=nxt, lease_id="", lease_until=0.0, updated_at=now)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ stored, never a provider payload or a credential.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import trio
 
 from .cache import LazyCache
 from .failures import Failure
-from .health import Admission, Cooldown, PoolHealth, admit, settle
+from .health import Admission, Cooldown, PoolHealth, admit, release, settle
 
 _PREFIX = "pool:"
 
@@ -64,22 +65,32 @@ class HealthStore(LazyCache):
                     db.set(_PREFIX + pool, dataclasses.asdict(new))
         return admission
 
-    def settle_sync(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
-        """:func:`~proxyvisor.adapters.health.settle`, persisted atomically. Returns the new health."""
+    def _update(self, pool: str, step: Callable[[PoolHealth], PoolHealth]) -> PoolHealth:
         with self._lock:
             db = self._db()
             with db.transact():
                 current = self._load(pool, db.get(_PREFIX + pool))
-                new = settle(current, now, failure, self.cooldown, lease_id)
+                new = step(current)
                 if new != current:
                     db.set(_PREFIX + pool, dataclasses.asdict(new))
         return new
+
+    def settle_sync(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
+        """:func:`~proxyvisor.adapters.health.settle`, persisted atomically. Returns the new health."""
+        return self._update(pool, lambda current: settle(current, now, failure, self.cooldown, lease_id))
+
+    def release_sync(self, pool: str, now: float, lease_id: str = "") -> PoolHealth:
+        """:func:`~proxyvisor.adapters.health.release`, persisted atomically. Returns the new health."""
+        return self._update(pool, lambda current: release(current, now, lease_id))
 
     async def admit(self, pool: str, now: float, lease_s: float) -> Admission:
         return await trio.to_thread.run_sync(self.admit_sync, pool, now, lease_s)
 
     async def settle(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
         return await trio.to_thread.run_sync(self.settle_sync, pool, now, failure, lease_id)
+
+    async def release(self, pool: str, now: float, lease_id: str = "") -> PoolHealth:
+        return await trio.to_thread.run_sync(self.release_sync, pool, now, lease_id)
 
     def clear(self, name: str = "") -> list[str]:
         """Forget the health of every pool (``name`` empty), of one pool, or of every pool of an adapter (a name
