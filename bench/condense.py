@@ -56,10 +56,10 @@ from proxyvisor.proxy.formats import BY_NAME  # noqa: E402
 from proxyvisor.proxy.formats.base import chat_text  # noqa: E402
 from proxyvisor.replay import load_trajectory, replay  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
-from proxyvisor.condense.engine import CondenseEngine, ToolResult, effective_threshold  # noqa: E402
+from proxyvisor.proxy.condense_engine import CondenseEngine, ToolResult, effective_threshold  # noqa: E402
 from proxyvisor.condense.protocol import TaskContext  # noqa: E402
 from proxyvisor.condense.signals import focus_terms  # noqa: E402
-from proxyvisor.condense.spill import SpillStore  # noqa: E402
+from proxyvisor.proxy.spill import SpillStore  # noqa: E402
 from proxyvisor.condense.text import body_of, count_each, count_tokens, split_lines  # noqa: E402
 from proxyvisor.condense.view import ROUND_BUDGET, build_view  # noqa: E402
 
@@ -286,7 +286,7 @@ async def replay_condensed(paths: list[Path], state: Path) -> list[dict]:
 def replay_table(rows: list[dict]) -> str:
     out = ["### Replay of the corpus trajectories with condense on", "",
            "Chat format; the scripted upstream plays the recorded turns and answers the condenser calls with its "
-           "fixed policy (`proxyvisor.adapters.scripted_condenser`: the first and last 10 lines shown, and lines "
+           "fixed policy (`proxyvisor.scripted.condenser`: the first and last 10 lines shown, and lines "
            "naming the round's or the call's terms; the reconstruction adds every diagnostic line with 2 lines of "
            "context). *saved* counts every request: a narrowed result saves its tokens again in each later request "
            "that carries it; *history* is the message text all requests carried without condense.", "",

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import write_section  # noqa: E402
 from proxyvisor.adapters.failures import Failure  # noqa: E402
-from proxyvisor.adapters.scripted import ScriptedUpstream  # noqa: E402
-from proxyvisor.adapters.scripted_runtime import ScriptedRuntime  # noqa: E402
+from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
+from proxyvisor.scripted.runtime import ScriptedRuntime  # noqa: E402
 from proxyvisor.config import Config, ModelRoutingConfig, RoleConfig, UpstreamConfig  # noqa: E402
 from proxyvisor.proxy.formats import CHAT, ToolSpec  # noqa: E402
 from proxyvisor.proxy.service import running  # noqa: E402

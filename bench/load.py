@@ -64,7 +64,7 @@ from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, com
                           litellm_venv, loadavg, parse_sized, pct, prose, sized_parser, spawn_role, start_litellm,
                           wait_litellm, workspace)
 from bench.results import write_section
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.formats.base import sse
 from proxyvisor.proxy.server import Limits, Response, bound_port, open_listeners, serve_listeners

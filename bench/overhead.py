@@ -424,7 +424,7 @@ def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
 
 # ---- the child processes ------------------------------------------------------------------------------------
 async def serve_upstream() -> None:
-    from proxyvisor.adapters.scripted import ScriptedUpstream
+    from proxyvisor.scripted.upstream import ScriptedUpstream
     from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
 
     listeners = await open_listeners("127.0.0.1", 0)

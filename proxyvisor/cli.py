@@ -71,7 +71,7 @@ def _positive_float(value: str) -> float:
 
 
 def session_id_arg(value: str) -> str:
-    from .proxy.sessions import SESSION_ID
+    from .store import SESSION_ID
 
     if not SESSION_ID.match(value):
         raise argparse.ArgumentTypeError(f"invalid session id {value!r}: use 1-128 of [A-Za-z0-9._-], "
@@ -489,7 +489,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"proxyvisor: {exc}", file=sys.stderr)
             return 2
     if args.command == "condense":
-        from .condense.offline import condense_command
+        from .condense_cli import condense_command
 
         return condense_command(config, args.file, args.task, args.budget, args.json)
     parser.error(f"unknown command {args.command}")

@@ -14,14 +14,14 @@ restart the build, so the verify-gate lets the hand-back through (the remaining 
 Last, the agent reads a test log of about 2,000 lines. The proxy condenses the model's copy of it (the agent's
 own copy is untouched): the demo shows the tokens before and after, the spill file holding the full original,
 and the narrowed text the model got, whose kept lines are the log's own. With no ``[supervisor.model]``
-configured, the embedded scripted upstream is the condenser (``proxyvisor.adapters.scripted_condenser``).
+configured, the embedded scripted upstream is the condenser (``proxyvisor.scripted.condenser``).
 
 Then the verify-gate (``proxyvisor.demo_gate``): asked to fix a bug, the model edits ``app.py`` and claims
 "done" without running the tests; the gate holds that answer, the verifier finds the gap, the turn is continued
 upstream with an advisory, the model runs the tests and its second "done" is verified. The agent never receives
 the premature answer. Its ``/info`` is answered by proxyvisor itself, and the session's ledger shows the gate's
 outcome per request. With no ``[supervisor.model]`` configured, the scripted upstream is the verifier
-(``proxyvisor.adapters.scripted_verifier``).
+(``proxyvisor.scripted.verifier``).
 
 Then delegation (``proxyvisor.demo_delegation``): the model hands review work to a child role, and a child's
 rate limit cools its pool until the half-open probe brings it back. The closing table lists every request of

@@ -9,11 +9,11 @@ and continues the turn upstream with an advisory naming the gap and what would s
 its stop waits for the verdict, and the continued reply goes on in the same message; with ``hold = "answer"`` the
 agent never receives the premature answer. The model's continued reply runs the tests (``python -m unittest test_app``),
 they pass, the supervisor model (with no ``[supervisor.model]`` configured, the scripted upstream's fixed verifier
-policy, ``proxyvisor.adapters.scripted_verifier``) passes its second "done", and it is verified. Then the agent
+policy, ``proxyvisor.scripted.verifier``) passes its second "done", and it is verified. Then the agent
 sends ``/info``, which proxyvisor answers itself without a model call (``proxyvisor.proxy.commands``), and the demo
 prints the session's ledger with the gate's outcome per request.
 
-The premature "done" is an ``until`` step (``proxyvisor.adapters.scripted``): the scripted model repeats it until
+The premature "done" is an ``until`` step (``proxyvisor.scripted.upstream``): the scripted model repeats it until
 its input holds the gate's advisory (:data:`ADVISORY_MARK`), so the tests run only because the gate asked.
 """
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import trio
 
-from .adapters.scripted import ScriptedUpstream
+from .scripted.upstream import ScriptedUpstream
 from .supervisor_model import ModelCall, with_condense
 from .config import Config, ConfigError
 from .detectors.selfreport import strip

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sqlite3
 import stat
 import tempfile
@@ -30,9 +31,10 @@ from typing import Any
 
 import orjson
 
-from .proxy.sessions import SESSION_ID
-
 log = logging.getLogger("proxyvisor.store")
+
+# A session id: also the name of its files in the state folder, so nothing that could climb out of it.
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 
 
 class LedgerError(Exception):

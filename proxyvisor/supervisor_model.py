@@ -15,8 +15,8 @@ Two routes (:func:`route_of`):
   scripted upstream (no key, no network).
 
 The scripted upstream answers condenser, verifier and planner calls with fixed policies
-(``proxyvisor.adapters.scripted_condenser``, ``proxyvisor.adapters.scripted_verifier``,
-``proxyvisor.adapters.scripted_planner``) on either route, so the demo, ``replay`` and the tests need no key.
+(``proxyvisor.scripted.condenser``, ``proxyvisor.scripted.verifier``,
+``proxyvisor.scripted.planner``) on either route, so the demo, ``replay`` and the tests need no key.
 
 Verifier, refuter and planner calls ask for their answer by JSON schema (:func:`schema_of`): the session route in the
 format's own way (``proxyvisor.proxy.session_model``), litellm through ``response_format``.

@@ -18,7 +18,7 @@ from .agents import agent_command
 from .config import Config
 from .proxy.info import counts_text, plural, summarize, supervisor_text, upstream_cost
 from .proxy.service import RunningProxy, running, tune_gc
-from .proxy.sessions import SESSION_ID
+from .store import SESSION_ID
 from .store import LedgerError
 from .serve import start_notices, stop_notices
 from .supervisor_model import describe

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.store import Store

@@ -8,8 +8,8 @@ from typing import Any
 
 from proxyvisor.adapters.delegate import Delegator
 from proxyvisor.adapters.descriptors import registry_for
-from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.adapters.scripted_runtime import ScriptedRuntime
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.scripted.runtime import ScriptedRuntime
 from proxyvisor.config import ChildrenConfig, Config, parse
 
 FIXTURE_ADAPTERS = Path(__file__).resolve().parent / "fixtures" / "adapters"

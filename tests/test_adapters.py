@@ -16,7 +16,7 @@ from proxyvisor.adapters.descriptors import (BUILTIN_DIR, DISPATCH, DescriptorEr
 from proxyvisor.adapters.failures import CATEGORIES
 from proxyvisor.adapters.litellm_runtime import LiteLLMRuntime
 from proxyvisor.adapters.runtime import ChildJob, ChildProgress, NativeError
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 
 from helpers import serve_handler
 from routing_support import FIXTURE_ADAPTERS
@@ -282,7 +282,7 @@ def test_litellm_is_not_ready_without_its_key_variable(monkeypatch: pytest.Monke
 
 
 def test_the_scripted_auto_mode_reads_past_proxyvisor_notes_after_a_tool_result() -> None:
-    from proxyvisor.adapters.scripted import auto_turn
+    from proxyvisor.scripted.upstream import auto_turn
     from proxyvisor.proxy.formats import CHAT
 
     body = CHAT.request_from_chat([

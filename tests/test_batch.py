@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream, load_script
+from proxyvisor.scripted.upstream import ScriptedUpstream, load_script
 from proxyvisor.batch import MAX_ARG_STRLEN, Task, agent_argv, check_template, load_tasks
 from proxyvisor.batch_report import COLUMNS
 from proxyvisor.cli import main

@@ -8,7 +8,7 @@ import pytest
 from proxyvisor.detectors.checks import (FAILED, PASSED, is_check_command, is_inspection, is_search, last_line,
                                          summary, runner_missing, piped_check)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
-from proxyvisor.proxy.formats.transcript import ToolOutput, ToolUse
+from proxyvisor.transcript import ToolOutput, ToolUse
 
 SUMMARY_LINES = [
     # TAP (node --test, tap, prove): its closing counts

@@ -111,7 +111,7 @@ def test_the_scripted_condenser_answers_as_in_demo_and_replay(tmp_path: Path,
 
 def test_a_failing_condenser_is_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from proxyvisor.condense import offline
+    from proxyvisor import condense_cli as offline
 
     def refusing(model):
         async def call(messages):

@@ -11,10 +11,10 @@ import pytest
 import trio
 
 from proxyvisor.condense.adaptive import AdaptiveThreshold, AdaptiveThresholds
-from proxyvisor.condense.decisions import Decision, DecisionCache
-from proxyvisor.condense.engine import CondenseEngine, ToolResult, effective_threshold
+from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
+from proxyvisor.proxy.condense_engine import CondenseEngine, ToolResult, effective_threshold
 from proxyvisor.condense.protocol import TaskContext
-from proxyvisor.condense.spill import SpillStore
+from proxyvisor.proxy.spill import SpillStore
 from proxyvisor.config import CondenseConfig
 
 CONTEXT = TaskContext(goal="fix the widget build", request="Why did the build fail?")

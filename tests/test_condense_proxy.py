@@ -14,10 +14,10 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters.scripted import ScriptedUpstream, policy
-from proxyvisor.adapters.scripted_condenser import answer
+from proxyvisor.scripted.upstream import ScriptedUpstream, policy
+from proxyvisor.scripted.condenser import answer
 from proxyvisor.cli import main
-from proxyvisor.condense.engine import ToolResult, prepare_items
+from proxyvisor.proxy.condense_engine import ToolResult, prepare_items
 from proxyvisor.condense.protocol import TaskContext, build_messages
 from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import CondenseConfig, Config, GateConfig, ModelConfig

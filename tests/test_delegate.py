@@ -15,7 +15,7 @@ from proxyvisor.adapters.children import Budget, ChildHandle, ChildOutcome, run_
 from proxyvisor.adapters.delegate import Delegation
 from proxyvisor.adapters.descriptors import registry_for
 from proxyvisor.adapters.runtime import ChildJob
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import ChildrenConfig, RouteTarget
 
 from helpers import files_under

@@ -17,14 +17,14 @@ import pytest
 import trio
 from rich.console import Console
 
-from proxyvisor.adapters.scripted import ScriptedUpstream, turn_of
-from proxyvisor.adapters.scripted_runtime import ScriptedRuntime
+from proxyvisor.scripted.upstream import ScriptedUpstream, turn_of
+from proxyvisor.scripted.runtime import ScriptedRuntime
 from proxyvisor.config import Config, GateConfig, SupervisorConfig, UpstreamConfig
 from proxyvisor.demo_delegation import run_delegating_agent
 from proxyvisor.proxy import continuation
 from proxyvisor.proxy.delegation import ROUNDS
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
-from proxyvisor.proxy.formats.transcript import fingerprint
+from proxyvisor.transcript import fingerprint
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import Delegated, Note, Supervisor

@@ -14,7 +14,7 @@ from proxyvisor.detectors.detectors import (ALTERNATION, LOOP, MONOLOGUE, NO_PRO
 from proxyvisor.detectors.receipts import (DECLARED, GUESSED, NONE, Round, UserTurn, failed, is_runner,
                                            mutation_level, read_rounds, result_digest, targets)
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES, ToolSpec
-from proxyvisor.proxy.formats.transcript import ToolOutput
+from proxyvisor.transcript import ToolOutput
 
 BASH = {"type": "object", "properties": {"command": {"type": "string"}}}
 _ids = itertools.count()

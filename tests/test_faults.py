@@ -8,7 +8,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import (FORMATS, TOOL_STEP, ask, assert_ends_with_error_event, assert_error_shape, closed_port,

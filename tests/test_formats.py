@@ -7,7 +7,7 @@ import openai
 import orjson
 import pytest
 
-from proxyvisor.adapters.scripted import turn_of
+from proxyvisor.scripted.upstream import turn_of
 from proxyvisor.proxy.formats import Usage
 from proxyvisor.proxy.formats.base import error_types
 from proxyvisor.proxy.server import Request, Response

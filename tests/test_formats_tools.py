@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxyvisor.adapters.scripted import auto_turn, parse_step, turn_of
+from proxyvisor.scripted.upstream import auto_turn, parse_step, turn_of
 from proxyvisor.detectors.receipts import DECLARED, GUESSED, NONE, receipt
 from proxyvisor.proxy.condensing import can_read_back
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES, AssistantTurn, ToolCall, ToolSpec

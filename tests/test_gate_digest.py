@@ -21,7 +21,7 @@ from proxyvisor.gate.digest import (
     turn_actions,
 )
 from proxyvisor.gate.prohibitions import MAX_CHARS, MAX_ITEMS, prohibitions
-from proxyvisor.proxy.formats.transcript import Message, ToolOutput, ToolUse
+from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
 SCHEMAS = {"Bash": {"type": "object", "properties": {"command": {"type": "string"}}}}
 FAILING = ("============ FAILURES ============\n_____ test_parse _____\nE   AssertionError: assert 3 == 4\n"

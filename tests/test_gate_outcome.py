@@ -39,7 +39,7 @@ from proxyvisor.gate.outcome import (
     answer_event,
 )
 from proxyvisor.gate.verdict import Gap, parse, refute
-from proxyvisor.proxy.formats.transcript import Message, ToolOutput, ToolUse
+from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
 PASSED_RUN = Check(3, "pytest -q", CHECK_PASSED, "3 passed in 0.12s")
 FAILED_RUN = Check(3, "pytest -q 2>&1 | tail -3", CHECK_FAILED, "1 failed, 2 passed in 0.12s")

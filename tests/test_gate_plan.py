@@ -19,7 +19,7 @@ from proxyvisor.gate.plan import (ACTION_LINES, ALLOWED, COMPLETED, FILE_ABSENT,
                                   broken_assumptions, checklist, hold_note, parse_decision, planner_input,
                                   render_text)
 from proxyvisor.gate.verdict import Malformed
-from proxyvisor.proxy.formats.transcript import ToolOutput, ToolUse
+from proxyvisor.transcript import ToolOutput, ToolUse
 
 
 def task(n: int, **extra: Any) -> dict[str, Any]:

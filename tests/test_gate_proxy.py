@@ -16,8 +16,8 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters import scripted_verifier
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted import verifier as scripted_verifier
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy import continuation, gating

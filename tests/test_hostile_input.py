@@ -24,7 +24,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, UpstreamConfig
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
 from proxyvisor.proxy.pipeline import Pipeline

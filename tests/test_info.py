@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
-from proxyvisor.condense import Decision
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.proxy.condense_decisions import Decision
 from proxyvisor.config import Config, ModelConfig
 from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.detectors.selfreport import ReportOutcome, SelfReport

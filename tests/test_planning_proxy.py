@@ -14,8 +14,9 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters import scripted, scripted_planner
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted import upstream as scripted
+from proxyvisor.scripted import planner as scripted_planner
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, ModelConfig, PlanConfig
 from proxyvisor.detectors.selfreport import SelfReport
 from proxyvisor.gate.recite import CONSTRAINTS

@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import UpstreamConfig, parse
 from proxyvisor.proxy.service import running
 from proxyvisor.store import Store

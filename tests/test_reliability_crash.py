@@ -24,7 +24,7 @@ import trio
 
 from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
 from proxyvisor.adapters.health_store import HealthStore
-from proxyvisor.condense.decisions import DecisionCache
+from proxyvisor.proxy.condense_decisions import DecisionCache
 from proxyvisor.config import load
 
 from helpers import FORMATS, http_client, path_of, request_body
@@ -146,7 +146,7 @@ def test_kill_9_during_decision_cache_writes_leaves_every_decision_whole(tmp_pat
     """Decisions small (in SQLite) and large (in their own file: diskcache keeps values over 32 KiB outside)."""
     folder = tmp_path / "decisions"
     code = f"""
-        from proxyvisor.condense.decisions import Decision, DecisionCache
+        from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
         cache = DecisionCache({str(folder)!r})
         for i in range(100000):
             text = str(i) * (1 + (i % 3) * 20000)
@@ -233,7 +233,7 @@ def test_kill_9_during_spill_writes_leaves_only_whole_spill_files(tmp_path: Path
     root = tmp_path / "spill"
     code = f"""
         from pathlib import Path
-        from proxyvisor.condense.spill import SpillStore
+        from proxyvisor.proxy.spill import SpillStore
         store = SpillStore(Path({str(root)!r}))
         for i in range(100000):
             store.write(store.path_for("s1", "Bash", f"{{i:016x}}"), f"line {{i}}\\n" * (1 + i % 5000))

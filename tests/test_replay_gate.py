@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyvisor.adapters import scripted_verifier
+from proxyvisor.scripted import verifier as scripted_verifier
 from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import Config
 from proxyvisor.proxy.formats import BY_NAME

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import Cooldown
 from proxyvisor.adapters.health_store import HealthStore
-from proxyvisor.adapters.scripted import ScriptedUpstream, policy
-from proxyvisor.condense.decisions import Decision, DecisionCache
-from proxyvisor.condense.spill import SpillStore
+from proxyvisor.scripted.upstream import ScriptedUpstream, policy
+from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
+from proxyvisor.proxy.spill import SpillStore
 from proxyvisor.config import Config
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES
 from proxyvisor.proxy.server import Request, Response

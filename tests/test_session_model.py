@@ -17,7 +17,7 @@ import orjson
 import trio
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream, policy
+from proxyvisor.scripted.upstream import ScriptedUpstream, policy
 from proxyvisor.config import Config, GateConfig, ModelConfig, UpstreamConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, BY_PATH, ToolSpec

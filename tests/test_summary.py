@@ -14,7 +14,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, CondenseConfig, GateConfig, ModelConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from proxyvisor.adapters.scripted import turn_of
+from proxyvisor.scripted.upstream import turn_of
 from proxyvisor.config import Config
 from proxyvisor.demo import LOOP_MARK, demo
 from proxyvisor.detectors.detectors import LOOP

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from proxyvisor.adapters.litellm_bridge import import_litellm
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy import translate
 from proxyvisor.proxy.formats import BY_NAME

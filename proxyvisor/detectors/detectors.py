@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..proxy.formats.transcript import Message, fingerprint
+from ..transcript import Message, fingerprint
 from .receipts import DECLARED, Round, RoundReader, UserTurn
 
 LOOP_ROUNDS = 3

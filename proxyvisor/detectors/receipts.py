@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
+from ..transcript import Message, ToolOutput, ToolUse
 from . import checks
 from .checks import words
 

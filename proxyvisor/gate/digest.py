@@ -61,7 +61,7 @@ from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors import checks
 from ..detectors.checks import words
 from ..detectors.receipts import NONE, Receipt, receipt, writes
-from ..proxy.formats.transcript import Message, ToolOutput, ToolUse
+from ..transcript import Message, ToolOutput, ToolUse
 from .prohibitions import Standing, standing
 from .verdict import MAX_READS, READBACK_DONE, ReadRequest
 

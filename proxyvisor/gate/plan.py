@@ -95,7 +95,7 @@ PLANNER_INSTRUCTIONS = (
     '{"decision":"revise","reason":"...","tasks":[{"title":"...","done_when":"...","valid_if":null}]}'
 )
 """The planner's system prompt (byte-stable; the scripted upstream recognises planner calls by its first
-sentence, ``proxyvisor.adapters.scripted_planner``)."""
+sentence, ``proxyvisor.scripted.planner``)."""
 
 NO_PLAN = "No plan. Work with several dependent phases gets one automatically; focused work stays plan-free."
 """What :func:`render_text` says when there is no plan (reference section 4, "/plan")."""

@@ -40,7 +40,7 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
 
-An unknown session is a 404, an invalid id (``proxyvisor.proxy.sessions.SESSION_ID``) a 400.
+An unknown session is a 404, an invalid id (``proxyvisor.store.SESSION_ID``) a 400.
 
 Who may read what: the listing names every session, so it is the admin's: it needs ``[proxy] admin_token`` in
 the ``x-proxyvisor-admin`` header (403 without it, and always when no admin token is configured). A session's

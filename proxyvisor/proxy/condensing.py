@@ -30,13 +30,15 @@ from typing import Any
 
 import orjson
 
-from ..condense import CondenseEngine, Decision, DecisionCache, SpillStore, TaskContext, ToolResult
-from ..condense.engine import MIN_THRESHOLD
+from ..condense.protocol import TaskContext
+from .condense_decisions import Decision, DecisionCache
+from .condense_engine import MIN_THRESHOLD, CondenseEngine, ToolResult
+from .spill import SpillStore
 from ..supervisor_model import ModelCall
 from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
 from .formats.freeform import SHELL_TOOLS, runs_commands, split
-from .formats.transcript import Message
+from ..transcript import Message
 
 log = logging.getLogger("proxyvisor.condense")
 

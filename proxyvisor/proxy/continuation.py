@@ -44,7 +44,7 @@ import orjson
 import trio
 
 from .formats import WireFormat
-from .formats.transcript import StreamSplice
+from ..transcript import StreamSplice
 from .relay import UpstreamError, UpstreamReply
 from .streamedit import EditedStream
 

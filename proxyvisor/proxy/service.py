@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..adapters import litellm_bridge
-from ..adapters.scripted import ScriptedUpstream, load_script
+from ..scripted.upstream import ScriptedUpstream, load_script
 from ..supervisor_model import LITELLM, ModelCall, configured_model
 from ..config import Config, ConfigError
 from ..store import Store

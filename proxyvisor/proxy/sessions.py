@@ -29,10 +29,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..store import SESSION_ID
 from .formats import WireFormat
-from .formats.transcript import Message, fingerprint
+from ..transcript import Message, fingerprint
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
 _OURS = "x-proxyvisor-session"
 _HEADERS = (_OURS, "x-claude-code-session-id", "session-id", "x-session-id")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .formats.transcript import StreamEditor
+from ..transcript import StreamEditor
 from .relay import UpstreamError
 from . import limits
 from .sse import EventTooLarge, SSEParser, feed_cost, next_line_end

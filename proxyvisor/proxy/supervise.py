@@ -46,7 +46,7 @@ from ..gate.plan import Plan
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
-from .formats.transcript import fingerprint
+from ..transcript import fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session

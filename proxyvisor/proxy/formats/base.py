@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
+from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
 # status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
 _ERROR_TYPES: dict[int, tuple[str, str]] = {

@@ -13,7 +13,7 @@ from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFor
                    leading_system, split_json, sse, words)
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
-from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
 class ChatFormat(WireFormat):

@@ -11,7 +11,7 @@ import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list,
                    chat_text, dumps, error_types, event_object, has_non_text, interleave, split_json, sse, words)
-from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
 EMPTIED = "…"

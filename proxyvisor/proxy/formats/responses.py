@@ -14,7 +14,7 @@ from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFor
                    leading_system, split_json, sse, words)
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
-from .transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 _HEAD_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress"})

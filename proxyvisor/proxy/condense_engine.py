@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 import trio
 
 from ..config import CondenseConfig
-from .adaptive import AdaptiveThresholds
-from .decisions import Decision, DecisionCache, decision_key
+from ..condense.adaptive import AdaptiveThresholds
+from .condense_decisions import Decision, DecisionCache, decision_key
 from ..supervisor_model import ModelCall, ReportedFailure
-from .protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
-from .reconstruct import Narrowed, narrow
-from .signals import focus_terms
+from ..condense.protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
+from ..condense.reconstruct import Narrowed, narrow
+from ..condense.signals import focus_terms
 from .spill import SpillStore
-from .text import count_tokens, line_count, split_lines
-from .view import MAX_CANDIDATES, allocate, build_view
+from ..condense.text import count_tokens, line_count, split_lines
+from ..condense.view import MAX_CANDIDATES, allocate, build_view
 
 log = logging.getLogger("proxyvisor.condense")
 

@@ -26,7 +26,7 @@ from ..proxy.formats import WireFormat
 HEAD = 10
 TAIL = 10
 MARKS = (SYSTEM_PROMPT.split(".", 1)[0],)
-"""How the system prompt of a condenser call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
+"""How the system prompt of a condenser call starts (``proxyvisor.scripted.upstream`` dispatches on it)."""
 _SHOWN = re.compile(r"^ *(\d+)\| ?(.*)$")
 
 

@@ -1,7 +1,7 @@
-"""The ``scripted`` adapter: the scripted model (:mod:`proxyvisor.adapters.scripted`), played in process.
+"""The ``scripted`` adapter: the scripted model (:mod:`proxyvisor.scripted.upstream`), played in process.
 
 Each child sends one streamed Chat Completions request (the prompt as the only user message) straight to a
-:class:`~proxyvisor.adapters.scripted.ScriptedUpstream` handler, with no socket in between, so every fault the
+:class:`~proxyvisor.scripted.upstream.ScriptedUpstream` handler, with no socket in between, so every fault the
 scripted upstream can play (429 with Retry-After, 529, 500, 401, a stall, a reset mid-stream) reaches the
 adapter exactly as an HTTP client would see it. Each SSE event is a heartbeat. With no script step left the
 scripted model answers with a short text.
@@ -19,10 +19,10 @@ import orjson
 
 from ..proxy.server import AbortConnection, Request
 from ..proxy.sse import SSEParser
-from .descriptors import Descriptor
-from .failures import Failure
-from .runtime import ChildJob, ChildProgress, NativeError, normalise_native
-from .scripted import MODEL, ScriptedUpstream, load_script
+from ..adapters.descriptors import Descriptor
+from ..adapters.failures import Failure
+from ..adapters.runtime import ChildJob, ChildProgress, NativeError, normalise_native
+from .upstream import MODEL, ScriptedUpstream, load_script
 
 
 def _error_message(body: bytes) -> str:

@@ -41,7 +41,7 @@ READ_LINES = 40
 
 
 MARKS = (VERIFIER_INSTRUCTIONS[:60], REFUTER_INSTRUCTIONS[:60])
-"""How the system prompt of a verifier or refuter call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
+"""How the system prompt of a verifier or refuter call starts (``proxyvisor.scripted.upstream`` dispatches on it)."""
 
 
 def answer(fmt: WireFormat, body: dict[str, Any]) -> str:

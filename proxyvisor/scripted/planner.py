@@ -25,7 +25,7 @@ from ..proxy.formats import WireFormat
 
 SUBJECT_CHARS = 80
 MARKS = (PLANNER_INSTRUCTIONS.split(".", 1)[0],)
-"""How the system prompt of a planner call starts (``proxyvisor.adapters.scripted`` dispatches on it)."""
+"""How the system prompt of a planner call starts (``proxyvisor.scripted.upstream`` dispatches on it)."""
 _OK = "\u2192 ok"
 """How a successful action's line reads (``proxyvisor.gate.digest.action_lines``)."""
 

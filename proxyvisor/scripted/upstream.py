@@ -66,7 +66,9 @@ from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, 
 from ..proxy.formats.freeform import arguments as freeform_arguments
 from ..proxy.server import AbortConnection, Request, Response
 from ..gate.verdict import json_object
-from . import scripted_condenser, scripted_planner, scripted_verifier
+from . import condenser as scripted_condenser
+from . import planner as scripted_planner
+from . import verifier as scripted_verifier
 
 log = logging.getLogger("proxyvisor.scripted")
 

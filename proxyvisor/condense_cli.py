@@ -18,15 +18,15 @@ from pathlib import Path
 
 import trio
 
-from ..adapters.scripted import ScriptedUpstream
-from ..config import SCRIPTED_URL, Config, ConfigError, CondenseConfig
-from ..proxy.server import Limits, bound_port, open_listeners, serve_listeners
-from ..supervisor_model import configured_model, litellm_model
-from .engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
-from .protocol import TaskContext
-from .signals import diagnostic_lines
-from .spill import SpillStore
-from .text import ENCODING, count_tokens, split_lines
+from .scripted.upstream import ScriptedUpstream
+from .config import SCRIPTED_URL, Config, ConfigError, CondenseConfig
+from .proxy.server import Limits, bound_port, open_listeners, serve_listeners
+from .supervisor_model import configured_model, litellm_model
+from .proxy.condense_engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
+from .condense.protocol import TaskContext
+from .condense.signals import diagnostic_lines
+from .proxy.spill import SpillStore
+from .condense.text import ENCODING, count_tokens, split_lines
 
 
 class _FileIsSpill(SpillStore):
