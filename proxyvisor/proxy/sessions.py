@@ -103,7 +103,7 @@ class Conversations:
     Two kinds of link are kept, each with its session and the time it was last used:
 
     - history ends: a request's history is read as a hash chain (a seed of the format and the system prompt, then
-      one link per history item, :func:`~.formats.transcript.fingerprint`: role, ids, lengths, start and end of
+      one link per history item, :func:`~proxyvisor.transcript.fingerprint`: role, ids, lengths, start and end of
       each text; not ``cache_control`` marks, which clients move), and the chain's end of each request is kept;
     - answers (:meth:`answered`): the tool-call ids of an answer delivered to the session, and a digest of its
       text without whitespace (so a client's trimming or re-joining of text parts does not matter). An answer

@@ -1,7 +1,7 @@
 """Rewriting an SSE stream on the fly while keeping every event that needs no change byte-identical.
 
 :class:`EventSplitter` cuts raw bytes into complete event blocks (sans-IO; any split, CRLF/CR/LF line endings);
-:class:`EditedStream` runs each block past a format's :class:`~.formats.transcript.StreamEditor` and forwards it
+:class:`EditedStream` runs each block past a format's :class:`~proxyvisor.transcript.StreamEditor` and forwards it
 as soon as it is complete, so an edited stream adds no buffering beyond one event. Comments (keep-alives such as
 ``: ping``) and events the editor leaves alone pass through as the upstream sent them.
 """
