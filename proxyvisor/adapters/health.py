@@ -29,6 +29,7 @@ admitted before the breaker opened, or a probe whose lease was taken over).
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class Cooldown:
         """Seconds to cool down: the provider's wait when given, else exponential from the default, capped."""
         if retry_after_s:
             return float(retry_after_s)
-        return min(self.maximum_s, self.default_s * 2 ** max(0, trips - 1))
+        return min(self.maximum_s, self.default_s * math.pow(2, max(0, trips - 1)))
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def settle(health: PoolHealth, now: float, failure: Failure | None, cooldown: Co
         health, last_category=failure.category, retry_after_s=failure.retry_after_s, updated_at=now)
     if nxt is None:
         return noted
-    if event == CAPACITY:
+    if event == CAPACITY and failure is not None:
         trips = health.failure_count + (0 if health.state == COOLING_DOWN else 1)
         until = max(health.cooldown_until, now + cooldown.duration(trips, failure.retry_after_s))
         return dataclasses.replace(noted, state=nxt, failure_count=trips, cooldown_until=until, lease_id="",

@@ -30,7 +30,7 @@ class AdaptiveThreshold:
 
     @property
     def multiplier(self) -> float:
-        return min(2.0, max(0.5, 2.0 ** (1.0 - 2.0 * self.q)))
+        return min(2.0, max(0.5, math.pow(2.0, 1.0 - 2.0 * self.q)))
 
     @property
     def threshold(self) -> int:

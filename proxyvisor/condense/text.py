@@ -17,7 +17,10 @@ import functools
 import importlib.util
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tiktoken
 
 ENCODING = "cl100k_base"
 
@@ -69,7 +72,7 @@ def visible(body: str) -> str:
 
 
 @functools.cache
-def _encoding() -> Any:
+def _encoding() -> tiktoken.Encoding:
     spec = importlib.util.find_spec("litellm")
     if spec is not None and spec.submodule_search_locations:
         bundled = os.path.join(next(iter(spec.submodule_search_locations)), "litellm_core_utils", "tokenizers")

@@ -147,7 +147,7 @@ class Gating:
                 return reply
             if not isinstance(response, dict) or self._calls_tools(response):
                 return reply
-            items = await self.judged(lambda: response)
+            items = await self.judged(lambda response=response: response)
             if items is None:
                 return self._noticed(reply)
             continued = await self.carry_on(items)
@@ -483,7 +483,7 @@ class GatedStream:
                     log.exception("reading a held stream failed; delivering it unjudged")
                     calls = True
                 if not calls:
-                    job = Job(g.judged, lambda: response)
+                    job = Job(g.judged, lambda response=response: response)
                     async for keepalive in job.keepalives(g.fmt, g.background):
                         yield self._sent(keepalive)
                     items = job.result  # judged() never raises but for cancellation; None: deliver
