@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.detectors import TOOLS, session  # noqa: E402
 from bench.results import write_section  # noqa: E402
-from proxyvisor.config import FORMATS  # noqa: E402
+from proxyvisor.rules import FORMATS  # noqa: E402
 from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
 from proxyvisor.config import Config, GateConfig  # noqa: E402
 from proxyvisor.detectors.receipts import RoundReader  # noqa: E402

@@ -49,7 +49,6 @@ and a summary; ``--write`` puts the first format and mode's table and the per-mo
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+import msgspec
 import orjson
 import trio
 
@@ -205,8 +205,8 @@ def config() -> Config:
     recorded one (the notice has its own tests)."""
     base = Config()
     return base.with_overrides(supervisor={
-        "condense": dataclasses.replace(base.supervisor.condense, enabled=False),
-        "gate": dataclasses.replace(base.supervisor.gate, unverified_notice="")})
+        "condense": msgspec.structs.replace(base.supervisor.condense, enabled=False),
+        "gate": msgspec.structs.replace(base.supervisor.gate, unverified_notice="")})
 
 
 async def run_one(path: Path, fmt: WireFormat, stream: bool, state: Path) -> Result:

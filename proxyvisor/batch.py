@@ -47,10 +47,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 import trio
+from msgspec import Meta
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -59,12 +61,12 @@ from .batch_report import TaskResult
 from .config import Config
 from .proxy.info import plural, summarize
 from .proxy.service import running
+from .rules import HOLD_ANSWER, POSITIVE
+from .schema import Invalid, convert, real
 from .store import Store, private_dir, private_opener
 from .supervisor_model import describe
 from .wrap import agent_invocation
 
-TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
-TASK_KEYS = frozenset({"id", "prompt", "workdir", "timeout_s", "env"})
 PLACEHOLDERS = ("prompt", "id", "workdir", "session")
 PLACEHOLDER = re.compile(r"\{(prompt|id|workdir|session)\}")
 _NAMED = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -84,6 +86,18 @@ class BatchError(ValueError):
 
 class TaskFileError(BatchError):
     """The task file cannot be used; the message names the file and line."""
+
+
+class _TaskLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The schema of one line of the task file (module docstring)."""
+
+    id: Annotated[str, Meta(pattern=r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z",
+                            description="1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit")]
+    prompt: Annotated[str, Meta(pattern=r"\S", description="a non-empty string")]
+    workdir: Annotated[str, Meta(min_length=1, description="a non-empty string")] | None = None
+    timeout_s: Annotated[float, real(POSITIVE, "a positive number of seconds")] | None = None
+    env: Annotated[dict[Annotated[str, Meta(pattern="^[^=]+$")], str],
+                   Meta(description="an object of variable names to string values")] = {}
 
 
 @dataclass(frozen=True)
@@ -134,25 +148,14 @@ def load_tasks(path: str | Path) -> list[Task]:
 def _task(obj: Any, where: str, number: int, base: Path) -> Task:
     if not isinstance(obj, dict):
         raise TaskFileError(f"{where}: a task must be a JSON object, got {type(obj).__name__}")
-    unknown = set(obj) - TASK_KEYS
-    if unknown:
-        raise TaskFileError(f"{where}: unknown key(s) {sorted(unknown)}; a task has {sorted(TASK_KEYS)}")
-    task_id, prompt = obj.get("id"), obj.get("prompt")
-    if not isinstance(task_id, str) or not TASK_ID.match(task_id):
-        raise TaskFileError(f"{where}: 'id' must be 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit, "
-                            f"got {task_id!r}")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise TaskFileError(f"{where}: 'prompt' must be a non-empty string")
-    workdir = obj.get("workdir")
-    if workdir is not None and (not isinstance(workdir, str) or not workdir):
-        raise TaskFileError(f"{where}: 'workdir' must be a non-empty string")
-    timeout = obj.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise TaskFileError(f"{where}: 'timeout_s' must be a positive number of seconds")
-    env = obj.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
-                                            for k, v in env.items()):
-        raise TaskFileError(f"{where}: 'env' must be an object of variable names to string values")
+    try:
+        line = convert(obj, _TaskLine, table="object")
+    except Invalid as exc:
+        p = exc.problem
+        if p.unknown:
+            raise TaskFileError(f"{where}: unknown key(s) {list(p.unknown)}; a task has {list(p.known)}") from None
+        raise TaskFileError(f"{where}: '{p.key}' {p.message}") from None
+    task_id, prompt, workdir, timeout, env = line.id, line.prompt, line.workdir, line.timeout_s, line.env
     for name, value in (("prompt", prompt), ("workdir", workdir or ""),
                         *((f"env {k!r}", f"{k}={v}") for k, v in env.items())):
         if "\0" in value:
@@ -166,8 +169,7 @@ def _task(obj: Any, where: str, number: int, base: Path) -> Task:
                                 f"environment string {value.partition('=')[0]}=..., over Linux's limit of "
                                 f"{MAX_ARG_STRLEN:,} bytes per argument or environment string (MAX_ARG_STRLEN); "
                                 "put long text in a file and name the file in the prompt")
-    return Task(task_id, prompt, number, base / workdir if workdir else None,
-                float(timeout) if timeout is not None else None, env)
+    return Task(task_id, prompt, number, base / workdir if workdir else None, timeout, env)
 
 
 def check_template(template: str) -> None:
@@ -220,7 +222,7 @@ def batch_config(config: Config) -> Config:
     """``config`` with what a batch needs: supervision on, and the gate on, headless and holding whole answers
     (``hold = "answer"``: nobody watches the stream, and a harness that parses the final message gets only the
     answer that passed the gate, never a premature one followed by its rework)."""
-    gate = dataclasses.replace(config.supervisor.gate, enabled=True, headless=True, hold="answer")
+    gate = msgspec.structs.replace(config.supervisor.gate, enabled=True, headless=True, hold=HOLD_ANSWER)
     return config.with_overrides(supervisor={"enabled": True, "gate": gate})
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .config import Config, ConfigError, find_config_file, load
+from .rules import DEFAULT_VIEW_BUDGET, FORMATS, VIEW_BUDGET
 
 _FILES = """\
 files and environment:
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
             continues the turn), and the child's pool cooling down on a 429 and recovering through its
             half-open probe. Needs no API key and no network.
             """), epilog=_FILES)
-    demo.add_argument("--format", choices=["chat", "messages", "responses", "all"], default="all",
+    demo.add_argument("--format", choices=[*FORMATS, "all"], default="all",
                       help="which wire format(s) to show (default: %(default)s)")
     _common(demo)
 
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
               proxyvisor replay --gate --json run.jsonl | jq -c '{message, decided_by, outcome, gaps}'
             """), epilog=_FILES)
     replay.add_argument("file", metavar="FILE.jsonl", help="the trajectory to replay")
-    replay.add_argument("--format", choices=["chat", "messages", "responses"], default="chat",
+    replay.add_argument("--format", choices=FORMATS, default="chat",
                         help="wire format to send the history in (default: %(default)s)")
     replay.add_argument("--stream", action="store_true", help="send streaming requests")
     replay.add_argument("--json", action="store_true", help="print the timeline as JSON lines")
@@ -282,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the agent's current request: it picks the focus terms of the view and is the "
                                "condenser's task context")
     condense.add_argument("--budget", type=int, metavar="N",
-                          help="tokens of numbered view, at least 256 (default: [supervisor.condense] "
-                               "view_budget_tokens, 32000: a result alone in its round gets the whole budget)")
+                          help=f"tokens of numbered view, {VIEW_BUDGET} (default: [supervisor.condense] "
+                               f"view_budget_tokens, {DEFAULT_VIEW_BUDGET}: a result alone in its round gets the "
+                               "whole budget)")
     condense.add_argument("--json", action="store_true",
                           help="print one JSON object: sizes, threshold, the view (text, visible_ranges, tokens), "
                                "diagnostic line numbers and, with a model, the decision")

@@ -16,11 +16,13 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import trio
 
 from .scripted.upstream import ScriptedUpstream
 from .config import SCRIPTED_URL, Config, ConfigError, CondenseConfig
 from .proxy.server import Limits, bound_port, open_listeners, serve_listeners
+from .rules import VIEW_BUDGET
 from .supervisor_model import configured_model, litellm_model
 from .proxy.condense_engine import CondenseEngine, RoundReport, ToolResult, effective_threshold, prepare_items
 from .condense.protocol import TaskContext
@@ -45,11 +47,11 @@ class _FileIsSpill(SpillStore):
 
 def condense_command(config: Config, file: str, task: str, budget: int | None, as_json: bool) -> int:
     """The CLI entry. Exit 0 when the view (and, with a model, the condenser's answer) came out; 1 when the
-    file cannot be read or the condenser call failed; 2 for a budget below 256."""
+    file cannot be read or the condenser call failed; 2 for a budget outside :data:`~proxyvisor.rules.VIEW_BUDGET`."""
     settings = config.supervisor.condense
     budget = settings.view_budget_tokens if budget is None else budget
-    if budget < 256:
-        print("proxyvisor: --budget must be at least 256 tokens", file=sys.stderr)
+    if not VIEW_BUDGET.admits(budget):
+        print(f"proxyvisor: --budget must be {VIEW_BUDGET} tokens", file=sys.stderr)
         return 2
     path = Path(file).resolve()
     try:
@@ -69,7 +71,7 @@ def condense_command(config: Config, file: str, task: str, budget: int | None, a
     model = config.supervisor.model
     if candidate and model.name:
         try:
-            report = trio.run(_condense, config, dataclasses.replace(settings, view_budget_tokens=budget), path,
+            report = trio.run(_condense, config, msgspec.structs.replace(settings, view_budget_tokens=budget), path,
                               result, context)
         except ConfigError as exc:
             print(f"proxyvisor: configuration error: {exc}", file=sys.stderr)

@@ -4,6 +4,11 @@ The rest of the code never reads raw TOML or environment variables: it receives 
 Every field has a default; the repository's root ``config.toml`` documents each one with its default, and a
 test keeps the two in step.
 
+The tables are msgspec structs (frozen; change one with ``msgspec.structs.replace``), and their annotations are the
+schema :func:`parse` validates a document against (:mod:`proxyvisor.schema`): types, unknown keys, and each
+number's range and each choice's values from :mod:`proxyvisor.rules`, the module the cores check the same rules
+with. What a type cannot say (the bind rule, the order of related numbers, the supervision graph) is checked after.
+
 Where the file is found (first match wins): the ``--config`` option, ``$PROXYVISOR_CONFIG``, then
 ``$XDG_CONFIG_HOME/proxyvisor/config.toml`` (``~/.config/proxyvisor/config.toml``). With none of them, the
 built-in defaults apply: the embedded scripted upstream, which needs no API key.
@@ -11,19 +16,20 @@ built-in defaults apply: the embedded scripted upstream, which needs no API key.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
-import math
 import os
-import re
 import tomllib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-FORMATS = ("chat", "messages", "responses")
-"""The three wire formats: OpenAI Chat Completions, Anthropic Messages, OpenAI Responses."""
+import msgspec
+from msgspec import Meta
+from msgspec.structs import replace
+
+from .rules import (CHILD_WALL_CLOCK, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_VIEW_BUDGET, DIGEST_BUDGET,
+                    FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, POSITIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
+                    Complexity, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
+from .schema import Invalid, Problem, convert, integer, real
 
 SCRIPTED_URL = "scripted:"
 """The ``url`` of an upstream that proxyvisor plays itself from a script (no network, no key)."""
@@ -38,57 +44,30 @@ class ConfigError(ValueError):
     """
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting accepts. The one rule for every number in the configuration: it is finite
-    (``nan`` and ``inf`` are refused everywhere), at least ``low`` (above it when ``low_open``) and at most
-    ``high``. A field declares its range with :func:`within` or :func:`positive`; a numeric field that declares
-    none takes the default, ``>= 0``."""
-
-    low: float = 0
-    high: float = math.inf
-    low_open: bool = False
-
-    def admits(self, value: float) -> bool:
-        return math.isfinite(value) and (value > self.low if self.low_open else value >= self.low) \
-            and value <= self.high
-
-    def __str__(self) -> str:
-        low, high = (int(v) if float(v).is_integer() else v for v in (self.low, self.high))
-        if math.isinf(self.high):
-            return f"{'>' if self.low_open else '>='} {low}"
-        return f"in ({low}, {high}]" if self.low_open else f"{low}-{high}"
+Count = Annotated[int, integer(NON_NEGATIVE)]
+Amount = Annotated[float, real(NON_NEGATIVE)]
+Seconds = Annotated[float, real(POSITIVE)]
+"""A duration, above 0."""
 
 
-_RANGE = "range"
+class Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A table of the configuration: an unknown key in it is an error."""
 
 
-def within(default: float, low: float, high: float = math.inf) -> Any:
-    """A numeric field with ``default`` that accepts ``low`` to ``high`` (inclusive)."""
-    return field(default=default, metadata={_RANGE: Range(low, high)})
-
-
-def positive(default: float) -> Any:
-    """A numeric field with ``default`` that must be above 0 (durations, most of all)."""
-    return field(default=default, metadata={_RANGE: Range(0, low_open=True)})
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(Table):
     host: str = "127.0.0.1"
-    port: int = within(8377, 0, 65535)
-    max_body_bytes: int = within(32 * 1024 * 1024, 1024)
+    port: Annotated[int, integer(Range(0, 65535))] = 8377
+    max_body_bytes: Annotated[int, integer(Range(1024))] = 32 * 1024 * 1024
     auth_token: str = ""
     admin_token: str = ""
-    request_header_timeout_s: float = positive(30.0)
-    request_body_timeout_s: float = positive(120.0)
-    request_body_deadline_s: float = positive(300.0)
-    keepalive_timeout_s: float = positive(75.0)
-    max_stream_s: float = within(3600.0, 0)  # 0 = no limit
+    request_header_timeout_s: Seconds = 30.0
+    request_body_timeout_s: Seconds = 120.0
+    request_body_deadline_s: Seconds = 300.0
+    keepalive_timeout_s: Seconds = 75.0
+    max_stream_s: Amount = 3600.0  # 0 = no limit
 
 
-@dataclass(frozen=True)
-class UpstreamConfig:
+class UpstreamConfig(Table):
     """One ``[upstreams.NAME]`` table.
 
     ``model``: the model name sent upstream on the translation path (a client format the upstream does not speak,
@@ -96,15 +75,17 @@ class UpstreamConfig:
     """
 
     name: str
-    url: str = SCRIPTED_URL
-    formats: tuple[str, ...] = FORMATS
+    url: Annotated[str, Meta(pattern=r"\A(?:https?://|scripted:\Z)",
+                             description=f"http(s)://... or {SCRIPTED_URL!r}")] = SCRIPTED_URL
+    formats: Annotated[tuple[Format, ...], Meta(min_length=1, description="a non-empty list of "
+                                                + ", ".join(FORMATS))] = FORMATS
     api_key_env: str = ""
-    connect_timeout_s: float = positive(10.0)
-    first_byte_timeout_s: float = positive(600.0)
-    idle_timeout_s: float = positive(300.0)
-    keepalive_timeout_s: float = positive(30.0)
+    connect_timeout_s: Seconds = 10.0
+    first_byte_timeout_s: Seconds = 600.0
+    idle_timeout_s: Seconds = 300.0
+    keepalive_timeout_s: Seconds = 30.0
     script: str = ""
-    chunk_delay_ms: float = 0.0
+    chunk_delay_ms: Amount = 0.0
     model: str = ""
 
     @property
@@ -112,15 +93,13 @@ class UpstreamConfig:
         return self.url == SCRIPTED_URL
 
 
-@dataclass(frozen=True)
-class StateConfig:
+class StateConfig(Table):
     dir: str = ""
-    session_idle_s: float = positive(3600.0)
-    max_sessions: int = within(1024, 1)
+    session_idle_s: Seconds = 3600.0
+    max_sessions: Annotated[int, integer(Range(1))] = 1024
 
 
-@dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Table):
     """``[supervisor.model]``: the model proxyvisor calls itself (verifier, refuter, planner, condenser).
 
     With ``api_base`` and ``api_key_env`` empty, the session's own route (``proxyvisor.supervisor_model.route_of``):
@@ -134,16 +113,15 @@ class ModelConfig:
     name: str = ""
     api_base: str = ""
     api_key_env: str = ""
-    max_tokens: int = within(8192, 1)
-    temperature: float = within(0.0, 0, 2)
-    top_p: float = field(default=1.0, metadata={_RANGE: Range(0, 1, low_open=True)})
+    max_tokens: Annotated[int, integer(Range(1))] = 8192
+    temperature: Annotated[float, real(Range(0, 2))] = 0.0
+    top_p: Annotated[float, real(Range(0, 1, low_open=True))] = 1.0
     reasoning_effort: str = ""
-    max_retries: int = 1
-    request_timeout_s: float = positive(300.0)
+    max_retries: Count = 1
+    request_timeout_s: Seconds = 300.0
 
 
-@dataclass(frozen=True)
-class CondenseConfig:
+class CondenseConfig(Table):
     """``[supervisor.condense]``: narrowing oversized tool results for the model's copy (seed 003, "Condense").
 
     A plain-text tool result above ``tokens_threshold`` tokens (0 = off; never below 512) is a candidate; the
@@ -153,14 +131,13 @@ class CondenseConfig:
     """
 
     enabled: bool = True
-    tokens_threshold: int = 5000
+    tokens_threshold: Count = 5000
     adaptive: bool = False
-    view_budget_tokens: int = within(32000, 256)
-    timeout_s: float = positive(60.0)
+    view_budget_tokens: Annotated[int, integer(VIEW_BUDGET)] = DEFAULT_VIEW_BUDGET
+    timeout_s: Seconds = 60.0
 
 
-@dataclass(frozen=True)
-class DetectorsConfig:
+class DetectorsConfig(Table):
     """``[supervisor.detectors]``: ``mutating_tools`` names tools whose successful calls always count as changes
     (declared mutations), on top of the built-in rules (``proxyvisor.detectors.receipts``). The detectors'
     thresholds are fixed constants (seed 003)."""
@@ -168,38 +145,34 @@ class DetectorsConfig:
     mutating_tools: tuple[str, ...] = ()
 
 
-HOLDS = ("answer", "stop")
-"""``[supervisor.gate] hold``: what of a streamed final answer waits for the verdict."""
-
-
-@dataclass(frozen=True)
-class GateConfig:
+class GateConfig(Table):
     """``[supervisor.gate]``: the verify-gate (seed 003 "Verify-gate"; ``proxyvisor.gate``).
 
     Every response that ends a turn without tool calls is checked by one verifier call (``[supervisor.model]``)
     before the agent gets it. ``reentry_budget``: times per turn the turn is continued upstream to close gaps
-    (0-8, issue 4). ``failure_policy``: ``fail_closed`` labels a turn whose verifier is unavailable not passed
-    (still delivered, labelled ``unverified``); ``fail_open`` passes it. ``headless``: the agent runs with no user
-    present (``proxyvisor batch`` sets it), so a turn ending ``exploring``/``progressing`` with no action gets a
-    continue nudge (at most 2). ``digest_budget_tokens``: the verifier input's bound (at least 1,024).
-    ``timeout_s``: seconds one verifier call may take before it counts as unavailable. ``hold``: what of a
-    streamed final answer waits for the verdict: ``answer`` (all of it) or ``stop`` (only its stop event; the text
-    streams, and a continued turn goes on in the same message). ``unverified_notice``: the line appended to an
-    answer delivered not passed under ``fail_closed`` (empty: none).
+    (:data:`~proxyvisor.rules.REENTRY_BUDGET`). ``failure_policy``: ``fail_closed`` labels a turn whose verifier
+    is unavailable not passed (still delivered, labelled ``unverified``); ``fail_open`` passes it. ``headless``:
+    the agent runs with no user present (``proxyvisor batch`` sets it), so a turn ending
+    ``exploring``/``progressing`` with no action gets a continue nudge (at most 2). ``digest_budget_tokens``: the
+    verifier input's bound (:data:`~proxyvisor.rules.DIGEST_BUDGET`). ``timeout_s``: seconds one verifier call may
+    take before it counts as unavailable. ``hold``: what of a streamed final answer waits for the verdict:
+    ``answer`` (all of it) or ``stop`` (only its stop event; the text streams, and a continued turn goes on in the
+    same message). ``unverified_notice``: the line appended to an answer delivered not passed under
+    ``fail_closed`` (empty: none).
     """
 
     enabled: bool = True
-    reentry_budget: int = within(2, 0, 8)
-    failure_policy: str = "fail_closed"
+    reentry_budget: Annotated[int, integer(REENTRY_BUDGET)] = DEFAULT_REENTRIES
+    failure_policy: FailurePolicy = FAIL_CLOSED
     headless: bool = False
-    digest_budget_tokens: int = within(16384, 1024)
-    timeout_s: float = positive(120.0)
-    hold: str = "stop"
-    unverified_notice: str = "[proxyvisor] This answer could not be verified: check it before relying on it."
+    digest_budget_tokens: Annotated[int, integer(DIGEST_BUDGET)] = DEFAULT_DIGEST_BUDGET
+    timeout_s: Seconds = 120.0
+    hold: Hold = HOLD_STOP
+    unverified_notice: Annotated[str, Meta(pattern=r"\A\s*[^\n]*\s*\Z", description="one line")] = \
+        "[proxyvisor] This answer could not be verified: check it before relying on it."
 
 
-@dataclass(frozen=True)
-class PlanConfig:
+class PlanConfig(Table):
     """``[supervisor.plan]``: the supervisor-owned plan (seed 003 "Adaptive external planning", "Recite").
 
     ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: a block
@@ -212,28 +185,19 @@ class PlanConfig:
 
     enabled: bool = True
     recite: bool = True
-    timeout_s: float = positive(60.0)
+    timeout_s: Seconds = 60.0
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
+class SupervisorConfig(Table):
     enabled: bool = True
-    model: ModelConfig = field(default_factory=ModelConfig)
-    condense: CondenseConfig = field(default_factory=CondenseConfig)
-    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
-    gate: GateConfig = field(default_factory=GateConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    condense: CondenseConfig = msgspec.field(default_factory=CondenseConfig)
+    detectors: DetectorsConfig = msgspec.field(default_factory=DetectorsConfig)
+    gate: GateConfig = msgspec.field(default_factory=GateConfig)
+    plan: PlanConfig = msgspec.field(default_factory=PlanConfig)
 
 
-COMPLEXITY = ("CLEAR", "COMPLICATED", "COMPLEX", "CHAOTIC")
-"""Complexity ranks, lowest first (seed 000). A request with no complexity is below every gate."""
-ROUTING_MODES = ("explicit", "adaptive", "suggest")
-FALLBACK_POLICIES = ("fail_closed", "same_adapter_default", "next_eligible")
-ROLE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-@dataclass(frozen=True)
-class RouteTarget:
+class RouteTarget(Table):
     """An adapter, model and effort; an empty field is inherited (see ``proxyvisor.adapters.routing``)."""
 
     adapter: str = ""
@@ -241,8 +205,7 @@ class RouteTarget:
     effort: str = ""
 
 
-@dataclass(frozen=True)
-class RoleConfig:
+class RoleConfig(Table):
     """One ``[model_routing.roles.NAME]`` table: the role's target, its description for the delegation tool,
     and the roles it may delegate to (edges of the supervision graph, seed 004)."""
 
@@ -258,53 +221,54 @@ class RoleConfig:
         return RouteTarget(self.adapter, self.model, self.effort)
 
 
-@dataclass(frozen=True)
-class CooldownConfig:
-    default_seconds: float = positive(300.0)
-    maximum_seconds: float = positive(3600.0)
+class CooldownConfig(Table):
+    default_seconds: Seconds = 300.0
+    maximum_seconds: Seconds = 3600.0
 
 
-@dataclass(frozen=True)
-class ChildrenConfig:
+class ChildrenConfig(Table):
     """Clocks and limits of child runs (seed 002)."""
 
-    wall_clock_s: float = within(600.0, 30, 3600)
-    idle_warn_s: float = positive(60.0)
-    idle_cancel_s: float = positive(300.0)
-    stop_grace_s: float = positive(5.0)
-    claim_check_chars: int = within(6000, 1000)
-    claim_retention_s: float = positive(604800.0)
-    budget_tokens: int = 0
+    wall_clock_s: Annotated[float, real(CHILD_WALL_CLOCK)] = 600.0
+    idle_warn_s: Seconds = 60.0
+    idle_cancel_s: Seconds = 300.0
+    stop_grace_s: Seconds = 5.0
+    claim_check_chars: Annotated[int, integer(Range(1000))] = 6000
+    claim_retention_s: Seconds = 604800.0
+    budget_tokens: Count = 0
 
 
-@dataclass(frozen=True)
-class ModelRoutingConfig:
+AdapterOption = Annotated[str | int | float | bool | list[str],
+                          Meta(description="a string, number, boolean or list of strings")]
+"""A value of ``[model_routing.adapter_options.ID]``: the adapter reads its own options."""
+
+
+class ModelRoutingConfig(Table):
     """``[model_routing]``: delegation to child runtimes, routing policy and per-pool health (seed 000)."""
 
     enabled: bool = False
-    mode: str = "explicit"
-    complexity_threshold: str = "COMPLICATED"
-    fallback_policy: str = "fail_closed"
-    max_parallel: int = within(8, 1)
-    max_depth: int = within(3, 1)
+    mode: RoutingMode = "explicit"
+    complexity_threshold: Complexity = "COMPLICATED"
+    fallback_policy: FallbackPolicy = "fail_closed"
+    max_parallel: Annotated[int, integer(Range(1))] = 8
+    max_depth: Annotated[int, integer(Range(1))] = 3
     adapters_dir: str = ""
-    cooldown: CooldownConfig = field(default_factory=CooldownConfig)
-    orchestrator: RouteTarget = field(default_factory=RouteTarget)
-    children: ChildrenConfig = field(default_factory=ChildrenConfig)
+    cooldown: CooldownConfig = msgspec.field(default_factory=CooldownConfig)
+    orchestrator: RouteTarget = msgspec.field(default_factory=RouteTarget)
+    children: ChildrenConfig = msgspec.field(default_factory=ChildrenConfig)
     roles: tuple[RoleConfig, ...] = ()
-    adapter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    adapter_options: dict[str, dict[str, AdapterOption]] = {}
 
     def role(self, name: str) -> RoleConfig | None:
         return next((r for r in self.roles if r.name == name), None)
 
 
-@dataclass(frozen=True)
-class Config:
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+class Config(Table):
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(name="scripted"),)
-    state: StateConfig = field(default_factory=StateConfig)
-    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
-    model_routing: ModelRoutingConfig = field(default_factory=ModelRoutingConfig)
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    model_routing: ModelRoutingConfig = msgspec.field(default_factory=ModelRoutingConfig)
     source: str = "built-in defaults"
 
     def state_dir(self, env: dict[str, str] | None = None) -> Path:
@@ -330,48 +294,53 @@ class Config:
         return self.upstreams[0], False
 
     def with_overrides(self, **sections: dict[str, Any]) -> Config:
-        """A copy with some fields of ``proxy``, ``state`` or ``supervisor`` replaced (for CLI flags and tests)."""
-        changes = {name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()}
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields of ``proxy``, ``state`` or ``supervisor`` replaced (for CLI flags and tests;
+        not validated: :func:`validate` checks the result)."""
+        return replace(self, **{name: replace(getattr(self, name), **values) for name, values in sections.items()})
 
 
-def _check_keys(table: dict[str, Any], cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
-    known = {f.name for f in dataclasses.fields(cls)} | set(extra)
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+class _Document(Table):
+    """A configuration file's top level. The named tables are validated one by one (:func:`parse`), so that an
+    error names its table."""
+
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    upstreams: Annotated[dict[str, Any], Meta(min_length=1, description="at least one [upstreams.NAME] table")] = \
+        msgspec.field(default_factory=lambda: {"scripted": {}})
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    model_routing: dict[str, Any] = {}
 
 
-def _build(cls: type, table: Any, where: str, **fixed: Any) -> Any:
-    """Type-check ``table`` into ``cls``; a field whose default is a dataclass is a sub-table (``[where.name]``),
-    built the same way. ``fixed`` fields are set as given (e.g. the table's own name)."""
-    _check_keys(_table(table, where), cls, where, extra=())
-    values: dict[str, Any] = dict(fixed)
-    for f in dataclasses.fields(cls):
-        if f.name not in table:
-            continue
-        value = table[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(kind := f.default_factory):
-            values[f.name] = _build(kind, value, f"{where[:-1]}.{f.name}]")
-            continue
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            value = float(value) if ok else value
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(default, tuple):
-            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-            value = tuple(value) if ok else value
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            expected = type(default).__name__ if default is not None else "string"
-            raise ConfigError(f"{where}.{f.name}: expected {expected}, got {value!r}")
-        values[f.name] = value
-    return cls(**values)
+def _error(source: str, tables: tuple[str, ...], problem: Problem, key: str = "") -> ConfigError:
+    """The :class:`ConfigError` of ``problem`` found in the table ``tables`` of ``source`` (``key``: the key whose
+    value was converted, when the problem is the whole value)."""
+    tables += problem.tables
+    if problem.unknown:
+        kind = "setting(s)" if tables else "section(s)"
+        text = f"unknown {kind} {', '.join(problem.unknown)}; known: {', '.join(problem.known)}"
+        return ConfigError(f"{source}: [{'.'.join(tables)}] {text}" if tables else f"{source}: {text}")
+    key = problem.key or key
+    if not tables:  # a section itself
+        tables, key = (key,), ""
+    return ConfigError(f"{source}: [{'.'.join(tables)}]{f' {key}' if key else ''} {problem.message}")
+
+
+def _convert(source: str, tables: tuple[str, ...], value: Any, schema: Any, key: str = "") -> Any:
+    try:
+        return convert(value, schema)
+    except Invalid as exc:
+        raise _error(source, tables, exc.problem, key) from None
+
+
+def _named(source: str, tables: tuple[str, ...], table: Any) -> Any:
+    """The ``[SECTION.NAME]`` table ``tables`` with its name, for a schema whose ``name`` field is the table's
+    name; a ``name`` key in the table itself is unknown (the table's name is its name)."""
+    if not isinstance(table, dict):
+        return table
+    if "name" in table:
+        raise ConfigError(f"{source}: [{'.'.join(tables)}] unknown setting(s) name: the table's name is "
+                          f"{tables[-1]!r}")
+    return {**table, "name": tables[-1]}
 
 
 def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
@@ -381,155 +350,93 @@ def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
         ConfigError: an unknown section or key, a value of the wrong type, or an invalid value; the message
             names ``source`` and the key.
     """
-    known_sections = {"proxy", "upstreams", "state", "supervisor", "model_routing"}
-    unknown = sorted(set(document) - known_sections)
-    if unknown:
-        raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
-    proxy = _build(ProxyConfig, document.get("proxy", {}), f"{source}: [proxy]")
-    state = _build(StateConfig, document.get("state", {}), f"{source}: [state]")
-    supervisor = _build(SupervisorConfig, document.get("supervisor", {}), f"{source}: [supervisor]")
-    raw_upstreams = document.get("upstreams", {"scripted": {}})
-    if not isinstance(raw_upstreams, dict) or not raw_upstreams:
-        raise ConfigError(f"{source}: [upstreams] must hold at least one [upstreams.NAME] table")
-    upstreams = []
-    for name, table in raw_upstreams.items():
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: [upstreams.{name}] must be a table")
-        upstreams.append(_build(UpstreamConfig, table, f"{source}: [upstreams.{name}]", name=name))
-    model_routing = parse_model_routing(document.get("model_routing", {}), f"{source}: [model_routing]")
-    config = Config(proxy=proxy, upstreams=tuple(upstreams), state=state, supervisor=supervisor,
-                    model_routing=model_routing, source=source)
-    validate(config)
+    doc = _convert(source, (), document, _Document)
+    upstreams = tuple(_convert(source, ("upstreams", name), _named(source, ("upstreams", name), table),
+                               UpstreamConfig) for name, table in doc.upstreams.items())
+    config = Config(proxy=doc.proxy, upstreams=upstreams, state=doc.state, supervisor=doc.supervisor,
+                    model_routing=parse_model_routing(doc.model_routing, source), source=source)
+    _check(config)
     return config
 
 
-def _table(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a table")
-    return value
-
-
-def validate_supervisor(supervisor: SupervisorConfig, where: str = "[supervisor]") -> None:
-    """Check ``[supervisor.*]`` choices (numbers: :func:`validate`). Raises ConfigError naming the key at fault."""
-    g = supervisor.gate
-    checks = [
-        (g.failure_policy in ("fail_open", "fail_closed"), "gate] failure_policy must be \"fail_open\" or "
-                                                             "\"fail_closed\""),
-        (g.hold in HOLDS, "gate] hold must be \"answer\" or \"stop\""),
-        ("\n" not in g.unverified_notice.strip(), "gate] unverified_notice must be one line"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(f"{where[:-1]}.{message}")
-
-
-def parse_model_routing(table: Any, where: str = "[model_routing]") -> ModelRoutingConfig:
-    """Type-check the ``[model_routing]`` table and its sub-tables into a :class:`ModelRoutingConfig`.
+def parse_model_routing(table: dict[str, Any], source: str) -> ModelRoutingConfig:
+    """Validate the ``[model_routing]`` table of ``source`` (its sub-tables, roles and adapter options too).
 
     Raises:
         ConfigError: an unknown key, a wrong type, or a sub-table that is not a table; the message names it.
     """
-    table = dict(_table(table, where))
-    roles = _table(table.pop("roles", {}), f"{where}.roles")
-    adapter_options = _table(table.pop("adapter_options", {}), f"{where}.adapter_options")
-    options: dict[str, dict[str, Any]] = {}
-    for adapter, values in adapter_options.items():
-        values = _table(values, f"{where}.adapter_options.{adapter}")
-        for key, value in values.items():
-            scalar = isinstance(value, (str, int, float, bool))
-            if not scalar and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                raise ConfigError(f"{where}.adapter_options.{adapter}.{key}: expected a string, number, boolean "
-                                  f"or list of strings, got {value!r}")
-        options[adapter] = dict(values)
-    return dataclasses.replace(
-        _build(ModelRoutingConfig, table, where),
-        roles=tuple(_build(RoleConfig, role, f"{where}.roles.{name}", name=name) for name, role in roles.items()),
-        adapter_options=options)
+    where = ("model_routing",)
+    rest = {k: v for k, v in table.items() if k not in ("roles", "adapter_options")}
+    routing = _convert(source, where, rest, ModelRoutingConfig)
+    roles = _convert(source, where, table.get("roles", {}), dict[str, Any], key="roles")
+    options = _convert(source, where, table.get("adapter_options", {}), dict[str, Any], key="adapter_options")
+    for adapter, values in options.items():
+        for key, value in _convert(source, (*where, "adapter_options", adapter), values, dict[str, Any]).items():
+            _convert(source, (*where, "adapter_options", adapter), value, AdapterOption, key=key)
+    return replace(routing, adapter_options=options, roles=tuple(
+        _convert(source, (*where, "roles", name), _named(source, (*where, "roles", name), role), RoleConfig)
+        for name, role in roles.items()))
 
 
-def validate_model_routing(routing: ModelRoutingConfig, where: str = "[model_routing]") -> None:
-    """Check ``[model_routing]`` values: enums, the order of related numbers (their ranges: :func:`validate`; a
-    child's wall clock is 30 to 3,600 s, seed 002) and the supervision graph (known roles, no cycle, one supervisor each, depth; seed 004).
+def _check(config: Config) -> None:
+    """The rules that no single value's type states: the bind rule, the scripted supervisor's upstream, the order
+    of related numbers, role names and the supervision graph (known roles, no cycle, one supervisor each, depth;
+    seed 004).
 
     Adapters, models and efforts are checked against the adapter descriptors when a policy is written and when a
     route is resolved, not here: a saved target whose adapter is gone must still load and show as unavailable.
 
     Raises:
-        ConfigError: naming the key at fault.
+        ConfigError: with the source and the key at fault.
     """
     from .adapters.graph import GraphError, check_graph
 
-    for key, allowed in (("mode", ROUTING_MODES), ("complexity_threshold", COMPLEXITY),
-                         ("fallback_policy", FALLBACK_POLICIES)):
-        value = getattr(routing, key)
-        if value not in allowed:
-            raise ConfigError(f"{where} {key} must be one of {', '.join(allowed)}, got {value!r}")
-    c = routing.cooldown
-    if not c.default_seconds <= c.maximum_seconds:
-        raise ConfigError(f"{where[:-1]}.cooldown] needs default_seconds <= maximum_seconds, got "
-                          f"{c.default_seconds} and {c.maximum_seconds}")
-    k = routing.children
-    if not k.idle_warn_s <= k.idle_cancel_s:
-        raise ConfigError(f"{where[:-1]}.children] needs idle_warn_s <= idle_cancel_s")
-    bad = [r.name for r in routing.roles if not ROLE_NAME.match(r.name)]
-    if bad:
-        raise ConfigError(f"{where}.roles: each role becomes a delegation tool named after it, so a role name is 1-64 "
-                          f"of A-Z, a-z, 0-9, _ and - (the tool-name rule of the model APIs); got {', '.join(bad)}")
-    try:
-        check_graph({r.name: r.supervises for r in routing.roles}, routing.max_depth)
-    except GraphError as exc:
-        raise ConfigError(f"{where}.roles: {exc}") from None
-
-
-def numeric_settings(config: Config) -> Iterator[tuple[tuple[str, ...], str, float, Range]]:
-    """Every numeric setting of ``config`` (ints and floats, not booleans), as (the path of its table, e.g.
-    ``("upstreams", "main")``, its key, its value, its :class:`Range`)."""
-
-    def walk(obj: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, float, Range]]:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                yield from walk(value, path + (f.name,))
-            elif isinstance(value, tuple) and value and all(dataclasses.is_dataclass(v) for v in value):
-                for item in value:
-                    yield from walk(item, path + (f.name, item.name))
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                yield path, f.name, value, f.metadata.get(_RANGE, Range())
-
-    return walk(config, ())
-
-
-def validate(config: Config) -> None:
-    """Check the values that types alone cannot: every number against its :class:`Range`, then formats, choices
-    and the bind rule.
-
-    Raises:
-        ConfigError: with the source and the key at fault.
-    """
     where = config.source
-    for path, key, value, allowed in numeric_settings(config):
-        if not allowed.admits(value):
-            finite = "" if math.isfinite(value) else " (every number in the configuration must be finite)"
-            raise ConfigError(f"{where}: [{'.'.join(path)}] {key} must be {allowed}, got {value!r}{finite}")
     p = config.proxy
     if not is_loopback(p.host) and not p.auth_token:
         raise ConfigError(
             f"{where}: [proxy] host = {p.host!r} is not a loopback address; binding elsewhere requires "
             "[proxy] auth_token (clients then send it as 'x-proxyvisor-auth')"
         )
-    for u in config.upstreams:
-        bad = [f for f in u.formats if f not in FORMATS]
-        if bad or not u.formats:
-            raise ConfigError(f"{where}: [upstreams.{u.name}] formats must be a non-empty subset of {list(FORMATS)}")
-        if not u.scripted and not u.url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"{where}: [upstreams.{u.name}] url must be http(s)://... or {SCRIPTED_URL!r}, got {u.url!r}"
-            )
     if config.supervisor.model.api_base == SCRIPTED_URL and not any(u.scripted for u in config.upstreams):
         raise ConfigError(f"{where}: [supervisor.model] api_base = {SCRIPTED_URL!r} is the embedded scripted "
                           f"upstream, but no [upstreams.NAME] has url = {SCRIPTED_URL!r}")
-    validate_supervisor(config.supervisor, f"{where}: [supervisor]")
-    validate_model_routing(config.model_routing, f"{where}: [model_routing]")
+    routing = config.model_routing
+    c = routing.cooldown
+    if not c.default_seconds <= c.maximum_seconds:
+        raise ConfigError(f"{where}: [model_routing.cooldown] needs default_seconds <= maximum_seconds, got "
+                          f"{c.default_seconds} and {c.maximum_seconds}")
+    k = routing.children
+    if not k.idle_warn_s <= k.idle_cancel_s:
+        raise ConfigError(f"{where}: [model_routing.children] needs idle_warn_s <= idle_cancel_s")
+    bad = [r.name for r in routing.roles if not ROLE_NAME.match(r.name)]
+    if bad:
+        raise ConfigError(f"{where}: [model_routing].roles: each role becomes a delegation tool named after it, so a "
+                          "role name is 1-64 of A-Z, a-z, 0-9, _ and - (the tool-name rule of the model APIs); got "
+                          f"{', '.join(bad)}")
+    try:
+        check_graph({r.name: r.supervises for r in routing.roles}, routing.max_depth)
+    except GraphError as exc:
+        raise ConfigError(f"{where}: [model_routing].roles: {exc}") from None
+
+
+def as_document(config: Config) -> dict[str, Any]:
+    """``config`` as the TOML document that :func:`parse` reads back into it (its ``source`` aside)."""
+    doc = msgspec.to_builtins(config)
+    del doc["source"]
+    doc["upstreams"] = {u.pop("name"): u for u in doc["upstreams"]}
+    doc["model_routing"]["roles"] = {r.pop("name"): r for r in doc["model_routing"]["roles"]}
+    return doc
+
+
+def validate(config: Config) -> None:
+    """Check a :class:`Config` built in code (defaults with overrides from flags) by the rules :func:`parse`
+    applies to a file.
+
+    Raises:
+        ConfigError: with the source and the key at fault.
+    """
+    parse(as_document(config), config.source)
 
 
 def is_loopback(host: str) -> bool:
@@ -580,6 +487,6 @@ def load(explicit: str | None = None, env: dict[str, str] | None = None) -> Conf
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     config = parse(document, source=str(path))
     # A script named in a file belongs with that file: relative to its folder, not to wherever proxyvisor runs.
-    return dataclasses.replace(config, upstreams=tuple(
-        dataclasses.replace(u, script=str(path.parent / Path(u.script).expanduser())) if u.script else u
+    return replace(config, upstreams=tuple(
+        replace(u, script=str(path.parent / Path(u.script).expanduser())) if u.script else u
         for u in config.upstreams))

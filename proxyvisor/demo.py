@@ -53,6 +53,7 @@ from .detectors.steer import note_text
 from .proxy.formats import BY_NAME, AssistantTurn, ToolSpec, WireFormat
 from .proxy.service import running
 from .replay import send_turn
+from .rules import FORMATS
 from .store import Store
 from .supervisor_model import LITELLM, route_of
 
@@ -368,7 +369,7 @@ def demo(config: Config, which: str = "all", console: Console | None = None) -> 
     """Run the demo (see the module docstring). Writes its ledger to the configured state directory when one
     is set (``--state-dir``), else to a fresh temporary folder removed at the end. Returns the exit code."""
     console = console or Console()
-    formats = ["chat", "messages", "responses"] if which == "all" else [which]
+    formats = list(FORMATS) if which == "all" else [which]
     if config.state.dir:
         trio.run(_demo, config, formats, Path(config.state.dir), console, False)
         return 0

@@ -15,11 +15,11 @@ parent model calls the ``reviewer`` delegation tool each time, and the child's s
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 import httpx
+import msgspec
 import trio
 from rich.console import Console
 from rich.markup import escape
@@ -54,9 +54,9 @@ ROUNDS: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = [
 
 def demo_config(config: Config) -> Config:
     """``config`` with the demo's routing policy: delegation on, the one ``reviewer`` role on ``scripted``."""
-    routing = dataclasses.replace(ModelRoutingConfig(), enabled=True, roles=(ROLE,),
+    routing = msgspec.structs.replace(ModelRoutingConfig(), enabled=True, roles=(ROLE,),
                                   adapters_dir=config.model_routing.adapters_dir)
-    return dataclasses.replace(config, model_routing=routing).with_overrides(supervisor={"enabled": True})
+    return msgspec.structs.replace(config, model_routing=routing).with_overrides(supervisor={"enabled": True})
 
 
 async def run_delegating_agent(config: Config, store: Store, fmt: WireFormat, console: Console) -> None:

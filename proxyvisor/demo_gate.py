@@ -36,6 +36,7 @@ from rich.text import Text
 from .demo import agent_turn, assistant_message, call_text, opening, output_text, run_tool, say
 from .proxy.formats import WireFormat
 from .proxy.info import plural
+from .rules import HOLD_STOP
 
 TASK = "Fix the bug in app.py so that test_app.py passes."
 APP = "def add(a, b):\n    return a - b\n"
@@ -82,7 +83,7 @@ async def run_gated_agent(proxy: Any, fmt: WireFormat, workdir: Path, console: C
     messages = opening(TASK)
     received: list[str] = []
     gated = False  # the gate continued the turn
-    streamed = proxy.pipeline.config.supervisor.gate.hold == "stop"  # the premature text reaches the agent
+    streamed = proxy.pipeline.config.supervisor.gate.hold == HOLD_STOP  # the premature text reaches the agent
     first = len(upstream.requests)
     console.print(f"[bold]A premature \"done\" and the verify-gate[/bold]  ({fmt.label}, streaming)")
     say(console, "[cyan]user[/cyan]", TASK)

@@ -17,12 +17,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
+from msgspec.structs import replace
 
 from .scripted.upstream import ScriptedUpstream
 from .supervisor_model import ModelCall, with_condense

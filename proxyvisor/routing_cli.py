@@ -16,7 +16,6 @@ SIGINT, SIGHUP) stopped ``delegate``, after its child was stopped.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -27,11 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
-from .config import (COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES, Config, RouteTarget, default_config_path,
-                     find_config_file)
 from .adapters.descriptors import Registry, TargetError, registry_for
+from .config import Config, RouteTarget, default_config_path, find_config_file
+from .rules import CHILD_WALL_CLOCK, COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals on which ``delegate`` stops its child before it exits (128 + the signal's number)."""
@@ -79,7 +79,8 @@ def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[arg
     setter.add_argument("--max-depth", type=int, metavar="N")
     setter.add_argument("--cooldown-default", type=float, metavar="S", help="seconds of the first cooldown")
     setter.add_argument("--cooldown-maximum", type=float, metavar="S", help="longest cooldown, seconds")
-    setter.add_argument("--wall-clock", type=float, metavar="S", help="a child's wall-clock limit, 30-3600 s")
+    setter.add_argument("--wall-clock", type=float, metavar="S",
+                        help=f"a child's wall-clock limit, {CHILD_WALL_CLOCK} s")
     for key in ("adapter", "model", "effort"):
         setter.add_argument(f"--orchestrator-{key}", metavar=key.upper())
     setter.add_argument("--role", metavar="R", help="the role the --role-* options change (created if new)")
@@ -211,7 +212,7 @@ def _set_change(args: argparse.Namespace, registry: Registry) -> Callable[..., t
 def _policy(routing: Any, registry: Registry) -> dict[str, Any]:
     from .adapters.routing import resolve
 
-    policy = dataclasses.asdict(routing)
+    policy = msgspec.to_builtins(routing)
     policy["roles"] = {r["name"]: {k: v for k, v in r.items() if k != "name"} for r in policy["roles"]}
     resolved: dict[str, Any] = {}
     for role in routing.roles:

@@ -24,11 +24,12 @@ format's own way (``proxyvisor.proxy.session_model``), litellm through ``respons
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+import msgspec
 
 from .adapters import litellm_bridge
 from .config import SCRIPTED_URL, Config, ConfigError, ModelConfig
@@ -136,7 +137,7 @@ def configured_model(model: ModelConfig, scripted_url: str | None = None,
     if scripted_url is None:
         raise ConfigError(f'[supervisor.model] api_base = "{SCRIPTED_URL}" needs a scripted upstream '
                           f'([upstreams.NAME] url = "{SCRIPTED_URL}")')
-    local = dataclasses.replace(model, name="openai/" + model.name.rsplit("/", 1)[-1],
+    local = msgspec.structs.replace(model, name="openai/" + model.name.rsplit("/", 1)[-1],
                                 api_base=scripted_url + "/v1", api_key_env="")
     return litellm_model(local, env, api_key=SCRIPTED_KEY, priced=False)
 
@@ -144,7 +145,7 @@ def configured_model(model: ModelConfig, scripted_url: str | None = None,
 def with_condense(config: Config) -> Config:
     """``config`` with condensing on."""
     return config.with_overrides(supervisor={
-        "condense": dataclasses.replace(config.supervisor.condense, enabled=True)})
+        "condense": msgspec.structs.replace(config.supervisor.condense, enabled=True)})
 
 
 def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,

@@ -3,9 +3,9 @@ bad values refused with the key named."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from proxyvisor.config import Config, ConfigError, parse
@@ -19,7 +19,7 @@ def test_every_supervisor_key_in_config_toml_has_its_comment() -> None:
     for section in ("[supervisor.model]", "[supervisor.condense]"):
         body = text.split(section, 1)[1].split("\n[", 1)[0]
         keys = [line.split("=")[0].strip() for line in body.splitlines() if line and not line.startswith("#")]
-        assert keys == [f.name for f in dataclasses.fields(getattr(Config().supervisor, section[12:-1]))]
+        assert keys == [f.name for f in msgspec.structs.fields(getattr(Config().supervisor, section[12:-1]))]
         for key in keys:
             above = body.split(f"\n{key} =", 1)[0].rstrip().splitlines()[-1]
             assert above.startswith("#"), f"{section} {key} is not documented"
@@ -36,15 +36,15 @@ def test_supervisor_sections_parse() -> None:
 
 
 @pytest.mark.parametrize(("document", "message"), [
-    ({"supervisor": {"model": {"nam": "x"}}}, "[supervisor.model]: unknown setting(s) nam"),
+    ({"supervisor": {"model": {"nam": "x"}}}, "[supervisor.model] unknown setting(s) nam"),
     ({"supervisor": {"model": "gpt"}}, "[supervisor.model] must be a table"),
-    ({"supervisor": {"model": {"max_tokens": "8192"}}}, "[supervisor.model].max_tokens: expected int"),
+    ({"supervisor": {"model": {"max_tokens": "8192"}}}, "[supervisor.model] max_tokens must be an integer"),
     ({"supervisor": {"model": {"temperature": 3}}}, "[supervisor.model] temperature must be 0-2"),
     ({"supervisor": {"model": {"top_p": 0}}}, "[supervisor.model] top_p must be in (0, 1]"),
     ({"supervisor": {"condense": {"tokens_threshold": -1}}}, "[supervisor.condense] tokens_threshold must be >= 0"),
     ({"supervisor": {"condense": {"view_budget_tokens": 100}}}, "[supervisor.condense] view_budget_tokens must be"),
     ({"supervisor": {"condense": {"timeout_s": 0}}}, "[supervisor.condense] timeout_s must be > 0"),
-    ({"supervisor": {"condense": {"adaptive": "yes"}}}, "[supervisor.condense].adaptive: expected bool"),
+    ({"supervisor": {"condense": {"adaptive": "yes"}}}, "[supervisor.condense] adaptive must be a boolean"),
 ])
 def test_bad_supervisor_values_name_the_key(document: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:

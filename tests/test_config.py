@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
+import msgspec
 import pytest
+from msgspec.structs import fields, replace
 
-from proxyvisor.config import Config, ConfigError, UpstreamConfig, load, numeric_settings, parse
+from proxyvisor.config import Config, ConfigError, UpstreamConfig, load, parse
 from proxyvisor.proxy.service import running, upstream_keys
 
 from helpers import FORMATS, anthropic_client, ask, assert_error_shape, http_client, raw_stream, request_body
@@ -92,25 +95,25 @@ def test_state_dir_order(tmp_path: Path) -> None:
 def test_config_toml_documents_every_setting_with_its_default() -> None:
     text = (ROOT / "config.toml").read_text(encoding="utf-8")
     document = tomllib.loads(text)
-    assert dataclasses.replace(parse(document), source="x") == dataclasses.replace(Config(), source="x")
+    assert replace(parse(document), source="x") == replace(Config(), source="x")
     missing: list[str] = []
 
-    def walk(table: dict, value: object, where: str) -> None:
-        for f in dataclasses.fields(value):
+    def walk(table: dict, value: Any, where: str) -> None:
+        for f in fields(value):
             child = getattr(value, f.name)
-            if dataclasses.is_dataclass(child):
+            if isinstance(child, msgspec.Struct):
                 walk(table.get(f.name, {}), child, f"{where}.{f.name}")
             # Collections of tables (roles, adapter options) are empty by default and shown as examples.
             elif f.name not in table and not (isinstance(child, (tuple, dict)) and not child
                                               and f"[{where}.{f.name}." in text):
                 missing.append(f"{where}.{f.name}")
 
-    for section in dataclasses.fields(Config):
+    for section in fields(Config):
         if section.name in ("source", "upstreams"):
             continue
         walk(document.get(section.name, {}), getattr(Config(), section.name), section.name)
     upstream = UpstreamConfig(name="scripted")
-    for f in dataclasses.fields(upstream):
+    for f in fields(upstream):
         if f.name != "name" and f.name not in document["upstreams"]["scripted"]:
             missing.append(f"upstreams.scripted.{f.name}")
     assert missing == []
@@ -179,9 +182,21 @@ async def test_auth_token_guards_everything_but_health(start_proxy) -> None:
 
 
 def _numeric_keys() -> list[tuple[tuple[str, ...], str, float]]:
-    """Every numeric setting of the defaults (with a role, so per-role tables are walked too)."""
-    config = parse({"model_routing": {"roles": {"r": {}}}})
-    return [(path, key, value) for path, key, value, _range in numeric_settings(config)]
+    """Every numeric setting of the defaults (ints and floats, not booleans), as (the path of its table, e.g.
+    ``("upstreams", "scripted")``, its key, its value); with a role, so per-role tables are walked too."""
+
+    def walk(table: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, float]]:
+        for f in fields(table):
+            value = getattr(table, f.name)
+            if isinstance(value, msgspec.Struct):
+                yield from walk(value, path + (f.name,))
+            elif isinstance(value, tuple) and value and all(isinstance(v, msgspec.Struct) for v in value):
+                for item in value:
+                    yield from walk(item, path + (f.name, item.name))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield path, f.name, value
+
+    return list(walk(parse({"model_routing": {"roles": {"r": {}}}}), ()))
 
 
 @pytest.mark.parametrize("path, key, default", _numeric_keys(), ids=lambda v: v if isinstance(v, str) else None)

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 import trio
@@ -46,7 +47,7 @@ BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "s
 
 def proxy_config(roles: dict[str, Any] | None = REVIEWER, supervised: bool = True, **routing: Any) -> Config:
     config = routing_config(roles, **routing)
-    config = dataclasses.replace(config, upstreams=(UpstreamConfig(name="scripted"),))
+    config = msgspec.structs.replace(config, upstreams=(UpstreamConfig(name="scripted"),))
     return config.with_overrides(supervisor={"enabled": supervised})
 
 
@@ -543,7 +544,7 @@ async def test_the_demo_delegates_and_shows_a_pool_cool_down_and_recover_through
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_a_delegated_turn_also_works_through_translation(stream: bool, tmp_path: Path) -> None:
     """The agent speaks Messages, the upstream only Chat: the turn is continued through litellm's translation."""
-    config = dataclasses.replace(proxy_config(), upstreams=(UpstreamConfig(name="scripted", formats=("chat",)),))
+    config = msgspec.structs.replace(proxy_config(), upstreams=(UpstreamConfig(name="scripted", formats=("chat",)),))
     async with delegating(tmp_path / "state", [CALL, FINAL], [CHILD], config=config) as s:
         answer = await ask("messages", s.proxy.url, stream=stream)
     assert answer.tool_calls == () and answer.text.endswith(FINAL["text"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 from rich.console import Console
 
@@ -41,7 +41,7 @@ ENDED = {"answer": 'the agent never received the premature "done": it got the re
 async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified(tmp_path: Path, fmt: str,
                                                                                  hold: str) -> None:
     config = Config()
-    config = config.with_overrides(supervisor={"gate": dataclasses.replace(config.supervisor.gate, hold=hold)})
+    config = config.with_overrides(supervisor={"gate": msgspec.structs.replace(config.supervisor.gate, hold=hold)})
     text, ledger, workdir = await _scene(tmp_path, fmt, config)
     # The premature answer is shown first, then what the gate did with it.
     held = text.index(HELD[hold])
@@ -81,7 +81,7 @@ async def test_the_gate_holds_a_premature_done_and_the_reworked_turn_is_verified
 
 async def test_without_the_gate_the_agent_gets_the_premature_done(tmp_path: Path) -> None:
     config = Config()
-    config = config.with_overrides(supervisor={"gate": dataclasses.replace(config.supervisor.gate, enabled=False)})
+    config = config.with_overrides(supervisor={"gate": msgspec.structs.replace(config.supervisor.gate, enabled=False)})
     text, ledger, _workdir = await _scene(tmp_path, "chat", config)
     assert f"answers: {PREMATURE}" in text
     assert 'the agent received the premature "done"' in text and "never received" not in text

@@ -13,7 +13,6 @@ from proxyvisor.gate.digest import (
     CONTINUED,
     INSTRUCTIONS_CHARS,
     MAX_ACTION_LINES,
-    MIN_BUDGET,
     action_lines,
     build,
     evidence,
@@ -21,7 +20,10 @@ from proxyvisor.gate.digest import (
     turn_actions,
 )
 from proxyvisor.gate.prohibitions import MAX_CHARS, MAX_ITEMS, prohibitions
+from proxyvisor.rules import DIGEST_BUDGET
 from proxyvisor.transcript import Message, ToolOutput, ToolUse
+
+MIN_BUDGET = int(DIGEST_BUDGET.low)
 
 SCHEMAS = {"Bash": {"type": "object", "properties": {"command": {"type": "string"}}}}
 FAILING = ("============ FAILURES ============\n_____ test_parse _____\nE   AssertionError: assert 3 == 4\n"
@@ -222,7 +224,7 @@ def test_newest_final_answer_is_kept_when_finals_must_be_clipped() -> None:
 
 
 def test_budget_below_minimum_is_refused() -> None:
-    with pytest.raises(ValueError, match="minimum"):
+    with pytest.raises(ValueError, match=">= 1024 tokens"):
         build("x", ["y"], budget=MIN_BUDGET - 1)
 
 

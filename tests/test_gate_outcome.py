@@ -15,10 +15,7 @@ from proxyvisor.gate.outcome import (
     MODEL,
     NEXT,
     TABLE,
-    FAIL_CLOSED,
-    FAIL_OPEN,
     FAILED,
-    MAX_REENTRIES,
     NUDGE_BUDGET,
     UNKNOWN,
     UNVERIFIED,
@@ -39,6 +36,7 @@ from proxyvisor.gate.outcome import (
     answer_event,
 )
 from proxyvisor.gate.verdict import Gap, parse, refute
+from proxyvisor.rules import FAIL_CLOSED, FAIL_OPEN, REENTRY_BUDGET
 from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
 PASSED_RUN = Check(3, "pytest -q", CHECK_PASSED, "3 passed in 0.12s")
@@ -120,6 +118,9 @@ def test_same_gaps_without_new_evidence_re_enter_until_the_budget() -> None:
     decision = gaps_round(gate)
     assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (UNVERIFIED, False)
     assert "budget spent" in decision.reason and gate.reentries == 2
+
+
+MAX_REENTRIES = int(REENTRY_BUDGET.high)
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, MAX_REENTRIES])

@@ -10,9 +10,9 @@ in ``test_real_clients.py``.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
+import msgspec
 import orjson
 import pytest
 
@@ -46,7 +46,7 @@ async def test_claude_code_runs_as_a_child_and_its_evidence_comes_back(tmp_path:
         "enabled": True,
         "roles": {"coder": {"adapter": "claude-code", "model": "claude-haiku-4-5", "description": "Writes code."}},
         "adapter_options": {"claude-code": {"bin": find_agent("claude"), "env": env, "cwd": str(work)}}}})
-    config = dataclasses.replace(config, upstreams=(UpstreamConfig(name="scripted"),))
+    config = msgspec.structs.replace(config, upstreams=(UpstreamConfig(name="scripted"),))
     parent = ScriptedUpstream([CALL, FINAL])
     store = Store(tmp_path / "state")
     async with running(config, port=0, store=store, scripted={"scripted": parent}) as rp:

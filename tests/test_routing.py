@@ -9,7 +9,8 @@ import pytest
 from proxyvisor.adapters.descriptors import TargetError, registry_for
 from proxyvisor.adapters.graph import ROOT, GraphError, add_edge, check_graph, depth_of, may_delegate
 from proxyvisor.adapters.routing import LEVELS, is_supervised, plan, resolve
-from proxyvisor.config import COMPLEXITY, ConfigError, ModelRoutingConfig, RouteTarget, parse
+from proxyvisor.config import ConfigError, ModelRoutingConfig, RouteTarget, parse
+from proxyvisor.rules import COMPLEXITY
 
 from routing_support import FIXTURE_ADAPTERS, routing_config
 
@@ -128,10 +129,10 @@ def test_fallbacks_follow_the_policy_and_skip_unready_or_invalid_targets() -> No
     ({"children": {"idle_warn_s": 400}}, ["idle_warn_s"]),
     ({"cooldown": {"default_seconds": 900, "maximum_seconds": 60}}, ["default_seconds"]),
     ({"cooldown": {"minimum_seconds": 1}}, ["cooldown", "minimum_seconds"]),
-    ({"roles": {"r": {"model": 5}}}, ["roles.r.model"]),
+    ({"roles": {"r": {"model": 5}}}, ["[model_routing.roles.r] model"]),
     ({"roles": {"r": {"supervises": ["x"]}}}, ["'x' is not configured"]),
     ({"roles": "reviewer"}, ["roles must be a table"]),
-    ({"adapter_options": {"litellm": {"api_base": {"nested": 1}}}}, ["adapter_options.litellm.api_base"]),
+    ({"adapter_options": {"litellm": {"api_base": {"nested": 1}}}}, ["[model_routing.adapter_options.litellm] api_base"]),
     ({"enabled": "yes"}, ["enabled", "bool"]),
 ])
 def test_routing_settings_are_validated_naming_the_key(table: dict[str, Any], words: list[str]) -> None:

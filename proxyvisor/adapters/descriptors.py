@@ -37,16 +37,20 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+from msgspec import Meta
+
+from ..schema import Invalid, convert
 
 log = logging.getLogger("proxyvisor.adapters")
 
-DISPATCH, MODEL_SELECTION, EFFORT_SELECTION, STRUCTURED_OUTPUT = (
-    "dispatch", "model_selection", "effort_selection", "structured_output")
-CAPABILITIES = (DISPATCH, MODEL_SELECTION, EFFORT_SELECTION, STRUCTURED_OUTPUT)
+Capability = Literal["dispatch", "model_selection", "effort_selection", "structured_output"]
+CAPABILITIES: tuple[Capability, ...] = get_args(Capability)
+DISPATCH, MODEL_SELECTION, EFFORT_SELECTION, STRUCTURED_OUTPUT = CAPABILITIES
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_KEYS = {"id", "description", "default_model", "default_effort", "efforts", "pool_per_model",
-         "runtime_entrypoints", "models"}
+_Name = Annotated[str, Meta(min_length=1)]
 
 
 class DescriptorError(ValueError):
@@ -60,10 +64,29 @@ class TargetError(ValueError):
     """
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    id: str
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One ``[[models]]`` entry: a model id and the capacity pool (bucket) it is metered against."""
+
+    id: _Name
     bucket: str = ""
+
+
+class _Entrypoints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    dispatch: Annotated[str, Meta(pattern="^$|:", description="'module:factory' or 'file.py:factory'")] = ""
+    capabilities: tuple[Capability, ...] = ()
+
+
+class _File(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The schema of a descriptor file (module docstring)."""
+
+    id: str = ""
+    description: str = ""
+    default_model: str = ""
+    default_effort: str = ""
+    efforts: Annotated[tuple[_Name, ...], Meta(description="a list of non-empty strings")] = ()
+    pool_per_model: bool = False
+    runtime_entrypoints: _Entrypoints = msgspec.field(default_factory=_Entrypoints)
+    models: Annotated[tuple[ModelSpec, ...], Meta(description='a list of {id = "...", bucket = "..."} tables')] = ()
 
 
 @dataclass(frozen=True)
@@ -149,25 +172,13 @@ class Descriptor:
         return factory(self, options)
 
 
-def _strings(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise DescriptorError(f"{where} must be a list of non-empty strings")
-    return tuple(value)
-
-
-def _string(doc: dict[str, Any], key: str, where: Path) -> str:
-    value = doc.get(key, "")
-    if not isinstance(value, str):
-        raise DescriptorError(f"{where}: {key} must be a string")
-    return value
-
-
 def load_descriptor(path: Path) -> Descriptor:
-    """Read and validate one descriptor file.
+    """Read and validate one descriptor file against its schema (module docstring).
 
     Raises:
-        DescriptorError: unreadable, not TOML, an unknown key or capability, a bad id, duplicate models, or a
-            default model/effort the descriptor itself does not offer.
+        DescriptorError: unreadable, not TOML, an unknown key or capability, a value of the wrong type, a bad id,
+            duplicate models, or a default model/effort the descriptor itself does not offer; names the file and
+            the key.
     """
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -175,40 +186,24 @@ def load_descriptor(path: Path) -> Descriptor:
         raise DescriptorError(f"{path}: cannot read the descriptor: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise DescriptorError(f"{path}: not valid TOML: {exc}") from None
-    unknown = sorted(set(doc) - _KEYS)
-    if unknown:
-        raise DescriptorError(f"{path}: unknown key(s) {', '.join(unknown)}")
-    adapter_id = _string(doc, "id", path) or path.stem
+    try:
+        declared = convert(doc, _File)
+    except Invalid as exc:
+        p = exc.problem
+        where = "".join(f"[{t}] " for t in p.tables) + (f"{p.key} " if p.key else "")
+        raise DescriptorError(f"{path}: {where}{p.message}") from None
+    adapter_id = declared.id or path.stem
     if not _ID.match(adapter_id):
         raise DescriptorError(f"{path}: adapter id {adapter_id!r} must be lowercase letters, digits, '.', '_', '-'")
-    entry = doc.get("runtime_entrypoints", {})
-    if not isinstance(entry, dict) or set(entry) - {"dispatch", "capabilities"}:
-        raise DescriptorError(f"{path}: [runtime_entrypoints] holds only dispatch and capabilities")
-    capabilities = frozenset(_strings(entry.get("capabilities", []), f"{path}: capabilities"))
-    bad = sorted(capabilities - set(CAPABILITIES))
-    if bad:
-        raise DescriptorError(f"{path}: unknown capability {', '.join(bad)} (known: {', '.join(CAPABILITIES)})")
-    dispatch = entry.get("dispatch", "")
-    if not isinstance(dispatch, str) or (dispatch and ":" not in dispatch):
-        raise DescriptorError(f"{path}: dispatch must be 'module:factory' or 'file.py:factory'")
-    if DISPATCH in capabilities and not dispatch:
+    entry, models = declared.runtime_entrypoints, declared.models
+    if DISPATCH in entry.capabilities and not entry.dispatch:
         raise DescriptorError(f"{path}: declares dispatch but names no dispatch entrypoint")
-    models = []
-    for i, item in enumerate(doc.get("models", [])):
-        if not isinstance(item, dict) or set(item) - {"id", "bucket"} or not isinstance(item.get("id"), str) \
-                or not item["id"] or not isinstance(item.get("bucket", ""), str):
-            raise DescriptorError(f"{path}: models[{i}] must be {{id = \"...\", bucket = \"...\"}}")
-        models.append(ModelSpec(item["id"], item.get("bucket", "")))
     if len({m.id for m in models}) != len(models):
         raise DescriptorError(f"{path}: a model is declared twice")
-    pool_per_model = doc.get("pool_per_model", False)
-    if not isinstance(pool_per_model, bool):
-        raise DescriptorError(f"{path}: pool_per_model must be true or false")
     descriptor = Descriptor(
-        id=adapter_id, path=path, dispatch=dispatch, capabilities=capabilities, models=tuple(models),
-        efforts=_strings(doc.get("efforts", []), f"{path}: efforts"),
-        default_model=_string(doc, "default_model", path), default_effort=_string(doc, "default_effort", path),
-        pool_per_model=pool_per_model, description=_string(doc, "description", path))
+        id=adapter_id, path=path, dispatch=entry.dispatch, capabilities=frozenset(entry.capabilities), models=models,
+        efforts=declared.efforts, default_model=declared.default_model, default_effort=declared.default_effort,
+        pool_per_model=declared.pool_per_model, description=declared.description)
     if descriptor.default_model and models and descriptor.model(descriptor.default_model) is None:
         raise DescriptorError(f"{path}: default_model {descriptor.default_model!r} is not in its models")
     if descriptor.default_effort and descriptor.efforts and descriptor.default_effort not in descriptor.efforts:

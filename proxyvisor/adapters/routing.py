@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import COMPLEXITY, ModelRoutingConfig, RouteTarget
+from ..config import ModelRoutingConfig, RouteTarget
+from ..rules import COMPLEXITY
 from .descriptors import DISPATCH, Registry, TargetError
 
 NO_TARGET = RouteTarget()

@@ -34,14 +34,16 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..rules import DEFAULT_VIEW_BUDGET, VIEW_BUDGET
 from .ranges import runs
 from .signals import CONTEXT_LINES, diagnostic_lines, with_context
 from .text import body_of, count_each, count_tokens, visible
 
-ROUND_BUDGET = 32_000
+ROUND_BUDGET = DEFAULT_VIEW_BUDGET
 """Nominal view tokens shared by the candidates of one round, by size."""
-MIN_VIEW_TOKENS = 256
-"""Floor per candidate (the sum may exceed :data:`ROUND_BUDGET`)."""
+MIN_VIEW_TOKENS = int(VIEW_BUDGET.low)
+"""Floor per candidate (the sum may exceed :data:`ROUND_BUDGET`): the least view budget the configuration
+accepts, so that any budget shows at least one candidate."""
 MAX_CANDIDATES = 32
 """Most candidates in one condenser call; the largest are taken."""
 

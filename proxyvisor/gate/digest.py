@@ -5,7 +5,7 @@
 - **Never over budget**: the result has at most ``budget`` tokens (counted with
   :func:`proxyvisor.condense.text.count_tokens`, cl100k_base). Blocks are filled in priority order, each clipped
   to its own cap and to what is left; whatever does not fit is clipped (head 2/3, tail 1/3, with an omission
-  marker) or dropped. :data:`DEFAULT_BUDGET` (16,384) is proxyvisor's own bound: the reference bounds each block
+  marker) or dropped. :data:`~proxyvisor.rules.DEFAULT_DIGEST_BUDGET` (16,384) is proxyvisor's own bound: the reference bounds each block
   but not their sum, which can reach about 20k tokens.
 - **Untrusted text stays data**: every inserted text is XML-escaped (``&``, ``<``, ``>``), so no tool output or
   model text can close a block or open one (DESIGN.md principle 6; reference section 3, "untrusted text
@@ -61,13 +61,11 @@ from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors import checks
 from ..detectors.checks import words
 from ..detectors.receipts import NONE, Receipt, receipt, writes
+from ..rules import DEFAULT_DIGEST_BUDGET, DIGEST_BUDGET
 from ..transcript import Message, ToolOutput, ToolUse
 from .prohibitions import Standing, standing
 from .verdict import MAX_READS, READBACK_DONE, ReadRequest
 
-DEFAULT_BUDGET = 16_384
-MIN_BUDGET = 1_024
-"""Below this many tokens the request and the answer could not both be shown; :func:`build` refuses."""
 REQUEST_CHARS = 16_000
 """The request's clip (head 2/3, tail 1/3). Twice the reference's 8,000 for a *resolved* request: ours is the raw
 message, which a harness may prefix with pages of context (SWE-agent's demonstration, 19k characters, merged with
@@ -413,7 +411,7 @@ def _outputs_block(actions: Sequence[Action], cap: int) -> _Block:
 def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *, instructions: str = "",
           plan: str | None = None, state: str | None = None, claim: str = "", task: str = "",
           previous_gaps: Sequence[str] = (), prohibitions: Sequence[Standing] | None = None,
-          budget: int = DEFAULT_BUDGET, ev: Evidence | None = None) -> str:
+          budget: int = DEFAULT_DIGEST_BUDGET, ev: Evidence | None = None) -> str:
     """The verifier's input document for one turn, at most ``budget`` tokens.
 
     ``request``: the latest genuine user turn; ``finals``: the turn's final answers, oldest first (one per
@@ -422,11 +420,11 @@ def build(request: str, finals: Sequence[str], actions: Sequence[Action] = (), *
     rendered live plan, or None; ``state``/``claim``: the self-report state (None when absent) and ``focus``;
     ``previous_gaps``: the previous pass's gaps; ``prohibitions``: the prohibitions in force (the session's,
     ``proxyvisor.proxy.planning``), or None to read them from ``task`` (turn 1) and ``request`` (turn 2 when it is
-    another message) alone; ``ev``: :func:`evidence` of ``actions`` when the caller has it. Raises ValueError when
-    ``budget`` < :data:`MIN_BUDGET`.
+    another message) alone; ``ev``: :func:`evidence` of ``actions`` when the caller has it. Raises ValueError for a
+    ``budget`` outside :data:`~proxyvisor.rules.DIGEST_BUDGET`.
     """
-    if budget < MIN_BUDGET:
-        raise ValueError(f"digest budget {budget} is below the minimum of {MIN_BUDGET} tokens")
+    if not DIGEST_BUDGET.admits(budget):
+        raise ValueError(f"digest budget must be {DIGEST_BUDGET} tokens, got {budget}")
     follow_up = bool(task.strip()) and task.strip() != request.strip()
     if prohibitions is None:
         prohibitions = standing([(1, task), (2, request)] if follow_up else [(1, request)])

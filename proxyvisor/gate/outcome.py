@@ -33,8 +33,8 @@ section 3; issue 4):
   hand-back (``blocked`` / ``need_input``: the verifier judges whether the remaining work truly needs the user;
   this machine only routes).
 - **Gaps** of the model first go through the refutation pass; the gaps that stand re-enter the turn upstream with
-  an advisory, at most ``reentry_budget`` times (default 2, issue 4; at most :data:`MAX_REENTRIES` = 8). Once the
-  budget is spent the turn ends ``unverified``. If the ledger moved since the previous pass (new evidence) and the
+  an advisory, at most ``reentry_budget`` times (default 2, at most 8: :data:`~proxyvisor.rules.REENTRY_BUDGET`).
+  Once the budget is spent the turn ends ``unverified``. If the ledger moved since the previous pass (new evidence) and the
   same gaps return (:func:`~proxyvisor.gate.verdict.same_gaps`), retrying stops early and the turn ends ``failed``.
 - **Format retry**: one per turn for a malformed verifier answer; a second malformed answer counts as the verifier
   being unavailable.
@@ -57,13 +57,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..rules import DEFAULT_REENTRIES, FAIL_CLOSED, FAIL_OPEN, FAILURE_POLICIES, REENTRY_BUDGET, FailurePolicy
 from .digest import Evidence
 from .verdict import GAPS, Gap, Malformed, Verdict, same_gaps
 
 NUDGE_BUDGET = 2
-DEFAULT_REENTRIES = 2
-MAX_REENTRIES = 8
-FAIL_OPEN, FAIL_CLOSED = "fail_open", "fail_closed"
 VERIFIED, UNKNOWN, FAILED, UNVERIFIED = "verified", "unknown", "failed", "unverified"
 HANDBACKS = ("blocked", "need_input")
 COMPLETIONS = (None, "done")
@@ -96,20 +94,20 @@ class GateProtocolError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class GatePolicy:
-    """Validated gate settings. Raises ValueError for a budget outside 0..:data:`MAX_REENTRIES` or an unknown
-    policy. ``notice``: the line shown with an answer delivered not passed (``[supervisor.gate]
+    """Validated gate settings, by the rules the configuration states (:mod:`proxyvisor.rules`). Raises ValueError
+    for a budget outside :data:`~proxyvisor.rules.REENTRY_BUDGET` or an unknown policy. ``notice``: the line shown with an answer delivered not passed (``[supervisor.gate]
     unverified_notice``; empty: none)."""
 
     reentry_budget: int = DEFAULT_REENTRIES
-    failure_policy: str = FAIL_CLOSED
+    failure_policy: FailurePolicy = FAIL_CLOSED
     headless: bool = False
     notice: str = ""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.reentry_budget <= MAX_REENTRIES:
-            raise ValueError(f"reentry_budget must be 0..{MAX_REENTRIES}, got {self.reentry_budget}")
-        if self.failure_policy not in (FAIL_OPEN, FAIL_CLOSED):
-            raise ValueError(f"failure_policy must be {FAIL_OPEN} or {FAIL_CLOSED}, got {self.failure_policy!r}")
+        if not REENTRY_BUDGET.admits(self.reentry_budget):
+            raise ValueError(f"reentry_budget must be {REENTRY_BUDGET}, got {self.reentry_budget}")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"failure_policy must be one of {', '.join(FAILURE_POLICIES)}, got {self.failure_policy!r}")
 
     def notice_for(self, passed: bool) -> str | None:
         """The notice an answer delivered ``passed`` or not carries (module docstring), None for none."""

@@ -45,7 +45,8 @@ from ..adapters.failures import CAPACITY
 from ..adapters.graph import ROOT, may_delegate
 from ..adapters.results import child_traceparent
 from ..adapters.routing import is_supervised
-from ..config import COMPLEXITY, Config, RoleConfig, RouteTarget
+from ..config import Config, RoleConfig, RouteTarget
+from ..rules import COMPLEXITY
 from .continuation import Continuation, Resend
 from .formats import CHAT, ToolSpec, WireFormat
 from .formats.base import CallResult

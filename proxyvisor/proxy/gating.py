@@ -69,6 +69,7 @@ from ..gate.plan import render_text
 from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
                             ReadRequest, parse, refutation_input, refute)
+from ..rules import HOLD_ANSWER
 from ..supervisor_model import ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
@@ -398,7 +399,7 @@ class GatedStream:
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         g = self.gating
-        whole = g.config.hold == "answer"  # hold the whole answer, not only its stop
+        whole = g.config.hold == HOLD_ANSWER  # hold the whole answer, not only its stop
         # .calling turns True when a tool call starts; .stopped when the answer's stop event comes (kept back).
         splice = g.fmt.stream_splice(_never, stop=True)
         stream = self.first

@@ -19,6 +19,7 @@ from ..adapters import litellm_bridge
 from ..scripted.upstream import ScriptedUpstream, load_script
 from ..supervisor_model import LITELLM, ModelCall, configured_model
 from ..config import Config, ConfigError
+from ..rules import FORMATS
 from ..store import Store
 from .pipeline import Pipeline
 from .relay import HttpRelay
@@ -128,7 +129,7 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
                                                  abandon_on_cancel=True))
         translator = None
-        if any(set(u.formats) != {"chat", "messages", "responses"} for u in config.upstreams):
+        if any(set(u.formats) != set(FORMATS) for u in config.upstreams):
             from .translate import Translator
 
             translator = Translator(relays)
