@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import CondenseConfig, Config  # noqa: E402
-from proxyvisor.supervisor_model import with_condense  # noqa: E402
+from proxyvisor.supervisor_model import ModelAnswer, with_condense  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME  # noqa: E402
 from proxyvisor.proxy.formats.base import chat_text  # noqa: E402
 from proxyvisor.replay import load_trajectory, replay  # noqa: E402
@@ -154,10 +154,11 @@ def scripted_condenser(needed: set[int]):
         else:
             ranges.append([n, n])
 
-    async def answer(messages: list[dict[str, str]]) -> str:
+    async def answer(messages: list[dict[str, str]]) -> ModelAnswer:
         payload = json.loads(messages[1]["content"])
-        return json.dumps({"results": [{"id": r["id"], "verdict": "extract",
-                                        "lines": [f"{a}-{b}" for a, b in ranges]} for r in payload["results"]]})
+        return ModelAnswer(json.dumps({"results": [{"id": r["id"], "verdict": "extract",
+                                                    "lines": [f"{a}-{b}" for a, b in ranges]}
+                                                   for r in payload["results"]]}))
 
     return answer
 

@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -56,6 +55,7 @@ from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec  # noqa: E402
 from proxyvisor.proxy.sse import SSEParser  # noqa: E402
 from proxyvisor.proxy.service import running  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
+from proxyvisor.supervisor_model import ModelAnswer, ModelCall  # noqa: E402
 
 SIZES = (10, 500, 2000)
 PASS = orjson.dumps({"requirements": [{"id": 1, "requirement": "r", "status": "matched", "basis": None,
@@ -63,8 +63,8 @@ PASS = orjson.dumps({"requirements": [{"id": 1, "requirement": "r", "status": "m
 ANSWER = {"text": "Done: the parser tests pass now."}
 
 
-async def instant_verifier(_messages: list[dict[str, str]]) -> str:
-    return PASS
+async def instant_verifier(_messages: list[dict[str, str]]) -> ModelAnswer:
+    return ModelAnswer(PASS)
 
 
 def body_of(history: list[dict[str, Any]], stream: bool) -> bytes:
@@ -140,18 +140,18 @@ VERIFY_GAP = orjson.dumps({"requirements": [{"id": 1, "requirement": "r", "statu
 LATENCY_CASES = ("pass", "gaps")
 
 
-def slow_verifier(seconds: float, case: str) -> Callable[[list[dict[str, str]]], Awaitable[str]]:
+def slow_verifier(seconds: float, case: str) -> ModelCall:
     """A stand-in verifier that sleeps ``seconds`` per call (a fake delay) and passes, or finds one gap on its
     first verdict (``case`` "gaps"); the refuter lets the gap stand."""
     verdicts = 0
 
-    async def answer(messages: list[dict[str, str]]) -> str:
+    async def answer(messages: list[dict[str, str]]) -> ModelAnswer:
         nonlocal verdicts
         await trio.sleep(seconds)
         if messages[0]["content"] == REFUTER_INSTRUCTIONS:
-            return '{"findings": []}'
+            return ModelAnswer('{"findings": []}')
         verdicts += 1
-        return VERIFY_GAP if case == "gaps" and verdicts % 2 == 1 else PASS
+        return ModelAnswer(VERIFY_GAP if case == "gaps" and verdicts % 2 == 1 else PASS)
 
     return answer
 

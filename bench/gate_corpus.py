@@ -75,6 +75,7 @@ from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, CHAT, WireFormat  # noqa: E402
 from proxyvisor.replay import as_final_answer, load_trajectory, replay  # noqa: E402
 from proxyvisor.store import Store  # noqa: E402
+from proxyvisor.supervisor_model import ModelAnswer  # noqa: E402
 
 PASS = orjson.dumps({
     "requirements": [{"id": 1, "requirement": "the request", "status": "matched", "basis": None,
@@ -157,12 +158,12 @@ class RecordingVerifier:
     def next_request(self, _round: Any) -> None:
         self.request += 1
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         if messages[0]["content"] != VERIFIER_INSTRUCTIONS:
             self.other += 1
             raise RuntimeError("the corpus gate replay expects verifier calls only")
         self.calls.append(Call(self.request, messages[1]["content"]))
-        return PASS
+        return ModelAnswer(PASS)
 
 
 @dataclass

@@ -24,6 +24,7 @@ format's own way (``proxyvisor.proxy.session_model``), litellm through ``respons
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,33 +38,22 @@ from .config import SCRIPTED_URL, Config, ConfigError, ModelConfig
 SCRIPTED_KEY = "proxyvisor-scripted"
 """The placeholder key sent to the scripted upstream (the OpenAI client refuses to call without one)."""
 
-ModelCall = Callable[[list[dict[str, str]]], Awaitable[str]]
-"""A supervisor model call: chat messages in, the model's answer text out (a :class:`ModelAnswer` when the call
-went through litellm, carrying its usage); raises on any failure."""
+
+@dataclasses.dataclass(frozen=True)
+class ModelAnswer:
+    """The answer of one supervisor model call: its ``text`` and usage, ``input_tokens`` and ``output_tokens``
+    (the call's prompt and completion tokens) and ``cost_usd`` (USD from litellm's cost map; None, not priced, for
+    a model the map does not price and for the built-in scripted model). Not a ``str``: whoever reads the text
+    takes ``text``, and the usage stays with the answer whatever is done to the text."""
+
+    text: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
 
 
-class ModelAnswer(str):
-    """The answer text of a model call, with its usage: ``input_tokens``, ``output_tokens`` and ``cost_usd``
-    (litellm's cost map; None, not priced, for a model the map does not price and for the scripted upstream). A ``str``, so
-    callers that want only the text need nothing else; :func:`usage_of` reads the usage of any answer."""
-
-    input_tokens: int
-    output_tokens: int
-    cost_usd: float | None
-
-    def __new__(cls, text: str, input_tokens: int = 0, output_tokens: int = 0,
-                cost_usd: float | None = 0.0) -> ModelAnswer:
-        answer = super().__new__(cls, text)
-        answer.input_tokens, answer.output_tokens, answer.cost_usd = input_tokens, output_tokens, cost_usd
-        return answer
-
-
-def usage_of(answer: str) -> tuple[int, int, float | None]:
-    """(input tokens, output tokens, cost in USD or None when not priced) of a model answer; zeros for a plain
-    ``str`` (a test double)."""
-    if isinstance(answer, ModelAnswer):
-        return answer.input_tokens, answer.output_tokens, answer.cost_usd
-    return 0, 0, 0.0
+ModelCall = Callable[[list[dict[str, str]]], Awaitable[ModelAnswer]]
+"""A supervisor model call: chat messages in, the model's :class:`ModelAnswer` out; raises on any failure."""
 
 
 SESSION, LITELLM = "session", "litellm"
@@ -151,7 +141,8 @@ def with_condense(config: Config) -> Config:
 def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
                   api_key: str | None = None, priced: bool = True) -> ModelCall:
     """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``;
-    ``priced`` false (the embedded scripted upstream) reports every answer's cost as 0 whatever model it names.
+    ``priced`` false (the embedded scripted upstream) leaves every answer not priced (``cost_usd`` None) whatever
+    model it names.
 
     Verifier, refuter and planner calls ask for their answer's JSON schema through ``response_format``
     (:func:`schema_of`; litellm drops it for a model that takes none).
@@ -174,12 +165,12 @@ def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
     elif model.api_key_env:
         kwargs["api_key"] = env.get(model.api_key_env, "")
 
-    async def complete(messages: list[dict[str, str]]) -> str:
+    async def complete(messages: list[dict[str, str]]) -> ModelAnswer:
         schema = schema_of(messages)
         extra = {"response_format": {"type": "json_schema", "json_schema": {
             "name": schema[0], "schema": schema[1], "strict": False}}} if schema is not None else {}
 
-        async def run() -> str:
+        async def run() -> ModelAnswer:
             litellm = litellm_bridge.import_litellm()
             response = await litellm.acompletion(messages=messages, **kwargs, **extra)
             text = response.choices[0].message.content

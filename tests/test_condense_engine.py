@@ -16,6 +16,7 @@ from proxyvisor.proxy.condense_engine import CondenseEngine, ToolResult, effecti
 from proxyvisor.condense.protocol import TaskContext
 from proxyvisor.proxy.spill import SpillStore
 from proxyvisor.config import CondenseConfig
+from proxyvisor.supervisor_model import ModelAnswer
 
 CONTEXT = TaskContext(goal="fix the widget build", request="Why did the build fail?")
 
@@ -38,10 +39,10 @@ class Scripted:
         self.reply = reply or (lambda payload: {"results": [
             {"id": r["id"], "verdict": "extract", "lines": ["1-3"]} for r in payload["results"]]})
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         payload = json.loads(messages[1]["content"])
         self.payloads.append(payload)
-        return json.dumps(self.reply(payload))
+        return ModelAnswer(json.dumps(self.reply(payload)))
 
 
 def engine_for(tmp_path: Path, condenser, *, cache: bool = True, **settings) -> CondenseEngine:
@@ -96,7 +97,7 @@ def test_the_first_decision_settled_wins(tmp_path: Path) -> None:
 async def test_a_condenser_that_times_out_leaves_the_round_untouched(tmp_path: Path, autojump_clock) -> None:
     calls = []
 
-    async def hangs(messages: list[dict[str, str]]) -> str:
+    async def hangs(messages: list[dict[str, str]]) -> ModelAnswer:
         calls.append(messages)
         await trio.sleep_forever()
         raise AssertionError("unreachable")
@@ -113,10 +114,10 @@ async def test_a_condenser_that_times_out_leaves_the_round_untouched(tmp_path: P
 
 @pytest.mark.parametrize("behaviour", ["raises", "garbage"])
 async def test_a_failing_or_unusable_condenser_leaves_the_round_untouched(tmp_path: Path, behaviour: str) -> None:
-    async def condenser(messages: list[dict[str, str]]) -> str:
+    async def condenser(messages: list[dict[str, str]]) -> ModelAnswer:
         if behaviour == "raises":
             raise ConnectionError("upstream reset")
-        return "I think line 5 matters."
+        return ModelAnswer("I think line 5 matters.")
 
     report = await engine_for(tmp_path, condenser).run_round("s1", [ToolResult("a", "bash", BIG)], CONTEXT)
     assert report.replacements() == {} and report.decisions["a"].text is None

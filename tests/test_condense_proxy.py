@@ -27,6 +27,7 @@ from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.replay import recorded_turn, replay
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 FORMATS = ("chat", "messages", "responses")
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}})
@@ -67,16 +68,18 @@ ROUNDS = [i for i, m in enumerate(TRAJECTORY) if m["role"] == "assistant"]
 
 
 class Scripted:
-    """A condenser double: answers ``reply(payload)`` (by default: extract lines 1-3 of every result)."""
+    """A condenser double: answers ``reply(payload)`` (by default: extract lines 1-3 of every result), with the
+    usage ``usage`` (input tokens, output tokens, cost in USD or None: not priced)."""
 
-    def __init__(self, reply: Any = None) -> None:
+    def __init__(self, reply: Any = None, usage: tuple[int, int, float | None] = (0, 0, 0.0)) -> None:
         self.payloads: list[dict[str, Any]] = []
+        self.usage = usage
         self.reply = reply or (lambda payload: {"results": [
             {"id": r["id"], "verdict": "extract", "lines": ["1-3"]} for r in payload["results"]]})
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         self.payloads.append(json.loads(messages[1]["content"]))
-        return json.dumps(self.reply(self.payloads[-1]))
+        return ModelAnswer(json.dumps(self.reply(self.payloads[-1])), *self.usage)
 
 
 def request(fmt: WireFormat, messages: list[dict[str, Any]], stream: bool = False,
@@ -136,7 +139,7 @@ def pairing(fmt: WireFormat, body: dict[str, Any] | bytes) -> list[tuple[str, li
 @pytest.mark.parametrize("fmt_name", FORMATS)
 async def test_each_oversized_result_is_condensed_once_and_carried_identically(
         tmp_path: Path, fmt_name: str, stream: bool) -> None:
-    fmt, condenser = BY_NAME[fmt_name], Scripted()
+    fmt, condenser = BY_NAME[fmt_name], Scripted(usage=(4100, 37, 0.0125))
     async with running(NO_GATE, port=0, store=Store(tmp_path / "state"),
                        scripted={"scripted": ScriptedUpstream()}, model=condenser) as proxy:
         sent = await drive(proxy, fmt, TRAJECTORY, "s1", stream)
@@ -163,10 +166,13 @@ async def test_each_oversized_result_is_condensed_once_and_carried_identically(
         assert pairing(fmt, body) == pairing(fmt, sent[n])  # nothing split, dropped or reordered
     assert records[3].saved_tokens == records[2].saved_tokens > records[1].saved_tokens > 0
     assert records[3].applied == 2 and records[3].round == []
-    # Each condenser call is counted in its request's ledger line (what /info sums).
+    # Each condenser call is counted in its request's ledger line (what /info sums), with its answer's usage.
     ledger = Store(tmp_path / "state").read_ledger("s1")
     assert [line.get("supervisor_model", {}).get("calls") for line in ledger] == [None, {"condense": 1},
                                                                                   {"condense": 1}, None]
+    uses = [line["supervisor_model"] for line in ledger if "supervisor_model" in line]
+    assert [(u["input_tokens"], u["output_tokens"], u["cost_usd"], u.get("unpriced")) for u in uses] == \
+        [(4100, 37, 0.0125, None)] * 2
 
 
 async def test_decisions_outlive_a_restart_of_the_proxy(tmp_path: Path) -> None:
@@ -238,7 +244,7 @@ async def test_a_condenser_timeout_leaves_the_round_whole_for_good(tmp_path: Pat
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     calls = []
 
-    async def hangs(messages: list[dict[str, str]]) -> str:
+    async def hangs(messages: list[dict[str, str]]) -> ModelAnswer:
         calls.append(messages)
         await trio.sleep_forever()
         raise AssertionError("unreachable")

@@ -23,8 +23,10 @@ from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER
 from proxyvisor.proxy import continuation, gating
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
+from proxyvisor.proxy.info import summarize, supervisor_text
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 from helpers import FORMATS, MODEL, http_client, request_body, sse_events
 
@@ -63,15 +65,16 @@ OTHER_GAP = ("the docs were not updated", "the updated README")
 
 
 class Verifier:
-    """A supervisor model double: ``verify`` and ``refute`` answers, in order (an exception instance is raised;
-    ``None`` from a callable means "hang until cancelled"); every call's messages are kept in ``calls``."""
+    """A supervisor model double: ``verify`` and ``refute`` answers, in order (text, a :class:`ModelAnswer` with
+    its usage, a callable of the messages giving text, or an exception instance, raised); every call's messages
+    are kept in ``calls``."""
 
     def __init__(self, verify: list[Any] | None = None, refute: list[Any] | None = None) -> None:
         self.answers = {"verify": list(verify or []), "refute": list(refute or [])}
         self.calls: list[tuple[str, list[dict[str, str]]]] = []
         self.release: trio.Event | None = None
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         system = messages[0]["content"]
         purpose = "verify" if system == VERIFIER_INSTRUCTIONS else "refute" if system == REFUTER_INSTRUCTIONS else "?"
         self.calls.append((purpose, messages))
@@ -82,8 +85,8 @@ class Verifier:
         if isinstance(answer, Exception):
             raise answer
         if callable(answer):
-            return answer(messages)
-        return answer
+            answer = answer(messages)
+        return answer if isinstance(answer, ModelAnswer) else ModelAnswer(answer)
 
     def purposes(self) -> list[str]:
         return [p for p, _ in self.calls]
@@ -241,6 +244,43 @@ def _tool_call_items(fmt: str, call_id: str) -> list[Any]:
     w = BY_NAME[fmt]
     response = w.render(AssistantTurn("", (ToolCall("Bash", {"command": "pytest -q"}, call_id),)), MODEL)
     return w.assistant_items(response, lambda _name: True)
+
+
+# ---- usage: each answer's tokens and cost, as the model reported them ------------------------------------------------
+@pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
+async def test_each_gate_answers_usage_reaches_the_ledger_and_info_unchanged(tmp_path: Path, fmt: str,
+                                                                             stream: bool) -> None:
+    """A verdict with gaps, the refuter's answer (not priced) and the passing verdict after the rework: the
+    request's ledger line and the session's /info add up exactly the tokens and cost each answer carried, and the
+    unpriced answer is counted as not priced, never as $0."""
+    verifier = Verifier([ModelAnswer(verdict("gaps", (GAP,)), 1200, 80, 0.0042),
+                         ModelAnswer(verdict(), 900, 61, 0.0031)], [ModelAnswer('{"findings": []}', 700, 15, None)])
+    async with gated(tmp_path, [DONE, REWORKED], verifier) as run:
+        text, _, _ = await send(run, fmt, stream)
+        async with http_client(run.proxy.url) as client:
+            info = (await client.get("/proxyvisor/sessions/gate-test/info")).json()
+    assert text == REWORKED["text"] and verifier.purposes() == ["verify", "refute", "verify"]
+    (line,) = run.ledger()
+    use = line["supervisor_model"]
+    assert (use["calls"], use["input_tokens"], use["output_tokens"], use["unpriced"]) == (
+        {"verify": 2, "refute": 1}, 2800, 156, 1)
+    assert use["cost_usd"] == pytest.approx(0.0073)
+    sup = info["supervisor_model"]
+    assert (sup["total_calls"], sup["input_tokens"], sup["output_tokens"], sup["unpriced_calls"]) == (3, 2800, 156, 1)
+    assert sup["cost_usd"] == pytest.approx(0.0073)
+    assert "2,800 in / 156 out tokens · $0.0073 + 1 answer not priced" in supervisor_text(sup)
+
+
+async def test_answers_that_are_not_priced_stay_not_priced(tmp_path: Path) -> None:
+    verifier = Verifier([ModelAnswer(verdict("gaps", (GAP,)), 300, 20, None), ModelAnswer(verdict(), 310, 22, None)],
+                        [ModelAnswer('{"findings": []}', 100, 5, None)])
+    async with gated(tmp_path, [DONE, REWORKED], verifier) as run:
+        await send(run, "chat", False)
+    (line,) = run.ledger()
+    use = line["supervisor_model"]
+    assert (use["input_tokens"], use["output_tokens"], use["cost_usd"], use["unpriced"]) == (710, 47, 0.0, 3)
+    text = supervisor_text(summarize(run.ledger())["supervisor_model"])
+    assert "710 in / 47 out tokens · not priced ·" in text and "$" not in text
 
 
 # ---- the same gaps after new evidence: failed ----------------------------------------------------------------------
@@ -572,7 +612,7 @@ async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_a
     cancelled = trio.Event()
 
     class Hanging(Verifier):
-        async def __call__(self, messages: list[dict[str, str]]) -> str:
+        async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
             try:
                 return await super().__call__(messages)
             except trio.Cancelled:

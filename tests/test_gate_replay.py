@@ -17,6 +17,7 @@ from proxyvisor.config import Config
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.replay import TrajectoryError, as_final_answer, load_trajectory, replay
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 from helpers import FORMATS
 
@@ -37,9 +38,9 @@ class Recorder:
     def next_request(self, _round: object) -> None:
         self.request += 1
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         self.calls.append((self.request, messages))
-        return PASS
+        return ModelAnswer(PASS)
 
 
 def test_a_submit_tool_call_becomes_the_final_text_answer() -> None:

@@ -28,6 +28,7 @@ from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.proxy.supervise import Supervisor
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 FORMATS = ("chat", "messages", "responses")
 BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}})
@@ -47,14 +48,14 @@ def create(valid_if: str | None = None) -> str:
 
 
 class Planner:
-    """A planner double: answers each call with the next of ``answers`` (an exception is raised; ``hang`` never
-    answers); records each call's input."""
+    """A planner double: answers each call with the next of ``answers`` (text, or a :class:`ModelAnswer` with its
+    usage; an exception is raised; ``hang`` never answers); records each call's input."""
 
     def __init__(self, *answers: Any) -> None:
         self.answers = list(answers)
         self.inputs: list[dict[str, Any]] = []
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         assert messages[0] == {"role": "system", "content": PLANNER_INSTRUCTIONS}
         self.inputs.append(json.loads(messages[1]["content"]))
         answer = self.answers.pop(0)
@@ -62,7 +63,7 @@ class Planner:
             await trio.sleep_forever()
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return answer if isinstance(answer, ModelAnswer) else ModelAnswer(answer)
 
 
 def config(**plan: Any) -> Config:
@@ -123,8 +124,10 @@ class Agent:
 @pytest.mark.parametrize("fmt_name", FORMATS)
 async def test_a_request_signal_makes_a_plan_that_is_recited_and_advanced(tmp_path: Path, fmt_name: str,
                                                                           stream: bool) -> None:
-    planner = Planner(create(), json.dumps({"decision": "advance", "summary": "listed the rules"}))
-    async with running(config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": ScriptedUpstream()},
+    planner = Planner(ModelAnswer(create(), 2300, 140, 0.0021),
+                      ModelAnswer(json.dumps({"decision": "advance", "summary": "listed the rules"}), 2600, 30, None))
+    store = Store(tmp_path / "state")
+    async with running(config(), port=0, store=store, scripted={"scripted": ScriptedUpstream()},
                        model=planner) as proxy:
         agent = Agent(proxy, BY_NAME[fmt_name], stream)
         first = await agent.turn("Reading the parser. " + report("request"))
@@ -155,6 +158,11 @@ async def test_a_request_signal_makes_a_plan_that_is_recited_and_advanced(tmp_pa
         # A request signal while a plan is open is ignored.
         await agent.turn("More. " + report(None))
         assert len(planner.inputs) == 2
+    # Each planner answer's usage is in its request's ledger line, as the answer carried it.
+    uses = [line.get("supervisor_model") for line in store.read_ledger("planning")]
+    assert [(u["calls"], u["input_tokens"], u["output_tokens"], u["cost_usd"], u.get("unpriced")) if u else None
+            for u in uses] == [None, ({"plan": 1}, 2300, 140, 0.0021, None), ({"plan": 1}, 2600, 30, 0.0, 1), None,
+                               None]
 
 
 @pytest.mark.parametrize("failure", ["raises", "malformed", "not allowed", "hang"])

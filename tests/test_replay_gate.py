@@ -21,6 +21,7 @@ from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.replay import (NO_VERDICT, final_label, format_stop, gate_stops, load_trajectory, replay_gated,
                                to_the_end)
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "examples" / "replay" / "forbidden-then-permitted-tests.jsonl"
@@ -33,9 +34,9 @@ class Policy:
     def __init__(self) -> None:
         self.digests: list[str] = []
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         self.digests.append(messages[1]["content"])
-        return scripted_verifier.answer(BY_NAME["chat"], {"messages": messages})
+        return ModelAnswer(scripted_verifier.answer(BY_NAME["chat"], {"messages": messages}))
 
 
 @pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", False)])

@@ -20,7 +20,7 @@ from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.service import running
 from proxyvisor.store import Store
-from proxyvisor.supervisor_model import SCRIPTED_KEY, configured_model, litellm_model, usage_of
+from proxyvisor.supervisor_model import SCRIPTED_KEY, ModelAnswer, configured_model, litellm_model
 
 from helpers import FORMATS, MODEL, http_client, request_body, sse_events
 
@@ -160,10 +160,11 @@ async def test_the_scripted_model_as_the_litellm_route_is_never_priced(scripted_
     same endpoint reached as that model is priced)."""
     messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "hi"}]
     named = ModelConfig(name="openai/gpt-4o-mini", api_base="scripted:")
-    scripted = usage_of(await configured_model(named, scripted_server.url)(messages))
-    assert scripted[0] > 0 and scripted[2] is None  # not priced
+    scripted = await configured_model(named, scripted_server.url)(messages)
+    assert scripted.input_tokens > 0 and scripted.cost_usd is None  # not priced
     as_real = ModelConfig(name="openai/gpt-4o-mini", api_base=scripted_server.url + "/v1")
-    assert usage_of(await litellm_model(as_real, api_key=SCRIPTED_KEY)(messages))[2] > 0
+    priced = (await litellm_model(as_real, api_key=SCRIPTED_KEY)(messages)).cost_usd
+    assert priced is not None and priced > 0
 
 
 # ---- proxy overhead ------------------------------------------------------------------------------------------
@@ -179,17 +180,18 @@ class SlowModel:
     def __init__(self) -> None:
         self.purposes: list[str] = []
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         await trio.sleep(DELAY_S)
         if messages[0]["content"] == VERIFIER_INSTRUCTIONS:
             self.purposes.append("verify")
             requirement = {"id": 1, "requirement": "list the files", "status": "matched", "basis": None,
                            "evidence": "the answer"}
-            return json.dumps({"requirements": [requirement], "gaps": [], "handback": None, "verdict": "pass"})
+            return ModelAnswer(json.dumps({"requirements": [requirement], "gaps": [], "handback": None,
+                                           "verdict": "pass"}))
         self.purposes.append("condense")
         payload = json.loads(messages[1]["content"])
-        return json.dumps({"results": [{"id": r["id"], "verdict": "extract", "lines": ["1-3"]}
-                                       for r in payload["results"]]})
+        return ModelAnswer(json.dumps({"results": [{"id": r["id"], "verdict": "extract", "lines": ["1-3"]}
+                                                   for r in payload["results"]]}))
 
 
 def condensed_request(fmt: str, stream: bool) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import trio
 from ..config import CondenseConfig
 from ..condense.adaptive import AdaptiveThresholds
 from .condense_decisions import Decision, DecisionCache, decision_key
-from ..supervisor_model import ModelCall, ReportedFailure
+from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
 from ..condense.protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
 from ..condense.reconstruct import Narrowed, narrow
 from ..condense.signals import focus_terms
@@ -62,14 +62,13 @@ class ToolResult:
 @dataclass
 class RoundReport:
     """The outcome of a round. ``decisions``: by call id, for every result that has one (cached or new);
-    ``new``: how many were made now; ``condenser_called``; ``answer``: the condenser's answer (None when it gave
-    none; a ``ModelAnswer`` carries the call's usage); ``failure``: why the round gave nothing usable (empty when
-    it did)."""
+    ``new``: how many were made now; ``condenser_called``; ``answer``: the condenser's answer, with its usage (None
+    when it gave none); ``failure``: why the round gave nothing usable (empty when it did)."""
 
     decisions: dict[str, Decision] = field(default_factory=dict)
     new: int = 0
     condenser_called: bool = False
-    answer: str | None = None
+    answer: ModelAnswer | None = None
     failure: str = ""
 
     @property
@@ -229,7 +228,7 @@ class CondenseEngine:
         log.info("condensing %d tool result(s): %s", len(chosen),
                  " · ".join(f"{r.tool} {tokens}" for r, tokens in chosen))
         report.condenser_called = True
-        answer: str | None = None
+        answer: ModelAnswer | None = None
         reported = False
         with trio.move_on_after(self.settings.timeout_s) as scope:
             try:
@@ -242,7 +241,7 @@ class CondenseEngine:
         verdicts: dict[str, Verdict | str] = {}
         if answer is not None:
             try:
-                verdicts = parse_answer(answer, items)
+                verdicts = parse_answer(answer.text, items)
             except AnswerError as exc:
                 report.failure = f"unusable answer: {exc}"
         if report.failure:

@@ -34,7 +34,7 @@ from ..condense.protocol import TaskContext
 from .condense_decisions import Decision, DecisionCache
 from .condense_engine import MIN_THRESHOLD, CondenseEngine, ToolResult
 from .spill import SpillStore
-from ..supervisor_model import ModelCall
+from ..supervisor_model import ModelAnswer, ModelCall
 from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
 from .formats.freeform import SHELL_TOOLS, runs_commands, split
@@ -103,7 +103,7 @@ class CondenseRecord:
     round: list[Condensed] = field(default_factory=list)
     new: int = 0
     condenser_called: bool = False
-    answer: str | None = None
+    answer: ModelAnswer | None = None
     failure: str = ""
     applied: int = 0
     saved_tokens: int = 0

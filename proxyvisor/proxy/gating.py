@@ -70,7 +70,7 @@ from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
                             ReadRequest, parse, refutation_input, refute)
 from ..rules import HOLD_ANSWER
-from ..supervisor_model import ModelCall, ReportedFailure
+from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
 from . import continuation, planning
 from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
@@ -247,26 +247,26 @@ class Gating:
                 answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
                                          previous if decision.format_retry else None)
                 record.setdefault("decided_by", []).append(MODEL)
-                parsed = parse(answer, decision.handback, may_read=not read) if answer is not None else None
+                parsed = parse(answer.text, decision.handback, may_read=not read) if answer is not None else None
                 if isinstance(parsed, ReadRequest):  # the one read-back, then a verdict is due
                     read = True
                     record["readbacks"] += 1
                     document += "\n" + digest.readback(parsed, _outputs(actions),
                                                         self.config.digest_budget_tokens // READBACK_SHARE)
                     answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document)
-                    parsed = parse(answer, decision.handback) if answer is not None else None
+                    parsed = parse(answer.text, decision.handback) if answer is not None else None
                 if answer is None or parsed is None:
                     record["verdicts"].append("unavailable")
                     decision = turn.gate.handle(Unavailable(self.failure or "the verifier call failed or timed out"))
                     continue
                 assert not isinstance(parsed, ReadRequest)
-                previous = answer
+                previous = answer.text
                 record["verdicts"].append("malformed" if isinstance(parsed, Malformed) else parsed.outcome)
                 decision = turn.gate.handle(answer_event(parsed))
             elif isinstance(decision, Refute):
                 assert document is not None
                 answer = await self._ask("refute", REFUTER_INSTRUCTIONS, refutation_input(document, decision.gaps))
-                result = refute(decision.gaps, answer)
+                result = refute(decision.gaps, answer.text if answer is not None else None)
                 record["refuted"] += len(result.refuted)
                 decision = turn.gate.handle(Refuted(result.kept))
             elif isinstance(decision, Reenter):
@@ -317,14 +317,14 @@ class Gating:
         self.exchange.thread.gate_turn = None
         log.warning("turn unverified: %s", reason)
 
-    async def _ask(self, purpose: str, system: str, document: str, retry_of: str | None = None) -> str | None:
+    async def _ask(self, purpose: str, system: str, document: str, retry_of: str | None = None) -> ModelAnswer | None:
         """The supervisor model's answer to one gate call, or None (the reason in :attr:`failure`) when it failed
         or took longer than ``[supervisor.gate] timeout_s``; counted in the request's record either way, and the
         route and model that judged named in its gate object (``route``, ``model``)."""
         messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
         if retry_of is not None:
             messages += [{"role": "assistant", "content": retry_of}, {"role": "user", "content": FORMAT_RETRY}]
-        answer: str | None = None
+        answer: ModelAnswer | None = None
         self.failure = f"the {purpose} call timed out after {self.config.timeout_s:g} s"
         with trio.move_on_after(self.config.timeout_s):
             try:

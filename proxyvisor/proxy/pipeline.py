@@ -41,7 +41,7 @@ import trio
 from ..config import Config
 from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
-from ..supervisor_model import ModelCall
+from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
@@ -571,7 +571,7 @@ def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
     busy = 0
     since = 0.0
 
-    async def timed(messages: list[dict[str, str]]) -> str:
+    async def timed(messages: list[dict[str, str]]) -> ModelAnswer:
         nonlocal busy, since
         if busy == 0:
             since = time.perf_counter()

@@ -66,7 +66,7 @@ from ..gate.plan import (PLANNER_INSTRUCTIONS, REQUEST, Assumption, Hold, apply,
 from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
-from ..supervisor_model import ModelCall, ReportedFailure
+from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
 from .formats import WireFormat
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ class Planner:
         exchange.record.model.record("plan", answer)
         if answer is None:
             return
-        decision = parse_decision(signal, answer)
+        decision = parse_decision(signal, answer.text)
         if isinstance(decision, Malformed):
             log.warning("the planner's answer to %s is malformed (%s); the plan is unchanged", signal, decision.error)
             return
@@ -269,7 +269,7 @@ class Planner:
             _append(exchange, text)
             _add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
 
-    async def _ask(self, model: ModelCall, document: str) -> str | None:
+    async def _ask(self, model: ModelCall, document: str) -> ModelAnswer | None:
         """The planner's answer from ``model``, or None when the call failed or took longer than ``timeout_s``
         (logged)."""
         messages = [{"role": "system", "content": PLANNER_INSTRUCTIONS}, {"role": "user", "content": document}]

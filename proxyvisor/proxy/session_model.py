@@ -137,8 +137,8 @@ class SessionModel:
         self.secrets = secrets
         self.completion_tokens = completion_tokens
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
-        """The answer to ``messages`` (a :class:`~proxyvisor.supervisor_model.ModelAnswer`).
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
+        """The answer to ``messages``, with its usage.
 
         Raises:
             RouteError: the upstream answered with an error status (``refused`` for 401/403).

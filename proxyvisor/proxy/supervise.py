@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from ..config import SupervisorConfig
-from ..supervisor_model import ModelCall, usage_of
+from ..supervisor_model import ModelAnswer, ModelCall
 from ..detectors.detectors import HistoryTracker
 from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
@@ -89,8 +89,8 @@ class Delegated:
 @dataclass
 class ModelUse:
     """The supervisor model's calls for one request: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
-    ``plan``), their tokens and cost in USD (litellm's cost map; ``proxyvisor.supervisor_model.usage_of``) over
-    the priced answers, and how many answers were not priced (the scripted upstream, a model the map lacks)."""
+    ``plan``), their tokens and cost in USD (each :class:`~proxyvisor.supervisor_model.ModelAnswer`'s) over the
+    priced answers, and how many answers were not priced (the scripted upstream, a model the map lacks)."""
 
     calls: Counter[str] = field(default_factory=Counter)
     input_tokens: int = 0
@@ -102,17 +102,16 @@ class ModelUse:
     route: dict[str, str] = field(default_factory=dict)
     """Which route and model the calls take: ``{"route": "session"|"litellm"|"supplied", "model": name}``."""
 
-    def record(self, purpose: str, answer: str | None) -> None:
+    def record(self, purpose: str, answer: ModelAnswer | None) -> None:
         """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed)."""
         self.calls[purpose] += 1
         if answer is not None:
-            tokens_in, tokens_out, cost = usage_of(answer)
-            self.input_tokens += tokens_in
-            self.output_tokens += tokens_out
-            if cost is None:
+            self.input_tokens += answer.input_tokens
+            self.output_tokens += answer.output_tokens
+            if answer.cost_usd is None:
                 self.unpriced += 1
             else:
-                self.cost_usd += cost
+                self.cost_usd += answer.cost_usd
 
 
 @dataclass
