@@ -90,8 +90,9 @@ what it asked for. The upstream obeys the last one in the request."""
 
 # ---- the agent's requests ----------------------------------------------------------------------------------
 def agent_tools(rng: random.Random) -> tuple[ToolSpec, ...]:
-    """A coding agent's tool set (about 20 KB of schemas), ``Bash`` first so the scripted model calls it."""
-    names = ["Bash", "Read", "Edit", "Write", "Grep", "Glob", "TodoWrite", "WebFetch", "NotebookEdit", "Task"]
+    """A coding agent's tool set (about 20 KB of schemas), :data:`AGENT_TOOL` first so the scripted model calls
+    it."""
+    names = [AGENT_TOOL, "Read", "Edit", "Write", "Grep", "Glob", "TodoWrite", "WebFetch", "NotebookEdit", "Task"]
     tools = []
     for name in names:
         props = {"command" if name == "Bash" else "path": {"type": "string", "description": prose(rng, 30)},
@@ -527,10 +528,12 @@ def print_report(text: str) -> None:
 
 # ---- the processes -------------------------------------------------------------------------------------------
 class ThinkingModel:
-    """The scripted upstream with a model's time to first token: a request waits as long as the last
-    :data:`DELAY` marker in it asks before the scripted answer starts. A request with the :data:`BIG_HEADER`
-    header (the agent's own, which proxyvisor forwards; its supervisor calls never carry it) gets
-    :func:`big_event_stream` instead."""
+    """The scripted upstream with a model's time to first token: an agent's request waits as long as the last
+    :data:`DELAY` marker in it asks before the scripted answer starts. Only the agent's requests (those offering
+    its :data:`AGENT_TOOL`) wait: proxyvisor's supervisor calls (the verifier's, whose digest quotes the agent's
+    messages, markers included) offer no agent tool and are answered at once, so a gated turn's latency does not
+    carry a second, random model delay that the agent cannot take out of its figures. A request with the
+    :data:`BIG_HEADER` header gets :func:`big_event_stream` instead."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -540,9 +543,23 @@ class ThinkingModel:
         if size is not None:
             return Response(200, [(b"content-type", b"text/event-stream")], big_event_stream(int(size)))
         found = DELAY.findall(request.body)
-        if found:
+        if found and offers_agent_tool(request.path, request.body):
             await trio.sleep(int(found[-1]) / 1000)
         return await self.inner(request)
+
+
+AGENT_TOOL = "Bash"
+"""The first of :func:`agent_tools`: every agent request offers it, no supervisor call does."""
+
+
+def offers_agent_tool(path: str, body: bytes) -> bool:
+    """Whether the request to ``path`` (a format's path) with JSON ``body`` offers :data:`AGENT_TOOL`."""
+    fmt = next((f for f in BY_NAME.values() if path.endswith(f.path)), None)
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return fmt is not None and isinstance(parsed, dict) and any(t.name == AGENT_TOOL for t in fmt.tools(parsed))
 
 
 BIG_HEADER = b"x-bench-big-event"

@@ -137,3 +137,110 @@ async def test_a_json_answer_over_the_limit_gives_502(start_proxy, monkeypatch: 
         reply, data = await raw_stream(rp.url + "/s/json", "chat", request_body("chat"))
     assert reply.status_code == 502
     assert f"exceeds {LIMIT} bytes" in assert_error_shape("chat", 502, data)["message"]
+
+
+def _bounded_orjson(monkeypatch: pytest.MonkeyPatch, module: object) -> list[int]:
+    """Record the size of every ``orjson.loads`` / ``orjson.dumps`` input in ``module`` (a string's length; an
+    object's longest string), calling the real functions."""
+    sizes: list[int] = []
+    real_loads, real_dumps = orjson.loads, orjson.dumps
+
+    def longest(value: object) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            return max([longest(k) + longest(v) for k, v in value.items()] or [0])
+        if isinstance(value, list):
+            return max([longest(v) for v in value] or [0])
+        return 0
+
+    def loads(text: str | bytes) -> object:
+        sizes.append(len(text))
+        return real_loads(text)
+
+    def dumps(value: object) -> bytes:
+        sizes.append(longest(value))
+        return real_dumps(value)
+
+    fake = type("orjson", (), {"loads": staticmethod(loads), "dumps": staticmethod(dumps),
+                               "JSONDecodeError": orjson.JSONDecodeError})
+    monkeypatch.setattr(module, "orjson", fake)
+    return sizes
+
+
+async def test_a_big_event_is_read_and_rewritten_in_bounded_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One Chat delta of 40 slices, with escapes, a multi-byte character and a self-report, through a supervised
+    stream editor with the big-event thresholds made small: no JSON parse or write ever sees more than about one
+    slice of it (each such step holds Python's interpreter lock, so a whole-event one stops the event loop even
+    from a worker thread), no whole-event decode happens, and the client gets exactly what the whole-event path
+    gives: the event rewritten without the report, byte for byte."""
+    from proxyvisor.proxy import sse, streamedit
+    from proxyvisor.proxy.formats import largejson
+
+    slice_ = 4096
+    monkeypatch.setattr(largejson, "SLICE", slice_)
+    monkeypatch.setattr(largejson, "LONG", 512)
+    monkeypatch.setattr(sse, "DECODE_SLICE", slice_)
+    monkeypatch.setattr(streamedit, "OFF_LOOP_BYTES", slice_)
+    text = ('say "hi"\\n to é and \U0001F600 ' * 5000)[:40 * slice_] + ' <sup>{"state": "done"}</sup>'
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text},
+                                                                        "finish_reason": None}]}
+    data = b"data: " + orjson.dumps(chunk) + b"\n\n" + b"data: [DONE]\n\n"
+    expected = dict(chunk, choices=[dict(chunk["choices"][0], delta={"content": strip(text)[0]})])
+    sizes = _bounded_orjson(monkeypatch, largejson)
+    decoded: list[int] = []
+    real_str = str
+
+    class CountingStr(str):  # str(view, "utf-8", ...) is the parser's one-shot decode of a line
+        def __new__(cls, *args: object) -> str:
+            if len(args) == 3:
+                decoded.append(len(args[0]))  # type: ignore[arg-type]
+            return real_str(*args)
+
+    monkeypatch.setattr(sse, "str", CountingStr, raising=False)
+
+    async def upstream():
+        for i in range(0, len(data), 3000):
+            yield data[i:i + 3000]
+            await trio.sleep(0)
+
+    editor = BY_NAME["chat"].stream_editor(Stripper, lambda t: strip(t)[0])
+    stream = EditedStream(upstream(), editor, lambda _complete: None)
+    with trio.fail_after(30):
+        pieces = [piece async for piece in stream]
+    assert stream.error is None
+    events = sse_events(b"".join(pieces))
+    assert [orjson.loads(e.data) for e in events[:-1]] == [expected] and events[-1].data == "[DONE]"
+    assert b"".join(pieces) == b"data: " + orjson.dumps(expected) + b"\n\n" + b"data: [DONE]\n\n"
+    assert sizes and max(sizes) <= 2 * slice_, "a JSON step covered the whole event"
+    assert max(decoded, default=0) <= slice_, "the event's data was decoded whole"
+    assert max(map(len, pieces)) <= slice_, "a write to the client carried the whole event"
+
+
+def test_large_json_reads_and_writes_as_orjson_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sliced reader and writer give orjson's object, bytes and errors: long strings with escapes of every
+    kind (surrogate pairs at every cut), long keys, dense escaped quotes, and broken texts."""
+    from proxyvisor.proxy.formats import largejson
+
+    monkeypatch.setattr(largejson, "SLICE", 16)
+    monkeypatch.setattr(largejson, "LONG", 8)
+    monkeypatch.setattr(largejson, "_DENSE", 2)
+    alphabet = ["a", " ", '"', "\\", "\n", "é", "\U0001F600", "\u2028", "\x01", "/", "<", "\x00"]
+    for n in range(400):
+        value = "".join(alphabet[(n * 7 + i * i) % len(alphabet)] for i in range(n % 97))
+        obj = {"choices": [{"delta": {"content": value, value[:20]: [value[::-1], 1.5, None]}}], "n": [True]}
+        encoded = orjson.dumps(obj)
+        assert b"".join(largejson.dumps(obj)) == encoded
+        text = encoded.decode()
+        assert largejson.loads(text) == obj
+        for cut in (len(text) // 3, len(text) // 2, len(text) - 2):  # broken texts fail as orjson fails
+            broken = text[:cut] + '"' + text[cut + 1:]
+            try:
+                want: object = orjson.loads(broken)
+            except orjson.JSONDecodeError:
+                want = orjson.JSONDecodeError
+            try:
+                got: object = largejson.loads(broken)
+            except orjson.JSONDecodeError:
+                got = orjson.JSONDecodeError
+            assert got == want

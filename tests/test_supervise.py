@@ -198,7 +198,7 @@ def _edit(fmt: str, data: bytes, cuts: list[int]) -> tuple[bytes, list[str]]:
     splitter, out = EventSplitter(), []
     bounds = [0, *sorted({min(c, len(data)) for c in cuts}), len(data)]
     for a, b in zip(bounds, bounds[1:]):
-        out.append(edit_blocks(splitter.feed(data[a:b]), editor))
+        out += edit_blocks(splitter.feed(data[a:b]), editor)
     out.append(splitter.rest() + b"".join(editor.close()))
     return b"".join(out), [body for s in strippers for body in s.bodies]
 

@@ -261,7 +261,8 @@ class Stripper:
         return self._emit()
 
     def _emit(self) -> str:
-        out, self._out = "".join(self._out), []
+        # Empty parts left out: a lone part is returned as it is, not copied (a delta may be 100 MB).
+        out, self._out = "".join([part for part in self._out if part]), []
         return out
 
     def _text(self, text: str) -> None:

@@ -43,6 +43,7 @@ from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
+from .formats import largejson
 from .formats.base import event_object
 from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
@@ -501,15 +502,14 @@ class Pipeline:
         finally:
             if session is not None:
                 message = failure.message if failure else None if ended else "client disconnected mid-stream"
-                turn = _assembled(fmt, events) if reply.status < 400 else None
+                turn, shown = None, None
                 if reply.status < 400:
+                    with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
+                        turn, shown = await off_loop(kept, _answer, fmt, events, isinstance(stream, EditedStream))
                     usage = estimate.completed(usage, fmt, body, turn)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
-                if turn is not None and isinstance(stream, EditedStream):
-                    # The events are the upstream's: the client got their text without the self-report.
-                    turn = dataclasses.replace(turn, text=strip(turn.text)[0])
-                self._delivered(session, fmt, body, turn)
+                self._delivered(session, fmt, body, shown)
 
     def _delivered(self, session: Session, fmt: WireFormat, body: dict[str, Any] | None,
                    turn: AssistantTurn | None) -> None:
@@ -600,6 +600,16 @@ def _assembled(fmt: WireFormat, events: list[tuple[str | None, str]]) -> Any:
         return None
 
 
+def _answer(fmt: WireFormat, events: list[tuple[str | None, str]],
+            edited: bool) -> tuple[AssistantTurn | None, AssistantTurn | None]:
+    """(the answer streamed in ``events``, the answer as the client got it) (:func:`_assembled`); with
+    ``edited`` the events are the upstream's and the client got their text without the self-report."""
+    turn = _assembled(fmt, events)
+    if turn is None or not edited:
+        return turn, turn
+    return turn, dataclasses.replace(turn, text=strip(turn.text)[0])
+
+
 def _event_usage(fmt: WireFormat, name: str | None, data: str) -> Usage | None:
-    obj = event_object(data) if '"usage"' in data else None
+    obj = event_object(data) if largejson.contains(data, '"usage"') else None
     return fmt.stream_usage(name, obj) if obj is not None else None

@@ -183,10 +183,21 @@ def _call_key(call_id: str) -> bytes:
 
 def _text_key(text: str) -> bytes | None:
     """The digest of ``text`` without any whitespace, or None for a text that is only whitespace."""
-    bare = "".join(text.split())
-    if not bare:
-        return None
-    return hashlib.blake2b(b"text\x00" + bare.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    digest = hashlib.blake2b(b"text\x00", digest_size=16)
+    empty = True
+    for start in range(0, len(text), _TEXT_SLICE):  # whitespace is dropped character by character: any cut works
+        part = text[start:start + _TEXT_SLICE]
+        bare = part.encode().translate(None, _ASCII_SPACE) if part.isascii() else \
+            "".join(part.split()).encode("utf-8", "surrogatepass")
+        if bare:
+            empty = False
+            digest.update(bare)
+    return None if empty else digest.digest()
+
+
+_TEXT_SLICE = 1024 * 1024
+_ASCII_SPACE = bytes(c for c in range(128) if chr(c).isspace())
+"""What ``str.split()`` splits an ASCII text at."""
 
 
 def _answer_keys(message: Message) -> list[bytes]:

@@ -2,12 +2,14 @@
 
 Follows the WHATWG grammar: lines end in CRLF, LF or CR; an empty line dispatches the event; ``data`` lines join
 with ``\\n``; lines starting with ``:`` are comments. Input may be split at any byte, including inside a
-multi-byte UTF-8 sequence or between the CR and LF of one line ending: bytes are only decoded once an event is
-complete, and invalid UTF-8 becomes U+FFFD rather than an exception.
+multi-byte UTF-8 sequence or between the CR and LF of one line ending: bytes are only decoded once a line is
+complete (a line ending is ASCII, so never inside a character), and invalid UTF-8 becomes U+FFFD rather than an
+exception.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +97,13 @@ class SSEParser:
             if self._data_size + self._line_size + end - start > self.max_event:
                 self._spend(events)
             if self._line:
-                self._line.append(chunk[start:end])
-                line = b"".join(self._line)
+                self._line.append(memoryview(chunk)[start:end])
+                self._take(self._line)
                 self._line, self._line_size = [], 0
-                self._take(line, 0, len(line), events)
+            elif start == end:
+                self._dispatch(events)
             else:
-                self._take(chunk, start, end, events)
+                self._take([memoryview(chunk)[start:end]])
             start = nxt
         if start < n:
             self._line.append(chunk[start:])
@@ -113,29 +116,54 @@ class SSEParser:
         self._line, self._data, self._line_size, self._data_size = [], [], 0, 0
         raise EventTooLarge(self.max_event, events)
 
-    def _take(self, buf: bytes, start: int, end: int, events: list[Event]) -> None:
-        """The line ``buf[start:end]`` (never sliced whole: a big data line is copied once, into its value)."""
-        if start == end:
-            if self._has_data:
-                data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
-                events.append(Event(self._event, data.decode("utf-8", "replace")))
-            self._event, self._data, self._data_size, self._has_data = None, [], 0, False
+    def _dispatch(self, events: list[Event]) -> None:
+        """A blank line: the event so far, if it has data, is complete."""
+        if self._has_data:
+            events.append(Event(self._event, self._data[0] if len(self._data) == 1 else "\n".join(self._data)))
+        self._event, self._data, self._data_size, self._has_data = None, [], 0, False
+
+    def _take(self, line: list[Any]) -> None:
+        """The non-empty line whose bytes are the buffers ``line`` in order: a field the parser keeps is decoded
+        from them where they lie (never joined as bytes first: a big data line is decoded, then copied once)."""
+        head = bytes(line[0][:7])  # the field name and what follows it: "event: " is 7 bytes
+        for part in line[1:]:
+            if len(head) == 7:
+                break
+            head += bytes(part[:7 - len(head)])
+        if head[0] == 0x3A:  # ":" starts a comment
             return
-        if buf[start] == 0x3A:  # ":" starts a comment
+        colon = head.find(b":")
+        name = head if colon < 0 else head[:colon]
+        if name not in (b"data", b"event"):  # (a name without a colon is the whole line: head holds it)
             return
-        colon = buf.find(b":", start, end)
-        name_end = end if colon < 0 else colon
-        name = buf[start:name_end] if name_end - start in (4, 5) else b""
-        if name not in (b"data", b"event"):
-            return
-        value = b"" if colon < 0 else buf[colon + 2 if buf[colon + 1:colon + 2] == b" " and colon + 1 < end
-                                          else colon + 1:end]
+        skip = len(head) if colon < 0 else colon + 2 if head[colon + 1:colon + 2] == b" " else colon + 1
+        value = decode(line, skip)
         if name == b"data":
             self._data.append(value)
-            self._data_size += len(value) + 1
+            self._data_size += sum(map(len, line)) - skip + 1
             self._has_data = True
         else:
-            self._event = value.decode("utf-8", "replace")
+            self._event = value
+
+
+def decode(parts: list[Any], skip: int = 0) -> str:
+    """The text of the bytes-like ``parts`` joined, less their first ``skip`` bytes: UTF-8, an invalid sequence
+    read as U+FFFD. Big input is decoded :data:`DECODE_SLICE` bytes at a time, so no single step (which holds
+    Python's interpreter lock) covers all of it; only joining the text is one step."""
+    views = []
+    for part in parts:
+        view = memoryview(part)
+        views.append(view[skip:])
+        skip = max(0, skip - len(view))
+    if len(views) == 1 and len(views[0]) <= DECODE_SLICE:
+        return str(views[0], "utf-8", "replace")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = [decoder.decode(view[i:i + DECODE_SLICE]) for view in views for i in range(0, len(view), DECODE_SLICE)]
+    text.append(decoder.decode(b"", final=True))
+    return "".join(text)
+
+
+DECODE_SLICE = 1024 * 1024
 
 
 def at_event_end(data: bytes) -> bool:

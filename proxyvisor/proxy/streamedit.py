@@ -121,8 +121,9 @@ Observer = Callable[[str | None, str], None]
 
 
 def edit_blocks(blocks: list[bytes], editor: StreamEditor, parser: SSEParser | None = None,
-                observe: Observer | None = None) -> bytes:
-    """The bytes to send for ``blocks``: each event's replacement from ``editor``, or the block itself.
+                observe: Observer | None = None) -> list[bytes]:
+    """The bytes to send for ``blocks``, as pieces in order (never joined: an event may be 100 MB): each
+    event's replacement from ``editor``, or the block itself.
 
     ``parser`` may be one kept across calls (fed whole event blocks, it holds nothing between them); ``observe``
     sees each event as the upstream sent it.
@@ -137,8 +138,33 @@ def edit_blocks(blocks: list[bytes], editor: StreamEditor, parser: SSEParser | N
             if observe is not None:
                 observe(name, data)
             replaced = editor.event(name, data)
-        out.append(block if replaced is None else b"".join(replaced))
-    return b"".join(out)
+        if replaced is None:
+            out.append(block)
+        else:
+            out += replaced
+    return out
+
+
+def sends(pieces: list[bytes]) -> list[bytes]:
+    """``pieces`` regrouped as writes of at most :data:`OFF_LOOP_BYTES` bytes: small ones joined, a big one cut
+    in slices (each write to the client, copied once by h11, stays short, and the loop serves others between
+    them)."""
+    size = OFF_LOOP_BYTES
+    out: list[bytes] = []
+    run: list[bytes] = []
+    held = 0
+    for piece in pieces:
+        if held and held + len(piece) > size:
+            out.append(b"".join(run))
+            run, held = [], 0
+        if len(piece) > size:
+            out += [piece[i:i + size] for i in range(0, len(piece), size)]
+            continue
+        run.append(piece)
+        held += len(piece)
+    if held:
+        out.append(b"".join(run))
+    return out
 
 
 class EditedStream:
@@ -173,12 +199,12 @@ class EditedStream:
             return UpstreamError(502, "upstream stream ended in the middle of an event")
         return error
 
-    def _edit(self, splitter: EventSplitter, parser: SSEParser, chunk: bytes) -> bytes:
+    def _edit(self, splitter: EventSplitter, parser: SSEParser, chunk: bytes) -> list[bytes]:
         try:
             blocks = splitter.feed(chunk)
         except EventTooLarge as exc:
             blocks, self.too_large = exc.complete, exc
-        return edit_blocks(blocks, self.editor, parser, self.observe)
+        return sends(edit_blocks(blocks, self.editor, parser, self.observe))
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         splitter, parser = EventSplitter(), SSEParser()
@@ -186,12 +212,10 @@ class EditedStream:
         complete = False
         try:
             async for chunk in iterator:
-                out = await off_loop(feed_cost(splitter.pending, chunk), self._edit, splitter, parser, chunk)
-                # A big event goes out in slices: each write to the client (one copy, by h11) stays short, and
-                # the loop serves others between them.
-                for start in range(0, len(out), OFF_LOOP_BYTES):
-                    self.last_chunk = out[start:start + OFF_LOOP_BYTES] if len(out) > OFF_LOOP_BYTES else out
-                    yield self.last_chunk
+                for piece in await off_loop(feed_cost(splitter.pending, chunk), self._edit, splitter, parser,
+                                            chunk):
+                    self.last_chunk = piece
+                    yield piece
                 if self.too_large is not None:
                     break
             if self.too_large is None and splitter.rest():

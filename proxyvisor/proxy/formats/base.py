@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from . import largejson
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
 # status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
@@ -215,15 +216,25 @@ def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
+def sse_json(obj: Any, event: str | None = None, large: bool = False) -> list[bytes]:
+    """``[sse(dumps(obj), event)]``; with ``large`` (an object read from big data), the same bytes in pieces,
+    encoded a slice at a time (:func:`.largejson.dumps`), never joined."""
+    if not large:
+        return [sse(dumps(obj), event)]
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return [head + b"data: ", *largejson.dumps(obj), b"\n\n"]
+
+
 def event_object(data: str) -> dict[str, Any] | None:
     """An SSE event's data as a JSON object, or None when it is not one (``[DONE]``, a keep-alive, bad JSON).
 
-    The ``{`` check first makes a non-object cost no parse, and makes a successful parse always a dict.
+    The ``{`` check first makes a non-object cost no parse, and makes a successful parse always a dict. Data of
+    :data:`~.largejson.SLICE` characters or more is read in bounded steps (:func:`.largejson.loads`).
     """
     if not data.startswith("{"):
         return None
     try:
-        return orjson.loads(data)
+        return orjson.loads(data) if len(data) < largejson.SLICE else largejson.loads(data)
     except orjson.JSONDecodeError:
         return None
 

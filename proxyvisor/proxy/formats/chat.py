@@ -10,7 +10,8 @@ import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   leading_system, split_json, sse, words)
+                   leading_system, split_json, sse, sse_json, words)
+from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
@@ -243,7 +244,8 @@ class ChatFormat(WireFormat):
                     fn = c.get("function") if isinstance(c.get("function"), dict) else {}
                     slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                     slot["function"]["arguments"] += fn.get("arguments") or ""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        # Empty parts left out: a lone big delta is taken as it is, not copied.
+        message: dict[str, Any] = {"role": "assistant", "content": "".join([t for t in text if t]) or None}
         if calls:
             message["tool_calls"] = [c for _, c in sorted(calls.items())]
         return {**head, "object": "chat.completion",
@@ -275,7 +277,7 @@ class _ChatStream:
         self.new_filter = new_filter
         self.filters: dict[int, TextFilter] = {}
         self.finished: set[int] = set()
-        self.last: dict[str, Any] = {}  # the last chunk: close() copies its id, created, model
+        self.last: dict[str, Any] = {}  # the last chunk's id, object, created, model: close() copies them
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         obj = event_object(data)
@@ -307,12 +309,12 @@ class _ChatStream:
                         delta = choice["delta"] = {}
                     delta["content"] = (delta.get("content") or "") + rest
                     changed = True
-        self.last = obj
-        return [sse(dumps(obj))] if changed else None
+        self.last = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}  # not a big delta
+        return sse_json(obj, large=len(data) >= largejson.SLICE) if changed else None
 
     def close(self) -> list[bytes]:
         out = []
-        base = {k: self.last[k] for k in ("id", "object", "created", "model") if k in self.last}
+        base = self.last
         for index, text_filter in self.filters.items():
             if index in self.finished:
                 continue

@@ -11,7 +11,8 @@ import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   leading_system, split_json, sse, words)
+                   leading_system, split_json, sse, sse_json, words)
+from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
@@ -483,7 +484,7 @@ class _ResponsesStream:
         if not changed:
             return None  # keep the upstream's bytes
         self._renumber(obj)
-        return events + [sse(dumps(obj), name or kind)]
+        return events + sse_json(obj, name or kind, large=len(data) >= largejson.SLICE)
 
     def close(self) -> list[bytes]:
         return []
