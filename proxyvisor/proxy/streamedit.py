@@ -107,9 +107,11 @@ OFF_LOOP_BYTES = 1024 * 1024
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, run in a worker thread when it handles ``size`` bytes or more (:data:`OFF_LOOP_BYTES`).
 
-    Parsing and editing one big event takes long (a 100 MB one about a second): in a thread, the event loop,
+    Parsing and editing one big event takes long (a 100 MB one a second or more): in a thread, the event loop,
     which serves every session, gets the interpreter back between its steps and waits at most for the longest
-    single step (a JSON parse of the event). ``fn`` must touch only state of its own stream.
+    single step, which the parser (:func:`~.sse.decode`) and the formats (:mod:`~.formats.largejson`) keep to a
+    slice of the event; joining a long string once is the one step on the whole event that remains. ``fn`` must
+    touch only state of its own stream.
     """
     if size < OFF_LOOP_BYTES:
         return fn(*args)
