@@ -130,7 +130,8 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
     common(hshow)
     hclear = hactions.add_parser("clear", help="forget pool state", formatter_class=formatter)
     hclear.add_argument("name", nargs="?", default="", metavar="POOL|ADAPTER",
-                        help="one pool, or every pool of an adapter (default: all)")
+                        help="one pool (ADAPTER:BUCKET, as 'health show' names it), or every pool of an adapter "
+                             "(default: every pool); a name no pool or adapter has is an error")
     common(hclear)
     health.set_defaults(handler=_health)
 
@@ -383,6 +384,22 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
 # ---- health ---------------------------------------------------------------------------------------------
 
 
+def _declared_pools(registry: Registry) -> list[str]:
+    """Every pool the adapter descriptors declare: each adapter's own and the ``<adapter>:<bucket>`` of its models."""
+    return list(dict.fromkeys(pool for d in registry.descriptors.values()
+                              for pool in (d.id, *(d.pool(m.id) for m in d.models))))
+
+
+def _names_a_pool(name: str, recorded: list[str], registry: Registry) -> bool:
+    """Whether ``name`` is a pool or an adapter ``health clear`` can mean: one with recorded health, or one the
+    descriptors declare (an adapter with ``pool_per_model`` meters any ``<adapter>:<model>``)."""
+    if any(name in (pool, pool.split(":", 1)[0]) for pool in recorded) or name in _declared_pools(registry):
+        return True
+    adapter, _, model = name.partition(":")
+    descriptor = registry.descriptors.get(adapter)
+    return descriptor is not None and descriptor.pool_per_model and bool(model)
+
+
 def _health(args: argparse.Namespace, config: Config) -> int:
     from .adapters.health import Cooldown, adapter_summary
     from .adapters.health_store import HealthStore
@@ -391,6 +408,13 @@ def _health(args: argparse.Namespace, config: Config) -> int:
     store = HealthStore(config.state_dir() / "health", Cooldown(c.default_seconds, c.maximum_seconds))
     try:
         if args.action == "clear":
+            recorded = [p.pool for p in store.all()]
+            registry = registry_for(config.model_routing.adapters_dir)
+            if args.name and not _names_a_pool(args.name, recorded, registry):
+                known = sorted(set(recorded) | set(_declared_pools(registry)))
+                print(f"proxyvisor: no pool or adapter is named {args.name!r}; nothing cleared (known pools: "
+                      f"{', '.join(known) or 'none'})", file=sys.stderr)
+                return 1
             cleared = store.clear(args.name)
             print(f"cleared {len(cleared)} pool(s)" + (f": {', '.join(cleared)}" if cleared else ""))
             return 0

@@ -265,6 +265,23 @@ def test_health_show_and_clear(capsys) -> None:
         "claude-code:haiku-4-5"]
 
 
+def test_health_clear_names_an_unknown_pool_and_lists_the_known_ones(config_file: Path, capsys) -> None:
+    state = Path(os.environ["PROXYVISOR_STATE_DIR"])
+    store = HealthStore(state / "health", Cooldown())
+    store.settle_sync("claude-code:opus-4x", time.time(), Failure("capacity", True, "known_failed", 120))
+    store.close()
+    code, out, err = cli(capsys, "health", "clear", "nosuch", "--config", str(config_file))
+    assert (code, out) == (1, "")
+    assert "no pool or adapter is named 'nosuch'; nothing cleared" in err
+    known = err.split("known pools: ", 1)[1]
+    assert "claude-code:opus-4x" in known, "a recorded pool"
+    assert "fixture-cli:fast" in known and "fixture-cli:big" in known, "the pools the descriptors declare"
+    code, out, err = cli(capsys, "health", "clear", "fixture-cli:fast", "--config", str(config_file))
+    assert (code, out, err) == (0, "cleared 0 pool(s)\n", ""), "a declared pool with nothing recorded is no error"
+    code, out, _ = cli(capsys, "health", "clear", "claude-code", "--config", str(config_file))
+    assert (code, out) == (0, "cleared 1 pool(s): claude-code:opus-4x\n"), "an adapter clears its pools"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_delegate_stops_its_child_on_a_signal_before_it_exits(tmp_path: Path, signum: int) -> None:
     """The child (here one that ignores SIGTERM, so the hard stop is needed too) runs in a session of its own:
