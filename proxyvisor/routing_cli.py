@@ -22,7 +22,8 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +315,30 @@ def _routing(args: argparse.Namespace, config: Config) -> int:
 # ---- delegate -------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def _progress_lines(plain: bool) -> Iterator[None]:
+    """With ``plain`` (the default log level), show the child's progress records as plain lines on stderr
+    (``proxyvisor: worker started on ...``), info ones included, while other records keep to the log level;
+    otherwise the progress records are logged like any other, at the level asked for."""
+    if not plain:
+        yield
+        return
+    from .adapters.runtime import progress_log
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("proxyvisor: %(message)s"))
+    level, propagate = progress_log.level, progress_log.propagate
+    progress_log.addHandler(handler)
+    progress_log.setLevel(logging.INFO)
+    progress_log.propagate = False
+    try:
+        yield
+    finally:
+        progress_log.removeHandler(handler)
+        progress_log.setLevel(level)
+        progress_log.propagate = propagate
+
+
 def _delegate(args: argparse.Namespace, config: Config) -> int:
     from .adapters.results import ClaimStore
 
@@ -336,8 +361,6 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
 
     from .adapters.delegate import FAILED, OK, REFUSED, SKIPPED, Delegation, Delegator
 
-    if args.log_level == "warning":  # the default: show the child's progress (started, idle, stopped and why)
-        logging.getLogger("proxyvisor.adapters").setLevel(logging.INFO)
     delegator = Delegator(config)
     override = RouteTarget(args.adapter or "", args.model or "", args.effort or "")
     stopped_by: list[int] = []
@@ -363,7 +386,8 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
         return None
 
     try:
-        result = trio.run(run)
+        with _progress_lines(args.log_level == "warning"):
+            result = trio.run(run)
     finally:
         delegator.close()
     if result is None:

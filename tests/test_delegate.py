@@ -139,17 +139,17 @@ async def test_every_event_counts_but_the_wall_clock_still_stops_a_busy_child(fi
 
 async def test_an_idle_spell_is_warned_about_without_stopping_the_child(fixture_log: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "proxyvisor.adapters.children"):
+    with caplog.at_level(logging.WARNING, "proxyvisor.adapters.progress"):
         outcome = await fixture_child(
             "mode:stream n=2 delay=0.5",
             ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=5, stop_grace_s=0.5))
     assert (outcome.finish_reason, outcome.failure) == ("stop", None)
-    assert outcome.idle_warnings >= 1 and "idle for" in caplog.text
+    assert outcome.idle_warnings >= 1 and "worker idle: no output for 0.2 s" in caplog.text
 
 
 async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(fixture_log: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, "proxyvisor.adapters.process"):
+    with caplog.at_level(logging.INFO, "proxyvisor.adapters.progress"):
         outcome = await fixture_child(
             "mode:ignore-term", ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=0.4, stop_grace_s=0.3))
     assert outcome.finish_reason == "idle_timeout" and outcome.text == "thinking... "
@@ -159,7 +159,7 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(fixture_log: P
 
 async def test_a_child_that_honours_sigterm_is_stopped_softly(fixture_log: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, "proxyvisor.adapters.process"):
+    with caplog.at_level(logging.INFO, "proxyvisor.adapters.progress"):
         outcome = await fixture_child(
             "mode:hang", ChildrenConfig(wall_clock_s=10, idle_warn_s=0.2, idle_cancel_s=0.4, stop_grace_s=5))
     assert outcome.finish_reason == "idle_timeout"

@@ -24,7 +24,7 @@ import trio
 
 from ..config import ChildrenConfig
 from .failures import TIMEOUT, UNAVAILABLE, UNKNOWN, Failure, unclassified
-from .runtime import ChildJob, ChildProgress, Runtime
+from .runtime import ChildJob, ChildProgress, Runtime, progress_log
 
 log = logging.getLogger("proxyvisor.adapters.children")
 
@@ -112,10 +112,12 @@ async def _watch(clock: ChildClock, scope: trio.CancelScope, job: ChildJob, stop
         await trio.sleep_until(clock.next_deadline())
         action = clock.check(trio.current_time())
         if action == IDLE_WARNING:
-            log.warning("child %s (%s on %s) idle for %g s", job.job_id, job.role, job.adapter,
-                        clock.clocks.idle_warn_s)
+            progress_log.warning("%s idle: no output for %g s (stopped after %g s without any)", job.role,
+                                 clock.clocks.idle_warn_s, clock.clocks.idle_cancel_s)
         elif action is not None:
-            log.warning("child %s (%s on %s) stopped: %s", job.job_id, job.role, job.adapter, action)
+            why = (f"no output for {clock.clocks.idle_cancel_s:g} s" if action == IDLE
+                   else f"past its wall clock of {clock.clocks.wall_clock_s:g} s")
+            progress_log.warning("%s stopped: %s", job.role, why)
             stopped.append(action)
             scope.cancel()
             return
@@ -138,8 +140,8 @@ async def run_child(runtime: Runtime, job: ChildJob, clocks: ChildrenConfig,
     stopped: list[str] = []
     crash: Exception | None = None
     handle = handle or ChildHandle()
-    log.info("child %s (%s on %s%s) started", job.job_id, job.role, job.adapter,
-             f", model {job.model}" if job.model else "")
+    progress_log.info("%s started on %s%s", job.role, job.adapter, f" (model {job.model})" if job.model else "")
+    log.debug("child %s of %s started, trace %s", job.job_id, job.role, job.traceparent)
     with trio.CancelScope() as scope:
         handle._attach(scope)
         async with trio.open_nursery() as nursery:

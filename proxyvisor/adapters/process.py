@@ -24,7 +24,7 @@ import orjson
 import trio
 
 from .failures import Failure
-from .runtime import ChildJob, ChildProgress, NativeError, normalise_native
+from .runtime import ChildJob, ChildProgress, NativeError, normalise_native, progress_log
 
 log = logging.getLogger("proxyvisor.adapters.process")
 
@@ -61,7 +61,7 @@ async def stop_process(process: trio.Process, grace_s: float) -> str:
         await process.wait()
     how = "terminated"
     if process.returncode is None:
-        log.warning("child pid %d ignored SIGTERM for %.1f s: killing it", process.pid, grace_s)
+        progress_log.warning("the child ignored SIGTERM for %g s: killing it (SIGKILL)", grace_s)
         how = "killed"
     # Also reaches members of the group that outlived their leader.
     _signal_group(process.pid, signal.SIGKILL)
@@ -133,7 +133,7 @@ async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
         with trio.CancelScope(shield=True):
             how = await stop_process(process, stop_grace_s)
             if how != "exited":
-                log.info("child pid %d stopped (%s)", process.pid, how)
+                progress_log.info("the child stopped (%s)", how)
             for stream in (process.stdout, process.stderr):
                 if stream is not None:
                     await stream.aclose()

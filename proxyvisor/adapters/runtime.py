@@ -8,12 +8,18 @@ clocks, limits, health and shaping; the runtime only runs one child and reports 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .descriptors import Descriptor
 from .failures import Failure, from_http, from_text, unclassified
+
+progress_log = logging.getLogger("proxyvisor.adapters.progress")
+"""Where a child's progress is logged for a person, one short line per event: started, idle, stopped and why, a
+forced kill. The other adapter loggers carry detail (``proxyvisor delegate`` shows only these lines at its default
+log level)."""
 
 FINISHED = "stop"
 """The finish reason of a child that completed its answer; anything else is shaped as ``{text, finish_reason}``."""
