@@ -35,11 +35,13 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30, width=100)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, log_help: str = "") -> None:
+    """Add the options every command has; ``log_help`` says more about ``--log-level`` for this command."""
     parser.add_argument("--config", metavar="PATH", help="configuration file to use (see 'files and environment' below)")
     parser.add_argument("--state-dir", metavar="DIR", help="state directory (overrides [state] dir)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                        help="log verbosity on stderr (default: %(default)s); logs never contain credentials")
+                        help=f"log verbosity on stderr (default: %(default)s){log_help}; logs never contain "
+                             "credentials")
 
 
 def _supervision_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
             OPENAI_BASE_URL=http://127.0.0.1:8377/v1. Binding a non-loopback address requires
             [proxy] auth_token; clients then send it in the 'x-proxyvisor-auth' header.
             """), epilog=_FILES)
-    serve.add_argument("--host", help="address to bind (overrides [proxy] host; default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to bind, 0 for a free one (overrides [proxy] port)")
+    serve.add_argument("--host", help=f"address to bind (overrides [proxy] host; default {Config().proxy.host})")
+    serve.add_argument("--port", type=int, help="port to bind, 0 for a free one (overrides [proxy] port; default "
+                                                f"{Config().proxy.port})")
     _supervision_flags(serve)
     _common(serve)
 

@@ -31,7 +31,7 @@ import msgspec
 import orjson
 
 from .adapters.descriptors import Registry, TargetError, registry_for
-from .config import Config, RouteTarget, default_config_path, find_config_file
+from .config import Config, ModelRoutingConfig, RouteTarget, default_config_path, find_config_file
 from .rules import CHILD_WALL_CLOCK, COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -55,7 +55,42 @@ _SET_HELP = textwrap.dedent("""\
     """)
 
 
-def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[argparse.ArgumentParser], None],
+_DELEGATE_HELP = textwrap.dedent("""\
+    Run PROMPT as child work of role R on the runtime the policy resolves (delegation must be enabled:
+    'proxyvisor routing enable'), under the pool breaker, the child clocks and the claim check, and print
+    the shaped result on stdout: the text of a finished child, {text, finish_reason} for a stopped or
+    truncated one; a failure or refusal goes to stderr as an error result. In suggest mode, print the route
+    instead of running it. TRACEPARENT, when set, is the parent trace (the child joins it).
+
+    A role is a named kind of child work (a reviewer, a test writer): one [model_routing.roles.R] table of
+    the configuration file, giving the adapter it runs on (an agent CLI such as claude-code or codex, a
+    litellm model, the offline scripted one), its model and effort (empty: inherited from
+    [model_routing.orchestrator], then the adapter's defaults), a description, and the roles it may
+    delegate to. There are none by default: add one with 'proxyvisor routing set --role R ...' or by hand;
+    'proxyvisor routing show' lists them with the adapter, model and effort each resolves to. The child
+    gets PROMPT and nothing else of the caller's context.
+
+    Progress goes to stderr, one plain line per event: the child started, idle warnings, a stop and why.
+    On SIGTERM, SIGINT (Ctrl-C) or SIGHUP the child is stopped (SIGTERM to its process group, SIGKILL after
+    [model_routing.children] stop_grace_s) before delegate exits.
+
+    exit status: 0 the child answered (or, in suggest mode, the route is printed); 1 the child failed or
+    was refused (a cooling pool, the parallel cap, the budget), or --record ID is unknown; 2 bad usage,
+    configuration or a request the policy cannot satisfy (also: delegation disabled); 128 + N stopped by
+    signal N, after its child was stopped.
+    """)
+
+_DELEGATE_EXAMPLES_HELP = textwrap.dedent("""\
+    examples:
+      proxyvisor routing enable
+      proxyvisor routing set --role reviewer --role-adapter claude-code --role-model claude-haiku-4-5
+      proxyvisor delegate --role reviewer "Review the diff of HEAD~1 and list concrete problems."
+      proxyvisor delegate --role reviewer --json "$(cat task.txt)" | jq .evidence
+      proxyvisor delegate --record clm_0123456789abcdef0123     a long result the claim check stored
+    """)
+
+
+def _add_routing(commands: Any, name: str, help_text: str, common: Callable[..., None],
                  formatter: type, handler: Callable[[argparse.Namespace, Config], int]) -> None:
     sup = commands.add_parser(name, help=help_text, formatter_class=formatter, description=textwrap.dedent("""\
         Show or change [model_routing]: whether delegation to child runtimes is on (off by default), the
@@ -73,52 +108,79 @@ def _add_routing(commands: Any, name: str, help_text: str, common: Callable[[arg
         common(action)
         action.set_defaults(creates_config=True)
     setter = actions.add_parser("set", help="change policy fields", formatter_class=formatter, description=_SET_HELP)
-    setter.add_argument("--mode", choices=ROUTING_MODES)
-    setter.add_argument("--complexity-threshold", choices=COMPLEXITY)
-    setter.add_argument("--fallback-policy", choices=FALLBACK_POLICIES)
-    setter.add_argument("--max-parallel", type=int, metavar="N")
-    setter.add_argument("--max-depth", type=int, metavar="N")
-    setter.add_argument("--cooldown-default", type=float, metavar="S", help="seconds of the first cooldown")
-    setter.add_argument("--cooldown-maximum", type=float, metavar="S", help="longest cooldown, seconds")
+    built_in = ModelRoutingConfig()
+    setter.add_argument("--mode", choices=ROUTING_MODES,
+                        help="when the policy applies: explicit = always, adaptive = at or above the complexity "
+                             "threshold, suggest = print the route, run nothing (built-in default: "
+                             f"{built_in.mode})")
+    setter.add_argument("--complexity-threshold", choices=COMPLEXITY,
+                        help="the lowest request complexity adaptive mode delegates, CLEAR < COMPLICATED < COMPLEX "
+                             f"< CHAOTIC (built-in default: {built_in.complexity_threshold})")
+    setter.add_argument("--fallback-policy", choices=FALLBACK_POLICIES,
+                        help="what to do when the route's pool is cooling down: fail_closed = refuse with the "
+                             "soonest recovery, same_adapter_default = the adapter's default model, next_eligible "
+                             f"= another adapter of the policy (built-in default: {built_in.fallback_policy})")
+    setter.add_argument("--max-parallel", type=int, metavar="N",
+                        help=f"most child runs alive at once, at least 1 (built-in default: {built_in.max_parallel})")
+    setter.add_argument("--max-depth", type=int, metavar="N",
+                        help="longest delegation chain in hops from the agent, at least 1 (built-in default: "
+                             f"{built_in.max_depth})")
+    setter.add_argument("--cooldown-default", type=float, metavar="S",
+                        help="seconds of a pool's first cooldown when the provider gives no Retry-After, doubled "
+                             f"per trip (built-in default: {built_in.cooldown.default_seconds:g})")
+    setter.add_argument("--cooldown-maximum", type=float, metavar="S",
+                        help=f"longest cooldown, seconds (built-in default: {built_in.cooldown.maximum_seconds:g})")
     setter.add_argument("--wall-clock", type=float, metavar="S",
-                        help=f"a child's wall-clock limit, {CHILD_WALL_CLOCK} s")
-    for key in ("adapter", "model", "effort"):
-        setter.add_argument(f"--orchestrator-{key}", metavar=key.upper())
+                        help=f"a child's wall-clock limit, {CHILD_WALL_CLOCK} s (built-in default: "
+                             f"{built_in.children.wall_clock_s:g})")
+    setter.add_argument("--orchestrator-adapter", metavar="ADAPTER",
+                        help="the adapter every role without one of its own runs on ('proxyvisor routing show' "
+                             "lists them; built-in default: none)")
+    setter.add_argument("--orchestrator-model", metavar="MODEL",
+                        help="the model of every role without one of its own (built-in default: the adapter's)")
+    setter.add_argument("--orchestrator-effort", metavar="EFFORT",
+                        help="the effort of every role without one of its own (built-in default: the adapter's)")
     setter.add_argument("--role", metavar="R", help="the role the --role-* options change (created if new)")
-    for key in ("adapter", "model", "effort", "description"):
-        setter.add_argument(f"--role-{key}", metavar=key.upper())
-    setter.add_argument("--role-supervises", metavar="R1,R2", help="roles this role may delegate to (replaces)")
+    for key, what in (("adapter", "adapter"), ("model", "model; alone, it also sets the adapter declaring it"),
+                      ("effort", "effort, one its adapter declares")):
+        setter.add_argument(f"--role-{key}", metavar=key.upper(), help=f"the role's {what} (empty: the orchestrator's)")
+    setter.add_argument("--role-description", metavar="TEXT",
+                        help="what the role does: the description of its tool, which the agent's model reads")
+    setter.add_argument("--role-supervises", metavar="R1,R2",
+                        help="roles this role may delegate to, comma-separated (replaces the list; \"\" = none)")
     setter.add_argument("--remove-role", metavar="R", help="delete a role")
     common(setter)
     setter.set_defaults(creates_config=True)
     sup.set_defaults(handler=handler)
 
 
-def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
+def register(commands: Any, common: Callable[..., None], formatter: type) -> None:
     """Add the ``routing``, ``delegate`` and ``health`` commands to the ``proxyvisor`` subparsers, and
-    ``supervision``, the deprecated name of ``routing``; each sets ``handler(args, config) -> exit code``."""
+    ``supervision``, the deprecated name of ``routing``; each sets ``handler(args, config) -> exit code``.
+    ``common(parser, log_help="")`` adds the options every command has (``log_help``: more on ``--log-level``)."""
     _add_routing(commands, "routing", "show or change the delegation and routing policy ([model_routing])",
                  common, formatter, _routing)
     _add_routing(commands, "supervision", "deprecated name of 'routing' (removed in the next release)", common,
                  formatter, _deprecated_routing)
 
     delegate = commands.add_parser("delegate", help="run one child for a role and print its result",
-                                   formatter_class=formatter, description=textwrap.dedent("""\
-        Run PROMPT as child work of role R on the runtime the policy resolves (delegation must be enabled),
-        under the pool breaker, the child clocks and the claim check, and print the shaped result: the text
-        of a finished child, {text, finish_reason} for a stopped or truncated one, an error for a failure.
-        In suggest mode, print the route instead of running it. TRACEPARENT, when set, is the parent trace.
-        Progress goes to stderr at the default log level: the child started, idle warnings, a stop and why.
-        On SIGTERM, SIGINT (Ctrl-C) or SIGHUP the child is stopped (SIGTERM to its process group, SIGKILL after
-        [model_routing.children] stop_grace_s) before delegate exits with 128 + the signal's number."""))
-    delegate.add_argument("prompt", nargs="?", metavar="PROMPT")
-    delegate.add_argument("--role", metavar="R")
+                                   formatter_class=formatter, description=_DELEGATE_HELP,
+                                   epilog=_DELEGATE_EXAMPLES_HELP)
+    delegate.add_argument("prompt", nargs="?", metavar="PROMPT",
+                          help="the child's task, as one argument (quote it): all the child receives")
+    delegate.add_argument("--role", metavar="R",
+                          help="the role to run: a [model_routing.roles.R] table (see above; 'proxyvisor routing "
+                               "show' lists them); required unless --record")
     delegate.add_argument("--record", metavar="ID", help="print a stored (claim-checked) result and exit")
-    delegate.add_argument("--complexity", choices=COMPLEXITY, help="the request's complexity (adaptive mode)")
+    delegate.add_argument("--complexity", choices=COMPLEXITY,
+                          help="the request's complexity; in adaptive mode a child runs only at or above "
+                               "[model_routing] complexity_threshold (default: none, below every threshold)")
     for key in ("adapter", "model", "effort"):
-        delegate.add_argument(f"--{key}", metavar=key.upper(), help=f"explicit request override of the {key}")
+        delegate.add_argument(f"--{key}", metavar=key.upper(),
+                              help=f"run on this {key} instead of the role's (default: the role's resolved {key})")
     delegate.add_argument("--json", action="store_true", help="print the result, status and evidence as JSON")
-    common(delegate)
+    common(delegate, log_help="; at the default the child's progress shows as plain lines, info and debug add "
+                              "the logger detail, error shows errors only")
     delegate.set_defaults(handler=_delegate)
 
     health = commands.add_parser("health", help="show or clear per-pool breaker state", formatter_class=formatter,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -47,17 +48,46 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("command", ["serve", "wrap", "demo", "replay"])
-def test_every_command_documents_its_options(command: str) -> None:
-    parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 - argparse has no public accessor
-    text = sub.format_help()
-    for action in sub._actions:  # noqa: SLF001
-        for flag in action.option_strings:
-            assert flag in text
-        if action.help is not None and action.dest != "help":
-            assert action.help.strip(), f"{command} {action.dest} has no help"
-    assert "config file" in text  # every command says where its configuration comes from
+def _commands(parser: argparse.ArgumentParser, name: str = "proxyvisor") -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command and sub-command of ``parser`` (``proxyvisor routing set``...), with its parser."""
+    found = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub_name, sub in action.choices.items():
+                found += [(f"{name} {sub_name}", sub), *_commands(sub, f"{name} {sub_name}")]
+    return found
+
+
+def test_every_argument_of_every_command_has_help_showing_its_default() -> None:
+    commands = _commands(build_parser())
+    assert {"proxyvisor delegate", "proxyvisor routing set", "proxyvisor health clear"} <= {n for n, _ in commands}
+    for name, sub in commands:
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:  # noqa: SLF001
+            if isinstance(action, argparse._SubParsersAction) or action.dest == "help":  # noqa: SLF001
+                continue
+            assert (action.help or "").strip(), f"{name} {action.option_strings or action.metavar} has no help"
+            for flag in action.option_strings:
+                assert flag in text
+            if action.default not in (None, False, "") and not isinstance(action.default, bool):
+                shown = " ".join((action.help % {"default": action.default}).split())
+                assert f"default: {action.default:g}" in shown if isinstance(action.default, float) else \
+                    f"default: {action.default}" in shown, f"{name} {action.option_strings}: {shown}"
+    for name, sub in commands:
+        if name in ("proxyvisor serve", "proxyvisor wrap", "proxyvisor demo", "proxyvisor replay"):
+            assert "config file" in sub.format_help()  # it says where its configuration comes from
+
+
+def test_delegate_help_says_what_a_role_is_and_where_roles_come_from(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["delegate", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "A role is a named kind of child work" in text and "[model_routing.roles.R]" in text
+    assert "proxyvisor routing set --role R" in text and "proxyvisor routing show" in text
+    assert re.search(r"PROMPT the child's task", text) and re.search(r"--role R the role to run", text)
+    assert 'proxyvisor delegate --role reviewer "' in text, "an example"
+    assert "exit status: 0" in text
 
 
 def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
