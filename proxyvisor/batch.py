@@ -335,12 +335,12 @@ class Batch:
                        timeout_s: float, run: _Run) -> None:
         """Run the agent to its end, or past ``timeout_s`` stop it; its exit status and any error go to ``run``.
         Cancelled, it stops the agent's process group before it returns."""
-        process: trio.Process | None = None
+        kept = _KeptStatus()
         try:
             async with trio.open_nursery() as nursery:
                 try:
                     process = await nursery.start(functools.partial(
-                        trio.run_process, cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                        _run_process, cmd, kept, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
                         stderr=err, check=False, start_new_session=True,
                         deliver_cancel=functools.partial(_stop_group, hurry=self.hurry)))
                 except OSError as exc:
@@ -352,6 +352,7 @@ class Batch:
                     run.error = f"timed out after {timeout_s:g} s"
                     nursery.cancel_scope.cancel()
         finally:
+            process = kept.process
             if process is not None:
                 _signal_group(process.pid, signal.SIGKILL)  # whatever the agent left running in its group
                 if process.returncode is not None:
@@ -372,6 +373,25 @@ class _Run:
 
     code: int | None = None
     error: str | None = None
+
+
+class _KeptStatus:
+    """A task status that keeps the process it reports: a cancel landing while ``nursery.start`` hands the process
+    over makes ``start`` raise instead of returning it, and the agent's exit status would be lost with it."""
+
+    def __init__(self) -> None:
+        self.process: trio.Process | None = None
+        self.status: Any = trio.TASK_STATUS_IGNORED
+
+    def started(self, value: trio.Process) -> None:
+        self.process = value
+        self.status.started(value)
+
+
+async def _run_process(cmd: list[str], kept: _KeptStatus, *, task_status: Any = trio.TASK_STATUS_IGNORED,
+                       **options: Any) -> None:
+    kept.status = task_status
+    await trio.run_process(cmd, task_status=kept, **options)
 
 
 async def _stop_group(process: trio.Process, hurry: trio.Event) -> None:
