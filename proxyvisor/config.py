@@ -176,10 +176,10 @@ class PlanConfig(Table):
     """``[supervisor.plan]``: the supervisor-owned plan (seed 003 "Adaptive external planning", "Recite").
 
     ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: a block
-    near the request tail re-anchors the model on every request that has something to recite: the live plan, the
-    user's prohibitions in force (stated in any user turn, not lifted by a later permission) once the turn stating
-    them is no longer the last message, and the goal once the agent
-    compacted its history (reference section 4, "Recitation"; ``proxyvisor.proxy.planning``).
+    near the request tail re-anchors the model when what it recites changes: the live plan, the user's prohibitions
+    in force (stated in any user turn, not lifted by a later permission) once the turn stating them is no longer
+    the last message, and the goal once the agent compacted its history; it is kept at its place in later requests
+    (reference section 4, "Recitation"; ``proxyvisor.proxy.planning``).
     ``timeout_s``: seconds one planner call may take (then the plan is left as it was).
     """
 

@@ -182,11 +182,13 @@ async def send_turn(client: httpx.AsyncClient, url: str, fmt: WireFormat, body: 
 async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat, stream: bool = False,
                  session: str = "replay", store: Store | None = None,
                  on_round: Callable[[Round], None] | None = None, model: ModelCall | None = None,
-                 gate: bool = False) -> list[Round]:
+                 gate: bool = False, scripted: ScriptedUpstream | None = None) -> list[Round]:
     """Replay ``messages`` through a proxy running ``config`` with a scripted upstream; returns the rounds.
     ``model`` replaces the supervisor model ``[supervisor.model]`` describes (see
     ``proxyvisor.proxy.service.running``; by default the session's route: the scripted upstream's fixed policies).
     ``gate``: the verify-gate runs as ``[supervisor.gate]`` says (off: every recorded turn goes through unjudged).
+    ``scripted``: the scripted upstream that plays the turns, to read what it received (by default a new one that
+    records nothing).
 
     The first upstream must be scripted (it plays the recorded turns). Raises ConfigError otherwise.
     """
@@ -196,7 +198,7 @@ async def replay(config: Config, messages: list[dict[str, Any]], fmt: WireFormat
                           f"{upstream.url}")
     if not gate:
         config = config.with_overrides(supervisor={"gate": replace(config.supervisor.gate, enabled=False)})
-    scripted = ScriptedUpstream(record=False)
+    scripted = scripted or ScriptedUpstream(record=False)
     tools = tools_of(messages)
     rounds: list[Round] = []
     async with running(config, port=0, store=store, scripted={upstream.name: scripted},

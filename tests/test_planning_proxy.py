@@ -110,6 +110,11 @@ class Agent:
         """The text of the last history item the upstream received."""
         return self.fmt.message(self.fmt.history(body)[-1]).text
 
+    def recitation(self, body: dict[str, Any]) -> str:
+        """The text of the latest history item carrying a recitation the upstream received ("" when none)."""
+        texts = [self.fmt.message(item).text for item in self.fmt.history(body)]
+        return next((t for t in reversed(texts) if 'signal="recite"' in t), "")
+
     def thread(self) -> Any:
         (session,) = self.proxy.pipeline.sessions.all()
         (thread,) = session.supervision.threads.values()
@@ -150,11 +155,13 @@ async def test_a_request_signal_makes_a_plan_that_is_recited_and_advanced(tmp_pa
         assert [p.status for p in plan.phases] == [COMPLETED, IN_PROGRESS, "pending"]
         assert plan.phases[0].summary == "listed the rules"
         assert "Live plan (1/3 done)" in agent.tail(third)
-        # No signal: no call; the plan is recited again, regenerated at the new tail.
+        # No signal: no call; the plan is unchanged, so not recited again: each earlier recitation is back where
+        # it was first sent, once.
         fourth = await agent.turn("Still splitting. " + report("request"))
         assert len(planner.inputs) == 2
-        assert "Live plan (1/3 done)" in agent.tail(fourth)
-        assert json.dumps(fourth).count("Live plan") == 1  # never remembered in the history
+        assert "Live plan" not in agent.tail(fourth)
+        text = json.dumps(fourth)
+        assert text.count("Live plan (0/3 done)") == 1 and text.count("Live plan (1/3 done)") == 1
         # A request signal while a plan is open is ignored.
         await agent.turn("More. " + report(None))
         assert len(planner.inputs) == 2
@@ -203,7 +210,8 @@ async def test_a_broken_assumption_adds_a_note_once_and_reassesses(tmp_path: Pat
         assert text.count('signal=\\"plan_assumption\\"') == 1 and str(marker) in text
         assert len(planner.inputs) == 2 and planner.inputs[1]["signal"] == "reassess"
         assert text.count('signal=\\"plan_hold\\"') == 1 and "re-read it" in text  # the hold's reason
-        assert "(valid if file_exists:" in agent.tail(third)
+        # The plan is unchanged (held): its recitation stays where the second request put it.
+        assert text.count("(valid if file_exists:") == 1 and "(valid if" not in agent.tail(third)
         fourth = await agent.turn("Done reading. " + report(None))
         text = json.dumps(fourth)
         # The same broken set: no new note (the first is re-inserted where it was), no new call.
@@ -238,16 +246,18 @@ async def test_the_goal_is_recited_once_the_history_was_rewritten(tmp_path: Path
         assert f"Goal (fixed): <intent>{GOAL}</intent>" in agent.tail(third)
         agent.history.append({"role": "user", "content": "Now update the changelog too."})
         fourth = await agent.turn("Four. " + report(None))
-        assert "pay-attention" not in json.dumps(fourth)  # a new request: in plain view, nothing to recite
+        # A new request: in plain view, nothing new to recite; the goal's recitation stays where it was.
+        assert "pay-attention" not in agent.tail(fourth) and json.dumps(fourth).count("pay-attention") == 2
         fifth = await agent.turn("Five. " + report(None))
-        assert "pay-attention" not in json.dumps(fifth)
+        assert json.dumps(fifth).count("pay-attention") == 2
         assert agent.thread().planning.goal == "Now update the changelog too."
         # A rewritten history whose request is another one: a new turn, not the old goal recited over it.
         changelog = next(i for i, m in enumerate(agent.history) if m["content"] == "Now update the changelog too.")
         agent.history = agent.history[:changelog] + [{"role": "user", "content": "Rename the module instead."}]
         await agent.turn("Six. " + report(None))
         seventh = await agent.turn("Seven. " + report(None))
-        assert "pay-attention" not in json.dumps(seventh)
+        assert "pay-attention" not in agent.tail(seventh)
+        assert json.dumps(seventh).count("pay-attention") == 2  # the old one is still in the kept history
         assert agent.thread().planning.goal == "Rename the module instead."
 
 
@@ -400,13 +410,13 @@ async def test_prohibitions_stand_across_user_turns_until_lifted(tmp_path: Path,
 
         await agent.turn("Reading. " + report(None))
         after_two = await user("Also fix the typo in the intro.")
-        assert agent.tail(after_two).endswith(f"{CONSTRAINTS}\n- Do not run the tests.\n"
+        assert agent.recitation(after_two).endswith(f"{CONSTRAINTS}\n- Do not run the tests.\n"
                                               "</pay-attention></supervisor-note>")
         assert (await plan())["prohibitions"] == [{"turn": 1, "text": "Do not run the tests."}]
         after_three = await user("You can run the tests now.")
         assert CONSTRAINTS not in agent.tail(after_three) and (await plan())["prohibitions"] == []
         after_four = await user("Never push to main.")
-        assert agent.tail(after_four).endswith(f"{CONSTRAINTS}\n- Never push to main.\n"
+        assert agent.recitation(after_four).endswith(f"{CONSTRAINTS}\n- Never push to main.\n"
                                                "</pay-attention></supervisor-note>")
         got = await plan()
         assert got["prohibitions"] == [{"turn": 4, "text": "Never push to main."}]
@@ -433,7 +443,7 @@ async def test_a_compacted_history_keeps_the_prohibitions_in_force(tmp_path: Pat
                           {"role": "user", "content": "Go on with the split."}]
         await agent.turn("Splitting. " + report(None))
         before = await agent.turn("Still splitting. " + report(None))
-        assert "- Do not run the tests." in agent.tail(before)
+        assert "- Do not run the tests." in agent.recitation(before)
         agent.history = agent.history[:2] + agent.history[-5:]  # turn 2 is pruned; the latest request stays
         assert all(m.get("content") != "Do not run the tests." for m in agent.history)
         after = await agent.turn("Three. " + report(None))

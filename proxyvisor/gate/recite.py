@@ -2,8 +2,8 @@
 
 Long sessions push the user's request far back in the context; reciting it near the tail keeps it in the model's
 view (seed 003 "Recite"; ``reference/in-session-supervisor-mechanics.md`` section 4, "Recitation near the request
-tail"). :func:`recite` builds the block; the proxy inserts it after the agent's last history item on each request
-and never remembers it (``proxyvisor.proxy.planning``). The block::
+tail"). :func:`recite` builds the block; the proxy inserts it after the agent's last history item when its text
+changed, and puts it back at that place in later requests (``proxyvisor.proxy.planning``). The block::
 
     <supervisor-note signal="recite"><pay-attention>
     Re-anchor on your task:
@@ -21,8 +21,8 @@ and never remembers it (``proxyvisor.proxy.planning``). The block::
 - the ``<supervisor-note>`` wrapper tells the model the block comes from the supervisor, not the user (the
   self-report instruction says so), and that it is advisory.
 
-Pure; the same inputs give the same bytes (the block sits after the prompt-cache prefix, but a stable block keeps
-the request tail identical across retries).
+Pure; the same inputs give the same bytes, so an unchanged block is known to be unchanged and is not recited again
+(a recitation stays in the upstream's history, inside the prompt-cache prefix of later requests).
 """
 
 from __future__ import annotations

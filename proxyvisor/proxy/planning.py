@@ -25,8 +25,16 @@ waiting for the planner, or None) and ``planning`` (:class:`PlanningState`). Wha
    planner's reason. A call that fails, times out or answers malformed changes nothing (logged); the signal is
    consumed either way, so a planner outage never holds every later request for ``timeout_s``.
 4. **Recitation** (the last step, ``[supervisor.plan] recite``): ``gate.recite.recite`` of the goal, the live
-   plan and the standing prohibitions, inserted after the end of the upstream body's history, every request,
-   never remembered. Only after a tool result or a user message (never after an assistant prefill). What is
+   plan and the standing prohibitions, inserted after the end of the upstream body's history when it says
+   something the thread's latest recitation does not, and kept as a note (``Thread.notes``, signal
+   :data:`RECITE`): every later request gets it back at the same place, byte for byte, like a steer note, so the
+   upstream prefix stays byte-stable for provider prompt caches (a gate re-entry continues after it, and the
+   continued items go back after it too). A recitation whose text is unchanged is not recited again, unless the
+   latest lies more than :data:`RECITE_AFTER` history items back (then it is recited at the tail once more, the
+   older one staying where it was); a recitation that would now be empty adds nothing, and the older one stays
+   (it is history the upstream has seen). A rewritten history keeps it only where its anchor still is (as steer
+   notes), so after a compaction the next recitation goes to the new tail. Only after a tool result or a user
+   message (never after an assistant prefill). What is
    recited follows the reference (section 4, "Recitation"; seed 003 "Recite": "plans, explicit prohibitions ...
    can be recited before the first compaction. An archived goal is recited only when ..."): the plan whenever
    there is one; every prohibition in force but those of the latest user turn while that turn is the last item
@@ -75,6 +83,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("proxyvisor.plan")
 
 _REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
+RECITE = "recite"
+"""The ``signal`` of a recitation among a thread's notes (``proxyvisor.proxy.supervise.Note``)."""
+RECITE_AFTER = 32
+"""History items after its place past which an unchanged recitation is recited again at the tail: it stays near
+the end of long sessions for one recitation's tokens every 16 or so tool rounds (a fixed internal threshold, like
+the detectors'; reference section 9)."""
 _SAFE_ROLES = ("tool", "user")
 """Roles of a last history item after which proxyvisor may add a user-side note (never after an assistant item,
 which may be a prefill)."""
@@ -285,16 +299,20 @@ class Planner:
         return None
 
 
-def _add_note(thread: Thread, state: SessionSupervision, tail: tuple[int, bytes, str], signal: str,
+def _add_note(thread: Thread, state: SessionSupervision | None, tail: tuple[int, bytes, str], signal: str,
               text: str) -> None:
+    """Keep ``text`` as a note after the agent's last history item ``tail``, re-inserted there in the thread's later
+    requests; counted by ``signal`` in ``state.notes`` (what /info shows as steers) unless ``state`` is None."""
     from .supervise import NOTES, Note  # supervise imports this module
 
     thread.notes = (thread.notes + [Note(tail[0], tail[1], signal, text)])[-NOTES:]
-    state.notes[signal] += 1
+    if state is not None:
+        state.notes[signal] += 1
 
 
 def _recite(exchange: Exchange) -> None:
-    """Insert the recitation after the end of the upstream body's history (module docstring, 4)."""
+    """Recite at the end of the upstream body's history when the thread's latest recitation says something else
+    or lies more than :data:`RECITE_AFTER` history items back (module docstring, 4)."""
     tail, thread = exchange.tail, exchange.thread
     if tail is None or tail[2] not in _SAFE_ROLES:
         return
@@ -303,8 +321,13 @@ def _recite(exchange: Exchange) -> None:
     text = recite(planning.goal if planning.compacted else "", thread.plan,
                   [r.text for r in planning.rules if not (in_view and r.turn == planning.turns)],
                   stale=thread.plan is not None and planning.touched < planning.turns)
-    if text is not None:
-        _append(exchange, text)
+    if text is None:
+        return
+    latest = next((n for n in reversed(thread.notes) if n.signal == RECITE), None)
+    if latest is not None and latest.text == text and tail[0] - latest.index < RECITE_AFTER:
+        return  # it is in the body already, re-inserted where it was first recited
+    _append(exchange, text)
+    _add_note(thread, None, tail, RECITE, text)
 
 
 def _append(exchange: Exchange, text: str) -> None:

@@ -13,7 +13,8 @@ this runs). For each request, :meth:`Supervisor.begin` returns an :class:`Exchan
    :meth:`Exchange.before_forward`, on the same parsed body, before :meth:`Exchange.upstream_body` serialises it:
    condensing oversized tool results (``proxyvisor.proxy.condensing``; its candidates and context are read in
    ``begin``, from the agent's history as sent), then the planner call for a pending plan signal and the
-   recitation of the plan at the request tail (``proxyvisor.proxy.planning``);
+   recitation of the plan at the request tail when it changed (``proxyvisor.proxy.planning``; kept as a note, so
+   re-inserted at its place like the others);
 2. **on the reply** (:meth:`Exchange.reply`): the self-report token is stripped from the assistant text, in a
    JSON body or a stream, and parsed from the model's output; missing and malformed reports are counted, never
    fatal. Before it, when the request was offered delegation tools (``Exchange.delegation``), the pipeline lets
@@ -57,7 +58,8 @@ log = logging.getLogger("proxyvisor.supervise")
 THREADS = 8
 """Agent threads (distinct histories) tracked per session."""
 NOTES = 64
-"""Steer notes kept per thread; past it the oldest is no longer re-inserted (one prompt-cache miss)."""
+"""Notes (steer, plan and recitation notes) kept per thread; past it the oldest is no longer re-inserted (one
+prompt-cache miss)."""
 RECORDS = 256
 """Request records kept per session (:attr:`SessionSupervision.records`)."""
 DELEGATED = 64
@@ -67,7 +69,8 @@ re-inserted (one prompt-cache miss)."""
 
 @dataclass(frozen=True)
 class Note:
-    """A steer note: inserted after history item ``index``, whose :func:`fingerprint` was ``anchor``."""
+    """A note (a steer note, a plan note, a recitation): inserted after history item ``index``, whose
+    :func:`fingerprint` was ``anchor``; notes at one position go in the order they were added."""
 
     index: int
     anchor: bytes

@@ -177,6 +177,25 @@ def interleave_runs(items: list[Any], runs: list[tuple[int, list[Any]]]) -> list
     return out
 
 
+def shared_prefix(before: list[bytes], after: list[bytes]) -> int:
+    """How many bytes of ``before`` (a request's :meth:`WireFormat.prompt`, its pieces in order) begin ``after``
+    too: the part of the earlier request a provider's prompt cache can serve to the later one."""
+    shared = 0
+    for old, new in zip(before, after):
+        if old == new:
+            shared += len(old)
+            continue
+        low, high = 0, min(len(old), len(new))
+        while low < high:  # bisected: a long piece is compared in a few memcmp calls, not byte by byte
+            mid = (low + high + 1) // 2
+            if old[:mid] == new[:mid]:
+                low = mid
+            else:
+                high = mid - 1
+        return shared + low
+    return shared
+
+
 def has_non_text(content: Any) -> bool:
     """True when ``content`` is a list of typed parts and one of them is not text (an image, a document...)."""
     return isinstance(content, list) and any(
@@ -341,6 +360,13 @@ class WireFormat:
         items = body.get(self.history_field)
         return items if isinstance(items, list) else []
 
+    def prompt(self, body: dict[str, Any]) -> list[bytes]:
+        """``body`` in the order a provider's prompt cache reads it, as pieces of JSON: first every field but the
+        history (tools, system prompt, settings; keys sorted), then each history item as the body serialises it.
+        Two requests share a cache prefix as far as their pieces agree (:func:`shared_prefix`)."""
+        rest = {k: v for k, v in body.items() if k != self.history_field}
+        return [orjson.dumps(rest, option=orjson.OPT_SORT_KEYS), *map(orjson.dumps, self.history(body))]
+
     def message(self, item: Any) -> Message:
         """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``)."""
         raise NotImplementedError
@@ -351,7 +377,7 @@ class WireFormat:
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         """Put each user-side note ``(index, text)`` right after history item ``index`` (positions of the history
-        as sent, ascending, at most one note per position), in place, in one pass over the history."""
+        as sent, ascending; notes at one position go in the order given), in place, in one pass over the history."""
         raise NotImplementedError
 
     def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
