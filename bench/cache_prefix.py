@@ -11,9 +11,8 @@ included. For each pair of consecutive upstream requests, the bench reads both a
 (``WireFormat.prompt``: every field but the history, then each history item, as serialised) and prints the share of
 the earlier request that begins the later one (``shared_prefix``).
 
-A pair whose agent requests do not themselves share the whole earlier prompt (the agent rewrote its history: in
-this corpus, only the Messages format folding a user message into the tool results before it) is the agent's own
-rewrite; it is counted apart and not held to the target. **Target** (exit 1 when missed): every other pair at
+A pair whose agent requests do not themselves share the whole earlier prompt (the agent rewrote its history; the
+corpus replays only grow theirs) is the agent's own rewrite; it is counted apart and not held to the target. **Target** (exit 1 when missed): every other pair at
 least 99.9%.
 
 Prints one line per trajectory, format and mode (pairs, the agent's rewrites, gate re-entries, the lowest share and
