@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import corpus_parser, trajectories  # noqa: E402
 from bench.results import write_section  # noqa: E402
-from proxyvisor.adapters.scripted import ScriptedUpstream  # noqa: E402
+from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
 from proxyvisor.config import Config  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, WireFormat  # noqa: E402
 from proxyvisor.proxy.formats.base import shared_prefix  # noqa: E402

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from proxyvisor.adapters.scripted import ScriptedUpstream
+from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config
 from proxyvisor.gate.plan import PLANNER_INSTRUCTIONS
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
