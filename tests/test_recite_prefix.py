@@ -24,6 +24,7 @@ from proxyvisor.proxy.planning import RECITE_AFTER
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
 
 FORMATS = ("chat", "messages", "responses")
 MODES = [(f, s) for f in FORMATS for s in (False, True)]
@@ -57,16 +58,16 @@ class Model:
         self.verdicts = [verdict(True)]
         self.purposes: list[str] = []
 
-    async def __call__(self, messages: list[dict[str, str]]) -> str:
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
         system = messages[0]["content"]
         if system == PLANNER_INSTRUCTIONS:
             self.purposes.append("plan")
-            return PLAN
+            return ModelAnswer(PLAN)
         if system == VERIFIER_INSTRUCTIONS:
             self.purposes.append("verify")
-            return self.verdicts.pop(0) if self.verdicts else verdict(False)
+            return ModelAnswer(self.verdicts.pop(0) if self.verdicts else verdict(False))
         self.purposes.append("other")
-        return '{"findings": []}'
+        return ModelAnswer('{"findings": []}')
 
 
 class Agent:
