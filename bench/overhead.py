@@ -5,6 +5,7 @@ Usage (from the repository root, in the project's environment)::
     python bench/overhead.py            # the full run, under about 2 minutes (plus a one-off LiteLLM install)
     python bench/overhead.py --quick    # a CI-size run of about 20 s
     python bench/overhead.py --no-litellm --count 2000 --concurrency 32 --duration 5
+    python bench/overhead.py --no-litellm --compare /tmp/old   # also an older checkout (git worktree add /tmp/old REV)
 
 Every arm talks to the same upstream: proxyvisor's scripted upstream, served in its own process, answering a
 realistic chat request (about 77 KB, like Claude Code's first request: mostly tool schemas) with a short text
@@ -445,6 +446,15 @@ async def serve_proxy(upstream_port: int, supervised: bool, state_dir: str) -> N
         await trio.sleep_forever()
 
 
+def revision(checkout: Path) -> str:
+    """The short commit of ``checkout`` (with ``+`` when its tree has changes), or its folder name outside git."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *cmd], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    return (commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")) if commit \
+        else checkout.name
+
+
 def run_role(args: argparse.Namespace) -> None:
     exit_on_stdin_eof()
     if args.role == "upstream":
@@ -466,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3; quick 2)")
     p.add_argument("--body-kb", type=int, default=77, help="request body size in KB (default 77)")
     p.add_argument("--no-supervised", action="store_true", help="leave out the supervision-enabled arm")
+    p.add_argument("--compare", type=Path, action="append", default=[], metavar="CHECKOUT",
+                   help="also measure another checkout of proxyvisor (say a `git worktree add` of an older commit) "
+                        "in the same run, as arms proxyvisor@COMMIT and supervised@COMMIT; repeatable")
     add_arm_options(p)
     p.add_argument("--role", choices=("upstream", "proxyvisor", "supervised"), help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
@@ -495,12 +508,15 @@ def main(argv: list[str] | None = None) -> int:
         litellm = start_litellm(exe, up_port, work) if exe is not None else None
         if litellm is not None:
             procs.append(litellm[0])
-        roles = [("proxyvisor", "proxyvisor")] + ([] if args.no_supervised else [("supervised", "supervised")])
-        for role, label in roles:
-            proc, port = spawn_role(__file__, role, "--upstream-port", str(up_port), "--state-dir", str(work / role),
-                                     log=work / f"{role}.log")
+        others = [(str(c / "bench" / "overhead.py"), f"@{revision(c)}") for c in args.compare]
+        roles = [(script, role, role + at) for role in ("proxyvisor", "supervised")
+                 if role == "proxyvisor" or not args.no_supervised
+                 for script, at in [(__file__, ""), *others]]
+        for i, (script, role, label) in enumerate(roles):
+            proc, port = spawn_role(script, role, "--upstream-port", str(up_port), "--state-dir", str(work / str(i)),
+                                    log=work / f"{i}.log")
             procs.append(proc)
-            arms.append(Arm(role, label, port, proc))
+            arms.append(Arm(label, label, port, proc))
         if litellm is not None:
             try:
                 wait_litellm(*litellm, work / "litellm.log")

@@ -503,7 +503,8 @@ class Pipeline:
             if session is not None:
                 message = failure.message if failure else None if ended else "client disconnected mid-stream"
                 turn, shown = None, None
-                if reply.status < 400:
+                # Unsupervised, nothing of the stream was read: there is no answer to estimate or record.
+                if reply.status < 400 and self.supervised:
                     with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
                         turn, shown = await off_loop(kept, _answer, fmt, events, isinstance(stream, EditedStream))
                     usage = estimate.completed(usage, fmt, body, turn)

@@ -99,8 +99,7 @@ class RelayedStream:
             while not self._complete:
                 started = time.perf_counter()
                 try:
-                    with trio.fail_after(self.idle_timeout_s):
-                        chunk, self._complete = await self.conn.next_piece()
+                    chunk, self._complete = await self.conn.next_piece(self.idle_timeout_s)
                 except trio.TooSlowError:
                     self.error = UpstreamError(504, f"upstream sent nothing for {self.idle_timeout_s:g} s mid-stream")
                     return
@@ -228,8 +227,7 @@ class HttpRelay:
         size, complete = 0, False
         try:
             while not complete:
-                with trio.fail_after(self.upstream.idle_timeout_s):
-                    piece, complete = await conn.next_piece()
+                piece, complete = await conn.next_piece(self.upstream.idle_timeout_s)
                 size += len(piece)
                 if size > limits.MAX_BUFFERED_BODY:
                     raise UpstreamError(502, f"upstream {name!r} response exceeds {limits.MAX_BUFFERED_BODY} "

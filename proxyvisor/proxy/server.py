@@ -282,27 +282,31 @@ class Connection:
                 # A client that sent `Expect: 100-continue` holds its body back until told to go on (curl waits
                 # 1 s for it on every body over 1 MiB); one refused by its declared size got its 413 above.
                 await self._send(h11.InformationalResponse(status_code=100, headers=[]))
-            with trio.move_on_after(self.limits.body_deadline_s) as deadline:
-                while True:
-                    event = await self._next_event(self.limits.body_timeout_s)
-                    if isinstance(event, h11.Data):
-                        size += len(event.data)
-                        if size > self.limits.max_body_bytes:
-                            request.too_large = True
-                            return True
-                        parts.append(event.data)  # bytes or bytearray: the join below copies either way
-                    elif isinstance(event, h11.EndOfMessage):
-                        break
-                    else:
-                        return False
-        except trio.TooSlowError:
-            return False
+            # The total deadline shortens the wait for the next read instead of wrapping the loop in a cancel scope
+            # of its own: a scope costs about 10 us, and most bodies arrive with their head, needing no wait.
+            deadline = trio.current_time() + self.limits.body_deadline_s
+            while True:
+                try:
+                    event = await self._next_event(min(self.limits.body_timeout_s,
+                                                       max(0.0, deadline - trio.current_time())))
+                except trio.TooSlowError:
+                    if trio.current_time() < deadline:
+                        return False  # a stall between two reads: the client is not sending
+                    request.too_slow = True
+                    return True
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > self.limits.max_body_bytes:
+                        request.too_large = True
+                        return True
+                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                else:
+                    return False
         except h11.RemoteProtocolError as exc:
             await self._bad_request(exc)
             return False
-        if deadline.cancelled_caught:
-            request.too_slow = True
-            return True
         request.body = b"".join(parts)
         return True
 
