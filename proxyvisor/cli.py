@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Sequence
 
 from . import __version__
@@ -413,6 +414,32 @@ def _config(args: argparse.Namespace) -> Config:
     return config.with_overrides(**changes) if changes else config
 
 
+class OneLineFormatter(logging.Formatter):
+    """One log line per record: an exception is shown as its type, its message and the innermost frame of
+    proxyvisor's own code (``file.py:LINE``), never as a traceback, unless ``tracebacks`` (``--log-level debug``)."""
+
+    def __init__(self, fmt: str, *, tracebacks: bool) -> None:
+        super().__init__(fmt)
+        self.tracebacks = tracebacks
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.tracebacks or not record.exc_info:
+            return super().format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            line = super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+        _type, exc, tb = saved[0]
+        where = ""
+        for frame in traceback.extract_tb(tb):
+            if f"{os.sep}proxyvisor{os.sep}" in frame.filename:
+                where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
+        detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        return f"{line} [{detail}{where}]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -421,8 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="proxyvisor %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("proxyvisor %(levelname)s %(name)s: %(message)s",
+                                          tracebacks=args.log_level == "debug"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
         return _dispatch(parser, args)
     except BaseException as exc:  # noqa: BLE001 - turn what trio wraps in exception groups into clear exits

@@ -346,3 +346,22 @@ def test_replay_keeps_out_of_the_users_state_directory_unless_given_one(tmp_path
                            str(path)], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert list((tmp_path / "kept" / "ledger").glob("replay-*.jsonl"))
+
+
+def test_a_logged_exception_is_one_line_without_a_traceback_unless_debug() -> None:
+    import logging
+
+    from proxyvisor.cli import OneLineFormatter
+
+    def record() -> logging.LogRecord:
+        try:
+            {}["missing"]
+        except KeyError:
+            import sys
+            return logging.LogRecord("proxyvisor.x", logging.ERROR, __file__, 1, "it failed", None, sys.exc_info())
+
+    plain = OneLineFormatter("%(name)s: %(message)s", tracebacks=False).format(record())
+    assert plain == "proxyvisor.x: it failed [KeyError: 'missing']"
+    assert "Traceback" not in plain and "\n" not in plain
+    debug = OneLineFormatter("%(name)s: %(message)s", tracebacks=True).format(record())
+    assert debug.startswith("proxyvisor.x: it failed\nTraceback (most recent call last):")
