@@ -31,6 +31,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
+import orjson
+import trio
 
 from .adapters import litellm_bridge
 from .config import SCRIPTED_URL, Config, ConfigError, ModelConfig
@@ -127,9 +129,53 @@ def configured_model(model: ModelConfig, scripted_url: str | None = None,
     if scripted_url is None:
         raise ConfigError(f'[supervisor.model] api_base = "{SCRIPTED_URL}" needs a scripted upstream '
                           f'([upstreams.NAME] url = "{SCRIPTED_URL}")')
-    local = msgspec.structs.replace(model, name="openai/" + model.name.rsplit("/", 1)[-1],
-                                api_base=scripted_url + "/v1", api_key_env="")
-    return litellm_model(local, env, api_key=SCRIPTED_KEY, priced=False)
+    return scripted_model(model, scripted_url)
+
+
+def scripted_model(model: ModelConfig, scripted_url: str) -> ModelCall:
+    """A :data:`ModelCall` asking the embedded scripted upstream at ``scripted_url`` (``http://host:port``) with
+    one Chat Completions request over loopback (proxyvisor's own HTTP client, no litellm: importing litellm costs
+    seconds of CPU, many times the scripted answer's). Answers are never priced (``cost_usd`` None); within
+    ``model.request_timeout_s``.
+
+    Raises (from the returned callable): ``RuntimeError`` for an answer other than a 200 with text,
+    ``trio.TooSlowError`` past the timeout, and the connection's errors (``OSError``, ``h11.ProtocolError``).
+    """
+    from .proxy.client import ConnectionPool
+
+    name = model.name.rsplit("/", 1)[-1]
+
+    async def complete(messages: list[dict[str, str]]) -> ModelAnswer:
+        schema = schema_of(messages)
+        body: dict[str, Any] = {"model": name, "messages": messages, "max_tokens": model.max_tokens}
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": schema[0], "schema": schema[1], "strict": False}}
+        pool = ConnectionPool(scripted_url, model.request_timeout_s)
+        try:
+            with trio.fail_after(model.request_timeout_s):
+                conn, head = await pool.request(b"POST", b"/v1/chat/completions", [
+                    (b"content-type", b"application/json"), (b"authorization", b"Bearer " + SCRIPTED_KEY.encode())],
+                    orjson.dumps(body))
+                parts, done = [], False
+                while not done:
+                    piece, done = await conn.next_piece()
+                    parts.append(piece)
+                await pool.release(conn, True)
+        finally:
+            await pool.aclose()
+        try:
+            answer = orjson.loads(b"".join(parts))
+            text = answer["choices"][0]["message"]["content"] if head.status_code == 200 else None
+        except (orjson.JSONDecodeError, LookupError, TypeError):
+            text = None
+        if not isinstance(text, str) or not text:
+            raise RuntimeError(f"the scripted upstream answered HTTP {head.status_code} without text")
+        usage = answer.get("usage") or {}
+        return ModelAnswer(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                           None)
+
+    return complete
 
 
 def with_condense(config: Config) -> Config:
@@ -139,10 +185,8 @@ def with_condense(config: Config) -> Config:
 
 
 def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
-                  api_key: str | None = None, priced: bool = True) -> ModelCall:
-    """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``;
-    ``priced`` false (the embedded scripted upstream) leaves every answer not priced (``cost_usd`` None) whatever
-    model it names.
+                  api_key: str | None = None) -> ModelCall:
+    """A :data:`ModelCall` calling ``model.name`` through litellm; ``api_key`` overrides ``model.api_key_env``.
 
     Verifier, refuter and planner calls ask for their answer's JSON schema through ``response_format``
     (:func:`schema_of`; litellm drops it for a model that takes none).
@@ -179,8 +223,7 @@ def litellm_model(model: ModelConfig, env: Mapping[str, str] | None = None,
             usage = getattr(response, "usage", None)
             cost: float | None = None
             try:
-                if priced:
-                    cost = float(litellm.completion_cost(completion_response=response) or 0.0)
+                cost = float(litellm.completion_cost(completion_response=response) or 0.0)
             except Exception:  # noqa: BLE001 - a model missing from litellm's cost map is not priced (None)
                 pass
             return ModelAnswer(text, int(getattr(usage, "prompt_tokens", 0) or 0),

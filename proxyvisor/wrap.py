@@ -44,10 +44,11 @@ def agent_invocation(proxy_url: str, session: str, cmd: list[str],
     return agent_command(cmd, env["OPENAI_BASE_URL"], env)
 
 
-def summary(proxy: RunningProxy, session: str) -> list[str]:
-    """The lines ``wrap`` prints at exit for ``session`` of ``proxy``. With supervision on, from the session's
-    ledger (:func:`proxyvisor.proxy.info.summarize`): model requests, errors and tool rounds, upstream tokens and
-    cost, what supervision did (self-reports, detector fires and steer notes by signal, gate outcomes, condensed
+def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
+    """The lines ``wrap`` prints at exit for this run of ``session`` on ``proxy``. With supervision on, from the
+    session's ledger records after its first ``earlier`` (those of earlier runs of a ``--session`` reused: they
+    count only in a note of the session's total; :func:`proxyvisor.proxy.info.summarize`): model requests, errors
+    and tool rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer notes by signal, gate outcomes, condensed
     results and tokens saved, supervisor model calls with tokens, cost and time) and the proxy overhead; the
     questions proxyvisor answered itself (``/info``, ``/plan``). With it off, the in-memory counts of the byte
     relay: requests, errors, overhead."""
@@ -62,9 +63,13 @@ def summary(proxy: RunningProxy, session: str) -> list[str]:
         return [f"{head} {plural(s.requests, 'model request')} ({', '.join(sorted(s.formats))}), "
                 f"{plural(s.errors, 'error')}; proxy overhead {s.overhead_ms:,.1f} ms in all ({why})"]
     try:
-        lines = store.read_ledger(session)
+        every = store.read_ledger(session)
     except LedgerError as exc:
         return [f"{head} {exc}"]
+    lines = every[earlier:]
+    if earlier:
+        total = sum(1 for line in every if not isinstance(line.get("local"), str))
+        head = f"proxyvisor: session {session}, this run ({plural(total, 'model request')} in the session in all):"
     info = summarize(lines)
     local = info["local"]
     answered = (f"{plural(sum(local.values()), 'question')} answered by proxyvisor itself ({counts_text(local)})"
@@ -92,8 +97,18 @@ def summary(proxy: RunningProxy, session: str) -> list[str]:
     return out
 
 
+def _records(proxy: RunningProxy, session: str) -> int:
+    """How many ledger records ``session`` has on ``proxy`` (0 when none can be read)."""
+    store = proxy.pipeline.store
+    try:
+        return len(store.read_ledger(session)) if store is not None and proxy.pipeline.supervised else 0
+    except LedgerError:
+        return 0
+
+
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
+        earlier = _records(proxy, session)
         for notice in start_notices(config):
             print(notice, file=sys.stderr, flush=True)
         if not quiet and config.supervisor.enabled:
@@ -119,7 +134,7 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
             await process.wait()
             nursery.cancel_scope.cancel()
         if not quiet:
-            print("\n".join(summary(proxy, session)), file=sys.stderr)
+            print("\n".join(summary(proxy, session, earlier)), file=sys.stderr)
         for notice in stop_notices(proxy):
             print(notice, file=sys.stderr)
         code = process.returncode

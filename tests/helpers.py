@@ -235,3 +235,19 @@ def task_count() -> int:
         for nursery in task.child_nurseries:
             stack.extend(nursery.child_tasks)
     return count
+
+
+LITELLM_PROBE = """
+import runpy, sys
+sys.argv = ["proxyvisor", *sys.argv[1:]]
+try:
+    runpy.run_module("proxyvisor", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+print("litellm imported" if any(m == "litellm" or m.startswith("litellm.") for m in sys.modules)
+      else "litellm not imported", file=sys.stderr)
+sys.exit(code)
+"""
+"""A script running ``proxyvisor ARGS...`` that prints, as its last stderr line, whether litellm was imported."""

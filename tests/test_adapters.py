@@ -253,7 +253,7 @@ def test_a_cli_that_cannot_start_is_an_unavailable_failure(tmp_path: Path) -> No
 
 async def test_litellm_streams_the_answer_and_normalises_its_exception_types(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PV_TEST_KEY", "sk-test")
-    upstream = ScriptedUpstream([{"text": "hi there"}, {"fault": {"status": 429, "retry_after": "17"}},
+    upstream = ScriptedUpstream([{"text": "hi there", "output_tokens": 2}, {"fault": {"status": 429, "retry_after": "17"}},
                                  {"fault": {"status": 529}}, {"fault": {"status": 401}},
                                  {"fault": {"first_byte_delay_s": 5}}])
     async with serve_handler(upstream) as url:

@@ -115,7 +115,7 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
                                  "model refuses every request"
             assert stdout == "" and r["error"] in Path(r["stderr"]).read_text()
         else:
-            # The scripted model reports tokens, and its answers are never priced.
+            # The scripted model reports none, the ledger counts its tokens; its answers are never priced.
             assert r["input_tokens"] > 0 and r["output_tokens"] > 0 and (r["cost_usd"], r["cost_known"]) == (0.0, False)
             assert r["error"] is None
             out = stdout.strip()

@@ -4,6 +4,8 @@ to a local scripted model."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import trio
 
 from proxyvisor.cli import build_parser, main
 from proxyvisor.condense.protocol import SYSTEM_PROMPT
+
+from helpers import LITELLM_PROBE
 
 TASK = "Why did the widget build fail?"
 
@@ -125,3 +129,20 @@ def test_a_failing_condenser_is_named_in_one_line(tmp_path: Path, monkeypatch: p
     assert main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"]) == 1
     out = capsys.readouterr().out
     assert out.rstrip().endswith("(condenser failed: ValueError: Provider NOT provided. Pass in the provider.)")
+
+
+def test_the_scripted_condenser_is_called_without_importing_litellm(tmp_path: Path) -> None:
+    """The scripted condenser is a fixed rule answered over loopback: importing litellm for it would cost seconds
+    of CPU (tens of seconds of wall time on a loaded machine), many times the answer's own cost."""
+    log = write_log(tmp_path / "build.log")
+    config = tmp_path / "config.toml"
+    config.write_text('[supervisor.model]\nname = "x"\napi_base = "scripted:"\n', encoding="utf-8")
+    runner = tmp_path / "runner.py"
+    runner.write_text(LITELLM_PROBE)
+    done = subprocess.run([sys.executable, str(runner), "condense", str(log), "--task", TASK, "--config", str(config),
+                           "--budget", "2000"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "condenser: condensed, 28,005 -> " in done.stdout
+    assert "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)" in done.stdout.split(
+        "condenser: condensed", 1)[1]
+    assert done.stderr.splitlines()[-1] == "litellm not imported", done.stderr

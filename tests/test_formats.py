@@ -7,13 +7,14 @@ import openai
 import orjson
 import pytest
 
+from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.scripted.upstream import turn_of
 from proxyvisor.proxy.formats import Usage
 from proxyvisor.proxy.formats.base import error_types
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import (FORMATS, MODEL, TEXT_STEP, TOOL_STEP, TWO_CALLS_STEP, Answer, ask, assert_error_shape, fmt_of,
-                     json_events, request_body, serve_handler, sse_events)
+                     json_events, raw_stream, request_body, serve_handler, sse_events)
 
 _STOP = {"chat": ("tool_calls", "stop"), "messages": ("tool_use", "end_turn"), "responses": ("completed", "completed")}
 
@@ -131,3 +132,46 @@ def test_notes_never_change_the_agents_own_messages() -> None:
     assert user == {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}
     assert plain == {"role": "user", "content": "Fix it."} and body["messages"][0] is not agent[0]
     assert body["messages"][2]["content"][-1] == {"type": "text", "text": "note B"}
+
+
+def _reported_usage(fmt: str, stream: bool, data: bytes) -> Usage:
+    f = fmt_of(fmt)
+    if not stream:
+        return f.usage(orjson.loads(data))
+    seen = Usage()
+    for event in sse_events(data):
+        if event.data != "[DONE]" and (found := f.stream_usage(event.event, orjson.loads(event.data))):
+            seen.add(found)
+    return seen
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_scripted_answers_report_zero_usage_unless_the_step_sets_it(fmt: str, stream: bool,
+                                                                         scripted_server) -> None:
+    """A client prices the usage it is told at its own model's rate: the scripted model, which spends no tokens,
+    reports 0 (usage present and well-formed); a step's ``input_tokens``/``output_tokens`` are reported as set."""
+    body = request_body(fmt, stream=stream, **({"stream_options": {"include_usage": True}} if fmt == "chat" else {}))
+    scripted_server.script.queue({"text": "no counts"}, {"text": "counted", "input_tokens": 321, "output_tokens": 7})
+    seen = []
+    for _ in range(3):  # the two steps, then an auto-mode answer
+        response, data = await raw_stream(scripted_server.url, fmt, body)
+        assert response.status_code == 200, data
+        seen.append(_reported_usage(fmt, stream, data))
+    assert seen == [Usage(0, 0), Usage(321, 7), Usage(0, 0)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_scripted_supervisor_answers_report_zero_usage(fmt: str, scripted_server) -> None:
+    body = request_body(fmt)
+    system = VERIFIER_INSTRUCTIONS + "\nverify"
+    if fmt == "chat":
+        body["messages"][0]["content"] = system
+    elif fmt == "messages":
+        body["system"] = system
+    else:
+        body["instructions"] = system
+    response, data = await raw_stream(scripted_server.url, fmt, body)
+    assert response.status_code == 200, data
+    assert scripted_server.script.supervisor_requests, "not taken for a verifier call"
+    assert fmt_of(fmt).usage(orjson.loads(data)) == Usage(0, 0)

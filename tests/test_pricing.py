@@ -8,12 +8,13 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from proxyvisor.pricing import price, rates_table
+
+from helpers import LITELLM_PROBE
 
 COMMON = ("claude-sonnet-4-5", "claude-haiku-4-5", "claude-opus-4-5", "claude-sonnet-4-5-20250929", "gpt-4o",
           "gpt-4o-mini", "gpt-4.1", "gpt-4.1-mini", "gpt-5", "gpt-5-mini", "gpt-5-codex", "o3", "o4-mini",
@@ -69,22 +70,9 @@ def test_a_model_the_map_does_not_know_has_no_price() -> None:
     assert price("openai/gpt-4o", 1_000_000, 0) == price("gpt-4o", 1_000_000, 0) > 0
 
 
-RUNNER = """
-import runpy, sys
-sys.argv = ["proxyvisor", *sys.argv[1:]]
-try:
-    runpy.run_module("proxyvisor", run_name="__main__")
-except SystemExit as exc:
-    code = exc.code
-else:
-    code = 0
-print("litellm imported" if any(m == "litellm" or m.startswith("litellm.") for m in sys.modules)
-      else "litellm not imported", file=sys.stderr)
-sys.exit(code)
-"""
 
 
-def test_offline_info_answers_quickly_without_importing_litellm(tmp_path: Path) -> None:
+def test_offline_info_prices_without_importing_litellm(tmp_path: Path) -> None:
     ledger = tmp_path / "state" / "ledger"
     ledger.mkdir(parents=True)
     lines = [{"time": "2026-01-01T00:00:00.000+00:00", "format": "messages", "model": "claude-sonnet-4-5",
@@ -93,18 +81,16 @@ def test_offline_info_answers_quickly_without_importing_litellm(tmp_path: Path) 
               "input_tokens": 500, "output_tokens": 50, "overhead_ms": 0.5}]
     (ledger / "quick.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER)
+    runner.write_text(LITELLM_PROBE)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
     done = subprocess.run([sys.executable, str(runner), "info", "quick", "--state-dir", str(tmp_path / "state"),
                            "--url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
-    wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines()[-1] == "litellm not imported"
     expected = price("claude-sonnet-4-5", 10_000, 1_000)
     assert expected and f"${expected:,.4f} + price unknown for my-local-llm" in done.stdout
-    # Importing litellm alone takes seconds of CPU; the command takes a fraction of one (the machine may be
-    # loaded, so the wall-clock bound is looser than the 0.5 s it takes on an idle one).
+    # Importing litellm alone takes seconds of CPU; the command takes a fraction of one. CPU time, unlike wall
+    # time, does not grow with the machine's load (the wall time is measured in bench/offline_info.py).
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert cpu < 1.0 and wall < 3.0, (cpu, wall)
+    assert cpu < 1.0, cpu

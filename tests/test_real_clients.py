@@ -211,6 +211,7 @@ def test_claude_code_through_wrap_without_supervision_writes_nothing(tmp_path: P
     result = json.loads(run.stdout)
     assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, DONE), result
     assert result["num_turns"] == 2, result
+    assert result["total_cost_usd"] == 0, result  # the scripted model reports zero usage: nothing to price
     assert ws.files() == []
 
 
@@ -229,6 +230,7 @@ def test_claude_code_gets_proxyvisors_answer_to_info_and_plan(tmp_path: Path) ->
     assert run.returncode == 0, run
     work, info, plan = (json.loads(line) for line in run.stdout.splitlines())
     assert work["result"] == DONE, work
+    assert (work["total_cost_usd"], info["total_cost_usd"], plan["total_cost_usd"]) == (0, 0, 0), (work, info, plan)
     lines = ws.ledger(session)
     assert [line.get("local") for line in lines] == [None, None, "/info", "/plan"], lines
     expected = {"session": session, **summarize(lines[:2])}

@@ -39,7 +39,8 @@ def _big_event_stream(size: int, piece: int) -> tuple[bytes, list[bytes]]:
 
 async def test_a_big_event_in_small_reads_is_edited_in_linear_time() -> None:
     """16 MB in 4 KiB reads: joining the pending event on every read (quadratic) copies about 32 GB, tens of
-    seconds; scanning only the new bytes takes well under a second. The bound leaves room for a loaded machine."""
+    seconds; scanning only the new bytes takes well under a second. The bound is on this process's CPU time, which
+    a loaded machine does not inflate as it does wall time."""
     data, pieces = _big_event_stream(16 * 1024 * 1024, 4096)
 
     async def upstream():
@@ -49,15 +50,15 @@ async def test_a_big_event_in_small_reads_is_edited_in_linear_time() -> None:
 
     editor = BY_NAME["chat"].stream_editor(Stripper, lambda text: strip(text)[0])
     stream = EditedStream(upstream(), editor, lambda _complete: None)
-    started = time.perf_counter()
-    with trio.fail_after(10):
+    started = time.process_time()
+    with trio.fail_after(60):  # guards a hang only
         out = b"".join([chunk async for chunk in stream])
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
     assert out == data and stream.error is None
-    parser, events, started = SSEParser(), [], time.perf_counter()
+    parser, events, started = SSEParser(), [], time.process_time()
     for piece in pieces:  # the parser the pipeline reads usage with, fed the raw reads
         events += parser.feed(piece)
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
     assert [len(e.data) for e in events] == [len(data.split(b"\n\n")[0]) - len(b"data: "), len("[DONE]")]
 
 

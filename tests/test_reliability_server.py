@@ -107,7 +107,9 @@ async def test_a_body_that_trickles_past_the_deadline_gets_408_in_the_clients_fo
             events = await responses_until_eof(stream)
             nursery.cancel_scope.cancel()
         status, answer = final(events)
-        assert status == 408 and 0.4 <= trio.current_time() - started < 2.0
+        # The trickle itself lasts len(body) * 50 ms (tens of seconds): the upper bound only tells the deadline
+        # from the end of the body, with room for a loaded machine.
+        assert status == 408 and 0.4 <= trio.current_time() - started < len(body) * 0.05 / 2
         assert "request_body_deadline_s" in assert_error_shape("messages", 408, answer)["message"]
         assert dict(next(e for e in events if isinstance(e, h11.Response)).headers)[b"connection"] == b"close"
         assert rp.scripted["scripted"].requests == []

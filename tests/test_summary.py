@@ -56,13 +56,13 @@ for step in sys.argv[1:]:
 '''
 
 
-def wrap(tmp_path: Path, *steps: str, supervision: bool = True) -> tuple[str, Path]:
+def wrap(tmp_path: Path, *steps: str, supervision: bool = True, session: str | None = None) -> tuple[str, Path]:
     """``proxyvisor wrap`` of the child above doing ``steps`` (HOME and the XDG folders are under ``tmp_path``:
     conftest); returns its stderr and the state directory."""
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     state = tmp_path / "state"
-    flags = [] if supervision else ["--no-supervision"]
+    flags = ([] if supervision else ["--no-supervision"]) + (["--session", session] if session else [])
     done = subprocess.run([sys.executable, "-m", "proxyvisor", "wrap", "--state-dir", str(state), *flags, "--",
                            sys.executable, str(child), *steps], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -90,6 +90,17 @@ def test_wraps_summary_shows_what_supervision_did(tmp_path: Path) -> None:
     assert f"verify-gate 3 runs, outcomes {outcome} 3" in gate
     assert "supervisor model 3 calls (verify 3) · " in gate and "condensed 0 results, saved 0 tokens" in gate
     assert overhead.startswith("proxyvisor:   proxy overhead ") and "supervisor model time left out" in overhead
+
+
+def test_a_reused_session_summarizes_this_run_and_names_the_sessions_total(tmp_path: Path) -> None:
+    first, _ = wrap(tmp_path, "poll", "poll", session="again")
+    assert summary_lines(first)[0].startswith("proxyvisor: session again: 2 model requests (chat)"), first
+    second, _ = wrap(tmp_path, "info", session="again")
+    assert summary_lines(second) == ["proxyvisor: session again, this run (2 model requests in the session in all): "
+                                     "no model requests; 1 question answered by proxyvisor itself (/info 1)"]
+    third, _ = wrap(tmp_path, "poll", session="again")
+    assert summary_lines(third)[0].startswith("proxyvisor: session again, this run (3 model requests in the "
+                                              "session in all): 1 model request (chat), 0 errors, 0 tool rounds")
 
 
 def test_a_session_that_only_asked_info_says_so(tmp_path: Path) -> None:
@@ -161,8 +172,9 @@ async def test_the_scripted_model_as_the_litellm_route_is_never_priced(scripted_
     messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "hi"}]
     named = ModelConfig(name="openai/gpt-4o-mini", api_base="scripted:")
     scripted = await configured_model(named, scripted_server.url)(messages)
-    assert scripted.input_tokens > 0 and scripted.cost_usd is None  # not priced
+    assert (scripted.input_tokens, scripted.output_tokens, scripted.cost_usd) == (0, 0, None)  # not priced
     as_real = ModelConfig(name="openai/gpt-4o-mini", api_base=scripted_server.url + "/v1")
+    scripted_server.script.queue({"text": "hello", "input_tokens": 1000, "output_tokens": 100})
     priced = (await litellm_model(as_real, api_key=SCRIPTED_KEY)(messages)).cost_usd
     assert priced is not None and priced > 0
 

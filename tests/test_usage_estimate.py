@@ -77,3 +77,20 @@ async def test_a_json_answer_without_usage_is_counted_from_its_text_and_tool_cal
 def test_long_texts_are_counted_on_their_start_and_scaled() -> None:
     text = "word " * 100_000  # 500,000 characters
     assert abs(count(text) - reference(text)) <= reference(text) * 0.02
+
+
+async def test_the_scripted_models_zero_usage_reaches_the_client_and_the_ledger_estimates_it(start_proxy,
+                                                                                             state_dir) -> None:
+    """The client is told 0 tokens (it would price any other count at its own model's rate); the ledger counts the
+    answer like one that reported none (marked estimated), and keeps counts a script step sets."""
+    async with start_proxy([{"text": ANSWER}, {"text": ANSWER, "input_tokens": 70, "output_tokens": 9}]) as rp:
+        answers = []
+        for _ in range(2):
+            reply, data = await raw_stream(f"{rp.url}/s/zero", "chat", aider_body(stream=False))
+            assert reply.status_code == 200
+            answers.append(orjson.loads(data)["usage"])
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in answers] == [(0, 0), (70, 9)]
+    estimated, reported = ledger(state_dir)
+    assert estimated["usage_estimated"] is True and estimated["scripted"] is True
+    assert estimated["output_tokens"] == reference(ANSWER) and estimated["input_tokens"] > 0
+    assert (reported["input_tokens"], reported["output_tokens"]) == (70, 9) and "usage_estimated" not in reported

@@ -426,7 +426,7 @@ class Pipeline:
                     try:
                         answer = orjson.loads(reply.body)
                         turn = fmt.parse_response(answer)
-                        usage = estimate.completed(fmt.usage(answer), fmt, body, turn)
+                        usage = estimate.completed(self._ledger_usage(fmt, fmt.usage(answer)), fmt, body, turn)
                         self._delivered(session, fmt, body, turn)
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
@@ -507,7 +507,7 @@ class Pipeline:
                 if reply.status < 400 and self.supervised:
                     with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
                         turn, shown = await off_loop(kept, _answer, fmt, events, isinstance(stream, EditedStream))
-                    usage = estimate.completed(usage, fmt, body, turn)
+                    usage = estimate.completed(self._ledger_usage(fmt, usage), fmt, body, turn)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
                 self._delivered(session, fmt, body, shown)
@@ -519,6 +519,13 @@ class Pipeline:
         if turn is not None and body is not None and session.identified == "hash":
             self.sessions.conversations.answered(fmt, body, session.id, turn.text,
                                                  [call.id for call in turn.tool_calls], self.clock())
+
+    def _ledger_usage(self, fmt: WireFormat, usage: Usage) -> Usage:
+        """``usage`` as the ledger takes it: the built-in scripted model reports 0 for the counts its script does
+        not set (a client prices what it is told, and no model ran), so a 0 of its is left to the estimate."""
+        if not self.config.upstream_for(fmt.name)[0].scripted:
+            return usage
+        return Usage(usage.input_tokens or None, usage.output_tokens or None)
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                  status: int, usage: Usage, overhead_s: float, failure: str | None = None,

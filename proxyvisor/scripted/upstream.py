@@ -48,7 +48,6 @@ them while the server runs (used by tests that drive real agent CLIs).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections import deque
@@ -60,6 +59,7 @@ import orjson
 import trio
 
 from ..config import SCRIPTED_MODEL
+from ..proxy import estimate
 from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
 from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
@@ -255,8 +255,6 @@ class ScriptedUpstream:
             turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
-        if turn.input_tokens is None:
-            turn = dataclasses.replace(turn, input_tokens=max(1, len(request.body) // 4))
         model = _model(body)
         if fault.get("truncate_body"):
             data = orjson.dumps(fmt.render(turn, model))
@@ -298,14 +296,16 @@ class ScriptedUpstream:
             text = answer(fmt, body)
         except _UNREADABLE as exc:
             return _refuse(fmt, exc)
-        tokens = max(1, len(raw) // 4)  # the estimate agent requests get
+        # No client prices these calls (proxyvisor makes them): their usage is counted with tiktoken, so that the
+        # supervisor model's figures in the ledger and summaries are the calls' real sizes.
+        counts = {"input_tokens": estimate.input_tokens(fmt, body), "output_tokens": estimate.count(text)}
         forced = _forced_tool(body)
         try:
             # A forced tool is answered as a provider does: with that tool's call, the answer as its input.
-            turn = AssistantTurn("", (ToolCall(forced, json_object(text)),), tokens) if forced \
-                else AssistantTurn(text, input_tokens=tokens)
+            turn = AssistantTurn("", (ToolCall(forced, json_object(text)),), **counts) if forced \
+                else AssistantTurn(text, **counts)
         except ValueError:  # a policy answer that is not a JSON object stays text
-            turn = AssistantTurn(text, input_tokens=tokens)
+            turn = AssistantTurn(text, **counts)
         return Response(200, _JSON, orjson.dumps(fmt.render(turn, _model(body))))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:

@@ -61,8 +61,8 @@ class ToolCall:
 class AssistantTurn:
     """An assistant response independent of format: text, then zero or more tool calls.
 
-    ``input_tokens``/``output_tokens`` are reported as usage (tokens); when None they are estimated from the text
-    (an answer proxyvisor makes itself, costing no model tokens, gives 0).
+    ``input_tokens``/``output_tokens`` are reported as usage (tokens) when the turn is rendered; None reports 0:
+    an answer proxyvisor or its scripted model makes costs no model tokens, and a client prices whatever it is told.
     """
 
     text: str = ""
@@ -72,10 +72,8 @@ class AssistantTurn:
 
     @property
     def usage(self) -> tuple[int, int]:
-        out = self.output_tokens
-        if out is None:
-            out = max(1, len(self.text.split()) + 8 * len(self.tool_calls))
-        return (1 if self.input_tokens is None else self.input_tokens), out
+        """(input, output) tokens to report: the set counts, 0 for those not set."""
+        return self.input_tokens or 0, self.output_tokens or 0
 
 
 @dataclass
