@@ -221,7 +221,8 @@ class ScriptedUpstream:
                 {"id": MODEL, "object": "model", "created": 0, "owned_by": "proxyvisor", "type": "model",
                  "display_name": "Scripted model"}]}))
         if path == "/v1/messages/count_tokens":
-            return Response(200, _JSON, orjson.dumps({"input_tokens": max(1, len(request.body) // 4)}))
+            # 0 like its answers' usage: Claude Code prices this count when an answer reports no tokens.
+            return Response(200, _JSON, orjson.dumps({"input_tokens": 0}))
         fmt = BY_PATH.get(path)
         if fmt is None:
             return Response(404, _JSON, orjson.dumps({"error": {"message": f"no route {path}", "type": "not_found_error"}}))
