@@ -159,7 +159,7 @@ def scripted_model(model: ModelConfig, scripted_url: str) -> ModelCall:
                     orjson.dumps(body))
                 parts, done = [], False
                 while not done:
-                    piece, done = await conn.next_piece()
+                    piece, done = await conn.next_piece(model.request_timeout_s)
                     parts.append(piece)
                 await pool.release(conn, True)
         finally:
