@@ -142,8 +142,8 @@ def markdown(results: Sequence[TaskResult], facts: Sequence[tuple[str, str]]) ->
               "seconds": f"{total['seconds']:.1f}"}
     lines.append("| " + " | ".join(totals.get(field, str(total.get(field, ""))) for _, field in COLUMNS) + " |")
     if not all(r.cost_known for r in results):
-        unpriced = ("* or not priced: the answers of the built-in scripted model, and tokens of a model litellm's "
-                    "cost map does not price, count as 0 USD.")
+        unpriced = ("* (or \"not priced\"): the total leaves out answers that have no price: those of the built-in "
+                    "scripted model, and tokens of a model litellm's cost map does not price.")
         lines += ["", unpriced]
     lines += ["", "| task | session | working directory | stdout | stderr |", "|---|---|---|---|---|"]
     lines += [f"| {r.id} | {r.session} | {_escape(r.workdir)} | {_escape(r.stdout)} | {_escape(r.stderr)} |"

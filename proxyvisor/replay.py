@@ -434,7 +434,7 @@ def _replay_command(config: Config, path: str, messages: list[dict[str, Any]], f
         print(format_round(r) + (f"\n{format_stop(stop)}" if stop is not None else ""), flush=True)
 
     if not as_json:
-        print(f"replaying {path}: {len(messages)} messages as {fmt.label}{' (streaming)' if stream else ''}"
+        print(f"replaying {path}: {plural(len(messages), 'message')} as {fmt.label}{' (streaming)' if stream else ''}"
               + (", verify-gate on" if gate else ""))
     if gate:
         rounds = trio.run(lambda: replay_gated(config, messages, fmt, stream, session, on_round=show))

@@ -137,14 +137,14 @@ async def test_malformed_http_gets_400_and_the_server_keeps_serving(proxy) -> No
                  b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: nope\r\n\r\n",
                  b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"):
         reply = await raw_exchange(proxy.port, junk)
-        assert reply.startswith(b"HTTP/1.1 400 "), (junk, reply)
+        assert reply.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (junk, reply)
         head, _, body = reply.partition(b"\r\n\r\n")
         assert b"connection: close" in head.lower()
         assert orjson.loads(body)["error"]["message"]
     # A raw path traversal target, which HTTP clients would normalise away.
     reply = await raw_exchange(proxy.port, b"POST /s/../v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
                                            b"connection: close\r\n\r\n{}")
-    assert reply.startswith(b"HTTP/1.1 400 ")
+    assert reply.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     for fmt in FORMATS:
         await assert_still_serving(proxy.url, fmt)
 

@@ -14,7 +14,9 @@ happens.
 
 from __future__ import annotations
 
+import functools
 import hmac
+import http
 import logging
 import socket
 import time
@@ -31,6 +33,15 @@ _READ_SIZE = 65536
 """Bytes per socket read. Not larger: h11 bounds an incomplete request head (``max_incomplete_event_size``) only
 between reads, so a bigger read could take in an oversized head whole."""
 
+
+@functools.cache
+def reason(status: int) -> bytes:
+    """The standard reason phrase of ``status`` for the status line (empty for a status the standard does not
+    name); a relayed upstream's own phrase is not kept: HTTP/1.1 makes it informative only."""
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 @dataclass
 class Request:
@@ -162,7 +173,7 @@ class Connection:
                 or self.conn.their_http_version is None or self.conn.their_http_version < b"1.1":
             return
         try:
-            data = self.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            data = self.conn.send(h11.InformationalResponse(status_code=100, reason=b"Continue", headers=[])) or b""
         except h11.LocalProtocolError:
             return
         self._probing = written = trio.Event()
@@ -262,7 +273,7 @@ class Connection:
             return
         body = b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error"}}'
         try:
-            await self._send(h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
+            await self._send(h11.Response(status_code=400, reason=reason(400), headers=[(b"content-type", b"application/json"),
                                                                     (b"content-length", str(len(body)).encode()),
                                                                     (b"connection", b"close")]),
                              h11.Data(data=body), h11.EndOfMessage())
@@ -281,7 +292,7 @@ class Connection:
             if self.conn.they_are_waiting_for_100_continue:
                 # A client that sent `Expect: 100-continue` holds its body back until told to go on (curl waits
                 # 1 s for it on every body over 1 MiB); one refused by its declared size got its 413 above.
-                await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+                await self._send(h11.InformationalResponse(status_code=100, reason=b"Continue", headers=[]))
             # The total deadline shortens the wait for the next read instead of wrapping the loop in a cancel scope
             # of its own: a scope costs about 10 us, and most bodies arrive with their head, needing no wait.
             deadline = trio.current_time() + self.limits.body_deadline_s
@@ -338,7 +349,7 @@ class Connection:
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):
                 headers.append((b"content-length", str(len(body)).encode()))
-            head = h11.Response(status_code=response.status, headers=headers)
+            head = h11.Response(status_code=response.status, reason=reason(response.status), headers=headers)
             if body and request.method != "HEAD":
                 await self._send(head, h11.Data(data=body), h11.EndOfMessage())
             else:
@@ -347,7 +358,7 @@ class Connection:
         try:
             if not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers):
                 headers.append((b"transfer-encoding", b"chunked"))
-            await self._send(h11.Response(status_code=response.status, headers=headers))
+            await self._send(h11.Response(status_code=response.status, reason=reason(response.status), headers=headers))
             async for chunk in body:
                 if chunk:
                     await self._send(h11.Data(data=chunk))
