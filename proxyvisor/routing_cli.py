@@ -460,6 +460,8 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
         print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
     elif result.status in (OK, SKIPPED):
         print(result.result.as_text())
+    elif result.reason:  # nothing ran: say why as a command does, not as the tool result a model would get
+        print(f"proxyvisor: nothing ran: {result.reason.removeprefix('invalid: ')}", file=sys.stderr)
     else:
         print(result.result.as_text(), file=sys.stderr)
     if result.status in (OK, SKIPPED):

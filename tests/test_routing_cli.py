@@ -222,7 +222,8 @@ def test_delegate_runs_a_child_and_prints_its_result_and_evidence(config_file: P
     assert result["status"] == "ok" and result["evidence"]["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert result["evidence"]["gen_ai.provider.name"] == "scripted"
     code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "nobody", "x")
-    assert code == 2 and "role 'nobody' is not configured" in err
+    assert code == 2 and err.startswith("proxyvisor: nothing ran: role 'nobody' is not configured (configured: ")
+    assert "Tool '" not in err
 
 
 def test_delegate_claim_checks_a_long_result_and_prints_the_record_later(config_file: Path, tmp_path: Path,

@@ -64,6 +64,8 @@ class Delegation:
     evidence: dict[str, Any]
     proposed_route: dict[str, Any] | None = None
     record_id: str | None = None
+    reason: str = ""
+    """Why nothing ran (``refused``, ``invalid``), in words for a person; empty otherwise."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "result": self.result.content, "is_error": self.result.is_error,
@@ -118,7 +120,7 @@ class Delegator:
                 admission: Admission | None = None) -> Delegation:
         return Delegation(status, ToolResult(f"Tool '{role}' failed: {message}", is_error=True), evidence(
             role, route.adapter if route else "", route.model if route else "", route.pool if route else "",
-            admission, None, traceparent, error_category=category, retry_after_s=retry_after_s))
+            admission, None, traceparent, error_category=category, retry_after_s=retry_after_s), reason=message)
 
     async def delegate(self, role: str, prompt: str, *, caller: str = ROOT, complexity: str | None = None,
                        override: RouteTarget = NO_TARGET, preset: RouteTarget = NO_TARGET,
