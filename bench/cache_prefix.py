@@ -140,9 +140,7 @@ HEADER = ["| trajectory | format | mode | pairs | agent rewrites | continued | l
 
 
 def main() -> int:
-    parser = corpus_parser(__doc__)
-    parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
-    parser.add_argument("--modes", default="json,stream", help="comma-separated: json, stream")
+    parser = corpus_parser(__doc__, formats=True, modes=True)
     args = parser.parse_args()
     paths = trajectories(args.corpus)
     if not paths:

@@ -195,12 +195,17 @@ def exit_on_stdin_eof() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def corpus_parser(description: str) -> argparse.ArgumentParser:
-    """The command line of a corpus benchmark: the trajectories folder (positional, default :data:`CORPUS`) and
-    ``--write``; the caller adds its own options."""
+def corpus_parser(description: str, *, formats: bool = False, modes: bool = False) -> argparse.ArgumentParser:
+    """The command line of a corpus benchmark: the trajectories folder (positional, default :data:`CORPUS`),
+    ``--write``, and with ``formats`` / ``modes`` the ``--formats`` / ``--modes`` lists it replays in (comma-
+    separated; read them with ``args.formats.split(",")``); the caller adds its own options."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("corpus", nargs="?", default=str(CORPUS), help="folder of trajectory .jsonl files")
     parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    if formats:
+        parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
+    if modes:
+        parser.add_argument("--modes", default="json,stream", help="comma-separated: json, stream")
     return parser
 
 

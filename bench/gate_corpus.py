@@ -411,9 +411,7 @@ def summary(results: list[Result], budget: int, elapsed: float) -> str:
 
 
 def main() -> int:
-    parser = corpus_parser(__doc__)
-    parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
-    parser.add_argument("--modes", default="json,stream", help="json, stream or both (comma-separated)")
+    parser = corpus_parser(__doc__, formats=True, modes=True)
     args = parser.parse_args()
     paths = trajectories(args.corpus)
     if not paths:

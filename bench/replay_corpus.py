@@ -56,8 +56,7 @@ async def run(paths: list[Path], formats: list[str]) -> tuple[list[str], int]:
 
 
 def main() -> int:
-    parser = corpus_parser(__doc__)
-    parser.add_argument("--formats", default="chat,messages,responses", help="comma-separated wire formats")
+    parser = corpus_parser(__doc__, formats=True)
     args = parser.parse_args()
     paths = trajectories(args.corpus)
     if not paths:
