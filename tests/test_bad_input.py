@@ -154,3 +154,10 @@ async def test_a_client_that_sends_no_headers_is_dropped_and_others_are_served(s
         for opening in (b"", b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n"):
             assert await raw_exchange(rp.port, opening) == b""  # closed by the server, without an answer
         await assert_still_serving(rp.url, "messages")
+
+
+def test_status_lines_carry_the_standard_reason_phrase() -> None:
+    from proxyvisor.proxy.server import reason
+
+    assert (reason(200), reason(413), reason(429), reason(499)) == (b"OK", b"Request Entity Too Large",
+                                                                    b"Too Many Requests", b"")

@@ -406,10 +406,3 @@ async def test_upstream_sse_split_at_random_points_over_real_sockets(fmt: str, s
     turn = BY_NAME[fmt].assemble([(e.event, e.data) for e in sse_events(data)])
     assert (turn.text, turn.tool_calls) == (TURN.text, TURN.tool_calls)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-def test_status_lines_carry_the_standard_reason_phrase() -> None:
-    from proxyvisor.proxy.server import reason
-
-    assert (reason(200), reason(413), reason(429), reason(499)) == (b"OK", b"Request Entity Too Large",
-                                                                    b"Too Many Requests", b"")
