@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from proxyvisor.proxy import continuation, gating
+from proxyvisor.proxy.reply import Encoded
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
 from proxyvisor.proxy.relay import UpstreamReply
 
@@ -143,6 +144,11 @@ async def test_an_empty_notice_adds_nothing(tmp_path: Any, fmt: str, stream: boo
 
 
 # ---- GatedStream on arbitrary chunking -----------------------------------------------------------------------------
+
+
+def _gated(judge: Any, chunks: Any) -> Encoded:
+    """The agent's bytes of a :class:`~proxyvisor.proxy.gating.GatedStream` over ``chunks``."""
+    return Encoded(gating.GatedStream(judge, chunks))
 def _stream(fmt: str, turn: AssistantTurn) -> bytes:
     return b"".join(BY_NAME[fmt].render_stream(turn, MODEL, request_body(fmt, True)))
 
@@ -153,7 +159,7 @@ class _Consumer:
     def __init__(self) -> None:
         self.got = b""
 
-    async def run(self, stream: gating.GatedStream) -> bytes:
+    async def run(self, stream: Encoded) -> bytes:
         async for chunk in stream:
             self.got += chunk
         return self.got
@@ -180,7 +186,7 @@ async def test_split_anywhere_the_text_goes_out_before_the_verdict_and_the_stop_
     consumer = _Consumer()
     judge = _Watching(consumer, fmt, hold=STOP)
     seen = judge.seen
-    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    stream = _gated(judge, _Chunks(_chunked(data, size)))
     out = await consumer.run(stream)
     assert out == data and stream.error is None  # delivered unchanged: byte for byte
     assert judge.judged_texts == ["Done: the bug is fixed, all \u00e9 of it."]
@@ -195,7 +201,7 @@ async def test_split_anywhere_the_text_goes_out_before_the_verdict_and_the_stop_
 async def test_split_anywhere_the_notice_is_the_last_text_before_the_stop(fmt: str, size: int, hold: str) -> None:
     data = _stream(fmt, AssistantTurn("Done."))
     judge = _Judge(fmt, hold=hold, notice=NOTICE)
-    out = await _Consumer().run(gating.GatedStream(judge, _Chunks(_chunked(data, size))))  # type: ignore[arg-type]
+    out = await _Consumer().run(_gated(judge, _Chunks(_chunked(data, size))))
     w = BY_NAME[fmt]
     events = [(e.event, e.data) for e in sse_events(out)]
     assert read_noticed(w.assemble(events).text) == noticed("Done.")
@@ -210,7 +216,7 @@ async def test_split_anywhere_the_notice_is_the_last_text_before_the_stop(fmt: s
 async def test_split_anywhere_a_tool_call_round_streams_through_unheld(fmt: str, size: int) -> None:
     data = _stream(fmt, AssistantTurn("Let me look.", (ToolCall("Bash", {"command": "ls"}, "call_1"),)))
     judge = _Judge(fmt, hold=STOP)
-    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    stream = _gated(judge, _Chunks(_chunked(data, size)))
     out = await _Consumer().run(stream)
     assert out == data and judge.judged_texts == []
 
@@ -242,7 +248,7 @@ async def test_split_anywhere_a_continued_answer_is_spliced_into_the_same_messag
     first = _stream(fmt, AssistantTurn("First answer."))
     second = _stream(fmt, AssistantTurn("Reworked answer."))
     judge = _Continuing(fmt, second, size, notice=NOTICE)
-    out = await _Consumer().run(gating.GatedStream(judge, _Chunks(_chunked(first, size))))  # type: ignore[arg-type]
+    out = await _Consumer().run(_gated(judge, _Chunks(_chunked(first, size))))
     assert judge.judged_texts == ["First answer.", "Reworked answer."]
     w = BY_NAME[fmt]
     text = w.assemble([(e.event, e.data) for e in sse_events(out)]).text
@@ -250,7 +256,7 @@ async def test_split_anywhere_a_continued_answer_is_spliced_into_the_same_messag
     assert len(_stop_events(fmt, out)) == len(_stop_events(fmt, first))  # one stop, at the end
     _check_grammar(fmt, out)
     reference = _Continuing(fmt, second, 1 << 16, notice=NOTICE)
-    whole = await _Consumer().run(gating.GatedStream(reference, _Chunks([first])))  # type: ignore[arg-type]
+    whole = await _Consumer().run(_gated(reference, _Chunks([first])))
     assert without_generated_ids(out) == without_generated_ids(whole)  # chunking changes nothing
 
 
@@ -290,7 +296,7 @@ async def test_a_chat_finish_chunk_that_carries_text_sends_the_text_and_keeps_ba
     consumer = _Consumer()
     judge = _Watching(consumer, "chat", hold=STOP, notice=NOTICE)
     seen = judge.seen
-    out = await consumer.run(gating.GatedStream(judge, _Chunks(_chunked(data, size))))  # type: ignore[arg-type]
+    out = await consumer.run(_gated(judge, _Chunks(_chunked(data, size))))
     w = BY_NAME["chat"]
     (at_verdict,) = seen
     assert w.assemble([(e.event, e.data) for e in sse_events(at_verdict)]).text == "Done: all fixed."

@@ -21,6 +21,7 @@ from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy import continuation, gating
+from proxyvisor.proxy.reply import Encoded
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize, supervisor_text
@@ -638,6 +639,11 @@ async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_a
 
 
 # ---- GatedStream on arbitrary chunking ----------------------------------------------------------------------------------
+
+
+def _gated(judge: Any, chunks: Any) -> Encoded:
+    """The agent's bytes of a :class:`~proxyvisor.proxy.gating.GatedStream` over ``chunks``."""
+    return Encoded(gating.GatedStream(judge, chunks))
 class _Chunks:
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks = chunks
@@ -677,7 +683,7 @@ async def test_a_held_stream_split_anywhere_is_judged_whole_and_sent_byte_for_by
     data = b"".join(w.render_stream(AssistantTurn("Done: the bug is fixed, all \u00e9 of it."), MODEL,
                                     request_body(fmt, True)))
     judge = _Judge(fmt)
-    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    stream = _gated(judge, _Chunks(_chunked(data, size)))
     out = b"".join([chunk async for chunk in stream])
     assert out == data and stream.error is None
     assert judge.judged_texts == ["Done: the bug is fixed, all \u00e9 of it."]
@@ -691,7 +697,7 @@ async def test_a_tool_call_starting_mid_chunk_flushes_everything_held_and_stream
     turn = AssistantTurn("Let me look.", (ToolCall("Bash", {"command": "ls"}, "call_1"),))
     data = b"".join(w.render_stream(turn, MODEL, request_body(fmt, True)))
     judge = _Judge(fmt)
-    stream = gating.GatedStream(judge, _Chunks(_chunked(data, size)))  # type: ignore[arg-type]
+    stream = _gated(judge, _Chunks(_chunked(data, size)))
     out = b"".join([chunk async for chunk in stream])
     assert out == data and stream.error is None
     assert judge.judged_texts == []

@@ -18,7 +18,7 @@ from proxyvisor.proxy import limits
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn
 from proxyvisor.proxy.server import Request, Response
 from proxyvisor.proxy.sse import SSEParser
-from proxyvisor.proxy.streamedit import EditedStream
+from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 
 from helpers import (FORMATS, MODEL, assert_ends_with_error_event, assert_error_shape, raw_stream, request_body,
                      serve_handler, sse_events)
@@ -49,7 +49,7 @@ async def test_a_big_event_in_small_reads_is_edited_in_linear_time() -> None:
             await trio.sleep(0)
 
     editor = BY_NAME["chat"].stream_editor(Stripper, lambda text: strip(text)[0])
-    stream = EditedStream(upstream(), editor, lambda _complete: None)
+    stream = Encoded(Edited(Blocks(upstream()), editor, lambda _complete: None))
     started = time.process_time()
     with trio.fail_after(60):  # guards a hang only
         out = b"".join([chunk async for chunk in stream])
@@ -175,14 +175,14 @@ async def test_a_big_event_is_read_and_rewritten_in_bounded_steps(monkeypatch: p
     slice of it (each such step holds Python's interpreter lock, so a whole-event one stops the event loop even
     from a worker thread), no whole-event decode happens, and the client gets exactly what the whole-event path
     gives: the event rewritten without the report, byte for byte."""
-    from proxyvisor.proxy import sse, streamedit
+    from proxyvisor.proxy import reply, sse
     from proxyvisor.proxy.formats import largejson
 
     slice_ = 4096
     monkeypatch.setattr(largejson, "SLICE", slice_)
     monkeypatch.setattr(largejson, "LONG", 512)
     monkeypatch.setattr(sse, "DECODE_SLICE", slice_)
-    monkeypatch.setattr(streamedit, "OFF_LOOP_BYTES", slice_)
+    monkeypatch.setattr(reply, "OFF_LOOP_BYTES", slice_)
     text = ('say "hi"\\n to é and \U0001F600 ' * 5000)[:40 * slice_] + ' <sup>{"state": "done"}</sup>'
     chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text},
                                                                         "finish_reason": None}]}
@@ -206,7 +206,7 @@ async def test_a_big_event_is_read_and_rewritten_in_bounded_steps(monkeypatch: p
             await trio.sleep(0)
 
     editor = BY_NAME["chat"].stream_editor(Stripper, lambda t: strip(t)[0])
-    stream = EditedStream(upstream(), editor, lambda _complete: None)
+    stream = Encoded(Edited(Blocks(upstream()), editor, lambda _complete: None))
     with trio.fail_after(30):
         pieces = [piece async for piece in stream]
     assert stream.error is None

@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.proxy.sse import Event, EventTooLarge, SSEParser
-from proxyvisor.proxy.streamedit import EventSplitter
+from proxyvisor.proxy.sse import Block, Event, EventTooLarge, SSEParser, SSEScanner, events
 
 # Field values: any text without line breaks, multi-byte UTF-8 included (astral plane too).
 _value = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12)
@@ -92,26 +91,45 @@ def test_incomplete_event_waits() -> None:
     assert parser.feed(b"\n\n") == [Event("x", "partial")]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(streams(), st.data())
-def test_any_split_gives_the_splitter_the_same_blocks(stream: tuple[bytes, list[Event]], data: st.DataObject) -> None:
-    """The supervised stream's splitter: whole event blocks whose bytes are the stream's, however it is cut."""
+def test_any_split_gives_the_scanner_the_same_blocks(stream: tuple[bytes, list[Event]], data: st.DataObject) -> None:
+    """The one scanner: blocks whose bytes joined are the stream's and whose events are the grammar's, the same
+    however the input is cut (the supervised path relays unchanged blocks as these bytes)."""
     raw, expected = stream
-    whole = EventSplitter()
-    blocks = whole.feed(raw) + [whole.rest()]  # a CR at the very end waits for an LF: the last block is rest
-    assert b"".join(blocks) == raw
-    assert [e for block in blocks for e in SSEParser().feed(block)] == expected
+    whole = SSEScanner()
+    blocks = whole.feed(raw)
+    assert whole.finish() == b""  # every generated stream ends with a blank line
+    assert b"".join(block.raw for block in blocks) == raw
+    assert events(blocks) == expected
+    for block in blocks:  # each block is one event: scanned alone, it gives its own event again
+        alone = SSEScanner()
+        assert events(alone.feed(block.raw)) == ([block.event] if block.event else [])
+        assert alone.finish() == b""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12), label="cuts"))
-    splitter, got, previous = EventSplitter(), [], 0
+    scanner, got, previous = SSEScanner(), [], 0
     for cut in cuts + [len(raw)]:
-        got += splitter.feed(raw[previous:cut])
+        got += scanner.feed(raw[previous:cut])
         previous = cut
-    assert got + [splitter.rest()] == blocks
+    assert scanner.finish() == b""
+    assert b"".join(block.raw for block in got) == raw
+    assert events(got) == expected
+
+
+def test_a_stream_cut_inside_an_event_leaves_its_bytes_unfinished() -> None:
+    scanner = SSEScanner()
+    assert scanner.feed(b"data: one\n\ndata: tw") == [Block(b"data: one\n\n", Event(None, "one"))]
+    assert scanner.pending == len(b"data: tw")
+    assert scanner.finish() == b"data: tw"
+    scanner = SSEScanner()  # a blank line ended by a CR is complete; an LF after it is no unfinished event
+    assert events(scanner.feed(b"data: one\r\r")) == [Event(None, "one")]
+    assert scanner.feed(b"\n") == [Block(b"\n", None)]
+    assert scanner.finish() == b""
 
 
 def test_an_event_past_the_limit_raises_with_the_events_before_it() -> None:
     first = b"data: one\n\n"
-    for make in (lambda: SSEParser(max_event=16), lambda: EventSplitter(max_event=32)):
+    for make in (lambda: SSEParser(max_event=16), lambda: _Blocks(max_event=32)):
         reader = make()
         with pytest.raises(EventTooLarge) as raised:
             reader.feed(first + b"data: " + b"x" * 40)  # a line that has not ended counts
@@ -121,3 +139,13 @@ def test_an_event_past_the_limit_raises_with_the_events_before_it() -> None:
         reader.feed(b"data: " + b"x" * 8)
         with pytest.raises(EventTooLarge):
             reader.feed(b"x" * 30 + b"\n\n")  # an event completed past the limit is refused as well
+
+
+class _Blocks(SSEScanner):
+    """The scanner, its blocks as bytes (to compare with the parser's events in one test)."""
+
+    def feed(self, chunk: bytes) -> list[bytes]:  # type: ignore[override]
+        try:
+            return [block.raw for block in super().feed(chunk)]
+        except EventTooLarge as exc:
+            raise EventTooLarge(exc.limit, [block.raw for block in exc.complete]) from None

@@ -5,6 +5,7 @@ show it."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import AsyncIterator
 import io
 import json
 from typing import Any
@@ -12,6 +13,7 @@ from unittest import mock
 
 import orjson
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -24,7 +26,7 @@ from proxyvisor.detectors.selfreport import INSTRUCTION, Stripper, strip
 from proxyvisor.detectors.steer import note_text
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.formats.messages import EMPTIED
-from proxyvisor.proxy.streamedit import EventSplitter, edit_blocks
+from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 from proxyvisor.proxy.supervise import Supervisor
 from proxyvisor.replay import format_round, replay
 from proxyvisor.store import Store
@@ -195,12 +197,19 @@ def _edit(fmt: str, data: bytes, cuts: list[int]) -> tuple[bytes, list[str]]:
         return strippers[-1]
 
     editor = BY_NAME[fmt].stream_editor(new_filter, lambda t: strip(t)[0])
-    splitter, out = EventSplitter(), []
     bounds = [0, *sorted({min(c, len(data)) for c in cuts}), len(data)]
-    for a, b in zip(bounds, bounds[1:]):
-        out += edit_blocks(splitter.feed(data[a:b]), editor)
-    out.append(splitter.rest() + b"".join(editor.close()))
-    return b"".join(out), [body for s in strippers for body in s.bodies]
+
+    async def upstream() -> AsyncIterator[bytes]:
+        for a, b in zip(bounds, bounds[1:]):
+            yield data[a:b]
+
+    async def edited() -> bytes:
+        stream = Encoded(Edited(Blocks(upstream()), editor, lambda _complete: None))
+        out = b"".join([piece async for piece in stream])
+        assert stream.error is None
+        return out
+
+    return trio.run(edited), [body for s in strippers for body in s.bodies]
 
 
 @settings(max_examples=120, deadline=None)

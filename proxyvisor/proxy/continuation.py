@@ -46,7 +46,9 @@ import trio
 from .formats import WireFormat
 from ..transcript import StreamSplice
 from .relay import UpstreamError, UpstreamReply
-from .streamedit import EditedStream
+from .closing import close
+from .reply import Edited, Item, ReplyStream, blocks
+from .sse import Block
 
 log = logging.getLogger("proxyvisor.continuation")
 
@@ -146,7 +148,7 @@ class Continuation:
         while True:
             assert isinstance(reply.body, bytes)
             try:
-                response = orjson.loads(reply.body)
+                response = reply.json()
             except orjson.JSONDecodeError:
                 return reply
             if not isinstance(response, dict) or not self._held(response):
@@ -225,72 +227,58 @@ def _error_text(body: Any) -> str:
     return str(message) if message else "no details"
 
 
-class ContinuedStream:
+class ContinuedStream(ReplyStream):
     """The client's stream: the first upstream stream, then each continuation spliced in (module docstring).
-
-    Like a ``RelayedStream``: iterate it once; afterwards ``error`` is None or what cut it short (the pipeline
-    then ends the client's stream with the format's error event), and ``last_chunk`` is the last bytes sent.
-    """
+    A :class:`~.reply.ReplyStream` (``error`` set when continuing failed)."""
 
     def __init__(self, continuation: Continuation, first: Any) -> None:
         self.continuation = continuation
         self.first = first
-        self.error: UpstreamError | None = None
-        self.last_chunk = b""
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncIterator[list[Item]]:
         c = self.continuation
         splice = c.fmt.stream_splice(c.hold)
-        stream: Any = self.first
+        stream = blocks(self.first)
         job: Job | None = None
         try:
             while True:
                 recorder = _Recorder(splice)
-                edited = EditedStream(stream, recorder, lambda _complete: None)
-                async for chunk in edited:
-                    self.last_chunk = chunk
-                    yield chunk
+                edited = Edited(stream, recorder, lambda _complete: None)
+                async for batch in edited:
+                    yield batch
                 if edited.error is not None:
-                    self.error = edited.error
+                    self._error = edited.error
                     return
                 if not splice.held:
                     return
                 if c.done >= c.rounds:
-                    self.error = UpstreamError(502, c._too_many())
+                    self._error = UpstreamError(502, c._too_many())
                     return
                 job = Job(c._step, c.fmt.stream_response(recorder.events))
                 async for keepalive in job.keepalives(c.fmt, c.background):
-                    self.last_chunk = keepalive
-                    yield keepalive
+                    yield [Block(keepalive, None)]
                 if job.error is not None:  # the stream ends with an error event instead
                     log.error("continuing a turn failed", exc_info=job.error)
                 items: list[Any] | None = job.result
                 if items is None:
-                    self.error = UpstreamError(500, "proxyvisor failed while running part of this turn; see the "
-                                                    "proxyvisor log")
+                    self._error = UpstreamError(500, "proxyvisor failed while running part of this turn; see the "
+                                                     "proxyvisor log")
                     return
                 try:
                     reply = await c.send(items)
                 except UpstreamError as exc:
-                    self.error = exc
+                    self._error = exc
                     return
                 c.done += 1
                 if reply.status >= 400 or not reply.streaming:
-                    await _close(reply.body)
-                    self.error = UpstreamError(reply.status if reply.status >= 400 else 502,
-                                               f"upstream refused to continue the turn ({reply.status}): "
-                                               f"{_error_text(reply.body)}" if reply.status >= 400 else
-                                               "upstream continued the turn without a stream")
+                    await close(reply.body)
+                    self._error = UpstreamError(reply.status if reply.status >= 400 else 502,
+                                                f"upstream refused to continue the turn ({reply.status}): "
+                                                f"{_error_text(reply.body)}" if reply.status >= 400 else
+                                                "upstream continued the turn without a stream")
                     return
                 splice.next_response()
-                stream = reply.body
+                stream = blocks(reply.body)
         finally:
             if job is not None:
                 job.scope.cancel()
-
-
-async def _close(body: Any) -> None:
-    aclose = getattr(body, "aclose", None)
-    if aclose is not None:
-        with trio.CancelScope(shield=True):
-            await aclose()

@@ -71,11 +71,12 @@ from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCT
                             ReadRequest, parse, refutation_input, refute)
 from ..rules import HOLD_ANSWER
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
-from . import continuation, planning
+from . import planning
 from .continuation import Continuation, Job, Resend, rewritable
 from .relay import UpstreamError, UpstreamReply
-from .sse import EventTooLarge, SSEParser, feed_cost
-from .streamedit import EventSplitter, off_loop
+from .closing import close
+from .reply import Edit, Item, ReplyStream, blocks, off_loop, scanned
+from .sse import Block
 from .supervise import Exchange
 
 log = logging.getLogger("proxyvisor.gate")
@@ -143,12 +144,13 @@ class Gating:
         while True:
             assert isinstance(reply.body, bytes)
             try:
-                response = orjson.loads(reply.body)
+                response = reply.json()
             except orjson.JSONDecodeError:
                 return reply
             if not isinstance(response, dict) or self._calls_tools(response):
                 return reply
-            items = await self.judged(lambda response=response: response)
+            # The judge strips the held answer for the continuation: it gets a copy, the delivered answer stays.
+            items = await self.judged(lambda body=reply.body: orjson.loads(body))
             if items is None:
                 return self._noticed(reply)
             continued = await self.carry_on(items)
@@ -160,13 +162,12 @@ class Gating:
 
     def _noticed(self, reply: UpstreamReply) -> UpstreamReply:
         """The delivered JSON ``reply`` with :attr:`notice` appended to its answer (``reply`` itself without one).
-        Read again from the body: the copy judged has had its self-report stripped for the continuation."""
+        The object is the reply's own: changed, it is written once and travels with the new reply."""
         if self.notice is None:
             return reply
-        assert isinstance(reply.body, bytes)
-        response = orjson.loads(reply.body)  # read once already: valid JSON
+        response = reply.json()  # read once already: valid JSON
         self.fmt.append_text(response, self.notice)
-        return dataclasses.replace(reply, body=orjson.dumps(response))
+        return dataclasses.replace(reply, body=orjson.dumps(response), decoded=response)
 
     def _waited(self) -> float:
         cont = self.exchange.continuation
@@ -360,7 +361,7 @@ class Gating:
         try:
             reply = await cont.send(items)
             if reply.status >= 400 or not rewritable(reply):
-                await continuation._close(reply.body)
+                await close(reply.body)
                 reason = f"upstream refused to continue the turn ({reply.status})"
             elif stream and not reply.streaming:
                 reason = "upstream continued the turn without a stream"
@@ -383,98 +384,77 @@ def _never(_name: str) -> bool:
     return False
 
 
-class GatedStream:
-    """The agent's stream of a gated request (module docstring). Like a ``RelayedStream``: iterate it once;
-    afterwards ``error`` is None or what cut it short, and ``last_chunk`` is the last bytes sent."""
+class GatedStream(ReplyStream):
+    """The agent's stream of a gated request (module docstring). A :class:`~.reply.ReplyStream`."""
 
     def __init__(self, gating: Gating, first: Any) -> None:
         self.gating = gating
         self.first = first
-        self.error: UpstreamError | None = None
-        self.last_chunk = b""
 
-    def _sent(self, out: bytes) -> bytes:
-        self.last_chunk = out
-        return out
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncIterator[list[Item]]:
         g = self.gating
         whole = g.config.hold == HOLD_ANSWER  # hold the whole answer, not only its stop
         # .calling turns True when a tool call starts; .stopped when the answer's stop event comes (kept back).
         splice = g.fmt.stream_splice(_never, stop=True)
-        stream = self.first
+        stream = blocks(self.first)
         job: Job | None = None
         try:
             while True:
-                splitter = EventSplitter()
-                parser = SSEParser()  # fed whole blocks, so one parser serves the whole stream
-                held: list[bytes] = []  # with hold = "answer": what came before the stop
-                stop: list[bytes] = []  # the stop's blocks as they came
+                held: list[Item] = []  # with hold = "answer": what came before the stop
+                stop: list[Item] = []  # the stop's blocks as they came
                 events: list[tuple[str | None, str]] = []
                 passing = False
-                too_large: EventTooLarge | None = None
-                iterator = stream.__aiter__()
-                async for chunk in iterator:
-                    if passing:
-                        yield self._sent(chunk)
-                        continue
-                    out: list[bytes] = []
-                    try:
-                        blocks = await off_loop(feed_cost(splitter.pending, chunk), splitter.feed, chunk)
-                    except EventTooLarge as exc:
-                        blocks, too_large = exc.complete, exc
-                    for n, block in enumerate(blocks):
-                        if block == g.fmt.keepalive:
-                            # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
-                            # message: it goes out at once, held answer or not, so the client never idles out.
-                            out.append(block)
+                iterator = aiter(stream)
+                try:
+                    async for batch in iterator:
+                        if passing:
+                            yield batch
                             continue
-                        if splice.calling and not splice.continuing:
-                            # A tool-call round nothing rewrites: the rest streams through as it comes.
-                            out += blocks[n:] + [splitter.rest()]
-                            passing = True
-                            break
-                        stopped, replaced = splice.stopped, None
-                        for event in await off_loop(len(block), parser.feed, block):
-                            events.append((event.event, event.data))
-                            replaced = await off_loop(len(block), splice.event, event.event, event.data)
-                        if splice.stopped:
-                            stop.append(block)
-                            if stopped:
+                        out: list[Item] = []
+                        items = await scanned(batch)
+                        for n, block in enumerate(items):
+                            if block.raw == g.fmt.keepalive:
+                                # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
+                                # message: it goes out at once, held answer or not, so the client never idles out.
+                                out.append(block)
                                 continue
-                            piece = b"".join(replaced or [])  # what the block that stops lets through now
-                        else:
-                            piece = block if replaced is None else b"".join(replaced)
-                        if whole and not splice.calling:
-                            held.append(piece)
-                        else:
-                            out += held + [piece]
-                            held = []
-                    if out and (data := b"".join(out)):
-                        yield self._sent(data)
-                    if too_large is not None:
-                        aclose = getattr(iterator, "aclose", None)
-                        if aclose is not None:
-                            with trio.CancelScope(shield=True):
-                                await aclose()
-                        break
-                self.error = getattr(stream, "error", None)
-                if too_large is not None:
-                    # Like a broken stream: the agent gets what came, then the format's error event.
-                    self.error = UpstreamError(502, str(too_large))
+                            if splice.calling and not splice.continuing:
+                                # A tool-call round nothing rewrites: the rest streams through as it comes.
+                                out += items[n:]
+                                passing = True
+                                break
+                            stopped, replaced = splice.stopped, None
+                            if block.event is not None:
+                                event = block.event
+                                events.append((event.event, event.data))
+                                replaced = await off_loop(len(block.raw), splice.event, event.event, event.data)
+                            if splice.stopped:
+                                stop.append(block)
+                                if stopped:
+                                    continue
+                                piece: Item = Edit(replaced or [])  # what the block that stops lets through now
+                            else:
+                                piece = block if replaced is None else Edit(replaced)
+                            if whole and not splice.calling:
+                                held.append(piece)
+                            else:
+                                out += held + [piece]
+                                held = []
+                        if out:
+                            yield out
+                finally:
+                    await close(iterator)
+                self._error = stream.error
                 if passing:
                     return
-                rest = splitter.rest()
-                if self.error is not None or rest:
+                if self._error is not None:
                     # A broken stream is not judged: the agent gets what came and the error.
                     released = splice.release()
-                    out_bytes = b"".join(held + (stop if released is None else released)) + rest
-                    if out_bytes:
-                        yield self._sent(out_bytes)
-                    if self.error is None:
-                        self.error = UpstreamError(502, "upstream stream ended in the middle of an event")
+                    out = held + (stop if released is None else [Edit(released)])
+                    if out:
+                        yield out
                     return
-                items, response = None, None
+                items_, response = None, None
                 size = sum(len(data) for _name, data in events)  # a big answer is read off the event loop
                 try:
                     if not splice.calling:
@@ -486,21 +466,20 @@ class GatedStream:
                 if not calls:
                     job = Job(g.judged, lambda response=response: response)
                     async for keepalive in job.keepalives(g.fmt, g.background):
-                        yield self._sent(keepalive)
-                    items = job.result  # judged() never raises but for cancellation; None: deliver
-                reply = await g.carry_on(items, stream=True) if items is not None else None
+                        yield [Block(keepalive, None)]
+                    items_ = job.result  # judged() never raises but for cancellation; None: deliver
+                reply = await g.carry_on(items_, stream=True) if items_ is not None else None
                 if reply is None:
                     notice = splice.add_text(g.notice) if g.notice else []
                     released = splice.release()
-                    out_bytes = b"".join(held + notice + (stop if released is None else released))
-                    if out_bytes:
-                        yield self._sent(out_bytes)
+                    out = held + [Edit(notice)] + (stop if released is None else [Edit(released)])
+                    yield out
                     return
                 if whole:  # the continued answer replaces the held one, which the agent never saw
                     splice = g.fmt.stream_splice(_never, stop=True)
                 else:  # the continued answer goes on in the message the agent is reading
                     splice.next_response()
-                stream = reply.body
+                stream = blocks(reply.body)
         finally:
             if job is not None:
                 job.scope.cancel()

@@ -45,7 +45,7 @@ from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats import largejson
 from .formats.base import event_object
-from .relay import HttpRelay, RelayedStream, UpstreamError, UpstreamReply, upstream_headers
+from .relay import HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
@@ -55,8 +55,9 @@ from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
+from .closing import close
 from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost
-from .streamedit import EditedStream, off_loop
+from .reply import Encoded, ReplyStream, off_loop
 
 log = logging.getLogger("proxyvisor.pipeline")
 
@@ -424,7 +425,7 @@ class Pipeline:
                 usage = Usage()
                 if reply.status < 400 and self.supervised:
                     try:
-                        answer = orjson.loads(reply.body)
+                        answer = reply.json()
                         turn = fmt.parse_response(answer)
                         usage = estimate.completed(self._ledger_usage(fmt, fmt.usage(answer)), fmt, body, turn)
                         self._delivered(session, fmt, body, turn)
@@ -437,8 +438,7 @@ class Pipeline:
     async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                       session: Session | None, overhead: float,
                       exchange: Exchange | None = None) -> AsyncIterator[bytes]:
-        stream = reply.body
-        assert isinstance(stream, RelayedStream) or hasattr(stream, "__aiter__")
+        stream = Encoded(reply.body) if isinstance(reply.body, ReplyStream) else reply.body
         usage = Usage()
         events: list[tuple[str | None, str]] = []
         kept = 0
@@ -453,8 +453,9 @@ class Pipeline:
                 kept += len(data)
 
         parser = None
-        if isinstance(stream, EditedStream):
-            stream.observe = read_usage  # the editor parses every event already: read usage there, not twice
+        edited = stream.edited if isinstance(stream, Encoded) else None
+        if edited is not None:
+            edited.observe = read_usage  # the stripper reads every event already: read usage there, not twice
         elif session is not None and self.supervised:
             parser = SSEParser()
         failure: UpstreamError | None = None
@@ -470,9 +471,7 @@ class Pipeline:
                 # alive by pings ends at the first piece past the deadline, and a silent one at idle_timeout_s.
                 if trio.current_time() > deadline:
                     failure = UpstreamError(504, f"stream exceeded {limit:g} s ([proxy] max_stream_s)")
-                    aclose = getattr(chunks, "aclose", None)
-                    if aclose is not None:
-                        await aclose()  # the upstream's connection is closed, not left to the collector
+                    await close(chunks)  # the upstream's connection is closed, not left to the collector
                     break
                 if parser is not None:
                     try:
@@ -506,7 +505,7 @@ class Pipeline:
                 # Unsupervised, nothing of the stream was read: there is no answer to estimate or record.
                 if reply.status < 400 and self.supervised:
                     with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
-                        turn, shown = await off_loop(kept, _answer, fmt, events, isinstance(stream, EditedStream))
+                        turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
                     usage = estimate.completed(self._ledger_usage(fmt, usage), fmt, body, turn)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)

@@ -23,9 +23,11 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import h11
+import orjson
 import trio
 
 from ..config import UpstreamConfig
@@ -71,9 +73,25 @@ class UpstreamReply:
     """Time spent waiting on the upstream before the reply was ready (s): to the headers for a stream, to the
     last byte otherwise."""
 
+    decoded: Any = field(default=None, repr=False, compare=False)
+    """The JSON body decoded, once a stage read it (:meth:`json`); a stage that rewrites the body sets it to what it
+    wrote, so that the stages after it read the object instead of decoding the bytes again."""
+
     @property
     def streaming(self) -> bool:
         return not isinstance(self.body, bytes)
+
+    def json(self) -> Any:
+        """The JSON body decoded, once for all the stages a reply passes (the object is theirs to read; a stage
+        that must change it works on a copy, or replaces the reply).
+
+        Raises:
+            orjson.JSONDecodeError: the body is not JSON.
+        """
+        if self.decoded is None:
+            assert isinstance(self.body, bytes)
+            self.decoded = orjson.loads(self.body)
+        return self.decoded
 
 
 @dataclass

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import h11
 import trio
 
+from .closing import close
+
 log = logging.getLogger("proxyvisor.server")
 
 Headers = list[tuple[bytes, bytes]]
@@ -364,10 +366,7 @@ class Connection:
                     await self._send(h11.Data(data=chunk))
             await self._send(h11.EndOfMessage())
         finally:
-            aclose = getattr(body, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            await close(body)
 
 
 async def serve_listeners(listeners: list[trio.SocketListener], handler: Handler, limits: Limits,

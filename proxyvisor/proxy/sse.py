@@ -1,10 +1,14 @@
-"""A sans-IO Server-Sent Events parser: bytes in, complete events out.
+"""A sans-IO Server-Sent Events scanner: bytes in, complete event blocks out, each with its parsed event.
 
 Follows the WHATWG grammar: lines end in CRLF, LF or CR; an empty line dispatches the event; ``data`` lines join
 with ``\\n``; lines starting with ``:`` are comments. Input may be split at any byte, including inside a
 multi-byte UTF-8 sequence or between the CR and LF of one line ending: bytes are only decoded once a line is
 complete (a line ending is ASCII, so never inside a character), and invalid UTF-8 becomes U+FFFD rather than an
 exception.
+
+:class:`SSEScanner` is the one scanner: it hands out each event as a :class:`Block`, its bytes exactly as they
+came (to send on unchanged) beside the event they hold (to read), both from one pass over the input.
+:class:`SSEParser` is the same scanner for readers that want only the events.
 """
 
 from __future__ import annotations
@@ -24,9 +28,19 @@ class Event:
     data: str
 
 
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The bytes of one event block as they came (its lines and the blank line that ends it) and its event, or
+    None for a block with no data (a comment such as a keep-alive, a lone blank line)."""
+
+    raw: bytes
+    event: Event | None
+
+
 class EventTooLarge(ValueError):
-    """An event grew past the parser's limit (a line that never ends counts as it grows). ``complete`` holds
-    what the same feed completed before it (events or blocks, in order), so nothing before it is lost."""
+    """An event grew past the scanner's limit (a line that never ends counts as it grows). ``complete`` holds
+    what the same feed completed before it (blocks, or events for :class:`SSEParser`), so nothing before it is
+    lost."""
 
     def __init__(self, limit: int, complete: list[Any]) -> None:
         super().__init__(f"upstream stream has an event larger than {limit} bytes")
@@ -49,81 +63,105 @@ def next_line_end(chunk: bytes, pos: int) -> tuple[int, int]:
 
 
 def feed_cost(pending: int, chunk: bytes) -> int:
-    """Bytes that feeding ``chunk`` to a parser or splitter holding ``pending`` bytes may copy and hand on: all
-    of them when ``chunk`` ends a line (it may complete the event), else only ``chunk``'s."""
+    """Bytes that feeding ``chunk`` to a scanner holding ``pending`` bytes may copy and hand on: all of them when
+    ``chunk`` ends a line (it may complete the event), else only ``chunk``'s."""
     return pending + len(chunk) if b"\n" in chunk or b"\r" in chunk else len(chunk)
 
 
-class SSEParser:
-    """Feed bytes with :meth:`feed`; it returns the events that became complete.
+class SSEScanner:
+    """Feed bytes with :meth:`feed`; it returns the event blocks that became complete, in order.
 
-    Each byte is scanned and copied a bounded number of times however the input is split (an unfinished line is
-    kept as a list of pieces, joined once), so the work per event is linear in its size. One event may hold at
-    most ``max_event`` bytes (default :data:`~.limits.MAX_BUFFERED_BODY`), its data lines and any unfinished line
-    counted: past that :meth:`feed` raises :class:`EventTooLarge`. :meth:`pending` says how many bytes wait.
+    Each byte is scanned once and copied a bounded number of times however the input is split (the unfinished
+    block and line are kept as lists of pieces, joined once), so the work per event is linear in its size, and
+    the blocks' bytes joined are the input's. One block may hold at most ``max_event`` bytes (default
+    :data:`~.limits.MAX_BUFFERED_BODY`; a line that never ends counts as it grows): past that :meth:`feed` raises
+    :class:`EventTooLarge`. A blank line ended by a CR completes its block at once; an LF that then starts the
+    next chunk belongs to that line ending and goes out as a block of its own, with no event.
     """
 
     def __init__(self, max_event: int | None = None) -> None:
         self.max_event = limits.MAX_BUFFERED_BODY if max_event is None else max_event
-        self._line: list[bytes] = []  # pieces of the unfinished last line
-        self._line_size = 0
+        self._raw: list[bytes] = []  # the unfinished block's bytes
+        self._size = 0
+        self._line: list[Any] = []  # pieces (memoryviews) of the unfinished line
         self._event: str | None = None
-        self._data: list[bytes] = []
-        self._data_size = 0
+        self._data: list[str] = []
         self._has_data = False
-        self._skip_lf = False
+        self._skip_lf = False  # the last chunk ended in a CR: an LF starting the next one belongs to it
 
+    @property
     def pending(self) -> int:
-        return self._line_size + self._data_size
+        """Bytes of the unfinished block held."""
+        return self._size
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        """The events ``chunk`` completed.
+    def feed(self, chunk: bytes) -> list[Block]:
+        """The blocks ``chunk`` completed.
 
         Raises:
-            EventTooLarge: the current event passed ``max_event`` bytes (the events before it are in the
-                exception); the parser is then spent.
+            EventTooLarge: the unfinished block passed ``max_event`` bytes (the blocks before it are in the
+                exception); the scanner is then spent.
         """
         if not chunk:  # an empty read between the CR and LF of one line ending must not forget the CR
             return []
-        start = 1 if self._skip_lf and chunk[:1] == b"\n" else 0
-        self._skip_lf = False
-        events: list[Event] = []
+        blocks: list[Block] = []
         n = len(chunk)
-        while start < n:
-            end, nxt = next_line_end(chunk, start)
+        start = pos = 0  # chunk[:start] went out in blocks; pos is where the next line starts
+        if self._skip_lf and chunk[0] == 0x0A:
+            pos = 1
+            if not self._raw:  # the CR ended a block, which went out: so does its LF
+                blocks.append(Block(b"\n", None))
+                start = 1
+        self._skip_lf = False
+        view = memoryview(chunk)
+        while pos < n:
+            end, nxt = next_line_end(chunk, pos)
             if end < 0:
                 break
-            self._skip_lf = nxt == end + 1 == n and chunk[end] == 0x0D  # its LF may start the next chunk
-            if self._data_size + self._line_size + end - start > self.max_event:
-                self._spend(events)
-            if self._line:
-                self._line.append(memoryview(chunk)[start:end])
+            if self._size + end - start > self.max_event:
+                self._spend(blocks)
+            if self._line or end > pos:
+                self._line.append(view[pos:end])
                 self._take(self._line)
-                self._line, self._line_size = [], 0
-            elif start == end:
-                self._dispatch(events)
-            else:
-                self._take([memoryview(chunk)[start:end]])
-            start = nxt
+                self._line = []
+            else:  # a blank line: the block is complete
+                self._raw.append(chunk if start == 0 and nxt == n else chunk[start:nxt])
+                self._size += nxt - start
+                blocks.append(self._complete())
+                start = nxt
+            self._skip_lf = nxt == end + 1 == n and chunk[end] == 0x0D  # its LF may start the next chunk
+            pos = nxt
+        if pos < n:
+            self._line.append(view[pos:])
         if start < n:
-            self._line.append(chunk[start:])
-            self._line_size += n - start
-        if self.pending() > self.max_event:
-            self._spend(events)
-        return events
+            self._raw.append(chunk if start == 0 else chunk[start:])
+            self._size += n - start
+        if self._size > self.max_event:
+            self._spend(blocks)
+        return blocks
 
-    def _spend(self, events: list[Event]) -> None:
-        self._line, self._data, self._line_size, self._data_size = [], [], 0, 0
-        raise EventTooLarge(self.max_event, events)
+    def finish(self) -> bytes:
+        """At the end of the input, once: the bytes of an unfinished event, empty when the input stopped between
+        events."""
+        raw = b"".join(self._raw)
+        self._raw, self._size, self._line = [], 0, []
+        self._event, self._data, self._has_data, self._skip_lf = None, [], False, False
+        return raw
 
-    def _dispatch(self, events: list[Event]) -> None:
-        """A blank line: the event so far, if it has data, is complete."""
+    def _spend(self, blocks: list[Block]) -> None:
+        self._raw, self._size, self._line, self._data = [], 0, [], []
+        raise EventTooLarge(self.max_event, blocks)
+
+    def _complete(self) -> Block:
+        raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
+        event = None
         if self._has_data:
-            events.append(Event(self._event, self._data[0] if len(self._data) == 1 else "\n".join(self._data)))
-        self._event, self._data, self._data_size, self._has_data = None, [], 0, False
+            event = Event(self._event, self._data[0] if len(self._data) == 1 else "\n".join(self._data))
+        self._raw, self._size = [], 0
+        self._event, self._data, self._has_data = None, [], False
+        return Block(raw, event)
 
     def _take(self, line: list[Any]) -> None:
-        """The non-empty line whose bytes are the buffers ``line`` in order: a field the parser keeps is decoded
+        """The non-empty line whose bytes are the buffers ``line`` in order: a field the scanner keeps is decoded
         from them where they lie (never joined as bytes first: a big data line is decoded, then copied once)."""
         head = bytes(line[0][:7])  # the field name and what follows it: "event: " is 7 bytes
         for part in line[1:]:
@@ -140,10 +178,32 @@ class SSEParser:
         value = decode(line, skip)
         if name == b"data":
             self._data.append(value)
-            self._data_size += sum(map(len, line)) - skip + 1
             self._has_data = True
         else:
             self._event = value
+
+
+class SSEParser:
+    """:class:`SSEScanner` for a reader that wants only the events: :meth:`feed` returns those ``chunk``
+    completed (raising :class:`EventTooLarge` with the events before it), :meth:`pending` the bytes held."""
+
+    def __init__(self, max_event: int | None = None) -> None:
+        self._scanner = SSEScanner(max_event)
+
+    def pending(self) -> int:
+        return self._scanner.pending
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        try:
+            blocks = self._scanner.feed(chunk)
+        except EventTooLarge as exc:
+            raise EventTooLarge(exc.limit, events(exc.complete)) from None
+        return events(blocks)
+
+
+def events(blocks: list[Block]) -> list[Event]:
+    """The events of ``blocks``, in order."""
+    return [block.event for block in blocks if block.event is not None]
 
 
 def decode(parts: list[Any], skip: int = 0) -> str:

@@ -51,7 +51,7 @@ from ..transcript import fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session
-from .streamedit import EditedStream
+from .reply import Edited, blocks
 
 log = logging.getLogger("proxyvisor.supervise")
 
@@ -384,11 +384,10 @@ class Exchange:
                     self._finish([b for s in strippers for b in s.bodies])
 
             editor = self.fmt.stream_editor(new_filter, lambda text: strip(text)[0])
-            return UpstreamReply(reply.status, reply.headers, EditedStream(reply.body, editor, on_end),
+            return UpstreamReply(reply.status, reply.headers, Edited(blocks(reply.body), editor, on_end),
                                  reply.upstream_s)
-        assert isinstance(reply.body, bytes)
         try:
-            response = orjson.loads(reply.body)
+            response = reply.json()
         except orjson.JSONDecodeError:
             return reply
         if not isinstance(response, dict):
@@ -404,4 +403,4 @@ class Exchange:
         self._finish(bodies)
         if not bodies:
             return reply
-        return UpstreamReply(reply.status, reply.headers, orjson.dumps(response), reply.upstream_s)
+        return UpstreamReply(reply.status, reply.headers, orjson.dumps(response), reply.upstream_s, decoded=response)

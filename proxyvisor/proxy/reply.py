@@ -1,0 +1,248 @@
+"""The supervised reply path for streams: the upstream's bytes scanned once into event blocks, the stages as
+transforms over those blocks, bytes written once on the way out.
+
+A :class:`ReplyStream` is iterated once and yields batches (what one upstream read completed) of items: a
+:class:`~.sse.Block` as the upstream sent it, or an :class:`Edit`, the bytes a stage put in place of blocks. A stage
+that reads events takes the items through :func:`scanned`, which hands it each unchanged block with the event the
+one scan read from it and scans only the bytes an earlier stage wrote; :class:`Encoded` turns the last stage's
+items into writes for the client, each unchanged block as its original bytes. Afterwards a stream's ``error`` is
+None or what cut it short (the pipeline then ends the client's stream with the format's error event).
+
+The stages, innermost first: :class:`Blocks` (the upstream's bytes, scanned), the delegation continuation
+(:class:`~.continuation.ContinuedStream`), the verify-gate's hold (:class:`~.gating.GatedStream`), the self-report
+stripper (:class:`Edited`, also the continuation's recorder). Each closes the stream it reads (:func:`~.closing.close`)
+however it stops, so a client going away closes the chain down to the upstream connection.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from ..transcript import StreamEditor
+from .closing import close
+from .relay import UpstreamError
+from .sse import Block, EventTooLarge, SSEScanner, feed_cost
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Edit:
+    """Bytes a stage wrote in place of blocks: whole events in the stream's format, as pieces in order (never
+    joined: an event may be 100 MB). Empty when the blocks were dropped or held back."""
+
+    pieces: list[bytes]
+
+
+Item = Block | Edit
+
+
+class ReplyStream:
+    """A stream of the supervised reply path (module docstring): iterate it once for batches of items; afterwards
+    :attr:`error` is None or what cut it short."""
+
+    _error: UpstreamError | None = None
+
+    @property
+    def error(self) -> UpstreamError | None:
+        return self._error
+
+    def __aiter__(self) -> AsyncIterator[list[Item]]:
+        raise NotImplementedError
+
+
+OFF_LOOP_BYTES = 1024 * 1024
+"""Work on this many bytes of one batch or more runs in a worker thread (:func:`off_loop`)."""
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, run in a worker thread when it handles ``size`` bytes or more (:data:`OFF_LOOP_BYTES`).
+
+    Scanning and editing one big event takes long (a 100 MB one a second or more): in a thread, the event loop,
+    which serves every session, gets the interpreter back between its steps and waits at most for the longest
+    single step, which the scanner (:func:`~.sse.decode`) and the formats (:mod:`~.formats.largejson`) keep to a
+    slice of the event; joining a long string once is the one step on the whole event that remains. ``fn`` must
+    touch only state of its own stream.
+    """
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await trio.to_thread.run_sync(functools.partial(fn, *args))
+
+
+def size(items: list[Item]) -> int:
+    return sum(len(item.raw) if isinstance(item, Block) else sum(map(len, item.pieces)) for item in items)
+
+
+def _scan(items: list[Item]) -> list[Block]:
+    out: list[Block] = []
+    for item in items:
+        if isinstance(item, Block):
+            out.append(item)
+            continue
+        scanner = SSEScanner()
+        for piece in item.pieces:
+            out += scanner.feed(piece)
+        if rest := scanner.finish():  # not an event: kept as bytes all the same, never lost
+            out.append(Block(rest, None))
+    return out
+
+
+async def scanned(items: list[Item]) -> list[Block]:
+    """``items`` as blocks, each with its event: the upstream's as they were scanned, an :class:`Edit`'s bytes
+    scanned now (off the event loop when big)."""
+    if all(isinstance(item, Block) for item in items):
+        return items  # type: ignore[return-value]  # (all blocks, checked)
+    return await off_loop(size([item for item in items if isinstance(item, Edit)]), _scan, items)
+
+
+def pieces(items: list[Item]) -> list[bytes]:
+    """The bytes of ``items``, as pieces in order."""
+    out: list[bytes] = []
+    for item in items:
+        if isinstance(item, Block):
+            out.append(item.raw)
+        else:
+            out += item.pieces
+    return out
+
+
+def writes(items: list[Item]) -> list[bytes]:
+    """The bytes of ``items`` as writes of at most :data:`OFF_LOOP_BYTES` bytes: small pieces joined, a big one cut
+    in slices (each write to the client, copied once by h11, stays short, and the loop serves others between
+    them)."""
+    limit = OFF_LOOP_BYTES
+    out: list[bytes] = []
+    run: list[bytes] = []
+    held = 0
+    for piece in pieces(items):
+        if held and held + len(piece) > limit:
+            out.append(b"".join(run))
+            run, held = [], 0
+        if len(piece) > limit:
+            out += [piece[i:i + limit] for i in range(0, len(piece), limit)]
+            continue
+        if piece:
+            run.append(piece)
+            held += len(piece)
+    if held:
+        out.append(b"".join(run))
+    return out
+
+
+class Blocks(ReplyStream):
+    """The upstream's stream (a ``RelayedStream``, a translated stream: any async iterable of bytes with an
+    ``error``) scanned into blocks, once.
+
+    ``error`` is the inner stream's, or says the stream stopped inside an event (its bytes are held back: an SDK
+    would drop half an event silently or choke on it, while the format's error event that follows is an error it
+    reports), or had an event over the size limit (the events before it are delivered; reading stops there).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[list[Item]]:
+        scanner = SSEScanner()
+        iterator = aiter(self.inner)
+        try:
+            async for chunk in iterator:
+                try:
+                    blocks: list[Item] = await off_loop(feed_cost(scanner.pending, chunk), scanner.feed, chunk)
+                except EventTooLarge as exc:
+                    if exc.complete:
+                        yield exc.complete
+                    self._error = UpstreamError(502, str(exc))
+                    return
+                if blocks:
+                    yield blocks
+            self._error = getattr(self.inner, "error", None)
+            if scanner.finish() and self._error is None:
+                self._error = UpstreamError(502, "upstream stream ended in the middle of an event")
+        finally:
+            await close(iterator)
+
+
+def blocks(body: Any) -> ReplyStream:
+    """``body``, a reply's stream, as a :class:`ReplyStream`: itself when it is one already."""
+    return body if isinstance(body, ReplyStream) else Blocks(body)
+
+
+Observer = Callable[[str | None, str], None]
+"""Sees each event (its name, its data) before the editor does."""
+
+
+class Edited(ReplyStream):
+    """``stream`` with each event run past ``editor`` (a :class:`~proxyvisor.transcript.StreamEditor`): its
+    replacement goes out in the event's place, an event it leaves alone (and every comment, such as a keep-alive)
+    as it came. :attr:`observe`, when set before iterating, sees each event first: a reader of the stream (the
+    pipeline's usage) that need not scan it again. ``on_end(complete)`` runs once when iteration stops:
+    ``complete`` is True when the stream ended normally and everything was sent.
+    """
+
+    def __init__(self, stream: ReplyStream, editor: StreamEditor, on_end: Callable[[bool], None]) -> None:
+        self.stream = stream
+        self.editor = editor
+        self.on_end = on_end
+        self.observe: Observer | None = None
+
+    @property
+    def error(self) -> UpstreamError | None:
+        return self.stream.error
+
+    def _edit(self, blocks: list[Block]) -> list[Item]:
+        out: list[Item] = []
+        for block in blocks:
+            event = block.event
+            replaced = None
+            if event is not None:
+                if self.observe is not None:
+                    self.observe(event.event, event.data)
+                replaced = self.editor.event(event.event, event.data)
+            out.append(block if replaced is None else Edit(replaced))
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[list[Item]]:
+        iterator = aiter(self.stream)
+        complete = False
+        try:
+            async for batch in iterator:
+                blocks = await scanned(batch)
+                yield await off_loop(size(blocks), self._edit, blocks)
+            if self.stream.error is None:
+                tail = self.editor.close()
+                if tail:
+                    yield [Edit(tail)]
+            complete = self.stream.error is None
+        finally:
+            self.on_end(complete)
+            await close(iterator)
+
+
+class Encoded:
+    """The client's bytes of a :class:`ReplyStream`: each batch's items as writes (:func:`writes`). ``error`` is the
+    stream's; ``observe`` is its :attr:`Edited.observe` when it has one (None otherwise)."""
+
+    def __init__(self, stream: ReplyStream) -> None:
+        self.stream = stream
+
+    @property
+    def error(self) -> UpstreamError | None:
+        return self.stream.error
+
+    @property
+    def edited(self) -> Edited | None:
+        return self.stream if isinstance(self.stream, Edited) else None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        iterator = aiter(self.stream)
+        try:
+            async for batch in iterator:
+                for write in writes(batch):
+                    yield write
+        finally:
+            await close(iterator)
