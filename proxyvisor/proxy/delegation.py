@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
@@ -51,6 +51,9 @@ from .continuation import Continuation, Resend
 from .formats import CHAT, ToolSpec, WireFormat
 from .formats.base import CallResult
 from .server import Request, Response
+
+if TYPE_CHECKING:  # supervision holds the delegation turn of its exchange
+    from .supervise import Exchange
 
 log = logging.getLogger("proxyvisor.delegation")
 
@@ -89,7 +92,7 @@ class ProxyDelegation:
     def close(self) -> None:
         self.delegator.close()
 
-    def turn(self, exchange: Any, traceparent: str | None = None) -> DelegationTurn | None:
+    def turn(self, exchange: Exchange, traceparent: str | None = None) -> DelegationTurn | None:
         """Offer the delegation tools on ``exchange.body`` (in place) and return the request's turn, or None when
         this request gets none (module docstring)."""
         if not self.offered or exchange.tail is None or exchange.tail[2] not in ("user", "tool"):
@@ -146,7 +149,7 @@ class DelegationTurn:
     """The delegations of one agent request: runs the children the model asks for and builds the items the turn
     continues with. ``results`` holds, per delegation, its status, record id and evidence (for the ledger)."""
 
-    def __init__(self, owner: ProxyDelegation, exchange: Any, names: frozenset[str],
+    def __init__(self, owner: ProxyDelegation, exchange: Exchange, names: frozenset[str],
                  traceparent: str | None) -> None:
         self.owner = owner
         self.exchange = exchange

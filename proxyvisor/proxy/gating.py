@@ -50,6 +50,7 @@ What happened goes into the request's ledger line as ``gate`` (``RequestRecord.g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class Gating:
             if not isinstance(response, dict) or self._calls_tools(response):
                 return reply
             # The judge strips the held answer for the continuation: it gets a copy, the delivered answer stays.
-            items = await self.judged(lambda body=reply.body: orjson.loads(body))
+            items = await self.judged(functools.partial(orjson.loads, reply.body))
             if items is None:
                 return self._noticed(reply)
             continued = await self.carry_on(items)

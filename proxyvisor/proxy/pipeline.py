@@ -403,6 +403,7 @@ class Pipeline:
         ran (``proxyvisor.proxy.continuation``), through ``exchange.send``."""
         if exchange.delegation is None:
             return reply
+        assert exchange.send is not None  # set with the delegation turn (_supervise)
         return await exchange.delegation.continuation(exchange.send, self.background).reply(reply)
 
     async def _gated(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
@@ -411,6 +412,7 @@ class Pipeline:
         gate = self.config.supervisor.gate
         if not eligible(exchange, gate):
             return reply
+        assert exchange.send is not None  # set before the request went up (_supervise)
         return await Gating(exchange, gate, exchange.send, self.supervisor.mutating_tools,
                             self.background).reply(reply)
 
@@ -438,6 +440,7 @@ class Pipeline:
     async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                       session: Session | None, overhead: float,
                       exchange: Exchange | None = None) -> AsyncIterator[bytes]:
+        assert not isinstance(reply.body, bytes)
         stream = Encoded(reply.body) if isinstance(reply.body, ReplyStream) else reply.body
         usage = Usage()
         events: list[tuple[str | None, str]] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,11 +64,12 @@ class UpstreamError(Exception):
 
 @dataclass
 class UpstreamReply:
-    """The upstream's status and headers, and its body as bytes or as a live stream."""
+    """The upstream's status and headers, and its body as bytes or as a live stream (a :class:`RelayedStream`, a
+    translated stream, a stage of the reply path: ``proxyvisor.proxy.reply``)."""
 
     status: int
     headers: Headers
-    body: bytes | RelayedStream
+    body: bytes | AsyncIterable[Any]
     upstream_s: float = 0.0
     """Time spent waiting on the upstream before the reply was ready (s): to the headers for a stream, to the
     last byte otherwise."""

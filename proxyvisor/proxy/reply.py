@@ -17,9 +17,9 @@ however it stops, so a client going away closes the chain down to the upstream c
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 
@@ -74,7 +74,8 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     return await trio.to_thread.run_sync(functools.partial(fn, *args))
 
 
-def size(items: list[Item]) -> int:
+def size(items: Sequence[Item]) -> int:
+    """The bytes ``items`` hold."""
     return sum(len(item.raw) if isinstance(item, Block) else sum(map(len, item.pieces)) for item in items)
 
 
@@ -96,7 +97,7 @@ async def scanned(items: list[Item]) -> list[Block]:
     """``items`` as blocks, each with its event: the upstream's as they were scanned, an :class:`Edit`'s bytes
     scanned now (off the event loop when big)."""
     if all(isinstance(item, Block) for item in items):
-        return items  # type: ignore[return-value]  # (all blocks, checked)
+        return cast(list[Block], items)
     return await off_loop(size([item for item in items if isinstance(item, Edit)]), _scan, items)
 
 
@@ -152,7 +153,7 @@ class Blocks(ReplyStream):
         try:
             async for chunk in iterator:
                 try:
-                    blocks: list[Item] = await off_loop(feed_cost(scanner.pending, chunk), scanner.feed, chunk)
+                    blocks = cast(list[Item], await off_loop(feed_cost(scanner.pending, chunk), scanner.feed, chunk))
                 except EventTooLarge as exc:
                     if exc.complete:
                         yield exc.complete

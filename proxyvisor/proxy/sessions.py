@@ -27,11 +27,14 @@ import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..store import SESSION_ID
 from .formats import WireFormat
 from ..transcript import Message, fingerprint
+
+if TYPE_CHECKING:  # supervision imports this module
+    from .supervise import SessionSupervision
 
 _PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
 _OURS = "x-proxyvisor-session"
@@ -228,8 +231,8 @@ class Session:
     identified: str = ""
     """Where the id of the session's latest request came from (:func:`identify`'s source; ``hash``: from the
     conversation, so proxyvisor records the answers it delivers, :meth:`Conversations.answered`)."""
-    supervision: Any = None
-    """Per-session supervisor state (``proxyvisor.proxy.supervise.SessionSupervision``), made on first use."""
+    supervision: SessionSupervision | None = None
+    """Per-session supervisor state, made on first use."""
 
 
 class SessionTable:

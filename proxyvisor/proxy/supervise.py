@@ -33,7 +33,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -52,6 +52,12 @@ from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session
 from .reply import Edited, blocks
+
+if TYPE_CHECKING:  # the stages that hang on an exchange import this module
+    from .continuation import Continuation
+    from .delegation import DelegationTurn
+    from .gating import GateTurn
+    from .session_model import Send
 
 log = logging.getLogger("proxyvisor.supervise")
 
@@ -149,8 +155,8 @@ class Thread:
     carry: tuple[str, ...] = ()
     """The ``carry`` items of the latest valid self-report: what /plan shows as retained critical knowledge
     (a response without a valid report keeps them)."""
-    gate_turn: Any = None
-    """The current turn's verify-gate (``proxyvisor.proxy.gating.GateTurn``), once one of its stops was judged."""
+    gate_turn: GateTurn | None = None
+    """The current turn's verify-gate, once one of its stops was judged."""
     plan: Plan | None = None
     """The supervisor-owned plan (``proxyvisor.gate.plan``; ``proxyvisor.proxy.planning``), None without one."""
     plan_signal: str | None = None
@@ -308,9 +314,9 @@ class Exchange:
         """The agent's last history item: (position, :func:`fingerprint`, role); None for an empty history."""
         self.tools = tools
         """The names of the agent's own tools in the request."""
-        self.delegation: Any = None
-        """The request's delegation turn (``proxyvisor.proxy.delegation``), when delegation tools were offered."""
-        self.continuation: Any = None
+        self.delegation: DelegationTurn | None = None
+        """The request's delegation turn, when delegation tools were offered."""
+        self.continuation: Continuation | None = None
         """The turn's :class:`~proxyvisor.proxy.continuation.Continuation` once one was made (delegation's first;
         the verify-gate continues through the same one, so what the upstream saw accumulates in one place)."""
         self.items: list[Any] = []
@@ -324,8 +330,8 @@ class Exchange:
         self.model: ModelCall | None = None
         """The request's supervisor model call (condenser, verifier, refuter, planner; None: none is made). On the
         session's route it holds the request's credentials: it lives as long as the exchange, never longer."""
-        self.send: Any = None
-        """Sends a body the way the request went (``proxyvisor.proxy.session_model.Send``): continued turns."""
+        self.send: Send | None = None
+        """Sends a body the way the request went: continued turns."""
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
