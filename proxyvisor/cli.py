@@ -251,48 +251,53 @@ def build_parser() -> argparse.ArgumentParser:
     _common(replay)
 
     condense = commands.add_parser(
-        "condense", help="show what the condenser sees of a tool output, and what the model would get",
+        "condense", help="show what the model would get of a large tool output (and what a condenser sees)",
         formatter_class=_Formatter,
         description=textwrap.dedent("""\
-            Treat FILE as one large plain-text tool result and show how proxyvisor condenses it for the
-            model's copy of a request (the agent always keeps its full output).
+            Treat FILE as one large plain-text tool result and print what the model's copy of a request would
+            hold instead of it (the agent always keeps its full output). The header gives FILE's size in tokens
+            (tiktoken cl100k_base) and whether it is above [supervisor.condense] tokens_threshold, i.e. whether
+            the proxy would condense it at all.
 
-            First the numbered view, the condenser's input: every shown line keeps its original number
-            ("  42| text"); when FILE does not fit the budget, lines are chosen deterministically (diagnostic
-            lines such as "error:" or "FAILED" with 2 lines of context, lines containing terms of the task,
-            the tail, the head, evenly spaced middle samples, then blocks around those), and hidden stretches
-            are marked "[… original lines A-B not shown in this view …]". Long lines are clipped in the view
-            only. The header gives FILE's size in tokens (tiktoken cl100k_base) and whether it is above
-            [supervisor.condense] tokens_threshold, i.e. whether the proxy would condense it at all.
+            Above the threshold, the condensed result follows: FILE's own lines byte for byte (lines over 500
+            characters clipped head and tail, the cut marked), "[… K lines omitted: original lines A-B …]"
+            markers, a count and the first and last line number for each repeated diagnostic, and a closing
+            notice naming FILE as the full original, all within [supervisor.condense] budget_tokens (4,000 by
+            default). It is chosen without a model (the deterministic condenser: diagnostics grouped by
+            template, failure sections, task terms, the runner's last lines, head and tail) when no
+            [supervisor.model] name is set, when FILE looks like a test run, build or install named in
+            deterministic_kinds, or when the model call fails; otherwise one condenser call chooses the line
+            numbers from a numbered view of FILE ("  42| text", within --budget). api_base = "scripted:" calls
+            the embedded scripted upstream, which leaves the choice to the deterministic condenser, as demo and
+            replay do: no key, no network. Nothing is written in any case.
 
-            Then, when [supervisor.model] name is set and FILE is above the threshold, one condenser call: the
-            model answers line ranges only, and the narrowed result is printed, made of FILE's own lines byte
-            for byte, "[… K lines omitted: original lines A-B …]" markers and a closing notice naming FILE as
-            the full original. api_base = "scripted:" (with any name) calls the embedded scripted upstream's
-            fixed-policy condenser, as demo and replay do: no key, no network. Without a model the header says
-            so and only the view is shown; nothing is written in any case.
-
-            exit status: 0 the view (and the condenser's answer, if called) came out; 1 FILE is unreadable or
-            the condenser call failed or timed out ([supervisor.condense] timeout_s); 2 bad usage or
-            configuration.
+            exit status: 0 the result came out (a failed condenser call is named, and the deterministic
+            condenser decided); 1 FILE or --green is unreadable; 2 bad usage or configuration.
             """),
         epilog=textwrap.dedent("""\
             examples:
               proxyvisor condense build.log --task "Why did the build fail?"
-              proxyvisor condense pytest.txt --task "Which tests fail and why?" --budget 4000
-              proxyvisor condense out.txt --task "Did the install succeed?" --json | jq .view.visible_ranges
+              proxyvisor condense build.log --task "Why did the build fail?" --green last-good-build.log
+              proxyvisor condense pytest.txt --task "Which tests fail and why?" --view --budget 4000
+              proxyvisor condense out.txt --task "Did the install succeed?" --json | jq .condensed.kept_ranges
             """) + "\n" + _FILES)
     condense.add_argument("file", metavar="FILE", help="the tool output to condense (any bytes; read as UTF-8)")
     condense.add_argument("--task", required=True, metavar="TEXT",
                           help="the agent's current request: it picks the focus terms of the view and is the "
                                "condenser's task context")
     condense.add_argument("--budget", type=int, metavar="N",
-                          help=f"tokens of numbered view, {VIEW_BUDGET} (default: [supervisor.condense] "
-                               f"view_budget_tokens, {DEFAULT_VIEW_BUDGET}: a result alone in its round gets the "
-                               "whole budget)")
+                          help=f"tokens of numbered view a condenser model gets, {VIEW_BUDGET} (default: "
+                               f"[supervisor.condense] view_budget_tokens, {DEFAULT_VIEW_BUDGET}: a result alone in "
+                               "its round gets the whole budget)")
+    condense.add_argument("--green", metavar="GREEN_FILE",
+                          help="the output of the last successful run of the same command: a failing FILE then "
+                               "leads with its lines new against it (numbers, ids, paths, timestamps masked)")
+    condense.add_argument("--view", action="store_true",
+                          help="print the numbered view a condenser model would get before the result")
     condense.add_argument("--json", action="store_true",
-                          help="print one JSON object: sizes, threshold, the view (text, visible_ranges, tokens), "
-                               "diagnostic line numbers and, with a model, the decision")
+                          help="print one JSON object: sizes, threshold, kind, the view (text, visible_ranges, "
+                               "tokens), diagnostic line numbers and condensed (text, tokens, kept_ranges, "
+                               "spill_path, condenser, ...; null below the threshold)")
     _common(condense)
     batch = commands.add_parser(
         "batch", help="run a file of agent tasks, each verified by the gate, and report the outcomes",
@@ -525,7 +530,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "condense":
         from .condense_cli import condense_command
 
-        return condense_command(config, args.file, args.task, args.budget, args.json)
+        return condense_command(config, args.file, args.task, args.budget, args.json, args.green, args.view)
     parser.error(f"unknown command {args.command}")
     return 2
 

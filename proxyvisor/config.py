@@ -26,9 +26,10 @@ import msgspec
 from msgspec import Meta
 from msgspec.structs import replace
 
-from .rules import (CHILD_WALL_CLOCK, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_VIEW_BUDGET, DIGEST_BUDGET,
+from .rules import (CHILD_WALL_CLOCK, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
+                    DEFAULT_VIEW_BUDGET, DIGEST_BUDGET, RESULT_BUDGET,
                     FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, POSITIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
-                    Complexity, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
+                    Complexity, CondenseKind, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
 from .schema import Invalid, Problem, convert, integer, real
 
 SCRIPTED_URL = "scripted:"
@@ -126,14 +127,18 @@ class CondenseConfig(Table):
 
     A plain-text tool result above ``tokens_threshold`` tokens (0 = off; never below 512) is a candidate; the
     candidates of a round share ``view_budget_tokens`` of numbered view; the condenser call may take
-    ``timeout_s``, after which the round passes through untouched. ``adaptive`` turns on the per-session 0.5x-2x
-    threshold multiplier (``proxyvisor.condense.adaptive``).
+    ``timeout_s``; each condensed result is at most ``budget_tokens``. Results of the ``deterministic_kinds`` of
+    tool run (``test``, ``build``, ``install``), and every result when no model answers, are condensed without a
+    model (``proxyvisor.condense.select``). ``adaptive`` turns on the per-session 0.5x-2x threshold multiplier
+    (``proxyvisor.condense.adaptive``).
     """
 
     enabled: bool = True
     tokens_threshold: Count = 5000
     adaptive: bool = False
     view_budget_tokens: Annotated[int, integer(VIEW_BUDGET)] = DEFAULT_VIEW_BUDGET
+    budget_tokens: Annotated[int, integer(RESULT_BUDGET)] = DEFAULT_RESULT_BUDGET
+    deterministic_kinds: tuple[CondenseKind, ...] = CONDENSE_KINDS
     timeout_s: Seconds = 60.0
 
 

@@ -51,6 +51,13 @@ VIEW_BUDGET = Range(256)
 """``[supervisor.condense] view_budget_tokens`` and ``proxyvisor condense --budget``: tokens of numbered view; 256
 is also each candidate's floor, so a smaller view could not show even one."""
 DEFAULT_VIEW_BUDGET = 32_000
+RESULT_BUDGET = Range(512)
+"""``[supervisor.condense] budget_tokens``: tokens of one condensed result; below 512 the notice and the runner's
+last lines would leave no room for a failure."""
+DEFAULT_RESULT_BUDGET = 4_000
+CondenseKind = Literal["test", "build", "install"]
+CONDENSE_KINDS: tuple[CondenseKind, ...] = get_args(CondenseKind)
+"""The kinds of tool run ``[supervisor.condense] deterministic_kinds`` may name (``proxyvisor.condense.baseline``)."""
 CHILD_WALL_CLOCK = Range(30, 3_600)
 """``[model_routing.children] wall_clock_s``: seconds a child run may take (seed 002)."""
 

@@ -46,6 +46,8 @@ class Scripted:
 
 
 def engine_for(tmp_path: Path, condenser, *, cache: bool = True, **settings) -> CondenseEngine:
+    """An engine asking ``condenser`` about every kind of result (a build log included) unless told otherwise."""
+    settings.setdefault("deterministic_kinds", ())
     return CondenseEngine(CondenseConfig(**settings), condenser, spill=SpillStore(tmp_path / "spill"),
                           cache=DecisionCache(tmp_path / "cache") if cache else None)
 
@@ -94,7 +96,11 @@ def test_the_first_decision_settled_wins(tmp_path: Path) -> None:
     assert cache.settle("odd", odd) == odd and DecisionCache(tmp_path / "cache").get("odd") == odd
 
 
-async def test_a_condenser_that_times_out_leaves_the_round_untouched(tmp_path: Path, autojump_clock) -> None:
+ERROR_LINE = "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)\n"
+
+
+async def test_a_condenser_that_times_out_leaves_the_round_to_the_deterministic_condenser(
+        tmp_path: Path, autojump_clock) -> None:
     calls = []
 
     async def hangs(messages: list[dict[str, str]]) -> ModelAnswer:
@@ -105,22 +111,27 @@ async def test_a_condenser_that_times_out_leaves_the_round_untouched(tmp_path: P
     engine = engine_for(tmp_path, hangs, timeout_s=30.0)
     report = await engine.run_round("s1", [ToolResult("a", "bash", BIG), ToolResult("b", "bash", build_log(900))],
                                     CONTEXT)
-    assert report.failure == "condenser timed out after 30 s" and report.replacements() == {}
-    assert {d.reason for d in report.decisions.values()} == {"condenser timed out after 30 s"}
-    assert not list((tmp_path / "spill").glob("**/*.txt"))
+    assert report.failure == "condenser timed out after 30 s"
+    assert {(d.reason, d.condenser) for d in report.decisions.values()} == {("condensed", "deterministic")}
+    assert all(ERROR_LINE in text for text in report.replacements().values())
+    assert len(list((tmp_path / "spill").glob("**/*.txt"))) == 2
     later = await engine.run_round("s1", [ToolResult("a", "bash", BIG)], CONTEXT)
-    assert len(calls) == 1 and later.replacements() == {}  # sent whole once, whole for good
+    # Decided once, and the same bytes for good.
+    assert len(calls) == 1 and later.replacements() == {"a": report.replacements()["a"]}
 
 
 @pytest.mark.parametrize("behaviour", ["raises", "garbage"])
-async def test_a_failing_or_unusable_condenser_leaves_the_round_untouched(tmp_path: Path, behaviour: str) -> None:
+async def test_a_failing_or_unusable_condenser_leaves_the_round_to_the_deterministic_condenser(
+        tmp_path: Path, behaviour: str) -> None:
     async def condenser(messages: list[dict[str, str]]) -> ModelAnswer:
         if behaviour == "raises":
             raise ConnectionError("upstream reset")
         return ModelAnswer("I think line 5 matters.")
 
     report = await engine_for(tmp_path, condenser).run_round("s1", [ToolResult("a", "bash", BIG)], CONTEXT)
-    assert report.replacements() == {} and report.decisions["a"].text is None
+    decision = report.decisions["a"]
+    assert decision.condenser == "deterministic" and ERROR_LINE in (decision.text or "")
+    assert decision.tokens_after <= CondenseConfig().budget_tokens < decision.tokens_before
     assert report.failure.startswith("condenser failed: ConnectionError" if behaviour == "raises" else "unusable answer")
 
 
@@ -137,8 +148,8 @@ async def test_an_injected_instruction_cannot_drop_an_error_or_hide_the_original
                                            ToolResult("ls", "ls", listing)], CONTEXT)
     payload = obeying.payloads[0]
     assert all("ignore previous instructions" not in str(v) for k, v in payload.items() if k != "results")
-    assert report.decisions["err"].text is None  # replace is refused for an error result
-    assert report.decisions["err"].reason == "replace refused: an error result is never dropped"
+    # replace is refused for an error result: it is condensed without the model, its error kept.
+    assert report.decisions["err"].condenser == "deterministic" and ERROR_LINE in (report.decisions["err"].text or "")
     replaced = report.decisions["ls"]
     assert replaced.reason == "replaced" and "ignore previous" not in (replaced.text or "")
     assert Path(replaced.spill_path).read_text(encoding="utf-8") == listing  # recoverable in full
@@ -155,9 +166,9 @@ async def test_out_of_bounds_and_duplicate_answers_cost_only_their_own_result(tm
     results = [ToolResult("a", "bash", build_log(1800)), ToolResult("b", "bash", build_log(1500)),
                ToolResult("c", "bash", build_log(1200))]
     report = await engine_for(tmp_path, Scripted(reply)).run_round("s1", results, CONTEXT)
-    assert report.decisions["a"].reason.startswith("invalid ranges") and report.decisions["a"].text is None
-    assert report.decisions["b"].reason == "condensed"
-    assert report.decisions["c"].reason == "the answer lists this result more than once"
+    # Bad ranges and a result answered twice: those two are condensed without the model, the third by it.
+    assert [report.decisions[c].condenser for c in "abc"] == ["deterministic", "model", "deterministic"]
+    assert report.decisions["b"].kept_ranges[0] == (2, 4)
 
 
 async def test_thresholds_floor_and_candidate_limit(tmp_path: Path) -> None:
@@ -165,7 +176,8 @@ async def test_thresholds_floor_and_candidate_limit(tmp_path: Path) -> None:
     off = await engine_for(tmp_path, Scripted(), tokens_threshold=0).run_round("s", [ToolResult("a", "b", BIG)], CONTEXT)
     assert off.decisions == {} and not off.condenser_called
     no_model = CondenseEngine(CondenseConfig(), None, spill=SpillStore(tmp_path / "spill"))
-    assert (await no_model.run_round("s", [ToolResult("a", "b", BIG)], CONTEXT)).decisions == {}
+    alone = await no_model.run_round("s", [ToolResult("a", "b", BIG)], CONTEXT)
+    assert alone.decisions["a"].condenser == "deterministic" and not alone.condenser_called
 
     condenser = Scripted()
     many = [ToolResult(f"c{i}", "bash", build_log(60 + i, error_at=5)) for i in range(34)]

@@ -9,7 +9,8 @@ import pytest
 from proxyvisor.condense.protocol import (SYSTEM_PROMPT, AnswerError, Item, TaskContext, Verdict, build_messages,
                                           parse_answer)
 from proxyvisor.condense.ranges import RangeError, parse_ranges, runs
-from proxyvisor.condense.reconstruct import TAG, narrow, retained
+from proxyvisor.condense.reconstruct import TAG, narrow
+from proxyvisor.condense.select import CLIP_HEAD, CLIP_TAIL
 from proxyvisor.condense.text import count_tokens, split_lines
 from proxyvisor.condense.view import build_view
 
@@ -126,7 +127,7 @@ def test_kept_lines_are_copied_byte_for_byte_with_counted_gaps() -> None:
     lines[-1] = "last line without a terminator"
     before = count_tokens("".join(lines))
     result = narrow(Verdict("extract", frozenset({10, 11, 12, 151, 300})), lines, tool="bash", spill_path=SPILL,
-                    tokens_before=before)
+                    tokens_before=before, budget=4000)
     assert not isinstance(result, str)
     text = result.text
     assert text.startswith("[… 9 lines omitted: original lines 1-9 …]\r\n" + "".join(lines[9:12])
@@ -135,38 +136,51 @@ def test_kept_lines_are_copied_byte_for_byte_with_counted_gaps() -> None:
                            + "last line without a terminator\r\n---\r\n")
     assert f"{TAG}: kept 5 of 300 original lines" in text and SPILL in text
     assert result.kept_lines == 5 and result.tokens == count_tokens(text) < before
+    assert result.kept_ranges == [(10, 12), (151, 151), (300, 300)] and result.condenser == "model"
 
 
-def test_diagnostics_are_kept_whatever_the_model_chose() -> None:
+def test_diagnostics_share_the_budget_with_what_the_model_chose() -> None:
     lines = numbered(400)
     lines[200] = "src/widget.c:88:3: error: 'frob' undeclared\n"
-    assert retained(lines) == {199, 200, 201, 202, 203}
-    result = narrow(Verdict("extract", frozenset({1})), lines, tool="bash", spill_path=SPILL, tokens_before=10_000)
+    result = narrow(Verdict("extract", frozenset({1})), lines, tool="bash", spill_path=SPILL, tokens_before=10_000,
+                    budget=4000)
     assert not isinstance(result, str)
-    assert "src/widget.c:88:3: error: 'frob' undeclared\n" in result.text and result.kept_lines == 6
+    assert "src/widget.c:88:3: error: 'frob' undeclared\n" in result.text
+    assert result.kept == (1, 199, 200, 201, 202, 203)
+    chosen = frozenset(range(1, 151)) | frozenset(range(250, 391))  # more than fits: the diagnostic still gets in
+    tight = narrow(Verdict("extract", chosen), lines, tool="bash", spill_path=SPILL, tokens_before=10_000, budget=600)
+    assert not isinstance(tight, str)
+    assert 201 in tight.kept and tight.tokens <= 600 and len(tight.kept) < 290
 
 
-def test_an_output_that_is_all_errors_stays_whole() -> None:
+def test_one_error_repeated_300_times_is_shown_once_with_its_count() -> None:
     lines = numbered(300, every=1, marker="FAILED tests/test_x.py::test_case - AssertionError")
     verdict = parse_answer(answer({"id": "r1", "verdict": "extract", "lines": ["1-3"]}), [item(lines)])["r1"]
-    assert narrow(verdict, lines, tool="bash", spill_path=SPILL, tokens_before=5000) == "every line kept"
+    result = narrow(verdict, lines, tool="bash", spill_path=SPILL, tokens_before=5000, budget=100_000)
+    assert not isinstance(result, str) and result.kept == (1, 2, 3, 300)
+    assert ("[… this line occurs 300 times once numbers, ids, paths and timestamps are masked: first at line 1, last "
+            "at line 300 …]") in result.text
+    everything = parse_answer(answer({"id": "r1", "verdict": "extract", "lines": ["1-300"]}), [item(lines)])["r1"]
+    assert narrow(everything, lines, tool="bash", spill_path=SPILL, tokens_before=5000, budget=100_000) \
+        == "kept in full"
     replace = parse_answer(answer({"id": "r1", "verdict": "replace"}), [item(lines, is_error=True)])["r1"]
     assert replace == "replace refused: an error result is never dropped"
 
 
 def test_replace_is_a_fixed_notice_and_no_saving_keeps_the_original() -> None:
     lines = numbered(200)
-    result = narrow(Verdict("replace"), lines, tool="ls", spill_path=SPILL, tokens_before=count_tokens("".join(lines)))
+    result = narrow(Verdict("replace"), lines, tool="ls", spill_path=SPILL, tokens_before=count_tokens("".join(lines)),
+                    budget=4000)
     assert not isinstance(result, str)
     assert result.text == (f"{TAG}: omitted the complete 200-line successful `ls` result because none of it advances "
                            f"the current task; nothing summarized; full original at {SPILL}\n")
     keep_most = frozenset(range(1, 196))
     assert narrow(Verdict("extract", keep_most), lines, tool="ls", spill_path=SPILL,
-                  tokens_before=count_tokens("".join(lines))).startswith("no saving")
-    assert narrow(Verdict("keep"), lines, tool="ls", spill_path=SPILL, tokens_before=1) == "kept in full"
+                  tokens_before=count_tokens("".join(lines)), budget=100_000).startswith("no saving")
+    assert narrow(Verdict("keep"), lines, tool="ls", spill_path=SPILL, tokens_before=1, budget=4000) == "kept in full"
 
 
-def test_selecting_a_clipped_17000_character_line_keeps_all_of_it() -> None:
+def test_a_selected_17000_character_line_is_clipped_head_and_tail_with_the_cut_marked() -> None:
     lines = numbered(300)
     huge = "data:" + "A1b2C3d4" * 2125 + "\n"
     assert len(huge) > 17_000
@@ -174,7 +188,12 @@ def test_selecting_a_clipped_17000_character_line_keeps_all_of_it() -> None:
     view_item = item(lines, budget=1500)
     assert 150 in view_item.view.clipped and huge[:17_000] not in view_item.view.text
     verdict = parse_answer(answer({"id": "r1", "verdict": "extract", "lines": ["150"]}), [view_item])["r1"]
-    result = narrow(verdict, lines, tool="cat", spill_path=SPILL, tokens_before=count_tokens("".join(lines)))
+    result = narrow(verdict, lines, tool="cat", spill_path=SPILL, tokens_before=count_tokens("".join(lines)),
+                    budget=4000)
     assert not isinstance(result, str)
-    assert ("[… 149 lines omitted: original lines 1-149 …]\n" + huge
+    body = huge[:-1]
+    cut = len(body) - CLIP_HEAD - CLIP_TAIL
+    assert ("[… 149 lines omitted: original lines 1-149 …]\n" + body[:CLIP_HEAD]
+            + f"[… {cut:,} characters of line 150 cut …]" + body[-CLIP_TAIL:] + "\n"
             + "[… 150 lines omitted: original lines 151-300 …]\n") in result.text
+    assert result.kept == (150,) and "1 long line clipped where marked" in result.text

@@ -32,8 +32,10 @@ from proxyvisor.supervisor_model import ModelAnswer
 FORMATS = ("chat", "messages", "responses")
 BASH = ToolSpec("bash", {"type": "object", "properties": {"command": {"type": "string"}}})
 READ = ToolSpec("Read", {"type": "object", "properties": {"file_path": {"type": "string"}}})
-NO_GATE = Config().with_overrides(supervisor={"gate": GateConfig(enabled=False)})
-"""These tests count condenser calls; the verify-gate (which would use the same model) is tested elsewhere."""
+NO_GATE = Config().with_overrides(supervisor={"gate": GateConfig(enabled=False),
+                                              "condense": CondenseConfig(deterministic_kinds=())})
+"""These tests count condenser calls; the verify-gate (which would use the same model) is tested elsewhere, and so
+is the deterministic condenser that builds (``make``) get by default (tests/test_condense_deterministic.py)."""
 
 
 def build_log(lines: int = 1500, *, error_at: int = 700, tag: str = "module") -> str:
@@ -89,6 +91,7 @@ def request(fmt: WireFormat, messages: list[dict[str, Any]], stream: bool = Fals
 
 
 def config_with(**condense: Any) -> Config:
+    condense.setdefault("deterministic_kinds", ())
     return NO_GATE.with_overrides(supervisor={"condense": CondenseConfig(**condense)})
 
 

@@ -35,7 +35,8 @@ LINES: list[dict[str, Any]] = [
     {"time": "2026-01-01T00:00:01.000+00:00", "format": "chat", "model": "gpt-4o-mini", "status": 200,
      "input_tokens": 2000, "output_tokens": 50, "overhead_ms": 3.0, "tool_round": True,
      "report": {"status": "ok", "state": "progressing"}, "signals": ["loop", "no_progress"], "steer": "loop",
-     "condensed": {"results": 1, "saved_tokens": 900},
+     "condensed": {"results": 1, "saved_tokens": 900, "items": [
+         {"call_id": "c1", "tool": "Bash", "condenser": "deterministic", "tokens_before": 9300, "tokens_after": 3900}]},
      "supervisor_model": {"calls": {"condense": 1}, "input_tokens": 400, "output_tokens": 20, "cost_usd": 0.01,
                           "time_ms": 120.0}},
     {"time": "2026-01-01T00:00:02.000+00:00", "format": "chat", "model": "local-llm", "status": 200,
@@ -73,7 +74,10 @@ def test_summarize_sums_every_counter_of_a_session() -> None:
                             "last_outcome": "unverified", "judges": {"session: local-llm": 1},
                             "last_judge": {"route": "session", "model": "local-llm"},
                             "decided_by": {"evidence": 0, "model": 2}}
-    assert info["condense"] == {"results": 1, "saved_tokens": 1800}
+    assert info["condense"] == {"results": 1, "saved_tokens": 1800, "tokens_before": 9300, "tokens_after": 3900,
+                                "by_condenser": {"deterministic": 1}, "recent": [
+                                    {"call_id": "c1", "tool": "Bash", "condenser": "deterministic",
+                                     "tokens_before": 9300, "tokens_after": 3900}]}
     assert info["planner_calls"] == 1
     assert info["supervisor_model"] == {"calls": {"condense": 1, "verify": 2, "plan": 1}, "total_calls": 4,
                                         "input_tokens": 500, "output_tokens": 30, "cost_usd": pytest.approx(0.015),
@@ -133,7 +137,7 @@ def test_render_text_is_a_table_with_every_counter() -> None:
     assert rows["gate"].startswith("runs 2 · passes 1 · gaps 1 · nudges 1 · re-entries 1")
     assert rows["gate outcomes"] == ("unverified 1 · verified 1 (last: unverified) · decided by evidence 0, by the "
                                      "model 2")
-    assert rows["condensed"] == "results 1 · saved 1,800 tokens"
+    assert rows["condensed"] == "results 1 (deterministic 1) · 9,300 -> 3,900 tokens · saved 1,800 tokens"
     assert rows["planner calls"] == "1"
     assert rows["supervisor model"].startswith("4 calls (verify 2 · condense 1 · plan 1) · 500 in / 30 out tokens · "
                                                "$0.0150 + 1 answer not priced")
@@ -145,14 +149,15 @@ def test_ledger_fields_of_a_request_record() -> None:
     record = RequestRecord([(3, (LOOP,)), (5, (LOOP, "no_progress"))], note=LOOP, note_index=5,
                            report=ReportOutcome("ok", SelfReport("done", "x", None, ("a",))))
     whole = Decision(None, "below threshold", 10, 10, 1, 1)
-    narrowed = Decision("short", "condensed", 900, 100, 3, 90)
-    record.condense = CondenseRecord([Condensed("c1", "bash", narrowed), Condensed("c2", "bash", whole)], new=2,
-                                     applied=2, saved_tokens=1500)
+    narrowed = Decision("short", "condensed", 900, 100, 3, 90, condenser="model")
+    record.condense = CondenseRecord([Condensed("c1", "bash", narrowed, True), Condensed("c2", "bash", whole, True)],
+                                     new=2, applied=2, saved_tokens=1500)
     record.model = ModelUse(Counter({"verify": 1}), 100, 20, 0.5, time_s=0.25)
     record.gate = GATE
     assert ledger_fields(record, True) == {
         "tool_round": True, "report": {"status": "ok", "state": "done"}, "signals": [LOOP, LOOP, "no_progress"],
-        "steer": LOOP, "condensed": {"results": 1, "saved_tokens": 1500},
+        "steer": LOOP, "condensed": {"results": 1, "saved_tokens": 1500, "items": [
+            {"call_id": "c1", "tool": "bash", "condenser": "model", "tokens_before": 900, "tokens_after": 100}]},
         "supervisor_model": {"calls": {"verify": 1}, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.5,
                              "time_ms": 250.0},
         "gate": GATE}
@@ -161,6 +166,7 @@ def test_ledger_fields_of_a_request_record() -> None:
     assert ledger_fields(bare, False) == {"tool_round": False, "report": {"status": "malformed", "state": None}}
     # A retry recalls its round's decisions: none of them is new.
     record.condense.new = 0
+    record.condense.round = [Condensed("c1", "bash", narrowed), Condensed("c2", "bash", whole)]
     assert ledger_fields(record, True)["condensed"] == {"results": 0, "saved_tokens": 1500}
 
 

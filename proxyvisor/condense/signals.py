@@ -6,7 +6,10 @@
 pinning every "error"/"warning" kept 20-36% of plain file reads in seed 003's history. Two refinements of ours:
 the ``[ERROR]`` log level (Maven and most Java and CI logs put the compiler error there, with no ``error:``), and a
 zero count (``Failures: 0``, ``0 failed``, ``exit code 0``) is not a diagnostic, otherwise the ~700 passing
-``Tests run: 10, Failures: 0, Errors: 0`` lines of a Maven log are all pinned and nothing can be condensed.
+``Tests run: 10, Failures: 0, Errors: 0`` lines of a Maven log are all pinned and nothing can be condensed. And the
+runners' own failure marks, each in the form only that runner writes: ``fail:`` and ``[fail]`` (unittest, Go's
+``--- FAIL:``, sympy), ``npm err!``, Rust's ``panicked at``, pytest's ``E   `` detail lines, and the ``✕``/``✗`` of
+JavaScript runners.
 
 **Focus terms** come from the task, the round's intent and the tool arguments: split on characters other than
 letters, digits and ``_ - . /``, edge punctuation trimmed, at least 3 characters, a 25-word stop list removed,
@@ -19,7 +22,8 @@ import re
 from collections.abc import Iterable
 
 DIAGNOSTIC_MARKERS = ("error:", "error[", "[error]", "failed", "failure", "fatal", "panic:", "exception", "traceback",
-                      "not found", "no matches", "0 matches", "exit code", "assertion")
+                      "not found", "no matches", "0 matches", "exit code", "assertion", "fail:", "[fail]", "err!",
+                      "panicked at", "✕", "✗")
 CONTEXT_LINES = 2
 """Lines of context kept on each side of a diagnostic line, in views and in reconstruction."""
 
@@ -40,6 +44,8 @@ _TERM_SPLIT = re.compile(r"[^\w\-./]+")
 
 def is_diagnostic(line: str) -> bool:
     """Whether ``line`` holds a diagnostic marker once zero counts are set aside (see the module docstring)."""
+    if line.startswith("E   ") and line[4:].strip():
+        return True
     lower = line.lower()
     if not _MARKERS.search(lower):
         return False

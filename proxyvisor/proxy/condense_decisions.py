@@ -23,7 +23,7 @@ from typing import Any
 
 from ..adapters.cache import open_cache
 
-CONDENSE_VERSION = "1"
+CONDENSE_VERSION = "2"
 EXPIRE_S = 7 * 24 * 3600.0
 SIZE_LIMIT = 256 * 1024 * 1024
 
@@ -45,6 +45,9 @@ class Decision:
     kept_lines: int
     total_lines: int
     spill_path: str = ""
+    condenser: str = ""
+    kept_ranges: tuple[tuple[int, int], ...] = ()
+    baseline: str = ""
 
 
 def decision_key(session: str, call_id: str, text: str) -> str:
@@ -76,7 +79,11 @@ class DecisionCache:
 
     def get(self, key: str) -> Decision | None:
         raw = self._cache.get(key)
-        return Decision(**json.loads(raw)) if isinstance(raw, str) else None
+        if not isinstance(raw, str):
+            return None
+        fields = json.loads(raw)
+        fields["kept_ranges"] = tuple(tuple(pair) for pair in fields.get("kept_ranges", ()))
+        return Decision(**fields)
 
     def settle(self, key: str, decision: Decision) -> Decision:
         """Store ``decision`` unless one is already stored; return the stored one (first writer wins)."""

@@ -5,14 +5,20 @@ For the tool results of one request (:class:`ToolResult`, format-independent), :
 1. looks up the sticky decision of every result large enough to matter (:mod:`.decisions`);
 2. takes the undecided results above the threshold (``[supervisor.condense] tokens_threshold``, never below
    512, optionally adaptive) as candidates, the largest 32 of them (the rest are left whole, for good);
-3. builds their numbered views within the shared budget (:mod:`.view`) and makes **one** condenser call with the
-   trusted task context and the views as untrusted JSON (:mod:`.protocol`);
-4. validates the answer per result, rebuilds each narrowed result verbatim (:mod:`.reconstruct`), spills the
-   original first (:mod:`.spill`; a failed spill keeps the original) and settles every decision in the cache.
+3. condenses without a model (:mod:`~proxyvisor.condense.select`, the deterministic condenser) every candidate
+   of a kind in ``deterministic_kinds`` (test runs, builds, installs: :func:`~proxyvisor.condense.baseline.kind_of`),
+   and all of them when the round has no condenser;
+4. for the others, builds their numbered views within the shared budget (:mod:`.view`) and makes **one** condenser
+   call with the trusted task context and the views as untrusted JSON (:mod:`.protocol`);
+5. validates the answer per result and rebuilds each narrowed result verbatim within ``budget_tokens``
+   (:mod:`.reconstruct`), spills the original first (:mod:`.spill`; a failed spill keeps the original) and settles
+   every decision in the cache.
 
-A condenser that fails, times out (``timeout_s``) or answers nothing usable leaves the whole round untouched;
-one bad entry leaves only its own result untouched. Cancellation (the client hung up) propagates and settles
-nothing, so the next request decides afresh. No result smaller than the threshold is ever shown to the condenser.
+A condenser that fails, times out (``timeout_s``) or answers nothing usable for a result (no verdict, bad ranges)
+is no condenser for it: the deterministic condenser decides instead, so a round without a reachable model is still
+condensed. A failing run whose call carries the last green run of the same command (:class:`ToolResult` ``green``)
+leads with the lines new against it. Cancellation (the client hung up) propagates and settles nothing, so the next
+request decides afresh. No result smaller than the threshold is ever shown to the condenser.
 
 :meth:`CondenseEngine.recall` is the other half, for the results of earlier rounds that a request carries again:
 it only looks up the decisions already made and never makes one, so a result that went upstream whole stays whole.
@@ -32,8 +38,9 @@ from ..config import CondenseConfig
 from ..condense.adaptive import AdaptiveThresholds
 from .condense_decisions import Decision, DecisionCache, decision_key
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
+from ..condense.baseline import kind_of, new_lines, passed
 from ..condense.protocol import AnswerError, Item, TaskContext, Verdict, build_messages, parse_answer
-from ..condense.reconstruct import Narrowed, narrow
+from ..condense.reconstruct import Baseline, Narrowed, condense, narrow
 from ..condense.signals import focus_terms
 from .spill import SpillStore
 from ..condense.text import count_tokens, line_count, split_lines
@@ -50,13 +57,15 @@ _DECISION_MEMO = 65_536
 @dataclass(frozen=True)
 class ToolResult:
     """One plain-text tool result of a request: the ``call_id`` pairing it with its call, the ``tool`` name,
-    its ``text``, whether it ``is_error``, and the call's ``arguments`` as JSON text."""
+    its ``text``, whether it ``is_error``, the call's ``arguments`` as JSON text, and ``green``: the last green run
+    of the same command in the session, as (its call id, its output), when there is one."""
 
     call_id: str
     tool: str
     text: str
     is_error: bool = False
     arguments: str = ""
+    green: tuple[str, str] | None = None
 
 
 @dataclass
@@ -67,6 +76,8 @@ class RoundReport:
 
     decisions: dict[str, Decision] = field(default_factory=dict)
     new: int = 0
+    fresh: set[str] = field(default_factory=set)
+    """The call ids of the decisions made now (``new`` of them)."""
     condenser_called: bool = False
     answer: ModelAnswer | None = None
     failure: str = ""
@@ -103,7 +114,7 @@ class CondenseEngine:
     """Condense rounds for every session of a proxy (or one offline run).
 
     ``condenser`` is the model call of every round (None: each :meth:`run_round` brings its own, and a round
-    without one does nothing). ``cache`` None keeps no decisions (the
+    without one is condensed without a model). ``cache`` None keeps no decisions (the
     offline tool). ``spill`` names and writes spill files. ``model_name`` resets adaptive state when it changes.
     """
 
@@ -130,7 +141,7 @@ class CondenseEngine:
     async def run_round(self, session: str, results: Sequence[ToolResult], context: TaskContext,
                         condenser: ModelCall | None = None) -> RoundReport:
         """Decide the model's copy of each of ``results`` (see the module docstring) with ``condenser`` (else the
-        engine's own; without either, nothing is decided).
+        engine's own; without either, the deterministic condenser decides every candidate).
 
         Returns a :class:`RoundReport` whose ``replacements()`` are the texts to put in the model's copy. Never
         raises for a condenser, answer, spill or cache problem (the affected results stay whole); a cancellation
@@ -139,7 +150,7 @@ class CondenseEngine:
         report = RoundReport()
         baseline = effective_threshold(self.settings.tokens_threshold)
         condenser = condenser or self.condenser
-        if not self.active or baseline is None or condenser is None:
+        if not self.active or baseline is None:
             return report
         state = self.adaptive.for_session(session, baseline, self.model_name) if self.settings.adaptive else None
         threshold = max(state.threshold, MIN_THRESHOLD) if state else baseline
@@ -178,7 +189,7 @@ class CondenseEngine:
                 after = sum(report.decisions[r.call_id].tokens_after for r, _ in chosen)
                 state.observe(1 - after / before)
         fresh = {call_id: d for call_id, d in report.decisions.items() if keys[call_id] not in known}
-        report.new = len(fresh)
+        report.new, report.fresh = len(fresh), set(fresh)
         if self.cache is not None and fresh:
             settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
             report.decisions.update({c: settled[keys[c]] for c in fresh})
@@ -223,17 +234,33 @@ class CondenseEngine:
                 self._known.popitem(last=False)
 
     async def _condense(self, session: str, chosen: list[tuple[ToolResult, int]], context: TaskContext,
-                        report: RoundReport, keys: dict[str, str], condenser: ModelCall) -> dict[str, Decision]:
-        items = await trio.to_thread.run_sync(prepare_items, chosen, context, self.settings.view_budget_tokens)
-        log.info("condensing %d tool result(s): %s", len(chosen),
-                 " · ".join(f"{r.tool} {tokens}" for r, tokens in chosen))
+                        report: RoundReport, keys: dict[str, str], condenser: ModelCall | None) -> dict[str, Decision]:
+        kinds = set(self.settings.deterministic_kinds)
+        asked = [(r, t) for r, t in chosen if condenser is not None and kind_of(r.arguments, r.text) not in kinds]
+        verdicts: dict[str, Verdict | str] = {}
+        if asked and condenser is not None:
+            verdicts = await self._ask(asked, context, report, condenser)
+        decisions = {}
+        for result, tokens in chosen:
+            verdict = verdicts.get(result.call_id)
+            decisions[result.call_id] = await self._decide(session, result, tokens, context,
+                                                           verdict if isinstance(verdict, Verdict) else None,
+                                                           keys[result.call_id])
+        return decisions
+
+    async def _ask(self, asked: list[tuple[ToolResult, int]], context: TaskContext, report: RoundReport,
+                   condenser: ModelCall) -> dict[str, Verdict | str]:
+        """The condenser's verdicts by call id (a string: why there is none usable) for the ``asked`` results."""
+        items = await trio.to_thread.run_sync(prepare_items, asked, context, self.settings.view_budget_tokens)
+        log.info("condensing %d tool result(s): %s", len(asked),
+                 " · ".join(f"{r.tool} {tokens}" for r, tokens in asked))
         report.condenser_called = True
         answer: ModelAnswer | None = None
         reported = False
         with trio.move_on_after(self.settings.timeout_s) as scope:
             try:
                 answer = report.answer = await condenser(build_messages(context, items))
-            except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves the round untouched
+            except Exception as exc:  # noqa: BLE001 - any failure of the model call leaves it to the deterministic one
                 report.failure = f"condenser failed: {type(exc).__name__}: {_first_line(str(exc))}"
                 reported = isinstance(exc, ReportedFailure)
         if scope.cancelled_caught:
@@ -245,20 +272,17 @@ class CondenseEngine:
             except AnswerError as exc:
                 report.failure = f"unusable answer: {exc}"
         if report.failure:
-            (log.info if reported else log.warning)("condense round left untouched: %s", report.failure)
-        decisions = {}
-        for item, (result, tokens) in zip(items, chosen):
-            verdict = verdicts.get(item.id, report.failure or "no answer")
-            decisions[result.call_id] = await self._decide(session, result, tokens, verdict, keys[result.call_id])
-        return decisions
+            (log.info if reported else log.warning)("condenser gave nothing usable (%s): condensing without a model",
+                                                    report.failure)
+        return {result.call_id: verdicts.get(item.id, report.failure or "no answer")
+                for item, (result, _tokens) in zip(items, asked)}
 
-    async def _decide(self, session: str, result: ToolResult, tokens: int, verdict: Verdict | str,
-                      key: str) -> Decision:
-        if isinstance(verdict, str):
-            return _untouched(verdict, tokens, result.text)
-        lines = split_lines(result.text)
+    async def _decide(self, session: str, result: ToolResult, tokens: int, context: TaskContext,
+                      verdict: Verdict | None, key: str) -> Decision:
+        """The decision for ``result``: the model's ``verdict``, or the deterministic condenser's (None)."""
         path = self.spill.path_for(session, result.tool, key)
-        narrowed = narrow(verdict, lines, tool=result.tool, spill_path=str(path), tokens_before=tokens)
+        narrowed, lines, green = await trio.to_thread.run_sync(self._narrow, result, tokens, context, verdict,
+                                                               str(path))
         if not isinstance(narrowed, Narrowed):
             return _untouched(narrowed, tokens, result.text)
         try:
@@ -266,9 +290,29 @@ class CondenseEngine:
         except OSError as exc:
             log.warning("spill failed, %s result kept whole: %s", result.tool, exc)
             return _untouched(f"spill failed: {exc.strerror or exc}", tokens, result.text)
-        log.info("condensed: %s %d→%d tokens", result.tool, tokens, narrowed.tokens)
-        return Decision(narrowed.text, "replaced" if verdict.kind == "replace" else "condensed", tokens,
-                        narrowed.tokens, narrowed.kept_lines, len(lines), str(path))
+        log.info("condensed (%s): %s %d→%d tokens", narrowed.condenser, result.tool, tokens, narrowed.tokens)
+        replaced = verdict is not None and verdict.kind == "replace"
+        return Decision(narrowed.text, "replaced" if replaced else "condensed", tokens, narrowed.tokens,
+                        narrowed.kept_lines, lines, str(path), narrowed.condenser, tuple(narrowed.kept_ranges), green)
+
+    def _narrow(self, result: ToolResult, tokens: int, context: TaskContext, verdict: Verdict | None,
+                path: str) -> tuple[Narrowed | str, int, str]:
+        """(In a worker thread.) The narrowed text or why there is none, the result's line count, and the call id
+        of the green run it was compared with (empty: none)."""
+        lines = split_lines(result.text)
+        terms = focus_terms([context.task_text(), context.intent, result.arguments])
+        budget = self.settings.budget_tokens
+        if verdict is not None:
+            narrowed = narrow(verdict, lines, tool=result.tool, spill_path=path, tokens_before=tokens, budget=budget,
+                              terms=terms)
+            return narrowed, len(lines), ""
+        baseline = None
+        if result.green is not None and not passed(lines, result.is_error):
+            new = new_lines(lines, split_lines(result.green[1]))
+            baseline = Baseline(result.green[0], tuple(new)) if new else None
+        narrowed = condense(lines, spill_path=path, tokens_before=tokens, budget=budget, terms=terms,
+                            baseline=baseline)
+        return narrowed, len(lines), baseline.label if baseline else ""
 
     def _lookup(self, results: list[ToolResult], keys: dict[str, str]) -> tuple[dict[str, Decision], dict[str, int]]:
         """(In a worker thread.) The cached decisions by key, and the token counts of the other results."""

@@ -21,6 +21,7 @@ back (:func:`can_read_back`). A condenser that fails or times out leaves the rou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -30,7 +31,9 @@ from typing import Any
 
 import orjson
 
+from ..condense.baseline import command_key, passed
 from ..condense.protocol import TaskContext
+from ..condense.text import split_lines
 from .condense_decisions import Decision, DecisionCache
 from .condense_engine import MIN_THRESHOLD, CondenseEngine, ToolResult
 from .spill import SpillStore
@@ -84,12 +87,13 @@ class Pending:
 
 @dataclass(frozen=True)
 class Condensed:
-    """The decision for one result of the latest round (made now or on an earlier request): its ``call_id``,
-    ``tool`` name and :class:`~proxyvisor.condense.Decision`."""
+    """The decision for one result of the latest round (made now, ``new``, or on an earlier request): its
+    ``call_id``, ``tool`` name and :class:`~proxyvisor.condense.Decision`."""
 
     call_id: str
     tool: str
     decision: Decision
+    new: bool = False
 
 
 @dataclass
@@ -129,23 +133,31 @@ class RequestCondenser:
         ids = Counter(out.call_id for m in messages for out in m.tool_outputs)
         latest: list[ToolResult] = []
         earlier: list[ToolResult] = []
+        runs: list[tuple[str, str, bool]] = []  # every output in order: (call id, text, is_error), for green runs
         for index, message in enumerate(messages):
             for out in message.tool_outputs:
+                if not out.structured and out.call_id:
+                    runs.append((out.call_id, out.text, out.is_error is True))
                 # A short text has no decision to find: at most 4 tokens per character.
                 if out.structured or not out.call_id or ids[out.call_id] > 1 or len(out.text) * 4 <= MIN_THRESHOLD:
                     continue
                 use = uses.get(out.call_id)
+                arguments = _arguments(use.arguments) if use else ""
                 result = ToolResult(out.call_id, use.name if use and use.name else "tool", out.text,
-                                    out.is_error is True, _arguments(use.arguments) if use else "")
-                (latest if index > last else earlier).append(result)
+                                    out.is_error is True, arguments)
+                if index > last:
+                    result = dataclasses.replace(result, green=_green(result, runs[:-1], uses))
+                    latest.append(result)
+                else:
+                    earlier.append(result)
         if not latest and not earlier:
             return None
         return Pending(latest, earlier, _context(parts, messages, last))
 
     async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending,
-                    condenser: ModelCall) -> CondenseRecord:
+                    condenser: ModelCall | None) -> CondenseRecord:
         """Condense the latest round of ``pending`` for ``session`` with ``condenser`` (the request's supervisor
-        model call), recall the earlier decisions, and put every narrowed text into ``body`` (the upstream body,
+        model call; None: the deterministic condenser alone), recall the earlier decisions, and put every narrowed text into ``body`` (the upstream body,
         in place). Returns what was done. Never raises for a
         condenser, cache or spill problem (the results concerned stay whole, logged); cancellation propagates
         with ``body`` untouched."""
@@ -157,8 +169,8 @@ class RequestCondenser:
             log.exception("condensing failed for session %s; its tool results go upstream whole", session)
             record.failure = f"{type(exc).__name__}: {exc}"
             return record
-        record.round = [Condensed(r.call_id, r.tool, report.decisions[r.call_id]) for r in pending.latest
-                        if r.call_id in report.decisions]
+        record.round = [Condensed(r.call_id, r.tool, report.decisions[r.call_id], r.call_id in report.fresh)
+                        for r in pending.latest if r.call_id in report.decisions]
         record.new, record.condenser_called, record.failure = report.new, report.condenser_called, report.failure
         record.answer = report.answer
         decisions = {**earlier, **report.decisions}
@@ -179,6 +191,20 @@ def request_condenser(settings: SupervisorConfig, state_dir: Path | None) -> Req
     engine = CondenseEngine(settings.condense, None, spill=SpillStore(state_dir / "spill"),
                             cache=DecisionCache(state_dir / "condense"), model_name=settings.model.name)
     return RequestCondenser(engine)
+
+
+def _green(result: ToolResult, runs: list[tuple[str, str, bool]], uses: dict[str, Any]) -> tuple[str, str] | None:
+    """The last green run of ``result``'s command (same key, ``proxyvisor.condense.baseline``) among the earlier
+    outputs ``runs``, as (call id, output); None when its call ran no command or no such run passed."""
+    key = command_key(result.arguments)
+    if not key:
+        return None
+    for call_id, text, is_error in reversed(runs):
+        use = uses.get(call_id)
+        if use is not None and command_key(_arguments(use.arguments)) == key:
+            if passed(split_lines(text[-65_536:]), is_error):
+                return call_id, text
+    return None
 
 
 def _arguments(arguments: dict[str, Any]) -> str:

@@ -19,8 +19,10 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   error reply or one cut short);
 - ``signals``: the detector signals that fired on this request's history (list of str); ``steer``: the signal of
   the steer note added to this request (str);
-- ``condensed``: ``{"results": n, "saved_tokens": n}``: tool results narrowed for the first time on this request,
-  and the tokens the narrowed results (new and earlier ones) saved in its upstream body;
+- ``condensed``: ``{"results": n, "saved_tokens": n, "items": [...]}``: tool results narrowed for the first time
+  on this request, the tokens the narrowed results (new and earlier ones) saved in its upstream body, and for each
+  newly narrowed result ``{"call_id", "tool", "condenser", "tokens_before", "tokens_after"}`` (exact tiktoken
+  ``cl100k_base`` counts of the original and of the model's copy; ``condenser``: ``deterministic`` or ``model``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "time_ms", "route",
   "model"}``: the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``,
   ``plan``), only when it made any; ``time_ms``: the wall time spent waiting for them (ms); the route and model they
@@ -46,8 +48,11 @@ are milliseconds:
   "model"} or None, "decided_by": {"evidence": n, "model": n}}``: ``runs`` counts requests the gate checked,
   ``passes`` those it passed, ``gaps`` / ``malformed`` / ``unavailable`` verdicts of that kind, ``judges`` the
   gated requests each route and model judged, ``decided_by`` the turns that ended by what decided their last pass;
-- ``condense``: ``{"results", "saved_tokens"}``: ``saved_tokens`` sums every request's saving, i.e. the input
-  tokens not sent upstream over the session;
+- ``condense``: ``{"results", "saved_tokens", "tokens_before", "tokens_after", "by_condenser", "recent"}``:
+  ``saved_tokens`` sums every request's saving, i.e. the input tokens not sent upstream over the session;
+  ``tokens_before`` / ``tokens_after`` sum the narrowed results' own counts (each counted once); ``by_condenser``
+  counts them by who chose the lines; ``recent`` lists the last :data:`RECENT_CONDENSED` of them as the ledger
+  holds them;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
   "unpriced_calls", "time_ms"}`` (cost as priced when the call was made, over the priced answers;
@@ -74,6 +79,7 @@ from ..pricing import price as cost_map_price
 if TYPE_CHECKING:
     from .supervise import RequestRecord
 
+RECENT_CONDENSED = 20
 Price = Callable[[str, int, int], "float | None"]
 """The cost in USD of one request to a model, given (model, input tokens, output tokens); None: not priced."""
 
@@ -93,9 +99,14 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
         out["steer"] = record.note
     if record.condense is not None:
         # A retried request recalls its round's decisions: only those made now count as newly narrowed.
-        narrowed = sum(1 for c in record.condense.round if c.decision.text is not None)
-        out["condensed"] = {"results": min(record.condense.new, narrowed),
+        narrowed = [c for c in record.condense.round if c.decision.text is not None]
+        out["condensed"] = {"results": min(record.condense.new, len(narrowed)),
                             "saved_tokens": record.condense.saved_tokens}
+        items = [{"call_id": c.call_id, "tool": c.tool, "condenser": c.decision.condenser,
+                  "tokens_before": c.decision.tokens_before, "tokens_after": c.decision.tokens_after}
+                 for c in narrowed if c.new]
+        if items:
+            out["condensed"]["items"] = items
     model = record.model
     if model.calls:
         out["supervisor_model"] = {"calls": dict(model.calls), "input_tokens": model.input_tokens,
@@ -155,6 +166,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     judges: Counter[str] = Counter()
     last_judge = None
     condensed: Counter[str] = Counter()
+    condensers: Counter[str] = Counter()
+    recent: list[dict[str, Any]] = []
     calls: Counter[str] = Counter()
     sup_in = sup_out = sup_unpriced = 0
     sup_cost = sup_ms = 0.0
@@ -202,6 +215,13 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         c = _dict(line.get("condensed"))
         condensed["results"] += _int(c.get("results"))
         condensed["saved_tokens"] += _int(c.get("saved_tokens"))
+        for item in _list(c.get("items")):
+            if isinstance(item, dict):
+                condensed["tokens_before"] += _int(item.get("tokens_before"))
+                condensed["tokens_after"] += _int(item.get("tokens_after"))
+                if isinstance(item.get("condenser"), str):
+                    condensers[item["condenser"]] += 1
+                recent = (recent + [item])[-RECENT_CONDENSED:]
         m = _dict(line.get("supervisor_model"))
         calls.update({k: _int(v) for k, v in _dict(m.get("calls")).items()})
         sup_in += _int(m.get("input_tokens"))
@@ -236,7 +256,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
                  "outcomes": dict(outcomes), "last_outcome": last_outcome, "judges": dict(judges),
                  "last_judge": last_judge,
                  "decided_by": {"evidence": decided["evidence"], "model": decided["model"]}},
-        "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"]},
+        "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"],
+                     "tokens_before": condensed["tokens_before"], "tokens_after": condensed["tokens_after"],
+                     "by_condenser": dict(condensers), "recent": recent},
         "planner_calls": calls["plan"],
         "supervisor_model": {"calls": {k: n for k, n in calls.items() if n}, "total_calls": sum(calls.values()),
                              "input_tokens": sup_in, "output_tokens": sup_out, "cost_usd": sup_cost,
@@ -322,8 +344,12 @@ def render_text(info: Mapping[str, Any]) -> str:
          + (f" · decided by evidence {gate['decided_by']['evidence']:,}, by the model "
             f"{gate['decided_by']['model']:,}" if gate["outcomes"] else "")),
         ("gate judged by", counts_text(gate.get("judges") or {})),
-        ("condensed", f"results {info['condense']['results']:,} · saved "
-                      f"{plural(info['condense']['saved_tokens'], 'token')}"),
+        ("condensed", f"results {info['condense']['results']:,}"
+                      + (f" ({counts_text(info['condense']['by_condenser'])})"
+                         if info["condense"].get("by_condenser") else "")
+                      + (f" · {info['condense']['tokens_before']:,} -> {info['condense']['tokens_after']:,} tokens"
+                         if info["condense"].get("tokens_before") else "")
+                      + f" · saved {plural(info['condense']['saved_tokens'], 'token')}"),
         ("planner calls", f"{info['planner_calls']:,}"),
         ("supervisor model", supervisor_text(sup)),
         ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"

@@ -252,8 +252,6 @@ class Supervisor:
             condenser = self.condenser
 
             async def condense(exchange: Exchange) -> None:
-                if exchange.model is None:
-                    return
                 record = exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body,
                                                                           pending, exchange.model)
                 if record is not None and record.condenser_called:
