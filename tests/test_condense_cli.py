@@ -1,5 +1,5 @@
-"""``proxyvisor condense FILE``: the numbered view offline, and the condensed result through a real litellm call
-to a local scripted model."""
+"""``proxyvisor condense FILE``: the condensed result offline (the deterministic condenser), the numbered view, and
+the condensed result through a real litellm call to a local scripted model."""
 
 from __future__ import annotations
 
@@ -33,20 +33,24 @@ def test_condense_documents_every_option() -> None:
         for flag in action.option_strings:
             assert flag in text
         assert action.dest == "help" or (action.help or "").strip()
-    for topic in ("numbered view", "tokens_threshold", "[supervisor.model] name", "exit status", "examples:",
-                  "config file"):
+    for topic in ("numbered view", "tokens_threshold", "budget_tokens", "deterministic_kinds",
+                  "[supervisor.model] name", "exit status", "examples:", "config file"):
         assert topic in text
 
 
-def test_without_a_model_it_prints_the_numbered_view(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_a_model_it_prints_the_deterministic_result(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     log = write_log(tmp_path / "build.log")
-    assert main(["condense", str(log), "--task", TASK, "--budget", "3000"]) == 0
+    assert main(["condense", str(log), "--task", TASK]) == 0
     out = capsys.readouterr().out
     assert f"{log}: 1,500 lines, 28,005 tokens (cl100k_base); a condense candidate" in out
-    assert " 701| src/widget.c:88:3: error: 'frob' undeclared" in out
-    assert "1500| [01499] compiling" in out and "not shown in this view …]" in out
-    notice = "no [supervisor.model] name configured: the numbered view only, no condenser call"
-    assert notice in out.split("\n\n", 1)[0], "said in the header, before the view"
+    assert "condensed by the deterministic condenser: 28,005 -> " in out and "| " not in out  # no view
+    assert "\nsrc/widget.c:88:3: error: 'frob' undeclared (first use in this function)\n" in out
+    assert f"full original at {log}" in out
+    assert main(["condense", str(log), "--task", TASK, "--view", "--budget", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert " 701| src/widget.c:88:3: error: 'frob' undeclared" in out and "not shown in this view …]" in out
+    assert out.index(" 701| ") < out.index("condensed by the deterministic condenser")
 
 
 def test_json_output_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,10 +89,10 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
     out = capsys.readouterr().out
     assert code == 0
     lines = log.read_text().splitlines(keepends=True)
-    assert "condenser: condensed, 28,005 -> " in out
+    assert "condensed by the model condenser: 28,005 -> " in out
     assert ("".join(lines[:2]) + "[… 696 lines omitted: original lines 3-698 …]\n" + "".join(lines[698:703])
             + "[… 795 lines omitted: original lines 704-1498 …]\n" + "".join(lines[1498:]) + "---\n") in out
-    assert "kept 9 of 1500 original lines relevant to the current task" in out and f"full original at {log}" in out
+    assert "kept 9 of 1,500 original lines (the supervisor model chose" in out and f"full original at {log}" in out
     (request,) = scripted_server.script.condenser_requests
     sent = json.loads(request)
     assert sent["model"] == "scripted-model" and sent["temperature"] == 0.0
@@ -97,23 +101,23 @@ async def test_with_a_model_it_prints_the_condensed_result(tmp_path: Path, scrip
     assert payload["task_context"] == f"Current request: {TASK}" and payload["results"][0]["total_lines"] == 1500
 
 
-def test_the_scripted_condenser_answers_as_in_demo_and_replay(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """``api_base = "scripted:"`` is the embedded scripted upstream's fixed condenser policy: no key, no network,
-    and the narrowed result keeps the error line verbatim."""
+def test_the_scripted_upstream_leaves_it_to_the_deterministic_condenser(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``api_base = "scripted:"`` calls the embedded scripted upstream, which answers no verdict: no key, no network,
+    and the deterministic condenser's result keeps the error line verbatim."""
     log = write_log(tmp_path / "build.log")
     config = tmp_path / "config.toml"
     config.write_text('[supervisor.model]\nname = "scripted-condenser"\napi_base = "scripted:"\n', encoding="utf-8")
     code = main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "Provider" not in out + err and "condenser: condensed, 28,005 -> " in out
-    narrowed = out.split("condenser: condensed", 1)[1]
+    assert "Provider" not in out + err and "condensed by the deterministic condenser: 28,005 -> " in out
+    narrowed = out.split("condensed by the deterministic condenser", 1)[1]
     assert "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)" in narrowed
     assert f"full original at {log}" in narrowed
 
 
-def test_a_failing_condenser_is_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_failing_condenser_is_named_in_one_line_and_the_deterministic_condenser_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     from proxyvisor import condense_cli as offline
 
@@ -126,13 +130,14 @@ def test_a_failing_condenser_is_named_in_one_line(tmp_path: Path, monkeypatch: p
     log = write_log(tmp_path / "build.log")
     config = tmp_path / "config.toml"
     config.write_text('[supervisor.model]\nname = "no-such-model"\n', encoding="utf-8")
-    assert main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"]) == 1
+    assert main(["condense", str(log), "--task", TASK, "--config", str(config), "--budget", "2000"]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("(condenser failed: ValueError: Provider NOT provided. Pass in the provider.)")
+    assert ("\ncondenser model: condenser failed: ValueError: Provider NOT provided. Pass in the provider.; condensed "
+            "without a model\ncondensed by the deterministic condenser: ") in out
 
 
 def test_the_scripted_condenser_is_called_without_importing_litellm(tmp_path: Path) -> None:
-    """The scripted condenser is a fixed rule answered over loopback: importing litellm for it would cost seconds
+    """The scripted upstream's condenser answer is fixed text over loopback: importing litellm for it would cost seconds
     of CPU (tens of seconds of wall time on a loaded machine), many times the answer's own cost."""
     log = write_log(tmp_path / "build.log")
     config = tmp_path / "config.toml"
@@ -142,7 +147,7 @@ def test_the_scripted_condenser_is_called_without_importing_litellm(tmp_path: Pa
     done = subprocess.run([sys.executable, str(runner), "condense", str(log), "--task", TASK, "--config", str(config),
                            "--budget", "2000"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "condenser: condensed, 28,005 -> " in done.stdout
+    assert "condensed by the deterministic condenser: 28,005 -> " in done.stdout
     assert "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)" in done.stdout.split(
-        "condenser: condensed", 1)[1]
+        "condensed by the deterministic condenser", 1)[1]
     assert done.stderr.splitlines()[-1] == "litellm not imported", done.stderr

@@ -137,7 +137,7 @@ def render(lines: list[str], facts: Facts, kept: set[int], lead: set[int], spill
             group = firsts.get(i)
             if group is not None:
                 out.append(f"[… this line occurs {len(group.lines):,} times once numbers, ids, paths and timestamps "
-                           f"are masked: first at line {group.lines[0]:,}, last at line {group.lines[-1]:,} …]"
+                           f"are masked: first at line {group.lines[0]}, last at line {group.lines[-1]} …]"
                            f"{newline}")
         elif gap_start is None:
             gap_start = i
@@ -163,16 +163,17 @@ def _line(lines: list[str], facts: Facts, i: int, newline: str) -> str:
     if len(body) > CLIP_CHARS:
         cut = len(body) - CLIP_HEAD - CLIP_TAIL
         terminator = lines[i][len(body):] or newline
-        return f"{body[:CLIP_HEAD]}[… {cut:,} characters of line {i + 1:,} cut …]{body[-CLIP_TAIL:]}{terminator}"
+        return f"{body[:CLIP_HEAD]}[… {cut:,} characters of line {i + 1} cut …]{body[-CLIP_TAIL:]}{terminator}"
     line = lines[i]
     return line if line.endswith("\n") else line + newline
 
 
 def _span(first: int, last: int) -> str:
-    return f"line {first:,}" if first == last else f"lines {first:,}-{last:,}"
+    # Line numbers without thousands separators: the agent copies them into sed -n 'A,Bp'.
+    return f"line {first}" if first == last else f"lines {first}-{last}"
 
 
 def _marker(first: int, last: int, newline: str) -> str:
     """The marker of the omitted 0-based lines ``first..last``."""
     count = last - first + 1
-    return f"[… {count:,} line{'s' if count != 1 else ''} omitted: original {_span(first + 1, last + 1)} …]{newline}"
+    return f"[… {count} line{'s' if count != 1 else ''} omitted: original {_span(first + 1, last + 1)} …]{newline}"
