@@ -34,11 +34,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .mask import template
 from .signals import diagnostic_lines
 from .text import body_of, count_each
 
+T = TypeVar("T")
 CLIP_CHARS = 500
 """Lines longer than this many characters are clipped in the rendering (head and tail, the cut marked)."""
 CLIP_HEAD = 240
@@ -152,10 +154,13 @@ def rank(facts: Facts, terms: Sequence[str] = (), *, chosen: Iterable[int] | Non
     push("diagnostic", _commands(facts, distinct))
     for unit in _units(facts, distinct):
         push("diagnostic", unit)
-    focus = _focus(facts, terms)
-    push("focus", focus)
-    for block in _blocks(facts, focus):
-        push("focus", block)
+    focus: list[int] = []
+    for hits in _focus(facts, terms):
+        # Each term's matches, then the blocks they open, before the next (commoner) term's.
+        push("focus", hits)
+        for block in _blocks(facts, hits):
+            push("focus", block)
+        focus.extend(hits)
     anchors = sorted(set(distinct) | set(focus) | set(lead))
     push("context", (i for i in sorted(_around(anchors, total, 2)) if i not in repeated))
     push("edge", (i for i in range(total - 1, max(-1, total - 13), -1) if i not in repeated))
@@ -191,9 +196,9 @@ def accept(facts: Facts, ranked: Ranked, budget: int) -> list[int]:
     return list(taken)
 
 
-def _alternate(indexes: list[int]) -> list[int]:
+def _alternate(indexes: list[T]) -> list[T]:
     """``indexes`` from both ends inwards: first, last, second, second-to-last, ..."""
-    out = []
+    out: list[T] = []
     low, high = 0, len(indexes) - 1
     while low <= high:
         out.append(indexes[low])
@@ -232,16 +237,14 @@ def _commands(facts: Facts, distinct: list[int]) -> list[int]:
     return out
 
 
-def _focus(facts: Facts, terms: Sequence[str]) -> list[int]:
+def _focus(facts: Facts, terms: Sequence[str]) -> list[list[int]]:
+    """The lines matching each discriminating term (at most max(8, 2%) of the lines), rarest term first."""
     if not terms:
         return []
     lower = [body[:MASK_CHARS].lower() for body in facts.bodies]
     hits = {term: [i for i, line in enumerate(lower) if term in line] for term in terms}
     rare = max(8, len(lower) // 50)
-    out: list[int] = []
-    for term in sorted((t for t in terms if 0 < len(hits[t]) <= rare), key=lambda t: len(hits[t])):
-        out.extend(hits[term])
-    return out
+    return [hits[t] for t in sorted((t for t in terms if 0 < len(hits[t]) <= rare), key=lambda t: len(hits[t]))]
 
 
 def _units(facts: Facts, distinct: list[int]) -> list[list[int]]:
