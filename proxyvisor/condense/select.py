@@ -1,32 +1,34 @@
 """Which lines of an oversized tool result the model gets, within a token budget (sans-IO).
 
-One selection serves both condensers. The **deterministic condenser** (no model) ranks every line from the output's
-own signals; a **model's** ``extract`` verdict puts the lines it chose right after the edges. Lines are then taken
-in rank order while their estimated cost fits the result's budget (``[supervisor.condense] budget_tokens``);
-:mod:`.reconstruct` renders them and trims the lowest ranks until the measured text fits.
+One selection serves both condensers. Each line gets a rank and a class; :func:`accept` takes lines in rank order
+while their estimated costs fit the result's budget (``[supervisor.condense] budget_tokens``), first each class
+within its share of the budget (:data:`SHARES`), then whatever still fits; :mod:`.reconstruct` renders them and
+trims the latest taken until the measured text fits.
 
-The ranks, highest first (0-based indexes; each line once, at its highest rank):
+**The deterministic condenser** (no model) ranks, highest first (each line once, at its highest rank):
 
-1. **lines new against the last green run** (:mod:`.baseline`), when the caller gives them, at most half the budget;
-2. **the edges**: the last 3 non-blank lines (the runner's verdict) and the first 2 (the command);
-3. the model's chosen lines, in order (model path only);
-4. **distinct diagnostics** (:mod:`.signals`): the first line of each template (:mod:`.mask`), alternating from
-   the start and the end of the output (a build's first error is its cause, a test run's last lines its summary);
-5. the **last occurrence** of each repeated template, and the **command** heading each diagnostic's region (the
-   nearest shell-trace ``+ cmd`` / prompt ``$ cmd`` line before it);
-6. **focus matches**: lines holding a task or argument term found on at most max(8, 2%) of the lines, rarest term
-   first (the numbered view's rule);
-7. **context**: 2 lines around each distinct diagnostic and focus match; the failure section holding each distinct
-   diagnostic, whole when it has at most :data:`SECTION_LINES` lines (a section runs from a rule line such as
-   ``____ test_x ____``, ``=====`` or ``-----`` to the next; failure sections whose diagnostics have the same
-   templates count once); the last 12 and first 6 lines;
-8. **the neighbourhood**: lines within :data:`NEAR` lines of a distinct diagnostic, a focus match or a chosen line,
-   nearest first, a line repeating an earlier line's template counting 8 lines further away.
+1. ``lead``: the lines new against the last green run of the same command (:mod:`.baseline`), when given;
+2. ``edge``: the last 3 non-blank lines (the runner's verdict) and the first 2 (the command);
+3. ``diagnostic``: the first line of each diagnostic template (:mod:`.signals`, :mod:`.mask`), alternating from
+   the start and the end of the output (a build's first error is its cause, a test run's end its summary); the
+   last occurrence of each repeated template; the command line (``+ cmd``, ``$ cmd``) heading each diagnostic's
+   region; the failure sections holding diagnostics, smallest first, whole when at most :data:`SECTION_LINES`
+   lines (a section runs from a rule line such as ``____ test_x ____``, ``=====`` or ``-----`` at the start of a
+   line to the next, a short one before it being its heading; sections whose diagnostics and the lines before them
+   have the same templates count once), else their outline (head, and the lines around pytest's ``_ _ _`` frame
+   rules); the lines indented under each distinct diagnostic (a stack trace, a compiler's source excerpt);
+4. ``focus``: per task or argument term found on at most max(8, 2%) of the lines, rarest first, its matches and the
+   indented blocks they open (a definition in a file dump);
+5. ``context``: 2 lines around each distinct diagnostic and focus match; the last 12 and first 6 lines; the lines
+   within :data:`NEAR` lines of them, nearest first;
+6. ``fill``: the rest, two from the head for each from the tail, as a truncating tool would keep them.
 
-Lines ranked past that are never taken: a result that fits its budget with room to spare stays that small. Lines
-longer than :data:`CLIP_CHARS` cost what their clipped rendering costs. Repeats of a diagnostic template other
-than the first and last are never taken: the rendering notes their count and line numbers instead
-(:class:`Group`).
+**A model's** ``extract`` verdict ranks its ``chosen`` lines first, then the distinct diagnostics, the last
+occurrences and 2 lines of context around the distinct ones: the diagnostics share the budget with its choice.
+
+Repeats of a diagnostic template other than the first and last are taken only inside a failure section shown
+whole: the rendering notes their count and line numbers instead (:class:`Group`). Lines longer than
+:data:`CLIP_CHARS` cost what their clipped rendering costs.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ answer, never an unmarked step. So conversations running in parallel (``proxyvis
 carrying its own marker) each follow their own script.
 
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
-the next ``condense`` step, or, with none queued, the answer of a fixed policy (:mod:`.scripted_condenser`). The
-verify-gate's verifier and refuter calls, and the planner's, likewise get a fixed policy's answer
+the next ``condense`` step, or, with none queued, no verdict (:mod:`.scripted_condenser`: the deterministic
+condenser decides). The verify-gate's verifier and refuter calls, and the planner's, likewise get a fixed policy's answer
 (:mod:`.scripted_verifier`, :mod:`.scripted_planner`), in the call's own format: a call that forces a tool
 (Anthropic's ``tool_choice: {"type": "tool"}``) gets that tool's call with the answer as its input, as a provider
 answers it. So the supervisor model on the session's route, or ``[supervisor.model] api_base = "scripted:"``, is a
@@ -283,7 +283,7 @@ class ScriptedUpstream:
         return Response(200, _SSE, self._play(events))
 
     def _condense(self, fmt: WireFormat, body: dict[str, Any]) -> str:
-        """The answer to a condenser call: the next queued ``condense`` step, else the fixed policy's."""
+        """The answer to a condenser call: the next queued ``condense`` step, else no verdict."""
         return (orjson.dumps(self.condense_steps.popleft()["condense"]).decode() if self.condense_steps
                 else scripted_condenser.answer(fmt, body))
 
