@@ -201,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
             they fired at) and the steer note added to the request. --json gives the same as JSON lines.
 
             With --condense, oversized tool results are condensed as the proxy would: with the model of
-            [supervisor.model], or, when none is configured, the scripted upstream's own condenser (a fixed
-            policy: the head and tail lines and those mentioning the call's terms, plus every diagnostic
-            line; no key). Each round then shows the decision for its oversized results (tokens before and
+            [supervisor.model], or, when none is configured, by the deterministic condenser (the scripted
+            upstream answers condenser calls with no verdict; test runs, builds and installs never ask a
+            model; no key). Each round then shows the decision for its oversized results (tokens before and
             after, the spill file holding the original) and the tokens the narrowed results saved in that
             request.
 

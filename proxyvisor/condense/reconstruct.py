@@ -95,7 +95,7 @@ def condense(lines: list[str], *, spill_path: str, tokens_before: int, budget: i
     facts = facts or Facts.of(lines)
     ranked = rank(facts, terms, chosen=chosen, lead=baseline.new if baseline else ())
     taken = accept(facts, ranked, max(1, budget - _NOTICE_TOKENS))
-    if len(taken) == len(lines):
+    if len(taken) == len(lines) and all(len(body) <= CLIP_CHARS for body in facts.bodies):
         return "every line kept"
     who = MODEL if chosen is not None else DETERMINISTIC
     lead = {i for i, kind in zip(ranked.order, ranked.classes) if kind == "lead"} & set(taken)
