@@ -224,7 +224,7 @@ async def test_the_overhead_leaves_out_every_supervisor_model_call(tmp_path: Pat
     is proxy overhead, and the ledger has their time as the supervisor model's."""
     config = Config().with_overrides(supervisor={
         "gate": GateConfig(enabled=purpose == "verify", hold="answer"),
-        "condense": CondenseConfig(enabled=purpose == "condense")})
+        "condense": CondenseConfig(enabled=purpose == "condense", deterministic_kinds=())})  # make asks the model
     body = condensed_request("chat", stream) if purpose == "condense" else request_body("chat", stream)
     model, store = SlowModel(), Store(tmp_path / "state")
     async with running(config, port=0, store=store, scripted={"scripted": ScriptedUpstream([{"text": "Done."}])},
