@@ -507,9 +507,13 @@ class Pipeline:
                 turn, shown = None, None
                 # Unsupervised, nothing of the stream was read: there is no answer to estimate or record.
                 if reply.status < 400 and self.supervised:
-                    with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
-                        turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
-                    usage = estimate.completed(self._ledger_usage(fmt, usage), fmt, body, turn)
+                    usage = self._ledger_usage(fmt, usage)
+                    # The answer is assembled again only when something needs it: an output count the stream did
+                    # not report, or the conversation of a session known by its history (_delivered).
+                    if usage.output_tokens is None or session.identified == "hash":
+                        with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
+                            turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
+                    usage = estimate.completed(usage, fmt, body, turn)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
                 self._delivered(session, fmt, body, shown)
