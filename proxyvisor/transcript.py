@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -47,6 +47,14 @@ class Message:
 
 
 _SAMPLE = 256
+
+
+class Tail(NamedTuple):
+    """The agent's last history item in a request: where it is, its :func:`fingerprint`, its role."""
+
+    position: int
+    fingerprint: bytes
+    role: str
 
 
 def _sample(text: str) -> str:

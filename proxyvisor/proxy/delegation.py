@@ -95,7 +95,7 @@ class ProxyDelegation:
     def turn(self, exchange: Exchange, traceparent: str | None = None) -> DelegationTurn | None:
         """Offer the delegation tools on ``exchange.body`` (in place) and return the request's turn, or None when
         this request gets none (module docstring)."""
-        if not self.offered or exchange.tail is None or exchange.tail[2] not in ("user", "tool"):
+        if not self.offered or exchange.tail is None or exchange.tail.role not in ("user", "tool"):
             return None
         own = exchange.tools
         if not own:

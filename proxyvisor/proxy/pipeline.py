@@ -572,7 +572,7 @@ class Pipeline:
         if local is not None:
             record["local"] = local
         elif exchange is not None:
-            record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail[2] == "tool"))
+            record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail.role == "tool"))
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
         if not self.store.append_ledger(session.id, record):

@@ -75,6 +75,7 @@ from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
+from ..transcript import Tail
 from .formats import WireFormat
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class Planner:
         state.handoff = report
 
     def begin(self, fmt: WireFormat, items: list[Any], update: Update, thread: Thread, state: SessionSupervision,
-              tail: tuple[int, bytes, str] | None) -> list[Step]:
+              tail: Tail | None) -> list[Step]:
         """Bring the thread's plan state up to date for a request with history ``items`` (the agent's, before
         anything is inserted) and return the steps to run before forwarding (module docstring, 2-4). A note for
         broken assumptions goes into ``thread.notes`` (so it is inserted with the others)."""
@@ -229,7 +230,7 @@ class Planner:
             planning.goal = text
 
     def _check_assumptions(self, thread: Thread, state: SessionSupervision,
-                           tail: tuple[int, bytes, str] | None) -> None:
+                           tail: Tail | None) -> None:
         plan, planning = thread.plan, thread.planning
         if plan is None or all(p.valid_if is None for p in plan.phases):
             return
@@ -240,7 +241,7 @@ class Planner:
             return
         thread.plan_signal = "reassess"
         log.info("plan assumption broken: %s; reassessing", ", ".join(str(a) for _, a in broken))
-        if tail is not None and tail[2] in _SAFE_ROLES:
+        if tail is not None and tail.role in _SAFE_ROLES:
             _add_note(thread, state, tail, "plan_assumption", assumption_note(plan, broken))
 
     async def run(self, exchange: Exchange, final: bool) -> None:
@@ -278,7 +279,7 @@ class Planner:
             planning.phase_start = len(exchange.items) - 1
             planning.broken = frozenset()
         if isinstance(decision, Hold) and not final and exchange.tail is not None \
-                and exchange.tail[2] in _SAFE_ROLES:
+                and exchange.tail.role in _SAFE_ROLES:
             text = hold_note(decision.reason)
             _append(exchange, text)
             _add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
@@ -299,13 +300,13 @@ class Planner:
         return None
 
 
-def _add_note(thread: Thread, state: SessionSupervision | None, tail: tuple[int, bytes, str], signal: str,
+def _add_note(thread: Thread, state: SessionSupervision | None, tail: Tail, signal: str,
               text: str) -> None:
     """Keep ``text`` as a note after the agent's last history item ``tail``, re-inserted there in the thread's later
     requests; counted by ``signal`` in ``state.notes`` (what /info shows as steers) unless ``state`` is None."""
     from .supervise import NOTES, Note  # supervise imports this module
 
-    thread.notes = (thread.notes + [Note(tail[0], tail[1], signal, text)])[-NOTES:]
+    thread.notes = (thread.notes + [Note(tail.position, tail.fingerprint, signal, text)])[-NOTES:]
     if state is not None:
         state.notes[signal] += 1
 
@@ -314,17 +315,17 @@ def _recite(exchange: Exchange) -> None:
     """Recite at the end of the upstream body's history when the thread's latest recitation says something else
     or lies more than :data:`RECITE_AFTER` history items back (module docstring, 4)."""
     tail, thread = exchange.tail, exchange.thread
-    if tail is None or tail[2] not in _SAFE_ROLES:
+    if tail is None or tail.role not in _SAFE_ROLES:
         return
     planning = thread.planning
-    in_view = thread.tracker.turn_start == tail[0]
+    in_view = thread.tracker.turn_start == tail.position
     text = recite(planning.goal if planning.compacted else "", thread.plan,
                   [r.text for r in planning.rules if not (in_view and r.turn == planning.turns)],
                   stale=thread.plan is not None and planning.touched < planning.turns)
     if text is None:
         return
     latest = next((n for n in reversed(thread.notes) if n.signal == RECITE), None)
-    if latest is not None and latest.text == text and tail[0] - latest.index < RECITE_AFTER:
+    if latest is not None and latest.text == text and tail.position - latest.index < RECITE_AFTER:
         return  # it is in the body already, re-inserted where it was first recited
     _append(exchange, text)
     _add_note(thread, None, tail, RECITE, text)

@@ -47,7 +47,7 @@ from ..gate.plan import Plan
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
-from ..transcript import fingerprint
+from ..transcript import Tail, fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session
@@ -232,15 +232,15 @@ class Supervisor:
             thread.notes = [n for n in thread.notes
                             if n.index < len(items) and _anchored(fmt, items, n.index, n.anchor)]
         last = fmt.message(items[-1]) if items else None
-        tail = (len(items) - 1, fingerprint(last), last.role) if last is not None else None
+        tail = Tail(len(items) - 1, fingerprint(last), last.role) if last is not None else None
         if isinstance(update.last, UserTurn):
             thread.policy.reset()
         elif isinstance(update.last, Round):
             signal = thread.policy.decide(update.signals, thread.state)
             # The safe point: after the latest tool results (or the harness's latest prompt), never inside
             # the model's own turn.
-            if signal and tail is not None and tail[2] in ("tool", "user"):
-                note = Note(tail[0], tail[1], signal, note_text(signal))
+            if signal and tail is not None and tail.role in ("tool", "user"):
+                note = Note(tail.position, tail.fingerprint, signal, note_text(signal))
                 thread.notes = (thread.notes + [note])[-NOTES:]
                 record.note, record.note_index = signal, note.index
                 state.notes[signal] += 1
@@ -301,7 +301,7 @@ class Exchange:
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], state: SessionSupervision, thread: Thread,
                  record: RequestRecord, steps: list[Step] | None = None,
-                 tail: tuple[int, bytes, str] | None = None, tools: frozenset[str] = frozenset()) -> None:
+                 tail: Tail | None = None, tools: frozenset[str] = frozenset()) -> None:
         self.fmt = fmt
         self.body = body
         self.state = state
