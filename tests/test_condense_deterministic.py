@@ -246,3 +246,20 @@ def test_condense_compares_with_a_green_file(tmp_path: Path, capsys: pytest.Capt
     assert condensed["baseline"] == f"--green {green}"
     assert condensed["text"].startswith("[… 5 lines new against the last successful run")
     assert main(["condense", str(red), "--task", "x", "--green", str(tmp_path / "missing.log")]) == 1
+
+
+def test_distinct_diagnostics_that_do_not_fit_are_counted_in_the_notice() -> None:
+    names = [f"{a}_{b}" for a in ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta")
+             for b in ("red", "green", "blue", "cyan", "teal", "plum", "rust", "gold", "jade", "navy")]
+    rows = [f"src/{name}.ts(12,5): error TS2304: Cannot find name '{name}_value' in this scope, check imports."
+            for name in names * 5]
+    rows.append(f"Found {len(rows)} errors in {len(names)} files.")
+    lines = split_lines("\n".join(rows) + "\n")
+    result = condense(lines, spill_path=SPILL, tokens_before=count_tokens("".join(lines)), budget=1000)
+    assert not isinstance(result, str) and result.tokens <= 1000
+    distinct = len(names)  # each name's five errors share one template
+    shown = [n for n in result.kept if n <= distinct]
+    assert 1 in shown and 0 < len(shown) < distinct
+    match = re.search(r"; (\d+) more distinct diagnostic lines are not shown \(lines ([\d, ]+), …\)", result.text)
+    assert match is not None and int(match.group(1)) == distinct - len(shown)
+    assert [int(n) for n in match.group(2).split(", ")] == [n for n in range(1, distinct + 1) if n not in shown][:10]

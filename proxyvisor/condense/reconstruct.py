@@ -14,8 +14,8 @@ with the diagnostics sharing its budget) and renders it:
   at line 3,981 …]``); the repeats in between are omitted;
 - with lines new against the last green run, a leading section shows them first (``[… new since ...: original
   lines 812-819 …]`` before each run) and the body leaves them out;
-- a notice closes the result: fixed text with numbers, who chose the lines and the spill path, never words
-  from a model.
+- a notice closes the result: fixed text with numbers, who chose the lines, how many distinct diagnostics did not
+  fit (and the first line numbers of those) and the spill path, never words from a model.
 
 The rendering is measured with tiktoken and the lowest-ranked lines are dropped until it fits ``budget``
 tokens. A ``replace`` verdict is one fixed notice. If the result does not save at least :data:`MIN_SAVING` of the
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .protocol import Verdict
 from .ranges import runs
-from .select import CLIP_CHARS, CLIP_HEAD, CLIP_TAIL, Facts, accept, rank
+from .select import CLIP_CHARS, CLIP_HEAD, CLIP_TAIL, GAP_MARKER_TOKENS, Facts, accept, rank
 from .text import count_tokens, newline_of
 
 TAG = "📎 CONDENSED by proxyvisor"
@@ -38,6 +38,9 @@ MIN_SAVING = 0.05
 DETERMINISTIC, MODEL = "deterministic", "model"
 """Who chose the kept lines: proxyvisor's deterministic condenser, or the supervisor model."""
 _NOTICE_TOKENS = 160
+_SLACK_TOKENS = 50
+UNSHOWN_LISTED = 10
+"""Line numbers of distinct diagnostics left out that the notice lists (it counts them all)."""
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,25 @@ def condense(lines: list[str], *, spill_path: str, tokens_before: int, budget: i
         return "every line kept"
     who = MODEL if chosen is not None else DETERMINISTIC
     lead = {i for i, kind in zip(ranked.order, ranked.classes) if kind == "lead"} & set(taken)
-    text = render(lines, facts, set(taken), lead, spill_path, who, baseline.label if baseline else "")
+    label = baseline.label if baseline else ""
+    text = render(lines, facts, set(taken), lead, spill_path, who, label)
     tokens = count_tokens(text)
+    if budget - tokens > _SLACK_TOKENS and len(taken) < len(lines):
+        # The estimate is conservative (markers and line bodies merge into fewer tokens): once, the measured
+        # room is handed back to the selection.
+        wider = accept(facts, ranked, max(1, budget - _NOTICE_TOKENS) + budget - tokens)
+        wider_lead = lead | ({i for i, kind in zip(ranked.order, ranked.classes) if kind == "lead"} & set(wider))
+        wider_text = render(lines, facts, set(wider), wider_lead, spill_path, who, label)
+        wider_tokens = count_tokens(wider_text)
+        if wider_tokens <= budget:
+            taken, lead, text, tokens = wider, wider_lead, wider_text, wider_tokens
     while tokens > budget and len(taken) > 1:
-        del taken[len(taken) - max(1, len(taken) // 10):]
+        # Drop the latest taken lines whose estimated cost covers the overshoot, then measure again.
+        over = tokens - budget
+        while len(taken) > 1 and over > 0:
+            over -= max(1, facts.cost(taken.pop()) - GAP_MARKER_TOKENS)
         lead &= set(taken)
-        text = render(lines, facts, set(taken), lead, spill_path, who, baseline.label if baseline else "")
+        text = render(lines, facts, set(taken), lead, spill_path, who, label)
         tokens = count_tokens(text)
     if tokens > tokens_before * (1 - MIN_SAVING):
         return f"no saving ({tokens_before} -> {tokens} tokens)"
@@ -144,6 +160,13 @@ def render(lines: list[str], facts: Facts, kept: set[int], lead: set[int], spill
     if gap_start is not None:
         out.append(_marker(gap_start, total - 1, newline))
     clipped = sum(1 for i in kept if len(facts.bodies[i]) > CLIP_CHARS)
+    seen: set[str] = set()
+    unshown = []
+    for i in facts.diagnostics:
+        if facts.templates[i] not in seen:
+            seen.add(facts.templates[i])
+            if i not in kept:
+                unshown.append(i + 1)
     chooser = ("the supervisor model chose line numbers and proxyvisor added the diagnostics" if who == MODEL else
                "chosen without a model from the output's own signals (diagnostics grouped by template, failure "
                "sections, task terms, the first and last lines)")
@@ -151,6 +174,9 @@ def render(lines: list[str], facts: Facts, kept: set[int], lead: set[int], spill
     out.append(f"{TAG}: kept {len(kept):,} of {total:,} original lines ({chooser}); kept lines are copied verbatim"
                + (f", except {clipped:,} long line{'s' if clipped != 1 else ''} clipped where marked" if clipped
                   else "")
+               + (f"; {len(unshown):,} more distinct diagnostic line{'s are' if len(unshown) != 1 else ' is'} not "
+                  f"shown (line{'s' if len(unshown) != 1 else ''} {', '.join(map(str, unshown[:UNSHOWN_LISTED]))}"
+                  f"{', …' if len(unshown) > UNSHOWN_LISTED else ''})" if unshown else "")
                + f"; full original at {spill_path} (the markers give the original line numbers: read lines A-B "
                f"with sed -n 'A,Bp' on it); read a cut span there, and re-run the tool only if the underlying state "
                f"may have changed, not to recover omitted text{newline}")

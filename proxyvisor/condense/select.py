@@ -56,6 +56,10 @@ MASK_CHARS = 2_000
 _EDGE_TAIL = 3
 _EDGE_HEAD = 2
 _MARKER_TOKENS = 16
+GAP_MARKER_TOKENS = 16
+GROUP_NOTE_TOKENS = 32
+"""Tokens of one ``[… N lines omitted: original lines A-B …]`` marker (measured: 12-16), and of one repeated
+diagnostic's note (measured: about 32)."""
 
 _PREFIX = re.compile(r"^(?:\d{4}-\d\d-\d\dT[\d:.]+Z? |\[[A-Za-z]+\] ?)")
 _RULE = re.compile(r"^([=_\-*~#])\1{4,}(?:.*\1{4,})?\s*$")
@@ -83,6 +87,8 @@ class Facts:
     tokens: list[int]
     diagnostics: list[int]
     groups: dict[str, Group] = field(default_factory=dict)
+    noted: frozenset[int] = frozenset()
+    """The first lines of the ``groups`` (0-based): a note follows each in the rendering."""
 
     @classmethod
     def of(cls, lines: Sequence[str]) -> Facts:
@@ -94,17 +100,20 @@ class Facts:
         for i in diagnostics:
             by_template.setdefault(templates[i], []).append(i + 1)
         groups = {t: Group(t, tuple(found)) for t, found in by_template.items() if len(found) > 1}
-        return cls(bodies, templates, count_each(bodies), diagnostics, groups)
+        return cls(bodies, templates, count_each(bodies), diagnostics, groups,
+                   frozenset(g.lines[0] - 1 for g in groups.values()))
 
     def cost(self, i: int) -> int:
-        """Estimated tokens of line ``i`` in the rendering (clipped when long, plus its newline)."""
+        """Estimated tokens of line ``i`` in the rendering (clipped when long, plus its newline, plus the note
+        that follows the first occurrence of a repeated diagnostic)."""
         length = len(self.bodies[i])
+        note = GROUP_NOTE_TOKENS if i in self.noted else 0
         if length <= CLIP_CHARS:
-            return self.tokens[i] + 1
-        return self.tokens[i] * (CLIP_HEAD + CLIP_TAIL) // length + _MARKER_TOKENS
+            return self.tokens[i] + 1 + note
+        return self.tokens[i] * (CLIP_HEAD + CLIP_TAIL) // length + _MARKER_TOKENS + note
 
 
-SHARES = {"lead": 0.5, "chosen": 0.7, "diagnostic": 0.6, "focus": 0.3, "context": 0.25, "fill": 0.0}
+SHARES = {"lead": 0.5, "chosen": 0.7, "diagnostic": 0.7, "focus": 0.3, "context": 0.15, "fill": 0.0}
 """The most of the budget each class of lines may take before every class has had its turn (module docstring)."""
 
 
@@ -178,8 +187,9 @@ def rank(facts: Facts, terms: Sequence[str] = (), *, chosen: Iterable[int] | Non
 
 def accept(facts: Facts, ranked: Ranked, budget: int) -> list[int]:
     """The lines of ``ranked`` whose estimated costs fit ``budget`` tokens, in the order taken: first each class
-    within its share (:data:`SHARES`), in rank order, then whatever still fits, in rank order. A line that does not
-    fit is skipped; later smaller ones may still fit. Trimming from the end drops the latest taken first."""
+    within its share (:data:`SHARES`), in rank order, then whatever still fits, in rank order. A line's cost counts
+    the gap marker it adds (or saves) next to the lines taken before it. A line that does not fit is skipped; later
+    smaller ones may still fit. Trimming from the end drops the latest taken first."""
     used = 0
     spent: dict[str, int] = {}
     taken: dict[int, None] = {}
@@ -187,7 +197,9 @@ def accept(facts: Facts, ranked: Ranked, budget: int) -> list[int]:
         for i, kind in zip(ranked.order, ranked.classes):
             if i in taken:
                 continue
-            cost = facts.cost(i)
+            # A line opening a run of its own adds a gap marker; one joining two runs saves one.
+            runs = 1 - (i - 1 in taken) - (i + 1 in taken)
+            cost = max(0, facts.cost(i) + runs * GAP_MARKER_TOKENS)
             share = SHARES.get(kind)
             if capped and share is not None and spent.get(kind, 0) + cost > budget * share:
                 continue

@@ -8,8 +8,8 @@ the ``[ERROR]`` log level (Maven and most Java and CI logs put the compiler erro
 zero count (``Failures: 0``, ``0 failed``, ``exit code 0``) is not a diagnostic, otherwise the ~700 passing
 ``Tests run: 10, Failures: 0, Errors: 0`` lines of a Maven log are all pinned and nothing can be condensed. And the
 runners' own failure marks, each in the form only that runner writes: ``fail:`` and ``[fail]`` (unittest, Go's
-``--- FAIL:``, sympy), ``npm err!``, Rust's ``panicked at``, pytest's ``E   `` detail lines, and the ``✕``/``✗`` of
-JavaScript runners.
+``--- FAIL:``, sympy), ``npm err!``, Rust's ``panicked at``, pytest's ``E   `` detail lines, the ``✕``/``✗`` of
+JavaScript runners, and a coded error (``error TS2304:``, ``error CS0103:``, ``error MSB3073:``).
 
 **Focus terms** come from the task, the round's intent and the tool arguments: split on characters other than
 letters, digits and ``_ - . /``, edge punctuation trimmed, at least 3 characters, a 25-word stop list removed,
@@ -38,7 +38,7 @@ _ZERO_COUNT = re.compile(
     r"|(?<![\d.])0\s+(?:failures?|errors?|failed|exceptions?)\b"
     r"|exit code:?\s*0(?!\.?\d)"
 )
-_MARKERS = re.compile("|".join(re.escape(m) for m in DIAGNOSTIC_MARKERS))
+_MARKERS = re.compile("|".join(re.escape(m) for m in DIAGNOSTIC_MARKERS) + r"|\berror [a-z]{1,6}\d{2,}\b")
 _TERM_SPLIT = re.compile(r"[^\w\-./]+")
 
 
