@@ -11,12 +11,12 @@ CLOSE_S = 5.0
 """Seconds a close may take before it is given up (it is cancelled then, as a close on a dead peer would hang)."""
 
 
-async def close(resource: Any) -> None:
+async def close(resource: Any, timeout: float = CLOSE_S) -> None:
     """Call ``resource.aclose()`` (nothing when it has none) inside a scope that the caller's cancellation does not
     reach, so that a client going away or a deadline firing still returns upstream connections to their pool and
-    runs the stages' own clean-up; that scope is cancelled after :data:`CLOSE_S` seconds."""
+    runs the stages' own clean-up; that scope is cancelled after ``timeout`` seconds."""
     aclose = getattr(resource, "aclose", None)
     if aclose is None:
         return
-    with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_S):
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout):
         await aclose()

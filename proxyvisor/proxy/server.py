@@ -234,12 +234,10 @@ class Connection:
                 await self._serve_requests()
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                try:
-                    await self.stream.aclose()
-                except Exception:  # noqa: BLE001 - closing a dead socket may fail in many ways; nothing to do
-                    pass
+            try:
+                await close(self.stream, timeout=1)
+            except Exception:  # noqa: BLE001 - closing a dead socket may fail in many ways; nothing to do
+                pass
 
     async def _serve_requests(self) -> None:
         first = True

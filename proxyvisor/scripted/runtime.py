@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from ..proxy.server import AbortConnection, Request
+from ..proxy.closing import close
 from ..proxy.sse import SSEParser
 from ..adapters.descriptors import Descriptor
 from ..adapters.failures import Failure
@@ -89,7 +90,5 @@ class ScriptedRuntime:
             progress.fail(self.normalise(NativeError(f"undecodable stream event: {exc}"), time.time()))
             return
         finally:
-            aclose = getattr(response.body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close(response.body)
         progress.finish(None, reason)
