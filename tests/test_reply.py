@@ -14,6 +14,8 @@ from proxyvisor.proxy import closing, sse
 from proxyvisor.proxy.reply import Blocks, Edit, Edited, Encoded, scanned
 from proxyvisor.proxy.sse import Block, Event
 
+from helpers import FORMATS, ask
+
 # An upstream's own formatting: CRLF and bare CR line endings, a comment, a field proxyvisor ignores, no space
 # after the colon. A stage that re-encoded events would normalise all of it.
 ODD = b": hello\r\nid: 1\r\ndata:{\"a\":1}\r\n\r\nevent: z\rdata: two\r\r"
@@ -136,3 +138,28 @@ async def test_close_runs_when_the_caller_is_cancelled_and_gives_up_at_its_deadl
     with trio.fail_after(5):  # guards a hang only
         await closing.close(Hung())
     await closing.close(object())  # nothing to close: nothing happens
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_json_reply_is_decoded_once_for_all_the_stages(fmt: str, start_proxy,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stripper rewrites the answer and the pipeline reads its usage and text: one decode of the upstream's
+    bytes between them (each used to decode it again)."""
+    import orjson
+
+    mark = "Distinct answer text"
+    decodes: list[int] = []
+    loads = orjson.loads
+
+    def counting(data: Any) -> Any:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8", "replace")
+        if mark in text:
+            decodes.append(len(data))
+        return loads(data)
+
+    async with start_proxy([{"text": f"{mark}. <sup>{{\"state\": \"done\"}}</sup>"}]) as rp:
+        monkeypatch.setattr(orjson, "loads", counting)
+        answer = await ask(fmt, rp.url, stream=False)
+        monkeypatch.setattr(orjson, "loads", loads)
+    assert answer.text.startswith(mark) and "<sup>" not in answer.text
+    assert len(decodes) == 1
