@@ -149,6 +149,8 @@ async def test_an_empty_notice_adds_nothing(tmp_path: Any, fmt: str, stream: boo
 def _gated(judge: Any, chunks: Any) -> Encoded:
     """The agent's bytes of a :class:`~proxyvisor.proxy.gating.GatedStream` over ``chunks``."""
     return Encoded(gating.GatedStream(judge, chunks))
+
+
 def _stream(fmt: str, turn: AssistantTurn) -> bytes:
     return b"".join(BY_NAME[fmt].render_stream(turn, MODEL, request_body(fmt, True)))
 

@@ -644,6 +644,8 @@ async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_a
 def _gated(judge: Any, chunks: Any) -> Encoded:
     """The agent's bytes of a :class:`~proxyvisor.proxy.gating.GatedStream` over ``chunks``."""
     return Encoded(gating.GatedStream(judge, chunks))
+
+
 class _Chunks:
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks = chunks
