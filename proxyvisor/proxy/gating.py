@@ -414,7 +414,7 @@ class GatedStream(ReplyStream):
                         out: list[Item] = []
                         items = await scanned(batch)
                         for n, block in enumerate(items):
-                            if block.raw == g.fmt.keepalive:
+                            if block.is_bytes(g.fmt.keepalive):
                                 # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
                                 # message: it goes out at once, held answer or not, so the client never idles out.
                                 out.append(block)
@@ -428,7 +428,7 @@ class GatedStream(ReplyStream):
                             if block.event is not None:
                                 event = block.event
                                 events.append((event.event, event.data))
-                                replaced = await off_loop(len(block.raw), splice.event, event.event, event.data)
+                                replaced = await off_loop(block.size, splice.event, event.event, event.data)
                             if splice.stopped:
                                 stop.append(block)
                                 if stopped:

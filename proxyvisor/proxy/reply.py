@@ -76,7 +76,7 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 def size(items: Sequence[Item]) -> int:
     """The bytes ``items`` hold."""
-    return sum(len(item.raw) if isinstance(item, Block) else sum(map(len, item.pieces)) for item in items)
+    return sum(item.size if isinstance(item, Block) else sum(map(len, item.pieces)) for item in items)
 
 
 def _scan(items: list[Item]) -> list[Block]:
@@ -105,10 +105,7 @@ def pieces(items: list[Item]) -> list[bytes]:
     """The bytes of ``items``, as pieces in order."""
     out: list[bytes] = []
     for item in items:
-        if isinstance(item, Block):
-            out.append(item.raw)
-        else:
-            out += item.pieces
+        out += item.pieces
     return out
 
 

@@ -28,13 +28,41 @@ class Event:
     data: str
 
 
-@dataclass(frozen=True, slots=True)
 class Block:
     """The bytes of one event block as they came (its lines and the blank line that ends it) and its event, or
-    None for a block with no data (a comment such as a keep-alive, a lone blank line)."""
+    None for a block with no data (a comment such as a keep-alive, a lone blank line).
 
-    raw: bytes
-    event: Event | None
+    A big block keeps its bytes as the pieces they came in (:attr:`pieces`), never joined: they are only sent on,
+    and joining 100 MB is one step that holds the interpreter (and so every session's event loop) for a tenth of
+    a second. :attr:`raw` joins them for a reader that wants one ``bytes``.
+    """
+
+    __slots__ = ("pieces", "size", "event")
+
+    def __init__(self, raw: bytes | list[bytes], event: Event | None) -> None:
+        self.pieces: list[bytes] = [raw] if isinstance(raw, bytes) else raw
+        self.size = sum(map(len, self.pieces))
+        self.event = event
+
+    @property
+    def raw(self) -> bytes:
+        return self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
+
+    def is_bytes(self, data: bytes) -> bool:
+        """Whether the block's bytes are ``data`` (without joining a big block's pieces)."""
+        return self.size == len(data) and self.raw == data
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Block) and (self.raw, self.event) == (other.raw, other.event)
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable pieces: compared by value, never hashed)
+
+    def __repr__(self) -> str:
+        return f"Block({self.raw[:80]!r}{'...' if self.size > 80 else ''}, {self.event!r})"
+
+
+JOIN_LIMIT = 1024 * 1024
+"""A block of more bytes than this keeps its pieces (:class:`Block`)."""
 
 
 class EventTooLarge(ValueError):
@@ -152,7 +180,9 @@ class SSEScanner:
         raise EventTooLarge(self.max_event, blocks)
 
     def _complete(self) -> Block:
-        raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
+        raw: bytes | list[bytes] = self._raw
+        if len(self._raw) == 1 or self._size <= JOIN_LIMIT:
+            raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
         event = None
         if self._has_data:
             event = Event(self._event, self._data[0] if len(self._data) == 1 else "\n".join(self._data))
