@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,10 +53,11 @@ Seconds = Annotated[float, real(POSITIVE)]
 
 
 class Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A table of the configuration: an unknown key in it is an error."""
+    """A table of the configuration: an unknown key in it is an error. A subclass repeats ``frozen=True``: msgspec
+    inherits it, but mypy would take the subclass for a mutable one."""
 
 
-class ProxyConfig(Table):
+class ProxyConfig(Table, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, integer(Range(0, 65535))] = 8377
     max_body_bytes: Annotated[int, integer(Range(1024))] = 32 * 1024 * 1024
@@ -68,7 +70,7 @@ class ProxyConfig(Table):
     max_stream_s: Amount = 3600.0  # 0 = no limit
 
 
-class UpstreamConfig(Table):
+class UpstreamConfig(Table, frozen=True):
     """One ``[upstreams.NAME]`` table.
 
     ``model``: the model name sent upstream on the translation path (a client format the upstream does not speak,
@@ -94,13 +96,13 @@ class UpstreamConfig(Table):
         return self.url == SCRIPTED_URL
 
 
-class StateConfig(Table):
+class StateConfig(Table, frozen=True):
     dir: str = ""
     session_idle_s: Seconds = 3600.0
     max_sessions: Annotated[int, integer(Range(1))] = 1024
 
 
-class ModelConfig(Table):
+class ModelConfig(Table, frozen=True):
     """``[supervisor.model]``: the model proxyvisor calls itself (verifier, refuter, planner, condenser).
 
     With ``api_base`` and ``api_key_env`` empty, the session's own route (``proxyvisor.supervisor_model.route_of``):
@@ -122,7 +124,7 @@ class ModelConfig(Table):
     request_timeout_s: Seconds = 300.0
 
 
-class CondenseConfig(Table):
+class CondenseConfig(Table, frozen=True):
     """``[supervisor.condense]``: narrowing oversized tool results for the model's copy (seed 003, "Condense").
 
     A plain-text tool result above ``tokens_threshold`` tokens (0 = off; never below 512) is a candidate; the
@@ -142,7 +144,7 @@ class CondenseConfig(Table):
     timeout_s: Seconds = 60.0
 
 
-class DetectorsConfig(Table):
+class DetectorsConfig(Table, frozen=True):
     """``[supervisor.detectors]``: ``mutating_tools`` names tools whose successful calls always count as changes
     (declared mutations), on top of the built-in rules (``proxyvisor.detectors.receipts``). The detectors'
     thresholds are fixed constants (seed 003)."""
@@ -150,7 +152,7 @@ class DetectorsConfig(Table):
     mutating_tools: tuple[str, ...] = ()
 
 
-class GateConfig(Table):
+class GateConfig(Table, frozen=True):
     """``[supervisor.gate]``: the verify-gate (seed 003 "Verify-gate"; ``proxyvisor.gate``).
 
     Every response that ends a turn without tool calls is checked by one verifier call (``[supervisor.model]``)
@@ -177,7 +179,7 @@ class GateConfig(Table):
         "[proxyvisor] This answer could not be verified: check it before relying on it."
 
 
-class PlanConfig(Table):
+class PlanConfig(Table, frozen=True):
     """``[supervisor.plan]``: the supervisor-owned plan (seed 003 "Adaptive external planning", "Recite").
 
     ``enabled``: the self-report's ``plan`` signal calls the planner (``[supervisor.model]``); ``recite``: a block
@@ -193,7 +195,7 @@ class PlanConfig(Table):
     timeout_s: Seconds = 60.0
 
 
-class SupervisorConfig(Table):
+class SupervisorConfig(Table, frozen=True):
     enabled: bool = True
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     condense: CondenseConfig = msgspec.field(default_factory=CondenseConfig)
@@ -202,7 +204,7 @@ class SupervisorConfig(Table):
     plan: PlanConfig = msgspec.field(default_factory=PlanConfig)
 
 
-class RouteTarget(Table):
+class RouteTarget(Table, frozen=True):
     """An adapter, model and effort; an empty field is inherited (see ``proxyvisor.adapters.routing``)."""
 
     adapter: str = ""
@@ -210,7 +212,7 @@ class RouteTarget(Table):
     effort: str = ""
 
 
-class RoleConfig(Table):
+class RoleConfig(Table, frozen=True):
     """One ``[model_routing.roles.NAME]`` table: the role's target, its description for the delegation tool,
     and the roles it may delegate to (edges of the supervision graph, seed 004)."""
 
@@ -226,12 +228,12 @@ class RoleConfig(Table):
         return RouteTarget(self.adapter, self.model, self.effort)
 
 
-class CooldownConfig(Table):
+class CooldownConfig(Table, frozen=True):
     default_seconds: Seconds = 300.0
     maximum_seconds: Seconds = 3600.0
 
 
-class ChildrenConfig(Table):
+class ChildrenConfig(Table, frozen=True):
     """Clocks and limits of child runs (seed 002)."""
 
     wall_clock_s: Annotated[float, real(CHILD_WALL_CLOCK)] = 600.0
@@ -248,7 +250,7 @@ AdapterOption = Annotated[str | int | float | bool | list[str],
 """A value of ``[model_routing.adapter_options.ID]``: the adapter reads its own options."""
 
 
-class ModelRoutingConfig(Table):
+class ModelRoutingConfig(Table, frozen=True):
     """``[model_routing]``: delegation to child runtimes, routing policy and per-pool health (seed 000)."""
 
     enabled: bool = False
@@ -268,7 +270,7 @@ class ModelRoutingConfig(Table):
         return next((r for r in self.roles if r.name == name), None)
 
 
-class Config(Table):
+class Config(Table, frozen=True):
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(name="scripted"),)
     state: StateConfig = msgspec.field(default_factory=StateConfig)
@@ -276,7 +278,7 @@ class Config(Table):
     model_routing: ModelRoutingConfig = msgspec.field(default_factory=ModelRoutingConfig)
     source: str = "built-in defaults"
 
-    def state_dir(self, env: dict[str, str] | None = None) -> Path:
+    def state_dir(self, env: Mapping[str, str] | None = None) -> Path:
         """The state directory: ``[state] dir``, else ``$PROXYVISOR_STATE_DIR``, else
         ``$XDG_STATE_HOME/proxyvisor`` (``~/.local/state/proxyvisor``)."""
         env = os.environ if env is None else env
@@ -304,7 +306,7 @@ class Config(Table):
         return replace(self, **{name: replace(getattr(self, name), **values) for name, values in sections.items()})
 
 
-class _Document(Table):
+class _Document(Table, frozen=True):
     """A configuration file's top level. The named tables are validated one by one (:func:`parse`), so that an
     error names its table."""
 
@@ -372,7 +374,7 @@ def parse_model_routing(table: dict[str, Any], source: str) -> ModelRoutingConfi
     """
     where = ("model_routing",)
     rest = {k: v for k, v in table.items() if k not in ("roles", "adapter_options")}
-    routing = _convert(source, where, rest, ModelRoutingConfig)
+    routing: ModelRoutingConfig = _convert(source, where, rest, ModelRoutingConfig)
     roles = _convert(source, where, table.get("roles", {}), dict[str, Any], key="roles")
     options = _convert(source, where, table.get("adapter_options", {}), dict[str, Any], key="adapter_options")
     for adapter, values in options.items():
@@ -427,7 +429,7 @@ def _check(config: Config) -> None:
 
 def as_document(config: Config) -> dict[str, Any]:
     """``config`` as the TOML document that :func:`parse` reads back into it (its ``source`` aside)."""
-    doc = msgspec.to_builtins(config)
+    doc: dict[str, Any] = msgspec.to_builtins(config)
     del doc["source"]
     doc["upstreams"] = {u.pop("name"): u for u in doc["upstreams"]}
     doc["model_routing"]["roles"] = {r.pop("name"): r for r in doc["model_routing"]["roles"]}
@@ -453,7 +455,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def find_config_file(explicit: str | None, env: dict[str, str] | None = None) -> Path | None:
+def find_config_file(explicit: str | None, env: Mapping[str, str] | None = None) -> Path | None:
     env = os.environ if env is None else env
     if explicit:
         return Path(explicit).expanduser()
@@ -463,14 +465,14 @@ def find_config_file(explicit: str | None, env: dict[str, str] | None = None) ->
     return candidate if candidate.exists() else None
 
 
-def default_config_path(env: dict[str, str] | None = None) -> Path:
+def default_config_path(env: Mapping[str, str] | None = None) -> Path:
     """``$XDG_CONFIG_HOME/proxyvisor/config.toml`` (``~/.config/proxyvisor/config.toml``), existing or not."""
     env = os.environ if env is None else env
     base = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME", "~"), ".config")
     return Path(base).expanduser() / "proxyvisor" / "config.toml"
 
 
-def load(explicit: str | None = None, env: dict[str, str] | None = None) -> Config:
+def load(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Find, read and validate the configuration (see the module docstring for the search order). A relative
     ``[upstreams.NAME] script`` path is taken relative to the file's folder (``~`` is expanded).
 

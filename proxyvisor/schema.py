@@ -29,16 +29,19 @@ _FLOAT_MAX = sys.float_info.max
 def integer(rule: Range, description: str = "") -> msgspec.Meta:
     """The constraint of an integer field that follows ``rule`` (``description``: what errors say it accepts;
     default: the range, e.g. ``0-65535``)."""
-    low = {"gt" if rule.low_open else "ge": int(rule.low)}
-    high = {"le": int(rule.high)} if math.isfinite(rule.high) else {}
-    return msgspec.Meta(**low, **high, description=description or str(rule))
+    high = int(rule.high) if math.isfinite(rule.high) else None
+    if rule.low_open:
+        return msgspec.Meta(gt=int(rule.low), le=high, description=description or str(rule))
+    return msgspec.Meta(ge=int(rule.low), le=high, description=description or str(rule))
 
 
 def real(rule: Range, description: str = "") -> msgspec.Meta:
     """The constraint of a float field (an integer is accepted as a float) that follows ``rule``. The upper bound is
     at most the largest finite float, so ``inf`` is refused; ``nan`` fails every bound."""
-    low = {"gt" if rule.low_open else "ge": float(rule.low)}
-    return msgspec.Meta(**low, le=min(float(rule.high), _FLOAT_MAX), description=description or str(rule))
+    high = min(float(rule.high), _FLOAT_MAX)
+    if rule.low_open:
+        return msgspec.Meta(gt=float(rule.low), le=high, description=description or str(rule))
+    return msgspec.Meta(ge=float(rule.low), le=high, description=description or str(rule))
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,11 @@ def explain(error: str, schema: type[Any], value: Any, table: str = "table") -> 
                                    item.split(" ", 1)[-1] + "s")
         if isinstance(info, inspect.UnionType):
             return " or ".join(kind(t) for t in info.types)
-        return {inspect.StrType: "a string", inspect.IntType: "an integer", inspect.FloatType: "a number",
-                inspect.BoolType: "a boolean (true or false)", inspect.DictType: f"a {table}",
-                inspect.StructType: f"a {table}", inspect.NoneType: "none"}.get(type(info), "")
+        words: dict[type[Any], str] = {
+            inspect.StrType: "a string", inspect.IntType: "an integer", inspect.FloatType: "a number",
+            inspect.BoolType: "a boolean (true or false)", inspect.DictType: f"a {table}",
+            inspect.StructType: f"a {table}", inspect.NoneType: "none"}
+        return words.get(type(info), "")
 
     def child(obj: Any, part: str) -> Any:
         if isinstance(obj, dict) and part in obj:
@@ -130,6 +135,7 @@ def explain(error: str, schema: type[Any], value: Any, table: str = "table") -> 
 
     declared: tuple[Any, ...] = ()
     match = _AT.fullmatch(error)
+    assert match is not None  # every part of _AT is optional
     text, parts = match["text"], [a or b for a, b in _PART.findall(match["path"] or "")]
     node, obj, tables = unwrap(inspect.type_info(schema)), value, []
     fields: dict[str, Any] = {f.name: f.type for f in node.fields} if isinstance(node, inspect.StructType) else {}

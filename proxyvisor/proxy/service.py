@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -43,7 +43,7 @@ class RunningProxy:
         return f"http://{host}:{self.port}"
 
 
-def upstream_keys(config: Config, env: dict[str, str] | None = None) -> dict[str, str | None]:
+def upstream_keys(config: Config, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """The API key of each upstream from its ``api_key_env`` (None: forward the client's own credentials).
 
     Raises:
