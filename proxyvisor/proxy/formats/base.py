@@ -251,9 +251,10 @@ def event_object(data: str) -> dict[str, Any] | None:
     if not data.startswith("{"):
         return None
     try:
-        return orjson.loads(data) if len(data) < largejson.SLICE else largejson.loads(data)
+        obj: dict[str, Any] = orjson.loads(data) if len(data) < largejson.SLICE else largejson.loads(data)
     except orjson.JSONDecodeError:
         return None
+    return obj
 
 
 def words(text: str) -> list[str]:

@@ -58,7 +58,7 @@ class ChatFormat(WireFormat):
             fn = tool.get(kind) if isinstance(tool, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                 schema = fn.get("parameters") if kind == "function" else None
-                about = fn.get("description") if isinstance(fn.get("description"), str) else ""
+                about = text if isinstance(text := fn.get("description"), str) else ""
                 out.append(ToolSpec(fn["name"], schema if isinstance(schema, dict) else {}, about, kind))
         return out
 
@@ -225,7 +225,7 @@ class ChatFormat(WireFormat):
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                     continue
                 finish = choice.get("finish_reason") or finish
-                delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+                delta = given if isinstance(given := choice.get("delta"), dict) else {}
                 if isinstance(delta.get("content"), str):
                     text.append(delta["content"])
                 for c in as_list(delta.get("tool_calls")):
@@ -241,7 +241,7 @@ class ChatFormat(WireFormat):
                         custom["name"] = c["custom"].get("name") or custom["name"]
                         custom["input"] += c["custom"].get("input") or ""
                         continue
-                    fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+                    fn = given if isinstance(given := c.get("function"), dict) else {}
                     slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
                     slot["function"]["arguments"] += fn.get("arguments") or ""
         # Empty parts left out: a lone big delta is taken as it is, not copied.
@@ -253,8 +253,7 @@ class ChatFormat(WireFormat):
 
     def assistant_items(self, response: dict[str, Any], keep: Callable[[str], bool]) -> list[Any]:
         choice = (as_list(response.get("choices")) or [{}])[0]
-        message = choice.get("message") if isinstance(choice, dict) and isinstance(choice.get("message"), dict) \
-            else {}
+        message = given if isinstance(choice, dict) and isinstance(given := choice.get("message"), dict) else {}
         item: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
         calls = [c for c in as_list(message.get("tool_calls"))
                  if isinstance(c, dict) and ((call := call_of(c)) is None or keep(call.name))]
@@ -430,7 +429,7 @@ def call_of(call: Any) -> ToolCall | None:
     (:func:`~.freeform.arguments`)."""
     if not isinstance(call, dict):
         return None
-    kind = call.get("type") if isinstance(call.get("type"), str) and call.get("type") else "function"
+    kind = given if isinstance(given := call.get("type"), str) and given else "function"
     body = call.get(kind)
     if not isinstance(body, dict):
         return None

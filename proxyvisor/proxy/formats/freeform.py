@@ -177,7 +177,7 @@ def result_text(text: str) -> str:
         obj = json.loads(text)
     except ValueError:
         return text
-    if not isinstance(obj, dict) or not isinstance(obj.get("output"), str):
+    if not isinstance(obj, dict) or not isinstance(output := obj.get("output"), str):
         return text
     code = obj.get("exit_code")
-    return obj["output"] + (f"\nProcess exited with code {code}" if isinstance(code, int) else "")
+    return output + (f"\nProcess exited with code {code}" if isinstance(code, int) else "")

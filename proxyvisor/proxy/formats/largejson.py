@@ -90,7 +90,9 @@ def _literal_end(text: str, pos: int) -> int:
                 return quote
             pos = quote + 1
         else:
-            pos = _BODY.match(text, pos, stop).end()  # stops at a quote, at the slice's end or before a lone "\"
+            body = _BODY.match(text, pos, stop)
+            assert body is not None  # _BODY matches the empty string
+            pos = body.end()  # stops at a quote, at the slice's end or before a lone "\"
             if pos < n and text[pos] == '"':
                 return pos
     return -1
@@ -121,7 +123,8 @@ def _decode(text: str, start: int, end: int) -> str:
             while (slash := text.rfind("\\", cut - _ESCAPE, cut)) >= 0:
                 cut = slash
                 if cut - pos <= SLICE // 2:
-                    return orjson.loads('"' + text[start:end] + '"')
+                    whole: str = orjson.loads('"' + text[start:end] + '"')
+                    return whole
         pieces.append(orjson.loads('"' + text[pos:cut] + '"'))
         pos = cut
     return pieces[0] if len(pieces) == 1 else "".join(pieces)

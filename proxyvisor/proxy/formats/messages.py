@@ -48,8 +48,8 @@ class MessagesFormat(WireFormat):
                 inner = orjson.loads(user_id)
             except orjson.JSONDecodeError:
                 return user_id
-            if isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]:
-                return inner["session_id"]
+            if isinstance(inner, dict) and isinstance(session := inner.get("session_id"), str) and session:
+                return session
         return user_id
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
@@ -67,9 +67,9 @@ class MessagesFormat(WireFormat):
         out = []
         for tool in as_list(body.get("tools")):
             if isinstance(tool, dict) and isinstance(tool.get("name"), str):
-                kind = tool.get("type") if isinstance(tool.get("type"), str) and "input_schema" not in tool else ""
+                kind = declared if isinstance(declared := tool.get("type"), str) and "input_schema" not in tool else ""
                 schema = tool.get("input_schema")
-                about = tool.get("description") if isinstance(tool.get("description"), str) else ""
+                about = text if isinstance(text := tool.get("description"), str) else ""
                 out.append(ToolSpec(tool["name"], schema if isinstance(schema, dict) else {}, about,
                                     "function" if kind in ("", "custom") else kind))
         return out
@@ -148,9 +148,9 @@ class MessagesFormat(WireFormat):
 
     def render_stream(self, turn: AssistantTurn, model: str, request: dict[str, Any]) -> list[bytes]:
         i, o = turn.usage
-        message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": i, "output_tokens": min(o, 1)}}
+        message: dict[str, Any] = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                                   "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+                                   "usage": {"input_tokens": i, "output_tokens": min(o, 1)}}
         events = [sse(dumps({"type": "message_start", "message": message}), "message_start"),
                   sse(b'{"type":"ping"}', "ping")]
         index = 0
@@ -302,7 +302,7 @@ class MessagesFormat(WireFormat):
             if kind == "message_start" and isinstance(obj.get("message"), dict):
                 message = dict(obj["message"])
             elif kind == "message_delta":
-                message.update(obj.get("delta") if isinstance(obj.get("delta"), dict) else {})
+                message.update(delta if isinstance(delta := obj.get("delta"), dict) else {})
                 if isinstance(obj.get("usage"), dict):
                     message["usage"] = {**(message.get("usage") or {}), **obj["usage"]}
             elif kind == "content_block_start" and isinstance(index, int):
@@ -407,7 +407,7 @@ class _MessagesStream:
         kind, index, block = obj.get("type"), obj["index"], self.block
         start = obj.get("content_block")
         if kind == "content_block_start" and isinstance(start, dict) and start.get("type") == "text":
-            initial = start.get("text") if isinstance(start.get("text"), str) else ""
+            initial = text if isinstance(text := start.get("text"), str) else ""
             obj["content_block"]["text"] = ""
             self.block = block = _TextBlock(index, obj, self.new_filter())
             block.visible = bool(initial.strip())

@@ -60,8 +60,8 @@ def call_of(item: Any) -> ToolCall | None:
     commands = args.get("commands")
     if "command" not in args and isinstance(commands, list) and all(isinstance(c, str) for c in commands):
         args["command"] = "\n".join(commands)
-    name = item.get("name")
-    return ToolCall(name if isinstance(name, str) and name else base, args, call_id, base)
+    given = item.get("name")
+    return ToolCall(given if isinstance(given, str) and given else base, args, call_id, base)
 
 
 def _is_result(item: Any) -> bool:
@@ -99,7 +99,7 @@ def _specs(declared: list[Any], namespace: str | None) -> list[ToolSpec]:
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
             continue
         kind, name = tool["type"], tool.get("name")
-        about = tool.get("description") if isinstance(tool.get("description"), str) else ""
+        about = text if isinstance(text := tool.get("description"), str) else ""
         if kind == "namespace":
             if isinstance(name, str) and name:
                 out += _specs(as_list(tool.get("tools")), name)
@@ -142,7 +142,7 @@ class ResponsesFormat(WireFormat):
         return None
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
-        system = body.get("instructions") if isinstance(body.get("instructions"), str) else ""
+        system = instructions if isinstance(instructions := body.get("instructions"), str) else ""
         items = body.get("input")
         if isinstance(items, str):
             return system, items
@@ -397,8 +397,8 @@ class ResponsesFormat(WireFormat):
             obj = event_object(data)
             if obj is None:
                 continue
-            if obj.get("type") in _FINAL_EVENTS and isinstance(obj.get("response"), dict):
-                return obj["response"]
+            if obj.get("type") in _FINAL_EVENTS and isinstance(response := obj.get("response"), dict):
+                return response
             if obj.get("type") == "response.output_item.done":
                 done.insert(0, obj.get("item"))
         return {"output": done}
@@ -593,9 +593,9 @@ class _ResponsesSplice:
         if done is not None:  # the answer's last message is still open for the client: text ends it
             added = "\n\n" + text
             self.appended = (done.get("item_id"), done.get("content_index"), added)
-            delta = {"type": "response.output_text.delta", "sequence_number": 0,
-                     **{k: done.get(k) for k in ("item_id", "output_index", "content_index")},
-                     "delta": added, "logprobs": []}
+            delta: dict[str, Any] = {"type": "response.output_text.delta", "sequence_number": 0,
+                                     **{k: done.get(k) for k in ("item_id", "output_index", "content_index")},
+                                     "delta": added, "logprobs": []}
             for _name, obj, _data in self.closing:
                 if obj.get("type") == "response.output_text.done" and isinstance(obj.get("text"), str):
                     obj["text"] += added
