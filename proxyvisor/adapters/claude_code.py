@@ -45,7 +45,7 @@ class ClaudeCodeRuntime(CliRuntime):
             progress.model = str(event.get("model") or "")
             progress.event()
         elif kind == "assistant":
-            message = event.get("message") if isinstance(event.get("message"), dict) else {}
+            message = given if isinstance(given := event.get("message"), dict) else {}
             if message.get("model") and message.get("model") != "<synthetic>":
                 progress.model = str(message["model"])
             for block in message.get("content") or ():
@@ -57,7 +57,7 @@ class ClaudeCodeRuntime(CliRuntime):
                     progress.add_text(str(block.get("text", "")))
             progress.event()
         elif kind == "result":
-            usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+            usage = given if isinstance(given := event.get("usage"), dict) else {}
             progress.usage(int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
                            + int(usage.get("cache_creation_input_tokens") or 0), int(usage.get("output_tokens") or 0))
             text = str(event.get("result") or "")
@@ -67,7 +67,7 @@ class ClaudeCodeRuntime(CliRuntime):
                                                          status=status if isinstance(status, int) else None),
                                              time.time()))
             else:
-                reason = _FINISH.get(event.get("subtype"), "stop")
+                reason = _FINISH.get(event.get("subtype", ""), "stop")
                 if event.get("stop_reason") == "max_tokens":
                     reason = "length"
                 progress.finish(text, reason)

@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
@@ -88,7 +88,7 @@ async def _wrap(fn: Callable[[], Awaitable[T]]) -> T:
     return await fn()
 
 
-async def iterate(aiter: Any) -> AsyncIterator[Any]:
+async def iterate(aiter: Any) -> AsyncGenerator[Any, None]:
     """Iterate an asyncio async iterator (e.g. a litellm stream) from trio, one item per thread hop."""
     iterator = aiter.__aiter__()
 

@@ -97,7 +97,8 @@ async def _read_lines(stream: trio.abc.ReceiveStream, on_line: Callable[[bytes],
         on_line(bytes(buffer))
 
 
-async def _read_tail(stream: trio.abc.ReceiveStream, tail: bytearray, on_chunk: Callable[[bytes], None]) -> None:
+async def _read_tail(stream: trio.abc.ReceiveStream, tail: bytearray,
+                     on_chunk: Callable[[bytes | bytearray], None]) -> None:
     while True:
         chunk = await stream.receive_some(65536)
         if not chunk:
@@ -108,7 +109,7 @@ async def _read_tail(stream: trio.abc.ReceiveStream, tail: bytearray, on_chunk: 
 
 
 async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
-                      on_stderr: Callable[[bytes], None] = lambda _chunk: None,
+                      on_stderr: Callable[[bytes | bytearray], None] = lambda _chunk: None,
                       env: Mapping[str, str] | None = None, cwd: str | None = None,
                       stop_grace_s: float = 5.0) -> ProcessExit:
     """Run ``argv`` to completion, streaming its output (see the module docstring).
@@ -123,12 +124,13 @@ async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
         list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True)
     log.info("child pid %d started: %s", process.pid, argv[0])
+    assert process.stdout is not None and process.stderr is not None  # opened as pipes
     tail = bytearray()
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_read_lines, process.stdout, on_line)
             nursery.start_soon(_read_tail, process.stderr, tail, on_stderr)
-        await process.wait()
+        returncode = await process.wait()
     finally:
         with trio.CancelScope(shield=True):
             how = await stop_process(process, stop_grace_s)
@@ -137,7 +139,7 @@ async def run_process(argv: Sequence[str], on_line: Callable[[bytes], None], *,
             for stream in (process.stdout, process.stderr):
                 if stream is not None:
                     await stream.aclose()
-    return ProcessExit(process.returncode, tail.decode("utf-8", "replace"))
+    return ProcessExit(returncode, tail.decode("utf-8", "replace"))
 
 
 def json_event(line: bytes, progress: ChildProgress) -> dict[str, Any] | None:

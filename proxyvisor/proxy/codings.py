@@ -78,7 +78,7 @@ def _unbrotli(data: bytes, limit: int) -> bytes:
     decompressor = brotli.Decompressor()
     try:
         # The output buffer stops growing once it reaches the limit: it may end up to twice as large.
-        out = decompressor.process(data, output_buffer_limit=limit + 1)
+        out: bytes = decompressor.process(data, output_buffer_limit=limit + 1)
     except brotli.error:
         raise UndecodableBody("invalid br data") from None
     if len(out) > limit:

@@ -60,13 +60,13 @@ import orjson
 import trio
 
 from ..gate import plan as plans
-from ..store import LedgerError, Store
+from ..store import SESSION_ID, LedgerError, Store
 from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import has_non_text
 from .info import info_object, render_text
 from .planning import goal_text
 from .server import Headers, Response
-from .sessions import SESSION_ID, Session, SessionTable
+from .sessions import Session, SessionTable
 from .supervise import SessionSupervision, Thread, thread_key
 
 COMMANDS = ("/plan", "/info")

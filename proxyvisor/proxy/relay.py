@@ -276,6 +276,7 @@ class HttpRelay:
             UpstreamError: with ``status``, the body is in a coding that cannot be undone within
                 :data:`MAX_DECODED_ERROR` bytes, so it cannot be checked.
         """
+        assert self.api_key is not None  # the caller redacts only when a key is configured
         key = self.api_key.encode()
         codings = ", ".join(v.decode("latin-1") for k, v in headers if k.lower() == b"content-encoding")
         try:

@@ -121,7 +121,7 @@ class Connection:
         self.peer = peer
         self.conn = h11.Connection(h11.SERVER)
         # The reader task hands what it reads to this task; unbuffered, so it reads ahead by one piece at most.
-        self._inbox_in, self._inbox = trio.open_memory_channel[bytes](0)
+        self._inbox_in, self._inbox = trio.open_memory_channel[bytes | bytearray](0)
         self._nursery: trio.Nursery | None = None
         self._handling: trio.CancelScope | None = None
         self._read_closed = False
@@ -202,7 +202,8 @@ class Connection:
             data = await self._inbox.receive()
         except trio.EndOfChannel:
             data = b""
-        self.conn.receive_data(data)
+        # h11 takes any bytes-like object; its annotation says bytes
+        self.conn.receive_data(data)  # type: ignore[arg-type]
 
     async def _next_event(self, timeout: float) -> object:
         event = self.conn.next_event()
@@ -215,7 +216,7 @@ class Connection:
                 if event is not h11.NEED_DATA:
                     return event
 
-    async def _send(self, *events: object) -> None:
+    async def _send(self, *events: h11.Event) -> None:
         if self._probing is not None:  # the interim response goes out first, whole
             await self._probing.wait()
         # Several events go out in one write: each write wakes the client, and a wake-up costs more than a copy.
@@ -367,8 +368,9 @@ class Connection:
             await close(body)
 
 
-async def serve_listeners(listeners: list[trio.SocketListener], handler: Handler, limits: Limits,
-                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_listeners(
+        listeners: list[trio.SocketListener], handler: Handler, limits: Limits,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections on ``listeners`` forever; each connection runs in its own task of one nursery."""
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -402,4 +404,5 @@ async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
 
 
 def bound_port(listeners: list[trio.SocketListener]) -> int:
-    return listeners[0].socket.getsockname()[1]
+    port: int = listeners[0].socket.getsockname()[1]
+    return port

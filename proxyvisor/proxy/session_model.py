@@ -105,7 +105,7 @@ class SupervisorRoutes:
         ``secrets`` are the credentials it carries (:func:`secrets_of`)."""
         if self.fixed is not None:
             return self.fixed, {"route": self.fixed_route, "model": self.settings.name}
-        model = self.settings.name or (body.get("model") if isinstance(body.get("model"), str) else "")
+        model = self.settings.name or (given if isinstance(given := body.get("model"), str) else "")
         call = SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body)
         # The built-in scripted upstream answers whatever model is asked for: it, not that name, judged.
         named = SCRIPTED_MODEL if upstream.scripted else upstream.model if translated and upstream.model else model

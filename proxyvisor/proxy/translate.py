@@ -228,8 +228,10 @@ class Translator:
         if target == "responses" and kwargs["stream"]:
             self._native_streaming(litellm, model)
         if target == "chat":
+            # openai takes an httpx client as well as its httpx2 one; its annotation names only httpx2
             kwargs = {**kwargs, "client": openai.AsyncOpenAI(api_key=kwargs["api_key"], base_url=kwargs["api_base"],
-                                                             max_retries=0, http_client=self._chat_http())}
+                                                             max_retries=0,
+                                                             http_client=self._chat_http())}  # type: ignore[arg-type]
         if route.call == "acompletion":
             return await litellm.acompletion(**kwargs)
         if route.call == "aresponses":
@@ -381,7 +383,7 @@ class TranslatedStream:
         client = _CLIENTS[self.fmt.name]
         sequence = 0
         finished = False
-        items = litellm_bridge.iterate(self.source).__aiter__()
+        items = litellm_bridge.iterate(self.source)
         try:
             while True:
                 try:

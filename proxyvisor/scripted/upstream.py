@@ -137,7 +137,7 @@ def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
         args["description"] = "List files in the current directory"
     for key in schema.get("required", ()) if isinstance(schema, dict) else ():
         if key not in args and key in props:
-            kind = (props[key] or {}).get("type")
+            kind = (props[key] or {}).get("type", "")
             args[key] = {"string": ".", "integer": 1, "number": 1, "boolean": False, "array": [], "object": {}}.get(kind, ".")
     return args
 
@@ -299,14 +299,14 @@ class ScriptedUpstream:
             return _refuse(fmt, exc)
         # No client prices these calls (proxyvisor makes them): their usage is counted with tiktoken, so that the
         # supervisor model's figures in the ledger and summaries are the calls' real sizes.
-        counts = {"input_tokens": estimate.input_tokens(fmt, body), "output_tokens": estimate.count(text)}
+        tokens_in, tokens_out = estimate.input_tokens(fmt, body), estimate.count(text)
         forced = _forced_tool(body)
         try:
             # A forced tool is answered as a provider does: with that tool's call, the answer as its input.
-            turn = AssistantTurn("", (ToolCall(forced, json_object(text)),), **counts) if forced \
-                else AssistantTurn(text, **counts)
+            turn = AssistantTurn("", (ToolCall(forced, json_object(text)),), tokens_in, tokens_out) if forced \
+                else AssistantTurn(text, (), tokens_in, tokens_out)
         except ValueError:  # a policy answer that is not a JSON object stays text
-            turn = AssistantTurn(text, **counts)
+            turn = AssistantTurn(text, (), tokens_in, tokens_out)
         return Response(200, _JSON, orjson.dumps(fmt.render(turn, _model(body))))
 
     def _next_step(self, body: bytes) -> dict[str, Any] | None:
@@ -347,8 +347,8 @@ def _forced_tool(body: dict[str, Any]) -> str | None:
     choice = body.get("tool_choice")
     if not isinstance(choice, dict) or choice.get("type") not in ("tool", "function"):
         return None
-    named = choice.get("function") if isinstance(choice.get("function"), dict) else choice
-    return named["name"] if isinstance(named.get("name"), str) else None
+    named = given if isinstance(given := choice.get("function"), dict) else choice
+    return name if isinstance(name := named.get("name"), str) else None
 
 
 def _model(body: dict[str, Any]) -> str:
