@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -81,7 +81,7 @@ def format_for_path(path: str) -> WireFormat:
     return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
 
 
-def error(fmt: WireFormat, status: int, message: str, headers: Headers = ()) -> Response:
+def error(fmt: WireFormat, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> Response:
     extra = list(headers)
     if status == 429 and not any(k == b"retry-after" for k, _ in extra):
         extra.append((b"retry-after", b"1"))
@@ -280,13 +280,13 @@ class Pipeline:
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
         session = self.sessions.touch(session_id, self.clock()) if self.supervised else self._counted(path_session)
+        exchange = None
         if self.supervised:
+            assert session is not None  # touched above
             session.identified = source
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
-        exchange = None
-        if self.supervised:
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
         if not native:
@@ -322,7 +322,8 @@ class Pipeline:
         relay = self.relays[upstream.name]
         if not native:
             async def translated(new: dict[str, Any]) -> UpstreamReply:
-                return await self.translator.send(fmt, upstream, new, request.headers)
+                reply: UpstreamReply = await self.translator.send(fmt, upstream, new, request.headers)
+                return reply
 
             return translated, upstream, secrets_of(request.headers, relay.api_key), True
         headers = self._headers(request, fmt, relay, True)

@@ -250,6 +250,7 @@ class Supervisor:
         pending = self.condenser.collect(fmt, items, tools, parts) if self.condenser is not None else None
         if pending is not None:
             condenser = self.condenser
+            assert condenser is not None  # pending was collected by it
 
             async def condense(exchange: Exchange) -> None:
                 record = exchange.record.condense = await condenser.apply(session.id, exchange.fmt, exchange.body,
