@@ -375,21 +375,21 @@ class _Run:
     error: str | None = None
 
 
-class _KeptStatus:
+class _KeptStatus(trio.TaskStatus[trio.Process]):
     """A task status that keeps the process it reports: a cancel landing while ``nursery.start`` hands the process
     over makes ``start`` raise instead of returning it, and the agent's exit status would be lost with it."""
 
     def __init__(self) -> None:
         self.process: trio.Process | None = None
-        self.status: Any = trio.TASK_STATUS_IGNORED
+        self.status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
 
     def started(self, value: trio.Process) -> None:
         self.process = value
         self.status.started(value)
 
 
-async def _run_process(cmd: list[str], kept: _KeptStatus, *, task_status: Any = trio.TASK_STATUS_IGNORED,
-                       **options: Any) -> None:
+async def _run_process(cmd: list[str], kept: _KeptStatus, *,
+                       task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED, **options: Any) -> None:
     kept.status = task_status
     await trio.run_process(cmd, task_status=kept, **options)
 

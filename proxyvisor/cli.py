@@ -13,7 +13,7 @@ import os
 import sys
 import textwrap
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import __version__
 from .config import Config, ConfigError, find_config_file, load
@@ -493,7 +493,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .config import validate
 
     validate(config)
-    handler = getattr(args, "handler", None)
+    handler: Callable[[argparse.Namespace, Config], int] | None = getattr(args, "handler", None)
     if handler is not None:
         return handler(args, config)
     if args.command == "serve":

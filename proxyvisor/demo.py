@@ -133,7 +133,7 @@ def say(console: Console, label: str | None, body: RenderableType, *, bar: bool 
     lines: list[Text] = []
     for segments in console.render_lines(Text.from_markup(body) if isinstance(body, str) else body, options,
                                          pad=False):
-        text = Text.assemble(*((segment.text, segment.style) for segment in segments if not segment.control))
+        text = Text.assemble(*((segment.text, segment.style or "") for segment in segments if not segment.control))
         text.rstrip()
         if text.plain or (lines and lines[-1].plain):
             lines.append(text)
@@ -360,8 +360,9 @@ async def _demo(config: Config, formats: list[str], state_dir: Path, console: Co
 def _gate_label(line: dict[str, Any]) -> str:
     """What the verify-gate did for a ledger line: the turn's outcome label, a re-entry, or nothing."""
     gate = line.get("gate") or {}
-    if gate.get("outcome"):
-        return gate["outcome"]
+    outcome: str = gate.get("outcome") or ""
+    if outcome:
+        return outcome
     return "re-entered" if gate.get("reentries") else ""
 
 
@@ -369,7 +370,7 @@ def demo(config: Config, which: str = "all", console: Console | None = None) -> 
     """Run the demo (see the module docstring). Writes its ledger to the configured state directory when one
     is set (``--state-dir``), else to a fresh temporary folder removed at the end. Returns the exit code."""
     console = console or Console()
-    formats = list(FORMATS) if which == "all" else [which]
+    formats: list[str] = list(FORMATS) if which == "all" else [which]
     if config.state.dir:
         trio.run(_demo, config, formats, Path(config.state.dir), console, False)
         return 0

@@ -28,6 +28,7 @@ from .config import Config, ModelRoutingConfig, RoleConfig
 from .demo import agent_turn, opening, say
 from .proxy.formats import WireFormat
 from .proxy.service import running
+from .scripted.runtime import ScriptedRuntime
 from .store import Store
 
 ROLE = RoleConfig("reviewer", adapter="scripted", description="Reviews a file and reports what is wrong with it.")
@@ -64,8 +65,11 @@ async def run_delegating_agent(config: Config, store: Store, fmt: WireFormat, co
     session = f"demo-delegate-{fmt.name}-{int(time.time())}"
     async with running(demo_config(config), port=0, store=store) as proxy:
         parent = proxy.scripted[next(iter(proxy.scripted))]
-        child = proxy.pipeline.delegation.delegator.runtime("scripted").upstream
-        health = proxy.pipeline.delegation.delegator.health
+        delegation = proxy.pipeline.delegation
+        assert delegation is not None  # demo_config turns it on
+        runtime = delegation.delegator.runtime("scripted")
+        assert isinstance(runtime, ScriptedRuntime)  # the scripted adapter's
+        child, health = runtime.upstream, delegation.delegator.health
         console.print(f"[bold]A model that delegates to a child role[/bold]  ({fmt.label}, streaming)")
         say(console, None, "role [cyan]reviewer[/cyan] on the scripted adapter: the model is offered one tool, "
             "'reviewer', whose input is a prompt; the proxy runs the child, never the agent")

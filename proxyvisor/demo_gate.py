@@ -51,7 +51,7 @@ FINAL = "Fixed: add() in app.py subtracted instead of adding; it now returns a +
 
 def _report(state: str, focus: str) -> str:
     """The model's self-report token (``proxyvisor.detectors.selfreport``), on a line of its own."""
-    report = {"state": state, "focus": focus, "next": None, "carry": [], "plan": None}
+    report: dict[str, Any] = {"state": state, "focus": focus, "next": None, "carry": [], "plan": None}
     return f"\n<sup>{orjson.dumps(report).decode()}</sup>"
 
 

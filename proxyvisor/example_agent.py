@@ -26,13 +26,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from openai.types.chat import (ChatCompletionAssistantMessageParam, ChatCompletionFunctionToolParam,
+                                   ChatCompletionMessageParam)
 
 DEFAULT_MODEL = "scripted-model"
 OUTPUT_CHARS = 16_000
 SYSTEM = ("You are a coding agent working in the current directory. Use the bash tool to inspect and change "
           "files and to run checks. When the task is finished, answer without calling a tool.")
-BASH_TOOL = {"type": "function", "function": {
+BASH_TOOL: ChatCompletionFunctionToolParam = {"type": "function", "function": {
     "name": "bash", "description": "Run a shell command in the current directory; returns its exit code and output.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
                    "required": ["command"]}}}
@@ -75,7 +79,8 @@ def run(prompt: str, model: str, max_turns: int, tool_timeout_s: float) -> int:
     import openai  # imported here so that --help stays fast
 
     client = openai.OpenAI(api_key=os.environ.get("OPENAI_API_KEY") or "proxyvisor-example-agent", max_retries=2)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM},
+                                                  {"role": "user", "content": prompt}]
     for _ in range(max_turns):
         try:
             completion = client.chat.completions.create(model=model, messages=messages, tools=[BASH_TOOL])
@@ -86,7 +91,7 @@ def run(prompt: str, model: str, max_turns: int, tool_timeout_s: float) -> int:
         if not message.tool_calls:
             print(message.content or "")
             return 0
-        messages.append(message.model_dump(exclude_none=True))
+        messages.append(cast("ChatCompletionAssistantMessageParam", message.model_dump(exclude_none=True)))
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": _call_result(call, tool_timeout_s)})
     print(f"example_agent: no final answer after {max_turns} model requests", file=sys.stderr)

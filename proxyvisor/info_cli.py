@@ -140,7 +140,8 @@ def _url_arg(value: str) -> str:
 
 def _base_url(args: argparse.Namespace, config: Config) -> str:
     if args.url:
-        return args.url.rstrip("/")
+        url: str = args.url
+        return url.rstrip("/")
     host = config.proxy.host
     host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     return f"http://[{host}]:{config.proxy.port}" if ":" in host else f"http://{host}:{config.proxy.port}"
@@ -273,6 +274,7 @@ def _info(args: argparse.Namespace, config: Config) -> int:
             print(f"proxyvisor info: no proxy answers at {url}, and {where} in {store.root}", file=sys.stderr)
             return 1
         print(f"proxyvisor info: no proxy answers at {url}; summing the ledger in {store.root}", file=sys.stderr)
+        assert session is not None  # its ledger's lines were read
         info = info_object(session, lines, None)
     _print(args, info, render_text(info), markdown=True)
     return 0

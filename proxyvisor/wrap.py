@@ -116,7 +116,7 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
         cmd, env = agent_invocation(proxy.url, session, cmd)
         async with trio.open_nursery() as nursery:
             try:
-                process = await nursery.start(lambda task_status: trio.run_process(
+                process: trio.Process = await nursery.start(lambda task_status: trio.run_process(
                     cmd, stdin=None, check=False, env=env, task_status=task_status))
             except OSError as exc:
                 print(f"proxyvisor: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
@@ -131,13 +131,12 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
                             process.send_signal(signum)
 
             nursery.start_soon(forward_signals)
-            await process.wait()
+            code = await process.wait()
             nursery.cancel_scope.cancel()
         if not quiet:
             print("\n".join(summary(proxy, session, earlier)), file=sys.stderr)
         for notice in stop_notices(proxy):
             print(notice, file=sys.stderr)
-        code = process.returncode
         return 128 - code if code < 0 else code
 
 
