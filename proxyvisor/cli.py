@@ -419,6 +419,11 @@ def _config(args: argparse.Namespace) -> Config:
     return config.with_overrides(**changes) if changes else config
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+"""This package's folder: a frame is proxyvisor's own when its file lies in it (a folder of that name elsewhere on
+the path, such as the clone's own, is not)."""
+
+
 class OneLineFormatter(logging.Formatter):
     """One log line per record: an exception is shown as its type, its message and the innermost frame of
     proxyvisor's own code (``file.py:LINE``), never as a traceback, unless ``tracebacks`` (``--log-level debug``)."""
@@ -439,7 +444,7 @@ class OneLineFormatter(logging.Formatter):
         _type, exc, tb = saved[0]
         where = ""
         for frame in traceback.extract_tb(tb):
-            if f"{os.sep}proxyvisor{os.sep}" in frame.filename:
+            if os.path.abspath(frame.filename).startswith(_PACKAGE + os.sep):
                 where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
         detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
         return f"{line} [{detail}{where}]"

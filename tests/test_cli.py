@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.cells import cell_len
@@ -365,3 +367,26 @@ def test_a_logged_exception_is_one_line_without_a_traceback_unless_debug() -> No
     assert "Traceback" not in plain and "\n" not in plain
     debug = OneLineFormatter("%(name)s: %(message)s", tracebacks=True).format(record())
     assert debug.startswith("proxyvisor.x: it failed\nTraceback (most recent call last):")
+
+
+def test_a_logged_exception_names_the_innermost_frame_of_the_package_only() -> None:
+    """The frame named is one of the installed package's files, whatever folder names lie above it (a clone in a
+    folder called ``proxyvisor`` is not the package)."""
+    import logging
+    import sys
+
+    from proxyvisor.cli import OneLineFormatter
+    from proxyvisor.proxy.sse import SSEParser
+
+    def record(fail: Any) -> logging.LogRecord:
+        try:
+            fail()
+        except Exception:  # noqa: BLE001 - any exception is the record's
+            return logging.LogRecord("proxyvisor.x", logging.ERROR, __file__, 1, "it failed", None, sys.exc_info())
+        raise AssertionError("did not fail")
+
+    formatter = OneLineFormatter("%(message)s", tracebacks=False)
+    inside = formatter.format(record(lambda: SSEParser(max_event=1).feed(b"data: xx")))
+    assert inside.startswith("it failed [EventTooLarge: ") and inside.endswith(")]") and "(at sse.py:" in inside
+    outside = compile("raise KeyError('m')", os.path.join(os.sep, "tmp", "clone", "proxyvisor", "t.py"), "exec")
+    assert formatter.format(record(lambda: exec(outside))) == "it failed [KeyError: 'm']"
