@@ -62,7 +62,7 @@ from .config import Config
 from .proxy.info import plural, summarize
 from .proxy.service import running
 from .rules import HOLD_ANSWER, POSITIVE
-from .schema import Invalid, convert, real
+from .schema import Invalid, convert, json_kind, real
 from .store import Store, private_dir, private_opener
 from .supervisor_model import describe
 from .wrap import agent_invocation
@@ -147,7 +147,7 @@ def load_tasks(path: str | Path) -> list[Task]:
 
 def _task(obj: Any, where: str, number: int, base: Path) -> Task:
     if not isinstance(obj, dict):
-        raise TaskFileError(f"{where}: a task must be a JSON object, got {type(obj).__name__}")
+        raise TaskFileError(f"{where}: a task must be a JSON object, got {json_kind(obj)}")
     try:
         line = convert(obj, _TaskLine, table="object")
     except Invalid as exc:

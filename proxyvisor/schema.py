@@ -169,3 +169,14 @@ def explain(error: str, schema: type[Any], value: Any, table: str = "table") -> 
     if accepts:
         return Problem(where, key, f"must be {accepts}, got {given!r}{finite}")
     return Problem(where, key, f"{text[:1].lower()}{text[1:]}, got {given!r}{finite}")
+
+
+def json_kind(value: object) -> str:
+    """What a decoded JSON value is, as a message names it: ``null``, ``an array``, ``a string``, ``a number``,
+    ``true`` or ``false``, ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = ((list, "an array"), (str, "a string"), ((int, float), "a number"), (dict, "an object"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), type(value).__name__)

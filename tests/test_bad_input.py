@@ -42,7 +42,8 @@ async def test_bad_bodies_get_4xx_in_the_clients_format(fmt: str, supervised: bo
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_supervised_path_explains_what_is_wrong(fmt: str, proxy) -> None:
     async with http_client(proxy.url) as client:
-        cases = [(b"[1, 2]", "must be a JSON object"), (b"{", "not valid JSON"),
+        cases = [(b"[1, 2]", "must be a JSON object, got an array"), (b"null", "must be a JSON object, got null"),
+                 (b"7", "must be a JSON object, got a number"), (b"{", "not valid JSON"),
                  (b"\xff", "not valid UTF-8 (byte 0: 0xff)"), (b'{"a": "\xc3\x28"}', "not valid UTF-8 (byte 7: 0xc3)")]
         for body, words in cases:
             reply = await client.post(path_of(fmt), content=body, headers={"content-type": "application/json"})
@@ -50,6 +51,16 @@ async def test_supervised_path_explains_what_is_wrong(fmt: str, proxy) -> None:
             assert words in assert_error_shape(fmt, 400, reply.content)["message"]
         reply = await client.post(path_of(fmt), content=b"{}", headers={"content-type": "text/plain"})
         assert "application/json" in assert_error_shape(fmt, 415, reply.content)["message"]
+
+
+async def test_the_scripted_token_count_refuses_a_body_that_is_not_a_request(proxy) -> None:
+    async with http_client(proxy.url) as client:
+        for body, words in [(b"null", "got null"), (b"{", "invalid JSON body"), (b"[1]", "got an array")]:
+            reply = await client.post("/v1/messages/count_tokens", content=body,
+                                      headers={"content-type": "application/json"})
+            assert words in assert_error_shape("messages", 400, reply.content)["message"]
+        reply = await client.post("/v1/messages/count_tokens", json={"model": "m", "messages": []})
+        assert reply.status_code == 200 and reply.json() == {"input_tokens": 0}
 
 
 @MODES

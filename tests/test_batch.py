@@ -347,7 +347,7 @@ def test_ctrl_c_stops_the_running_agent_and_reports_what_started(tmp_path: Path)
 
 @pytest.mark.parametrize(("content", "message"), [
     ('{"id": "a", "prompt": "x"}\n{not json\n', r"tasks.jsonl:2: not JSON"),
-    ('\n["a", "x"]\n', r"tasks.jsonl:2: a task must be a JSON object, got list"),
+    ('\n["a", "x"]\n', r"tasks.jsonl:2: a task must be a JSON object, got an array"),
     ('{"prompt": "x"}\n', r"tasks.jsonl:1: 'id' must be 1-64 of"),
     ('{"id": "../up", "prompt": "x"}\n', r"tasks.jsonl:1: 'id' must be 1-64 of"),
     ('{"id": "a"}\n', r"tasks.jsonl:1: 'prompt' must be a non-empty string"),

@@ -12,7 +12,7 @@ from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import (FORMATS, TOOL_STEP, ask, assert_ends_with_error_event, assert_error_shape, closed_port,
-                     json_events, path_of, raw_stream, request_body, serve_handler, task_count)
+                     json_events, path_of, raw_stream, request_body, serve_handler, sse_events, task_count)
 
 MODES = pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "disabled"])
 ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
@@ -106,8 +106,12 @@ async def test_garbage_stream_is_relayed_and_accounted(start_proxy, state_dir) -
         reply, data = await raw_stream(rp.url, "chat", request_body("chat", stream=True),
                                        headers={"x-proxyvisor-session": "garbage"})
         assert reply.status_code == 200 and b"{not json\xff\xfe" in data
+        # No chunk of it ends the answer (no finish_reason, no [DONE]): the client is told it was cut short.
+        last = sse_events(data)[-1]
+        assert orjson.loads(last.data)["error"]["message"] == "upstream stream ended before its last event"
         (line,) = rp.pipeline.store.read_ledger("garbage")
-        assert line["status"] == 200 and line["output_tokens"] is None
+        assert line["status"] == 502 and line["output_tokens"] is None
+        assert line["error"] == "upstream stream ended before its last event"
 
 
 # ---- a client that leaves ---------------------------------------------------------------------------------

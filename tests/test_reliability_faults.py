@@ -111,6 +111,41 @@ async def test_a_stream_that_ends_inside_an_event_ends_with_the_formats_error_ev
             assert second["status"] == 200 and "error" not in second
 
 
+class EndlessAnswer:
+    """An upstream that streams a turn's events but stops, between two events, before the format's last one
+    (``[DONE]`` and the finish, ``message_stop``, ``response.completed``), closing its body cleanly."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = BY_NAME[fmt]
+
+    async def __call__(self, request: Request) -> Response:
+        events = self.fmt.render_stream(AssistantTurn("an answer whose stream never finishes"), MODEL,
+                                        orjson.loads(request.body))
+        kept = [e for e in events if not self.fmt.stream_end or not self.fmt.stream_end.search(e)]
+
+        async def play():
+            for event in kept:
+                yield event
+
+        return Response(200, _SSE, play())
+
+
+@MODES
+@ALL_FORMATS
+async def test_a_stream_that_stops_before_its_last_event_ends_with_the_formats_error_event(
+        fmt: str, supervised: bool, start_proxy) -> None:
+    async with serve_handler(EndlessAnswer(fmt)) as url, start_proxy(supervised=supervised, upstream_url=url) as rp:
+        reply, data = await raw_stream(rp.url + "/s/short", fmt, request_body(fmt, stream=True))
+        assert reply.status_code == 200 and b"finishes" in data  # the answer so far, then the error
+        assert_ends_with_error_event(fmt, data)
+        assert "ended before its last event" in sse_events(data)[-1].data
+        with pytest.raises((openai.APIError, anthropic.APIError)):  # not a short answer taken for a whole one
+            await ask(fmt, rp.url, stream=True)
+        if supervised:
+            (first,) = rp.pipeline.store.read_ledger("short")  # (the SDK call is a session of its own)
+            assert first["status"] == 502 and first["error"] == "upstream stream ended before its last event"
+
+
 # ---- a session after every kind of fault --------------------------------------------------------------------
 
 # (step, stream, status the client gets, ledger status, ledger error or None)
@@ -124,7 +159,7 @@ FAULTS = [
     ({"fault": {"first_byte_delay_s": 60}}, True, 504, 504, "sent no response within"),
     ({"fault": {"first_byte_delay_s": 60}}, False, 504, 504, "sent no response within"),
     ({"fault": {"truncate_body": True}}, False, 502, 502, "cut short"),
-    ({"fault": {"garbage": True}}, True, 200, 200, None),
+    ({"fault": {"garbage": True}}, True, 200, 502, "ended before its last event"),
 ]
 
 

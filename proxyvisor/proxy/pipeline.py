@@ -39,6 +39,7 @@ import orjson
 import trio
 
 from ..config import Config
+from ..schema import json_kind
 from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelAnswer, ModelCall
@@ -67,6 +68,8 @@ _CANCELLED = "cancelled before the answer: the client left (or proxyvisor stoppe
 """The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
 AUTH_HEADER = "x-proxyvisor-auth"
 ADMIN_HEADER = "x-proxyvisor-admin"
+_SEAM = 64
+"""Bytes either side of a read boundary searched for a stream's last event (longer than any marker)."""
 _KEPT_FOR_ESTIMATE = 8 * 1024 * 1024
 """Characters of stream event data kept to estimate the output tokens of a stream that reports no usage."""
 
@@ -273,7 +276,7 @@ class Pipeline:
         except orjson.JSONDecodeError as exc:
             return error(fmt, 400, _not_json(request.body, exc))
         if not isinstance(body, dict):
-            return error(fmt, 400, f"request body must be a JSON object, got {type(body).__name__}")
+            return error(fmt, 400, f"request body must be a JSON object, got {json_kind(body)}")
         try:
             session_id, source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
                                           self.clock())
@@ -468,6 +471,9 @@ class Pipeline:
         ended = False
         limit = self.config.proxy.max_stream_s
         deadline = trio.current_time() + limit if limit > 0 else math.inf
+        end = fmt.stream_end
+        whole = end is None  # the stream held the format's last event
+        seam = b""
         chunks = aiter(stream)
         try:
             async for chunk in chunks:
@@ -487,6 +493,10 @@ class Pipeline:
                     for event in parsed:
                         read_usage(event.event, event.data)
                 yield chunk
+                if not whole and end is not None:
+                    # (the last event may straddle reads: the seam with what came before is searched as well)
+                    whole = bool(end.search(chunk) or end.search(seam + chunk[:_SEAM]))
+                    seam = (seam + chunk)[-_SEAM:] if len(chunk) < _SEAM else chunk[-_SEAM:]
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
                 if chunk[:1] != b":" or b"data:" in chunk:  # not a keep-alive comment (": ping")
                     numbered = chunk
@@ -497,8 +507,12 @@ class Pipeline:
                 # the connection): SDKs drop an unfinished event silently, so the client would take a cut-short
                 # answer for a complete one.
                 failure = UpstreamError(502, "upstream stream ended in the middle of an event")
+            elif failure is None and not whole and reply.status < 400:
+                # Between events but before the format's last one: the SDKs return what came as a whole answer.
+                failure = UpstreamError(502, "upstream stream ended before its last event")
             if failure is not None:
-                log.warning("upstream stream ended early: %s", failure.message)
+                log.warning("%s stream of session %s ended early: %s", fmt.label, session.id if session else "-",
+                            failure.message)
                 # Blank lines first: the error must not join the unfinished event's last line.
                 yield (b"\n\n" if mid_event else b"") + fmt.stream_error(failure.status, failure.message, numbered)
             ended = True

@@ -58,9 +58,10 @@ from typing import Any
 import orjson
 import trio
 
+from ..schema import json_kind
 from ..config import SCRIPTED_MODEL
 from ..proxy import estimate
-from ..proxy.formats import BY_PATH, AssistantTurn, ToolCall, ToolSpec, WireFormat
+from ..proxy.formats import BY_PATH, MESSAGES, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
 from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
 from ..proxy.formats.freeform import arguments as freeform_arguments
@@ -84,7 +85,7 @@ class ScriptError(ValueError):
 def parse_step(step: Any, where: str = "step") -> dict[str, Any]:
     """Validate one script step (see the module docstring). Raises ScriptError."""
     if not isinstance(step, dict):
-        raise ScriptError(f"{where}: a step must be a JSON object, got {type(step).__name__}")
+        raise ScriptError(f"{where}: a step must be a JSON object, got {json_kind(step)}")
     unknown = set(step) - {"text", "tool_calls", "fault", "input_tokens", "output_tokens", "until", "condense",
                            "marker"}
     if unknown:
@@ -220,18 +221,19 @@ class ScriptedUpstream:
             return Response(200, _JSON, orjson.dumps({"object": "list", "data": [
                 {"id": MODEL, "object": "model", "created": 0, "owned_by": "proxyvisor", "type": "model",
                  "display_name": "Scripted model"}]}))
-        if path == "/v1/messages/count_tokens":
-            # 0 like its answers' usage: Claude Code prices this count when an answer reports no tokens.
-            return Response(200, _JSON, orjson.dumps({"input_tokens": 0}))
-        fmt = BY_PATH.get(path)
+        counting = path == "/v1/messages/count_tokens"
+        fmt = MESSAGES if counting else BY_PATH.get(path)
         if fmt is None:
             return Response(404, _JSON, orjson.dumps({"error": {"message": f"no route {path}", "type": "not_found_error"}}))
         try:
             body = orjson.loads(request.body)
             if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+                raise ValueError(f"the body must be a JSON object, got {json_kind(body)}")
         except ValueError as exc:
             return Response(400, _JSON, fmt.error_body(400, f"invalid JSON body: {exc}"))
+        if counting:
+            # 0 like its answers' usage: Claude Code prices this count when an answer reports no tokens.
+            return Response(200, _JSON, orjson.dumps({"input_tokens": 0}))
         answer = policy(fmt, body)
         if answer is scripted_condenser.answer:  # a queued ``condense`` step comes first
             return self._supervisor_answer(fmt, body, self._condense, self.condenser_requests, request.body)

@@ -7,6 +7,7 @@ usage and session hints live in its bodies, and how an assistant turn is written
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -286,6 +287,10 @@ class WireFormat:
     keepalive: ClassVar[bytes] = b": proxyvisor is working on this turn\n\n"
     """What keeps a held stream alive while proxyvisor works (a child runs, the verifier judges): an SSE
     comment, which every SSE client skips and which resets its read timeout."""
+
+    stream_end: ClassVar[re.Pattern[bytes] | None] = None
+    """Matches the bytes of an event that ends a stream of the format (its last event, or an error event): a
+    stream without one was cut short, however cleanly its connection closed. None: the format has no such event."""
 
     # ---- errors -------------------------------------------------------------------------------------------
     def error_body(self, status: int, message: str, code: str | None = None) -> bytes:

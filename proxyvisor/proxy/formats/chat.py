@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,8 @@ class ChatFormat(WireFormat):
     name = "chat"
     path = "/v1/chat/completions"
     label = "OpenAI Chat Completions"
+    # [DONE], or a choice's finish_reason (the answer is whole even when the usage chunk and [DONE] are lost).
+    stream_end = re.compile(rb'\[DONE\]|"finish_reason"\s*:\s*"')
     history_field = "messages"
     result_part_type = "text"
 

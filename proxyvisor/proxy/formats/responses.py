@@ -117,6 +117,7 @@ class ResponsesFormat(WireFormat):
     name = "responses"
     path = "/v1/responses"
     label = "OpenAI Responses"
+    stream_end = re.compile(rb'(?:event:\s*|"type"\s*:\s*")(?:response\.(?:completed|failed|incomplete)|error)\b')
     history_field = "input"
     result_part_type = "input_text"
 
