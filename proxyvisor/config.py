@@ -27,7 +27,8 @@ import msgspec
 from msgspec import Meta
 from msgspec.structs import replace
 
-from .rules import (CHILD_WALL_CLOCK, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
+from .rules import (AUTHORIZER_BUDGET, BLOCK, DEFAULT_AUTHORIZER_BUDGET, DEFAULT_AUTHORIZER_TIMEOUT_S,
+                    AuthorizerMode, CHILD_WALL_CLOCK, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
                     DEFAULT_VIEW_BUDGET, DIGEST_BUDGET, RESULT_BUDGET,
                     FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, POSITIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
                     Complexity, CondenseKind, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
@@ -195,6 +196,25 @@ class PlanConfig(Table, frozen=True):
     timeout_s: Seconds = 60.0
 
 
+class AuthorizerConfig(Table, frozen=True):
+    """``[supervisor.authorizer]``: the user-intent check of tool calls before the agent receives them (seed 003
+    "Tool authorization"; ``proxyvisor.gate.authorize``, ``proxyvisor.proxy.authorizing``).
+
+    Off by default. A batch of tool calls is admitted for free when no prohibition the user stated is in force or
+    none could concern its calls; otherwise one judge call on the supervisor route (``[supervisor.model]``) decides,
+    and a proposed block needs a second, independent confirmation. ``mode``: ``block`` keeps a confirmed call
+    from the agent and continues the turn upstream with a tool error quoting the user; ``advise`` delivers it,
+    records the conflict and adds a note for the model. ``timeout_s``: seconds the whole judgment (both calls) may
+    take; ``budget_tokens``: the judge input's bound (:data:`~proxyvisor.rules.AUTHORIZER_BUDGET`). A judgment that
+    fails, times out, is malformed or over budget allows.
+    """
+
+    enabled: bool = False
+    mode: AuthorizerMode = BLOCK
+    timeout_s: Seconds = DEFAULT_AUTHORIZER_TIMEOUT_S
+    budget_tokens: Annotated[int, integer(AUTHORIZER_BUDGET)] = DEFAULT_AUTHORIZER_BUDGET
+
+
 class SupervisorConfig(Table, frozen=True):
     enabled: bool = True
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -202,6 +222,7 @@ class SupervisorConfig(Table, frozen=True):
     detectors: DetectorsConfig = msgspec.field(default_factory=DetectorsConfig)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     plan: PlanConfig = msgspec.field(default_factory=PlanConfig)
+    authorizer: AuthorizerConfig = msgspec.field(default_factory=AuthorizerConfig)
 
 
 class RouteTarget(Table, frozen=True):

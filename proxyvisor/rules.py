@@ -58,6 +58,17 @@ DEFAULT_RESULT_BUDGET = 4_000
 CondenseKind = Literal["test", "build", "install"]
 CONDENSE_KINDS: tuple[CondenseKind, ...] = get_args(CondenseKind)
 """The kinds of tool run ``[supervisor.condense] deterministic_kinds`` may name (``proxyvisor.condense.baseline``)."""
+AUTHORIZER_BUDGET = Range(1_024)
+"""``[supervisor.authorizer] budget_tokens``: the judge's input bound; below 1,024 tokens not even one call with
+its prohibition could be shown."""
+DEFAULT_AUTHORIZER_BUDGET = 32_000
+"""The full judgment's request budget (reference section 7, "Authorizer")."""
+DEFAULT_AUTHORIZER_TIMEOUT_S = 30.0
+"""The full judgment's deadline, both calls (reference section 7)."""
+AuthorizerMode = Literal["block", "advise"]
+AUTHORIZER_MODES: tuple[AuthorizerMode, ...] = get_args(AuthorizerMode)
+BLOCK, ADVISE = AUTHORIZER_MODES
+"""``[supervisor.authorizer] mode``: a confirmed conflict stops the call, or is only recorded and noted."""
 CHILD_WALL_CLOCK = Range(30, 3_600)
 """``[model_routing.children] wall_clock_s``: seconds a child run may take (seed 002)."""
 

@@ -157,6 +157,12 @@ def _content(words: Iterable[str]) -> frozenset[str]:
     return frozenset(_stem(w) for w in words if len(w) > 1 and w not in _STOP)
 
 
+def content_words(text: str) -> frozenset[str]:
+    """The content words of ``text`` as prohibitions and permissions are matched by (module docstring): lowercase,
+    stop words dropped, lightly stemmed."""
+    return _content(_words(text))
+
+
 @dataclass(frozen=True, slots=True)
 class _Rule:
     """A prohibition as :func:`_lifts` reads it: its content words and its action (the raw word after the

@@ -97,15 +97,20 @@ class Continuation:
         self.waited_s = 0.0
         """Seconds spent in ``step`` and in continued upstream calls: upstream time, not proxyvisor's own."""
 
+    def add(self, items: list[Any]) -> None:
+        """Append ``items`` to the turn without sending it: the upstream sees them in the thread's later requests
+        (``remember``), e.g. a blocked call the agent never received and its error, beside calls it did."""
+        self.items = self.items + list(items)
+        if self.remember is not None:
+            self.remember(self.items)
+
     async def send(self, items: list[Any]) -> UpstreamReply:
         """Append ``items`` to the turn and send the request again with every item of the turn so far.
 
         Raises:
             UpstreamError: as ``resend``.
         """
-        self.items = self.items + list(items)
-        if self.remember is not None:
-            self.remember(self.items)
+        self.add(items)
         body = dict(self.body)
         self.fmt.extend_history(body, self.items)
         started = time.perf_counter()

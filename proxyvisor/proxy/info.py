@@ -33,7 +33,12 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``nudges``, ``reentries``, ``refuted`` (ints), ``outcome`` (``verified``, ``unknown``, ``failed``,
   ``unverified``), ``passed`` (bool), ``reason`` (str), ``gaps`` (list of str), ``digest_tokens`` (int: the size
   of the latest verifier input, in tokens), and once a verifier call was made, the ``route`` and ``model`` that
-  judged the turn (as in ``supervisor_model``).
+  judged the turn (as in ``supervisor_model``);
+- ``authorizer``: what the tool authorizer did (``proxyvisor.proxy.authorizing``): ``batches`` of tool calls seen,
+  ``prescreened`` (of them admitted with no model call), and over calls ``checked`` (put to the judge), ``blocked``
+  (confirmed conflicts, reused ones included), ``cached`` (blocked by a reused denial), ``unavailable`` (judgments
+  that failed, timed out or were over budget, so allowed); ``decisions``: per call decided, ``{"call", "tool",
+  "decision": "allow"|"block"|"advise", "by", "source", "quote", "path", "value"}`` (the last four for a conflict).
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
@@ -53,6 +58,7 @@ are milliseconds:
   ``tokens_before`` / ``tokens_after`` sum the narrowed results' own counts (each counted once); ``by_condenser``
   counts them by who chose the lines; ``recent`` lists the last :data:`RECENT_CONDENSED` of them as the ledger
   holds them;
+- ``authorizer``: ``{"checked", "blocked", "cached", "unavailable", "batches", "prescreened"}`` summed;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
   "unpriced_calls", "time_ms"}`` (cost as priced when the call was made, over the priced answers;
@@ -80,6 +86,7 @@ if TYPE_CHECKING:
     from .supervise import RequestRecord
 
 RECENT_CONDENSED = 20
+_AUTHORIZER = ("checked", "blocked", "cached", "unavailable", "batches", "prescreened")
 Price = Callable[[str, int, int], "float | None"]
 """The cost in USD of one request to a model, given (model, input tokens, output tokens); None: not priced."""
 
@@ -116,6 +123,8 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
             out["supervisor_model"]["unpriced"] = model.unpriced
     if record.gate is not None:
         out["gate"] = record.gate
+    if record.authorizer is not None and record.authorizer["batches"]:
+        out["authorizer"] = record.authorizer
     return out
 
 
@@ -165,6 +174,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     last_outcome = None
     judges: Counter[str] = Counter()
     last_judge = None
+    authorizer: Counter[str] = Counter()
     condensed: Counter[str] = Counter()
     condensers: Counter[str] = Counter()
     recent: list[dict[str, Any]] = []
@@ -212,6 +222,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
             if isinstance(g.get("route"), str) and isinstance(g.get("model"), str):
                 last_judge = {"route": g["route"], "model": g["model"]}
                 judges[judge_label(last_judge)] += 1
+        a = _dict(line.get("authorizer"))
+        for key in _AUTHORIZER:
+            authorizer[key] += _int(a.get(key))
         c = _dict(line.get("condensed"))
         condensed["results"] += _int(c.get("results"))
         condensed["saved_tokens"] += _int(c.get("saved_tokens"))
@@ -256,6 +269,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
                  "outcomes": dict(outcomes), "last_outcome": last_outcome, "judges": dict(judges),
                  "last_judge": last_judge,
                  "decided_by": {"evidence": decided["evidence"], "model": decided["model"]}},
+        "authorizer": {k: authorizer[k] for k in _AUTHORIZER},
         "condense": {"results": condensed["results"], "saved_tokens": condensed["saved_tokens"],
                      "tokens_before": condensed["tokens_before"], "tokens_after": condensed["tokens_after"],
                      "by_condenser": dict(condensers), "recent": recent},

@@ -54,6 +54,7 @@ from .condensing import request_condenser
 from . import commands, estimate
 from .info import ledger_fields
 from .delegation import ProxyDelegation
+from .authorizing import Authorizer
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
 from .closing import close
@@ -152,6 +153,7 @@ class Pipeline:
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
+        self.authorizer = Authorizer(config.supervisor.authorizer)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -385,7 +387,8 @@ class Pipeline:
             self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
             raise
         if exchange is not None:
-            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply)))
+            reply = exchange.reply(await self._authorized(exchange, await self._gated(
+                exchange, await self._continued(exchange, reply))))
         return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
@@ -399,7 +402,8 @@ class Pipeline:
             self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
             raise
         if exchange is not None:
-            reply = exchange.reply(await self._gated(exchange, await self._continued(exchange, reply)))
+            reply = exchange.reply(await self._authorized(exchange, await self._gated(
+                exchange, await self._continued(exchange, reply))))
         return self._respond(request, fmt, reply, body, session, exchange)
 
     async def _continued(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
@@ -409,6 +413,13 @@ class Pipeline:
             return reply
         assert exchange.send is not None  # set with the delegation turn (_supervise)
         return await exchange.delegation.continuation(exchange.send, self.background).reply(reply)
+
+    async def _authorized(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
+        """``reply``, or, when it makes tool calls a prohibition the user stated in force could concern, what the
+        tool authorizer makes of it (``proxyvisor.proxy.authorizing``). Outside the gate: a tool call the gate's
+        continued turn makes is checked too."""
+        stage = self.authorizer.turn(exchange, self.background)
+        return reply if stage is None else await stage.reply(reply)
 
     async def _gated(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when it ends the agent's turn, what the verify-gate makes of it

@@ -140,6 +140,8 @@ class RequestRecord:
     condense: CondenseRecord | None = None
     model: ModelUse = field(default_factory=ModelUse)
     gate: dict[str, Any] | None = None
+    authorizer: dict[str, Any] | None = None
+    """What the tool authorizer did (a ledger object, ``proxyvisor.proxy.authorizing``); None when it did not run."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -486,6 +486,12 @@ class WireFormat:
 
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         """History items that answer tool calls with ``results`` (in the order given), as a client would send."""
+        raise NotImplementedError
+
+    def without_calls(self, response: dict[str, Any], ids: Collection[str], text: bool = True) -> dict[str, Any]:
+        """A copy of a non-streaming response body without the tool calls whose ids are in ``ids`` (of any call
+        type; everything else as it was), and, unless ``text``, without its assistant text. ``response`` itself
+        is not changed."""
         raise NotImplementedError
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:

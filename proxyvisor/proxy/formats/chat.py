@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import orjson
@@ -266,6 +266,22 @@ class ChatFormat(WireFormat):
 
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         return [{"role": "tool", "tool_call_id": r.call_id, "content": r.text} for r in results]
+
+    def without_calls(self, response: dict[str, Any], ids: Collection[str], text: bool = True) -> dict[str, Any]:
+        out = dict(response)
+        choices = as_list(response.get("choices"))
+        if not choices or not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
+            return out
+        message = dict(choices[0]["message"])
+        calls = [c for c in as_list(message.get("tool_calls")) if (call := call_of(c)) is None or call.id not in ids]
+        if calls:
+            message["tool_calls"] = calls
+        else:
+            message.pop("tool_calls", None)
+        if not text:
+            message["content"] = None
+        out["choices"] = [{**choices[0], "message": message}, *choices[1:]]
+        return out
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _ChatSplice(hold, stop)

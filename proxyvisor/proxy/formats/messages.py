@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,6 +335,12 @@ class MessagesFormat(WireFormat):
             if r.is_error:
                 blocks[-1]["is_error"] = True
         return [{"role": "user", "content": blocks}]
+
+    def without_calls(self, response: dict[str, Any], ids: Collection[str], text: bool = True) -> dict[str, Any]:
+        content = [b for b in as_list(response.get("content"))
+                   if not (isinstance(b, dict) and (b.get("type") == "tool_use" and str(b.get("id", "")) in ids
+                                                    or not text and b.get("type") == "text"))]
+        return {**response, "content": content}
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _MessagesSplice(hold, stop)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import orjson
@@ -410,6 +410,12 @@ class ResponsesFormat(WireFormat):
 
     def tool_results(self, results: list[CallResult]) -> list[Any]:
         return [{"type": "function_call_output", "call_id": r.call_id, "output": r.text} for r in results]
+
+    def without_calls(self, response: dict[str, Any], ids: Collection[str], text: bool = True) -> dict[str, Any]:
+        output = [item for item in as_list(response.get("output"))
+                  if not ((call := call_of(item)) is not None and call.id in ids
+                          or not text and isinstance(item, dict) and item.get("type") == "message")]
+        return {**response, "output": output}
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _ResponsesSplice(hold, stop)

@@ -1,0 +1,416 @@
+"""The tool authorizer's trio shell: hold a reply's tool calls until the batch is admitted, keep a confirmed
+conflict from the agent and continue the turn upstream with its tool error.
+
+The rules live in the sans-IO :mod:`proxyvisor.gate.authorize`; this module feeds them and performs their
+decisions for one supervised request (:class:`Authorizing`):
+
+- **What is checked**: with ``[supervisor.authorizer] enabled``, a supervisor model call for the request
+  (``Exchange.model``) and at least one prohibition the user stated in force (``PlanningState.rules``). Without a
+  prohibition the stage is not installed at all: nothing is held. Otherwise every tool call the client would run
+  (``WireFormat.parse_response``: calls of every type) is pre-screened for free and only the calls a prohibition
+  could concern go to the judge.
+- **JSON**: the reply is read and its calls judged before it is returned.
+- **Streams**: events stream through until the first tool call starts (the format's stream splice says when);
+  from there the stream is held until it ends (tool calls, the stop), the batch is judged (keep-alives meanwhile)
+  and what was held is sent byte for byte when everything is admitted.
+- **A confirmed block** (``mode = "block"``): when every call of the batch is blocked, the turn is continued
+  upstream through the exchange's :class:`~proxyvisor.proxy.continuation.Continuation` with the response and a
+  tool error per call (``gate.authorize.error_text``), and the continued reply is checked the same way (at most
+  :data:`ROUNDS` times; then the turn ends with a note). When only some are, the agent gets the rest of the batch
+  (JSON: the response without the blocked calls; a stream: the admitted calls spliced in its place) and the
+  blocked calls with their errors are added to the continuation's items, so the model sees them, after the
+  history the request ended with, in every later request (``Exchange.remember``: byte-stable).
+- **``mode = "advise"``**: nothing is kept from the agent; a confirmed conflict is recorded and a note for the
+  model is added after the agent's last item (re-inserted like every note).
+- **Never lose the answer**: a judgment that fails, times out (``timeout_s``), is malformed or over
+  ``budget_tokens`` allows; a continuation that fails delivers the reply as it came.
+
+Counted in the request's ledger line as ``authorizer`` (``RequestRecord.authorizer``; summed for ``/info``)::
+
+    {"batches": 1, "prescreened": 0,   # batches seen, and admitted by the pre-screen with no model call
+     "checked": 1, "blocked": 1, "cached": 0, "unavailable": 0,   # calls
+     "decisions": [{"call": "toolu_1", "tool": "Bash", "decision": "block", "by": "confirmed",
+                    "source": "user:1", "quote": "Do not run the tests.", "path": "/command",
+                    "value": "\\"pytest -q\\""}]}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import trio
+
+from ..condense.text import count_tokens
+from ..config import AuthorizerConfig
+from ..gate import authorize as rules
+from ..gate import digest
+from ..rules import ADVISE
+from ..supervisor_model import ModelAnswer, ModelCall
+from .closing import close
+from .continuation import Continuation, Job, rewritable
+from .formats import AssistantTurn
+from .formats.base import CallResult
+from .relay import UpstreamError, UpstreamReply
+from .reply import Edit, Item, ReplyStream, blocks, scanned
+from .sse import Block, SSEScanner
+from .supervise import Exchange, Note, NOTES
+
+log = logging.getLogger("proxyvisor.authorizer")
+
+ROUNDS = 4
+"""Times one request's turn may be continued after blocked calls."""
+ADVICE = ("[proxyvisor authorizer] Your call {call} ({tool}) conflicts with the user's restriction: user source "
+          "{source}: \"{quote}\". Stay within what the user allowed.")
+_JSON = [(b"content-type", b"application/json")]
+
+
+class Authorizer:
+    """The process's authorizer: its settings and the denial cache (process-local, bounded) shared by requests."""
+
+    def __init__(self, config: AuthorizerConfig) -> None:
+        self.config = config
+        self.cache = rules.DenialCache()
+
+    def turn(self, exchange: Exchange, background: trio.Nursery | None = None) -> Authorizing | None:
+        """The request's authorizing stage, or None when nothing can be blocked (module docstring)."""
+        if not self.config.enabled or exchange.model is None or not exchange.tools or exchange.send is None:
+            return None
+        if not exchange.thread.planning.rules:
+            return None
+        return Authorizing(self, exchange, background)
+
+
+def _sources(exchange: Exchange) -> rules.Sources:
+    """The judge's sources for ``exchange`` (``gate.authorize`` module docstring)."""
+    from .planning import goal_text
+
+    ex = exchange
+    planning = ex.thread.planning
+    positions = [i for i in ex.thread.tracker.user_turns if i < len(ex.items)]
+    # The latest user turn is numbered planning.turns; the ones before it count down (planning's numbering).
+    first = planning.turns - len(positions) + 1
+    users = tuple((first + n, goal_text(ex.fmt.message(ex.items[i]).text)) for n, i in enumerate(positions))
+    messages = [ex.fmt.message(i) for i in ex.items]
+    actions = tuple(rules.Completed(a.use.name, a.use.arguments,
+                                    None if a.output is None else not a.receipt.error)
+                    for a in digest.turn_actions(messages, ex.schemas)
+                    if a.output is not None)[-rules.MAX_ACTIONS:]
+    return rules.Sources(users, planning.rules, ex.parts[0], actions, ex.schemas)
+
+
+class Authorizing:
+    """The authorizer for one supervised request (module docstring)."""
+
+    def __init__(self, owner: Authorizer, exchange: Exchange, background: trio.Nursery | None) -> None:
+        self.owner = owner
+        self.config = owner.config
+        self.exchange = exchange
+        self.fmt = exchange.fmt
+        assert exchange.model is not None
+        self.model: ModelCall = exchange.model
+        self.background = background
+        self.record: dict[str, Any] = {"batches": 0, "prescreened": 0, "checked": 0, "blocked": 0, "cached": 0,
+                                       "unavailable": 0, "decisions": []}
+        exchange.record.authorizer = self.record
+        self._sources: rules.Sources | None = None
+
+    @property
+    def sources(self) -> rules.Sources:
+        if self._sources is None:
+            self._sources = _sources(self.exchange)
+        return self._sources
+
+    # ---- deciding one batch ---------------------------------------------------------------------------------------
+    async def decide(self, turn: AssistantTurn) -> dict[str, rules.Denial]:
+        """The confirmed denials of ``turn``'s calls by call id (empty: the batch is admitted). Never raises but
+        for cancellation: a failure of the authorizer's own code allows."""
+        try:
+            return await self._decide(turn)
+        except Exception:  # noqa: BLE001 - the judge failing is no evidence against the tool
+            log.exception("the authorizer failed; admitting the batch")
+            self.record["unavailable"] += 1
+            return {}
+
+    def _decision(self, call: rules.Call, decision: str, by: str, found: rules.Denial | None = None) -> None:
+        entry: dict[str, Any] = {"call": call.id, "tool": call.name, "decision": decision, "by": by}
+        if found is not None:
+            entry.update(source=found.source, quote=found.quote, path=found.path, value=found.value)
+        self.record["decisions"].append(entry)
+
+    async def _decide(self, turn: AssistantTurn) -> dict[str, rules.Denial]:
+        calls = [rules.Call(c.id, c.name, c.arguments) for c in turn.tool_calls]
+        self.record["batches"] += 1
+        concerned = rules.concerned(self.exchange.thread.planning.rules, calls)
+        if not concerned:
+            self.record["prescreened"] += 1
+            return {}
+        sources = self.sources
+        context = rules.context_key(sources)
+        denials: dict[str, rules.Denial] = {}
+        fresh: list[rules.Call] = []
+        for call in concerned:
+            cached = self.owner.cache.get(context, call)
+            if cached is None:
+                fresh.append(call)
+                continue
+            denials[call.id] = cached
+            self.record["cached"] += 1
+            self.record["blocked"] += 1
+            self._decision(call, self._verb(), "cache", cached)
+        if not fresh:
+            return self._applied(denials)
+        self.record["checked"] += len(fresh)
+        document = rules.document(sources, fresh)
+        if count_tokens(document) > self.config.budget_tokens:
+            self.record["unavailable"] += 1
+            for call in fresh:
+                self._decision(call, "allow", "over_budget")
+            return self._applied(denials)
+        confirmed: dict[str, rules.Denial] | None = None
+        with trio.move_on_after(self.config.timeout_s):
+            confirmed = await self._judge(sources, fresh)
+        if confirmed is None:  # timed out or the judge failed: allow
+            self.record["unavailable"] += 1
+            for call in fresh:
+                self._decision(call, "allow", "unavailable")
+            return self._applied(denials)
+        for call in fresh:
+            found = confirmed.get(call.id)
+            if found is None:
+                continue
+            self.owner.cache.put(context, call, found)
+            denials[call.id] = found
+            self.record["blocked"] += 1
+            self._decision(call, self._verb(), "confirmed", found)
+        return self._applied(denials)
+
+    def _verb(self) -> str:
+        return "advise" if self.config.mode == ADVISE else "block"
+
+    def _applied(self, denials: dict[str, rules.Denial]) -> dict[str, rules.Denial]:
+        """``denials`` as the mode applies them: advise keeps no call from the agent, it notes the conflicts."""
+        if self.config.mode != ADVISE or not denials:
+            return denials
+        ex = self.exchange
+        if ex.tail is not None:
+            for call_id, found in denials.items():
+                tool = next((d["tool"] for d in self.record["decisions"] if d["call"] == call_id), "")
+                text = ADVICE.format(call=call_id, tool=tool, source=found.source, quote=found.quote)
+                ex.thread.notes = (ex.thread.notes + [Note(ex.tail.position, ex.tail.fingerprint, "authorizer",
+                                                           text)])[-NOTES:]
+        return {}
+
+    async def _judge(self, sources: rules.Sources, calls: list[rules.Call]) -> dict[str, rules.Denial] | None:
+        """The judge, then a confirmation per proposed block: the confirmed denials by call id, or None when the
+        judge gave no answer."""
+        answer = await self._ask("authorize", rules.JUDGE_INSTRUCTIONS, rules.document(sources, calls))
+        if answer is None:
+            return None
+        judgment = rules.read_judgment(answer.text, sources, calls)
+        if judgment.malformed:
+            for call in calls:
+                self._decision(call, "allow", "malformed")
+            return {}
+        proposed = {p.call.id: p for p in judgment.proposals}
+        out: dict[str, rules.Denial] = {}
+        for call in calls:
+            proposal = proposed.get(call.id)
+            if proposal is None:
+                self._decision(call, "allow", "judge")
+                continue
+            check = await self._ask("authorize_confirm", rules.CONFIRM_INSTRUCTIONS,
+                                    rules.confirmation_input(proposal, sources))
+            if check is not None and rules.read_confirmation(check.text):
+                out[call.id] = rules.denial(proposal)
+            else:
+                self._decision(call, "allow", "unconfirmed" if check is not None else "unavailable")
+        return out
+
+    async def _ask(self, purpose: str, system: str, document: str) -> ModelAnswer | None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
+        answer: ModelAnswer | None = None
+        try:
+            answer = await self.model(messages)
+        except Exception as exc:  # noqa: BLE001 - any failure of the judge allows
+            log.warning("the %s call failed: %s: %s", purpose, type(exc).__name__, exc)
+        use = self.exchange.record.model
+        use.record(purpose, answer)
+        return answer
+
+    # ---- continuing -------------------------------------------------------------------------------------------------
+    def _continuation(self) -> Continuation:
+        ex = self.exchange
+        if ex.continuation is None:
+            assert ex.send is not None
+            ex.continuation = Continuation(self.fmt, ex.body, ex.send, lambda _name: False,
+                                           background=self.background, remember=ex.remember)
+        return ex.continuation
+
+    def _errors(self, denials: dict[str, rules.Denial]) -> list[Any]:
+        return self.fmt.tool_results([CallResult(call_id, found.error_text(), True)
+                                      for call_id, found in denials.items()])
+
+    def blocked_items(self, response: dict[str, Any], denials: dict[str, rules.Denial], turn: AssistantTurn,
+                      whole: bool) -> list[Any]:
+        """The history items that show the model its blocked calls and their errors: the whole ``response``
+        (``whole``: every call was blocked), or only its blocked calls, without its text (the agent's copy of the
+        response carries the text and the rest of the batch)."""
+        if whole:
+            kept = response
+        else:
+            admitted = [c.id for c in turn.tool_calls if c.id not in denials]
+            kept = self.fmt.without_calls(response, admitted, text=False)
+        return self.fmt.assistant_items(kept, lambda _name: True) + self._errors(denials)
+
+    def _stopped(self) -> str:
+        return (f"[proxyvisor authorizer] The model kept proposing tool calls the user prohibited ({ROUNDS} rounds); "
+                "the turn stops here.")
+
+    async def reply(self, reply: UpstreamReply) -> UpstreamReply:
+        """The reply for the agent (module docstring). Never raises for a judge or upstream failure; cancellation
+        propagates."""
+        if not rewritable(reply):
+            return reply
+        if reply.streaming:
+            return UpstreamReply(reply.status, reply.headers, AuthorizedStream(self, reply.body), reply.upstream_s)
+        rounds = 0
+        while True:
+            assert isinstance(reply.body, bytes)
+            try:
+                response = reply.json()
+                turn = self.fmt.parse_response(response)
+            except (orjson.JSONDecodeError, AttributeError, IndexError, KeyError, TypeError):
+                return reply
+            if not isinstance(response, dict) or not turn.tool_calls:
+                return reply
+            denials = await self.decide(turn)
+            if not denials:
+                return reply
+            if len(denials) < len(turn.tool_calls):
+                self._continuation().add(self.blocked_items(response, denials, turn, whole=False))
+                kept = self.fmt.without_calls(response, denials)
+                return UpstreamReply(reply.status, reply.headers, orjson.dumps(kept), reply.upstream_s, decoded=kept)
+            if rounds >= ROUNDS:
+                ended = self.fmt.render(AssistantTurn(self._stopped()), str(response.get("model") or ""))
+                return UpstreamReply(reply.status, _JSON, orjson.dumps(ended), reply.upstream_s, decoded=ended)
+            continued = await self._carry_on(self.blocked_items(response, denials, turn, whole=True))
+            if continued is None:
+                return reply
+            rounds += 1
+            reply = continued
+            if reply.streaming or not rewritable(reply):
+                return reply
+
+    async def _carry_on(self, items: list[Any]) -> UpstreamReply | None:
+        """Continue the turn upstream with ``items``; None when that failed (taken back from what later requests
+        get re-inserted: the agent then receives the reply as it came)."""
+        cont = self._continuation()
+        before = cont.items
+        try:
+            reply = await cont.send(items)
+            if reply.status < 400 and rewritable(reply):
+                return reply
+            await close(reply.body)
+            log.warning("upstream refused to continue a turn after a blocked call (%d)", reply.status)
+        except UpstreamError as exc:
+            log.warning("continuing a turn after a blocked call failed (%d): %s", exc.status, exc.message)
+        cont.items = before
+        self.exchange.remember(before)
+        return None
+
+
+class AuthorizedStream(ReplyStream):
+    """The agent's stream of an authorized request (module docstring). A :class:`~.reply.ReplyStream`."""
+
+    def __init__(self, authorizing: Authorizing, first: Any) -> None:
+        self.authorizing = authorizing
+        self.first = first
+
+    async def __aiter__(self) -> AsyncIterator[list[Item]]:
+        a = self.authorizing
+        fmt = a.fmt
+        holding = True  # the splice holds every tool call from its start (the rendered rest of a batch: none)
+        splice = fmt.stream_splice(lambda _name: holding)
+        stream = blocks(self.first)
+        job: Job | None = None
+        rounds = 0
+        try:
+            while True:
+                events: list[tuple[str | None, str]] = []
+                held: list[Item] = []
+                iterator = aiter(stream)
+                try:
+                    async for batch in iterator:
+                        out: list[Item] = []
+                        for block in await scanned(batch):
+                            if block.event is None:
+                                (held if splice.held else out).append(block)
+                                continue
+                            events.append((block.event.event, block.event.data))
+                            replaced = splice.event(block.event.event, block.event.data)
+                            if splice.held:
+                                held.append(block)
+                            else:
+                                out.append(block if replaced is None else Edit(replaced))
+                        if out:
+                            yield out
+                finally:
+                    await close(iterator)
+                if stream.error is not None:
+                    self._error = stream.error
+                    return
+                if not splice.held:
+                    return
+                try:
+                    response = fmt.stream_response(events)
+                    turn = fmt.parse_response(response)
+                except Exception:  # noqa: BLE001 - a stream the authorizer cannot read is delivered as it came
+                    log.exception("reading a held tool-call stream failed; delivering it unchecked")
+                    yield held
+                    return
+                job = Job(a.decide, turn)
+                async for keepalive in job.keepalives(fmt, a.background):
+                    yield [Block(keepalive, None)]
+                denials: dict[str, rules.Denial] = job.result or {}
+                if not denials:
+                    yield held
+                    return
+                if len(denials) < len(turn.tool_calls):
+                    a._continuation().add(a.blocked_items(response, denials, turn, whole=False))
+                    admitted = tuple(c for c in turn.tool_calls if c.id not in denials)
+                    holding = False
+                    splice.next_response()
+                    yield [Edit(self._spliced(splice, AssistantTurn("", admitted), response))]
+                    return
+                if rounds >= ROUNDS:
+                    splice.next_response()
+                    yield [Edit(self._spliced(splice, AssistantTurn(a._stopped()), response))]
+                    return
+                reply = await a._carry_on(a.blocked_items(response, denials, turn, whole=True))
+                if reply is None or not reply.streaming:
+                    if reply is not None:
+                        await close(reply.body)
+                    yield held  # the agent gets the reply as it came: the continuation failed
+                    return
+                rounds += 1
+                splice.next_response()
+                stream = blocks(reply.body)
+        finally:
+            if job is not None:
+                job.scope.cancel()
+
+    def _spliced(self, splice: Any, turn: AssistantTurn, response: dict[str, Any]) -> list[bytes]:
+        """``turn`` rendered as a stream and spliced into the message the agent is reading."""
+        fmt = self.authorizing.fmt
+        scanner = SSEScanner()
+        out: list[bytes] = []
+        for raw in fmt.render_stream(turn, str(response.get("model") or ""), self.authorizing.exchange.body):
+            for block in scanner.feed(raw):
+                if block.event is None:
+                    continue
+                replaced = splice.event(block.event.event, block.event.data)
+                out += [block.raw] if replaced is None else replaced
+        return out
