@@ -57,6 +57,9 @@ def test_with_no_prohibition_nothing_goes_to_the_judge() -> None:
     ("Don't touch migrations/.", a.Call("c", "Write", {"file_path": "app.py"}), True),  # an editing tool
     ("Don't touch migrations/.", a.Call("c", "Grep", {"pattern": "TODO"}), False),
     ("Never push.", a.Call("c", "shell", {"command": ["git", "push"]}), True),
+    ("DO NOT MODIFY: Tests, configuration files.", a.Call("c", "bash", {"command": "ls django/db"}), False),
+    ("DO NOT MODIFY: Tests, configuration files.", a.Call("c", "bash", {"command": "sed -i s/a/b/ x.py"}), True),
+    ("DO NOT MODIFY: Tests, configuration files.", a.Call("c", "bash", {"command": "cat tests/test_x.py"}), True),
     ("Never push.", a.Call("c", "Glob", {"pattern": "*.py"}), False),
 ])
 def test_the_prescreen_sends_only_calls_a_prohibition_could_concern(rule: str, call: a.Call, judged: bool) -> None:

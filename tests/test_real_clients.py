@@ -491,3 +491,69 @@ def test_codex_shows_an_unverified_answer_with_the_notice_after_it(tmp_path: Pat
     assert gates[-1]["passed"] is False, gates
     answer, _, notice = last.rpartition("\n\n")
     assert notice == GateConfig().unverified_notice and answer in insisting[1:], items
+
+
+# --- the tool authorizer ---------------------------------------------------------------------------------------
+
+_RAN = "pytest-ran.txt"
+"""Written by the scripted test command before it runs pytest: present only if the command was executed."""
+
+
+def _authorizer_config(tmp_path: Path, steps: list[dict[str, Any]], mark: str) -> Path:
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n[supervisor.authorizer]\nenabled = true\n')
+    return config
+
+
+def _check_blocked(ws: Workspace, session: str, turn: int) -> None:
+    assert not (ws.work / _RAN).exists(), "the blocked command ran"
+    records = ws.ledger(session)
+    decisions = [d for r in records for d in (r.get("authorizer") or {}).get("decisions", [])]
+    assert [(d["decision"], d["by"], d["source"]) for d in decisions] == [("block", "confirmed", f"user:{turn}")], decisions
+    assert decisions[0]["quote"] == "Do not run the tests."
+    assert summarize(records)["authorizer"]["blocked"] == 1
+
+
+def test_claude_code_never_runs_a_command_the_user_prohibited(tmp_path: Path) -> None:
+    """The user says "Do not run the tests"; the scripted model tries ``pytest``; the authorizer (judged on the
+    session's own route: the scripted upstream's fixed policy) blocks it, the turn continues upstream with the
+    tool error, and Claude Code gets the model's continued answer and ends. The command never ran."""
+    ws, session = Workspace.make(tmp_path), "claude-authz-test"
+    mark = "[task:authz]"
+    final = "I left the tests alone, as you asked."
+    config = _authorizer_config(tmp_path, [
+        {"tool_calls": [{"name": "Bash", "arguments": {"command": f"touch {_RAN} && pytest -q",
+                                                       "description": "run the tests"}}]},
+        {"text": final}], mark)
+    cmd = [find_agent("claude"), "-p", f"Explain what calc.py does. Do not run the tests. {mark}", "--model", MODEL,
+           "--output-format", "json", "--allowedTools", "Bash"]
+    run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
+                          *cmd], claude_env(ws))
+    assert run.returncode == 0, run
+    result = json.loads(run.stdout)
+    assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, final), result
+    _check_blocked(ws, session, 1)
+
+
+def test_codex_never_runs_a_command_the_user_prohibited(tmp_path: Path) -> None:
+    """As for Claude Code, through Codex's ``exec_command`` tool (Responses format)."""
+    ws, session = Workspace.make(tmp_path), "codex-authz-test"
+    mark = "[task:authz]"
+    final = "I left the tests alone, as you asked."
+    config = _authorizer_config(tmp_path, [
+        {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": f"touch {_RAN} && pytest -q"}}]},
+        {"text": final}], mark)
+    (ws.home / "config.toml").write_text(_CODEX_OWN_PROVIDER)
+    cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json",
+           f"Explain what calc.py does. Do not run the tests. {mark}"]
+    run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
+               "--session", session, "--config", str(config))
+    assert run.returncode == 0, run
+    events = json_lines(run.stdout)
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    assert [i for i in items if i["type"] == "command_execution"] == [], items
+    assert [i["text"] for i in items if i["type"] == "agent_message"][-1] == final, items
+    assert events[-1]["type"] == "turn.completed", events[-1]
+    _check_blocked(ws, session, 2)  # Codex's first user message is its environment context

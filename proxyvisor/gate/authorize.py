@@ -8,7 +8,8 @@ explicit prohibition that a judge proposed and a second, independent check confi
   is admitted; otherwise a call is put to the judge only when a prohibition could concern it: one of the
   prohibition's content words occurs in the call's name or arguments ("do not run the tests" and
   ``pytest -q``), or the prohibition forbids an action of a kind the call can perform (running things and a shell
-  call; changing things and an editing or shell call). A call it lets through is admitted without a model call.
+  call; changing things and an editing tool, or a shell command that writes,
+  ``proxyvisor.detectors.receipts.writes``). A call it lets through is admitted without a model call.
 - **Sources** (:class:`Sources`): each genuine user turn by id (``user:N``), the role's system text
   (``role:0``), the exact arguments of each call (``call:ID``) and the last :data:`MAX_ACTIONS` completed actions
   with success flags (name and arguments, never their output). Tool output and proxyvisor's own notes are not
@@ -40,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from ..detectors.receipts import command_text, writes
 from .prohibitions import Standing, content_words
 
 MAX_ACTIONS = 16
@@ -123,8 +125,18 @@ class Sources:
         return " ".join(found) if found else None
 
 
+def _values(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in _values(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in _values(item)]
+    return [str(value)]
+
+
 def _call_text(call: Call) -> str:
-    return (call.name + " " + orjson.dumps(call.arguments).decode()).lower()
+    """The call's name and argument values, lowered: what a prohibition's words are looked for in (not the keys:
+    "commands" in a rule is no reason to judge every call with a ``command`` argument)."""
+    return " ".join([call.name, *_values(call.arguments)]).lower()
 
 
 def _is_shell(call: Call) -> bool:
@@ -137,7 +149,14 @@ def _could_concern(rule: Standing, call: Call, text: str) -> bool:
         return True
     if words & _RUN_ACTIONS and _is_shell(call):
         return True
-    return bool(words & _CHANGE_ACTIONS) and (_is_shell(call) or bool(_EDITING.search(call.name)))
+    if not words & _CHANGE_ACTIONS:
+        return False
+    if _EDITING.search(call.name):
+        return True
+    # A shell command changes things when it writes (an intent word, a redirection, sed -i...): a read-only one
+    # (ls, cat, grep) cannot break "do not modify the tests" unless it names them, which the words above catch.
+    command = command_text(call.arguments)
+    return _is_shell(call) and (command is None or writes(command))
 
 
 def concerned(rules: Sequence[Standing], calls: Sequence[Call]) -> list[Call]:

@@ -36,8 +36,8 @@ carrying its own marker) each follow their own script.
 
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
 the next ``condense`` step, or, with none queued, no verdict (:mod:`.scripted_condenser`: the deterministic
-condenser decides). The verify-gate's verifier and refuter calls, and the planner's, likewise get a fixed policy's answer
-(:mod:`.scripted_verifier`, :mod:`.scripted_planner`), in the call's own format: a call that forces a tool
+condenser decides). The verify-gate's verifier and refuter calls, the planner's and the tool authorizer's likewise get
+a fixed policy's answer (:mod:`.scripted_verifier`, :mod:`.scripted_planner`, :mod:`.scripted_authorizer`), in the call's own format: a call that forces a tool
 (Anthropic's ``tool_choice: {"type": "tool"}``) gets that tool's call with the answer as its input, as a provider
 answers it. So the supervisor model on the session's route, or ``[supervisor.model] api_base = "scripted:"``, is a
 supervisor model with no key and no network.
@@ -67,6 +67,7 @@ from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, 
 from ..proxy.formats.freeform import arguments as freeform_arguments
 from ..proxy.server import AbortConnection, Request, Response
 from ..gate.verdict import json_object
+from . import authorizer as scripted_authorizer
 from . import condenser as scripted_condenser
 from . import planner as scripted_planner
 from . import verifier as scripted_verifier
@@ -331,7 +332,7 @@ class ScriptedUpstream:
             yield event
 
 
-_POLICIES = (scripted_condenser, scripted_verifier, scripted_planner)
+_POLICIES = (scripted_condenser, scripted_verifier, scripted_planner, scripted_authorizer)
 """Fixed answers to proxyvisor's own supervisor model calls (each module has ``MARKS``, the prefixes its calls'
 system prompts start with, and ``answer(fmt, body)``)."""
 
