@@ -346,3 +346,88 @@ async def test_a_judgment_over_budget_allows_with_no_call(tmp_path: Path) -> Non
         _, calls, _ = await send(run, "messages", False, agent_body("messages", False, prompt))
     assert [c.id for c in calls] == ["call_p1"] and judge.calls == []
     assert run.authorizer()["decisions"][0]["by"] == "over_budget"
+
+
+# ---- the turn's limit, and a streamed batch whose admitted calls are of a built-in type ----------------------------
+@pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
+async def test_a_model_that_keeps_calling_blocked_tools_ends_its_turn_with_a_note(tmp_path: Path, fmt: str,
+                                                                                 stream: bool) -> None:
+    from proxyvisor.proxy.authorizing import ROUNDS
+
+    judge = Judge([block()], [CONFIRM])
+    async with authorized(tmp_path, [calls_step(PYTEST)] * (ROUNDS + 1), judge) as run:
+        text, calls, raw = await send(run, fmt, stream, agent_body(fmt, stream))
+    assert calls == [] and b"pytest" not in raw
+    assert "kept proposing tool calls the user prohibited" in text
+    assert len(run.upstream.requests) == ROUNDS + 1
+    assert judge.purposes() == ["judge", "confirm"]  # the same call under the same context: the denial is reused
+    assert run.authorizer()["cached"] == ROUNDS
+
+
+class _Stub:
+    """The parts of an ``Authorizing`` that ``AuthorizedStream`` uses, with a fixed decision and a recorded
+    continuation."""
+
+    def __init__(self, denied: set[str]) -> None:
+        from proxyvisor.proxy.formats import RESPONSES
+
+        self.fmt = RESPONSES
+        self.denied = denied
+        self.background = None
+        self.sent: list[Any] = []
+        self.exchange = dataclasses.make_dataclass("E", [("body", dict)])({})
+
+    async def decide(self, turn: AssistantTurn) -> dict[str, Any]:
+        from proxyvisor.gate.authorize import Denial
+
+        return {c.id: Denial("r", 1, PROHIBITION, "/command", '"x"') for c in turn.tool_calls if c.id in self.denied}
+
+    def blocked_items(self, response: dict[str, Any], denials: dict[str, Any], turn: AssistantTurn,
+                      whole: bool) -> list[Any]:
+        assert whole
+        return self.fmt.assistant_items(response, lambda _n: True)
+
+    async def _carry_on(self, items: list[Any]) -> Any:
+        from proxyvisor.proxy.relay import UpstreamReply
+
+        self.sent.append(items)
+        after = self.fmt.render_stream(AssistantTurn(AFTER["text"]), MODEL, {})
+
+        async def body() -> AsyncIterator[bytes]:
+            for event in after:
+                yield event
+
+        return UpstreamReply(200, [], body(), 0.0)
+
+    def _stopped(self) -> str:
+        return "stopped"
+
+
+async def test_a_streamed_batch_with_a_built_in_call_beside_a_blocked_one_continues_with_the_blocked_one() -> None:
+    """The admitted ``local_shell`` call cannot be re-rendered as it came: the turn continues upstream with the
+    blocked call alone (the model makes the other again), and the agent gets the continued answer."""
+    from proxyvisor.proxy.authorizing import AuthorizedStream
+    from proxyvisor.proxy.formats.base import sse
+    from proxyvisor.proxy.reply import Encoded
+
+    shell = {"type": "local_shell_call", "id": "ls_1", "call_id": "call_s1", "status": "completed",
+             "action": {"type": "exec", "command": ["ls"]}}
+    function = {"type": "function_call", "id": "fc_1", "call_id": "call_p1", "name": "Bash", "status": "completed",
+                "arguments": '{"command": "pytest -q"}'}
+    events = [{"type": "response.created", "response": {"id": "resp_1", "output": [], "status": "in_progress"}}]
+    for index, item in enumerate((shell, function)):
+        events += [{"type": "response.output_item.added", "output_index": index, "item": item},
+                   {"type": "response.output_item.done", "output_index": index, "item": item}]
+    events.append({"type": "response.completed", "response": {"id": "resp_1", "output": [shell, function],
+                                                               "status": "completed"}})
+
+    async def first() -> AsyncIterator[bytes]:
+        for n, event in enumerate(events):
+            yield sse(orjson.dumps({**event, "sequence_number": n}), event["type"])
+
+    stub = _Stub({"call_p1"})
+    got = b"".join([chunk async for chunk in Encoded(AuthorizedStream(stub, first()))])  # type: ignore[arg-type]
+    turn = stub.fmt.assemble([(e.event, e.data) for e in sse_events(got)])
+    assert (turn.text, turn.tool_calls) == (AFTER["text"], ())
+    (items,) = stub.sent
+    assert [i.get("call_id") for i in items] == ["call_p1"]  # the blocked call alone, carried on

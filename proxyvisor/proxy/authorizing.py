@@ -19,7 +19,10 @@ decisions for one supervised request (:class:`Authorizing`):
   :data:`ROUNDS` times; then the turn ends with a note). When only some are, the agent gets the rest of the batch
   (JSON: the response without the blocked calls; a stream: the admitted calls spliced in its place) and the
   blocked calls with their errors are added to the continuation's items, so the model sees them, after the
-  history the request ended with, in every later request (``Exchange.remember``: byte-stable).
+  history the request ended with, in every later request (``Exchange.remember``: byte-stable). A stream whose
+  admitted calls include a built-in call type (``local_shell``, ``computer``...: not in :data:`RENDERED`) is
+  continued upstream with its blocked calls alone instead, and the model makes the others again, as delegation
+  does with the agent's calls beside a delegation call.
 - **``mode = "advise"``**: nothing is kept from the agent; a confirmed conflict is recorded and a note for the
   model is added after the agent's last item (re-inserted like every note).
 - **Never lose the answer**: a judgment that fails, times out (``timeout_s``), is malformed or over
@@ -62,6 +65,9 @@ log = logging.getLogger("proxyvisor.authorizer")
 
 ROUNDS = 4
 """Times one request's turn may be continued after blocked calls."""
+RENDERED = ("function", "custom")
+"""The call types ``WireFormat.render_stream`` writes as they came: the admitted rest of a streamed batch is
+spliced in only when all of its calls are of them."""
 ADVICE = ("[proxyvisor authorizer] Your call {call} ({tool}) conflicts with the user's restriction: user source "
           "{source}: \"{quote}\". Stay within what the user allowed.")
 _JSON = [(b"content-type", b"application/json")]
@@ -378,9 +384,9 @@ class AuthorizedStream(ReplyStream):
                 if not denials:
                     yield held
                     return
-                if len(denials) < len(turn.tool_calls):
+                admitted = tuple(c for c in turn.tool_calls if c.id not in denials)
+                if admitted and all(c.kind in RENDERED for c in admitted):
                     a._continuation().add(a.blocked_items(response, denials, turn, whole=False))
-                    admitted = tuple(c for c in turn.tool_calls if c.id not in denials)
                     holding = False
                     splice.next_response()
                     yield [Edit(self._spliced(splice, AssistantTurn("", admitted), response))]
@@ -389,6 +395,8 @@ class AuthorizedStream(ReplyStream):
                     splice.next_response()
                     yield [Edit(self._spliced(splice, AssistantTurn(a._stopped()), response))]
                     return
+                if admitted:  # calls of built-in types the rendering cannot repeat: left for the model to make again
+                    response = fmt.without_calls(response, [c.id for c in admitted])
                 reply = await a._carry_on(a.blocked_items(response, denials, turn, whole=True))
                 if reply is None or not reply.streaming:
                     if reply is not None:
