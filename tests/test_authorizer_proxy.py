@@ -431,3 +431,19 @@ async def test_a_streamed_batch_with_a_built_in_call_beside_a_blocked_one_contin
     assert (turn.text, turn.tool_calls) == (AFTER["text"], ())
     (items,) = stub.sent
     assert [i.get("call_id") for i in items] == ["call_p1"]  # the blocked call alone, carried on
+
+
+@pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
+async def test_with_the_gate_on_a_blocked_call_is_still_kept_from_the_agent(tmp_path: Path, fmt: str,
+                                                                          stream: bool) -> None:
+    """The gate (on by default) passes a tool-call round; the authorizer outside it blocks the call and the agent
+    gets the continued answer."""
+    judge = Judge([block()], [CONFIRM])
+    config = Config().with_overrides(supervisor={"authorizer": AuthorizerConfig(enabled=True)})
+    upstream = ScriptedUpstream([calls_step(PYTEST), AFTER])
+    store = Store(tmp_path / "state")
+    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=judge) as proxy:
+        run = Run(proxy, store, upstream, judge)
+        text, calls, raw = await send(run, fmt, stream, agent_body(fmt, stream))
+    assert calls == [] and text == AFTER["text"] and b"pytest" not in raw
+    assert run.authorizer()["blocked"] == 1
