@@ -447,3 +447,14 @@ async def test_with_the_gate_on_a_blocked_call_is_still_kept_from_the_agent(tmp_
         text, calls, raw = await send(run, fmt, stream, agent_body(fmt, stream))
     assert calls == [] and text == AFTER["text"] and b"pytest" not in raw
     assert run.authorizer()["blocked"] == 1
+
+
+def test_info_shows_the_authorizer_row_once_it_saw_a_batch() -> None:
+    from proxyvisor.proxy.info import render_text
+
+    line = {"status": 200, "authorizer": {"batches": 2, "prescreened": 1, "checked": 1, "blocked": 1, "cached": 0,
+                                          "unavailable": 0}}
+    assert "| authorizer" in render_text(summarize([line]))
+    assert "checked 1 · blocked 1 · cached 0 · unavailable 0 · batches 2 (pre-screened 1)" in render_text(
+        summarize([line]))
+    assert "authorizer" not in render_text(summarize([{"status": 200}]))

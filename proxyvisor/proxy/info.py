@@ -364,6 +364,10 @@ def render_text(info: Mapping[str, Any]) -> str:
                       + (f" · {info['condense']['tokens_before']:,} -> {info['condense']['tokens_after']:,} tokens"
                          if info["condense"].get("tokens_before") else "")
                       + f" · saved {plural(info['condense']['saved_tokens'], 'token')}"),
+        *([("authorizer", f"checked {authz['checked']:,} · blocked {authz['blocked']:,} · cached "
+                          f"{authz['cached']:,} · unavailable {authz['unavailable']:,} · batches {authz['batches']:,}"
+                          f" (pre-screened {authz['prescreened']:,})")]
+          if (authz := info.get("authorizer") or {}).get("batches") else []),
         ("planner calls", f"{info['planner_calls']:,}"),
         ("supervisor model", supervisor_text(sup)),
         ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"
