@@ -164,7 +164,10 @@ def main() -> int:
         write_section("Tool authorizer (issue 13)", "\n".join([
             "Corpus trajectories replayed with the authorizer on and a judge double that allows everything (it "
             "counts calls; it decides nothing the counts depend on). A round \"with a prohibition\" is one in which "
-            "a user prohibition stood, so the authorizer's stage ran; the last column must be 0.",
+            "a user prohibition stood, so the authorizer's stage ran; the last column must be 0. The mini-SWE-agent "
+            "and SWE-agent prompts state \"DO NOT MODIFY: Tests, configuration files\" and \"Do NOT try to run "
+            "multiple independent commands...\": a prohibition on running things could concern any shell call, and "
+            "those agents make nothing but shell calls, so none of their batches is pre-screened.",
             "", "Command: `python bench/authorizer.py ../shared/corpus/trajectories --write`", "", *corpus_table, "",
             f"A tool-call round's latency (chat, embedded scripted upstream, in-process), {args.repeat} requests per "
             "arm, arms interleaved in the same run; added and ratio against the arm named, which sends the same request "
