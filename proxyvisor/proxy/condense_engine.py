@@ -131,6 +131,8 @@ class CondenseEngine:
         # Every request re-sends the session's earlier results: their decisions (None: there is none) by key, so
         # a request costs a hash per result rather than a cache read.
         self._known: OrderedDict[str, Decision | None] = OrderedDict()
+        # The same by (session, call id, text): what :meth:`recall` reads first, with no hashing of the text.
+        self._texts: OrderedDict[tuple[str, str, str], Decision | None] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -193,6 +195,9 @@ class CondenseEngine:
         if self.cache is not None and fresh:
             settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
             report.decisions.update({c: settled[keys[c]] for c in fresh})
+        with self._lock:
+            for result in large:  # decided now: a recall from before (a rewritten history's) no longer holds
+                self._texts.pop((session, result.call_id, result.text), None)
         return report
 
     async def recall(self, session: str, results: Sequence[ToolResult]) -> dict[str, Decision]:
@@ -203,9 +208,22 @@ class CondenseEngine:
             return {}
         # Tokens never exceed 4 per character (UTF-8 bytes): shorter results cannot have had a decision.
         large = [r for r in results if len(r.text) * 4 > MIN_THRESHOLD]
-        if not large:
-            return {}
-        return await trio.to_thread.run_sync(self._recall, session, large)
+        found: dict[str, Decision] = {}
+        unknown = []
+        for result in large:
+            # By the text itself: a later request repeats the same string object, whose hash Python keeps, so
+            # this costs no hashing of the text; only a result not seen yet goes to the decision key and cache.
+            memo = (session, result.call_id, result.text)
+            with self._lock:
+                hit = memo in self._texts
+                decision = self._texts.get(memo)
+            if not hit:
+                unknown.append(result)
+            elif decision is not None:
+                found[result.call_id] = decision
+        if unknown:
+            found.update(await trio.to_thread.run_sync(self._recall, session, unknown))
+        return found
 
     def _recall(self, session: str, results: list[ToolResult]) -> dict[str, Decision]:
         found: dict[str, Decision] = {}
@@ -222,6 +240,10 @@ class CondenseEngine:
                     log.warning("condense cache read failed: %s", exc)
                     continue
                 self._remember(key, decision)
+            with self._lock:
+                self._texts[(session, result.call_id, result.text)] = decision
+                while len(self._texts) > _DECISION_MEMO:
+                    self._texts.popitem(last=False)
             if decision is not None:
                 found[result.call_id] = decision
         return found

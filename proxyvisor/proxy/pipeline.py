@@ -49,6 +49,7 @@ from .formats.base import event_object
 from .relay import HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
+from .bodies import BodyCache
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
 from . import commands, estimate
@@ -146,6 +147,7 @@ class Pipeline:
         self.translator = translator
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
+        self.bodies = BodyCache()
         condense, delegate = check_state(config, store)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
             config.supervisor, store.root if store is not None and condense else None))
@@ -274,7 +276,9 @@ class Pipeline:
         if not self.supervised and native:
             return await self._relay(request, fmt, path, upstream.name, None, self._counted(path_session))
         try:
-            body = orjson.loads(request.body)
+            # Supervised, a body that extends an earlier one is read from its new bytes only.
+            body = self.bodies.loads(fmt.history_field, fmt.name, request.body) if self.supervised \
+                else orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             return error(fmt, 400, _not_json(request.body, exc))
         if not isinstance(body, dict):

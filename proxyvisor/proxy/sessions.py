@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..store import SESSION_ID
 from .formats import WireFormat
+from .formats.base import derived
 from ..transcript import Message, fingerprint
 
 if TYPE_CHECKING:  # supervision imports this module
@@ -135,10 +136,17 @@ class Conversations:
         conversing = False  # whether the history holds more than system messages so far
         for item in fmt.history(body):
             message = fmt.message(item)
-            link = hashlib.blake2b(link + fingerprint(message), digest_size=16).digest()
+            kept = derived(item)  # an item repeated from an earlier request: its link from the same one is kept
+            step = kept.get("link") if kept is not None else None
+            if step is None or step[0] != link:
+                step = (link, hashlib.blake2b(link + fingerprint(message), digest_size=16).digest(),
+                        _answer_keys(message))
+                if kept is not None:
+                    kept["link"] = step
+            link = step[1]
             conversing = conversing or message.role != "system"
             if conversing:
-                links.append([link, *_answer_keys(message)])
+                links.append([link, *step[2]])
         session = None
         for key in (key for keys in reversed(links) for key in keys):
             kept = self._ends.get(key)

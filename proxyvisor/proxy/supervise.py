@@ -44,6 +44,7 @@ from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
 from ..gate.plan import Plan
+from . import bodies
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
@@ -355,13 +356,14 @@ class Exchange:
                 log.exception("a supervision step failed; forwarding the request without it")
 
     def upstream_body(self) -> bytes:
-        """The upstream request body as JSON bytes.
+        """The upstream request body as JSON bytes, as ``orjson.dumps`` writes it (the history's items written once
+        and kept, ``proxyvisor.proxy.bodies``).
 
         Raises:
             TypeError: (``orjson.JSONEncodeError``) the body nests deeper than orjson writes (255 levels; it reads
                 1,024); the pipeline then forwards the client's own bytes, unsupervised.
         """
-        return orjson.dumps(self.body)
+        return bodies.dumps(self.body, self.fmt.history_field)
 
     def _finish(self, bodies: list[str]) -> None:
         result = outcome(bodies)

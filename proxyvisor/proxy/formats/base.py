@@ -38,6 +38,23 @@ _ERROR_TYPES: dict[int, tuple[str, str]] = {
 }
 
 
+class Item(dict[str, Any]):
+    """A history item of a parsed request body (``proxyvisor.proxy.bodies``), maybe shared by later requests that
+    repeat it. Never changed in place: an edit goes to a copy put in its place, so ``derived`` (values computed
+    from the item, by name: its :class:`~.transcript.Message` per format, its serialised bytes...) stays true."""
+
+    __slots__ = ("derived",)
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        super().__init__(value)
+        self.derived: dict[str, Any] = {}
+
+
+def derived(item: Any) -> dict[str, Any] | None:
+    """Where values computed from ``item`` may be kept (None: not an :class:`Item`, compute them each time)."""
+    return item.derived if type(item) is Item else None
+
+
 def error_types(status: int) -> tuple[str, str]:
     """(OpenAI type, Anthropic type) for an HTTP status; 4xx default to invalid_request_error, 5xx to api errors."""
     if status in _ERROR_TYPES:
@@ -137,15 +154,15 @@ def chat_text(content: Any) -> str:
     return ""
 
 
-def leading_system(items: list[Any]) -> dict[str, Any] | None:
-    """The last of the system/developer messages a history starts with (the end of its system prompt), or None
-    when it starts with something else."""
+def leading_system(items: list[Any]) -> int | None:
+    """The position of the last of the system/developer messages a history starts with (the end of its system
+    prompt), or None when it starts with something else."""
     last = None
-    for item in items:
+    for index, item in enumerate(items):
         if not (isinstance(item, dict) and item.get("role") in ("system", "developer")
                 and item.get("type", "message") == "message"):
             break
-        last = item
+        last = index
     return last
 
 
@@ -372,7 +389,18 @@ class WireFormat:
         return [orjson.dumps(rest, option=orjson.OPT_SORT_KEYS), *map(orjson.dumps, self.history(body))]
 
     def message(self, item: Any) -> Message:
-        """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``)."""
+        """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``);
+        kept on an :class:`Item`."""
+        kept = derived(item)
+        if kept is None:
+            return self.read_message(item)
+        message: Message | None = kept.get(self.name)
+        if message is None:
+            message = kept[self.name] = self.read_message(item)
+        return message
+
+    def read_message(self, item: Any) -> Message:
+        """:meth:`message`, read from ``item``."""
         raise NotImplementedError
 
     def add_instruction(self, body: dict[str, Any], text: str) -> None:
@@ -386,23 +414,44 @@ class WireFormat:
 
     def replace_tool_results(self, body: dict[str, Any], texts: Mapping[str, str]) -> set[str]:
         """Put ``texts[call_id]`` in place of the text of each tool result whose call id is a key (the model's copy
-        of a condensed result), in place. Only text changes: no item is added, removed or reordered, so every tool
-        call keeps its result, and a result holding non-text parts (images, documents) is left alone. Returns the
-        call ids replaced."""
-        done = set()
-        for holder, key, call_id in self.tool_result_slots(body):
-            if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)):
-                holder[key] = retext(holder.get(key), texts[call_id], self.result_part_type)
-                done.add(call_id)
+        of a condensed result): the item holding it is replaced in the history by a copy (the agent's item, maybe
+        shared with later requests, :class:`Item`, stays as sent; an :class:`Item`'s copy is kept on it, so the
+        next request with the same texts gets the same copy). Only text changes: no item is added, removed or
+        reordered, so every tool call keeps its result, and a result holding non-text parts (images, documents)
+        is left alone. Returns the call ids replaced."""
+        done: set[str] = set()
+        items = self.history(body)
+        for index, item in enumerate(items):
+            wanted = tuple((call_id, texts[call_id]) for holder, key, call_id in self.result_slots(item)
+                           if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)))
+            if not wanted:
+                continue
+            done.update(call_id for call_id, _ in wanted)
+            kept = derived(item)
+            copy = kept.get("condensed") if kept is not None else None
+            if copy is None or copy[0] != wanted:
+                new = self.copy_results(item)
+                replace = dict(wanted)
+                for holder, key, call_id in self.result_slots(new):
+                    if call_id in replace and not has_non_text(holder.get(key)):
+                        holder[key] = retext(holder.get(key), replace[call_id], self.result_part_type)
+                copy = (wanted, Item(new) if kept is not None else new)
+                if kept is not None:
+                    kept["condensed"] = copy
+            items[index] = copy[1]
         return done
 
     result_part_type: ClassVar[str]
     """The ``type`` of a text part in a tool result's content (what :func:`retext` writes)."""
 
-    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
-        """Each tool result of the request as (the dict holding it, the key of its content, its call id as sent,
-        unchecked), for :meth:`replace_tool_results`."""
+    def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
+        """Each tool result in history item ``item`` as (the dict holding it, the key of its content, its call id
+        as sent, unchecked), for :meth:`replace_tool_results`."""
         raise NotImplementedError
+
+    def copy_results(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``item`` whose :meth:`result_slots` holders are its own (the item's dict, by default)."""
+        return dict(item)
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""

@@ -133,7 +133,7 @@ class ChatFormat(WireFormat):
 
 
     # ---- supervision --------------------------------------------------------------------------------------
-    def message(self, item: Any) -> Message:
+    def read_message(self, item: Any) -> Message:
         if not isinstance(item, dict):
             return Message("other")
         role, content = item.get("role"), item.get("content")
@@ -161,24 +161,25 @@ class ChatFormat(WireFormat):
         messages = body.get("messages")
         if not isinstance(messages, list):
             return
-        last = leading_system(messages)
-        if last is None:
+        at = leading_system(messages)
+        if at is None:
             messages.insert(0, {"role": "system", "content": text})
             return
+        last = messages[at]
         content = last.get("content")
+        # A copy in the message's place: the agent's item may be shared with later requests (base.Item).
         if isinstance(content, list):
-            content.append({"type": "text", "text": text})
+            messages[at] = {**last, "content": [*content, {"type": "text", "text": text}]}
         elif isinstance(content, str) or content is None:
-            last["content"] = f"{content}\n\n{text}" if content else text
+            messages[at] = {**last, "content": f"{content}\n\n{text}" if content else text}
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:
             body["messages"] = interleave(body["messages"], [(i, {"role": "user", "content": t}) for i, t in notes])
 
-    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
-        for item in self.history(body):
-            if isinstance(item, dict) and item.get("role") in ("tool", "function"):
-                yield item, "content", item.get("tool_call_id") if item["role"] == "tool" else item.get("name")
+    def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
+        if isinstance(item, dict) and item.get("role") in ("tool", "function"):
+            yield item, "content", item.get("tool_call_id") if item["role"] == "tool" else item.get("name")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for choice in as_list(response.get("choices")):

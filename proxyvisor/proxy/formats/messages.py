@@ -182,7 +182,7 @@ class MessagesFormat(WireFormat):
 
 
     # ---- supervision --------------------------------------------------------------------------------------
-    def message(self, item: Any) -> Message:
+    def read_message(self, item: Any) -> Message:
         if not isinstance(item, dict):
             return Message("other")
         role, content = item.get("role"), item.get("content")
@@ -211,8 +211,8 @@ class MessagesFormat(WireFormat):
 
     def add_instruction(self, body: dict[str, Any], text: str) -> None:
         system = body.get("system")
-        if isinstance(system, list):
-            system.append({"type": "text", "text": text})
+        if isinstance(system, list):  # a new list: the agent's may be shared with later requests (base.Item)
+            body["system"] = [*system, {"type": "text", "text": text}]
         elif isinstance(system, str) or system is None:
             body["system"] = f"{system}\n\n{text}" if system else text
 
@@ -239,12 +239,14 @@ class MessagesFormat(WireFormat):
         if separate:
             body["messages"] = interleave(messages, separate)
 
-    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
-        for item in self.history(body):
-            if isinstance(item, dict) and item.get("role") == "user":
-                for block in as_list(item.get("content")):
-                    if isinstance(block, dict) and block.get("type") == "tool_result":
-                        yield block, "content", block.get("tool_use_id")
+    def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
+        if isinstance(item, dict) and item.get("role") == "user":
+            for block in as_list(item.get("content")):
+                if isinstance(block, dict) and block.get("type") == "tool_result":
+                    yield block, "content", block.get("tool_use_id")
+
+    def copy_results(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {**item, "content": [dict(b) if isinstance(b, dict) else b for b in as_list(item.get("content"))]}
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         content = response.get("content")

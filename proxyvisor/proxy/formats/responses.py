@@ -304,7 +304,7 @@ class ResponsesFormat(WireFormat):
             return [{"type": "message", "role": "user", "content": items}]
         return items if isinstance(items, list) else []
 
-    def message(self, item: Any) -> Message:
+    def read_message(self, item: Any) -> Message:
         if not isinstance(item, dict):
             return Message("other")
         kind, role = item.get("type"), item.get("role")
@@ -328,13 +328,17 @@ class ResponsesFormat(WireFormat):
             body["instructions"] = f"{instructions}\n\n{text}"
             return
         # Codex sends no instructions but developer messages first in its input: their end is the prompt's end.
-        last = leading_system(body["input"]) if isinstance(body.get("input"), list) else None
-        if last is None:
+        items = body.get("input")
+        at = leading_system(items) if isinstance(items, list) else None
+        if at is None or not isinstance(items, list):
             body["instructions"] = text
-        elif isinstance(last.get("content"), list):
-            last["content"].append({"type": "input_text", "text": text})
+            return
+        last = items[at]
+        # A copy in the item's place: the agent's item may be shared with later requests (base.Item).
+        if isinstance(last.get("content"), list):
+            items[at] = {**last, "content": [*last["content"], {"type": "input_text", "text": text}]}
         elif isinstance(last.get("content"), str) or last.get("content") is None:
-            last["content"] = f"{last['content']}\n\n{text}" if last.get("content") else text
+            items[at] = {**last, "content": f"{last['content']}\n\n{text}" if last.get("content") else text}
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:
@@ -342,10 +346,9 @@ class ResponsesFormat(WireFormat):
                 (i, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})
                 for i, t in notes])
 
-    def tool_result_slots(self, body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Any]]:
-        for item in as_list(body.get("input")):
-            if _is_result(item):
-                yield item, "output", item.get("call_id")
+    def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
+        if _is_result(item):
+            yield item, "output", item.get("call_id")
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         for item in as_list(response.get("output")):
