@@ -62,10 +62,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (API_KEY, MODEL, BenchError, add_arm_options, command_line, cpu_time,  # noqa: E402
                           exit_on_stdin_eof, litellm_venv, loadavg, parse_sized, pct, prose, sized_parser,
                           spawn_role, start_litellm, wait_litellm, workspace)
+from bench.histories import FORMATS, TOOL_ROUND, History  # noqa: E402
 from bench.results import write_section  # noqa: E402
 
 SECTION = "Overhead (issue 2)"
+SWEEP_SECTION = "Overhead by history size (issue 12)"
 TARGET_P50_MS, TARGET_P99_MS, TARGET_LITELLM_SHARE = 1.0, 5.0, 0.1
+TARGET_SUPERVISED_P50_MS = 0.6
+"""Issue 12: supervised added p50 at the 79 KB body."""
+TARGET_SUPERVISED_PER_MB = 1.5
+"""Issue 12: supervised added latency per MB of history (ms), over the size sweep."""
 
 
 # ---- the request body ---------------------------------------------------------------------------------------
@@ -423,6 +429,182 @@ def print_table(rows: list[Row], concurrency: int, notes: list[str]) -> None:
         console.print(f"[yellow]note:[/] {note}")
 
 
+# ---- the size sweep ----------------------------------------------------------------------------------------
+@dataclass
+class SweepCell:
+    """One arm's requests for one format and history size."""
+
+    samples: list[float] = field(default_factory=list)
+    """Latency of each request (ms)."""
+    cpu_s: float = 0.0
+    headers: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+async def sweep(arms: list[Arm], fmt: str, size_mb: float, count: int, block: int, seed: int,
+                progress: Any) -> tuple[int, dict[str, SweepCell]]:
+    """``count`` requests per arm of one growing agent history in ``fmt`` starting at about ``size_mb`` MB, at 1
+    client, interleaved in blocks of ``block``: each arm sends the same session, one tool round longer on every
+    request (as an agent does), its bodies built before the clock starts. Returns (the first body's size, the
+    cells by arm name)."""
+    histories = {arm.name: History(fmt, int(size_mb * 1024 * 1024), seed=seed) for arm in arms}
+    cells = {arm.name: SweepCell() for arm in arms}
+    sent = {arm.name: 0 for arm in arms}
+    clients = {arm.name: Client(arm.port) for arm in arms}
+    first = len(next(iter(histories.values())).body(0))
+    try:
+        for arm in arms:  # the session's first request (a full read everywhere) is not measured
+            await clients[arm.name].request(histories[arm.name].path, HEADERS, histories[arm.name].body(0))
+        order = list(arms)
+        for round_ in range(-(-count // block)):
+            order = order[1:] + order[:1]
+            for arm in order:
+                client, history, cell = clients[arm.name], histories[arm.name], cells[arm.name]
+                bodies = []
+                for _ in range(min(block, count - round_ * block)):
+                    sent[arm.name] += 1
+                    bodies.append(history.body(sent[arm.name]))
+                cpu = cpu_time(arm.process)
+                for body in bodies:
+                    try:
+                        sample = await client.request(history.path, HEADERS, body)
+                    except (BenchError, OSError, trio.BrokenResourceError) as exc:
+                        cell.errors.append(str(exc))
+                        await client.aclose()
+                        continue
+                    cell.samples.append(sample.total_s * 1000)
+                    if sample.overhead_ms is not None:
+                        cell.headers.append(sample.overhead_ms)
+                cell.cpu_s += cpu_time(arm.process) - cpu
+            progress()
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return first, cells
+
+
+@dataclass
+class SweepRow:
+    arm: str
+    fmt: str
+    size_kb: float
+    n: int
+    p50: float
+    add_p50: float
+    cpu_ms: float | None
+    header_p50: float | None
+    errors: int
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """The least-squares slope of ``(x, y)`` points (y per unit of x), None for fewer than two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def sweep_rows(results: dict[tuple[str, float], tuple[int, dict[str, SweepCell]]],
+               arms: list[Arm]) -> list[SweepRow]:
+    rows = []
+    for (fmt, _size), (first, cells) in results.items():
+        base = cells.get("direct")
+        if base is None or not base.samples:
+            continue
+        for arm in arms:
+            cell = cells.get(arm.name)
+            if cell is None or not cell.samples:
+                continue
+            rows.append(SweepRow(arm.label, fmt, first / 1024, len(cell.samples), pct(cell.samples, 50),
+                                 pct(cell.samples, 50) - pct(base.samples, 50),
+                                 cell.cpu_s * 1000 / len(cell.samples) if cell.cpu_s == cell.cpu_s else None,
+                                 pct(cell.headers, 50) if cell.headers else None, len(cell.errors)))
+    return rows
+
+
+def per_mb(rows: list[SweepRow]) -> list[tuple[str, str, float | None, float | None, float | None]]:
+    """(arm, format, added p50 per MB, CPU per MB, proxyvisor's own overhead header per MB), slopes over the
+    sizes (ms per MB)."""
+    out = []
+    for fmt in dict.fromkeys(r.fmt for r in rows):
+        for arm in dict.fromkeys(r.arm for r in rows if r.fmt == fmt):
+            mine = [r for r in rows if r.fmt == fmt and r.arm == arm]
+            mb = [r.size_kb / 1024 for r in mine]
+            cpu = [(x, r.cpu_ms) for x, r in zip(mb, mine) if r.cpu_ms is not None]
+            head = [(x, r.header_p50) for x, r in zip(mb, mine) if r.header_p50 is not None]
+            out.append((arm, fmt, slope(list(zip(mb, [r.add_p50 for r in mine]))) if arm != "direct" else None,
+                        slope(cpu), slope(head)))
+    return out
+
+
+SWEEP_COLUMNS = ("arm", "format", "body KB", "n", "p50", "+p50", "CPU/req", "header p50", "errors")
+
+
+def sweep_cells(row: SweepRow) -> list[str]:
+    return [row.arm, row.fmt, f"{row.size_kb:.0f}", str(row.n), _f(row.p50), _f(row.add_p50, "{:+.2f}"),
+            _f(row.cpu_ms, "{:.3f}"), _f(row.header_p50, "{:.3f}"), str(row.errors)]
+
+
+def sweep_verdicts(rows: list[SweepRow], main_rows: list[Row]) -> list[tuple[bool, str]]:
+    out = []
+    for kind in KINDS:
+        sup = next((r for r in main_rows if r.arm == "supervised" and r.kind == kind), None)
+        if sup is not None:
+            out.append((sup.add_p50 <= TARGET_SUPERVISED_P50_MS,
+                        f"{KIND_LABEL[kind]}, 79 KB body: supervised added p50 {sup.add_p50:+.2f} ms "
+                        f"(target <= {TARGET_SUPERVISED_P50_MS:g} ms)"))
+    for arm, fmt, added, _cpu, _head in per_mb(rows):
+        if arm == "supervised" and added is not None:
+            out.append((added <= TARGET_SUPERVISED_PER_MB,
+                        f"{fmt}: supervised added {added:.2f} ms per MB of history "
+                        f"(target <= {TARGET_SUPERVISED_PER_MB:g} ms per MB)"))
+    return out
+
+
+def sweep_lines(rows: list[SweepRow]) -> list[str]:
+    by = {(a, f): (added, cpu, head) for a, f, added, cpu, head in per_mb(rows)}
+    ratios = []
+    for (arm, fmt), (added, cpu, head) in by.items():
+        if arm == "direct":
+            continue
+        litellm = by.get(("litellm", fmt), (None, None, None))[0]
+        relay = by.get(("proxyvisor", fmt), (None, None, None))[0]
+        ratio = "" if arm == "litellm" or not litellm or added is None else f", {added / litellm:.1%} of LiteLLM's"
+        vs_relay = "" if arm != "supervised" or not relay or added is None else f", {added / relay:.1f}x the relay's"
+        ratios.append(f"{arm}, {fmt}: added {_f(added)} ms per MB{ratio}{vs_relay}; own CPU {_f(cpu)} ms per MB; "
+                      f"own overhead header {_f(head, '{:.3f}')} ms per MB")
+    return ratios
+
+
+def sweep_markdown(rows: list[SweepRow], main_rows: list[Row], command: str, setup: str) -> str:
+    lines = [f"Command: `{command}`", "", setup, "",
+             "| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
+    lines += ["| " + " | ".join(sweep_cells(r)) + " |" for r in rows]
+    lines += ["", "Per MB of history (least-squares slope over the sizes; *added* = arm minus direct, same run; "
+              "*own CPU* = the arm's process):", ""] + [f"- {line}" for line in sweep_lines(rows)]
+    lines += ["", "Targets (issue 12):", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}"
+                                               for ok, text in sweep_verdicts(rows, main_rows)]
+    return "\n".join(lines)
+
+
+def print_sweep(rows: list[SweepRow], main_rows: list[Row]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(shutil.get_terminal_size().columns, 132))
+    table = Table(title="Size sweep: growing agent histories, non-streaming (ms; + = added: arm minus direct)")
+    for i, col in enumerate(SWEEP_COLUMNS):
+        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for row in rows:
+        table.add_row(*sweep_cells(row))
+    console.print(table)
+    for line in sweep_lines(rows):
+        console.print(line)
+    for ok, text in sweep_verdicts(rows, main_rows):
+        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
+
+
 # ---- the child processes ------------------------------------------------------------------------------------
 async def serve_upstream() -> None:
     from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -430,7 +612,8 @@ async def serve_upstream() -> None:
 
     listeners = await open_listeners("127.0.0.1", 0)
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_listeners, listeners, ScriptedUpstream(record=False), Limits())
+        # The sweep's histories get a tool call (the turn goes on: no verify-gate); the 79 KB body gets text.
+        await nursery.start(serve_listeners, listeners, ScriptedUpstream([TOOL_ROUND], record=False), Limits())
         print(f"PORT {bound_port(listeners)}", flush=True)
 
 
@@ -476,6 +659,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, help="interleaved windows that --duration is split into (default 3; quick 2)")
     p.add_argument("--body-kb", type=int, default=77, help="request body size in KB (default 77)")
     p.add_argument("--no-supervised", action="store_true", help="leave out the supervision-enabled arm")
+    p.add_argument("--sizes", default="0.1,1,4",
+                   help="history sizes of the size sweep, in MB, comma-separated (default 0.1,1,4)")
+    p.add_argument("--sweep-count", type=int, help="requests per arm, format and size in the sweep (default 60; "
+                                                   "quick 15)")
+    p.add_argument("--sweep-formats", default=",".join(FORMATS),
+                   help=f"formats of the sweep, comma-separated (default {','.join(FORMATS)}; LiteLLM takes chat "
+                        "only)")
+    p.add_argument("--no-sweep", action="store_true", help="leave out the size sweep")
+    p.add_argument("--sweep-only", action="store_true", help="run only the size sweep")
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="CHECKOUT",
                    help="also measure another checkout of proxyvisor (say a `git worktree add` of an older commit) "
                         "in the same run, as arms proxyvisor@COMMIT and supervised@COMMIT; repeatable")
@@ -483,8 +675,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--role", choices=("upstream", "proxyvisor", "supervised"), help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
-    return parse_sized(p, argv, quick={"count": 100, "duration": 0.6, "windows": 2},
-                       full={"count": 600, "duration": 3.0, "windows": 3})
+    args = parse_sized(p, argv, quick={"count": 100, "duration": 0.6, "windows": 2, "sweep_count": 15},
+                       full={"count": 600, "duration": 3.0, "windows": 3, "sweep_count": 60})
+    try:
+        args.sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--sizes takes MB figures separated by commas, got {args.sizes!r}")
+    args.sweep_formats = [f.strip() for f in args.sweep_formats.split(",") if f.strip()]
+    if bad := [f for f in args.sweep_formats if f not in FORMATS]:
+        p.error(f"--sweep-formats: unknown {', '.join(bad)} (one of {', '.join(FORMATS)})")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,33 +726,62 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"LiteLLM proxy left out: {exc}", file=sys.stderr)
         bodies = {"json": chat_body(args.body_kb, False), "stream": chat_body(args.body_kb, True)}
         arm_names = ", ".join(a.label for a in arms)
-        print(f"arms: {arm_names}; body {len(bodies['json']) / 1024:.0f} KB; {args.count} requests per arm and "
-              f"kind at 1 client, {args.duration:g} s per arm and kind at {args.concurrency} clients", flush=True)
-
         dots = lambda: print(".", end="", flush=True)  # noqa: E731 - a progress tick
-        trio.run(warm_up, arms, bodies, 20)
-        trio.run(sequential, arms, bodies, args.count, args.block, dots)
-        trio.run(concurrent, arms, bodies, args.concurrency, args.duration, args.windows, dots)
-        print(f" done in {time.monotonic() - started:.0f} s", flush=True)
-        for arm in arms:
-            if arm.errors:
-                notes.append(f"{arm.label}: {len(arm.errors)} failed requests, first: {arm.errors[0]}")
-        rows = rows_of(arms)
-        print_table(rows, args.concurrency, notes)
-        setup = (f"Setup: {len(bodies['json']) / 1024:.0f} KB chat request (tool schemas, system prompt, one tool "
-                 f"round), scripted upstream in its own process; each proxy in its own process; load generator "
-                 f"in another (h11, persistent connections); arms interleaved in blocks of {args.block}. "
-                 f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
-                 f"{platform.system()} {platform.release()}"
-                 + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else "")
-                 + f"; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; 1-minute load "
-                   f"average {load_before} before, {loadavg()} after (other work on the machine inflates latency, "
-                   "barely CPU/req).")
-        if not args.no_write:
+        rows: list[Row] = []
+        if not args.sweep_only:
+            print(f"arms: {arm_names}; body {len(bodies['json']) / 1024:.0f} KB; {args.count} requests per arm "
+                  f"and kind at 1 client, {args.duration:g} s per arm and kind at {args.concurrency} clients",
+                  flush=True)
+            trio.run(warm_up, arms, bodies, 20)
+            trio.run(sequential, arms, bodies, args.count, args.block, dots)
+            trio.run(concurrent, arms, bodies, args.concurrency, args.duration, args.windows, dots)
+            print(f" done in {time.monotonic() - started:.0f} s", flush=True)
+            for arm in arms:
+                if arm.errors:
+                    notes.append(f"{arm.label}: {len(arm.errors)} failed requests, first: {arm.errors[0]}")
+            rows = rows_of(arms)
+            print_table(rows, args.concurrency, notes)
+        machine = (f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
+                   f"{platform.system()} {platform.release()}"
+                   + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else ""))
+        if not args.sweep_only and not args.no_write:
+            setup = (f"Setup: {len(bodies['json']) / 1024:.0f} KB chat request (tool schemas, system prompt, one "
+                     f"tool round), scripted upstream in its own process; each proxy in its own process; load "
+                     f"generator in another (h11, persistent connections); arms interleaved in blocks of "
+                     f"{args.block}. {machine}; {time.strftime('%Y-%m-%d')}; run took "
+                     f"{time.monotonic() - started:.0f} s; 1-minute load average {load_before} before, "
+                     f"{loadavg()} after (other work on the machine inflates latency, barely CPU/req).")
             write_section(SECTION, markdown(rows, args.concurrency, command, notes, setup), args.results)
             print(f"wrote {args.results}")
+        if args.no_sweep:
+            return 0
+        swept = time.monotonic()
+        results: dict[tuple[str, float], tuple[int, dict[str, SweepCell]]] = {}
+        print(f"size sweep: {', '.join(f'{m:g} MB' for m in args.sizes)} histories in "
+              f"{', '.join(args.sweep_formats)}; {args.sweep_count} requests per arm, format and size", flush=True)
+        for i, size in enumerate(args.sizes):
+            for fmt in args.sweep_formats:
+                # LiteLLM is given the chat format only: its pass-through of the others would be a translation.
+                taking = [a for a in arms if a.name != "litellm" or fmt == "chat"]
+                results[(fmt, size)] = trio.run(sweep, taking, fmt, size, args.sweep_count, args.block, 23 + i,
+                                                dots)
+        print(f" done in {time.monotonic() - swept:.0f} s", flush=True)
+        sweep_table = sweep_rows(results, arms)
+        print_sweep(sweep_table, rows)
+        if not args.no_write:
+            setup = (f"Setup: synthetic agent histories (`bench/histories.py`: system prompt, 24 tool schemas, "
+                     f"tool rounds of a few hundred bytes to a few KB, a 30-60 KB output every 12th round) of about "
+                     f"{', '.join(f'{m:g}' for m in args.sizes)} MB in {', '.join(args.sweep_formats)}; each arm "
+                     f"sends its own copy of the session, one small tool round longer per request (as an agent "
+                     f"does), non-streaming, {args.sweep_count} requests per arm, format and size at 1 client, "
+                     f"interleaved in blocks of {args.block}; the scripted upstream answers each with a tool call "
+                     f"(mid-turn: no verify-gate call). Supervision on with its defaults (condensing: the scripted "
+                     f"model narrows each large output once; the decisions are re-applied on every later request). "
+                     f"{machine}; {time.strftime('%Y-%m-%d')}; sweep took {time.monotonic() - swept:.0f} s; "
+                     f"1-minute load average {loadavg()} after.")
+            write_section(SWEEP_SECTION, sweep_markdown(sweep_table, rows, command, setup), args.results)
+            print(f"wrote {args.results}")
         return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
