@@ -62,6 +62,9 @@ class _Body:
     items: list[Any]
     field: str
     after: list[str]
+    rest: dict[str, Any] | None = None
+    """The values after the history (parsed once, by :func:`_check`; shared by the bodies that repeat them, like
+    the head's)."""
     checked: bool = False
 
 
@@ -119,7 +122,7 @@ def _extend(seen: _Body, raw: bytes) -> tuple[dict[str, Any], _Body] | None:
     """``raw`` parsed, when it is ``seen`` with history items added at the end (else None), and what to keep of
     it. With the same bytes up to the end of the last item and from the history's closing bracket on, the bytes
     in between, read as the continuation of an array, are the new items, and the rest of the body is the seen
-    body's (JSON's grammar: the parser is in the same state at both ends)."""
+    body's, the same values (JSON's grammar: the parser is in the same state at both ends)."""
     tail_len = len(seen.raw) - seen.tail
     cut = len(raw) - tail_len
     if cut < seen.end or not raw.startswith(memoryview(seen.raw)[:seen.end]) or not raw.endswith(seen.raw[seen.tail:]):
@@ -127,7 +130,6 @@ def _extend(seen: _Body, raw: bytes) -> tuple[dict[str, Any], _Body] | None:
     middle = raw[seen.end:cut]
     try:
         added = orjson.loads(b"[0" + middle + b"]" if seen.items else b"[" + middle + b"]")
-        rest = orjson.loads(b"{" + _SPARE + b":[" + raw[cut:])
     except orjson.JSONDecodeError:
         return None
     if seen.items:
@@ -137,10 +139,9 @@ def _extend(seen: _Body, raw: bytes) -> tuple[dict[str, Any], _Body] | None:
     items = seen.items + [Item(i) if type(i) is dict else i for i in added]
     body = dict(seen.head)
     body[seen.field] = list(items)
-    rest.pop(_SPARE_KEY)
-    body.update(rest)
+    body.update(seen.rest or {})
     end = seen.end + len(middle.rstrip()) if added else seen.end
-    return body, _Body(raw, end, cut, seen.head, items, seen.field, seen.after, True)
+    return body, _Body(raw, end, cut, seen.head, items, seen.field, seen.after, seen.rest, True)
 
 
 def _locate(raw: bytes, body: dict[str, Any], field: str, items: list[Any]) -> _Body | None:
@@ -191,6 +192,8 @@ def _check(seen: _Body) -> bool:
                     and type(history[-1]) is int and history[-1] == 0
                     and list(before) == [*seen.head, seen.field] and list(rest) == [_SPARE_KEY, *seen.after]
                     and rest[_SPARE_KEY] == [])
+    rest.pop(_SPARE_KEY, None)
+    seen.rest = rest
     return seen.checked
 
 

@@ -40,8 +40,9 @@ from .spill import SpillStore
 from ..supervisor_model import ModelAnswer, ModelCall
 from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
+from .formats.base import derived
 from .formats.freeform import SHELL_TOOLS, runs_commands, split
-from ..transcript import Message
+from ..transcript import Message, ToolOutput, ToolUse
 
 log = logging.getLogger("proxyvisor.condense")
 
@@ -127,32 +128,22 @@ class RequestCondenser:
         off, the agent cannot read a spill back, or no result is large enough to have a decision."""
         if not self.engine.active or not can_read_back(tools):
             return None
-        messages = [fmt.message(item) for item in items]
-        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
-        uses = {use.id: use for m in messages for use in m.tool_uses}
-        ids = Counter(out.call_id for m in messages for out in m.tool_outputs)
+        seen = _scanned(fmt, items)
+        last, uses, ids = seen.last, seen.uses, seen.ids
         latest: list[ToolResult] = []
         earlier: list[ToolResult] = []
-        runs: list[tuple[str, str, bool]] = []  # every output in order: (call id, text, is_error), for green runs
-        for index, message in enumerate(messages):
-            for out in message.tool_outputs:
-                if not out.structured and out.call_id:
-                    runs.append((out.call_id, out.text, out.is_error is True))
-                # A short text has no decision to find: at most 4 tokens per character.
-                if out.structured or not out.call_id or ids[out.call_id] > 1 or len(out.text) * 4 <= MIN_THRESHOLD:
-                    continue
-                use = uses.get(out.call_id)
-                arguments = _arguments(use.arguments) if use else ""
-                result = ToolResult(out.call_id, use.name if use and use.name else "tool", out.text,
-                                    out.is_error is True, arguments)
-                if index > last:
-                    result = dataclasses.replace(result, green=_green(result, runs[:-1], uses))
-                    latest.append(result)
-                else:
-                    earlier.append(result)
+        for index, position, out, use, result in seen.results:
+            if ids[out.call_id] > 1:
+                continue
+            if uses.get(out.call_id) is not use:  # a call of that id came after the result: name it after that
+                result = _result(out, uses.get(out.call_id))
+            if index > last:
+                latest.append(dataclasses.replace(result, green=_green(result, seen.runs[:position], uses)))
+            else:
+                earlier.append(result)
         if not latest and not earlier:
             return None
-        return Pending(latest, earlier, _context(parts, messages, last))
+        return Pending(latest, earlier, _context(parts, _Messages(fmt, items), last, seen.request))
 
     async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending,
                     condenser: ModelCall | None) -> CondenseRecord:
@@ -180,6 +171,77 @@ class RequestCondenser:
             record.applied = len(done)
             record.saved_tokens = sum(decisions[c].tokens_before - decisions[c].tokens_after for c in done)
         return record
+
+
+class _Messages(Sequence[Message]):
+    """The messages of history ``items``, read as they are asked for (the context reads a few from the end)."""
+
+    def __init__(self, fmt: WireFormat, items: list[Any]) -> None:
+        self.fmt, self.items = fmt, items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self.fmt.message(item) for item in self.items[index]]
+        return self.fmt.message(self.items[index])
+
+
+@dataclass
+class _Scan:
+    """What collecting reads from a history up to ``index`` (exclusive): the position of the last assistant item,
+    the latest user text (``request``), the tool calls by id, how many results each call id has, and the results
+    that may be large enough for a decision (position, place in ``runs``, output, the call it answered when read,
+    its :class:`ToolResult`)."""
+
+    index: int
+    last: int = -1
+    request: str = ""
+    uses: dict[str, ToolUse] = field(default_factory=dict)
+    ids: Counter[str] = field(default_factory=Counter)
+    runs: list[tuple[str, str, bool]] = field(default_factory=list)
+    """Every plain-text output in order: (call id, text, is_error), for the last green run of a command."""
+    results: list[tuple[int, int, ToolOutput, ToolUse | None, ToolResult]] = field(default_factory=list)
+
+
+def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
+    """:class:`_Scan` of ``items``, going on from the scan kept on the last item an earlier request of the same
+    body lineage had (:class:`~.formats.base.Item`), so a request reads only its new items."""
+    start = len(items)
+    while start:
+        kept = derived(items[start - 1])
+        done = kept.get("scan") if kept is not None else None
+        if isinstance(done, _Scan) and done.index == start:
+            break
+        start -= 1
+    scan = _Scan(start, done.last, done.request, dict(done.uses), Counter(done.ids), list(done.runs),
+                 list(done.results)) if start else _Scan(0)
+    for index in range(start, len(items)):
+        message = fmt.message(items[index])
+        if message.role == "assistant":
+            scan.last = index
+        elif message.role == "user" and message.text:
+            scan.request = message.text
+        scan.uses.update((use.id, use) for use in message.tool_uses)
+        for out in message.tool_outputs:
+            scan.ids[out.call_id] += 1
+            if out.structured or not out.call_id:
+                continue
+            scan.runs.append((out.call_id, out.text, out.is_error is True))
+            # A short text has no decision to find: at most 4 tokens per character.
+            if len(out.text) * 4 > MIN_THRESHOLD:
+                use = scan.uses.get(out.call_id)
+                scan.results.append((index, len(scan.runs) - 1, out, use, _result(out, use)))
+    scan.index = len(items)
+    if items and (kept := derived(items[-1])) is not None:
+        kept["scan"] = scan
+    return scan
+
+
+def _result(out: ToolOutput, use: ToolUse | None) -> ToolResult:
+    return ToolResult(out.call_id, use.name if use and use.name else "tool", out.text, out.is_error is True,
+                      _arguments(use.arguments) if use else "")
 
 
 def request_condenser(settings: SupervisorConfig, state_dir: Path | None) -> RequestCondenser | None:
@@ -213,12 +275,12 @@ def _arguments(arguments: dict[str, Any]) -> str:
     return orjson.dumps(arguments).decode()
 
 
-def _context(parts: tuple[str, str], messages: list[Message], last: int) -> TaskContext:
+def _context(parts: tuple[str, str], messages: Sequence[Message], last: int, request: str) -> TaskContext:
     """The trusted task context: the system prompt, the first user message as the goal, the latest user message
-    as the current request (when it is not the first), and, as the round's intent, the text of the assistant
-    turn that made the latest tool calls (a turn spans several items in the Responses format)."""
+    with text (``request``) as the current request (when it is not the first), and, as the round's intent, the
+    text of the assistant turn that made the latest tool calls (a turn spans several items in the Responses
+    format)."""
     system, goal = parts
-    request = next((m.text for m in reversed(messages) if m.role == "user" and m.text), "")
     intent: list[str] = []
     index = last
     while index >= 0 and messages[index].role in ("assistant", "other"):

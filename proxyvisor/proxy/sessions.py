@@ -27,6 +27,7 @@ import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..store import SESSION_ID
@@ -130,36 +131,30 @@ class Conversations:
 
     def session_for(self, fmt: WireFormat, body: dict[str, Any], now: float) -> str:
         """The session id of the request ``body`` in ``fmt``, and its history's end recorded for it."""
-        link = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
+        seed = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
             "utf-8", "surrogatepass")]), digest_size=16).digest()
-        links: list[list[bytes]] = []  # per history item once conversing: its chain link, then its answer keys
-        conversing = False  # whether the history holds more than system messages so far
-        for item in fmt.history(body):
-            message = fmt.message(item)
-            kept = derived(item)  # an item repeated from an earlier request: its link from the same one is kept
-            step = kept.get("link") if kept is not None else None
-            if step is None or step[0] != link:
-                step = (link, hashlib.blake2b(link + fingerprint(message), digest_size=16).digest(),
-                        _answer_keys(message))
-                if kept is not None:
-                    kept["link"] = step
-            link = step[1]
-            conversing = conversing or message.role != "system"
-            if conversing:
-                links.append([link, *step[2]])
+        items = fmt.history(body)
+        steps = _chain(fmt, items, seed)
         session = None
-        for key in (key for keys in reversed(links) for key in keys):
-            kept = self._ends.get(key)
-            if kept is not None and kept[0] is not None and now - kept[1] <= self.idle_s:
-                session = kept[0]
+        for index in range(len(items) - 1, -1, -1):  # the links nearest the end first
+            step = steps(index)
+            if not step.conversing:
+                break  # only system messages from here back
+            for key in (step.link, *step.keys):
+                kept = self._ends.get(key)
+                if kept is not None and kept[0] is not None and now - kept[1] <= self.idle_s:
+                    session = kept[0]
+                    break
+            if session is not None:
                 break
+        last = steps(len(items) - 1) if items else None
         if session is None:
             # Unique, not the history's hash: the same first request made again after idle_s (a harness run
             # twice with the same prompt) is another run.
             self._started += 1
-            session = _hashed("h", f"{link.hex()}:{now!r}:{self._started}:{id(self)}")
-        if links:
-            self._keep(links[-1][0], session, now)
+            session = _hashed("h", f"{(last.link if last else seed).hex()}:{now!r}:{self._started}:{id(self)}")
+        if last is not None and last.conversing:
+            self._keep(last.link, session, now)
         return session
 
     def answered(self, fmt: WireFormat, body: dict[str, Any], session: str, text: str, call_ids: list[str],
@@ -169,7 +164,7 @@ class Conversations:
         one is enough to recognise the answer in a later history)."""
         keys = [_call_key(i) for i in dict.fromkeys(call_ids) if i][:_CALLS_PER_ANSWER]
         if (key := _text_key(text)) is not None and not any(
-                key in _answer_keys(fmt.message(item)) for item in fmt.history(body)):
+                key in _item_keys(fmt, item) for item in fmt.history(body)):
             keys.append(key)
         for key in keys:
             kept = self._ends.get(key)
@@ -209,6 +204,61 @@ def _text_key(text: str) -> bytes | None:
 _TEXT_SLICE = 1024 * 1024
 _ASCII_SPACE = bytes(c for c in range(128) if chr(c).isspace())
 """What ``str.split()`` splits an ASCII text at."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A history item's place in the conversation's hash chain: the chain's ``link`` through it, whether the
+    history holds more than system messages up to it (``conversing``), its answer keys; for the history at
+    ``index`` in a chain started from ``seed``."""
+
+    seed: bytes
+    index: int
+    link: bytes
+    conversing: bool
+    keys: list[bytes]
+
+
+def _chain(fmt: WireFormat, items: list[Any], seed: bytes) -> Callable[[int], _Step]:
+    """The chain steps of ``items`` from ``seed``, by position. Those of the items an earlier request of the same
+    body lineage had (:class:`~.formats.base.Item`, kept on them for their place) are not computed again: the
+    chain goes on from the last of them, so a request costs what is new in it."""
+    start = len(items)
+    while start:
+        kept = derived(items[start - 1])
+        step = kept.get("chain") if kept is not None else None
+        if isinstance(step, _Step) and step.seed == seed and step.index == start - 1:
+            break
+        start -= 1
+    link, conversing = (step.link, step.conversing) if start else (seed, False)
+    made: dict[int, _Step] = {}
+    for index in range(start, len(items)):
+        item = items[index]
+        message = fmt.message(item)
+        link = hashlib.blake2b(link + fingerprint(message), digest_size=16).digest()
+        conversing = conversing or message.role != "system"
+        made[index] = new = _Step(seed, index, link, conversing, _item_keys(fmt, item))
+        if (kept := derived(item)) is not None:
+            kept["chain"] = new
+
+    def at(index: int) -> _Step:
+        found = made.get(index)
+        if found is None:
+            found = derived(items[index])["chain"]  # type: ignore[index]
+        return found
+
+    return at
+
+
+def _item_keys(fmt: WireFormat, item: Any) -> list[bytes]:
+    """:func:`_answer_keys` of history item ``item``, kept on an :class:`~.formats.base.Item`."""
+    kept = derived(item)
+    keys: list[bytes] | None = kept.get("answer_keys") if kept is not None else None
+    if keys is None:
+        keys = _answer_keys(fmt.message(item))
+        if kept is not None:
+            kept["answer_keys"] = keys
+    return keys
 
 
 def _answer_keys(message: Message) -> list[bytes]:

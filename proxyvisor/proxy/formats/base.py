@@ -422,12 +422,18 @@ class WireFormat:
         done: set[str] = set()
         items = self.history(body)
         for index, item in enumerate(items):
+            kept = derived(item)
+            if kept is not None:  # the call ids of an Item's results are kept: most items have none to replace
+                ids = kept.get("result_ids")
+                if ids is None:
+                    ids = kept["result_ids"] = tuple(call_id for _, _, call_id in self.result_slots(item))
+                if not any(isinstance(call_id, str) and call_id in texts for call_id in ids):
+                    continue
             wanted = tuple((call_id, texts[call_id]) for holder, key, call_id in self.result_slots(item)
                            if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)))
             if not wanted:
                 continue
             done.update(call_id for call_id, _ in wanted)
-            kept = derived(item)
             copy = kept.get("condensed") if kept is not None else None
             if copy is None or copy[0] != wanted:
                 new = self.copy_results(item)
