@@ -6,6 +6,7 @@ Usage (from the repository root, in the project's environment)::
     python bench/overhead.py --quick    # a CI-size run of about 20 s
     python bench/overhead.py --no-litellm --count 2000 --concurrency 32 --duration 5
     python bench/overhead.py --no-litellm --compare /tmp/old   # also an older checkout (git worktree add /tmp/old REV)
+    python bench/overhead.py --sweep-only --no-litellm --sweep-count 30   # the size sweep alone
 
 Every arm talks to the same upstream: proxyvisor's scripted upstream, served in its own process, answering a
 realistic chat request (about 77 KB, like Claude Code's first request: mostly tool schemas) with a short text
@@ -37,6 +38,16 @@ Figures, per request kind (non-streaming, streaming):
 Targets (issue 2, item 7): with supervision disabled, added p50 <= 1 ms and p99 <= 5 ms, and at most one tenth
 of the LiteLLM proxy's added latency. The run prints a table and writes the figures and the exact command into
 the "## Overhead (issue 2)" section of ``bench/RESULTS.md`` (the other sections are kept).
+
+Then a **size sweep** (``--sizes``, default 0.1, 1 and 4 MB; ``--no-sweep`` leaves it out, ``--sweep-only`` runs it
+alone): for each format (chat, messages, responses) and size, every arm gets its own copy of one synthetic agent
+session (``bench/histories.py``: built here, nothing from the corpus) that grows by one small tool round per
+request, as an agent's does, answered mid-turn with a tool call; non-streaming, at 1 client, interleaved in blocks.
+It prints each arm's p50, added p50 and CPU per request at each size, and the slopes over the sizes: added latency,
+own CPU and own overhead header per MB of history (LiteLLM gets the chat format only: its pass-through of the
+others would be a translation). Targets (issue 12): supervised added p50 at the 79 KB body <= 0.6 ms; supervised
+added latency <= 1.5 ms per MB. Printed as PASS/FAIL, never asserted in tests; written to the "## Overhead by
+history size (issue 12)" section.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from proxyvisor.detectors.steer import note_text
 from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.gate.plan import PLANNER_INSTRUCTIONS
 from proxyvisor.proxy import bodies
-from proxyvisor.proxy.bodies import BodyCache, dumps
+from proxyvisor.proxy.bodies import BodyCache, chunks, dumps
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec, WireFormat
 from proxyvisor.proxy.formats.base import Item
 from proxyvisor.proxy.service import running
@@ -141,14 +141,20 @@ def test_items_are_items_and_edits_go_to_copies() -> None:
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_the_upstream_body_is_written_as_orjson_writes_it(fmt_name: str) -> None:
     fmt, cache = BY_NAME[fmt_name], BodyCache()
-    history = START + rounds(3)
+    history = START + rounds(70)  # more than two runs of items
+    sent: list[tuple[bytes, ...]] = []
     for step in range(4):
         body = cache.loads(fmt.history_field, fmt.name, orjson.dumps(body_of(fmt, history, metadata={"x": [1.5]})))
         fmt.add_instruction(body, "INSTRUCTION")
         fmt.insert_notes(body, [(3, "a note")])
         fmt.replace_tool_results(body, {"call_2": "narrowed"})
         assert dumps(body, fmt.history_field) == orjson.dumps(body)
-        history += rounds(1, 30 + step)
+        sent.append(chunks(body, fmt.history_field))
+        assert b"".join(sent[-1]) == orjson.dumps(body)
+        history += rounds(1, 300 + step)
+    # The runs of items the first request sent go again as the very same bytes objects.
+    assert len(sent[0]) > 3 and all(a is b for a, b in zip(sent[0][1:-2], sent[-1][1:-2]))
+    assert sent[1][1] is sent[-1][1]  # the first run too, from the second request on (the same copies in it)
     deep: Any = []
     for _ in range(260):
         deep = [deep]

@@ -28,8 +28,9 @@ from .formats.base import Item, derived
 
 HEAD = 512
 """Bytes of a body's start that select the cached bodies it is compared with."""
-CACHE_BYTES = 256 * 1024 * 1024
-"""Bytes of bodies kept (their raw bytes; their parsed items take about as much again)."""
+CACHE_BYTES = 64 * 1024 * 1024
+"""Bytes of bodies kept (their raw bytes; their parsed items and the pieces kept on them take about three times as
+much again)."""
 BODIES_PER_HEAD = 4
 """Bodies kept per :data:`HEAD` (threads of one agent that share a system prompt)."""
 _SPARE_KEY = "\x00" + os.urandom(8).hex()
@@ -86,11 +87,11 @@ class BodyCache:
         known = self._bodies.get(key, [])
         for seen in list(known):
             if not seen.checked and not _check(seen):
-                self._drop(key, known, seen)
+                self._drop(known, seen)
                 continue
             extended = _extend(seen, raw)
             if extended is not None:
-                self._drop(key, known, seen)
+                self._drop(known, seen)
                 self._keep(key, known, extended[1])
                 self.reused += 1
                 return extended[0]
@@ -102,7 +103,7 @@ class BodyCache:
                 self._keep(key, known, seen)
         return body
 
-    def _drop(self, key: bytes, known: list[_Body], seen: _Body) -> None:
+    def _drop(self, known: list[_Body], seen: _Body) -> None:
         known.remove(seen)
         self._bytes -= len(seen.raw)
 
@@ -125,7 +126,8 @@ def _extend(seen: _Body, raw: bytes) -> tuple[dict[str, Any], _Body] | None:
     body's, the same values (JSON's grammar: the parser is in the same state at both ends)."""
     tail_len = len(seen.raw) - seen.tail
     cut = len(raw) - tail_len
-    if cut < seen.end or not raw.startswith(memoryview(seen.raw)[:seen.end]) or not raw.endswith(seen.raw[seen.tail:]):
+    if cut < seen.end or not raw.startswith(memoryview(seen.raw)[:seen.end]) \
+            or not raw.endswith(memoryview(seen.raw)[seen.tail:]):
         return None
     middle = raw[seen.end:cut]
     try:
@@ -200,24 +202,50 @@ def _check(seen: _Body) -> bool:
 def dumps(body: Any, field: str) -> bytes:
     """``orjson.dumps(body)``, byte for byte, with the items of the history ``field`` written from their kept pieces
     (:func:`piece`). Raises TypeError as ``orjson.dumps`` does for what it cannot write."""
+    return b"".join(chunks(body, field))
+
+
+def chunks(body: Any, field: str) -> tuple[bytes, ...]:
+    """:func:`dumps` as pieces to send one after another: the history's items in runs of :data:`SEGMENT` joined
+    once and kept on the run's first item (a later request that repeats the run sends the same bytes object), so
+    writing a body costs about what is new in it. Raises TypeError as ``orjson.dumps`` does."""
     history = body.get(field) if type(body) is dict else None
-    if type(history) is not list:
-        return orjson.dumps(body)
-    out = [b"{"]
-    for key, value in body.items():
-        if type(key) is not str:
-            return orjson.dumps(body)
-        if len(out) > 1:
-            out.append(b",")
-        out.append(orjson.dumps(key))
+    if type(history) is not list or any(type(key) is not str for key in body):
+        return (orjson.dumps(body),)
+    out: list[bytes] = []
+    part = [b"{"]
+    for index, (key, value) in enumerate(body.items()):
+        if index:
+            part.append(b",")
+        part.append(orjson.dumps(key))
         if key != field:
-            out += (b":", orjson.dumps([value])[1:-1])  # one level down, as in the body
+            part += (b":", orjson.dumps([value])[1:-1])  # one level down, as in the body
             continue
-        out.append(b":[")
-        for i, item in enumerate(value):
-            if i:
-                out.append(b",")
-            out.append(piece(item))
-        out.append(b"]")
-    out.append(b"}")
-    return b"".join(out)
+        part.append(b":[")
+        out.append(b"".join(part))
+        out += _runs(value)
+        part = [b"]"]
+    part.append(b"}")
+    out.append(b"".join(part))
+    return tuple(out)
+
+
+SEGMENT = 64
+"""History items per run of :func:`chunks`."""
+
+
+def _runs(items: list[Any]) -> list[bytes]:
+    """The history ``items`` serialised (comma-separated), in runs of :data:`SEGMENT` items: each run after the
+    first starts with its comma. A full run is kept on its first item when that is an :class:`Item`, with the
+    pieces it was joined from, and used again while they are the same."""
+    out = []
+    for start in range(0, len(items), SEGMENT):
+        run = tuple(piece(item) for item in items[start:start + SEGMENT])
+        kept = derived(items[start]) if len(run) == SEGMENT else None
+        joined = kept.get(("run", start > 0)) if kept is not None else None
+        if joined is None or joined[0] != run:  # equal pieces (the same objects, mostly) join to equal bytes
+            joined = (run, (b"," if start else b"") + b",".join(run))
+            if kept is not None:
+                kept[("run", start > 0)] = joined
+        out.append(joined[1])
+    return out

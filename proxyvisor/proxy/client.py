@@ -183,9 +183,10 @@ class ConnectionPool:
             await trio.aclose_forcefully(conn.stream)
         return await self._connect()
 
-    async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> tuple[Connection,
-                                                                                                   h11.Response]:
-        """Send a request (head and body in one write) and wait for the response head.
+    async def request(self, method: bytes, target: bytes, headers: Headers,
+                      body: bytes | tuple[bytes, ...]) -> tuple[Connection, h11.Response]:
+        """Send a request and wait for the response head. ``body`` is the body, or its pieces in order; a body up
+        to :data:`_JOINED_BODY` bytes goes in one write with the head, a larger one piece by piece after it.
 
         Returns the connection, positioned at the response body (read it with :meth:`Connection.next_piece`,
         then hand it back with :meth:`release`), and the head. A reused connection that breaks before any byte
@@ -194,13 +195,15 @@ class ConnectionPool:
         propagate. On any error or cancellation the connection is closed and the error propagates.
         """
         head = [(b"host", self.host_header), *headers]
-        if body or method in _BODY_METHODS:
-            head.append((b"content-length", b"%d" % len(body)))
+        pieces = (body,) if isinstance(body, bytes) else body
+        size = sum(map(len, pieces))
+        if size or method in _BODY_METHODS:
+            head.append((b"content-length", b"%d" % size))
         request = h11.Request(method=method, target=target, headers=head)
         conn = await self._acquire()
         while True:
             try:
-                return conn, await self._exchange(conn, request, body)
+                return conn, await self._exchange(conn, request, pieces)
             except _DROPPED as exc:
                 await trio.aclose_forcefully(conn.stream)
                 if not conn.exchanges or conn.received:
@@ -213,19 +216,24 @@ class ConnectionPool:
             conn = await self._connect()
 
     @staticmethod
-    async def _exchange(conn: Connection, request: h11.Request, body: bytes) -> h11.Response:
+    async def _exchange(conn: Connection, request: h11.Request, pieces: tuple[bytes, ...]) -> h11.Response:
         conn.received = 0
         head = conn.h11.send(request) or b""
-        # h11 hands a content-length body back as the same object: above a size where a copy costs more than a
-        # second write (which wakes the upstream once more), the body is not joined to the head.
-        payload = (conn.h11.send(h11.Data(data=body)) or b"") if body else b""
-        end = conn.h11.send(h11.EndOfMessage()) or b""  # nothing, for a content-length body
+        # h11 hands content-length body data back as the same objects: above a size where a copy costs more than
+        # more writes (each wakes the upstream once more), the body is not joined to the head.
+        out: list[bytes] = []
+        for piece in pieces:
+            if piece:
+                out += conn.h11.send_with_data_passthrough(h11.Data(data=piece)) or []
+        out.append(conn.h11.send(h11.EndOfMessage()) or b"")  # nothing, for a content-length body
         try:
-            if len(payload) > _JOINED_BODY:
+            if sum(map(len, out)) > _JOINED_BODY:
                 await conn.stream.send_all(head)
-                await conn.stream.send_all(payload + end if end else payload)
+                for data in out:
+                    if data:
+                        await conn.stream.send_all(data)
             else:
-                await conn.stream.send_all(head + payload + end)
+                await conn.stream.send_all(head + b"".join(out))
         except trio.BrokenResourceError as exc:
             # An upstream may answer early (a 413, say) and close before reading the whole body: relay that
             # answer if there is one, as httpx does, rather than a bare "connection reset".

@@ -374,10 +374,10 @@ class Pipeline:
                      exchange: Exchange | None = None) -> Response:
         relay = self.relays[upstream_name]
         headers = self._headers(request, fmt, relay, self.supervised)
-        content = request.body
+        content: bytes | tuple[bytes, ...] = request.body
         if exchange is not None:
             try:
-                content = exchange.upstream_body()
+                content = exchange.upstream_chunks()
             except TypeError as exc:  # orjson writes 255 levels of nesting, reads 1024: go up as received
                 log.warning("cannot serialise the supervised body of session %s (%s); forwarding it unsupervised",
                             session.id if session else "-", exc)

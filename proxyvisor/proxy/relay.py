@@ -209,8 +209,9 @@ class HttpRelay:
     async def aclose(self) -> None:
         await self.pool.aclose()
 
-    async def send(self, method: str, target: str, headers: Headers, body: bytes) -> UpstreamReply:
-        """Send one request and return the reply (SSE bodies as a live :class:`RelayedStream`).
+    async def send(self, method: str, target: str, headers: Headers, body: bytes | tuple[bytes, ...]) -> UpstreamReply:
+        """Send one request and return the reply (SSE bodies as a live :class:`RelayedStream`). ``body`` is the
+        request body, or its pieces in order (written one after another, never joined).
 
         ``target`` is the path and query as the client sent them, without any session prefix. Cancellation
         closes the upstream connection.

@@ -363,7 +363,13 @@ class Exchange:
             TypeError: (``orjson.JSONEncodeError``) the body nests deeper than orjson writes (255 levels; it reads
                 1,024); the pipeline then forwards the client's own bytes, unsupervised.
         """
-        return bodies.dumps(self.body, self.fmt.history_field)
+        return b"".join(self.upstream_chunks())
+
+    def upstream_chunks(self) -> tuple[bytes, ...]:
+        """:meth:`upstream_body` as pieces to send one after another, unjoined (``proxyvisor.proxy.bodies.chunks``:
+        the runs of history items an earlier request sent are the same bytes objects). Raises as
+        :meth:`upstream_body`."""
+        return bodies.chunks(self.body, self.fmt.history_field)
 
     def _finish(self, bodies: list[str]) -> None:
         result = outcome(bodies)

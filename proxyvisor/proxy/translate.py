@@ -202,7 +202,9 @@ class Translator:
             raise UpstreamError(400, problem)
         key = relay.api_key or _client_key(headers) or NO_KEY
         stream = body.get("stream") is True
-        kwargs = {k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}
+        # A copy: litellm may edit what it is handed, and a supervised body's history items are shared with the
+        # session's later requests (proxyvisor.proxy.bodies).
+        kwargs = orjson.loads(orjson.dumps({k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}))
         kwargs.update(model=route.prefix + model, stream=stream, api_key=key,
                       api_base=relay.base + ("/v1" if route.v1 else ""),
                       max_retries=0, num_retries=0, drop_params=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -53,6 +53,19 @@ class Item(dict[str, Any]):
 def derived(item: Any) -> dict[str, Any] | None:
     """Where values computed from ``item`` may be kept (None: not an :class:`Item`, compute them each time)."""
     return item.derived if type(item) is Item else None
+
+
+def edited(item: Any, key: Hashable, make: Callable[..., dict[str, Any]], *args: Any) -> Any:
+    """``make(*args)``: a copy of history item ``item`` with an edit, to put in its place. For an :class:`Item`,
+    made once per ``key`` (what the edit depends on) and kept on it, as an :class:`Item` too: a later request making
+    the same edit gets the same copy, and with it what was derived from the copy (its serialised bytes)."""
+    kept = derived(item)
+    if kept is None:
+        return make(*args)
+    copy = kept.get(key)
+    if copy is None:
+        copy = kept[key] = Item(make(*args))
+    return copy
 
 
 def error_types(status: int) -> tuple[str, str]:
@@ -434,17 +447,7 @@ class WireFormat:
             if not wanted:
                 continue
             done.update(call_id for call_id, _ in wanted)
-            copy = kept.get("condensed") if kept is not None else None
-            if copy is None or copy[0] != wanted:
-                new = self.copy_results(item)
-                replace = dict(wanted)
-                for holder, key, call_id in self.result_slots(new):
-                    if call_id in replace and not has_non_text(holder.get(key)):
-                        holder[key] = retext(holder.get(key), replace[call_id], self.result_part_type)
-                copy = (wanted, Item(new) if kept is not None else new)
-                if kept is not None:
-                    kept["condensed"] = copy
-            items[index] = copy[1]
+            items[index] = edited(item, ("condensed", wanted), self._with_results, item, dict(wanted))
         return done
 
     result_part_type: ClassVar[str]
@@ -458,6 +461,13 @@ class WireFormat:
     def copy_results(self, item: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``item`` whose :meth:`result_slots` holders are its own (the item's dict, by default)."""
         return dict(item)
+
+    def _with_results(self, item: dict[str, Any], texts: dict[str, str]) -> dict[str, Any]:
+        new = self.copy_results(item)
+        for holder, key, call_id in self.result_slots(new):
+            if call_id in texts and not has_non_text(holder.get(key)):
+                holder[key] = retext(holder.get(key), texts[call_id], self.result_part_type)
+        return new
 
     def edit_response(self, response: dict[str, Any], edit: TextEdit) -> None:
         """Rewrite every assistant text of a non-streaming response body with ``edit``, in place."""

@@ -11,7 +11,7 @@ import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   leading_system, split_json, sse, sse_json, words)
+                   edited, leading_system, split_json, sse, sse_json, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
@@ -169,9 +169,11 @@ class ChatFormat(WireFormat):
         content = last.get("content")
         # A copy in the message's place: the agent's item may be shared with later requests (base.Item).
         if isinstance(content, list):
-            messages[at] = {**last, "content": [*content, {"type": "text", "text": text}]}
+            messages[at] = edited(last, ("instruction", text),
+                                  lambda: {**last, "content": [*content, {"type": "text", "text": text}]})
         elif isinstance(content, str) or content is None:
-            messages[at] = {**last, "content": f"{content}\n\n{text}" if content else text}
+            messages[at] = edited(last, ("instruction", text),
+                                  lambda: {**last, "content": f"{content}\n\n{text}" if content else text})
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:

@@ -11,7 +11,7 @@ import orjson
 
 from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
                    edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   leading_system, split_json, sse, sse_json, words)
+                   edited, leading_system, split_json, sse, sse_json, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
@@ -335,10 +335,13 @@ class ResponsesFormat(WireFormat):
             return
         last = items[at]
         # A copy in the item's place: the agent's item may be shared with later requests (base.Item).
-        if isinstance(last.get("content"), list):
-            items[at] = {**last, "content": [*last["content"], {"type": "input_text", "text": text}]}
-        elif isinstance(last.get("content"), str) or last.get("content") is None:
-            items[at] = {**last, "content": f"{last['content']}\n\n{text}" if last.get("content") else text}
+        content = last.get("content")
+        if isinstance(content, list):
+            items[at] = edited(last, ("instruction", text),
+                               lambda: {**last, "content": [*content, {"type": "input_text", "text": text}]})
+        elif isinstance(content, str) or content is None:
+            items[at] = edited(last, ("instruction", text),
+                               lambda: {**last, "content": f"{content}\n\n{text}" if content else text})
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:
