@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     timed(HistoryTracker, "update", "  begin: detectors (new items)")
     timed(RequestCondenser, "collect", "  begin: condense candidates")
     timed_async(supervise.Exchange, "before_forward", "before_forward (condense, plan)")
-    timed(supervise.Exchange, "upstream_body", "serialise the upstream body")
+    # Serialised as one body, or (later) as the pieces that go upstream.
+    timed(supervise.Exchange, "upstream_chunks" if hasattr(supervise.Exchange, "upstream_chunks") else "upstream_body",
+          "serialise the upstream body")
     timed(pipeline.Pipeline, "_account", "ledger line")
 
     async def measure(fmt: str, size_mb: float) -> tuple[int, list[float]]:

@@ -236,16 +236,18 @@ SEGMENT = 64
 
 def _runs(items: list[Any]) -> list[bytes]:
     """The history ``items`` serialised (comma-separated), in runs of :data:`SEGMENT` items: each run after the
-    first starts with its comma. A full run is kept on its first item when that is an :class:`Item`, with the
-    pieces it was joined from, and used again while they are the same."""
+    first starts with its comma. A full run is kept on its first item when that is an :class:`Item`, with the items
+    it was made of, and used again while they are the very same objects (items are never changed in place)."""
     out = []
     for start in range(0, len(items), SEGMENT):
-        run = tuple(piece(item) for item in items[start:start + SEGMENT])
-        kept = derived(items[start]) if len(run) == SEGMENT else None
+        run = items[start:start + SEGMENT]
+        kept = derived(run[0]) if len(run) == SEGMENT else None
+        ids = tuple(map(id, run))
         joined = kept.get(("run", start > 0)) if kept is not None else None
-        if joined is None or joined[0] != run:  # equal pieces (the same objects, mostly) join to equal bytes
-            joined = (run, (b"," if start else b"") + b",".join(run))
+        if joined is None or joined[1] != ids:
+            # The run's items are held with it, so no other object can have their ids meanwhile.
+            joined = (run, ids, (b"," if start else b"") + b",".join(map(piece, run)))
             if kept is not None:
                 kept[("run", start > 0)] = joined
-        out.append(joined[1])
+        out.append(joined[2])
     return out

@@ -62,7 +62,7 @@ import trio
 from ..gate import plan as plans
 from ..store import SESSION_ID, LedgerError, Store
 from .formats import CHAT, AssistantTurn, WireFormat
-from .formats.base import has_non_text
+from .formats.base import derived, has_non_text
 from .info import info_object, render_text
 from .planning import goal_text
 from .server import Headers, Response
@@ -94,6 +94,16 @@ def command_of(fmt: WireFormat, body: dict[str, Any]) -> str | None:
     return None
 
 
+def _is_command(fmt: WireFormat, item: Any) -> bool:
+    """Whether history item ``item`` is a user message holding a command."""
+    # A command is an object with role "user" and text content in all three formats (an Anthropic tool result is
+    # a user message too, with a non-text part): only those are read further.
+    if not (isinstance(item, dict) and item.get("role") == "user") or has_non_text(item.get("content")):
+        return False
+    message = fmt.message(item)
+    return message.role == "user" and _command(message.text) is not None
+
+
 def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
     """Remove every command exchange from the history of ``body`` (in place): each user message that is a
     command, and the assistant message (text only) that follows it, system messages between them aside.
@@ -101,13 +111,13 @@ def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
     items = fmt.history(body)
     drop: set[int] = set()
     for index, item in enumerate(items):
-        # A command is an object with role "user" and text content in all three formats (an Anthropic tool result
-        # is a user message too, with a non-text part): only those are read, as reading every item on every
-        # request would cost more than parsing the body.
-        if not (isinstance(item, dict) and item.get("role") == "user") or has_non_text(item.get("content")):
-            continue
-        message = fmt.message(item)
-        if message.role != "user" or _command(message.text) is None:
+        kept = derived(item)  # an item repeated from an earlier request: whether it is a command is kept on it
+        command = kept.get("command") if kept is not None else None
+        if command is None:
+            command = _is_command(fmt, item)
+            if kept is not None:
+                kept["command"] = command
+        if not command:
             continue
         drop.add(index)
         after = index + 1

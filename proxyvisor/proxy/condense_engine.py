@@ -52,6 +52,8 @@ MIN_THRESHOLD = 512
 """The threshold's floor in tokens (seed 003): smaller results are never worth a model call."""
 _TOKEN_MEMO = 16_384
 _DECISION_MEMO = 65_536
+_UNSEEN = object()
+"""What the memo of decisions by text gives for a result it has not seen (None is a result with no decision)."""
 
 
 @dataclass(frozen=True)
@@ -210,17 +212,15 @@ class CondenseEngine:
         large = [r for r in results if len(r.text) * 4 > MIN_THRESHOLD]
         found: dict[str, Decision] = {}
         unknown = []
-        for result in large:
-            # By the text itself: a later request repeats the same string object, whose hash Python keeps, so
-            # this costs no hashing of the text; only a result not seen yet goes to the decision key and cache.
-            memo = (session, result.call_id, result.text)
-            with self._lock:
-                hit = memo in self._texts
-                decision = self._texts.get(memo)
-            if not hit:
-                unknown.append(result)
-            elif decision is not None:
-                found[result.call_id] = decision
+        with self._lock:
+            for result in large:
+                # By the text itself: a later request repeats the same string object, whose hash Python keeps, so
+                # this costs no hashing of the text; only a result not seen yet goes to the decision key and cache.
+                decision = self._texts.get((session, result.call_id, result.text), _UNSEEN)
+                if decision is _UNSEEN:
+                    unknown.append(result)
+                elif decision is not None:
+                    found[result.call_id] = decision
         if unknown:
             found.update(await trio.to_thread.run_sync(self._recall, session, unknown))
         return found
