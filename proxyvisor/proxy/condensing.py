@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,7 @@ class RequestCondenser:
             if uses.get(out.call_id) is not use:  # a call of that id came after the result: name it after that
                 result = _result(out, uses.get(out.call_id))
             if index > last:
-                latest.append(dataclasses.replace(result, green=_green(result, seen.runs[:position], uses)))
+                latest.append(dataclasses.replace(result, green=_green(result, seen, position)))
             else:
                 earlier.append(result)
         if not latest and not earlier:
@@ -202,6 +202,11 @@ class _Scan:
     ids: Counter[str] = field(default_factory=Counter)
     runs: list[tuple[str, str, bool]] = field(default_factory=list)
     """Every plain-text output in order: (call id, text, is_error), for the last green run of a command."""
+    commands: dict[str, list[int]] = field(default_factory=dict)
+    """The places in ``runs`` of each command's outputs (``command_key`` of the call's arguments)."""
+    repeated: bool = False
+    """A call id was used twice (two calls, two results, a call after its result): ``commands`` may then pair an
+    output with the wrong call, and the runs are read one by one instead."""
     results: list[tuple[int, int, ToolOutput, ToolUse | None, ToolResult]] = field(default_factory=list)
 
 
@@ -216,6 +221,7 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
             break
         start -= 1
     scan = _Scan(start, done.last, done.request, dict(done.uses), Counter(done.ids), list(done.runs),
+                 {key: list(places) for key, places in done.commands.items()}, done.repeated,
                  list(done.results)) if start else _Scan(0)
     for index in range(start, len(items)):
         message = fmt.message(items[index])
@@ -223,12 +229,18 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
             scan.last = index
         elif message.role == "user" and message.text:
             scan.request = message.text
-        scan.uses.update((use.id, use) for use in message.tool_uses)
+        for use in message.tool_uses:
+            scan.repeated = scan.repeated or use.id in scan.uses or use.id in scan.ids  # a call after its result
+            scan.uses[use.id] = use
         for out in message.tool_outputs:
             scan.ids[out.call_id] += 1
+            scan.repeated = scan.repeated or scan.ids[out.call_id] > 1
             if out.structured or not out.call_id:
                 continue
             scan.runs.append((out.call_id, out.text, out.is_error is True))
+            called = scan.uses.get(out.call_id)
+            if called is not None and (key := command_key(_arguments(called.arguments))):
+                scan.commands.setdefault(key, []).append(len(scan.runs) - 1)
             # A short text has no decision to find: at most 4 tokens per character.
             if len(out.text) * 4 > MIN_THRESHOLD:
                 use = scan.uses.get(out.call_id)
@@ -255,17 +267,22 @@ def request_condenser(settings: SupervisorConfig, state_dir: Path | None) -> Req
     return RequestCondenser(engine)
 
 
-def _green(result: ToolResult, runs: list[tuple[str, str, bool]], uses: dict[str, Any]) -> tuple[str, str] | None:
-    """The last green run of ``result``'s command (same key, ``proxyvisor.condense.baseline``) among the earlier
-    outputs ``runs``, as (call id, output); None when its call ran no command or no such run passed."""
+def _green(result: ToolResult, scan: _Scan, position: int) -> tuple[str, str] | None:
+    """The last green run of ``result``'s command (same key, ``proxyvisor.condense.baseline``) among the outputs
+    before ``position`` in ``scan.runs``, as (call id, output); None when its call ran no command or no such run
+    passed."""
     key = command_key(result.arguments)
     if not key:
         return None
-    for call_id, text, is_error in reversed(runs):
-        use = uses.get(call_id)
-        if use is not None and command_key(_arguments(use.arguments)) == key:
-            if passed(split_lines(text[-65_536:]), is_error):
-                return call_id, text
+    if scan.repeated:
+        places: Iterable[int] = (i for i in range(position - 1, -1, -1) if (use := scan.uses.get(scan.runs[i][0]))
+                                 is not None and command_key(_arguments(use.arguments)) == key)
+    else:
+        places = (i for i in reversed(scan.commands.get(key, ())) if i < position)
+    for i in places:
+        call_id, text, is_error = scan.runs[i]
+        if passed(split_lines(text[-65_536:]), is_error):
+            return call_id, text
     return None
 
 
