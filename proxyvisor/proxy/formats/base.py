@@ -439,8 +439,9 @@ class WireFormat:
             if kept is not None:  # the call ids of an Item's results are kept: most items have none to replace
                 ids = kept.get("result_ids")
                 if ids is None:
-                    ids = kept["result_ids"] = tuple(call_id for _, _, call_id in self.result_slots(item))
-                if not any(isinstance(call_id, str) and call_id in texts for call_id in ids):
+                    ids = kept["result_ids"] = frozenset(
+                        call_id for _, _, call_id in self.result_slots(item) if isinstance(call_id, str))
+                if not ids or texts.keys().isdisjoint(ids):
                     continue
             wanted = tuple((call_id, texts[call_id]) for holder, key, call_id in self.result_slots(item)
                            if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)))
