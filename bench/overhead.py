@@ -9,8 +9,8 @@ Usage (from the repository root, in the project's environment)::
     python bench/overhead.py --sweep-only --no-litellm --sweep-count 30   # the size sweep alone
 
 Every arm talks to the same upstream: proxyvisor's scripted upstream, served in its own process, answering a
-realistic chat request (about 77 KB, like Claude Code's first request: mostly tool schemas) with a short text
-turn, as JSON or as an SSE stream. The arms are:
+realistic chat request (about 77 KB, like Claude Code's first request: mostly tool schemas) with a tool call
+(mid-turn: supervised, no verify-gate runs), as JSON or as an SSE stream. The arms are:
 
 1. ``direct``: straight to the upstream (the baseline);
 2. ``proxyvisor``: through proxyvisor with supervision disabled (the byte relay);
@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (API_KEY, MODEL, BenchError, add_arm_options, command_line, cpu_time,  # noqa: E402
                           exit_on_stdin_eof, litellm_venv, loadavg, parse_sized, pct, prose, sized_parser,
                           spawn_role, start_litellm, wait_litellm, workspace)
-from bench.histories import FORMATS, TOOL_ROUND, History  # noqa: E402
+from bench.histories import FORMATS, MARKER, TOOL_ROUND, History  # noqa: E402
 from bench.results import write_section  # noqa: E402
 
 SECTION = "Overhead (issue 2)"
@@ -88,7 +88,9 @@ TARGET_SUPERVISED_PER_MB = 1.5
 # ---- the request body ---------------------------------------------------------------------------------------
 def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
     """A Chat Completions request of about ``size_kb`` KB shaped like an agent's: a long system prompt, tool
-    schemas for most of the bytes, and one finished tool round (so the scripted model answers with text)."""
+    schemas for most of the bytes, and one finished tool round. Its first message carries the scripted upstream's
+    marker (:data:`bench.histories.TOOL_ROUND`): the answer is a tool call, mid-turn, so the supervised arm measures
+    the proxy's own work, not a verify-gate call to the upstream (which a turn-ending answer would get)."""
     rng = random.Random(seed)
     target = size_kb * 1024
     tools: list[dict[str, Any]] = []
@@ -96,7 +98,7 @@ def chat_body(size_kb: int, stream: bool, seed: int = 7) -> bytes:
         "model": MODEL,
         "messages": [
             {"role": "system", "content": prose(rng, 1200)},
-            {"role": "user", "content": "List the files in this directory and tell me what the project does."},
+            {"role": "user", "content": f"{MARKER} List the files in this directory and tell me what the project does."},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_0", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
             {"role": "tool", "tool_call_id": "call_0", "content": "README.md\nproxyvisor\ntests\nbench\n"},
@@ -757,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                    + (f"; {litellm_version} (pass-through `openai/{MODEL}`, 1 worker)" if litellm_version else ""))
         if not args.sweep_only and not args.no_write:
             setup = (f"Setup: {len(bodies['json']) / 1024:.0f} KB chat request (tool schemas, system prompt, one "
-                     f"tool round), scripted upstream in its own process; each proxy in its own process; load "
+                     f"tool round; answered with a tool call, so no verify-gate runs), scripted upstream in its own "
+                     f"process; each proxy in its own process; load "
                      f"generator in another (h11, persistent connections); arms interleaved in blocks of "
                      f"{args.block}. {machine}; {time.strftime('%Y-%m-%d')}; run took "
                      f"{time.monotonic() - started:.0f} s; 1-minute load average {load_before} before, "
