@@ -33,9 +33,9 @@ log = logging.getLogger("proxyvisor.server")
 Headers = list[tuple[bytes, bytes]]
 _READ_SIZE = 65536
 _BODY_READ_SIZE = 256 * 1024
-"""Bytes read at once while a body declared larger than :data:`_READ_SIZE` arrives: each read is a hand-over between
-two tasks and an h11 step, which for a body of megabytes cost more than its bytes (a 4 MB body through the relay:
-about half the time with 256 KB reads)."""
+"""Bytes read at once while a body declared larger than this arrives: each read is a hand-over between two tasks and
+an h11 step, which for a body of megabytes cost more than its bytes (a 4 MB body through the relay: about half the
+time with 256 KB reads)."""
 """Bytes per socket read. Not larger: h11 bounds an incomplete request head (``max_incomplete_event_size``) only
 between reads, so a bigger read could take in an oversized head whole."""
 
@@ -295,7 +295,7 @@ class Connection:
             return True
         parts: list[bytes] = []
         size = 0
-        if declared is not None and declared.isdigit() and int(declared) > _READ_SIZE:
+        if declared is not None and declared.isdigit() and int(declared) > _BODY_READ_SIZE:
             self.read_size = _BODY_READ_SIZE
         try:
             if self.conn.they_are_waiting_for_100_continue:
