@@ -29,8 +29,8 @@ from .formats.base import Item, derived
 HEAD = 512
 """Bytes of a body's start that select the cached bodies it is compared with."""
 CACHE_BYTES = 64 * 1024 * 1024
-"""Bytes of bodies kept (their raw bytes; their parsed items and the pieces kept on them take about three times as
-much again)."""
+"""Bytes of bodies kept, counted by their raw bytes: their parsed items and what is kept on them (serialised pieces
+and runs, messages) take about four times as much again, so 64 MiB holds some 300 MiB in all at most."""
 BODIES_PER_HEAD = 4
 """Bodies kept per :data:`HEAD` (threads of one agent that share a system prompt)."""
 _SPARE_KEY = "\x00" + os.urandom(8).hex()
