@@ -98,9 +98,9 @@ class BodyCache:
         body = orjson.loads(raw)
         if isinstance(body, dict) and isinstance(body.get(field), list):
             items = body[field] = [Item(i) if type(i) is dict else i for i in body[field]]
-            seen = _locate(raw, body, field, list(items))  # its own list: the body's is edited
-            if seen is not None:
-                self._keep(key, known, seen)
+            located = _locate(raw, body, field, list(items))  # its own list: the body's is edited
+            if located is not None:
+                self._keep(key, known, located)
         return body
 
     def _drop(self, known: list[_Body], seen: _Body) -> None:

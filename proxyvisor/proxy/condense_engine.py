@@ -52,8 +52,6 @@ MIN_THRESHOLD = 512
 """The threshold's floor in tokens (seed 003): smaller results are never worth a model call."""
 _TOKEN_MEMO = 16_384
 _DECISION_MEMO = 65_536
-_UNSEEN = object()
-"""What the memo of decisions by text gives for a result it has not seen (None is a result with no decision)."""
 
 
 @dataclass(frozen=True)
@@ -216,10 +214,10 @@ class CondenseEngine:
             for result in large:
                 # By the text itself: a later request repeats the same string object, whose hash Python keeps, so
                 # this costs no hashing of the text; only a result not seen yet goes to the decision key and cache.
-                decision = self._texts.get((session, result.call_id, result.text), _UNSEEN)
-                if decision is _UNSEEN:
+                memo = (session, result.call_id, result.text)
+                if memo not in self._texts:
                     unknown.append(result)
-                elif decision is not None:
+                elif (decision := self._texts[memo]) is not None:
                     found[result.call_id] = decision
         if unknown:
             found.update(await trio.to_thread.run_sync(self._recall, session, unknown))

@@ -213,16 +213,17 @@ class _Scan:
 def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
     """:class:`_Scan` of ``items``, going on from the scan kept on the last item an earlier request of the same
     body lineage had (:class:`~.formats.base.Item`), so a request reads only its new items."""
-    start = len(items)
+    start, done = len(items), None
     while start:
         kept = derived(items[start - 1])
-        done = kept.get("scan") if kept is not None else None
-        if isinstance(done, _Scan) and done.index == start:
+        found = kept.get("scan") if kept is not None else None
+        if isinstance(found, _Scan) and found.index == start:
+            done = found
             break
         start -= 1
     scan = _Scan(start, done.last, done.request, dict(done.uses), Counter(done.ids), list(done.runs),
                  {key: list(places) for key, places in done.commands.items()}, done.repeated,
-                 list(done.results)) if start else _Scan(0)
+                 list(done.results)) if done is not None else _Scan(0)
     for index in range(start, len(items)):
         message = fmt.message(items[index])
         if message.role == "assistant":
@@ -243,8 +244,7 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
                 scan.commands.setdefault(key, []).append(len(scan.runs) - 1)
             # A short text has no decision to find: at most 4 tokens per character.
             if len(out.text) * 4 > MIN_THRESHOLD:
-                use = scan.uses.get(out.call_id)
-                scan.results.append((index, len(scan.runs) - 1, out, use, _result(out, use)))
+                scan.results.append((index, len(scan.runs) - 1, out, called, _result(out, called)))
     scan.index = len(items)
     if items and (kept := derived(items[-1])) is not None:
         kept["scan"] = scan

@@ -223,14 +223,15 @@ def _chain(fmt: WireFormat, items: list[Any], seed: bytes) -> Callable[[int], _S
     """The chain steps of ``items`` from ``seed``, by position. Those of the items an earlier request of the same
     body lineage had (:class:`~.formats.base.Item`, kept on them for their place) are not computed again: the
     chain goes on from the last of them, so a request costs what is new in it."""
-    start = len(items)
+    start, resumed = len(items), None
     while start:
         kept = derived(items[start - 1])
         step = kept.get("chain") if kept is not None else None
         if isinstance(step, _Step) and step.seed == seed and step.index == start - 1:
+            resumed = step
             break
         start -= 1
-    link, conversing = (step.link, step.conversing) if start else (seed, False)
+    link, conversing = (resumed.link, resumed.conversing) if resumed is not None else (seed, False)
     made: dict[int, _Step] = {}
     for index in range(start, len(items)):
         item = items[index]

@@ -47,10 +47,10 @@ class Item(dict[str, Any]):
 
     def __init__(self, value: dict[str, Any]) -> None:
         super().__init__(value)
-        self.derived: dict[str, Any] = {}
+        self.derived: dict[Hashable, Any] = {}
 
 
-def derived(item: Any) -> dict[str, Any] | None:
+def derived(item: Any) -> dict[Hashable, Any] | None:
     """Where values computed from ``item`` may be kept (None: not an :class:`Item`, compute them each time)."""
     return item.derived if type(item) is Item else None
 
