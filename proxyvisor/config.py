@@ -75,7 +75,9 @@ class UpstreamConfig(Table, frozen=True):
     """One ``[upstreams.NAME]`` table.
 
     ``model``: the model name sent upstream on the translation path (a client format the upstream does not speak,
-    served through litellm) instead of the one the client asked for; empty keeps the client's.
+    served through litellm) instead of the one the client asked for; empty keeps the client's. ``fallback``: the
+    upstreams a supervised request for this one is sent to, in order, while its pool cools down or when it fails
+    before any byte reached the agent (``proxyvisor.proxy.breakers``; not transitive).
     """
 
     name: str
@@ -91,6 +93,7 @@ class UpstreamConfig(Table, frozen=True):
     script: str = ""
     chunk_delay_ms: Amount = 0.0
     model: str = ""
+    fallback: tuple[str, ...] = ()
 
     @property
     def scripted(self) -> bool:
@@ -215,8 +218,19 @@ class AuthorizerConfig(Table, frozen=True):
     budget_tokens: Annotated[int, integer(AUTHORIZER_BUDGET)] = DEFAULT_AUTHORIZER_BUDGET
 
 
+class BreakersConfig(Table, frozen=True):
+    """``[supervisor.breakers]``: per-pool health of the agent's own requests (a pool: an upstream and a model;
+    ``proxyvisor.proxy.breakers``). A pool's first trip cools it for ``cooldown_s``, doubling on each trip in a
+    row up to ``maximum_cooldown_s``; an upstream's ``Retry-After`` is the floor."""
+
+    enabled: bool = True
+    cooldown_s: Seconds = 1.0
+    maximum_cooldown_s: Seconds = 60.0
+
+
 class SupervisorConfig(Table, frozen=True):
     enabled: bool = True
+    breakers: BreakersConfig = msgspec.field(default_factory=BreakersConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     condense: CondenseConfig = msgspec.field(default_factory=CondenseConfig)
     detectors: DetectorsConfig = msgspec.field(default_factory=DetectorsConfig)
@@ -429,6 +443,18 @@ def _check(config: Config) -> None:
     if config.supervisor.model.api_base == SCRIPTED_URL and not any(u.scripted for u in config.upstreams):
         raise ConfigError(f"{where}: [supervisor.model] api_base = {SCRIPTED_URL!r} is the embedded scripted "
                           f"upstream, but no [upstreams.NAME] has url = {SCRIPTED_URL!r}")
+    b = config.supervisor.breakers
+    if not b.cooldown_s <= b.maximum_cooldown_s:
+        raise ConfigError(f"{where}: [supervisor.breakers] needs cooldown_s <= maximum_cooldown_s, got "
+                          f"{b.cooldown_s} and {b.maximum_cooldown_s}")
+    names = [u.name for u in config.upstreams]
+    for upstream in config.upstreams:
+        for other in upstream.fallback:
+            if other not in names or other == upstream.name:
+                raise ConfigError(f"{where}: [upstreams.{upstream.name}] fallback names {other!r}, which is not "
+                                  f"another configured upstream (configured: {', '.join(names)})")
+        if len(set(upstream.fallback)) != len(upstream.fallback):
+            raise ConfigError(f"{where}: [upstreams.{upstream.name}] fallback names an upstream twice")
     routing = config.model_routing
     c = routing.cooldown
     if not c.default_seconds <= c.maximum_seconds:

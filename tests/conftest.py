@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from proxyvisor.scripted.upstream import ScriptedUpstream
-from proxyvisor.config import Config, GateConfig, UpstreamConfig
+from proxyvisor.config import BreakersConfig, Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.store import Store
 
@@ -101,20 +101,22 @@ def start_proxy() -> Callable[..., Any]:
     ``proxy`` fields (``max_body_bytes``, ``auth_token``, ...); ``store`` (default: a :class:`Store` on
     ``state_dir`` when supervised, none otherwise, as ``proxyvisor serve`` does); ``gate`` (default False: the
     verify-gate, which would hold and judge every text answer to a request offering tools, is off unless a test
-    is about it).
+    is about it); ``breakers`` (default True: ``[supervisor.breakers]``; off for a test of what each of a series of
+    upstream faults looks like to the client, which a cooling pool would answer itself).
     """
 
     @asynccontextmanager
     async def start(steps: list[dict[str, Any]] | None = None, *, supervised: bool = True,
                     upstream_url: str | None = None, upstream: dict[str, Any] | None = None,
                     proxy: dict[str, Any] | None = None, store: Store | None = None,
-                    chunk_delay_ms: float = 0.0, gate: bool = False) -> AsyncIterator[RunningProxy]:
+                    chunk_delay_ms: float = 0.0, gate: bool = False,
+                    breakers: bool = True) -> AsyncIterator[RunningProxy]:
         fields = dict(upstream or {})
         if upstream_url:
             fields["url"] = upstream_url
         config = Config(upstreams=(UpstreamConfig(name="scripted", **fields),))
-        config = config.with_overrides(supervisor={"enabled": supervised, "gate": GateConfig(enabled=gate)},
-                                       proxy=proxy or {})
+        config = config.with_overrides(supervisor={"enabled": supervised, "gate": GateConfig(enabled=gate),
+                                                   "breakers": BreakersConfig(enabled=breakers)}, proxy=proxy or {})
         scripted = None if upstream_url else {"scripted": ScriptedUpstream(steps, chunk_delay_ms)}
         async with running(config, port=0, store=store, scripted=scripted) as rp:
             yield rp

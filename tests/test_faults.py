@@ -24,7 +24,7 @@ async def test_429_keeps_or_gains_retry_after_and_5xx_keep_their_status(fmt: str
                                                                         start_proxy) -> None:
     cases = [({"status": 429, "retry_after": "7"}, "7"), ({"status": 429}, "1"), ({"status": 529}, None),
              ({"status": 500}, None), ({"status": 503}, None)]
-    async with start_proxy(supervised=supervised) as rp:
+    async with start_proxy(supervised=supervised, breakers=False) as rp:
         for fault, retry_after in cases:
             for stream in (False, True):
                 rp.scripted["scripted"].queue({"fault": fault})
@@ -94,7 +94,8 @@ async def test_truncated_json_body_gives_502(fmt: str, supervised: bool, start_p
 @MODES
 @ALL_FORMATS
 async def test_connection_refused_gives_502(fmt: str, supervised: bool, start_proxy) -> None:
-    async with start_proxy(supervised=supervised, upstream_url=f"http://127.0.0.1:{closed_port()}") as rp:
+    async with start_proxy(supervised=supervised, upstream_url=f"http://127.0.0.1:{closed_port()}",
+                           breakers=False) as rp:
         for stream in (False, True):
             reply, data = await raw_stream(rp.url, fmt, request_body(fmt, stream))
             assert reply.status_code == 502

@@ -22,7 +22,7 @@ def mode(path) -> int:
 
 async def test_one_line_per_request_with_what_happened(start_proxy, state_dir) -> None:
     steps = [TOOL_STEP, TEXT_STEP, {"fault": {"status": 429, "retry_after": "2"}}, TOOL_STEP]
-    async with start_proxy(steps) as rp:
+    async with start_proxy(steps, breakers=False) as rp:
         secret = {"authorization": "Bearer sk-secret-abc123", "x-api-key": "sk-secret-abc123"}
         requests = [("chat", request_body("chat"), 200), ("messages", request_body("messages", stream=True), 200),
                     ("responses", request_body("responses", stream=True), 429),

@@ -102,7 +102,7 @@ async def test_models_and_count_tokens_are_forwarded(proxy) -> None:
 
 async def test_every_response_carries_the_overhead_header(start_proxy) -> None:
     """Relayed answers, proxyvisor's own errors and health checks all say how long proxyvisor took (ms)."""
-    async with start_proxy([{"fault": {"status": 429}}], proxy={"max_body_bytes": 1024}) as rp, \
+    async with start_proxy([{"fault": {"status": 429}}], proxy={"max_body_bytes": 1024}, breakers=False) as rp, \
             http_client(rp.url) as client:
         replies = [
             await client.post("/v1/chat/completions", json=request_body("chat")),  # 429 from upstream

@@ -43,7 +43,7 @@ async def test_an_upstream_host_that_does_not_resolve_gives_502_in_the_clients_f
         fmt: str, supervised: bool, start_proxy) -> None:
     """``.invalid`` never resolves (RFC 6761). A resolver slower than ``connect_timeout_s`` gives 504 instead."""
     async with start_proxy(supervised=supervised, upstream_url="http://proxyvisor-test.invalid",
-                           upstream={"connect_timeout_s": 5}) as rp:
+                           upstream={"connect_timeout_s": 5}, breakers=False) as rp:
         for stream in (False, True):
             with trio.fail_after(10):
                 reply, data = await raw_stream(rp.url + "/s/dns", fmt, request_body(fmt, stream))
@@ -166,7 +166,7 @@ FAULTS = [
 @ALL_FORMATS
 async def test_after_each_fault_the_session_answers_its_next_request_and_the_ledger_tells_what_happened(
         fmt: str, start_proxy, caplog: pytest.LogCaptureFixture) -> None:
-    async with start_proxy(upstream={"first_byte_timeout_s": 0.3, "idle_timeout_s": 0.3}) as rp:
+    async with start_proxy(upstream={"first_byte_timeout_s": 0.3, "idle_timeout_s": 0.3}, breakers=False) as rp:
         upstream = rp.scripted["scripted"]
         for step, stream, status, _ledger_status, _error in FAULTS:
             upstream.queue(step, TOOL_STEP)

@@ -284,13 +284,14 @@ async def test_a_canary_key_never_appears_in_state_logs_or_answers(configured: b
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("PV_CANARY_KEY", CONFIG_KEY)
     fields = {"api_key_env": "PV_CANARY_KEY"} if configured else {}
-    async with start_proxy(upstream=fields) as rp:
+    async with start_proxy(upstream=fields, breakers=False) as rp:
         returned = await exercise(rp.url, rp.scripted["scripted"], [QUOTING_401] if configured else [])
         sent = rp.scripted["scripted"].requests[0][2]
         assert (CONFIG_KEY if configured else CLIENT_KEY) in str(sent)  # it did go to the upstream
-    async with serve_handler(Echo()) as echo_url, start_proxy(upstream_url=echo_url, upstream=fields) as rp:
+    async with serve_handler(Echo()) as echo_url, start_proxy(upstream_url=echo_url, upstream=fields,
+                                                                           breakers=False) as rp:
         returned += await exercise(rp.url, None, [])
-    async with start_proxy(upstream_url=f"http://127.0.0.1:{closed_port()}", upstream=fields) as rp:
+    async with start_proxy(upstream_url=f"http://127.0.0.1:{closed_port()}", upstream=fields, breakers=False) as rp:
         returned += await exercise(rp.url, None, [])
     out, err = capfd.readouterr()
     if configured:  # the scripted 401 of each format and mode, and every answer of the echoing upstream
@@ -348,6 +349,7 @@ def test_a_canary_key_never_appears_in_serves_debug_log(tmp_path: Path) -> None:
     script.write_bytes(orjson.dumps([step for fmt, _s, step in plan([QUOTING_401]) if fmt != "responses"]))
     config = tmp_path / "config.toml"
     config.write_text(f'[proxy]\nauth_token = "{TOKEN}"\n[state]\ndir = "{state}"\n'
+                      '[supervisor.breakers]\nenabled = false\n'
                       f'[upstreams.down]\nurl = "http://127.0.0.1:{closed_port()}"\nformats = ["responses"]\n'
                       'api_key_env = "PV_CANARY_KEY"\n'
                       f'[upstreams.scripted]\nscript = "{script}"\napi_key_env = "PV_CANARY_KEY"\n')

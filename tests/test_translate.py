@@ -24,7 +24,7 @@ import trio
 
 from proxyvisor.adapters.litellm_bridge import import_litellm
 from proxyvisor.scripted.upstream import ScriptedUpstream
-from proxyvisor.config import Config, GateConfig, UpstreamConfig
+from proxyvisor.config import BreakersConfig, Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy import translate
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.relay import UpstreamError
@@ -75,7 +75,8 @@ async def translating(upstream_format: str, tmp_path: Path, **fields: Any) -> As
     """A supervised proxy whose one scripted upstream ``s`` speaks only ``upstream_format`` (recording requests),
     the verify-gate off (tests/test_session_model.py has it on the translator path)."""
     config = Config(upstreams=(UpstreamConfig(name="s", formats=(upstream_format,), **fields),))
-    config = config.with_overrides(supervisor={"gate": GateConfig(enabled=False)})
+    config = config.with_overrides(supervisor={"gate": GateConfig(enabled=False),
+                                               "breakers": BreakersConfig(enabled=False)})
     async with running(config, port=0, store=Store(tmp_path / "state"),
                        scripted={"s": ScriptedUpstream()}) as rp:
         yield rp

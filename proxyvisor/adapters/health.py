@@ -7,10 +7,12 @@ table of which event moves which state where; :func:`admit` and :func:`settle` f
 
 Events:
 
-- ``capacity``: a retryable capacity failure (only that opens the breaker; 529/5xx are ``provider``). The pool
-  cools down for the provider's ``retry_after_s`` if given, else ``default_s * 2**(trips - 1)`` capped at
-  ``maximum_s``. A new capacity failure extends the cooldown and never shortens it; entering ``cooling_down``
-  counts one more trip (``failure_count``), so a burst of parallel 429s is one trip, not eight.
+- ``capacity``: a failure that opens the breaker (:meth:`Cooldown.opens_on`: for children only a retryable
+  capacity failure, 529/5xx being ``provider``; for the agent's own pools 5xx and connection failures too). The
+  pool cools down for ``default_s * 2**(trips - 1)`` capped at ``maximum_s``, where the provider's
+  ``retry_after_s`` replaces that (children) or is its floor (the agent's pools). A new failure extends the
+  cooldown and never shortens it; entering ``cooling_down`` counts one more trip (``failure_count``), so a burst
+  of parallel 429s is one trip, not eight.
 - ``probe``: the cooldown is over (or an earlier probe's lease ran out unsettled) and one caller takes the
   half-open lease. The lease lasts the probe's own timeout; every other caller is refused meanwhile.
 - ``probe_success``: the lease holder succeeded: healthy, ``failure_count`` reset.
@@ -34,6 +36,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .failures import CAPACITY as CAPACITY_FAILURE
 from .failures import Failure
 
 HEALTHY, COOLING_DOWN, HALF_OPEN = "healthy", "cooling_down", "half_open"
@@ -59,16 +62,27 @@ _RANK = {HEALTHY: 0, HALF_OPEN: 1, COOLING_DOWN: 2}
 
 @dataclass(frozen=True)
 class Cooldown:
-    """``default_s`` and ``maximum_s`` of ``[model_routing.cooldown]`` (seconds)."""
+    """How a pool cools down: ``default_s`` and ``maximum_s`` (seconds; ``[model_routing.cooldown]`` for
+    children), the failure categories that open the breaker (``opens``, retryable failures only), and whether the
+    provider's wait replaces the escalating cooldown (``retry_after_floor`` False: seed 000's rule for children)
+    or is its floor (True: the agent's own pools, whose default is short)."""
 
     default_s: float = 300.0
     maximum_s: float = 3600.0
+    opens: frozenset[str] = frozenset({CAPACITY_FAILURE})
+    retry_after_floor: bool = False
 
     def duration(self, trips: int, retry_after_s: int | None) -> float:
-        """Seconds to cool down: the provider's wait when given, else exponential from the default, capped."""
-        if retry_after_s:
+        """Seconds to cool down on the ``trips``-th trip: exponential from the default, capped at the maximum;
+        the provider's ``retry_after_s``, when given, replaces that or is its floor (``retry_after_floor``)."""
+        escalated = min(self.maximum_s, self.default_s * math.pow(2, max(0, trips - 1)))
+        if retry_after_s and not self.retry_after_floor:
             return float(retry_after_s)
-        return min(self.maximum_s, self.default_s * math.pow(2, max(0, trips - 1)))
+        return max(float(retry_after_s or 0), escalated)
+
+    def opens_on(self, failure: Failure) -> bool:
+        """Whether ``failure`` opens the breaker: a retryable failure of one of the ``opens`` categories."""
+        return failure.retryable and failure.category in self.opens
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,7 @@ def settle(health: PoolHealth, now: float, failure: Failure | None, cooldown: Co
     ``failure`` None is a success. A crash is settled as a non-capacity failure, so it releases the lease too.
     """
     holder = bool(lease_id) and lease_id == health.lease_id and health.state == HALF_OPEN
-    if failure is not None and failure.opens_breaker:
+    if failure is not None and cooldown.opens_on(failure):
         event = CAPACITY
     elif holder:
         event = PROBE_OTHER if failure is not None else PROBE_SUCCESS

@@ -1,6 +1,7 @@
 """Persisted pool health: the breaker of :mod:`proxyvisor.adapters.health` over a diskcache in the state dir.
 
-Layout: ``<state dir>/health/`` (diskcache), one entry per pool keyed ``pool:<adapter>[:<bucket>]``. Every admit
+Layout: ``<state dir>/health/`` (diskcache), one entry per pool keyed ``pool:<adapter>[:<bucket>]`` (children)
+or ``pool:upstream:<upstream>:<model>`` (the agent's own requests, :mod:`proxyvisor.proxy.breakers`). Every admit
 and settle is one read-modify-write inside a SQLite transaction (``BEGIN IMMEDIATE``), serialised across threads
 and processes, so exactly one caller in the whole fleet of proxies sharing the state dir gets a probe lease.
 The async methods run the store in a worker thread, keeping SQLite off the event loop.
@@ -21,7 +22,7 @@ import trio
 
 from .cache import LazyCache
 from .failures import Failure
-from .health import Admission, Cooldown, PoolHealth, admit, release, settle
+from .health import HEALTHY, Admission, Cooldown, PoolHealth, admit, release, settle
 
 _PREFIX = "pool:"
 
@@ -32,6 +33,9 @@ class HealthStore(LazyCache):
     def __init__(self, root: Path, cooldown: Cooldown) -> None:
         super().__init__(root)
         self.cooldown = cooldown
+        # One worker thread at a time: the calls are serialised by SQLite anyway, and diskcache opens a connection
+        # (file descriptors) per thread, so a burst of requests would otherwise open one per request.
+        self._one = trio.CapacityLimiter(1)
 
     @staticmethod
     def _load(pool: str, value: Any) -> PoolHealth:
@@ -55,7 +59,10 @@ class HealthStore(LazyCache):
         return [self._load(k[len(_PREFIX):], db.get(k)) for k in keys]
 
     def admit_sync(self, pool: str, now: float, lease_s: float) -> Admission:
-        """:func:`~proxyvisor.adapters.health.admit`, persisted atomically. A healthy pool costs one read."""
+        """:func:`~proxyvisor.adapters.health.admit`, persisted atomically. A healthy pool costs one read, outside
+        any transaction (admitting it writes nothing)."""
+        if self.get(pool).state == HEALTHY:
+            return Admission(pool, True, HEALTHY)
         with self._lock:
             db = self._db()
             with db.transact():
@@ -76,25 +83,34 @@ class HealthStore(LazyCache):
         return new
 
     def settle_sync(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
-        """:func:`~proxyvisor.adapters.health.settle`, persisted atomically. Returns the new health."""
+        """:func:`~proxyvisor.adapters.health.settle`, persisted atomically. Returns the new health. A success
+        on a healthy pool with no failure counted changes nothing and costs one read, outside any transaction."""
+        if failure is None and not lease_id:
+            current = self.get(pool)
+            if current.state == HEALTHY and current.failure_count == 0:
+                return current
         return self._update(pool, lambda current: settle(current, now, failure, self.cooldown, lease_id))
 
     def release_sync(self, pool: str, now: float, lease_id: str = "") -> PoolHealth:
-        """:func:`~proxyvisor.adapters.health.release`, persisted atomically. Returns the new health."""
+        """:func:`~proxyvisor.adapters.health.release`, persisted atomically. Returns the new health. Without a
+        lease there is nothing to give back: one read, nothing opened or written."""
+        if not lease_id:
+            return self.get(pool)
         return self._update(pool, lambda current: release(current, now, lease_id))
 
     async def admit(self, pool: str, now: float, lease_s: float) -> Admission:
-        return await trio.to_thread.run_sync(self.admit_sync, pool, now, lease_s)
+        return await trio.to_thread.run_sync(self.admit_sync, pool, now, lease_s, limiter=self._one)
 
     async def settle(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
-        return await trio.to_thread.run_sync(self.settle_sync, pool, now, failure, lease_id)
+        return await trio.to_thread.run_sync(self.settle_sync, pool, now, failure, lease_id, limiter=self._one)
 
     async def release(self, pool: str, now: float, lease_id: str = "") -> PoolHealth:
-        return await trio.to_thread.run_sync(self.release_sync, pool, now, lease_id)
+        return await trio.to_thread.run_sync(self.release_sync, pool, now, lease_id, limiter=self._one)
 
     def clear(self, name: str = "") -> list[str]:
-        """Forget the health of every pool (``name`` empty), of one pool, or of every pool of an adapter (a name
-        without ``:``). Returns the pools cleared."""
+        """Forget the health of every pool (``name`` empty), of one pool, or of every pool whose name starts with
+        ``name:`` (an adapter's pools; ``upstream:NAME``: an upstream's pools of the agent's own requests).
+        Returns the pools cleared."""
         if not self.exists():
             return []
         cleared = []
@@ -102,7 +118,7 @@ class HealthStore(LazyCache):
             db = self._db()
             with db.transact():
                 for health in self.all():
-                    if not name or health.pool == name or health.pool.split(":", 1)[0] == name:
+                    if not name or health.pool == name or health.pool.startswith(name + ":"):
                         db.delete(_PREFIX + health.pool)
                         cleared.append(health.pool)
         return cleared

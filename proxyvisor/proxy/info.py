@@ -125,6 +125,8 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
         out["gate"] = record.gate
     if record.authorizer is not None and record.authorizer["batches"]:
         out["authorizer"] = record.authorizer
+    if record.upstream is not None:
+        out["upstream"] = record.upstream
     return out
 
 

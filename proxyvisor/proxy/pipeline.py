@@ -9,7 +9,8 @@ Two paths (DESIGN.md, principles 3 and 4):
   identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
   client's format), usage is read from the reply, and one ledger line is written per request. The answer the
   client got is recorded with the conversation of a session identified by its history
-  (``Conversations.answered``), so that its next request, which carries the answer, finds the session.
+  (``Conversations.answered``), so that its next request, which carries the answer, finds the session. The
+  request goes upstream under its pool's breaker, with the upstream's fallbacks (``proxyvisor.proxy.breakers``).
 
 The proxy overhead of a request (the header, the ledger's ``overhead_ms``) is the wall time proxyvisor itself added
 before the reply's headers: the request's time so far less the time waiting for the upstream (continued turns
@@ -38,7 +39,7 @@ from typing import Any
 import orjson
 import trio
 
-from ..config import Config
+from ..config import Config, UpstreamConfig
 from ..schema import json_kind
 from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
@@ -56,6 +57,7 @@ from . import commands, estimate
 from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .authorizing import Authorizer
+from .breakers import breakers_for
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
 from .closing import close
@@ -156,6 +158,7 @@ class Pipeline:
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.authorizer = Authorizer(config.supervisor.authorizer)
+        self.breakers = breakers_for(config, store.root if store is not None else None)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -167,6 +170,8 @@ class Pipeline:
         """Release what the pipeline holds open (the delegation state stores)."""
         if self.delegation is not None:
             self.delegation.close()
+        if self.breakers is not None:
+            self.breakers.close()
 
     @property
     def supervised(self) -> bool:
@@ -372,8 +377,6 @@ class Pipeline:
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
-        relay = self.relays[upstream_name]
-        headers = self._headers(request, fmt, relay, self.supervised)
         content: bytes | tuple[bytes, ...] = request.body
         if exchange is not None:
             try:
@@ -383,7 +386,8 @@ class Pipeline:
                             session.id if session else "-", exc)
                 exchange = None
         try:
-            reply = await relay.send("POST", self._target(request, path), headers, content)
+            reply = await self._upstream(request, fmt, path, self.relays[upstream_name].upstream, body, content,
+                                         exchange)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
@@ -398,7 +402,7 @@ class Pipeline:
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
         try:
-            reply = await self.translator.send(fmt, upstream, body, request.headers)
+            reply = await self._upstream(request, fmt, split_prefix(request.path)[1], upstream, body, None, exchange)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
@@ -409,6 +413,33 @@ class Pipeline:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
         return self._respond(request, fmt, reply, body, session, exchange)
+
+    async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: UpstreamConfig,
+                        body: dict[str, Any] | None, content: bytes | tuple[bytes, ...] | None,
+                        exchange: Exchange | None) -> UpstreamReply:
+        """The agent's request sent to ``upstream``: relayed (``content``: the bytes to send, else ``body``'s
+        JSON) when it speaks ``fmt``, else translated; under the breakers with its fallbacks when supervised
+        (``proxyvisor.proxy.breakers``), whose account goes to ``exchange``'s ledger line.
+
+        Raises:
+            UpstreamError: as ``HttpRelay.send``.
+        """
+        async def send(target: UpstreamConfig) -> UpstreamReply:
+            if fmt.name not in target.formats:
+                reply: UpstreamReply = await self.translator.send(fmt, target, body, request.headers)
+                return reply
+            relay = self.relays[target.name]
+            data = content if content is not None else orjson.dumps(body)
+            return await relay.send("POST", self._target(request, path),
+                                    self._headers(request, fmt, relay, self.supervised), data)
+
+        if self.breakers is None or body is None:
+            return await send(upstream)
+        model = body.get("model")
+        reply, dispatch = await self.breakers.send(fmt, model if isinstance(model, str) else "", upstream, send)
+        if exchange is not None:
+            exchange.record.upstream = dispatch.evidence()
+        return reply
 
     async def _continued(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when the model called delegation tools, the turn continued upstream after the children

@@ -143,6 +143,8 @@ class RequestRecord:
     gate: dict[str, Any] | None = None
     authorizer: dict[str, Any] | None = None
     """What the tool authorizer did (a ledger object, ``proxyvisor.proxy.authorizing``); None when it did not run."""
+    upstream: dict[str, Any] | None = None
+    """Which upstream answered and why, under the breakers (``proxyvisor.proxy.breakers.Dispatch.evidence``)."""
 
 
 @dataclass

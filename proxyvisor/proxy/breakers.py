@@ -1,0 +1,227 @@
+"""Per-pool breakers for the agent's own requests, and fallbacks to other upstreams.
+
+With supervision on (``[supervisor.breakers] enabled``), every model request of the agent goes through the breaker
+(:mod:`proxyvisor.adapters.health`, persisted in the state dir's ``health`` store that children use too, so every
+proxy process sharing the state dir sees the same pools) of its pool ``upstream:<upstream>:<model>``:
+
+- a 429, a 529 or other 5xx, and a connection failure (refused, reset, timed out) trip the pool: it cools down for
+  ``cooldown_s``, doubling on each trip in a row up to ``maximum_cooldown_s``, with the upstream's ``Retry-After``
+  as the floor; a 401, 400 or another 4xx says nothing about capacity and trips nothing;
+- while the pool cools, a request for it is not sent: the agent gets a 429 in its own format at once, with the
+  remaining ``Retry-After`` (1 s while the recovery probe is in flight);
+- once the cooldown is over, exactly one request (in the whole fleet of proxies) is the half-open probe; its lease
+  lasts the request's own timeouts; its success makes the pool healthy again, another trip cools it longer;
+- ``[upstreams.NAME] fallback = ["OTHER", ...]``: while the pool cools, or when the upstream trips before any
+  byte of its reply reached the agent, the same request goes to the next fallback (relayed when it speaks the
+  client's format, else translated), each under its own pool. A stream that has started is never retried: its
+  failure ends the agent's stream with the format's error event. Fallbacks are not transitive.
+
+The ledger line of the request says which upstream answered and why (:meth:`Dispatch.evidence`).
+With supervision off none of this exists: the byte relay sends every request as it came.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..adapters.failures import (CAPACITY, KNOWN_FAILED, PROVIDER, TIMEOUT, UNAVAILABLE, UNKNOWN, Failure,
+                                 from_http)
+from ..adapters.health import HALF_OPEN, Admission, Cooldown
+from ..adapters.health_store import HealthStore
+from ..config import BreakersConfig, Config, UpstreamConfig
+from ..store import unusable
+from .formats import WireFormat
+from .relay import UpstreamError, UpstreamReply
+
+log = logging.getLogger("proxyvisor.breakers")
+
+OPENS = frozenset({CAPACITY, PROVIDER, TIMEOUT, UNAVAILABLE})
+"""The failures that trip one of the agent's pools (retryable ones only: a 429 asking for billing action does not)."""
+PREFIX = "upstream"
+"""The first part of every agent pool's name (``proxyvisor health clear upstream`` clears them all)."""
+
+
+def pool_of(upstream: str, model: str) -> str:
+    """The health key of the agent's requests for ``model`` on ``upstream``."""
+    return f"{PREFIX}:{upstream}:{model or '-'}"
+
+
+def failure_of_reply(status: int, headers: Sequence[tuple[bytes, bytes]], now: float) -> Failure | None:
+    """The normalised failure of an upstream reply's head (None below 400); ``now``: the wall clock (Unix s)."""
+    if status < 400:
+        return None
+    found = {k.lower(): v.decode("latin-1") for k, v in headers if k.lower() in (b"retry-after", b"retry-after-ms")}
+    return from_http(status, "", now, found.get(b"retry-after"), found.get(b"retry-after-ms"))
+
+
+def failure_of_error(exc: UpstreamError, now: float) -> Failure:
+    """The normalised failure of an upstream that gave no reply: 502 is a connection failure (refused, reset, a
+    name that does not resolve, a body cut short), 504 a timeout, any other status that status."""
+    if exc.status == 502:
+        return Failure(UNAVAILABLE, True, KNOWN_FAILED, None, exc.message)
+    if exc.status == 504:
+        return Failure(TIMEOUT, True, UNKNOWN, None, exc.message)
+    return from_http(exc.status, exc.message, now)
+
+
+@dataclass
+class Dispatch:
+    """What happened to one request under the breakers: each upstream tried, in order, with its pool, the
+    breaker's state at dispatch, whether it was the probe, and its outcome (``answered``, ``refused``: cooling,
+    not sent; ``failed``: tripped, with its status and category)."""
+
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def evidence(self) -> dict[str, Any]:
+        """The ledger's ``upstream`` object: the upstream that answered (or was tried last), its pool, the breaker
+        state at dispatch and whether it was the probe; ``tried`` lists the attempts before it, when any."""
+        last = self.attempts[-1]
+        out = {"name": last["upstream"], "pool": last["pool"], "health_state": last["health_state"],
+               "health_probe": last["health_probe"], "outcome": last["outcome"]}
+        if len(self.attempts) > 1:
+            out["tried"] = self.attempts[:-1]
+        return out
+
+
+Send = Callable[[UpstreamConfig], Awaitable[UpstreamReply]]
+"""Sends the agent's request to one upstream (relayed or translated), as ``HttpRelay.send`` does."""
+
+
+class Breakers:
+    """The breakers of one proxy over the health store in ``root`` (the state dir). ``now``: the wall clock (Unix
+    seconds), which deadlines are kept in; tests pass their own."""
+
+    def __init__(self, config: BreakersConfig, upstreams: Sequence[UpstreamConfig], root: Path,
+                 now: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.upstreams = {u.name: u for u in upstreams}
+        self.store = HealthStore(root / "health", Cooldown(config.cooldown_s, config.maximum_cooldown_s, OPENS,
+                                                           retry_after_floor=True))
+        self.now = now
+
+    def close(self) -> None:
+        self.store.close()
+
+    def chain(self, upstream: UpstreamConfig) -> list[UpstreamConfig]:
+        """``upstream`` and its fallbacks, in the order they are tried."""
+        return [upstream, *(self.upstreams[name] for name in upstream.fallback)]
+
+    async def send(self, fmt: WireFormat, model: str, upstream: UpstreamConfig,
+                   send: Send) -> tuple[UpstreamReply, Dispatch]:
+        """Send the agent's request for ``model`` to ``upstream`` or its fallbacks under their pools' breakers
+        (module docstring) and return the reply (the last failure when every upstream failed; proxyvisor's own
+        429 when every pool is cooling) and what happened.
+
+        Raises:
+            UpstreamError: the last upstream tried gave no reply (as ``send`` raised it).
+            trio.Cancelled: the caller left; a probe lease held was given back first.
+        """
+        dispatch = Dispatch()
+        refusals: list[Admission] = []
+        chain = self.chain(upstream)
+        for index, target in enumerate(chain):
+            pool = pool_of(target.name, model)
+            lease_s = target.connect_timeout_s + target.first_byte_timeout_s + target.idle_timeout_s
+            admission = await self.store.admit(pool, self.now(), lease_s)
+            attempt: dict[str, Any] = {"upstream": target.name, "pool": pool, "health_state": admission.state,
+                                       "health_probe": admission.probe}
+            dispatch.attempts.append(attempt)
+            if not admission.admitted:
+                attempt["outcome"] = "refused"
+                refusals.append(admission)
+                continue
+            last = index == len(chain) - 1
+            failure, reply = None, None
+            settled = False
+            try:
+                try:
+                    reply = await send(target)
+                except UpstreamError as exc:
+                    failure = failure_of_error(exc, self.now())
+                    await self._settle(pool, failure, admission)
+                    settled = True
+                    self._failed(attempt, exc.status, failure)
+                    if last:
+                        raise
+                    log.warning("upstream %r failed (%s); trying its fallback", target.name, failure.message)
+                    continue
+                failure = failure_of_reply(reply.status, reply.headers, self.now())
+                await self._settle(pool, failure, admission)
+                settled = True
+            finally:
+                if not settled:  # cancelled (or proxyvisor failed) before an answer: only a lease is given back
+                    with trio.CancelScope(shield=True):
+                        await self.store.release(pool, self.now(), admission.lease_id)
+            if failure is not None and self.store.cooldown.opens_on(failure) and not last:
+                self._failed(attempt, reply.status, failure)
+                log.warning("upstream %r answered %d; trying its fallback", target.name, reply.status)
+                continue
+            attempt["outcome"] = "failed" if failure is not None else "answered"
+            if failure is not None:
+                self._failed(attempt, reply.status, failure)
+            return reply, dispatch
+        return self._cooling(fmt, refusals), dispatch
+
+    async def _settle(self, pool: str, failure: Failure | None, admission: Admission) -> None:
+        with trio.CancelScope(shield=True):  # a result known is recorded even if the client leaves now
+            await self.store.settle(pool, self.now(), failure, admission.lease_id)
+
+    @staticmethod
+    def _failed(attempt: dict[str, Any], status: int, failure: Failure) -> None:
+        attempt.update(outcome="failed", status=status, error_category=failure.category)
+        if failure.retry_after_s:
+            attempt["retry_after_s"] = failure.retry_after_s
+
+    def _cooling(self, fmt: WireFormat, refusals: list[Admission]) -> UpstreamReply:
+        """Proxyvisor's own 429 in ``fmt`` for a request every pool of which refused: ``Retry-After`` is the
+        soonest recovery (1 s while a probe is in flight: it settles as soon as the probe is answered)."""
+        now = self.now()
+        waits = []
+        for refusal in refusals:
+            if refusal.state == HALF_OPEN:
+                waits.append((1, refusal.pool, "waiting for its recovery probe"))
+            else:
+                waits.append((max(1, math.ceil((refusal.recovery_at or now) - now)), refusal.pool, "cooling down"))
+        seconds = min(w[0] for w in waits)
+        parts = "; ".join(f"{pool} is {why} (retry in {s} s)" for s, pool, why in waits)
+        message = (f"proxyvisor: not sent upstream: {parts}. The upstream rate-limited or failed recently; "
+                   f"retry after {seconds} s")
+        headers = [(b"content-type", b"application/json"), (b"retry-after", str(seconds).encode()),
+                   (b"x-proxyvisor-breaker", b"open")]
+        return UpstreamReply(429, headers, fmt.error_body(429, message))
+
+    def pools(self) -> list[dict[str, Any]]:
+        """The agent's pools with recorded health, for ``/info``: name, state, failures, seconds to recovery."""
+        now = self.now()
+        out = []
+        for health in self.store.all():
+            if not health.pool.startswith(PREFIX + ":"):
+                continue
+            recovery = health.recovery_at(now)
+            out.append({"pool": health.pool, "state": health.effective_state(now),
+                        "failure_count": health.failure_count,
+                        "recovers_in_s": round(recovery - now, 1) if recovery is not None else None,
+                        "last_category": health.last_category or None})
+        return out
+
+
+
+def breakers_for(config: Config, root: Path | None) -> Breakers | None:
+    """The proxy's breakers over the state dir ``root``, or None: supervision or ``[supervisor.breakers]`` is
+    off, nothing may be written (``root`` None), or the health store cannot work (logged once, naming why)."""
+    if not (config.supervisor.enabled and config.supervisor.breakers.enabled) or root is None:
+        return None
+    reason = unusable(root / "health", "cache.db")
+    if reason is not None:
+        log.warning("state directory: %s: the breakers of the agent's requests are off (every request goes "
+                    "upstream)", reason)
+        return None
+    return Breakers(config.supervisor.breakers, config.upstreams, root)
