@@ -185,15 +185,18 @@ def register(commands: Any, common: Callable[..., None], formatter: type) -> Non
 
     health = commands.add_parser("health", help="show or clear per-pool breaker state", formatter_class=formatter,
                                  description=textwrap.dedent("""\
-        Each model pool (<adapter>:<bucket>, or <adapter>) is healthy, cooling_down after a capacity limit, or
-        half_open (one recovery probe allowed). State survives restarts and is forgotten only by 'clear'."""))
+        Each model pool is healthy, cooling_down after a failure, or half_open (one recovery probe allowed):
+        the pools of delegated children (<adapter>:<bucket>, or <adapter>) and of the agent's own requests
+        (upstream:<upstream>:<model>, under [supervisor.breakers]). State is shared by every proxy using the
+        state directory, survives restarts and is forgotten only by 'clear'."""))
     hactions = health.add_subparsers(dest="action", metavar="ACTION", required=True)
     hshow = hactions.add_parser("show", help="print every pool's state", formatter_class=formatter)
     hshow.add_argument("--json", action="store_true", help="print JSON")
     common(hshow)
     hclear = hactions.add_parser("clear", help="forget pool state", formatter_class=formatter)
     hclear.add_argument("name", nargs="?", default="", metavar="POOL|ADAPTER",
-                        help="one pool (ADAPTER:BUCKET, as 'health show' names it), or every pool of an adapter "
+                        help="one pool (ADAPTER:BUCKET or upstream:NAME:MODEL, as 'health show' names it), every "
+                             "pool of an adapter, of an upstream (upstream:NAME) or of the agent (upstream) "
                              "(default: every pool); a name no pool or adapter has is an error")
     common(hclear)
     health.set_defaults(handler=_health)
@@ -481,11 +484,18 @@ def _declared_pools(registry: Registry) -> list[str]:
 def _names_a_pool(name: str, recorded: list[str], registry: Registry) -> bool:
     """Whether ``name`` is a pool or an adapter ``health clear`` can mean: one with recorded health, or one the
     descriptors declare (an adapter with ``pool_per_model`` meters any ``<adapter>:<model>``)."""
-    if any(name in (pool, pool.split(":", 1)[0]) for pool in recorded) or name in _declared_pools(registry):
+    if any(pool == name or pool.startswith(name + ":") for pool in recorded) or name in _declared_pools(registry):
         return True
     adapter, _, model = name.partition(":")
     descriptor = registry.descriptors.get(adapter)
     return descriptor is not None and descriptor.pool_per_model and bool(model)
+
+
+def _owner(pool: str) -> str:
+    """What a pool is summarised under: its adapter (``adapter:bucket``), or ``upstream:NAME`` for a pool of the
+    agent's own requests (``upstream:NAME:MODEL``, ``proxyvisor.proxy.breakers``)."""
+    parts = pool.split(":", 2)
+    return ":".join(parts[:2]) if parts[0] == "upstream" and len(parts) == 3 else parts[0]
 
 
 def _health(args: argparse.Namespace, config: Config) -> int:
@@ -516,8 +526,8 @@ def _health(args: argparse.Namespace, config: Config) -> int:
                          "probe_in_flight": p.state == "half_open" and p.lease_until > now,
                          "last_category": p.last_category or None, "retry_after_s": p.retry_after_s})
         adapters: dict[str, Any] = {}
-        for adapter in sorted({p.pool.split(":", 1)[0] for p in pools}):
-            state, soonest, limited = adapter_summary([p for p in pools if p.pool.split(":", 1)[0] == adapter], now)
+        for adapter in sorted({_owner(p.pool) for p in pools}):
+            state, soonest, limited = adapter_summary([p for p in pools if _owner(p.pool) == adapter], now)
             adapters[adapter] = {"state": state, "soonest_recovery_at": soonest, "limited_pools": limited}
         if args.json:
             print(orjson.dumps({"pools": rows, "adapters": adapters}, option=orjson.OPT_INDENT_2).decode())

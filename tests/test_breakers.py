@@ -6,6 +6,8 @@ so a Retry-After of 3 s is tested without waiting; one test waits a real second.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,15 +17,18 @@ import pytest
 import trio
 
 from proxyvisor.adapters.failures import Failure, from_http
+from proxyvisor.adapters.litellm_bridge import import_litellm
+from proxyvisor.cli import main
 from proxyvisor.adapters.health import COOLING_DOWN, HALF_OPEN, HEALTHY, Cooldown, PoolHealth, admit, settle
 from proxyvisor.config import Config, ConfigError, GateConfig, UpstreamConfig, parse
 from proxyvisor.proxy.breakers import OPENS, failure_of_error, pool_of
+from proxyvisor.proxy.info import render_text
 from proxyvisor.proxy.relay import UpstreamError
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.scripted.upstream import ScriptedUpstream
 
 from helpers import (FORMATS, MODEL, TEXT_STEP, assert_ends_with_error_event, assert_error_shape, closed_port,
-                     raw_stream, request_body)
+                     http_client, raw_stream, request_body)
 
 T0 = 1_800_000_000.0
 AGENT = Cooldown(1.0, 60.0, OPENS, retry_after_floor=True)
@@ -324,6 +329,7 @@ async def test_a_stream_failing_mid_way_is_not_retried(fmt: str, tmp_path: Path)
 
 
 async def test_a_fallback_in_another_format_is_reached_through_translation(tmp_path: Path) -> None:
+    await trio.to_thread.run_sync(import_litellm)  # seconds, once: before the client's timeout starts
     async with proxy(tmp_path, *with_fallback("chat"), clock=Clock()) as rp:
         rp.scripted["a"].queue({"fault": {"status": 529}})
         with trio.fail_after(60):
@@ -331,3 +337,30 @@ async def test_a_fallback_in_another_format_is_reached_through_translation(tmp_p
         assert reply.status_code == 200 and b'"type":"message"' in data.replace(b" ", b"")
         assert (sent(rp, "a"), sent(rp, "b")) == (1, 1)
         assert rp.scripted["b"].requests[0][0] == "/v1/chat/completions"
+
+
+# ---- health show and /info ----------------------------------------------------------------------------------
+
+
+async def test_health_show_and_info_include_the_agents_pools(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(time.time())  # health show reads the real clock
+    async with proxy(tmp_path, *with_fallback(), clock=clock) as rp:
+        rp.scripted["a"].queue({"fault": {"status": 429, "retry_after": "30"}})
+        for _ in range(2):
+            assert (await raw_stream(rp.url, "chat", request_body("chat"), SESSION))[0].status_code == 200
+        async with http_client(rp.url) as client:
+            info = (await client.get("/proxyvisor/sessions/limited/info")).json()
+    a, b = pool_of("a", MODEL), pool_of("b", MODEL)
+    assert info["breakers"] == {"pools": {a: {"answered": 0, "refused": 1, "failed": 1},
+                                          b: {"answered": 2, "refused": 0, "failed": 0}}, "fallbacks": 2}
+    assert f"{a}: answered 0 · refused 1 · failed 1" in render_text(info)
+    monkeypatch.setenv("PROXYVISOR_STATE_DIR", str(tmp_path / "state"))
+    assert main(["health", "show"]) == 0
+    out = capsys.readouterr().out
+    assert f"{a}: cooling_down, recovers in " in out and "last failure: capacity" in out
+    assert main(["health", "show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["adapters"]["upstream:a"]["limited_pools"] == [a]
+    assert main(["health", "clear", "upstream:a"]) == 0
+    assert capsys.readouterr().out == f"cleared 1 pool(s): {a}\n"

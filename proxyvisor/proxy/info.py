@@ -23,6 +23,10 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   on this request, the tokens the narrowed results (new and earlier ones) saved in its upstream body, and for each
   newly narrowed result ``{"call_id", "tool", "condenser", "tokens_before", "tokens_after"}`` (exact tiktoken
   ``cl100k_base`` counts of the original and of the model's copy; ``condenser``: ``deterministic`` or ``model``);
+- ``upstream``: under the breakers (``proxyvisor.proxy.breakers``), which upstream answered and why:
+  ``{"name", "pool", "health_state", "health_probe", "outcome", "tried": [...]}``; ``outcome`` is ``answered``,
+  ``refused`` (the pool was cooling: proxyvisor answered 429, nothing was sent) or ``failed``; ``tried`` lists
+  the upstreams tried before it (each with its ``status``, ``error_category`` and ``retry_after_s``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "time_ms", "route",
   "model"}``: the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``,
   ``plan``), only when it made any; ``time_ms``: the wall time spent waiting for them (ms); the route and model they
@@ -60,6 +64,9 @@ are milliseconds:
   holds them;
 - ``authorizer``: ``{"checked", "blocked", "cached", "unavailable", "batches", "prescreened"}`` summed;
 - ``planner_calls``: supervisor model calls for the plan (``supervisor_model.calls["plan"]``);
+- ``breakers``: ``{"pools": {pool: {"answered", "refused", "failed"}}, "fallbacks"}``: each of the agent's pools
+  the session's requests were tried on, how often each answered, was refused while cooling and failed; and the
+  requests a fallback answered;
 - ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
   "unpriced_calls", "time_ms"}`` (cost as priced when the call was made, over the priced answers;
   ``unpriced_calls``: answers not priced, those of the scripted upstream or of a model litellm's cost map lacks;
@@ -187,6 +194,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     cost = 0.0
     unpriced: set[str] = set()
     overheads: list[float] = []
+    pools: dict[str, Counter[str]] = {}
+    fallbacks = 0
     price = price or cost_map_price
     for line in lines:
         first = first or line.get("time")
@@ -204,6 +213,12 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         if isinstance(report.get("state"), str):
             by_state[report["state"]] += 1
         fires.update(s for s in _list(line.get("signals")) if isinstance(s, str))
+        up = _dict(line.get("upstream"))
+        tried = [_dict(t) for t in _list(up.get("tried"))]
+        for attempt in [*tried, up]:
+            if isinstance(attempt.get("pool"), str) and isinstance(attempt.get("outcome"), str):
+                pools.setdefault(attempt["pool"], Counter())[attempt["outcome"]] += 1
+        fallbacks += bool(tried) and up.get("outcome") == "answered"
         if isinstance(line.get("steer"), str):
             steers[line["steer"]] += 1
         g = line.get("gate")
@@ -282,6 +297,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "upstream": {"input_tokens": tokens_in, "output_tokens": tokens_out, "cost_usd": cost,
                      "cost_known": not unpriced, "unpriced": sorted(unpriced), "scripted_requests": scripted,
                      "estimated_requests": estimated},
+        "breakers": {"pools": {pool: {k: counts[k] for k in ("answered", "refused", "failed")}
+                               for pool, counts in sorted(pools.items())}, "fallbacks": fallbacks},
         "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
                         "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
                         "max": _ms(max(overheads, default=0.0))},
@@ -376,6 +393,10 @@ def render_text(info: Mapping[str, Any]) -> str:
                      + (f" (estimated for {plural(up['estimated_requests'], 'request')})"
                         if up.get("estimated_requests") else "")
                      + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
+        ("upstream pools", "; ".join(f"{pool}: answered {c['answered']:,} · refused {c['refused']:,} · failed "
+                                     f"{c['failed']:,}" for pool, c in info["breakers"]["pools"].items()) or "none"
+                           + (f"; answered by a fallback {info['breakers']['fallbacks']:,}"
+                              if info["breakers"]["fallbacks"] else "")),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]
