@@ -557,3 +557,46 @@ def test_codex_never_runs_a_command_the_user_prohibited(tmp_path: Path) -> None:
     assert [i["text"] for i in items if i["type"] == "agent_message"][-1] == final, items
     assert events[-1]["type"] == "turn.completed", events[-1]
     _check_blocked(ws, session, 2)  # Codex's first user message is its environment context
+
+
+# --- rate limits ---------------------------------------------------------------------------------------------
+
+def rate_limited(ws: Workspace) -> str:
+    """A proxyvisor config whose scripted upstream answers the first two model requests 429 with Retry-After 1,
+    then plays its auto mode; returns the config file's path. The second 429 is the failed probe: it cools the
+    pool 2 s while it tells the agent 1 s, so an agent that retries after 1 s meets proxyvisor's own 429."""
+    script = ws.home / "limits.json"
+    limit = {"fault": {"status": 429, "retry_after": "1", "message": "rate limited"}}
+    script.write_text(json.dumps([limit, limit]))
+    config = ws.home / "proxyvisor.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    return str(config)
+
+
+def check_no_request_during_the_cooldown(ws: Workspace, session: str) -> None:
+    """The ledger: the upstream's 429 tripped the pool, every request until the cooldown ended was answered by
+    proxyvisor without reaching the upstream (``refused``), then exactly one probe, then healthy answers."""
+    lines = [r["upstream"] for r in ws.ledger(session)]
+    assert (lines[0]["outcome"], lines[0]["health_state"]) == ("failed", "healthy"), lines
+    probes = [i for i, u in enumerate(lines) if u["health_probe"]]
+    assert [lines[i]["outcome"] for i in probes] == ["failed", "answered"], lines
+    for start, end in ((1, probes[0]), (probes[0] + 1, probes[1])):  # the two cooldowns
+        assert {u["outcome"] for u in lines[start:end]} <= {"refused"}, lines
+    assert {u["outcome"] for u in lines[probes[1]:]} == {"answered"}, lines
+
+
+def test_claude_code_waits_out_a_rate_limit_that_proxyvisor_keeps_from_the_upstream(tmp_path: Path) -> None:
+    ws, session = Workspace.make(tmp_path), "claude-limited"
+    run = claude_run(ws, "stream-json", "--session", session, "--config", rate_limited(ws))
+    assert run.returncode == 0, run
+    final = json_lines(run.stdout)[-1]
+    assert (final["type"], final["subtype"], final["result"]) == ("result", "success", DONE), final
+    check_no_request_during_the_cooldown(ws, session)
+
+
+def test_codex_waits_out_a_rate_limit_that_proxyvisor_keeps_from_the_upstream(tmp_path: Path) -> None:
+    ws, session = Workspace.make(tmp_path), "codex-limited"
+    run = codex_run(ws, _CODEX_OWN_PROVIDER, "--session", session, "--config", rate_limited(ws))
+    assert run.returncode == 0, run
+    check_codex_turn(json_lines(run.stdout))
+    check_no_request_during_the_cooldown(ws, session)
