@@ -94,7 +94,8 @@ async def test_a_compressed_error_body_quoting_the_configured_key_is_redacted(
     for identity). The client gets the body decoded, the key replaced, without ``content-encoding``."""
     monkeypatch.setenv("PV_KEY", KEY)
     async with serve_handler(QuotingUpstream(coding)) as url, \
-            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"}) as rp:
+            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"},
+                        breakers=False) as rp:
         answers = await post_all(rp.url)
     for fmt, stream, status, headers, body in answers:
         assert status == 401, (fmt, stream)
@@ -114,7 +115,8 @@ async def test_an_error_body_that_cannot_be_checked_is_refused_in_the_clients_fo
              (QuotingUpstream("gzip", status=429, body=gzip_bomb(1 << 30)), f"more than {MAX_DECODED_ERROR} bytes")]
     for upstream, reason in cases:
         async with serve_handler(upstream) as url, \
-                start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"}) as rp:
+                start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"},
+                            breakers=False) as rp:
             for fmt, stream, status, headers, body in await post_all(rp.url):
                 assert status == upstream.status, (fmt, stream, body[:200])
                 message = assert_error_shape(fmt, status, body)["message"]
@@ -130,11 +132,13 @@ async def test_a_compressed_error_body_without_the_key_and_a_streamed_error_body
     monkeypatch.setenv("PV_KEY", KEY)
     plain = b'{"error":{"message":"rate limited","type":"rate_limit_error","param":null,"code":null}}'
     async with serve_handler(QuotingUpstream("gzip", status=429, body=gzip.compress(plain))) as url, \
-            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"}) as rp:
+            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"},
+                        breakers=False) as rp:
         for _fmt, _stream, status, headers, body in await post_all(rp.url):
             assert (status, headers["content-encoding"], body) == (429, "gzip", plain)
     async with serve_handler(QuotingUpstream(None, ctype=b"text/event-stream")) as url, \
-            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"}) as rp:
+            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"},
+                        breakers=False) as rp:
         for _fmt, _stream, status, _headers, body in await post_all(rp.url):
             assert status == 401 and body.startswith(b"event: error\ndata: ")
             assert KEY.encode() not in body and b"[redacted]" in body
@@ -236,12 +240,14 @@ async def test_a_fresh_connections_failure_and_a_half_sent_response_are_never_re
         hangs_up_url = await serve(nursery, hangs_up)
         half = KeepAliveUpstream(answers=1, half_head=True)
         half_url = await serve(nursery, half)
-        async with start_proxy(supervised=supervised, upstream_url=hangs_up_url) as rp, http_client() as client:
+        async with start_proxy(supervised=supervised, upstream_url=hangs_up_url, breakers=False) as rp, \
+                http_client() as client:
             reply = await client.post(rp.url + path_of("chat"), content=orjson.dumps(request_body("chat")),
                                       headers={"content-type": "application/json"})
             # A fresh connection closed without an answer: a real error, never resent.
             assert reply.status_code == 502 and (hangs_up.requests, hangs_up.opened) == (1, 1)
-        async with start_proxy(supervised=supervised, upstream_url=half_url) as rp, http_client() as client:
+        async with start_proxy(supervised=supervised, upstream_url=half_url, breakers=False) as rp, \
+                http_client() as client:
             statuses = []
             for _ in range(2):
                 reply = await client.post(rp.url + path_of("chat"), content=orjson.dumps(request_body("chat")),

@@ -221,7 +221,7 @@ def breakers_for(config: Config, root: Path | None) -> Breakers | None:
         return None
     reason = unusable(root / "health", "cache.db")
     if reason is not None:
-        log.warning("state directory: %s: the breakers of the agent's requests are off (every request goes "
-                    "upstream)", reason)
+        log.warning("state directory: %s: rate-limit protection is off (every request goes upstream, whatever "
+                    "its pool's health)", reason)
         return None
     return Breakers(config.supervisor.breakers, config.upstreams, root)

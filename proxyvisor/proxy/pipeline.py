@@ -386,7 +386,7 @@ class Pipeline:
                             session.id if session else "-", exc)
                 exchange = None
         try:
-            reply = await self._upstream(request, fmt, path, self.relays[upstream_name].upstream, body, content,
+            reply = await self._upstream(request, fmt, path, self.config.upstream(upstream_name), body, content,
                                          exchange)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
