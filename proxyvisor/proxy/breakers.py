@@ -149,7 +149,7 @@ class Breakers:
                     await self._settle(pool, failure, admission)
                     settled = True
                     self._failed(attempt, exc.status, failure)
-                    if last:
+                    if last or not self.store.cooldown.opens_on(failure):  # a fallback would fare no better
                         raise
                     log.warning("upstream %r failed (%s); trying its fallback", target.name, failure.message)
                     continue
