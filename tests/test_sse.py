@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.proxy.sse import Block, Event, EventTooLarge, SSEParser, SSEScanner, events
+from proxyvisor.proxy.sse import Block, Event, EventTooLarge, SSEParser, SSEScanner, events, last_event_start
 
 # Field values: any text without line breaks, multi-byte UTF-8 included (astral plane too).
 _value = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12)
@@ -149,3 +149,16 @@ class _Blocks(SSEScanner):
             return [block.raw for block in super().feed(chunk)]
         except EventTooLarge as exc:
             raise EventTooLarge(exc.limit, [block.raw for block in exc.complete]) from None
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
+def test_the_last_event_starting_in_a_chunk_is_found_from_its_end(eol: str) -> None:
+    def chunk(text: str) -> bytes:
+        return text.replace("|", eol).encode()
+
+    assert last_event_start(chunk("data: a||data: b||")) == len(chunk("data: a||"))
+    assert last_event_start(chunk("data: a||: ping||data: [DONE]||")) == len(chunk("data: a||: ping||"))
+    assert last_event_start(chunk("data: a|data: b||")) == -1  # one event from the first byte, or one going on
+    assert last_event_start(chunk("tail of an event||data: x")) == len(chunk("tail of an event||"))
+    assert last_event_start(b"") == -1
+    assert last_event_start(chunk("data: a|||data: b|")) == len(chunk("data: a|||"))

@@ -61,7 +61,7 @@ from .breakers import breakers_for
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
 from .closing import close
-from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost
+from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost, last_event_start
 from .reply import Encoded, ReplyStream, off_loop
 
 log = logging.getLogger("proxyvisor.pipeline")
@@ -72,8 +72,9 @@ _CANCELLED = "cancelled before the answer: the client left (or proxyvisor stoppe
 """The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
 AUTH_HEADER = "x-proxyvisor-auth"
 ADMIN_HEADER = "x-proxyvisor-admin"
-_SEAM = 64
-"""Bytes either side of a read boundary searched for a stream's last event (longer than any marker)."""
+_HEAD = 4096
+"""Bytes of a stream's last event looked at for the marks of an event that ends the stream (they come first in
+it, or it is small)."""
 _KEPT_FOR_ESTIMATE = 8 * 1024 * 1024
 """Characters of stream event data kept to estimate the output tokens of a stream that reports no usage."""
 
@@ -517,9 +518,8 @@ class Pipeline:
         ended = False
         limit = self.config.proxy.max_stream_s
         deadline = trio.current_time() + limit if limit > 0 else math.inf
-        end = fmt.stream_end
-        whole = end is None  # the stream held the format's last event
-        seam = b""
+        final = b""  # the head of the stream's last event that is not a comment (what decides it ended whole)
+        growing = False  # ... and that event may still be coming in
         chunks = aiter(stream)
         try:
             async for chunk in chunks:
@@ -539,10 +539,15 @@ class Pipeline:
                     for event in parsed:
                         read_usage(event.event, event.data)
                 yield chunk
-                if not whole and end is not None:
-                    # (the last event may straddle reads: the seam with what came before is searched as well)
-                    whole = bool(end.search(chunk) or end.search(seam + chunk[:_SEAM]))
-                    seam = (seam + chunk)[-_SEAM:] if len(chunk) < _SEAM else chunk[-_SEAM:]
+                if fmt.stream_end:
+                    start = last_event_start(chunk)
+                    if start < 0 and (not last or at_event_end(last)):
+                        start = 0  # the chunk holds one event from its first byte
+                    if start >= 0:
+                        growing = chunk[start:start + 1] != b":"
+                        final = chunk[start:start + _HEAD] if growing else final
+                    elif growing and len(final) < _HEAD:
+                        final += chunk[:_HEAD - len(final)]
                 last = chunk if len(chunk) > 3 else last[-3:] + chunk
                 if chunk[:1] != b":" or b"data:" in chunk:  # not a keep-alive comment (": ping")
                     numbered = chunk
@@ -553,8 +558,9 @@ class Pipeline:
                 # the connection): SDKs drop an unfinished event silently, so the client would take a cut-short
                 # answer for a complete one.
                 failure = UpstreamError(502, "upstream stream ended in the middle of an event")
-            elif failure is None and not whole and reply.status < 400:
-                # Between events but before the format's last one: the SDKs return what came as a whole answer.
+            elif failure is None and fmt.stream_end and not fmt.ends_stream(final) and reply.status < 400:
+                # Between events, but the last is not one that ends the format's stream: the SDKs would return
+                # what came as a whole answer.
                 failure = UpstreamError(502, "upstream stream ended before its last event")
             if failure is not None:
                 log.warning("%s stream of session %s ended early: %s", fmt.label, session.id if session else "-",

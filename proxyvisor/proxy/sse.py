@@ -256,6 +256,33 @@ def decode(parts: list[Any], skip: int = 0) -> str:
 DECODE_SLICE = 1024 * 1024
 
 
+def last_event_start(chunk: bytes) -> int:
+    """Where the last event that starts inside ``chunk`` begins (just after a blank line, with more than line
+    endings after it), or -1 when none starts inside it (``chunk`` goes on with an event begun before it, or holds
+    one event from its first byte: :func:`at_event_end` of what came before tells those apart).
+
+    Looked for from the end, a line at a time, so the cost is the last event's size, not the chunk's: cheap enough
+    for the byte relay's every chunk.
+    """
+    end = len(chunk)
+    while end and chunk[end - 1] in (0x0A, 0x0D):
+        end -= 1
+    if b"\r" not in chunk:  # LF line endings, as every provider sends: one search
+        blank = chunk.rfind(b"\n\n", 0, end)
+        return blank + 2 if blank >= 0 else -1
+    pos = end
+    while True:
+        eol = max(chunk.rfind(b"\n", 0, pos), chunk.rfind(b"\r", 0, pos))
+        if eol < 0:
+            return -1
+        run = eol
+        while run and chunk[run - 1] in (0x0A, 0x0D):
+            run -= 1
+        if chunk[run:eol + 1] not in (b"\n", b"\r", b"\r\n"):  # two line endings: a blank line
+            return eol + 1
+        pos = run
+
+
 def at_event_end(data: bytes) -> bool:
     """Whether a stream whose last bytes are ``data`` (non-empty) stops right after an event's blank line.
 

@@ -7,7 +7,6 @@ usage and session hints live in its bodies, and how an assistant turn is written
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -318,9 +317,14 @@ class WireFormat:
     """What keeps a held stream alive while proxyvisor works (a child runs, the verifier judges): an SSE
     comment, which every SSE client skips and which resets its read timeout."""
 
-    stream_end: ClassVar[re.Pattern[bytes] | None] = None
-    """Matches the bytes of an event that ends a stream of the format (its last event, or an error event): a
-    stream without one was cut short, however cleanly its connection closed. None: the format has no such event."""
+    stream_end: ClassVar[tuple[bytes, ...]] = ()
+    """Bytes only an event that ends a stream of the format holds (its last event, or an error event): a stream
+    whose last event holds none was cut short, however cleanly its connection closed. Empty: the format has no
+    such event."""
+
+    def ends_stream(self, data: bytes) -> bool:
+        """Whether ``data`` holds one of :attr:`stream_end`."""
+        return any(marker in data for marker in self.stream_end)
 
     # ---- errors -------------------------------------------------------------------------------------------
     def error_body(self, status: int, message: str, code: str | None = None) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -22,8 +21,9 @@ class ChatFormat(WireFormat):
     name = "chat"
     path = "/v1/chat/completions"
     label = "OpenAI Chat Completions"
-    # [DONE], or a choice's finish_reason (the answer is whole even when the usage chunk and [DONE] are lost).
-    stream_end = re.compile(rb'\[DONE\]|"finish_reason"\s*:\s*"')
+    # [DONE], or a choice's finish_reason (the answer is whole even when the usage chunk and [DONE] are lost), as
+    # compact JSON writes it and as Python's json.dumps does.
+    stream_end = (b"[DONE]", b'"finish_reason":"', b'"finish_reason": "')
     history_field = "messages"
     result_part_type = "text"
 

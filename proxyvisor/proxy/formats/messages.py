@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ class MessagesFormat(WireFormat):
     name = "messages"
     path = "/v1/messages"
     label = "Anthropic Messages"
-    stream_end = re.compile(rb'event:\s*(?:message_stop|error)\b|"type"\s*:\s*"(?:message_stop|error)"')
+    stream_end = (b"message_stop", b"event: error", b"event:error")
     history_field = "messages"
     keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'
     """Anthropic's own keep-alive event (its API sends it; the SDKs skip it anywhere in a stream)."""

@@ -117,7 +117,8 @@ class ResponsesFormat(WireFormat):
     name = "responses"
     path = "/v1/responses"
     label = "OpenAI Responses"
-    stream_end = re.compile(rb'(?:event:\s*|"type"\s*:\s*")(?:response\.(?:completed|failed|incomplete)|error)\b')
+    stream_end = (b"response.completed", b"response.failed", b"response.incomplete", b"event: error", b"event:error",
+                  b'"type":"error"', b'"type": "error"')
     history_field = "input"
     result_part_type = "input_text"
 
