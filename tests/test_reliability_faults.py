@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import anthropic
 import h11
@@ -17,7 +18,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
+from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, WireFormat
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import (FORMATS, MODEL, TOOL_STEP, ask, assert_ends_with_error_event, assert_error_shape, path_of,
@@ -60,24 +61,22 @@ async def test_an_upstream_host_that_does_not_resolve_gives_502_in_the_clients_f
 # ---- SSE cut inside an event ------------------------------------------------------------------------------
 
 
-class CutStream:
-    """An upstream that streams a turn and ends its body cleanly (a proper last chunk) in the middle of an
-    event, as an upstream that frames SSE by closing the connection does when it dies. Every other request
-    gets the whole stream."""
+class ShortStream:
+    """An upstream that streams a turn and ends its body cleanly (a proper last chunk) before the stream's end:
+    ``shorten(events)`` gives what it sends. Every other request gets the whole stream when ``alternate``."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, shorten: Callable[[WireFormat, list[bytes]], bytes], alternate: bool = False,
+                 text: str = "héllo wörld ✓", calls: tuple[ToolCall, ...] = ()) -> None:
         self.fmt = BY_NAME[fmt]
+        self.shorten = shorten
+        self.alternate = alternate
+        self.turn = AssistantTurn(text, calls)
         self.requests = 0
 
     async def __call__(self, request: Request) -> Response:
         self.requests += 1
-        body = orjson.loads(request.body)
-        turn = AssistantTurn("héllo wörld ✓", (ToolCall("Bash", {"command": "ls"}, "c1"),))
-        events = self.fmt.render_stream(turn, MODEL, body)
-        if self.requests % 2 == 0:
-            payload = b"".join(events)
-        else:
-            payload = b"".join(events[:4]) + events[4][: len(events[4]) // 2]
+        events = self.fmt.render_stream(self.turn, MODEL, orjson.loads(request.body))
+        payload = b"".join(events) if self.alternate and self.requests % 2 == 0 else self.shorten(self.fmt, events)
 
         async def play():
             yield payload
@@ -85,11 +84,18 @@ class CutStream:
         return Response(200, _SSE, play())
 
 
+def cut_stream(fmt: str) -> ShortStream:
+    """Ends in the middle of an event, as an upstream that frames SSE by closing the connection does when it dies;
+    every other request gets the whole stream."""
+    return ShortStream(fmt, lambda _fmt, events: b"".join(events[:4]) + events[4][: len(events[4]) // 2],
+                       alternate=True, calls=(ToolCall("Bash", {"command": "ls"}, "c1"),))
+
+
 @MODES
 @ALL_FORMATS
 async def test_a_stream_that_ends_inside_an_event_ends_with_the_formats_error_event(
         fmt: str, supervised: bool, start_proxy) -> None:
-    upstream = CutStream(fmt)
+    upstream = cut_stream(fmt)
     async with serve_handler(upstream) as url, start_proxy(supervised=supervised, upstream_url=url) as rp:
         reply, data = await raw_stream(rp.url + "/s/cut", fmt, request_body(fmt, stream=True))
         assert reply.status_code == 200
@@ -111,30 +117,18 @@ async def test_a_stream_that_ends_inside_an_event_ends_with_the_formats_error_ev
             assert second["status"] == 200 and "error" not in second
 
 
-class EndlessAnswer:
-    """An upstream that streams a turn's events but stops, between two events, before the format's last one
-    (``[DONE]`` and the finish, ``message_stop``, ``response.completed``), closing its body cleanly."""
-
-    def __init__(self, fmt: str) -> None:
-        self.fmt = BY_NAME[fmt]
-
-    async def __call__(self, request: Request) -> Response:
-        events = self.fmt.render_stream(AssistantTurn("an answer whose stream never finishes"), MODEL,
-                                        orjson.loads(request.body))
-        kept = [e for e in events if not self.fmt.ends_stream(e)]
-
-        async def play():
-            for event in kept:
-                yield event
-
-        return Response(200, _SSE, play())
+def endless_answer(fmt: str) -> ShortStream:
+    """Stops between two events, before the format's last one (``[DONE]`` and the finish, ``message_stop``,
+    ``response.completed``)."""
+    return ShortStream(fmt, lambda w, events: b"".join(e for e in events if not w.ends_stream(e)),
+                       text="an answer whose stream never finishes")
 
 
 @MODES
 @ALL_FORMATS
 async def test_a_stream_that_stops_before_its_last_event_ends_with_the_formats_error_event(
         fmt: str, supervised: bool, start_proxy) -> None:
-    async with serve_handler(EndlessAnswer(fmt)) as url, start_proxy(supervised=supervised, upstream_url=url) as rp:
+    async with serve_handler(endless_answer(fmt)) as url, start_proxy(supervised=supervised, upstream_url=url) as rp:
         reply, data = await raw_stream(rp.url + "/s/short", fmt, request_body(fmt, stream=True))
         assert reply.status_code == 200 and b"finishes" in data  # the answer so far, then the error
         assert_ends_with_error_event(fmt, data)
