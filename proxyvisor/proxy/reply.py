@@ -38,6 +38,10 @@ class Edit:
 
     pieces: list[bytes]
 
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.pieces))
+
 
 Item = Block | Edit
 
@@ -76,7 +80,7 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 def size(items: Sequence[Item]) -> int:
     """The bytes ``items`` hold."""
-    return sum(item.size if isinstance(item, Block) else sum(map(len, item.pieces)) for item in items)
+    return sum(item.size for item in items)
 
 
 def _scan(items: list[Item]) -> list[Block]:
