@@ -22,9 +22,13 @@ import openai
 import orjson
 import trio
 
+from proxyvisor.config import Config
 from proxyvisor.proxy.formats import BY_NAME, WireFormat
 from proxyvisor.proxy.server import Handler, Limits, bound_port, open_listeners, serve_listeners
+from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sse import Event, SSEParser
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.store import Store
 
 FORMATS = ("chat", "messages", "responses")
 MODEL = "scripted-model"
@@ -95,6 +99,40 @@ async def serve_handler(handler: Handler, limits: Limits | None = None) -> Async
             yield f"http://127.0.0.1:{bound_port(listeners)}"
         finally:
             nursery.cancel_scope.cancel()
+
+
+@dataclass
+class ProxyRun:
+    """A proxy running against a scripted upstream (:func:`scripted_proxy`), its store and the supervisor model
+    double it calls (``model``: a gate's verifier, the authorizer's judge...)."""
+
+    proxy: RunningProxy
+    store: Store
+    upstream: ScriptedUpstream
+    model: Any
+
+    def ledger(self) -> list[dict[str, Any]]:
+        (session,) = self.store.sessions()
+        return self.store.read_ledger(session)
+
+    def last(self, key: str) -> dict[str, Any]:
+        """The ``key`` object (``"gate"``, ``"authorizer"``...) of the last ledger line that has one."""
+        found: dict[str, Any] = [line[key] for line in self.ledger() if key in line][-1]
+        return found
+
+    def upstream_bodies(self) -> list[dict[str, Any]]:
+        return [orjson.loads(body) for _target, body, _headers in self.upstream.requests]
+
+
+@asynccontextmanager
+async def scripted_proxy(tmp_path: Path, config: Config, steps: list[dict[str, Any]],
+                         model: Any) -> AsyncIterator[ProxyRun]:
+    """A proxy with ``config`` in front of a :class:`ScriptedUpstream` playing ``steps``, its store under
+    ``tmp_path / "state"`` and ``model`` as its supervisor model."""
+    upstream = ScriptedUpstream(steps)
+    store = Store(tmp_path / "state")
+    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=model) as proxy:
+        yield ProxyRun(proxy, store, upstream, model)
 
 
 def sse_events(data: bytes) -> list[Event]:

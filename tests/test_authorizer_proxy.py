@@ -21,12 +21,9 @@ from proxyvisor.gate.authorize import CONFIRM_INSTRUCTIONS, JUDGE_INSTRUCTIONS
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize
-from proxyvisor.proxy.service import RunningProxy, running
-from proxyvisor.scripted.upstream import ScriptedUpstream
-from proxyvisor.store import Store
 from proxyvisor.supervisor_model import ModelAnswer
 
-from helpers import FORMATS, MODEL, http_client, sse_events
+from helpers import FORMATS, MODEL, ProxyRun, http_client, scripted_proxy, sse_events
 
 MODES = [(f, s) for f in FORMATS for s in (False, True)]
 IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
@@ -69,32 +66,13 @@ class Judge:
         return [p for p, _ in self.calls]
 
 
-@dataclasses.dataclass
-class Run:
-    proxy: RunningProxy
-    store: Store
-    upstream: ScriptedUpstream
-    judge: Judge
-
-    def ledger(self) -> list[dict[str, Any]]:
-        (session,) = self.store.sessions()
-        return self.store.read_ledger(session)
-
-    def authorizer(self) -> dict[str, Any]:
-        return [line["authorizer"] for line in self.ledger() if "authorizer" in line][-1]
-
-    def upstream_bodies(self) -> list[dict[str, Any]]:
-        return [orjson.loads(body) for _target, body, _headers in self.upstream.requests]
-
-
 @asynccontextmanager
-async def authorized(tmp_path: Path, steps: list[dict[str, Any]], judge: Judge, **settings: Any) -> AsyncIterator[Run]:
+async def authorized(tmp_path: Path, steps: list[dict[str, Any]], judge: Judge,
+                     **settings: Any) -> AsyncIterator[ProxyRun]:
     config = Config().with_overrides(supervisor={"gate": GateConfig(enabled=False),
                                                  "authorizer": AuthorizerConfig(**{"enabled": True, **settings})})
-    upstream = ScriptedUpstream(steps)
-    store = Store(tmp_path / "state")
-    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=judge) as proxy:
-        yield Run(proxy, store, upstream, judge)
+    async with scripted_proxy(tmp_path, config, steps, judge) as run:
+        yield run
 
 
 TOOLS = (ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}, "Run a command"),)
@@ -108,7 +86,7 @@ def agent_body(fmt: str, stream: bool, prompt: str = PROMPT, extra: list[Any] | 
     return body
 
 
-async def send(run: Run, fmt: str, stream: bool, body: dict[str, Any]) -> tuple[str, list[ToolCall], bytes]:
+async def send(run: ProxyRun, fmt: str, stream: bool, body: dict[str, Any]) -> tuple[str, list[ToolCall], bytes]:
     """One agent request: the answer's text, its tool calls and the raw bytes the agent received."""
     async with http_client() as client, client.stream(
             "POST", run.proxy.url + BY_NAME[fmt].path, content=orjson.dumps(body),
@@ -144,7 +122,7 @@ async def test_a_call_no_prohibition_could_concern_is_prescreened(tmp_path: Path
     async with authorized(tmp_path, [calls_step(read)], judge) as run:
         _, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert [c.id for c in calls] == ["call_r1"] and judge.calls == []
-    record = run.authorizer()
+    record = run.last("authorizer")
     assert (record["batches"], record["prescreened"], record["checked"]) == (1, 1, 0)
 
 
@@ -158,7 +136,7 @@ async def test_the_judge_allowing_delivers_the_call_unchanged(tmp_path: Path, fm
     assert judge.purposes() == ["judge"]
     document = judge.calls[0][1][1]["content"]
     assert '[user:1] "Look at the parser' in document and '"pytest -q"' in document
-    record = run.authorizer()
+    record = run.last("authorizer")
     assert (record["checked"], record["blocked"], record["decisions"][0]["by"]) == (1, 0, "judge")
     assert len(run.upstream.requests) == 1
 
@@ -169,7 +147,7 @@ async def test_a_malformed_judgment_allows(tmp_path: Path, fmt: str, stream: boo
     async with authorized(tmp_path, [calls_step(PYTEST)], judge) as run:
         _, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert [c.id for c in calls] == ["call_p1"]
-    assert run.authorizer()["decisions"][0]["by"] == "malformed"
+    assert run.last("authorizer")["decisions"][0]["by"] == "malformed"
 
 
 # ---- a confirmed block -------------------------------------------------------------------------------------------
@@ -187,7 +165,7 @@ async def test_a_confirmed_block_never_reaches_the_agent_and_the_turn_continues(
         error = ('[authorizer] Tool not executed: Running the tests conflicts with the user\'s restriction. '
                  f'user source user:1: \\"{PROHIBITION}\\"')
         assert error in continued and "call_p1" in continued
-        record = run.authorizer()
+        record = run.last("authorizer")
         assert (record["checked"], record["blocked"], record["cached"]) == (1, 1, 0)
         decision = record["decisions"][0]
         assert (decision["decision"], decision["by"], decision["source"], decision["quote"], decision["path"],
@@ -213,7 +191,7 @@ async def test_a_block_the_confirmation_refutes_is_delivered(tmp_path: Path, fmt
         _, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert [c.id for c in calls] == ["call_p1"]
     assert judge.purposes() == ["judge", "confirm"]
-    assert run.authorizer()["decisions"][0]["by"] == "unconfirmed"
+    assert run.last("authorizer")["decisions"][0]["by"] == "unconfirmed"
     assert len(run.upstream.requests) == 1
 
 
@@ -224,7 +202,7 @@ async def test_a_judge_that_is_down_allows(tmp_path: Path, fmt: str, stream: boo
     async with authorized(tmp_path, [calls_step(PYTEST)], judge) as run:
         _, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert [c.id for c in calls] == ["call_p1"]
-    record = run.authorizer()
+    record = run.last("authorizer")
     assert (record["unavailable"], record["blocked"], record["decisions"][0]["by"]) == (1, 0, "unavailable")
     assert summarize(run.ledger())["authorizer"]["unavailable"] == 1
 
@@ -240,7 +218,7 @@ async def test_an_identical_call_under_unchanged_context_reuses_the_denial(tmp_p
         text, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert calls == [] and text == AFTER["text"]
     assert judge.purposes() == ["judge", "confirm"]
-    record = run.authorizer()
+    record = run.last("authorizer")
     assert (record["cached"], record["blocked"], record["checked"], record["decisions"][0]["by"]) == (1, 1, 0,
                                                                                                        "cache")
 
@@ -335,7 +313,7 @@ async def test_a_judgment_past_its_deadline_allows(tmp_path: Path, fmt: str, str
     async with authorized(tmp_path, [calls_step(PYTEST)], Slow([block()], [CONFIRM]), timeout_s=0.05) as run:
         _, calls, _ = await send(run, fmt, stream, agent_body(fmt, stream))
     assert [c.id for c in calls] == ["call_p1"]
-    record = run.authorizer()
+    record = run.last("authorizer")
     assert (record["unavailable"], record["decisions"][0]["by"]) == (1, "unavailable")
 
 
@@ -345,7 +323,7 @@ async def test_a_judgment_over_budget_allows_with_no_call(tmp_path: Path) -> Non
     async with authorized(tmp_path, [calls_step(PYTEST)], judge, budget_tokens=1024) as run:
         _, calls, _ = await send(run, "messages", False, agent_body("messages", False, prompt))
     assert [c.id for c in calls] == ["call_p1"] and judge.calls == []
-    assert run.authorizer()["decisions"][0]["by"] == "over_budget"
+    assert run.last("authorizer")["decisions"][0]["by"] == "over_budget"
 
 
 # ---- the turn's limit, and a streamed batch whose admitted calls are of a built-in type ----------------------------
@@ -361,7 +339,7 @@ async def test_a_model_that_keeps_calling_blocked_tools_ends_its_turn_with_a_not
     assert "kept proposing tool calls the user prohibited" in text
     assert len(run.upstream.requests) == ROUNDS + 1
     assert judge.purposes() == ["judge", "confirm"]  # the same call under the same context: the denial is reused
-    assert run.authorizer()["cached"] == ROUNDS
+    assert run.last("authorizer")["cached"] == ROUNDS
 
 
 class _Stub:
@@ -440,13 +418,10 @@ async def test_with_the_gate_on_a_blocked_call_is_still_kept_from_the_agent(tmp_
     gets the continued answer."""
     judge = Judge([block()], [CONFIRM])
     config = Config().with_overrides(supervisor={"authorizer": AuthorizerConfig(enabled=True)})
-    upstream = ScriptedUpstream([calls_step(PYTEST), AFTER])
-    store = Store(tmp_path / "state")
-    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=judge) as proxy:
-        run = Run(proxy, store, upstream, judge)
+    async with scripted_proxy(tmp_path, config, [calls_step(PYTEST), AFTER], judge) as run:
         text, calls, raw = await send(run, fmt, stream, agent_body(fmt, stream))
     assert calls == [] and text == AFTER["text"] and b"pytest" not in raw
-    assert run.authorizer()["blocked"] == 1
+    assert run.last("authorizer")["blocked"] == 1
 
 
 def test_info_shows_the_authorizer_row_once_it_saw_a_batch() -> None:

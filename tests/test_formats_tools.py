@@ -308,8 +308,8 @@ async def post(url: str, body: dict[str, Any]) -> tuple[AssistantTurn, bytes]:
 async def test_a_codex_shaped_turn_end_is_gated(tmp_path: Path, stream: bool) -> None:
     async with gated(tmp_path, [DONE], Verifier([verdict()])) as g:
         turn, _ = await post(g.proxy.url, codex_request(stream=stream))
-    assert turn.text.rstrip("\n") == DONE["text"] and g.verifier.purposes() == ["verify"]
-    assert g.gate()["outcome"] == "unknown"
+    assert turn.text.rstrip("\n") == DONE["text"] and g.model.purposes() == ["verify"]
+    assert g.last("gate")["outcome"] == "unknown"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -318,7 +318,7 @@ async def test_a_custom_tool_call_reply_passes_as_a_tool_round(tmp_path: Path, s
     async with gated(tmp_path, [step], Verifier()) as g:
         turn, raw = await post(g.proxy.url, codex_request(stream=stream))
     assert [(c.name, c.kind, c.arguments["cmd"]) for c in turn.tool_calls] == [("exec", "custom", "ls")]
-    assert g.verifier.calls == [] and all("gate" not in line for line in g.ledger())
+    assert g.model.calls == [] and all("gate" not in line for line in g.ledger())
     if stream:  # streamed through as the upstream sent it, not held to the end
         assert raw == g.upstream.responses[-1]
 
@@ -329,8 +329,8 @@ async def test_the_gate_reads_custom_calls_and_their_outputs_as_evidence(tmp_pat
                exec_call("c2", run("python -m pytest -q")), exec_output("c2", 0, "3 passed in 0.02s\n")]
     async with gated(tmp_path, [DONE], Verifier([verdict()])) as g:
         await post(g.proxy.url, codex_request(*history, stream=stream))
-    assert g.gate()["outcome"] == "verified"
-    digest = g.verifier.calls[0][1][1]["content"]
+    assert g.last("gate")["outcome"] == "verified"
+    digest = g.model.calls[0][1][1]["content"]
     assert "python -m pytest -q" in digest and "3 passed" in digest
 
 

@@ -140,7 +140,7 @@ async def test_the_notice_ends_the_answers_last_text_so_a_client_showing_only_th
 async def test_an_empty_notice_adds_nothing(tmp_path: Any, fmt: str, stream: bool) -> None:
     async with gated(tmp_path, [DONE], Verifier([ConnectionError("down")]), hold=STOP, unverified_notice="") as run:
         answer = await ask(fmt, run.proxy.url, stream=stream)
-    assert answer.text == DONE["text"] and run.gate()["outcome"] == "unverified"
+    assert answer.text == DONE["text"] and run.last("gate")["outcome"] == "unverified"
 
 
 # ---- GatedStream on arbitrary chunking -----------------------------------------------------------------------------

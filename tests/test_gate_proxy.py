@@ -6,7 +6,6 @@ calls from a queue per purpose and records what it was asked. The agent's model 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import trio
 
 from proxyvisor.scripted import verifier as scripted_verifier
-from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy import continuation, gating
@@ -25,11 +23,9 @@ from proxyvisor.proxy.reply import Encoded
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize, supervisor_text
-from proxyvisor.proxy.service import RunningProxy, running
-from proxyvisor.store import Store
 from proxyvisor.supervisor_model import ModelAnswer
 
-from helpers import FORMATS, MODEL, http_client, request_body, sse_events
+from helpers import FORMATS, MODEL, ProxyRun, http_client, request_body, scripted_proxy, sse_events
 
 MODES = [(f, s) for f in FORMATS for s in (False, True)]
 IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
@@ -93,38 +89,17 @@ class Verifier:
         return [p for p, _ in self.calls]
 
 
-@dataclasses.dataclass
-class Run:
-    proxy: RunningProxy
-    store: Store
-    upstream: ScriptedUpstream
-    verifier: Verifier
-
-    def ledger(self) -> list[dict[str, Any]]:
-        (session,) = self.store.sessions()
-        return self.store.read_ledger(session)
-
-    def gate(self) -> dict[str, Any]:
-        """The ``gate`` object of the last ledger line that has one."""
-        return [line["gate"] for line in self.ledger() if "gate" in line][-1]
-
-    def upstream_bodies(self) -> list[dict[str, Any]]:
-        return [orjson.loads(body) for _target, body, _headers in self.upstream.requests]
-
-
 @asynccontextmanager
 async def gated(tmp_path: Path, steps: list[dict[str, Any]], verifier: Verifier,
-                **gate: Any) -> AsyncIterator[Run]:
+                **gate: Any) -> AsyncIterator[ProxyRun]:
     """A proxy with the gate configured by ``gate`` (``hold = "answer"`` unless given: the agent's text is then
     the last answer alone, which most tests read)."""
     config = Config().with_overrides(supervisor={"gate": GateConfig(**{"hold": "answer", **gate})})
-    upstream = ScriptedUpstream(steps)
-    store = Store(tmp_path / "state")
-    async with running(config, port=0, store=store, scripted={"scripted": upstream}, model=verifier) as proxy:
-        yield Run(proxy, store, upstream, verifier)
+    async with scripted_proxy(tmp_path, config, steps, verifier) as run:
+        yield run
 
 
-async def send(run: Run, fmt: str, stream: bool, body: dict[str, Any] | None = None,
+async def send(run: ProxyRun, fmt: str, stream: bool, body: dict[str, Any] | None = None,
                on_chunk: Callable[[bytes], None] | None = None) -> tuple[str, list[str], bytes]:
     """Send one agent request; returns the answer's text, its tool call names and the raw bytes received."""
     body = body or request_body(fmt, stream)
@@ -178,9 +153,9 @@ async def test_a_passing_answer_is_delivered_unchanged_and_labelled(tmp_path: Pa
     async with gated(tmp_path, [DONE], Verifier([verdict()])) as run:
         text, calls, _ = await send(run, fmt, stream)
     assert (text, calls) == (DONE["text"], [])
-    assert run.verifier.purposes() == ["verify"]
+    assert run.model.purposes() == ["verify"]
     assert len(run.upstream.requests) == 1
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["verdicts"], gate["outcome"], gate["passed"], gate["reentries"]) == (["pass"], "unknown", True, 0)
     assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 1}
 
@@ -191,8 +166,8 @@ async def test_an_edit_followed_by_a_passing_check_is_verified(tmp_path: Path, f
     async with gated(tmp_path, [DONE], Verifier([verdict()])) as run:
         text, _, _ = await send(run, fmt, stream, body)
     assert text == DONE["text"]
-    assert run.gate()["outcome"] == "verified"
-    digest = run.verifier.calls[0][1][1]["content"]
+    assert run.last("gate")["outcome"] == "verified"
+    digest = run.model.calls[0][1][1]["content"]
     assert "3 passed" in digest and "Fix the bug in app.py." in digest
 
 
@@ -211,7 +186,7 @@ async def test_gaps_continue_the_turn_and_the_agent_gets_the_reworked_answer(
     assert "the tests were not run" in continued and "a passing test run" in continued  # the advisory
     assert DONE["text"] in continued  # the held answer, carried on
     assert "the tests were not run" not in orjson.dumps(first).decode()
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["verdicts"], gate["reentries"], gate["outcome"], gate["passed"]) == (["gaps", "pass"], 1, "unknown",
                                                                                        True)
     # The second verifier pass saw both finals and the previous gaps.
@@ -228,7 +203,7 @@ async def test_a_continued_turn_that_calls_tools_goes_to_the_agent_and_is_rememb
     async with gated(tmp_path, [DONE, tool_turn, REWORKED], verifier) as run:
         _, calls, _ = await send(run, fmt, stream)
         assert calls == ["Bash"]
-        assert run.gate()["reentries"] == 1 and "outcome" not in run.gate()
+        assert run.last("gate")["reentries"] == 1 and "outcome" not in run.last("gate")
         # The agent runs the test and sends its history on: the held answer and the advisory go back in place.
         w = BY_NAME[fmt]
         first = request_body(fmt, stream)
@@ -296,7 +271,7 @@ async def test_the_same_gaps_after_new_evidence_end_the_turn_failed(tmp_path: Pa
         w.extend_history(body, _tool_call_items(fmt, "call_t1") + w.tool_results([CallResult("call_t1", "1 failed")]))
         text, _, _ = await send(run, fmt, stream, body)
     assert read_noticed(text) == noticed(REWORKED["text"])  # delivered, labelled, with the notice
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["outcome"], gate["passed"], gate["gaps"]) == ("failed", False, [GAP[0]])
     assert len(run.upstream.requests) == 3  # no further re-entry
 
@@ -310,7 +285,7 @@ async def test_a_spent_reentry_budget_delivers_the_last_answer_unverified(tmp_pa
         text, _, _ = await send(run, fmt, stream)
     assert read_noticed(text) == noticed("Attempt 3.")
     assert len(run.upstream.requests) == 3  # the first answer and two re-entries
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["outcome"], gate["passed"], gate["reentries"]) == ("unverified", False, 2)
     assert gate["verdicts"] == ["gaps"] * 3 and "budget spent" in gate["reason"]
 
@@ -319,7 +294,7 @@ async def test_a_budget_of_zero_never_continues(tmp_path: Path) -> None:
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))]), reentry_budget=0) as run:
         text, _, _ = await send(run, "chat", False)
     assert text == noticed(DONE["text"]) and len(run.upstream.requests) == 1
-    assert run.gate()["outcome"] == "unverified"
+    assert run.last("gate")["outcome"] == "unverified"
 
 
 # ---- refutation -----------------------------------------------------------------------------------------------------
@@ -335,7 +310,7 @@ async def test_a_refuted_finding_is_dropped_from_the_advisory(tmp_path: Path, fm
     assert GAP[0] in continued and OTHER_GAP[0] not in continued
     refuter_input = verifier.calls[1][1][1]["content"]
     assert "charged_findings" in refuter_input and OTHER_GAP[0] in refuter_input
-    assert run.gate()["refuted"] == 1
+    assert run.last("gate")["refuted"] == 1
 
 
 @pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
@@ -344,7 +319,7 @@ async def test_refuting_every_finding_passes_the_answer(tmp_path: Path, fmt: str
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))], [refutation])) as run:
         text, _, _ = await send(run, fmt, stream)
     assert text == DONE["text"] and len(run.upstream.requests) == 1
-    assert (run.gate()["passed"], run.gate()["refuted"]) == (True, 1)
+    assert (run.last("gate")["passed"], run.last("gate")["refuted"]) == (True, 1)
 
 
 # ---- malformed then repaired --------------------------------------------------------------------------------------
@@ -357,14 +332,14 @@ async def test_a_malformed_answer_gets_one_format_retry(tmp_path: Path, fmt: str
     assert verifier.purposes() == ["verify", "verify"]
     retry = verifier.calls[1][1]
     assert retry[-1]["content"] == FORMAT_RETRY and retry[-2] == {"role": "assistant", "content": "I think it is fine."}
-    assert run.gate()["verdicts"] == ["malformed", "pass"] and run.gate()["passed"]
+    assert run.last("gate")["verdicts"] == ["malformed", "pass"] and run.last("gate")["passed"]
 
 
 async def test_malformed_twice_counts_as_unavailable(tmp_path: Path) -> None:
     async with gated(tmp_path, [DONE], Verifier(["nope", "still nope"])) as run:
         text, _, _ = await send(run, "messages", True)
     assert read_noticed(text) == noticed(DONE["text"])
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["verdicts"], gate["outcome"], gate["passed"]) == (["malformed", "malformed"], "unverified", False)
 
 
@@ -377,7 +352,7 @@ async def test_a_verifier_that_is_down_never_costs_the_answer(tmp_path: Path, fm
         text, calls, _ = await send(run, fmt, stream)
     # Under fail_closed the agent sees that the answer is unverified; under fail_open nothing is added.
     assert (read_noticed(text), calls) == (noticed(DONE["text"]) if policy == "fail_closed" else DONE["text"], [])
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["verdicts"], gate["outcome"]) == (["unavailable"], "unverified")
     assert gate["passed"] is (policy == "fail_open")
     assert run.ledger()[-1]["status"] == 200
@@ -388,7 +363,7 @@ async def test_a_verifier_that_hangs_times_out_as_unavailable(tmp_path: Path) ->
     verifier.release = trio.Event()  # never set
     async with gated(tmp_path, [DONE], verifier, timeout_s=0.2) as run:
         text, _, _ = await send(run, "responses", True)
-    assert read_noticed(text) == noticed(DONE["text"]) and run.gate()["outcome"] == "unverified"
+    assert read_noticed(text) == noticed(DONE["text"]) and run.last("gate")["outcome"] == "unverified"
 
 
 # ---- hand-backs --------------------------------------------------------------------------------------------------------
@@ -402,8 +377,8 @@ async def test_a_handback_that_needs_the_user_passes(tmp_path: Path, fmt: str, s
         text, _, _ = await send(run, fmt, stream)
     assert text == "Which database should I migrate, staging or production?"
     assert "state: need_input" in verifier.calls[0][1][1]["content"]
-    assert (run.gate()["outcome"], run.gate()["passed"]) == ("unknown", True)
-    assert "hand-back" in run.gate()["reason"]
+    assert (run.last("gate")["outcome"], run.last("gate")["passed"]) == ("unknown", True)
+    assert "hand-back" in run.last("gate")["reason"]
 
 
 @pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
@@ -412,7 +387,7 @@ async def test_a_handback_the_agent_could_clear_itself_is_sent_back(tmp_path: Pa
     async with gated(tmp_path, [NEEDS_INPUT, REWORKED], verifier) as run:
         text, _, _ = await send(run, fmt, stream)
     assert text == REWORKED["text"]
-    assert run.gate()["reentries"] == 1
+    assert run.last("gate")["reentries"] == 1
 
 
 # ---- prohibitions -----------------------------------------------------------------------------------------------------
@@ -424,16 +399,16 @@ async def test_a_forbidden_check_is_compliance_not_a_gap(tmp_path: Path, fmt: st
         text, _, _ = await send(run, fmt, stream, forbidden)
     digest = policy.calls[0][1][1]["content"]
     assert "<prohibitions" in digest and "Do not run tests, the suite takes an hour." in digest
-    assert text == DONE["text"] and run.gate()["passed"]
-    assert run.gate()["decided_by"] == ["model"]
+    assert text == DONE["text"] and run.last("gate")["passed"]
+    assert run.last("gate")["decided_by"] == ["model"]
     # The same turn without the prohibition: the missing check is a gap of the free evidence, with no model call;
     # the reworked answer ran nothing and changed nothing more, so the model judges it (the checks are asked for
     # once per change).
     async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
         await send(run, fmt, stream, with_history(fmt, stream, "Fix the typo in app.py."))
-        gate = run.gate()
+        gate = run.last("gate")
         assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "model"], ["gaps", "pass"])
-        assert "no check ran after the last change" in gate["gaps"][0] and len(run.verifier.calls) == 1
+        assert "no check ran after the last change" in gate["gaps"][0] and len(run.model.calls) == 1
 
 
 # ---- the evidence pre-check ---------------------------------------------------------------------------------------
@@ -446,7 +421,7 @@ async def test_done_despite_a_failing_check_is_sent_back_by_evidence_then_verifi
     async with gated(tmp_path, [DONE, tool_turn, REWORKED], verifier) as run:
         _, calls, _ = await send(run, fmt, stream, body)
         assert calls == ["Bash"] and not verifier.calls
-        gate = run.gate()
+        gate = run.last("gate")
         assert (gate["decided_by"], gate["verdicts"], gate["reentries"]) == (["evidence"], ["gaps"], 1)
         assert '"1 failed, 2 passed in 0.1s"' in gate["gaps"][0]
         assert "1 failed, 2 passed in 0.1s" in orjson.dumps(run.upstream_bodies()[1]).decode()  # the advisory
@@ -456,7 +431,7 @@ async def test_done_despite_a_failing_check_is_sent_back_by_evidence_then_verifi
                                                                                               "3 passed in 0.1s")]))
         text, _, _ = await send(run, fmt, stream, body)
     assert text == REWORKED["text"] and verifier.purposes() == ["verify"]
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["decided_by"], gate["outcome"]) == (["model"], "verified")
 
 
@@ -481,16 +456,16 @@ async def test_the_digest_carries_the_prohibitions_in_force_from_every_turn(tmp_
         text, _, _ = await send(run, fmt, stream, standing)
     digest = policy.calls[0][1][1]["content"]
     assert "- [turn 2] Do not run tests, the suite takes an hour." in digest
-    assert text == DONE["text"] and run.gate()["passed"]  # the forbidden check's absence is compliance
+    assert text == DONE["text"] and run.last("gate")["passed"]  # the forbidden check's absence is compliance
     # A later permission lifts it: the missing check is a gap again, the free evidence's (no model call for it;
     # the reworked answer, with no further change, is the model's to judge).
     lifted = across_turns(fmt, stream, "Fix the typo in app.py.", "Do not run tests, the suite takes an hour.",
                           "You can run the tests now.")
     async with gated(tmp_path / "b", [DONE, REWORKED], Verifier([verdict()])) as run:
         await send(run, fmt, stream, lifted)
-        gate = run.gate()
+        gate = run.last("gate")
         assert (gate["decided_by"], gate["verdicts"]) == (["evidence", "model"], ["gaps", "pass"])
-        assert "no check ran after the last change" in gate["gaps"][0] and len(run.verifier.calls) == 1
+        assert "no check ran after the last change" in gate["gaps"][0] and len(run.model.calls) == 1
 
 
 def scripted_verifier_answer(messages: list[dict[str, str]]) -> str:
@@ -555,7 +530,7 @@ async def test_an_upstream_that_refuses_the_continuation_leaves_the_held_answer(
     async with gated(tmp_path, [DONE, {"fault": {"status": 429}}], Verifier([verdict("gaps", (GAP,))])) as run:
         text, _, _ = await send(run, fmt, stream)
     assert read_noticed(text) == noticed(DONE["text"])
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "429" in gate["reason"]
 
 
@@ -577,14 +552,14 @@ async def test_headless_a_turn_ending_in_progress_is_nudged_twice_then_verified(
     assert text == "Still working (3)."
     assert len(run.upstream.requests) == 3 and verifier.purposes() == ["verify"]
     assert "Continue the work" in orjson.dumps(run.upstream_bodies()[1]).decode()
-    assert run.gate()["nudges"] == 2
+    assert run.last("gate")["nudges"] == 2
 
 
 async def test_interactive_sessions_are_not_nudged(tmp_path: Path) -> None:
     progressing = {"text": with_report("Still working.", "progressing")}
     async with gated(tmp_path, [progressing], Verifier([verdict()])) as run:
         text, _, _ = await send(run, "chat", False)
-    assert text == "Still working." and run.gate()["nudges"] == 0
+    assert text == "Still working." and run.last("gate")["nudges"] == 0
 
 
 # ---- a supervisor failure never costs the answer ------------------------------------------------------------------
@@ -602,7 +577,7 @@ async def test_a_bug_in_the_gate_delivers_the_answer_unverified(tmp_path: Path, 
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
         text, calls, _ = await send(run, fmt, stream)
     assert (read_noticed(text), calls) == (noticed(DONE["text"]), [])
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["outcome"], gate["passed"]) == ("unverified", False) and "RuntimeError" in gate["reason"]
     assert run.ledger()[-1]["status"] == 200
 
@@ -635,7 +610,7 @@ async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_a
         verifier.release.set()
         text, _, _ = await send(run, "messages", True, body)
     assert text == DONE["text"]
-    assert (run.gate()["verdicts"], run.gate()["passed"]) == (["pass"], True)
+    assert (run.last("gate")["verdicts"], run.last("gate")["passed"]) == (["pass"], True)
 
 
 # ---- GatedStream on arbitrary chunking ----------------------------------------------------------------------------------
@@ -749,7 +724,7 @@ async def test_the_verifier_reads_back_a_clipped_failure_once_then_judges(tmp_pa
     assert f"{lines.index('1 failed, 199 passed') + 1}| 1 failed, 199 passed" in readback
     assert "E   assert parse('&lt;x&gt;') == 4" in readback  # verbatim, escaped as data
     assert readback.count("| ") == high - low + 1
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["readbacks"], gate["verdicts"], gate["outcome"]) == (1, ["pass"], "verified")
     assert run.ledger()[-1]["supervisor_model"]["calls"] == {"verify": 2}
 
@@ -762,5 +737,5 @@ async def test_a_second_read_request_is_malformed(tmp_path: Path) -> None:
         text, _, _ = await send(run, "chat", False, body)
     assert text == DONE["text"] and verifier.purposes() == ["verify"] * 3
     assert verifier.calls[2][1][-1]["content"] == FORMAT_RETRY  # the second read: one format retry
-    gate = run.gate()
+    gate = run.last("gate")
     assert (gate["readbacks"], gate["verdicts"], gate["passed"]) == (1, ["malformed", "pass"], True)
