@@ -43,6 +43,7 @@ import orjson
 
 from ..detectors.receipts import command_text, writes
 from .prohibitions import Standing, content_words
+from .verdict import json_object
 
 MAX_ACTIONS = 16
 """Completed actions shown to the judge, the latest ones (reference section 7)."""
@@ -234,18 +235,12 @@ class Judgment:
     ungrounded: int = 0
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    text = text.strip()
-    if text.startswith("```"):  # a fenced answer: its body
-        text = text.strip("`").partition("\n")[2] if "\n" in text else ""
-    start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end < start:
-        return None
+def _answer(text: str | None) -> dict[str, Any] | None:
+    """The JSON object of a model's answer (``verdict.json_object``), or None when there is none."""
     try:
-        value = orjson.loads(text[start:end + 1])
-    except orjson.JSONDecodeError:
+        return json_object(text) if text is not None else None
+    except ValueError:
         return None
-    return value if isinstance(value, dict) else None
 
 
 _MISSING = object()
@@ -273,7 +268,7 @@ def pointer(arguments: dict[str, Any], path: str) -> Any:
 def read_judgment(text: str | None, sources: Sources, calls: Sequence[Call]) -> Judgment:
     """The judge's answer ``text`` (None: no answer) read against the batch's judged ``calls`` (module
     docstring)."""
-    obj = _json_object(text) if text is not None else None
+    obj = _answer(text)
     blocks = obj.get("blocks") if obj is not None else None
     if not isinstance(blocks, list):
         return Judgment(malformed=True)
@@ -312,7 +307,7 @@ def confirmation_input(proposal: Proposal, sources: Sources) -> str:
 
 def read_confirmation(text: str | None) -> bool:
     """Whether a confirmation answer ``text`` confirms the block: only an explicit ``"confirmed": true``."""
-    obj = _json_object(text) if text is not None else None
+    obj = _answer(text)
     return obj is not None and obj.get("confirmed") is True
 
 
