@@ -98,8 +98,8 @@ def _sources(exchange: Exchange) -> rules.Sources:
     positions = [i for i in ex.thread.tracker.user_turns if i < len(ex.items)]
     # The latest user turn is numbered planning.turns; the ones before it count down (planning's numbering).
     first = planning.turns - len(positions) + 1
-    users = tuple((first + n, goal_text(ex.fmt.message(ex.items[i]).text)) for n, i in enumerate(positions))
     messages = [ex.fmt.message(i) for i in ex.items]
+    users = tuple((first + n, goal_text(messages[i].text)) for n, i in enumerate(positions))
     actions = tuple(rules.Completed(a.use.name, a.use.arguments,
                                     None if a.output is None else not a.receipt.error)
                     for a in digest.turn_actions(messages, ex.schemas)
@@ -134,7 +134,7 @@ class Authorizing:
         """The confirmed denials of ``turn``'s calls by call id (empty: the batch is admitted). Never raises but
         for cancellation: a failure of the authorizer's own code allows."""
         try:
-            return await self._decide(turn)
+            return self._applied(await self._decide(turn), turn)
         except Exception:  # noqa: BLE001 - the judge failing is no evidence against the tool
             log.exception("the authorizer failed; admitting the batch")
             self.record["unavailable"] += 1
@@ -167,22 +167,22 @@ class Authorizing:
             self.record["blocked"] += 1
             self._decision(call, self._verb(), "cache", cached)
         if not fresh:
-            return self._applied(denials)
+            return denials
         self.record["checked"] += len(fresh)
         document = rules.document(sources, fresh)
         if count_tokens(document) > self.config.budget_tokens:
             self.record["unavailable"] += 1
             for call in fresh:
                 self._decision(call, "allow", "over_budget")
-            return self._applied(denials)
+            return denials
         confirmed: dict[str, rules.Denial] | None = None
         with trio.move_on_after(self.config.timeout_s):
-            confirmed = await self._judge(sources, fresh)
+            confirmed = await self._judge(sources, fresh, document)
         if confirmed is None:  # timed out or the judge failed: allow
             self.record["unavailable"] += 1
             for call in fresh:
                 self._decision(call, "allow", "unavailable")
-            return self._applied(denials)
+            return denials
         for call in fresh:
             found = confirmed.get(call.id)
             if found is None:
@@ -191,28 +191,31 @@ class Authorizing:
             denials[call.id] = found
             self.record["blocked"] += 1
             self._decision(call, self._verb(), "confirmed", found)
-        return self._applied(denials)
+        return denials
 
     def _verb(self) -> str:
         return "advise" if self.config.mode == ADVISE else "block"
 
-    def _applied(self, denials: dict[str, rules.Denial]) -> dict[str, rules.Denial]:
-        """``denials`` as the mode applies them: advise keeps no call from the agent, it notes the conflicts."""
+    def _applied(self, denials: dict[str, rules.Denial], turn: AssistantTurn) -> dict[str, rules.Denial]:
+        """``denials`` of ``turn``'s calls as the mode applies them: advise keeps no call from the agent, it notes
+        the conflicts."""
         if self.config.mode != ADVISE or not denials:
             return denials
         ex = self.exchange
         if ex.tail is not None:
+            tools = {c.id: c.name for c in turn.tool_calls}
             for call_id, found in denials.items():
-                tool = next((d["tool"] for d in self.record["decisions"] if d["call"] == call_id), "")
+                tool = tools.get(call_id, "")
                 text = ADVICE.format(call=call_id, tool=tool, source=found.source, quote=found.quote)
                 ex.thread.notes = (ex.thread.notes + [Note(ex.tail.position, ex.tail.fingerprint, "authorizer",
                                                            text)])[-NOTES:]
         return {}
 
-    async def _judge(self, sources: rules.Sources, calls: list[rules.Call]) -> dict[str, rules.Denial] | None:
-        """The judge, then a confirmation per proposed block: the confirmed denials by call id, or None when the
-        judge gave no answer."""
-        answer = await self._ask("authorize", rules.JUDGE_INSTRUCTIONS, rules.document(sources, calls))
+    async def _judge(self, sources: rules.Sources, calls: list[rules.Call],
+                     document: str) -> dict[str, rules.Denial] | None:
+        """The judge, shown ``document`` (``rules.document`` of ``sources`` and ``calls``), then a confirmation per
+        proposed block: the confirmed denials by call id, or None when the judge gave no answer."""
+        answer = await self._ask("authorize", rules.JUDGE_INSTRUCTIONS, document)
         if answer is None:
             return None
         judgment = rules.read_judgment(answer.text, sources, calls)
