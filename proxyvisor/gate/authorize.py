@@ -144,8 +144,8 @@ def _is_shell(call: Call) -> bool:
     return bool(_SHELL.search(call.name)) or any(isinstance(call.arguments.get(k), str) for k in _SHELL_KEYS)
 
 
-def _could_concern(rule: Standing, call: Call, text: str) -> bool:
-    words = content_words(rule.text)
+def _could_concern(words: frozenset[str], call: Call, text: str) -> bool:
+    """Whether a prohibition of content ``words`` could concern ``call`` (``text``: :func:`_call_text`)."""
     if any(len(w) >= 3 and w in text for w in words):
         return True
     if words & _RUN_ACTIONS and _is_shell(call):
@@ -166,10 +166,11 @@ def concerned(rules: Sequence[Standing], calls: Sequence[Call]) -> list[Call]:
     word scan of each call's JSON."""
     if not rules:
         return []
+    words = [content_words(rule.text) for rule in rules]  # read once per batch, not once per call
     out = []
     for call in calls:
         text = _call_text(call)
-        if any(_could_concern(rule, call, text) for rule in rules):
+        if any(_could_concern(w, call, text) for w in words):
             out.append(call)
     return out
 
