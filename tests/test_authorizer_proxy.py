@@ -411,6 +411,35 @@ async def test_a_streamed_batch_with_a_built_in_call_beside_a_blocked_one_contin
     assert [i.get("call_id") for i in items] == ["call_p1"]  # the blocked call alone, carried on
 
 
+async def test_a_keepalive_of_proxyvisor_goes_out_at_once_while_the_tool_calls_are_held() -> None:
+    """A keep-alive an inner stage sends (a delegation's child at work) after a tool call started reaches the agent
+    when it comes, not with the held calls; the held events follow byte for byte once the batch is admitted."""
+    from proxyvisor.proxy.authorizing import AuthorizedStream
+    from proxyvisor.proxy.formats.base import sse
+    from proxyvisor.proxy.reply import Item, ReplyStream, writes
+    from proxyvisor.proxy.sse import SSEScanner
+
+    function = {"type": "function_call", "id": "fc_1", "call_id": "call_l1", "name": "Bash", "status": "completed",
+                "arguments": '{"command": "ls src"}'}
+    events = [{"type": "response.created", "response": {"id": "resp_1", "output": [], "status": "in_progress"}},
+              {"type": "response.output_item.added", "output_index": 0, "item": function},
+              {"type": "response.output_item.done", "output_index": 0, "item": function},
+              {"type": "response.completed", "response": {"id": "resp_1", "output": [function],
+                                                          "status": "completed"}}]
+    raws = [sse(orjson.dumps({**event, "sequence_number": n}), event["type"]) for n, event in enumerate(events)]
+    stub = _Stub(set())
+    keepalive = stub.fmt.keepalive
+
+    class Inner(ReplyStream):
+        async def __aiter__(self) -> AsyncIterator[list[Item]]:
+            scanner = SSEScanner()
+            for raw in [*raws[:2], keepalive, *raws[2:]]:
+                yield list(scanner.feed(raw))
+
+    batches = [batch async for batch in AuthorizedStream(stub, Inner())]  # type: ignore[arg-type]
+    assert [b"".join(writes(batch)) for batch in batches] == [raws[0], keepalive, b"".join(raws[1:])]
+
+
 @pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
 async def test_with_the_gate_on_a_blocked_call_is_still_kept_from_the_agent(tmp_path: Path, fmt: str,
                                                                           stream: bool) -> None:

@@ -356,7 +356,9 @@ class AuthorizedStream(ReplyStream):
                         out: list[Item] = []
                         for block in await scanned(batch):
                             if block.event is None:
-                                (held if splice.held else out).append(block)
+                                # A keep-alive of proxyvisor's own (a delegation's child at work) belongs to no
+                                # message: it goes out at once, held calls or not, so the client never idles out.
+                                (held if splice.held and not block.is_bytes(fmt.keepalive) else out).append(block)
                                 continue
                             events.append((block.event.event, block.event.data))
                             replaced = splice.event(block.event.event, block.event.data)
