@@ -440,6 +440,45 @@ async def test_a_keepalive_of_proxyvisor_goes_out_at_once_while_the_tool_calls_a
     assert [b"".join(writes(batch)) for batch in batches] == [raws[0], keepalive, b"".join(raws[1:])]
 
 
+async def test_a_big_held_call_is_read_off_the_event_loop_and_delivered_byte_for_byte(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held tool call bigger than ``reply.OFF_LOOP_BYTES`` is spliced and read in a worker thread (the loop
+    serves every session meanwhile); admitted, it reaches the agent as it came."""
+    import trio
+
+    from proxyvisor.proxy.authorizing import AuthorizedStream
+    from proxyvisor.proxy.formats.base import sse
+    from proxyvisor.proxy.reply import OFF_LOOP_BYTES, Item, ReplyStream, writes
+    from proxyvisor.proxy.sse import SSEScanner
+
+    threaded: list[Any] = []
+    run_sync = trio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        threaded.append(fn)
+        return await run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+    function = {"type": "function_call", "id": "fc_1", "call_id": "call_l1", "name": "Bash", "status": "completed",
+                "arguments": orjson.dumps({"command": "echo " + "x" * OFF_LOOP_BYTES}).decode()}
+    events = [{"type": "response.created", "response": {"id": "resp_1", "output": [], "status": "in_progress"}},
+              {"type": "response.output_item.added", "output_index": 0, "item": function},
+              {"type": "response.output_item.done", "output_index": 0, "item": function},
+              {"type": "response.completed", "response": {"id": "resp_1", "output": [function],
+                                                          "status": "completed"}}]
+    raws = [sse(orjson.dumps({**event, "sequence_number": n}), event["type"]) for n, event in enumerate(events)]
+
+    class Inner(ReplyStream):
+        async def __aiter__(self) -> AsyncIterator[list[Item]]:
+            scanner = SSEScanner()
+            for raw in raws:
+                yield list(scanner.feed(raw))
+
+    batches = [batch async for batch in AuthorizedStream(_Stub(set()), Inner())]  # type: ignore[arg-type]
+    assert b"".join(b"".join(writes(batch)) for batch in batches) == b"".join(raws)
+    assert len(threaded) >= 4  # the three big events spliced, and the held response read
+
+
 @pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
 async def test_with_the_gate_on_a_blocked_call_is_still_kept_from_the_agent(tmp_path: Path, fmt: str,
                                                                           stream: bool) -> None:

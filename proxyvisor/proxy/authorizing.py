@@ -54,10 +54,10 @@ from ..rules import ADVISE
 from ..supervisor_model import ModelAnswer, ModelCall
 from .closing import close
 from .continuation import Continuation, Job, rewritable
-from .formats import AssistantTurn
+from .formats import AssistantTurn, WireFormat
 from .formats.base import CallResult
 from .relay import UpstreamError, UpstreamReply
-from .reply import Edit, Item, ReplyStream, blocks, scanned
+from .reply import Edit, Item, ReplyStream, blocks, off_loop, scanned
 from .sse import Block, SSEScanner
 from .supervise import Exchange, Note, NOTES
 
@@ -331,6 +331,12 @@ class Authorizing:
         return None
 
 
+def _read(fmt: WireFormat, events: list[tuple[str | None, str]]) -> tuple[dict[str, Any], AssistantTurn]:
+    """The response a held stream's ``events`` make, and its turn."""
+    response = fmt.stream_response(events)
+    return response, fmt.parse_response(response)
+
+
 class AuthorizedStream(ReplyStream):
     """The agent's stream of an authorized request (module docstring). A :class:`~.reply.ReplyStream`."""
 
@@ -361,7 +367,8 @@ class AuthorizedStream(ReplyStream):
                                 (held if splice.held and not block.is_bytes(fmt.keepalive) else out).append(block)
                                 continue
                             events.append((block.event.event, block.event.data))
-                            replaced = splice.event(block.event.event, block.event.data)
+                            # A big event is read off the event loop, as every stage reads it (reply.off_loop).
+                            replaced = await off_loop(block.size, splice.event, block.event.event, block.event.data)
                             if splice.held:
                                 held.append(block)
                             else:
@@ -376,8 +383,7 @@ class AuthorizedStream(ReplyStream):
                 if not splice.held:
                     return
                 try:
-                    response = fmt.stream_response(events)
-                    turn = fmt.parse_response(response)
+                    response, turn = await off_loop(sum(len(data) for _name, data in events), _read, fmt, events)
                 except Exception:  # noqa: BLE001 - a stream the authorizer cannot read is delivered as it came
                     log.exception("reading a held tool-call stream failed; delivering it unchecked")
                     yield held
