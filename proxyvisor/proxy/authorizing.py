@@ -53,7 +53,7 @@ from ..gate import digest
 from ..rules import ADVISE
 from ..supervisor_model import ModelAnswer, ModelCall
 from .closing import close
-from .continuation import Continuation, Job, rewritable
+from .continuation import Continuation, Job, of_turn, rewritable
 from .formats import AssistantTurn, WireFormat
 from .formats.base import CallResult
 from .relay import UpstreamError, UpstreamReply
@@ -251,12 +251,8 @@ class Authorizing:
 
     # ---- continuing -------------------------------------------------------------------------------------------------
     def _continuation(self) -> Continuation:
-        ex = self.exchange
-        if ex.continuation is None:
-            assert ex.send is not None
-            ex.continuation = Continuation(self.fmt, ex.body, ex.send, lambda _name: False,
-                                           background=self.background, remember=ex.remember)
-        return ex.continuation
+        assert self.exchange.send is not None  # Authorizer.turn makes no stage without it
+        return of_turn(self.exchange, self.exchange.send, self.background)
 
     def _errors(self, denials: dict[str, rules.Denial]) -> list[Any]:
         return self.fmt.tool_results([CallResult(call_id, found.error_text(), True)
@@ -326,8 +322,7 @@ class Authorizing:
             log.warning("upstream refused to continue a turn after a blocked call (%d)", reply.status)
         except UpstreamError as exc:
             log.warning("continuing a turn after a blocked call failed (%d): %s", exc.status, exc.message)
-        cont.items = before
-        self.exchange.remember(before)
+        cont.take_back(before)
         return None
 
 

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
@@ -49,6 +49,9 @@ from .relay import UpstreamError, UpstreamReply
 from .closing import close
 from .reply import Edited, Item, ReplyStream, blocks
 from .sse import Block
+
+if TYPE_CHECKING:  # supervise imports this module
+    from .supervise import Exchange
 
 log = logging.getLogger("proxyvisor.continuation")
 
@@ -103,6 +106,13 @@ class Continuation:
         self.items = self.items + list(items)
         if self.remember is not None:
             self.remember(self.items)
+
+    def take_back(self, items: list[Any]) -> None:
+        """Put the turn's items back to ``items`` (what they were before a continuation that failed), for the
+        thread's later requests too (``remember``)."""
+        self.items = items
+        if self.remember is not None:
+            self.remember(items)
 
     async def send(self, items: list[Any]) -> UpstreamReply:
         """Append ``items`` to the turn and send the request again with every item of the turn so far.
@@ -221,6 +231,16 @@ class Job:
                 await self.done.wait()
             if not self.done.is_set():
                 yield fmt.keepalive
+
+
+def of_turn(exchange: Exchange, resend: Resend, background: trio.Nursery | None) -> Continuation:
+    """``exchange``'s continuation, made when the turn has none yet (holding no tool, remembered through
+    ``Exchange.remember``): a stage that continues the turn with items of its own (the verify-gate, the tool
+    authorizer) goes on from what the turn's continuation sent so far."""
+    if exchange.continuation is None:
+        exchange.continuation = Continuation(exchange.fmt, exchange.body, resend, lambda _name: False,
+                                             background=background, remember=exchange.remember)
+    return exchange.continuation
 
 
 def _error_text(body: Any) -> str:

@@ -73,7 +73,7 @@ from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCT
 from ..rules import HOLD_ANSWER
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
 from . import planning
-from .continuation import Continuation, Job, Resend, rewritable
+from .continuation import Job, Resend, of_turn, rewritable
 from .relay import UpstreamError, UpstreamReply
 from .closing import close
 from .reply import Edit, Item, ReplyStream, blocks, off_loop, scanned
@@ -353,10 +353,7 @@ class Gating:
         ``stream``, when upstream answered without one. A failed continuation is also taken back from what the
         thread's later requests get re-inserted: the agent receives the held answer itself."""
         ex = self.exchange
-        if ex.continuation is None:
-            ex.continuation = Continuation(self.fmt, ex.body, self.resend, lambda _name: False,
-                                           background=self.background, remember=ex.remember)
-        cont = ex.continuation
+        cont = of_turn(ex, self.resend, self.background)
         before = cont.items
         reason = ""
         try:
@@ -375,8 +372,7 @@ class Gating:
             reason = f"continuing the turn failed ({type(exc).__name__})"
         if not reason:
             return reply
-        cont.items = before
-        ex.remember(before)
+        cont.take_back(before)
         self.abandon(reason)
         return None
 
