@@ -32,8 +32,7 @@ from typing import Any
 
 import trio
 
-from ..adapters.failures import (CAPACITY, KNOWN_FAILED, PROVIDER, TIMEOUT, UNAVAILABLE, UNKNOWN, Failure,
-                                 from_http)
+from ..adapters.failures import CAPACITY, KNOWN_FAILED, PROVIDER, TIMEOUT, UNAVAILABLE, Failure, from_http
 from ..adapters.health import HALF_OPEN, Admission, Cooldown
 from ..adapters.health_store import HealthStore
 from ..config import BreakersConfig, Config, UpstreamConfig
@@ -64,11 +63,9 @@ def failure_of_reply(status: int, headers: Sequence[tuple[bytes, bytes]], now: f
 
 def failure_of_error(exc: UpstreamError, now: float) -> Failure:
     """The normalised failure of an upstream that gave no reply: 502 is a connection failure (refused, reset, a
-    name that does not resolve, a body cut short), 504 a timeout, any other status that status."""
+    name that does not resolve, a body cut short), any other status (504: a timeout) as :func:`from_http` has it."""
     if exc.status == 502:
         return Failure(UNAVAILABLE, True, KNOWN_FAILED, None, exc.message)
-    if exc.status == 504:
-        return Failure(TIMEOUT, True, UNKNOWN, None, exc.message)
     return from_http(exc.status, exc.message, now)
 
 
@@ -197,21 +194,6 @@ class Breakers:
         headers = [(b"content-type", b"application/json"), (b"retry-after", str(seconds).encode()),
                    (b"x-proxyvisor-breaker", b"open")]
         return UpstreamReply(429, headers, fmt.error_body(429, message))
-
-    def pools(self) -> list[dict[str, Any]]:
-        """The agent's pools with recorded health, for ``/info``: name, state, failures, seconds to recovery."""
-        now = self.now()
-        out = []
-        for health in self.store.all():
-            if not health.pool.startswith(PREFIX + ":"):
-                continue
-            recovery = health.recovery_at(now)
-            out.append({"pool": health.pool, "state": health.effective_state(now),
-                        "failure_count": health.failure_count,
-                        "recovers_in_s": round(recovery - now, 1) if recovery is not None else None,
-                        "last_category": health.last_category or None})
-        return out
-
 
 
 def breakers_for(config: Config, root: Path | None) -> Breakers | None:
