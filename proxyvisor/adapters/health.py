@@ -123,6 +123,7 @@ class Admission:
 
     ``state`` is the breaker state at dispatch (``healthy`` or ``half_open`` when admitted); ``probe`` says the
     call holds the half-open lease ``lease_id``. When refused, ``recovery_at`` is the earliest time to try again.
+    ``failure_count``: the healthy pool's count when admitted (0: a success of this call has nothing to settle).
     """
 
     pool: str
@@ -132,6 +133,7 @@ class Admission:
     lease_id: str = ""
     recovery_at: float | None = None
     reason: str = ""
+    failure_count: int = 0
 
 
 def _step(health: PoolHealth, event: str) -> str | None:
@@ -145,7 +147,7 @@ def admit(health: PoolHealth, now: float, lease_s: float, lease_id: str | None =
     Returns the admission and the new value to persist (unchanged unless a lease was granted).
     """
     if health.state == HEALTHY:
-        return Admission(health.pool, True, HEALTHY), health
+        return Admission(health.pool, True, HEALTHY, failure_count=health.failure_count), health
     recovery = health.recovery_at(now)
     if recovery is not None:
         waiting = "a recovery probe is in flight" if health.state == HALF_OPEN else "cooling down"

@@ -61,8 +61,8 @@ class HealthStore(LazyCache):
     def admit_sync(self, pool: str, now: float, lease_s: float) -> Admission:
         """:func:`~proxyvisor.adapters.health.admit`, persisted atomically. A healthy pool costs one read, outside
         any transaction (admitting it writes nothing)."""
-        if self.get(pool).state == HEALTHY:
-            return Admission(pool, True, HEALTHY)
+        if (current := self.get(pool)).state == HEALTHY:
+            return admit(current, now, lease_s)[0]
         with self._lock:
             db = self._db()
             with db.transact():

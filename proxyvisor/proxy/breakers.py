@@ -115,7 +115,8 @@ class Breakers:
                    send: Send) -> tuple[UpstreamReply, Dispatch]:
         """Send the agent's request for ``model`` to ``upstream`` or its fallbacks under their pools' breakers
         (module docstring) and return the reply (the last failure when every upstream failed; proxyvisor's own
-        429 when every pool is cooling) and what happened.
+        429 when every pool is cooling) and what happened. A healthy pool's success costs one read of the store
+        (the admission) and writes nothing.
 
         Raises:
             UpstreamError: the last upstream tried gave no reply (as ``send`` raised it).
@@ -135,35 +136,30 @@ class Breakers:
                 attempt["outcome"] = "refused"
                 refusals.append(admission)
                 continue
-            last = index == len(chain) - 1
-            failure, reply = None, None
-            settled = False
+            raised: UpstreamError | None = None
             try:
-                try:
-                    reply = await send(target)
-                except UpstreamError as exc:
-                    failure = failure_of_error(exc, self.now())
-                    await self._settle(pool, failure, admission)
-                    settled = True
-                    self._failed(attempt, exc.status, failure)
-                    if last or not self.store.cooldown.opens_on(failure):  # a fallback would fare no better
-                        raise
-                    log.warning("upstream %r failed (%s); trying its fallback", target.name, failure.message)
-                    continue
-                failure = failure_of_reply(reply.status, reply.headers, self.now())
-                await self._settle(pool, failure, admission)
-                settled = True
-            finally:
-                if not settled:  # cancelled (or proxyvisor failed) before an answer: only a lease is given back
+                reply = await send(target)
+                status, failure = reply.status, failure_of_reply(reply.status, reply.headers, self.now())
+            except UpstreamError as exc:
+                raised, status, failure = exc, exc.status, failure_of_error(exc, self.now())
+            except BaseException:  # cancelled (or proxyvisor failed) before an answer: only a lease is given back
+                if admission.probe:
                     with trio.CancelScope(shield=True):
                         await self.store.release(pool, self.now(), admission.lease_id)
-            if failure is not None and self.store.cooldown.opens_on(failure) and not last:
-                self._failed(attempt, reply.status, failure)
-                log.warning("upstream %r answered %d; trying its fallback", target.name, reply.status)
-                continue
-            attempt["outcome"] = "failed" if failure is not None else "answered"
-            if failure is not None:
-                self._failed(attempt, reply.status, failure)
+                raise
+            if failure is not None or admission.probe or admission.failure_count:
+                await self._settle(pool, failure, admission)
+            if failure is None:
+                attempt["outcome"] = "answered"
+            else:
+                self._failed(attempt, status, failure)
+                # An error that opens nothing (a 401, a body that cannot be checked for the key) would fare no
+                # better on a fallback.
+                if index < len(chain) - 1 and self.store.cooldown.opens_on(failure):
+                    log.warning("upstream %r failed (%s); trying its fallback", target.name, failure.message)
+                    continue
+            if raised is not None:
+                raise raised
             return reply, dispatch
         return self._cooling(fmt, refusals), dispatch
 
