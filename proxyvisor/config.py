@@ -324,17 +324,6 @@ class Config(Table, frozen=True):
         base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME", "~"), ".local", "state")
         return Path(base).expanduser() / "proxyvisor"
 
-    def upstream(self, name: str) -> UpstreamConfig:
-        """The upstream named ``name``.
-
-        Raises:
-            KeyError: no upstream has that name.
-        """
-        for upstream in self.upstreams:
-            if upstream.name == name:
-                return upstream
-        raise KeyError(name)
-
     def upstream_for(self, fmt: str) -> tuple[UpstreamConfig, bool]:
         """The upstream that serves client format ``fmt`` and whether it speaks it natively.
 

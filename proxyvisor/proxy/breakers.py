@@ -107,16 +107,17 @@ class Breakers:
     def close(self) -> None:
         self.store.close()
 
-    def chain(self, upstream: UpstreamConfig) -> list[UpstreamConfig]:
-        """``upstream`` and its fallbacks, in the order they are tried."""
-        return [upstream, *(self.upstreams[name] for name in upstream.fallback)]
+    def chain(self, upstream: str) -> list[UpstreamConfig]:
+        """The upstream named ``upstream`` and its fallbacks, in the order they are tried."""
+        first = self.upstreams[upstream]
+        return [first, *(self.upstreams[name] for name in first.fallback)]
 
-    async def send(self, fmt: WireFormat, model: str, upstream: UpstreamConfig,
+    async def send(self, fmt: WireFormat, model: str, upstream: str,
                    send: Send) -> tuple[UpstreamReply, Dispatch]:
-        """Send the agent's request for ``model`` to ``upstream`` or its fallbacks under their pools' breakers
-        (module docstring) and return the reply (the last failure when every upstream failed; proxyvisor's own
-        429 when every pool is cooling) and what happened. A healthy pool's success costs one read of the store
-        (the admission) and writes nothing.
+        """Send the agent's request for ``model`` to the upstream named ``upstream`` or its fallbacks under their
+        pools' breakers (module docstring) and return the reply (the last failure when every upstream failed;
+        proxyvisor's own 429 when every pool is cooling) and what happened. A healthy pool's success costs one
+        read of the store (the admission) and writes nothing.
 
         Raises:
             UpstreamError: the last upstream tried gave no reply (as ``send`` raised it).

@@ -387,8 +387,10 @@ class Pipeline:
                             session.id if session else "-", exc)
                 exchange = None
         try:
-            reply = await self._upstream(request, fmt, path, self.config.upstream(upstream_name), body, content,
-                                         exchange)
+            if self.breakers is None or body is None:
+                reply = await self._relayed(request, fmt, path, upstream_name, content)
+            else:
+                reply = await self._upstream(request, fmt, path, upstream_name, body, content, exchange)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
@@ -403,7 +405,11 @@ class Pipeline:
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
         try:
-            reply = await self._upstream(request, fmt, split_prefix(request.path)[1], upstream, body, None, exchange)
+            if self.breakers is None:
+                reply = await self.translator.send(fmt, upstream, body, request.headers)
+            else:
+                reply = await self._upstream(request, fmt, split_prefix(request.path)[1], upstream.name, body, None,
+                                             exchange)
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
             return error(fmt, exc.status, exc.message)
@@ -415,32 +421,36 @@ class Pipeline:
                 exchange, await self._continued(exchange, reply))))
         return self._respond(request, fmt, reply, body, session, exchange)
 
-    async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: UpstreamConfig,
-                        body: dict[str, Any] | None, content: bytes | tuple[bytes, ...] | None,
-                        exchange: Exchange | None) -> UpstreamReply:
-        """The agent's request sent to ``upstream``: relayed (``content``: the bytes to send, else ``body``'s
-        JSON) when it speaks ``fmt``, else translated; under the breakers with its fallbacks when supervised
-        (``proxyvisor.proxy.breakers``), whose account goes to ``exchange``'s ledger line.
+    async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: str, body: dict[str, Any],
+                        content: bytes | tuple[bytes, ...] | None, exchange: Exchange | None) -> UpstreamReply:
+        """The agent's supervised request under the breakers of the upstream named ``upstream`` and its fallbacks
+        (``proxyvisor.proxy.breakers``), whose account goes to ``exchange``'s ledger line: each upstream tried is
+        relayed to (``content``: the bytes to send, else ``body``'s JSON) when it speaks ``fmt``, else translated.
 
         Raises:
             UpstreamError: as ``HttpRelay.send``.
         """
+        assert self.breakers is not None  # the callers send straight up without them
+
         async def send(target: UpstreamConfig) -> UpstreamReply:
             if fmt.name not in target.formats:
                 reply: UpstreamReply = await self.translator.send(fmt, target, body, request.headers)
                 return reply
-            relay = self.relays[target.name]
-            data = content if content is not None else orjson.dumps(body)
-            return await relay.send("POST", self._target(request, path),
-                                    self._headers(request, fmt, relay, self.supervised), data)
+            return await self._relayed(request, fmt, path, target.name,
+                                       content if content is not None else orjson.dumps(body))
 
-        if self.breakers is None or body is None:
-            return await send(upstream)
         model = body.get("model")
         reply, dispatch = await self.breakers.send(fmt, model if isinstance(model, str) else "", upstream, send)
         if exchange is not None:
             exchange.record.upstream = dispatch.evidence()
         return reply
+
+    async def _relayed(self, request: Request, fmt: WireFormat, path: str, upstream: str,
+                       content: bytes | tuple[bytes, ...]) -> UpstreamReply:
+        """``content`` relayed to the upstream named ``upstream`` with the request's headers."""
+        relay = self.relays[upstream]
+        return await relay.send("POST", self._target(request, path),
+                                self._headers(request, fmt, relay, self.supervised), content)
 
     async def _continued(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when the model called delegation tools, the turn continued upstream after the children
