@@ -234,6 +234,21 @@ async def test_other_4xx_trip_nothing(tmp_path: Path) -> None:
         assert (statuses, sent(rp)) == ([400, 401, 200], 3)
 
 
+async def test_a_probe_failing_otherwise_keeps_the_count_and_the_next_success_resets_it(tmp_path: Path) -> None:
+    """A 400 answering the probe says nothing about capacity: the pool is healthy again but keeps its trip, so a
+    new 429 would cool it longer; the next success (settled although the pool was admitted healthy) clears it."""
+    clock = Clock()
+    async with proxy(tmp_path, clock=clock) as rp:
+        rp.scripted["a"].queue({"fault": {"status": 429, "retry_after": "3"}}, {"fault": {"status": 400}})
+        store, pool = rp.pipeline.breakers.store, pool_of("a", MODEL)
+        assert (await raw_stream(rp.url, "chat", request_body("chat")))[0].status_code == 429
+        clock.now = T0 + 3
+        assert (await raw_stream(rp.url, "chat", request_body("chat")))[0].status_code == 400
+        assert (store.get(pool).state, store.get(pool).failure_count) == (HEALTHY, 1)
+        assert (await raw_stream(rp.url, "chat", request_body("chat")))[0].status_code == 200
+        assert (store.get(pool).state, store.get(pool).failure_count) == (HEALTHY, 0)
+
+
 async def test_pools_are_per_model(tmp_path: Path) -> None:
     async with proxy(tmp_path, clock=Clock()) as rp:
         rp.scripted["a"].queue({"fault": {"status": 429, "retry_after": "30"}})
