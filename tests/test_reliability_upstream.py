@@ -94,8 +94,7 @@ async def test_a_compressed_error_body_quoting_the_configured_key_is_redacted(
     for identity). The client gets the body decoded, the key replaced, without ``content-encoding``."""
     monkeypatch.setenv("PV_KEY", KEY)
     async with serve_handler(QuotingUpstream(coding)) as url, \
-            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"},
-                        breakers=False) as rp:
+            start_proxy(supervised=supervised, upstream_url=url, upstream={"api_key_env": "PV_KEY"}) as rp:
         answers = await post_all(rp.url)
     for fmt, stream, status, headers, body in answers:
         assert status == 401, (fmt, stream)
