@@ -40,7 +40,7 @@ Counted in the request's ledger line as ``authorizer`` (``RequestRecord.authoriz
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -73,6 +73,10 @@ ADVICE = ("[proxyvisor authorizer] Your call {call} ({tool}) conflicts with the 
 _JSON = [(b"content-type", b"application/json")]
 
 
+Stage = Callable[[UpstreamReply], Awaitable[UpstreamReply]]
+"""A reply stage of the pipeline: the reply for the agent, given the upstream's."""
+
+
 class Authorizer:
     """The process's authorizer: its settings and the denial cache (process-local, bounded) shared by requests."""
 
@@ -80,13 +84,15 @@ class Authorizer:
         self.config = config
         self.cache = rules.DenialCache()
 
-    def turn(self, exchange: Exchange, background: trio.Nursery | None = None) -> Authorizing | None:
-        """The request's authorizing stage, or None when nothing can be blocked (module docstring)."""
+    def turn(self, exchange: Exchange, background: trio.Nursery | None = None,
+             then: Stage | None = None) -> Authorizing | None:
+        """The request's authorizing stage, or None when nothing can be blocked (module docstring). ``then``: the
+        stages a reply passes before this one (the verify-gate), which a turn continued after a block passes too."""
         if not self.config.enabled or exchange.model is None or not exchange.tools or exchange.send is None:
             return None
         if not exchange.thread.planning.rules:
             return None
-        return Authorizing(self, exchange, background)
+        return Authorizing(self, exchange, background, then)
 
 
 def _sources(exchange: Exchange) -> rules.Sources:
@@ -110,8 +116,10 @@ def _sources(exchange: Exchange) -> rules.Sources:
 class Authorizing:
     """The authorizer for one supervised request (module docstring)."""
 
-    def __init__(self, owner: Authorizer, exchange: Exchange, background: trio.Nursery | None) -> None:
+    def __init__(self, owner: Authorizer, exchange: Exchange, background: trio.Nursery | None,
+                 then: Stage | None = None) -> None:
         self.owner = owner
+        self.then = then
         self.config = owner.config
         self.exchange = exchange
         self.fmt = exchange.fmt
@@ -317,7 +325,8 @@ class Authorizing:
         try:
             reply = await cont.send(items)
             if reply.status < 400 and rewritable(reply):
-                return reply
+                # The continued turn is a reply like the first: an answer that ends the turn is gated, too.
+                return reply if self.then is None else await self.then(reply)
             await close(reply.body)
             log.warning("upstream refused to continue a turn after a blocked call (%d)", reply.status)
         except UpstreamError as exc:

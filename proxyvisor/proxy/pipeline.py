@@ -463,8 +463,12 @@ class Pipeline:
     async def _authorized(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply``, or, when it makes tool calls a prohibition the user stated in force could concern, what the
         tool authorizer makes of it (``proxyvisor.proxy.authorizing``). Outside the gate: a tool call the gate's
-        continued turn makes is checked too."""
-        stage = self.authorizer.turn(exchange, self.background)
+        continued turn makes is checked too, and an answer a turn continued after a block gives is gated."""
+
+        async def gated(continued: UpstreamReply) -> UpstreamReply:
+            return await self._gated(exchange, continued)
+
+        stage = self.authorizer.turn(exchange, self.background, gated)
         return reply if stage is None else await stage.reply(reply)
 
     async def _gated(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
