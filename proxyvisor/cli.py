@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
             At exit, a session summary goes to stderr (--quiet: none): model requests, errors and tool
             rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer
             notes, verify-gate outcomes, condensed results and tokens saved, supervisor model calls with
-            their tokens, cost and time), the /info and /plan questions proxyvisor answered itself, and the
-            proxy overhead (proxyvisor's own time, without the upstream's and the supervisor model's).
+            their tokens, cost and time, the tool authorizer's checks and blocks, the upstream pools that
+            refused or failed), the /info and /plan questions proxyvisor answered itself, and the proxy
+            overhead (proxyvisor's own time, without the upstream's and the supervisor model's).
             With --no-supervision: model requests, errors and overhead, counted in memory; nothing is
             written.
             """),

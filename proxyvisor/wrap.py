@@ -16,7 +16,8 @@ import trio
 
 from .agents import agent_command
 from .config import Config
-from .proxy.info import counts_text, plural, summarize, supervisor_text, upstream_cost
+from .proxy.info import (authorizer_text, counts_text, plural, pools_text, summarize, supervisor_text,
+                         upstream_cost)
 from .proxy.service import RunningProxy, running, tune_gc
 from .store import SESSION_ID
 from .store import LedgerError
@@ -48,10 +49,11 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
     """The lines ``wrap`` prints at exit for this run of ``session`` on ``proxy``. With supervision on, from the
     session's ledger records after its first ``earlier`` (those of earlier runs of a ``--session`` reused: they
     count only in a note of the session's total; :func:`proxyvisor.proxy.info.summarize`): model requests, errors
-    and tool rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer notes by signal, gate outcomes, condensed
-    results and tokens saved, supervisor model calls with tokens, cost and time) and the proxy overhead; the
-    questions proxyvisor answered itself (``/info``, ``/plan``). With it off, the in-memory counts of the byte
-    relay: requests, errors, overhead."""
+    and tool rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer notes by
+    signal, gate outcomes, condensed results and tokens saved, supervisor model calls with tokens, cost and time;
+    the tool authorizer's counts once it saw a tool-call batch; the upstream pools once one refused, failed or was
+    stood in for by a fallback) and the proxy overhead; the questions proxyvisor answered itself (``/info``,
+    ``/plan``). With it off, the in-memory counts of the byte relay: requests, errors, overhead."""
     head = f"proxyvisor: session {session}:"
     store = proxy.pipeline.store
     if not proxy.pipeline.supervised or store is None or store.ledger_off is not None:
@@ -92,6 +94,11 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
     out.append(f"proxyvisor:   verify-gate {gate_text}; condensed {plural(info['condense']['results'], 'result')}, "
                f"saved {plural(info['condense']['saved_tokens'], 'token')}; supervisor model "
                f"{supervisor_text(info['supervisor_model'])}")
+    authz, breakers = info["authorizer"], info["breakers"]
+    if authz["batches"]:
+        out.append(f"proxyvisor:   tool authorizer {authorizer_text(authz)}")
+    if breakers["fallbacks"] or any(c["refused"] or c["failed"] for c in breakers["pools"].values()):
+        out.append(f"proxyvisor:   upstream pools {pools_text(breakers)}")
     out.append(f"proxyvisor:   proxy overhead {over['total']:,.1f} ms in all (mean {over['mean']:,.1f}, max "
                f"{over['max']:,.1f} ms a request; upstream and supervisor model time left out)")
     return out

@@ -56,13 +56,17 @@ for step in sys.argv[1:]:
 '''
 
 
-def wrap(tmp_path: Path, *steps: str, supervision: bool = True, session: str | None = None) -> tuple[str, Path]:
+def wrap(tmp_path: Path, *steps: str, supervision: bool = True, session: str | None = None,
+         config: str | None = None) -> tuple[str, Path]:
     """``proxyvisor wrap`` of the child above doing ``steps`` (HOME and the XDG folders are under ``tmp_path``:
-    conftest); returns its stderr and the state directory."""
+    conftest), with the configuration file text ``config`` if given; returns its stderr and the state directory."""
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     state = tmp_path / "state"
     flags = ([] if supervision else ["--no-supervision"]) + (["--session", session] if session else [])
+    if config is not None:
+        (tmp_path / "config.toml").write_text(config)
+        flags += ["--config", str(tmp_path / "config.toml")]
     done = subprocess.run([sys.executable, "-m", "proxyvisor", "wrap", "--state-dir", str(state), *flags, "--",
                            sys.executable, str(child), *steps], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -107,6 +111,15 @@ def test_a_session_that_only_asked_info_says_so(tmp_path: Path) -> None:
     stderr, _ = wrap(tmp_path, "info", "info")
     assert summary_lines(stderr)[-1].endswith(": no model requests; 2 questions answered by proxyvisor itself "
                                               "(/info 2)")
+
+
+def test_wraps_summary_names_an_upstream_pool_that_failed_and_then_refused(tmp_path: Path) -> None:
+    # Nothing listens on port 1: the first request fails and cools the pool, the next is refused without a call.
+    stderr, _ = wrap(tmp_path, "poll", "poll", config='[upstreams.down]\nurl = "http://127.0.0.1:1"\n'
+                                                     'formats = ["chat"]\n')
+    (pools,) = [line for line in summary_lines(stderr) if line.startswith("proxyvisor:   upstream pools ")]
+    assert pools.endswith(" upstream:down:claude-sonnet-4-5: answered 0 · refused 1 · failed 1"), stderr
+    assert not any("tool authorizer" in line for line in summary_lines(stderr))  # it saw no tool-call batch
 
 
 def test_without_supervision_wrap_counts_requests_errors_and_overhead_and_writes_nothing(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def failure_of_error(exc: UpstreamError, now: float) -> Failure:
 class Dispatch:
     """What happened to one request under the breakers: each upstream tried, in order, with its pool, the
     breaker's state at dispatch, whether it was the probe, and its outcome (``answered``, ``refused``: cooling,
-    not sent; ``failed``: tripped, with its status and category)."""
+    not sent; ``failed``: tripped, with its status and category; ``cancelled``: the client left first)."""
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
@@ -112,18 +112,17 @@ class Breakers:
         first = self.upstreams[upstream]
         return [first, *(self.upstreams[name] for name in first.fallback)]
 
-    async def send(self, fmt: WireFormat, model: str, upstream: str,
-                   send: Send) -> tuple[UpstreamReply, Dispatch]:
+    async def send(self, fmt: WireFormat, model: str, upstream: str, send: Send,
+                   dispatch: Dispatch) -> UpstreamReply:
         """Send the agent's request for ``model`` to the upstream named ``upstream`` or its fallbacks under their
         pools' breakers (module docstring) and return the reply (the last failure when every upstream failed;
-        proxyvisor's own 429 when every pool is cooling) and what happened. A healthy pool's success costs one
-        read of the store (the admission) and writes nothing.
+        proxyvisor's own 429 when every pool is cooling); what happened goes to ``dispatch``, whether it returns
+        or raises. A healthy pool's success costs one read of the store (the admission) and writes nothing.
 
         Raises:
             UpstreamError: the last upstream tried gave no reply (as ``send`` raised it).
             trio.Cancelled: the caller left; a probe lease held was given back first.
         """
-        dispatch = Dispatch()
         refusals: list[Admission] = []
         chain = self.chain(upstream)
         for index, target in enumerate(chain):
@@ -144,6 +143,7 @@ class Breakers:
             except UpstreamError as exc:
                 raised, status, failure = exc, exc.status, failure_of_error(exc, self.now())
             except BaseException:  # cancelled (or proxyvisor failed) before an answer: only a lease is given back
+                attempt["outcome"] = "cancelled"
                 if admission.probe:
                     with trio.CancelScope(shield=True):
                         await self.store.release(pool, self.now(), admission.lease_id)
@@ -161,8 +161,8 @@ class Breakers:
                     continue
             if raised is not None:
                 raise raised
-            return reply, dispatch
-        return self._cooling(fmt, refusals), dispatch
+            return reply
+        return self._cooling(fmt, refusals)
 
     async def _settle(self, pool: str, failure: Failure | None, admission: Admission) -> None:
         with trio.CancelScope(shield=True):  # a result known is recorded even if the client leaves now

@@ -25,7 +25,8 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``cl100k_base`` counts of the original and of the model's copy; ``condenser``: ``deterministic`` or ``model``);
 - ``upstream``: under the breakers (``proxyvisor.proxy.breakers``), which upstream answered and why:
   ``{"name", "pool", "health_state", "health_probe", "outcome", "tried": [...]}``; ``outcome`` is ``answered``,
-  ``refused`` (the pool was cooling: proxyvisor answered 429, nothing was sent) or ``failed``; ``tried`` lists
+  ``refused`` (the pool was cooling: proxyvisor answered 429, nothing was sent), ``failed`` or ``cancelled`` (the
+  client left before the answer); ``tried`` lists
   the upstreams tried before it (each with its ``status``, ``error_category`` and ``retry_after_s``);
 - ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "time_ms", "route",
   "model"}``: the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``,
@@ -356,6 +357,20 @@ def supervisor_text(sup: Mapping[str, Any]) -> str:
             f"{sup['output_tokens']:,} out tokens · {cost} · {sup.get('time_ms', 0.0):,.1f} ms")
 
 
+def authorizer_text(authz: Mapping[str, int]) -> str:
+    """A :func:`summarize` object's ``authorizer`` counts, as text."""
+    return (f"checked {authz['checked']:,} · blocked {authz['blocked']:,} · cached {authz['cached']:,} · "
+            f"unavailable {authz['unavailable']:,} · batches {authz['batches']:,} (pre-screened "
+            f"{authz['prescreened']:,})")
+
+
+def pools_text(breakers: Mapping[str, Any]) -> str:
+    """A :func:`summarize` object's ``breakers``, as text: each pool's counts, and the answers a fallback gave."""
+    pools = "; ".join(f"{pool}: answered {c['answered']:,} · refused {c['refused']:,} · failed {c['failed']:,}"
+                      for pool, c in breakers["pools"].items()) or "none"
+    return pools + (f"; answered by a fallback {breakers['fallbacks']:,}" if breakers["fallbacks"] else "")
+
+
 def render_text(info: Mapping[str, Any]) -> str:
     """``info`` (a :func:`summarize` object, with ``session`` when known) as a compact Markdown table that reads
     as plain text too: the text of proxyvisor's /info answer and of ``proxyvisor info``."""
@@ -383,20 +398,14 @@ def render_text(info: Mapping[str, Any]) -> str:
                       + (f" · {info['condense']['tokens_before']:,} -> {info['condense']['tokens_after']:,} tokens"
                          if info["condense"].get("tokens_before") else "")
                       + f" · saved {plural(info['condense']['saved_tokens'], 'token')}"),
-        *([("authorizer", f"checked {authz['checked']:,} · blocked {authz['blocked']:,} · cached "
-                          f"{authz['cached']:,} · unavailable {authz['unavailable']:,} · batches {authz['batches']:,}"
-                          f" (pre-screened {authz['prescreened']:,})")]
-          if (authz := info.get("authorizer") or {}).get("batches") else []),
+        *([("authorizer", authorizer_text(authz))] if (authz := info.get("authorizer") or {}).get("batches") else []),
         ("planner calls", f"{info['planner_calls']:,}"),
         ("supervisor model", supervisor_text(sup)),
         ("upstream", f"{up['input_tokens']:,} in / {up['output_tokens']:,} out tokens"
                      + (f" (estimated for {plural(up['estimated_requests'], 'request')})"
                         if up.get("estimated_requests") else "")
                      + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
-        ("upstream pools", "; ".join(f"{pool}: answered {c['answered']:,} · refused {c['refused']:,} · failed "
-                                     f"{c['failed']:,}" for pool, c in info["breakers"]["pools"].items()) or "none"
-                           + (f"; answered by a fallback {info['breakers']['fallbacks']:,}"
-                              if info["breakers"]["fallbacks"] else "")),
+        ("upstream pools", pools_text(info["breakers"])),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]

@@ -57,7 +57,7 @@ from . import commands, estimate
 from .info import ledger_fields
 from .delegation import ProxyDelegation
 from .authorizing import Authorizer
-from .breakers import breakers_for
+from .breakers import Dispatch, breakers_for
 from .gating import Gating, eligible
 from .supervise import Exchange, ModelUse, Supervisor
 from .closing import close
@@ -392,10 +392,10 @@ class Pipeline:
             else:
                 reply = await self._upstream(request, fmt, path, upstream_name, body, content, exchange)
         except UpstreamError as exc:
-            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
+            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
+            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED, exchange)
             raise
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
@@ -411,10 +411,10 @@ class Pipeline:
                 reply = await self._upstream(request, fmt, split_prefix(request.path)[1], upstream.name, body, None,
                                              exchange)
         except UpstreamError as exc:
-            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message)
+            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED)
+            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED, exchange)
             raise
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
@@ -440,10 +440,12 @@ class Pipeline:
                                        content if content is not None else orjson.dumps(body))
 
         model = body.get("model")
-        reply, dispatch = await self.breakers.send(fmt, model if isinstance(model, str) else "", upstream, send)
-        if exchange is not None:
-            exchange.record.upstream = dispatch.evidence()
-        return reply
+        dispatch = Dispatch()
+        try:
+            return await self.breakers.send(fmt, model if isinstance(model, str) else "", upstream, send, dispatch)
+        finally:
+            if exchange is not None and dispatch.attempts:
+                exchange.record.upstream = dispatch.evidence()
 
     async def _relayed(self, request: Request, fmt: WireFormat, path: str, upstream: str,
                        content: bytes | tuple[bytes, ...]) -> UpstreamReply:
