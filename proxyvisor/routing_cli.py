@@ -538,8 +538,8 @@ def _health(args: argparse.Namespace, config: Config) -> int:
         for row in rows:
             extra = f", recovers in {row['recovers_in_s']:g} s" if row["recovers_in_s"] is not None else ""
             extra += " (probe in flight)" if row["probe_in_flight"] else ""
-            last = f", last failure: {row['last_category']}" if row["last_category"] else ""
-            print(f"{row['pool']}: {row['state']}{extra}; failures: {row['failure_count']}{last}")
+            last = f" (last failure: {row['last_category']})" if row["last_category"] else ""
+            print(f"{row['pool']}: {row['state']}{extra}; failures in a row: {row['failure_count']}{last}")
         return 0
     finally:
         store.close()

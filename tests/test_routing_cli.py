@@ -259,7 +259,7 @@ def test_health_show_and_clear(capsys) -> None:
     store.close()
     code, out, _ = cli(capsys, "health", "show")
     assert code == 0 and "claude-code:opus-4x: cooling_down, recovers in 1" in out
-    assert "claude-code:haiku-4-5: healthy; failures: 0, last failure: auth" in out
+    assert "claude-code:haiku-4-5: healthy; failures in a row: 0 (last failure: auth)" in out
     code, out, _ = cli(capsys, "health", "clear", "claude-code:opus-4x")
     assert out == "cleared 1 pool(s): claude-code:opus-4x\n"
     assert [p["pool"] for p in json.loads(cli(capsys, "health", "show", "--json")[1])["pools"]] == [

@@ -35,9 +35,10 @@ answer, never an unmarked step. So conversations running in parallel (``proxyvis
 carrying its own marker) each follow their own script.
 
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
-the next ``condense`` step, or, with none queued, no verdict (:mod:`.scripted_condenser`: the deterministic
-condenser decides). The verify-gate's verifier and refuter calls, the planner's and the tool authorizer's likewise get
-a fixed policy's answer (:mod:`.scripted_verifier`, :mod:`.scripted_planner`, :mod:`.scripted_authorizer`), in the call's own format: a call that forces a tool
+the next ``condense`` step, or, with none queued, no verdict (:mod:`.condenser`: the deterministic condenser
+decides). The verify-gate's verifier and refuter calls, the planner's and the tool authorizer's likewise get a
+fixed policy's answer (:mod:`.verifier`, :mod:`.planner`, :mod:`.authorizer`: the last a word rule, blocking a
+call whose arguments name what a standing prohibition forbids), in the call's own format: a call that forces a tool
 (Anthropic's ``tool_choice: {"type": "tool"}``) gets that tool's call with the answer as its input, as a provider
 answers it. So the supervisor model on the session's route, or ``[supervisor.model] api_base = "scripted:"``, is a
 supervisor model with no key and no network.
