@@ -9,7 +9,9 @@ from typing import Any
 import orjson
 import tiktoken
 
-from proxyvisor.proxy.estimate import count
+from proxyvisor.proxy.estimate import completed, count
+from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, Usage
+from proxyvisor.proxy.pipeline import _KEPT_FOR_ESTIMATE
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import MODEL, http_client, raw_stream, serve_handler
@@ -72,6 +74,39 @@ async def test_a_json_answer_without_usage_is_counted_from_its_text_and_tool_cal
     [line] = ledger(state_dir)
     assert line["usage_estimated"] is True and line["input_tokens"] > 0
     assert line["output_tokens"] == reference('Reading.\nread{"path":"a.rs"}')
+
+
+async def test_a_stream_event_past_the_kept_data_is_counted_by_its_length_not_read_again(start_proxy,
+                                                                                           state_dir) -> None:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return orjson.dumps({"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    big = chunk({"content": "word " * (_KEPT_FOR_ESTIMATE // 5 + 1000)})
+    events = [chunk({"role": "assistant", "content": "Here: "}), big, chunk({}, "stop"), b"[DONE]"]
+    sent = b"".join(b"data: " + e + b"\n\n" for e in events)
+
+    async def upstream(request: Request) -> Response:
+        return Response(200, [(b"content-type", b"text/event-stream")], sent)
+
+    async with serve_handler(upstream) as url, start_proxy(upstream_url=url) as rp:
+        reply, data = await raw_stream(rp.url, "chat", aider_body(stream=True))
+    assert reply.status_code == 200
+    deltas = [orjson.loads(line[6:])["choices"][0]["delta"] for line in data.split(b"\n\n")[:-2]]
+    assert "".join(d.get("content", "") for d in deltas) == "Here: " + orjson.loads(big)["choices"][0]["delta"][
+        "content"]  # the answer as it came (the stripper may move a trailing space to the next event)
+    [line] = ledger(state_dir)
+    # The two small events are read ("Here: " is 2 tokens); the big one counts at 4 characters a token.
+    assert line["usage_estimated"] is True
+    assert line["output_tokens"] == reference("Here: ") + (len(big) + 3) // 4
+
+
+def test_an_estimate_adds_the_unread_characters_at_four_a_token() -> None:
+    fmt, turn = BY_NAME["chat"], AssistantTurn(text="hello there")
+    assert completed(Usage(10, None), fmt, None, turn, unread=40).output_tokens == reference("hello there") + 10
+    assert completed(Usage(10, None), fmt, None, None, unread=41).output_tokens == 11
+    assert completed(Usage(10, None), fmt, None, None).output_tokens is None  # nothing to count
+    assert completed(Usage(10, 5), fmt, None, None, unread=400).output_tokens == 5  # reported wins
 
 
 def test_long_texts_are_counted_on_their_start_and_scaled() -> None:

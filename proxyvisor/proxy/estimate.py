@@ -99,19 +99,22 @@ def output_tokens(turn: AssistantTurn) -> int:
     return count("\n".join([turn.text, *calls]))
 
 
-def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: AssistantTurn | None) -> Usage:
+def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: AssistantTurn | None,
+              unread: int = 0) -> Usage:
     """``usage`` with each count the answer did not report estimated (``estimated`` then True): input from
     ``body`` (none without it), output from ``turn`` (none without it, or when it holds nothing: a stream
-    that did not parse as the format's events). Never raises: a count that fails is
-    left unreported (and logged)."""
+    that did not parse as the format's events) and ``unread``, the characters of stream event data that were
+    not kept to be read (counted at 4 characters a token). Never raises: a count that fails is left unreported
+    (and logged)."""
     if usage.input_tokens is not None and usage.output_tokens is not None:
         return usage
     filled = Usage(usage.input_tokens, usage.output_tokens)
     try:
         if filled.input_tokens is None and body is not None:
             filled.input_tokens = input_tokens(fmt, body)
-        if filled.output_tokens is None and turn is not None and (turn.text or turn.tool_calls):
-            filled.output_tokens = output_tokens(turn)
+        read = turn is not None and bool(turn.text or turn.tool_calls)
+        if filled.output_tokens is None and (read or unread):
+            filled.output_tokens = (output_tokens(turn) if turn is not None and read else 0) + (unread + 3) // 4
     except Exception as exc:  # noqa: BLE001 - an estimate must never cost the agent its answer or ledger line
         log.warning("cannot estimate the usage of an answer that reported none (%s)", type(exc).__name__)
     filled.estimated = (filled.input_tokens, filled.output_tokens) != (usage.input_tokens, usage.output_tokens)

@@ -511,16 +511,20 @@ class Pipeline:
         stream = Encoded(reply.body) if isinstance(reply.body, ReplyStream) else reply.body
         usage = Usage()
         events: list[tuple[str | None, str]] = []
-        kept = 0
+        kept = unread = 0
 
         def read_usage(name: str | None, data: str) -> None:
-            nonlocal kept
+            nonlocal kept, unread
             found = _event_usage(fmt, name, data)
             if found:
                 usage.add(found)
-            if kept < _KEPT_FOR_ESTIMATE:  # the answer, should the stream report no usage (its own data strings)
+            # The answer, should the stream report no usage (its own data strings); an event past the cap is only
+            # counted: reading a big one again at the end would cost what relaying it did.
+            if kept + len(data) <= _KEPT_FOR_ESTIMATE:
                 events.append((name, data))
                 kept += len(data)
+            else:
+                unread += len(data)
 
         parser = None
         edited = stream.edited if isinstance(stream, Encoded) else None
@@ -596,7 +600,7 @@ class Pipeline:
                     if usage.output_tokens is None or session.identified == "hash":
                         with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
                             turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
-                    usage = estimate.completed(usage, fmt, body, turn)
+                    usage = estimate.completed(usage, fmt, body, turn, unread)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange)
                 self._delivered(session, fmt, body, shown)
