@@ -83,12 +83,16 @@ _SCRIPT_CHECKS = re.compile(r"^(?:test|tests|lint|check|typecheck|ci)(?:[:\-_]\w
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _NON_WORD = re.compile(r"[^A-Za-z0-9]+")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_DECORATION = re.compile(r"^[\s=\-_*!#>.~]+|[\s=\-_*!#<.~]+$")
+_DECORATION = re.compile(r"^[\s=\-_*!#>.~]+|(?<![\s=\-_*!#<.~])[\s=\-_*!#<.~]++$")
+"""Decoration around a line; the trailing run is tried only where it starts (a long run of spaces inside a line
+would otherwise be tried at each of its characters)."""
 _LEVEL = re.compile(r"^\[(?:INFO|ERROR|WARNING|WARN|DEBUG)\]\s*")
 _COUNT = re.compile(
-    r"(\d+)\s+(failed|failing|failures?|errors?|errored|passed|passing|passes|ok|succeeded|skipped|skips?|pending|"
+    r"(?<!\d)(\d++)\s++(failed|failing|failures?|errors?|errored|passed|passing|passes|ok|succeeded|skipped|skips?|pending|"
     r"xfailed|xpassed|deselected|warnings?|todo|broken|flaky|ignored|measured|filtered out|rerun|total|examples?|"
     r"runs|assertions|tests? completed|tests? run|tests?|specs?|suites?)\b", re.I)
+"""A count and what it counts; possessive and not after a digit, so that a line number followed by indentation
+(``2455\t    code``) is given up at once rather than tried at every split of its digits and spaces."""
 _FAIL_WORDS = ("fail", "error", "broken")
 _PASS_WORDS = ("pass", "ok", "succeeded")
 _TOTAL_WORDS = ("total", "example", "run", "test", "spec", "suite", "completed")
@@ -210,9 +214,20 @@ LINTERS = frozenset({"mypy", "linter", "ruff", "eslint"})
 are plain enough for any script to print."""
 
 
+def _scoped(pattern: re.Pattern[str]) -> str:
+    return f"(?i:{pattern.pattern})" if pattern.flags & re.I else f"(?:{pattern.pattern})"
+
+
+_ROWS = re.compile("|".join(_scoped(row[1]) for row in SUMMARIES))
+"""Any row's pattern (each is anchored at the line's start): a line it does not match, holding no count either,
+is no summary line, found with one match (most lines of an output are none) instead of one search per row."""
+
+
 def _classify(line: str, linters: bool = True) -> tuple[str, str | None] | None:
     """(outcome, unit kind) of one cleaned line, or None when it is no summary line; ``linters``: read the
     :data:`LINTERS` rows too."""
+    if not _ROWS.match(line) and not _COUNT.search(line):
+        return None
     for runner, pattern, rule, unit in SUMMARIES:
         if runner in LINTERS and not linters:
             continue
