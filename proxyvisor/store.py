@@ -186,10 +186,11 @@ class Store:
 
     def read_ledger(self, session_id: str) -> list[dict[str, Any]]:
         """All complete records of a session's ledger (none when it has none); an incomplete or corrupt line is
-        skipped.
+        skipped, and how many were is logged (a warning naming the file).
 
         Raises:
-            LedgerError: the ledger exists but cannot be read; the message names the file.
+            LedgerError: the ledger exists but cannot be read, or holds lines and not one record; the message
+                names the file.
         """
         path = self.ledger_path(session_id)
         try:
@@ -206,6 +207,12 @@ class Store:
                 continue
             if isinstance(record, dict):
                 out.append(record)
+        if (skipped := len(lines) - len(out)) and not out:
+            raise LedgerError(f"the ledger {path} holds no record: not one of its {len(lines):,} "
+                              f"line{'s' if len(lines) > 1 else ''} is a JSON object (not a ledger, or corrupt)")
+        if skipped:
+            log.warning("ledger %s: %d of %d lines skipped (not a JSON object: a torn or corrupt line)", path,
+                        skipped, len(lines))
         return out
 
     def sessions(self) -> list[str]:

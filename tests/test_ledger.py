@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from datetime import datetime
 
 import pytest
 
-from proxyvisor.store import Store
+from proxyvisor.store import LedgerError, Store
 
 from helpers import TEXT_STEP, TOOL_STEP, closed_port, files_under, raw_stream, request_body
 
@@ -62,7 +63,7 @@ async def test_a_broken_state_dir_does_not_break_requests(start_proxy, state_dir
         assert reply.status_code == 200
 
 
-def test_truncated_or_corrupt_lines_are_skipped(tmp_path) -> None:
+def test_truncated_or_corrupt_lines_are_skipped_and_counted_in_the_log(tmp_path, caplog) -> None:
     store = Store(tmp_path / "st")
     store.append_ledger("s1", {"n": 1})
     path = store.ledger_path("s1")
@@ -71,9 +72,22 @@ def test_truncated_or_corrupt_lines_are_skipped(tmp_path) -> None:
     store.append_ledger("s1", {"n": 2})
     with open(path, "ab") as f:
         f.write(b'{"n": 3, "trunc')  # a crash in the middle of the last write
-    assert store.read_ledger("s1") == [{"n": 1}, {"n": 2}]
+    with caplog.at_level(logging.WARNING, "proxyvisor.store"):
+        assert store.read_ledger("s1") == [{"n": 1}, {"n": 2}]
+    assert f"ledger {path}: 3 of 5 lines skipped" in caplog.text
     assert store.read_ledger("never-written") == []
     assert store.sessions() == ["s1"]
+
+
+def test_a_ledger_with_lines_and_no_record_is_an_error_naming_it(tmp_path) -> None:
+    store = Store(tmp_path / "st")
+    store.append_ledger("s1", {"n": 1})
+    path = store.ledger_path("s1")
+    path.write_bytes(b"\x00\xff\xfe\n{garbage\n")
+    with pytest.raises(LedgerError, match=f"the ledger {path} holds no record: not one of its 2 lines"):
+        store.read_ledger("s1")
+    path.write_bytes(b"")  # empty: a session with nothing recorded yet
+    assert store.read_ledger("s1") == []
 
 
 def test_store_creates_nothing_until_the_first_write(tmp_path) -> None:
