@@ -326,6 +326,26 @@ async def test_a_judgment_over_budget_allows_with_no_call(tmp_path: Path) -> Non
     assert run.last("authorizer")["decisions"][0]["by"] == "over_budget"
 
 
+async def test_the_budget_bounds_the_judge_calls_whole_input_its_instructions_included(tmp_path: Path) -> None:
+    """A document that fits the budget alone, but not with the judge's instructions, is over budget: the call
+    is not made and the tool call is allowed."""
+    from proxyvisor.condense.text import count_tokens
+
+    prompt = PROMPT + " " + " ".join(f"word{n}" for n in range(1500))
+    seen = Judge([ALLOW])
+    async with authorized(tmp_path / "measure", [calls_step(PYTEST)], seen) as run:
+        await send(run, "messages", False, agent_body("messages", False, prompt))
+    document = seen.calls[0][1][1]["content"]
+    assert count_tokens(document) >= 1024  # the budget's floor
+    judge = Judge([block()], [CONFIRM])
+    async with authorized(tmp_path / "run", [calls_step(PYTEST)], judge,
+                          budget_tokens=count_tokens(document) + 1) as run:
+        _, calls, _ = await send(run, "messages", False, agent_body("messages", False, prompt))
+    assert [c.id for c in calls] == ["call_p1"] and judge.calls == []
+    record = run.last("authorizer")
+    assert (record["decisions"][0]["by"], record["unavailable"], record["blocked"]) == ("over_budget", 1, 0)
+
+
 # ---- the turn's limit, and a streamed batch whose admitted calls are of a built-in type ----------------------------
 @pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
 async def test_a_model_that_keeps_calling_blocked_tools_ends_its_turn_with_a_note(tmp_path: Path, fmt: str,

@@ -25,8 +25,8 @@ decisions for one supervised request (:class:`Authorizing`):
   does with the agent's calls beside a delegation call.
 - **``mode = "advise"``**: nothing is kept from the agent; a confirmed conflict is recorded and a note for the
   model is added after the agent's last item (re-inserted like every note).
-- **Never lose the answer**: a judgment that fails, times out (``timeout_s``), is malformed or over
-  ``budget_tokens`` allows; a continuation that fails delivers the reply as it came.
+- **Never lose the answer**: a judgment that fails, times out (``timeout_s``), is malformed or whose call's whole
+  input (its instructions and its document) is over ``budget_tokens`` allows; a continuation that fails delivers the reply as it came.
 
 Counted in the request's ledger line as ``authorizer`` (``RequestRecord.authorizer``; summed for ``/info``)::
 
@@ -178,7 +178,7 @@ class Authorizing:
             return denials
         self.record["checked"] += len(fresh)
         document = rules.document(sources, fresh)
-        if count_tokens(document) > self.config.budget_tokens:
+        if self._over_budget(rules.JUDGE_INSTRUCTIONS, document):
             self.record["unavailable"] += 1
             for call in fresh:
                 self._decision(call, "allow", "over_budget")
@@ -238,13 +238,22 @@ class Authorizing:
             if proposal is None:
                 self._decision(call, "allow", "judge")
                 continue
-            check = await self._ask("authorize_confirm", rules.CONFIRM_INSTRUCTIONS,
-                                    rules.confirmation_input(proposal, sources))
+            confirming = rules.confirmation_input(proposal, sources)
+            if self._over_budget(rules.CONFIRM_INSTRUCTIONS, confirming):
+                self.record["unavailable"] += 1
+                self._decision(call, "allow", "over_budget")
+                continue
+            check = await self._ask("authorize_confirm", rules.CONFIRM_INSTRUCTIONS, confirming)
             if check is not None and rules.read_confirmation(check.text):
                 out[call.id] = rules.denial(proposal)
             else:
                 self._decision(call, "allow", "unconfirmed" if check is not None else "unavailable")
         return out
+
+    def _over_budget(self, system: str, document: str) -> bool:
+        """Whether a judgment call's whole input, its instructions and its document (:meth:`_ask`'s messages),
+        exceeds ``budget_tokens``: then the call is not made and the call it judges is allowed."""
+        return count_tokens(system) + count_tokens(document) > self.config.budget_tokens
 
     async def _ask(self, purpose: str, system: str, document: str) -> ModelAnswer | None:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
