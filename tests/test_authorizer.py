@@ -61,6 +61,17 @@ def test_with_no_prohibition_nothing_goes_to_the_judge() -> None:
     ("DO NOT MODIFY: Tests, configuration files.", a.Call("c", "bash", {"command": "sed -i s/a/b/ x.py"}), True),
     ("DO NOT MODIFY: Tests, configuration files.", a.Call("c", "bash", {"command": "cat tests/test_x.py"}), True),
     ("Never push.", a.Call("c", "Glob", {"pattern": "*.py"}), False),
+    # A change mode forbids changing, not reading: its "read" names nothing.
+    ("Read-only: no edits.", a.Call("c", "Edit", {"file_path": "src/parser.py"}), True),
+    ("Read-only: no edits.", a.Call("c", "Write", {"file_path": "notes.md", "content": "x"}), True),
+    ("Read-only: no edits.", a.Call("c", "Bash", {"command": "sed -i s/a/b/ x.py"}), True),
+    ("Read-only: no edits.", a.Call("c", "Read", {"file_path": "README.md"}), False),
+    ("Read-only: no edits.", a.Call("c", "Bash", {"command": "ls src"}), False),
+    ("Leave the migrations alone.", a.Call("c", "Edit", {"file_path": "app.py"}), True),
+    ("Leave the migrations alone.", a.Call("c", "Grep", {"pattern": "TODO"}), False),
+    # "change" and "write" are matched as the content words they are ("chang", "writ").
+    ("Do not change any files.", a.Call("c", "Edit", {"file_path": "app.py"}), True),
+    ("Don't write anything.", a.Call("c", "apply_patch", {"input": "*** Begin Patch"}), True),
 ])
 def test_the_prescreen_sends_only_calls_a_prohibition_could_concern(rule: str, call: a.Call, judged: bool) -> None:
     assert a.concerned(standing([(1, rule)]), [call]) == ([call] if judged else [])

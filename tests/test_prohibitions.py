@@ -87,3 +87,74 @@ def test_prior_prohibitions_carry_on_and_at_most_eight_stay_in_force() -> None:
     assert standing([(2, "You can run the tests.")], prior) == prior
     many = standing((n, f"Do not touch file{n}.py.") for n in range(1, 12))
     assert len(many) == MAX_ITEMS and [s.turn for s in many] == list(range(4, 12))  # the most recent kept
+
+
+@pytest.mark.parametrize("text", [
+    "Read-only: no edits.",
+    "This task is read-only.",
+    "Treat the repo as read only.",
+    "Don't modify anything.",
+    "Do not change any files.",
+    "Don't write to docs/.",
+    "Dont touch the lockfile.",
+    "Leave the migrations alone.",
+    "Leave setup.cfg as is.",
+    "Keep the public API unchanged.",
+    "Never commit or push.",
+    "No commits, no pushes.",
+    "Make no changes to setup.cfg.",
+    "Fix the parser without modifying the tests.",
+    "Fix it without running the full suite.",
+    "Avoid touching the CI config.",
+    "Make sure not to install anything.",
+    "Please refrain from deleting files.",
+    "Hands off the vendor/ folder.",
+    "Stay out of the legacy module.",
+    "Pushing to main is not permitted.",
+])
+def test_a_prohibition_on_changing_running_touching_or_an_action_is_read_in_any_shape(text: str) -> None:
+    assert in_force(text) == [(1, text)]
+
+
+@pytest.mark.parametrize("text", [
+    "I read only the first file.",
+    "There were no changes in the diff.",
+    "It ran, but no changes were made.",
+    "The hook found nothing (no writes to progress.md).",
+    "Use a generator to avoid running out of memory.",
+    "Keep going until the tests pass.",
+    "Leave it to me.",
+    "Open the read-only file and tell me what it says?",
+    'The docs say "leave the defaults alone".',
+])
+def test_a_fact_a_question_or_a_quote_is_no_prohibition(text: str) -> None:
+    assert in_force(text) == []
+
+
+@pytest.mark.parametrize(("prohibition", "permission"), [
+    ("Read-only: no edits.", "ok, edit it now"),
+    ("Treat src/ as read-only.", "You can edit src/ now."),
+    ("Leave the migrations alone.", "Feel free to edit the migrations."),
+    ("Fix it without modifying the tests.", "You may modify the tests now."),
+    ("Make no changes to setup.cfg.", "You can change setup.cfg now."),
+])
+def test_a_permission_lifts_a_prohibition_of_any_shape(prohibition: str, permission: str) -> None:
+    assert in_force(prohibition, permission) == []
+
+
+@pytest.mark.parametrize(("prohibition", "later"), [
+    ("Read-only: no edits.", "Thanks. Now summarise the parser."),
+    ("Read-only: no edits.", "You can run the tests now."),  # another action
+    ("Leave the migrations alone.", "You can edit the docs."),  # another object
+])
+def test_a_change_mode_stays_until_a_permission_names_a_change(prohibition: str, later: str) -> None:
+    assert in_force(prohibition, later) == [(1, prohibition)]
+
+
+def test_a_change_mode_forbids_changes_and_names_no_reading() -> None:
+    from proxyvisor.gate.prohibitions import content_words, forbidden_words
+
+    words = forbidden_words("Read-only: no edits.")
+    assert content_words("edit modify change write") <= words
+    assert not words & content_words("read only")
+    assert forbidden_words("Do not run the tests.") == content_words("run the tests")

@@ -5,8 +5,9 @@ Allow-first (reference section 7, "Authorizer"): a call is blocked only for a co
 explicit prohibition that a judge proposed and a second, independent check confirmed; everything else allows.
 
 - **Pre-screen** (:func:`concerned`, free): with no standing prohibition (``gate.prohibitions.standing``) the batch
-  is admitted; otherwise a call is put to the judge only when a prohibition could concern it: one of the
-  prohibition's content words occurs in the call's name or arguments ("do not run the tests" and
+  is admitted; otherwise a call is put to the judge only when a prohibition could concern it: one of the words of
+  what the prohibition forbids (``gate.prohibitions.forbidden_words``: a change mode such as "read-only" forbids
+  editing, not reading) occurs in the call's name or arguments ("do not run the tests" and
   ``pytest -q``), or the prohibition forbids an action of a kind the call can perform (running things and a shell
   call; changing things and an editing tool, or a shell command that writes,
   ``proxyvisor.detectors.receipts.writes``). A call it lets through is admitted without a model call.
@@ -42,7 +43,7 @@ from typing import Any
 import orjson
 
 from ..detectors.receipts import command_text, writes
-from .prohibitions import Standing, content_words
+from .prohibitions import Standing, content_words, forbidden_words
 from .verdict import json_object
 
 MAX_ACTIONS = 16
@@ -78,9 +79,10 @@ call clearly does what the quoted prohibition forbids and nothing in the user's 
 
 Answer with JSON only: {"confirmed": true, "reason": "<one short sentence>"} or {"confirmed": false, "reason": "..."}."""
 
-_RUN_ACTIONS = frozenset("run execute invoke launch start trigger call rerun use install build deploy".split())
-_CHANGE_ACTIONS = frozenset("""edit touch modify change write delete remove rm create add commit push merge rebase
-    reset format rename move overwrite update upgrade patch drop truncate migrate publish release""".split())
+# As content words (stemmed like a prohibition's words: "change" is "chang", "write" is "writ").
+_RUN_ACTIONS = content_words("run execute invoke launch start trigger call rerun use install build deploy")
+_CHANGE_ACTIONS = content_words("""edit touch modify change write delete remove rm create add commit push merge
+    rebase reset format rename move overwrite update upgrade patch drop truncate migrate publish release""")
 _SHELL = re.compile(r"bash|shell|exec|terminal|command|run|console|cmd|powershell|sh$", re.I)
 _EDITING = re.compile(r"edit|write|patch|create|delete|remove|move|rename|replace|insert|notebook|str_replace|"
                       r"apply|update|commit|push", re.I)
@@ -166,7 +168,7 @@ def concerned(rules: Sequence[Standing], calls: Sequence[Call]) -> list[Call]:
     word scan of each call's JSON."""
     if not rules:
         return []
-    words = [content_words(rule.text) for rule in rules]  # read once per batch, not once per call
+    words = [forbidden_words(rule.text) for rule in rules]  # read once per batch, not once per call
     out = []
     for call in calls:
         text = _call_text(call)

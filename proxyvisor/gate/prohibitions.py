@@ -5,8 +5,23 @@ request" list; seed 003 "Verify-gate": "a forbidden check's absence is complianc
 verification prohibition persists until you explicitly change it"):
 
 - A message is cut into **units**: lines, then sentences (ending in ``.``, ``!`` or ``;``).
-- A unit is a prohibition when it contains (case-insensitive) ``do not ``, ``don't ``, ``never ``, ``must not ``,
-  ``not allowed`` or ``forbidden``.
+- A unit is a prohibition when it holds (case-insensitive) a **marker** (:data:`_FORBIDDING`) of one of these
+  shapes, whatever it forbids (changing, running, touching a path, an action such as pushing or installing):
+
+  - a negation before the forbidden action: ``do not``, ``don't``, ``dont``, ``never``, ``must not``,
+    ``mustn't``, ``not to`` ("make sure not to push"), ``refrain from``; or after it: ``not allowed``,
+    ``not permitted``, ``forbidden``;
+  - ``no`` before an action noun (edits, changes, modifications, writes, commits, pushes, installs, deletions, new
+    files, refactoring...), at the start of a unit, after ``:``, ``;`` or a dash, or after ``please``, ``just``,
+    ``make``: "read-only: no edits", "No changes to the public API", "make no commits" (a fact such as "it ran
+    but no changes were made" or "(no writes found)" holds no marker);
+  - ``without`` or ``avoid`` before an action's gerund: "fix it without modifying the tests", "avoid touching
+    the CI config" (``without running``/``executing`` too; "avoid running out of memory" is no rule);
+  - a **change mode**, forbidding any change to what it names (or to anything): ``read-only``, ``readonly``,
+    ``read only`` (at a clause's end or after ``is``, ``as``, ``stay``...: "I read only the first file" states no
+    rule), ``leave X alone``/``untouched``/``unchanged``/``as is``, ``keep X unchanged``/``untouched``/``intact``,
+    ``hands off``, ``stay out of``. Such a rule forbids what editing tools and writing commands do: its words
+    (:func:`forbidden_words`) include the change actions (edit, modify, change, write, touch).
 - Skipped: lines inside code fences, blockquotes (``>``), box-drawing UI lines (U+2500-U+257F), ``NN:`` excerpts
   (a line number and a colon, as tools print file lines), questions (ending in ``?``) and quote-led units (they
   quote someone else's words).
@@ -23,14 +38,17 @@ force, with its source turn, until a later turn lifts it with an explicit **perm
   holds a permission marker (:data:`PERMISSION_MARKERS`: ``you can``, ``you may``, ``feel free to``, ``go ahead``,
   ``allowed to``, ``it's fine to``, ...; what it allows is the text after the marker), or is an imperative of the
   prohibition's own action: it starts, after interjections such as ``ok``, ``now``, ``please``, with the word that
-  follows the prohibition's marker (``run`` in "do not run the tests": "ok, now run them");
+  follows the prohibition's marker (``run`` in "do not run the tests": "ok, now run them"), or, for a change mode,
+  with a change action ("ok, edit it now" after "read-only");
 - the clause lifts a prohibition when they name the same thing, by **content words** (lowercase words without
   stop words, lightly stemmed: ``tests``/``test``, ``running``/``run``, ``migrations/``/``migration``; the words
-  after the prohibition's marker, or all its words when nothing follows the marker): either every content word of
+  after the prohibition's marker, or all its words when nothing follows the marker; a change mode's words but its
+  markers', with the change actions): either every content word of
   the prohibition is in the permission ("you can run the tests now" lifts "do not run the tests"; "feel free to
   edit migrations/" lifts "do not edit migrations/"), or the permission names the prohibition's action and
   nothing the prohibition does not ("go ahead and push" lifts "never push to main"; "ok, now run them" lifts "do
-  not run the tests", "them" being no content word). A permission naming something else ("you can run the linter")
+  not run the tests", "them" being no content word; "you can edit src/ now" lifts "treat src/ as read-only"). A
+  permission naming something else ("you can run the linter")
   lifts nothing; one that names nothing ("go ahead.") lifts nothing. When in doubt the prohibition stays: a
   prohibition wrongly kept costs a missing check, one wrongly lifted lets the agent do what the user forbade;
 - a turn's permissions lift only earlier turns' prohibitions (one message saying "do not run the tests, you can
@@ -48,14 +66,29 @@ from dataclasses import dataclass
 
 MAX_ITEMS = 8
 MAX_CHARS = 200
-_MARKERS = ("do not ", "don't ", "never ", "must not ", "not allowed", "forbidden")
-"""Matched in lowercased text whose typographic apostrophes became ``'`` (:func:`_norm`)."""
+_CHANGE_NOUNS = (r"edits?|editing|changes|modifications?|writes|writing|commits?|committing|push(?:es|ing)?|"
+                 r"force[- ]push(?:es|ing)?|installs?|installing|deletions?|deleting|new files?|refactors?|refactoring")
+_CHANGE_GERUNDS = (r"modifying|editing|changing|touching|writing|committing|pushing|deleting|removing|installing|"
+                   r"renaming|moving|overwriting|reformatting|refactoring")
+_FORBIDDING = re.compile(
+    r"\b(?:do not|don'?t|never|must not|mustn'?t|not to|refrain from)\s+"
+    r"|\bnot (?:allowed|permitted)\b|\bforbidden\b"
+    rf"|(?:^|[:;\u2013\u2014]\s*|\b(?:please|just|make)\s+)no\s+(?:more\s+|further\s+)?"
+    rf"(?=(?:{_CHANGE_NOUNS})\b)"
+    rf"|\bwithout\s+(?=(?:{_CHANGE_GERUNDS}|running|executing)\b)|\bavoid\s+(?=(?:{_CHANGE_GERUNDS})\b)"
+    r"|(?P<change>\bread-only\b|\breadonly\b|\bread only(?=\s*(?:[:;,.!)]|$))"
+    r"|\b(?:be|is|are|as|stay|remain|strictly|keep it) read only\b|\bhands off\b|\bstay out of\b"
+    r"|\b(?:leave|keep)\s+(?=.{1,80}?\s(?:alone|untouched|unchanged|intact|as[- ]is)\b))")
+"""The markers of a prohibition (module docstring), searched in lowercased text whose typographic apostrophes
+became ``'`` and whose quoted spans are blanked (:func:`_unquoted`). A match ends where the forbidden action's
+words begin; the ``change`` group is a change mode."""
 PERMISSION_MARKERS = (
     "you can ", "you may ", "you're allowed to ", "you are allowed to ", "allowed to ", "you're free to ",
     "you are free to ", "feel free to ", "go ahead", "permission to ", "it's ok to ", "it's okay to ",
     "it's fine to ", "it is ok to ", "it is okay to ", "it is fine to ", "is allowed", "are allowed", "is fine now",
     "is ok now", "is okay now")
-"""Phrases that make a clause a permission (matched like :data:`_MARKERS`); what the clause allows is the text
+"""Phrases that make a clause a permission (matched in lowercased text whose typographic apostrophes became
+``'``); what the clause allows is the text
 after them (before them for ``is allowed``-style endings: "running the tests is allowed now")."""
 _SENTENCE = re.compile(r"(?<=[.!;])\s+")
 _CLAUSE = re.compile(r"[,:]\s*|\s+but\s+", re.IGNORECASE)
@@ -73,6 +106,7 @@ _STOP = _INTERJECTIONS | frozenset("""
     should shall will would can could may might cannot won isn aren wasn to of in on at by for with from into
     onto about over under as or if any all some more anymore yet again ahead go feel free allowed permitted
     permission ok fine forbidden let lets what which who when until before after than too very really one
+    alone untouched unchanged intact
     """.split())
 
 
@@ -113,8 +147,7 @@ def _unquoted(text: str) -> str:
 
 
 def _forbids(text: str) -> bool:
-    lowered = _unquoted(text)
-    return any(marker in lowered for marker in _MARKERS)
+    return _FORBIDDING.search(_unquoted(text)) is not None
 
 
 def prohibitions(request: str) -> tuple[str, ...]:
@@ -163,21 +196,50 @@ def content_words(text: str) -> frozenset[str]:
     return _content(_words(text))
 
 
+_CHANGES = ("edit", "modify", "change", "write", "touch")
+"""The actions a change mode forbids (module docstring), as content words."""
+_FILLERS = ("to", "be", "ever", "even", "please", "no", "any", "make")
+"""Words between a marker and the forbidden action ("do not ever run", "make no edits")."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Rule:
-    """A prohibition as :func:`_lifts` reads it: its content words and its action (the raw word after the
-    marker; None when nothing follows the marker)."""
+    """A prohibition as :func:`_lifts` reads it: its content words, its actions as content words and the words an
+    imperative of its action starts with (a negation's: the word after its marker; a change mode's: the change
+    actions)."""
 
     words: frozenset[str]
-    action: str | None
+    actions: frozenset[str]
+    verbs: frozenset[str]
+
+
+def _marked(text: str) -> tuple[str, str, bool]:
+    """(``text`` lowered, the same with its markers blanked, whether one of them is a change mode)."""
+    found = list(_FORBIDDING.finditer(_unquoted(text)))
+    blanked = list(_norm(text))
+    for match in found:
+        start, end = match.span()
+        blanked[start:end] = " " * (end - start)
+    return _norm(text), "".join(blanked), any(match.group("change") for match in found)
+
+
+def forbidden_words(text: str) -> frozenset[str]:
+    """The content words of what the prohibition ``text`` forbids: its words but its markers' (a rule
+    "read-only" names no reading), with the change actions for a change mode (module docstring). What the
+    authorizer's pre-screen looks for in a tool call."""
+    _lowered, blanked, change = _marked(text)
+    words = _content(_words(blanked))
+    return words | content_words(" ".join(_CHANGES)) if change else words
 
 
 def _rule(text: str) -> _Rule:
-    lowered, bare = _norm(text), _unquoted(text)
-    at = min((bare.find(m) + len(m) for m in _MARKERS if m in bare), default=0)
-    after = [w for w in _words(lowered[at:]) if w not in ("to", "be", "ever", "even", "please")]
-    words = _content(after) or _content(_words(lowered))
-    return _Rule(words, after[0] if after else None)
+    lowered, blanked, change = _marked(text)
+    found = _FORBIDDING.search(_unquoted(text))
+    after = [w for w in _words(lowered[found.end():]) if w not in _FILLERS] if found else []
+    if change:
+        return _Rule(forbidden_words(text), content_words(" ".join(_CHANGES)), frozenset(_CHANGES))
+    lead = after[:1]
+    return _Rule(_content(after) or _content(_words(blanked)), frozenset(map(_stem, lead)), frozenset(lead))
 
 
 def _clauses(request: str) -> Iterator[str]:
@@ -200,13 +262,12 @@ def _lifts(clause: str, rule: _Rule) -> bool:
         words = _words(lowered)
         while words and words[0] in _INTERJECTIONS:
             words.pop(0)
-        if rule.action is None or not words or words[0] != rule.action:
+        if not words or words[0] not in rule.verbs:
             return False
         allowed = _content(words)
     if not allowed or not rule.words:
         return False
-    action = _stem(rule.action) if rule.action else None
-    return rule.words <= allowed or (allowed <= rule.words and action in allowed)
+    return rule.words <= allowed or (allowed <= rule.words and not allowed.isdisjoint(rule.actions))
 
 
 def standing(turns: Iterable[tuple[int, str]], prior: Sequence[Standing] = ()) -> tuple[Standing, ...]:

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from ..gate.authorize import CONFIRM_INSTRUCTIONS, JUDGE_INSTRUCTIONS, TOOL_PATH
-from ..gate.prohibitions import content_words
+from ..gate.prohibitions import forbidden_words
 from ..proxy.formats import WireFormat
 
 MARKS = (JUDGE_INSTRUCTIONS[:60], CONFIRM_INSTRUCTIONS[:60])
@@ -32,7 +32,7 @@ _ARGUMENT = re.compile(r"^CITED ARGUMENT \([^)]*\): (.*)$", re.M)
 
 def _hits(rule: str, text: str) -> bool:
     lowered = text.lower()
-    return any(len(word) >= 3 and word in lowered for word in content_words(rule))
+    return any(len(word) >= 3 and word in lowered for word in forbidden_words(rule))
 
 
 def answer(fmt: WireFormat, body: dict[str, Any]) -> str:
