@@ -289,3 +289,69 @@ print("litellm imported" if any(m == "litellm" or m.startswith("litellm.") for m
 sys.exit(code)
 """
 """A script running ``proxyvisor ARGS...`` that prints, as its last stderr line, whether litellm was imported."""
+
+
+def pairing_errors(fmt: str, body: dict[str, Any]) -> list[str]:
+    """How the history of request ``body`` breaks its API's rules for tool calls and their results (empty: it
+    keeps them), as the providers enforce them: Anthropic, each ``tool_result`` answers a ``tool_use`` of the
+    assistant message right before it, which every one of its ``tool_use`` blocks gets, the results first in
+    their message; Chat, an assistant message's ``tool_calls`` are all answered by the ``tool`` messages right
+    after it, and only those; Responses, every call item has its output after it and no item id or call id
+    comes twice."""
+    errors: list[str] = []
+    if fmt == "messages":
+        messages = body["messages"]
+        for n, message in enumerate(messages):
+            content = message.get("content") if isinstance(message.get("content"), list) else []
+            if message.get("role") == "assistant":
+                uses = [b["id"] for b in content if b.get("type") == "tool_use"]
+                after = messages[n + 1] if n + 1 < len(messages) else None
+                given = after.get("content") if after and isinstance(after.get("content"), list) else []
+                answered = [b["tool_use_id"] for b in given if b.get("type") == "tool_result"]
+                if uses and after is not None and sorted(answered) != sorted(uses):
+                    errors.append(f"message {n}: tool_use {uses} answered by {answered}")
+            elif message.get("role") == "user":
+                kinds = [b.get("type") for b in content]
+                first_other = next((i for i, kind in enumerate(kinds) if kind != "tool_result"), len(kinds))
+                if "tool_result" in kinds[first_other:]:
+                    errors.append(f"message {n}: a tool_result after other content")
+                before = messages[n - 1] if n else {}
+                uses = [b.get("id") for b in (before.get("content") if isinstance(before.get("content"), list)
+                                              else []) if b.get("type") == "tool_use"]
+                for b in content:
+                    if b.get("type") == "tool_result" and b["tool_use_id"] not in uses:
+                        errors.append(f"message {n}: tool_result {b['tool_use_id']} answers no tool_use before it")
+    elif fmt == "chat":
+        messages = body["messages"]
+        for n, message in enumerate(messages):
+            if message.get("role") == "assistant" and message.get("tool_calls"):
+                ids = [c["id"] for c in message["tool_calls"]]
+                end = n + 1
+                while end < len(messages) and messages[end].get("role") == "tool":
+                    end += 1
+                answered = [m["tool_call_id"] for m in messages[n + 1:end]]
+                if sorted(answered) != sorted(ids):
+                    errors.append(f"message {n}: tool_calls {ids} answered by {answered}")
+            elif message.get("role") == "tool" and (n == 0 or messages[n - 1].get("role") not in ("assistant",
+                                                                                                  "tool")):
+                errors.append(f"message {n}: a tool message after a {messages[n - 1].get('role')} message")
+    else:
+        items = [i for i in body["input"] if isinstance(i, dict)]
+        called: list[str] = []
+        seen_ids: set[str] = set()
+        for n, item in enumerate(items):
+            if item.get("id"):
+                if item["id"] in seen_ids:
+                    errors.append(f"item {n}: duplicate id {item['id']}")
+                seen_ids.add(item["id"])
+            kind = str(item.get("type", ""))
+            if kind.endswith("_call"):
+                if item["call_id"] in called:
+                    errors.append(f"item {n}: call {item['call_id']} made twice")
+                called.append(item["call_id"])
+                if not any(str(o.get("type", "")).endswith("_output") and o.get("call_id") == item["call_id"]
+                           for o in items[n + 1:]):
+                    errors.append(f"item {n}: call {item['call_id']} has no output after it")
+            elif kind.endswith("_output") and item.get("call_id") not in called:
+                errors.append(f"item {n}: output {item.get('call_id')} answers no call before it")
+    return errors

@@ -23,7 +23,7 @@ from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize
 from proxyvisor.supervisor_model import ModelAnswer
 
-from helpers import FORMATS, MODEL, ProxyRun, http_client, scripted_proxy, sse_events
+from helpers import FORMATS, MODEL, ProxyRun, http_client, pairing_errors, scripted_proxy, sse_events
 
 MODES = [(f, s) for f in FORMATS for s in (False, True)]
 IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
@@ -224,26 +224,61 @@ async def test_an_identical_call_under_unchanged_context_reuses_the_denial(tmp_p
 
 
 # ---- a parallel batch with one blocked call --------------------------------------------------------------------------
+def received(fmt: str, stream: bool, raw: bytes) -> list[Any]:
+    """The history items a client makes of the response it received (``raw``), as it sends them back."""
+    w = BY_NAME[fmt]
+    response = w.stream_response([(e.event, e.data) for e in sse_events(raw)]) if stream else orjson.loads(raw)
+    return w.assistant_items(response, lambda _n: True)
+
+
+def tool_sequence(fmt: str, history: list[Any]) -> list[tuple[str, str]]:
+    """("use", id) for each tool call and ("result", id) for each result of ``history``, in order."""
+    w = BY_NAME[fmt]
+    out: list[tuple[str, str]] = []
+    for item in history:
+        message = w.message(item)
+        out += [("use", u.id) for u in message.tool_uses] + [("result", o.call_id) for o in message.tool_outputs]
+    return out
+
+
+@pytest.mark.parametrize("blocked_first", [False, True], ids=["blocked-last", "blocked-first"])
 @pytest.mark.parametrize(("fmt", "stream"), MODES, ids=IDS)
-async def test_a_parallel_batch_delivers_the_admitted_calls_and_remembers_the_blocked_one(
-        tmp_path: Path, fmt: str, stream: bool) -> None:
+async def test_a_parallel_batch_delivers_the_admitted_calls_and_puts_the_blocked_one_back_in_its_place(
+        tmp_path: Path, fmt: str, stream: bool, blocked_first: bool) -> None:
+    """The agent gets the rest of the batch; in later requests the blocked call is back in the agent's own copy of
+    the response, in the model's order, and its error among the results: the shape the API requires (one
+    assistant message answered by the next), byte-stable from request to request."""
     judge = Judge([block()], [CONFIRM])
-    async with authorized(tmp_path, [calls_step(LS, PYTEST), AFTER], judge) as run:
+    batch = (PYTEST, LS) if blocked_first else (LS, PYTEST)
+    async with authorized(tmp_path, [calls_step(*batch), AFTER, AFTER], judge) as run:
         _, calls, raw = await send(run, fmt, stream, agent_body(fmt, stream))
         assert [(c.id, c.arguments) for c in calls] == [("call_l1", {"command": "ls src"})]
         assert b"pytest" not in raw
         assert len(run.upstream.requests) == 1  # the agent runs the rest of the batch; no continuation yet
         w = BY_NAME[fmt]
-        agent_sent = w.assistant_items(w.render(AssistantTurn("", (ToolCall("Bash", {"command": "ls src"},
-                                                                            "call_l1"),)), MODEL), lambda _n: True)
-        body = agent_body(fmt, stream, extra=agent_sent + w.tool_results([CallResult("call_l1", "parser.py")]))
-        text, _, _ = await send(run, fmt, stream, body)
-    assert text == AFTER["text"]
-    second = orjson.dumps(run.upstream_bodies()[1]).decode()
-    assert "call_p1" in second and "Tool not executed" in second and "parser.py" in second
-    assert second.index("Tool not executed") < second.index("parser.py")
+        turn = received(fmt, stream, raw) + w.tool_results([CallResult("call_l1", "parser.py")])
+        text, _, _ = await send(run, fmt, stream, agent_body(fmt, stream, extra=turn))
+        assert text == AFTER["text"]
+        second = run.upstream_bodies()[1]
+        history = second[w.history_field]
+        assert pairing_errors(fmt, second) == []
+        order = ["call_p1", "call_l1"] if blocked_first else ["call_l1", "call_p1"]
+        assert [e for e in tool_sequence(fmt, history) if e[1] in order] == [("use", i) for i in order] + [
+            ("result", i) for i in order]
+        if fmt != "responses":  # one assistant message holds the batch, as the model made it
+            assert [[u.id for u in w.message(item).tool_uses] for item in history
+                    if w.message(item).tool_uses] == [order]
+        dumped = orjson.dumps(second).decode()
+        assert "Tool not executed" in dumped and "parser.py" in dumped
+        # The next request carries the same grafted history, byte for byte.
+        after = w.assistant_items(w.render(AssistantTurn(AFTER["text"]), MODEL), lambda _n: True)
+        await send(run, fmt, stream, agent_body(fmt, stream, extra=turn + after + [w.user_item("Now summarise.")]))
+        third = run.upstream_bodies()[2]
+        assert orjson.dumps(third[w.history_field][:len(history)]) == orjson.dumps(history)
+        assert pairing_errors(fmt, third) == []
     record = run.ledger()[0]["authorizer"]
-    assert [(d["call"], d["decision"]) for d in record["decisions"]] == [("call_l1", "allow"), ("call_p1", "block")]
+    assert sorted((d["call"], d["decision"]) for d in record["decisions"]) == [("call_l1", "allow"),
+                                                                              ("call_p1", "block")]
 
 
 # ---- tool output can neither grant permission nor create a prohibition -----------------------------------------------
@@ -366,13 +401,12 @@ class _Stub:
     """The parts of an ``Authorizing`` that ``AuthorizedStream`` uses, with a fixed decision and a recorded
     continuation."""
 
-    def __init__(self, denied: set[str]) -> None:
-        from proxyvisor.proxy.formats import RESPONSES
-
-        self.fmt = RESPONSES
+    def __init__(self, denied: set[str], fmt: str = "responses") -> None:
+        self.fmt = BY_NAME[fmt]
         self.denied = denied
         self.background = None
         self.sent: list[Any] = []
+        self.part: list[tuple[dict[str, Any], list[str]]] = []
         self.exchange = dataclasses.make_dataclass("E", [("body", dict)])({})
 
     async def decide(self, turn: AssistantTurn) -> dict[str, Any]:
@@ -380,10 +414,11 @@ class _Stub:
 
         return {c.id: Denial("r", 1, PROHIBITION, "/command", '"x"') for c in turn.tool_calls if c.id in self.denied}
 
-    def blocked_items(self, response: dict[str, Any], denials: dict[str, Any], turn: AssistantTurn,
-                      whole: bool) -> list[Any]:
-        assert whole
+    def blocked_items(self, response: dict[str, Any], denials: dict[str, Any]) -> list[Any]:
         return self.fmt.assistant_items(response, lambda _n: True)
+
+    def part_blocked(self, response: dict[str, Any], denials: dict[str, Any]) -> None:
+        self.part.append((response, sorted(denials)))
 
     async def _carry_on(self, items: list[Any]) -> Any:
         from proxyvisor.proxy.relay import UpstreamReply
@@ -401,22 +436,36 @@ class _Stub:
         return "stopped"
 
 
-async def test_a_streamed_batch_with_a_built_in_call_beside_a_blocked_one_continues_with_the_blocked_one() -> None:
-    """The admitted ``local_shell`` call cannot be re-rendered as it came: the turn continues upstream with the
-    blocked call alone (the model makes the other again), and the agent gets the continued answer."""
+BUILT_IN = [
+    {"type": "local_shell_call", "id": "lsh_1", "call_id": "call_s1", "status": "completed",
+     "action": {"type": "exec", "command": ["ls", "-la"], "env": {}, "working_directory": "/repo"}},
+    {"type": "computer_call", "id": "cu_1", "call_id": "call_c1", "status": "completed",
+     "action": {"type": "click", "button": "left", "x": 10, "y": 20}, "pending_safety_checks": []},
+    {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_x1", "status": "completed", "name": "apply_patch",
+     "input": "*** Begin Patch\n*** End Patch"},
+    {"type": "shell_call", "id": "sh_1", "call_id": "call_h1", "status": "completed",
+     "action": {"commands": ["git status"], "timeout_ms": 1000}},
+    {"type": "apply_patch_call", "id": "ap_1", "call_id": "call_a1", "status": "completed",
+     "operation": {"type": "update_file", "path": "README.md", "diff": "@@\n-a\n+b"}},
+]
+BLOCKED = {"type": "function_call", "id": "fc_1", "call_id": "call_p1", "name": "Bash", "status": "completed",
+           "arguments": '{"command": "pytest -q"}'}
+
+
+async def test_a_streamed_batch_delivers_admitted_calls_of_every_built_in_type_as_they_came() -> None:
+    """Beside a blocked call, admitted calls of the Responses API's built-in types (``local_shell_call``,
+    ``computer_call``, ``custom_tool_call``, ``shell_call``, ``apply_patch_call``) reach the agent whole, in the
+    model's order, with no continuation upstream; the blocked call is kept for later requests."""
     from proxyvisor.proxy.authorizing import AuthorizedStream
     from proxyvisor.proxy.formats.base import sse
     from proxyvisor.proxy.reply import Encoded
 
-    shell = {"type": "local_shell_call", "id": "ls_1", "call_id": "call_s1", "status": "completed",
-             "action": {"type": "exec", "command": ["ls"]}}
-    function = {"type": "function_call", "id": "fc_1", "call_id": "call_p1", "name": "Bash", "status": "completed",
-                "arguments": '{"command": "pytest -q"}'}
+    output = [BUILT_IN[0], BUILT_IN[1], BLOCKED, *BUILT_IN[2:]]
     events = [{"type": "response.created", "response": {"id": "resp_1", "output": [], "status": "in_progress"}}]
-    for index, item in enumerate((shell, function)):
+    for index, item in enumerate(output):
         events += [{"type": "response.output_item.added", "output_index": index, "item": item},
                    {"type": "response.output_item.done", "output_index": index, "item": item}]
-    events.append({"type": "response.completed", "response": {"id": "resp_1", "output": [shell, function],
+    events.append({"type": "response.completed", "response": {"id": "resp_1", "output": output,
                                                                "status": "completed"}})
 
     async def first() -> AsyncIterator[bytes]:
@@ -425,10 +474,46 @@ async def test_a_streamed_batch_with_a_built_in_call_beside_a_blocked_one_contin
 
     stub = _Stub({"call_p1"})
     got = b"".join([chunk async for chunk in Encoded(AuthorizedStream(stub, first()))])  # type: ignore[arg-type]
+    parsed = [orjson.loads(e.data) for e in sse_events(got)]
+    done = [e["item"] for e in parsed if e["type"] == "response.output_item.done"]
+    assert done == BUILT_IN  # whole, in order, the blocked call gone
+    (final,) = [e for e in parsed if e["type"] == "response.completed"]
+    assert final["response"]["output"] == BUILT_IN and final["response"]["id"] == "resp_1"
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    assert [e["output_index"] for e in parsed if e["type"] == "response.output_item.done"] == list(range(5))
     turn = stub.fmt.assemble([(e.event, e.data) for e in sse_events(got)])
-    assert (turn.text, turn.tool_calls) == (AFTER["text"], ())
-    (items,) = stub.sent
-    assert [i.get("call_id") for i in items] == ["call_p1"]  # the blocked call alone, carried on
+    assert [c.kind for c in turn.tool_calls] == ["local_shell", "computer", "custom", "shell", "apply_patch"]
+    assert stub.sent == []  # nothing continued upstream: the model's calls are the agent's
+    ((response, blocked),) = stub.part
+    assert blocked == ["call_p1"] and response["output"] == output
+
+
+async def test_a_chat_stream_delivers_an_admitted_freeform_call_as_it_came() -> None:
+    """A Chat ``custom`` (freeform) ``tool_calls`` entry, the API's other call type, reaches the agent whole beside a
+    blocked call."""
+    from proxyvisor.proxy.authorizing import AuthorizedStream
+    from proxyvisor.proxy.formats.base import sse
+    from proxyvisor.proxy.reply import Encoded
+
+    other = {"id": "call_o1", "type": "custom", "custom": {"name": "apply_patch", "input": "*** Begin Patch\n"}}
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+    chunks = [{"role": "assistant", "content": ""},
+              {"tool_calls": [{"index": 0, "id": "call_p1", "type": "function",
+                               "function": {"name": "Bash", "arguments": '{"command": "pytest -q"}'}}]},
+              {"tool_calls": [{"index": 1, **other}]}]
+
+    async def first() -> AsyncIterator[bytes]:
+        for delta in chunks:
+            yield sse(orjson.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}))
+        yield sse(orjson.dumps({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+        yield b"data: [DONE]\n\n"
+
+    stub = _Stub({"call_p1"}, "chat")
+    got = b"".join([chunk async for chunk in Encoded(AuthorizedStream(stub, first()))])  # type: ignore[arg-type]
+    response = stub.fmt.stream_response([(e.event, e.data) for e in sse_events(got)])
+    (entry,) = response["choices"][0]["message"]["tool_calls"]
+    assert {k: v for k, v in entry.items() if k != "index"} == other
+    assert b"pytest" not in got and got.endswith(b"data: [DONE]\n\n")
 
 
 async def test_a_keepalive_of_proxyvisor_goes_out_at_once_while_the_tool_calls_are_held() -> None:

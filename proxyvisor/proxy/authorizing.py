@@ -17,16 +17,17 @@ decisions for one supervised request (:class:`Authorizing`):
   upstream through the exchange's :class:`~proxyvisor.proxy.continuation.Continuation` with the response and a
   tool error per call (``gate.authorize.error_text``), and the continued reply is checked the same way (at most
   :data:`ROUNDS` times; then the turn ends with a note). When only some are, the agent gets the rest of the batch
-  (JSON: the response without the blocked calls; a stream: the admitted calls spliced in its place) and the
-  blocked calls with their errors are added to the continuation's items, so the model sees them, after the
-  history the request ended with, in every later request (``Exchange.remember``: byte-stable). A stream whose
-  admitted calls include a built-in call type (``local_shell``, ``computer``...: not in :data:`RENDERED`) is
-  continued upstream with its blocked calls alone instead, and the model makes the others again, as delegation
-  does with the agent's calls beside a delegation call.
+  (JSON: the response without the blocked calls; a stream: the admitted calls, of every call type, rendered as
+  they came and spliced in its place) and the blocked calls with their errors go back into the agent's own copy
+  of the batch in every later request (``Exchange.graft``, ``WireFormat.graft``: byte-stable), each call beside
+  the calls it came with and its error beside their results, so the model sees its turn as it made it (one
+  assistant message, its results answering it: the shape every API requires; a separate assistant message would
+  repeat the response's thinking or reasoning items and put the calls out of order).
 - **``mode = "advise"``**: nothing is kept from the agent; a confirmed conflict is recorded and a note for the
   model is added after the agent's last item (re-inserted like every note).
 - **Never lose the answer**: a judgment that fails, times out (``timeout_s``), is malformed or whose call's whole
-  input (its instructions and its document) is over ``budget_tokens`` allows; a continuation that fails delivers the reply as it came.
+  input (its instructions and its document) is over ``budget_tokens`` allows; a continuation that fails delivers
+  the reply as it came.
 
 Counted in the request's ledger line as ``authorizer`` (``RequestRecord.authorizer``; summed for ``/info``)::
 
@@ -65,9 +66,6 @@ log = logging.getLogger("proxyvisor.authorizer")
 
 ROUNDS = 4
 """Times one request's turn may be continued after blocked calls."""
-RENDERED = ("function", "custom")
-"""The call types ``WireFormat.render_stream`` writes as they came: the admitted rest of a streamed batch is
-spliced in only when all of its calls are of them."""
 ADVICE = ("[proxyvisor authorizer] Your call {call} ({tool}) conflicts with the user's restriction: user source "
           "{source}: \"{quote}\". Stay within what the user allowed.")
 _JSON = [(b"content-type", b"application/json")]
@@ -271,21 +269,20 @@ class Authorizing:
         assert self.exchange.send is not None  # Authorizer.turn makes no stage without it
         return of_turn(self.exchange, self.exchange.send, self.background)
 
-    def _errors(self, denials: dict[str, rules.Denial]) -> list[Any]:
-        return self.fmt.tool_results([CallResult(call_id, found.error_text(), True)
-                                      for call_id, found in denials.items()])
+    @staticmethod
+    def _errors(denials: dict[str, rules.Denial]) -> list[CallResult]:
+        return [CallResult(call_id, found.error_text(), True) for call_id, found in denials.items()]
 
-    def blocked_items(self, response: dict[str, Any], denials: dict[str, rules.Denial], turn: AssistantTurn,
-                      whole: bool) -> list[Any]:
-        """The history items that show the model its blocked calls and their errors: the whole ``response``
-        (``whole``: every call was blocked), or only its blocked calls, without its text (the agent's copy of the
-        response carries the text and the rest of the batch)."""
-        if whole:
-            kept = response
-        else:
-            admitted = [c.id for c in turn.tool_calls if c.id not in denials]
-            kept = self.fmt.without_calls(response, admitted, text=False)
-        return self.fmt.assistant_items(kept, lambda _name: True) + self._errors(denials)
+    def blocked_items(self, response: dict[str, Any], denials: dict[str, rules.Denial]) -> list[Any]:
+        """The history items that continue a turn whose every call was blocked: the whole ``response`` and an
+        error per call."""
+        return self.fmt.assistant_items(response, lambda _name: True) + self.fmt.tool_results(self._errors(denials))
+
+    def part_blocked(self, response: dict[str, Any], denials: dict[str, rules.Denial]) -> None:
+        """Record the blocked calls of a batch whose other calls the agent gets, with their errors, for the
+        thread's later requests: the model sees them in the agent's own copy of the batch, beside the other calls,
+        their errors beside the other results (``Exchange.graft``), as it made them."""
+        self.exchange.graft(response, self._errors(denials))
 
     def _stopped(self) -> str:
         return (f"[proxyvisor authorizer] The model kept proposing tool calls the user prohibited ({ROUNDS} rounds); "
@@ -312,13 +309,13 @@ class Authorizing:
             if not denials:
                 return reply
             if len(denials) < len(turn.tool_calls):
-                self._continuation().add(self.blocked_items(response, denials, turn, whole=False))
+                self.part_blocked(response, denials)
                 kept = self.fmt.without_calls(response, denials)
                 return UpstreamReply(reply.status, reply.headers, orjson.dumps(kept), reply.upstream_s, decoded=kept)
             if rounds >= ROUNDS:
                 ended = self.fmt.render(AssistantTurn(self._stopped()), str(response.get("model") or ""))
                 return UpstreamReply(reply.status, _JSON, orjson.dumps(ended), reply.upstream_s, decoded=ended)
-            continued = await self._carry_on(self.blocked_items(response, denials, turn, whole=True))
+            continued = await self._carry_on(self.blocked_items(response, denials))
             if continued is None:
                 return reply
             rounds += 1
@@ -409,8 +406,8 @@ class AuthorizedStream(ReplyStream):
                     yield held
                     return
                 admitted = tuple(c for c in turn.tool_calls if c.id not in denials)
-                if admitted and all(c.kind in RENDERED for c in admitted):
-                    a._continuation().add(a.blocked_items(response, denials, turn, whole=False))
+                if admitted:  # rendered as they came (ToolCall.item), of whatever call type
+                    a.part_blocked(response, denials)
                     holding = False
                     splice.next_response()
                     yield [Edit(self._spliced(splice, AssistantTurn("", admitted), response))]
@@ -419,9 +416,7 @@ class AuthorizedStream(ReplyStream):
                     splice.next_response()
                     yield [Edit(self._spliced(splice, AssistantTurn(a._stopped()), response))]
                     return
-                if admitted:  # calls of built-in types the rendering cannot repeat: left for the model to make again
-                    response = fmt.without_calls(response, [c.id for c in admitted])
-                reply = await a._carry_on(a.blocked_items(response, denials, turn, whole=True))
+                reply = await a._carry_on(a.blocked_items(response, denials))
                 if reply is None or not reply.streaming:
                     if reply is not None:
                         await close(reply.body)

@@ -33,7 +33,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -48,6 +48,7 @@ from . import bodies
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
+from .formats.base import CallResult
 from ..transcript import Tail, fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
@@ -94,6 +95,19 @@ class Delegated:
     index: int
     anchor: bytes
     items: list[Any]
+
+
+@dataclass(frozen=True)
+class Grafted:
+    """Tool calls of a part-blocked batch the agent never received (the tool authorizer's,
+    ``proxyvisor.proxy.authorizing``) and their results, to go back into the agent's own copy of the batch
+    (``WireFormat.graft``) in every later request that goes on past history item ``index`` (whose
+    :func:`fingerprint` was ``anchor``): ``response``, the model's whole batch; ``results``, the blocked calls'."""
+
+    index: int
+    anchor: bytes
+    response: dict[str, Any]
+    results: list[CallResult]
 
 
 @dataclass
@@ -155,6 +169,7 @@ class Thread:
     policy: SteerPolicy = field(default_factory=SteerPolicy)
     notes: list[Note] = field(default_factory=list)
     delegated: list[Delegated] = field(default_factory=list)
+    grafted: list[Grafted] = field(default_factory=list)
     state: str | None = None
     """The state of the latest self-report (None: the last response had no valid report)."""
     carry: tuple[str, ...] = ()
@@ -265,10 +280,18 @@ class Supervisor:
 
             steps.append(condense)
         steps += self.planner.begin(fmt, items, update, thread, state, tail)
-        runs = _live_delegations(fmt, items, thread)
-        fmt.insert_items(body, [(d.index, d.items) for d in runs])
-        # A note at a delegation's position was added before it: it stays right after the agent's item.
-        fmt.insert_notes(body, [(note.index + sum(len(d.items) for d in runs if d.index < note.index), note.text)
+        thread.delegated, runs = _live(fmt, sent, thread.delegated)
+        thread.grafted, live = _live(fmt, sent, thread.grafted)
+        grafts = [fmt.graft(sent, g.index, g.response, g.results) for g in live]
+        for graft in grafts:
+            for index, item in graft.replace.items():
+                items[index] = item
+        grafted = [run for graft in grafts for run in graft.runs]
+        fmt.insert_items(body, _merged([(d.index, d.items) for d in runs] + grafted))
+        # A note at a delegation's position was added before it: it stays right after the agent's item. A grafted
+        # item belongs to the agent's turn (a result among its results): a note there goes after it.
+        fmt.insert_notes(body, [(note.index + sum(len(d.items) for d in runs if d.index < note.index)
+                                 + sum(len(run) for index, run in grafted if index <= note.index), note.text)
                                 for note in thread.notes])
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
@@ -282,19 +305,30 @@ class Supervisor:
         return exchange
 
 
-def _live_delegations(fmt: WireFormat, items: list[Any], thread: Thread) -> list[Delegated]:
-    """The thread's delegations that go back into a request with history ``items``, by position: those whose
-    anchor is still in place and that the history goes on past (a retry of the same request gets none). One whose
-    anchor was replaced (the history was rewritten) is forgotten."""
+_Anchored = TypeVar("_Anchored", Delegated, Grafted)
+
+
+def _live(fmt: WireFormat, items: list[Any], anchored: list[_Anchored]) -> tuple[list[_Anchored], list[_Anchored]]:
+    """(the delegations or grafts of ``anchored`` to keep, those that go back into a request with history
+    ``items``, by position). Kept: those whose anchor is still in place (one whose anchor was replaced, the history
+    being rewritten, is forgotten); going back: those the history goes on past (a retry of the same request gets
+    none)."""
     kept, live = [], []
-    for d in thread.delegated:
+    for d in anchored:
         if d.index < len(items) and not _anchored(fmt, items, d.index, d.anchor):
             continue
         kept.append(d)
         if d.index + 1 < len(items):
             live.append(d)
-    thread.delegated = kept
-    return sorted(live, key=lambda d: d.index)
+    return kept, sorted(live, key=lambda d: d.index)
+
+
+def _merged(runs: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
+    """``runs`` ascending by position, one per position (those at one position joined in the order given)."""
+    by: dict[int, list[Any]] = {}
+    for index, run in runs:
+        by.setdefault(index, []).extend(run)
+    return sorted(by.items())
 
 
 Step = Callable[["Exchange"], Awaitable[None]]
@@ -347,6 +381,15 @@ class Exchange:
         index, anchor, _role = self.tail
         self.thread.delegated = ([d for d in self.thread.delegated if d.index != index]
                                  + [Delegated(index, anchor, items)])[-DELEGATED:]
+
+    def graft(self, response: dict[str, Any], results: list[CallResult]) -> None:
+        """Record the calls of ``response`` that ``results`` answer (a batch's calls the agent never received) for
+        the thread's later requests, which get them back in the agent's own copy of the batch, with their results
+        (:class:`Grafted`)."""
+        if self.tail is None:
+            return
+        index, anchor, _role = self.tail
+        self.thread.grafted = (self.thread.grafted + [Grafted(index, anchor, response, results)])[-DELEGATED:]
 
     async def before_forward(self) -> None:
         """Run the request-side steps that need I/O (condensing), in order, on ``body``. A step that fails is

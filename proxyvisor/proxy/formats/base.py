@@ -8,7 +8,7 @@ usage and session hints live in its bodies, and how an assistant turn is written
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -67,6 +67,11 @@ def edited(item: Any, key: Hashable, make: Callable[..., dict[str, Any]], *args:
     return copy
 
 
+def with_field(item: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``item`` with ``value`` under ``key`` (an :func:`edited` ``make``)."""
+    return {**item, key: value}
+
+
 def error_types(status: int) -> tuple[str, str]:
     """(OpenAI type, Anthropic type) for an HTTP status; 4xx default to invalid_request_error, 5xx to api errors."""
     if status in _ERROR_TYPES:
@@ -85,6 +90,10 @@ class ToolCall:
     arguments: dict[str, Any]
     id: str = ""
     kind: str = "function"
+    item: Any = field(default=None, compare=False, repr=False)
+    """The call as the response held it (its output item, ``tool_use`` block or ``tool_calls`` entry), when it was
+    read from one: :meth:`WireFormat.render` and :meth:`WireFormat.render_stream` write it back as it came, of any
+    call type (a built-in one too: ``local_shell_call``, ``computer_call``...)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,40 @@ def interleave_runs(items: list[Any], runs: list[tuple[int, list[Any]]]) -> list
     return out
 
 
+@dataclass(frozen=True)
+class Graft:
+    """Where a part-blocked batch's blocked calls and their results go in a later request's history
+    (:meth:`WireFormat.graft`): ``replace``, copies to put in place of the agent's items, by position; ``runs``,
+    new items to put right after a position (ascending)."""
+
+    replace: dict[int, Any] = field(default_factory=dict)
+    runs: list[tuple[int, list[Any]]] = field(default_factory=list)
+
+
+def beside(elements: Sequence[Any], id_of: Callable[[Any], str | None], order: Sequence[str],
+           new: Mapping[str, Any], start: int = 0) -> list[tuple[int, list[Any]]] | None:
+    """Runs (:func:`interleave_runs`) that put ``new``'s elements (by call id) among ``elements`` from position
+    ``start`` on (an assistant message's content, a ``tool_calls`` list, a history) where ``order`` (the call ids
+    of the batch, in the model's order) puts them: each right after the element of the call it follows in
+    ``order``, or, following none there, right before the first. ``id_of`` gives an element's call id (None: not
+    one). None when no other call of ``order`` is among ``elements``."""
+    positions: dict[str, int] = {}
+    for position in range(start, len(elements)):
+        call_id = id_of(elements[position])
+        if call_id is not None and call_id in order and call_id not in new and call_id not in positions:
+            positions[call_id] = position
+    if not positions:
+        return None
+    runs: dict[int, list[Any]] = {}
+    anchor = min(positions.values()) - 1
+    for call_id in order:
+        if call_id in positions:
+            anchor = positions[call_id]
+        elif call_id in new:
+            runs.setdefault(anchor, []).append(new[call_id])
+    return sorted(runs.items())
+
+
 def shared_prefix(before: list[bytes], after: list[bytes]) -> int:
     """How many bytes of ``before`` (a request's :meth:`WireFormat.prompt`, its pieces in order) begin ``after``
     too: the part of the earlier request a provider's prompt cache can serve to the later one."""
@@ -300,9 +343,10 @@ def words(text: str) -> list[str]:
     return out
 
 
-def split_json(arguments: dict[str, Any]) -> list[str]:
-    """The tool arguments as JSON, in two fragments, as providers stream them."""
-    text = orjson.dumps(arguments).decode()
+def split_json(arguments: dict[str, Any] | str) -> list[str]:
+    """The tool arguments as JSON (an object, or the JSON text a call carries, kept as it is), in two fragments, as
+    providers stream them."""
+    text = arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
     mid = len(text) // 2
     return [text[:mid], text[mid:]] if mid else [text]
 
@@ -562,6 +606,16 @@ class WireFormat:
         """A copy of a non-streaming response body without the tool calls whose ids are in ``ids`` (of any call
         type; everything else as it was), and, unless ``text``, without its assistant text. ``response`` itself
         is not changed."""
+        raise NotImplementedError
+
+    def graft(self, items: list[Any], start: int, response: dict[str, Any], results: list[CallResult]) -> Graft:
+        """Where the calls of a part-blocked batch the agent never received go in a later request's history
+        ``items`` (the agent's, as sent), past position ``start`` (the agent's last item when the batch came):
+        each call of ``response`` (the model's whole batch) that ``results`` answers goes into the agent's copy of
+        the response, beside the calls it came with, in the model's order (:func:`beside`), and its result goes
+        among their results, so the model sees its turn as it made it. Nothing (an empty :class:`Graft`) when the
+        agent's items hold none of the batch's other calls or none of their results: a call is never put back
+        without its result."""
         raise NotImplementedError
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   edited, leading_system, split_json, sse, sse_json, words)
+from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
+                   dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
+                   interleave_runs, edited, leading_system, split_json, sse, sse_json, with_field, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
@@ -117,14 +117,15 @@ class ChatFormat(WireFormat):
         events = [chunk({"role": "assistant", "content": ""})]
         events += [chunk({"content": w}) for w in words(turn.text)]
         for index, call in enumerate(turn.tool_calls):
-            if call.kind == "custom":  # one chunk: the whole input
-                events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(),
-                                                      **_call_body(call)}]}))
+            entry = {"id": call.id or _call_id(), **_call_body(call)}
+            fn = entry.get("function")
+            if entry.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+                # one chunk: the whole call (a freeform input, a call of another type)
+                events.append(chunk({"tool_calls": [{"index": index, **entry}]}))
                 continue
-            events.append(chunk({"tool_calls": [{"index": index, "id": call.id or _call_id(), "type": "function",
-                                                  "function": {"name": call.name, "arguments": ""}}]}))
+            events.append(chunk({"tool_calls": [{"index": index, **entry, "function": {**fn, "arguments": ""}}]}))
             events += [chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
-                       for part in split_json(call.arguments)]
+                       for part in split_json(fn["arguments"])]
         events.append(chunk({}, "tool_calls" if turn.tool_calls else "stop"))
         if (request.get("stream_options") or {}).get("include_usage"):
             events.append(sse(dumps({**base, "choices": [], "usage": self._usage(turn)})))
@@ -285,6 +286,36 @@ class ChatFormat(WireFormat):
             message["content"] = None
         out["choices"] = [{**choices[0], "message": message}, *choices[1:]]
         return out
+
+    def graft(self, items: list[Any], start: int, response: dict[str, Any], results: list[CallResult]) -> Graft:
+        """The blocked ``tool_calls`` entries go into the agent's assistant message holding the batch's other calls,
+        their ``tool`` messages among the other calls' ``tool`` messages after it (an assistant message's calls are
+        all answered before the next message of another role, as the API requires)."""
+        choice = (as_list(response.get("choices")) or [{}])[0]
+        message = given if isinstance(choice, dict) and isinstance(given := choice.get("message"), dict) else {}
+        entries = [c for c in as_list(message.get("tool_calls")) if isinstance(c, dict)]
+        order = [str(c.get("id") or "") for c in entries]
+        answered = {r.call_id for r in results}
+        calls = {str(c.get("id") or ""): c for c in entries if str(c.get("id") or "") in answered}
+        answers = {r.call_id: item for r, item in zip(results, self.tool_results(results))}
+        for at in range(start + 1, len(items) - 1):
+            used = items[at]
+            if not (isinstance(used, dict) and used.get("role") == "assistant"):
+                continue
+            listed = as_list(used.get("tool_calls"))
+            into_calls = beside(listed, _entry_id, order, calls)
+            if into_calls is None:
+                continue
+            end = at + 1
+            while end < len(items) and isinstance(items[end], dict) and items[end].get("role") == "tool":
+                end += 1
+            into_results = beside(items[:end], _answer_id, order, answers, at + 1)
+            if into_results is None:
+                return Graft()
+            key = ("graft", tuple(sorted(answered)))
+            return Graft({at: edited(used, key, with_field, used, "tool_calls", interleave_runs(listed, into_calls))},
+                         into_results)
+        return Graft()
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _ChatSplice(hold, stop)
@@ -458,12 +489,24 @@ def call_of(call: Any) -> ToolCall | None:
     name, call_id = str(body.get("name") or ""), str(call.get("id") or "")
     if kind == "custom":
         text = body.get("input")
-        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom")
-    return ToolCall(name, arguments_of(body.get("arguments")), call_id, kind)
+        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom",
+                        call)
+    return ToolCall(name, arguments_of(body.get("arguments")), call_id, kind, call)
+
+
+def _entry_id(entry: Any) -> str | None:
+    return str(entry.get("id") or "") if isinstance(entry, dict) else None
+
+
+def _answer_id(item: Any) -> str | None:
+    return str(item.get("tool_call_id") or "") if isinstance(item, dict) and item.get("role") == "tool" else None
 
 
 def _call_body(call: ToolCall) -> dict[str, Any]:
-    """A ``tool_calls`` entry's ``type`` and call object for ``call`` (without its id)."""
+    """A ``tool_calls`` entry's ``type`` and call object for ``call`` (without its id): the entry it was read from,
+    as it came, when it was read from one."""
+    if isinstance(call.item, dict):
+        return {k: v for k, v in call.item.items() if k not in ("id", "index")}
     if call.kind == "custom":
         return {"type": "custom", "custom": {"name": call.name, "input": input_of(call.arguments)}}
     return {"type": "function", "function": {"name": call.name, "arguments": orjson.dumps(call.arguments).decode()}}

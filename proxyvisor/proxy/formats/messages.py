@@ -9,8 +9,9 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of, as_list,
-                   chat_text, dumps, error_types, event_object, has_non_text, interleave, split_json, sse, words)
+from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of,
+                   as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text, interleave,
+                   interleave_runs, split_json, sse, with_field, words)
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -132,7 +133,7 @@ class MessagesFormat(WireFormat):
     def parse_response(self, response: dict[str, Any]) -> AssistantTurn:
         blocks = [b for b in response.get("content") or () if isinstance(b, dict)]
         text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
-        calls = tuple(ToolCall(b["name"], args_of(b.get("input")), b.get("id", ""))
+        calls = tuple(ToolCall(b["name"], args_of(b.get("input")), b.get("id", ""), item=b)
                       for b in blocks if b.get("type") == "tool_use")
         return AssistantTurn(text, calls)
 
@@ -141,7 +142,7 @@ class MessagesFormat(WireFormat):
         if turn.text:
             content.append({"type": "text", "text": turn.text})
         for call in turn.tool_calls:
-            content.append({"type": "tool_use", "id": call.id or _tool_id(), "name": call.name, "input": call.arguments})
+            content.append(_use(call))
         i, o = turn.usage
         return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": model,
                 "content": content, "stop_reason": "tool_use" if turn.tool_calls else "end_turn",
@@ -164,12 +165,12 @@ class MessagesFormat(WireFormat):
             events.append(sse(b'{"type":"content_block_stop","index":0}', "content_block_stop"))
             index = 1
         for call in turn.tool_calls:
+            block = _use(call)
             events.append(sse(dumps({"type": "content_block_start", "index": index,
-                                     "content_block": {"type": "tool_use", "id": call.id or _tool_id(),
-                                                       "name": call.name, "input": {}}}), "content_block_start"))
+                                     "content_block": {**block, "input": {}}}), "content_block_start"))
             events += [sse(dumps({"type": "content_block_delta", "index": index,
                                   "delta": {"type": "input_json_delta", "partial_json": part}}), "content_block_delta")
-                       for part in split_json(call.arguments)]
+                       for part in split_json(arguments_of(block.get("input")))]
             events.append(sse(dumps({"type": "content_block_stop", "index": index}), "content_block_stop"))
             index += 1
         events.append(sse(dumps({"type": "message_delta",
@@ -343,8 +344,50 @@ class MessagesFormat(WireFormat):
                                                     or not text and b.get("type") == "text"))]
         return {**response, "content": content}
 
+    def graft(self, items: list[Any], start: int, response: dict[str, Any], results: list[CallResult]) -> Graft:
+        """The blocked ``tool_use`` blocks go into the agent's assistant message holding the batch's other calls,
+        their ``tool_result`` blocks into the user message right after it (among the other results, which come
+        first in it: text after them stays after them): each ``tool_result`` answers a ``tool_use`` of the
+        message right before it, as the API requires."""
+        blocks = [b for b in as_list(response.get("content")) if isinstance(b, dict) and b.get("type") == "tool_use"]
+        order = [str(b.get("id") or "") for b in blocks]
+        answered = {r.call_id for r in results}
+        calls = {str(b.get("id") or ""): b for b in blocks if str(b.get("id") or "") in answered}
+        answers = {str(b["tool_use_id"]): b for item in self.tool_results(results) for b in item["content"]}
+        for at in range(start + 1, len(items) - 1):
+            used, answering = items[at], items[at + 1]
+            if not (isinstance(used, dict) and used.get("role") == "assistant" and isinstance(answering, dict)
+                    and answering.get("role") == "user"):
+                continue
+            content, given = as_list(used.get("content")), as_list(answering.get("content"))
+            into_calls = beside(content, _use_id, order, calls)
+            into_results = beside(given, _result_id, order, answers)
+            if into_calls is None or into_results is None:
+                continue
+            key = ("graft", tuple(sorted(answered)))
+            return Graft({at: edited(used, key, with_field, used, "content", interleave_runs(content, into_calls)),
+                          at + 1: edited(answering, key, with_field, answering, "content",
+                                         interleave_runs(given, into_results))})
+        return Graft()
+
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _MessagesSplice(hold, stop)
+
+
+def _use(call: ToolCall) -> dict[str, Any]:
+    """The ``tool_use`` block of ``call``: the block it was read from, as it came, when it was read from one."""
+    if isinstance(call.item, dict):
+        return dict(call.item)
+    return {"type": "tool_use", "id": call.id or _tool_id(), "name": call.name, "input": call.arguments}
+
+
+def _use_id(block: Any) -> str | None:
+    return str(block.get("id") or "") if isinstance(block, dict) and block.get("type") == "tool_use" else None
+
+
+def _result_id(block: Any) -> str | None:
+    return str(block.get("tool_use_id") or "") if isinstance(block, dict) and block.get("type") == "tool_result" \
+        else None
 
 
 def _indexed(data: str) -> dict[str, Any] | None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, ToolCall, ToolSpec, Usage, WireFormat, chat_text, dumps,
-                   edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
+from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
+                   dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
                    edited, leading_system, split_json, sse, sse_json, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
@@ -46,9 +46,10 @@ def call_of(item: Any) -> ToolCall | None:
     if kind in ("function_call", "custom_tool_call"):
         name = qualified(item.get("namespace"), str(item.get("name") or ""))
         if kind == "function_call":
-            return ToolCall(name, arguments_of(item.get("arguments")), call_id)
+            return ToolCall(name, arguments_of(item.get("arguments")), call_id, item=item)
         text = item.get("input")
-        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom")
+        return ToolCall(name, freeform_arguments(name, text if isinstance(text, str) else ""), call_id, "custom",
+                        item)
     base = kind[:-len("_call")]
     args: dict[str, Any] = {}
     for key in ("action", "operation"):
@@ -61,7 +62,11 @@ def call_of(item: Any) -> ToolCall | None:
     if "command" not in args and isinstance(commands, list) and all(isinstance(c, str) for c in commands):
         args["command"] = "\n".join(commands)
     given = item.get("name")
-    return ToolCall(given if isinstance(given, str) and given else base, args, call_id, base)
+    return ToolCall(given if isinstance(given, str) and given else base, args, call_id, base, item)
+
+
+def _call_id(item: Any) -> str:
+    return str(item.get("call_id") or item.get("id") or "") if isinstance(item, dict) else ""
 
 
 def _is_result(item: Any) -> bool:
@@ -228,6 +233,9 @@ class ResponsesFormat(WireFormat):
                            "role": "assistant",
                            "content": [{"type": "output_text", "text": turn.text, "annotations": []}]})
         for call in turn.tool_calls:
+            if isinstance(call.item, dict):  # read from a response: written back as it came
+                output.append(dict(call.item))
+                continue
             namespace, name = split(call.name)
             custom = call.kind == "custom"
             item = {"id": ("ctc_" if custom else "fc_") + secrets.token_hex(12),
@@ -278,21 +286,23 @@ class ResponsesFormat(WireFormat):
                      text=text, logprobs=[])
                 emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                      part=item["content"][0])
-            elif item["type"] == "custom_tool_call":
+            elif item["type"] == "custom_tool_call" and isinstance(item.get("input"), str):
                 emit("response.output_item.added", output_index=index,
                      item={**item, "status": "in_progress", "input": ""})
-                emit("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                emit("response.custom_tool_call_input.delta", item_id=item.get("id"), output_index=index,
                      delta=item["input"])
-                emit("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                emit("response.custom_tool_call_input.done", item_id=item.get("id"), output_index=index,
                      input=item["input"])
-            else:
+            elif item["type"] == "function_call" and isinstance(item.get("arguments"), str):
                 emit("response.output_item.added", output_index=index,
                      item={**item, "status": "in_progress", "arguments": ""})
-                for part in split_json(orjson.loads(item["arguments"])):
-                    emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                for part in split_json(item["arguments"]):
+                    emit("response.function_call_arguments.delta", item_id=item.get("id"), output_index=index,
                          delta=part)
-                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                emit("response.function_call_arguments.done", item_id=item.get("id"), output_index=index,
                      arguments=item["arguments"])
+            else:  # a call of a built-in type (local_shell_call, computer_call...): the item whole, added then done
+                emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
             emit("response.output_item.done", output_index=index, item=item)
         emit("response.completed", response=self._response(turn, model, output, "completed", rid, created))
         return events
@@ -423,6 +433,25 @@ class ResponsesFormat(WireFormat):
                   if not ((call := call_of(item)) is not None and call.id in ids
                           or not text and isinstance(item, dict) and item.get("type") == "message")]
         return {**response, "output": output}
+
+    def graft(self, items: list[Any], start: int, response: dict[str, Any], results: list[CallResult]) -> Graft:
+        """The blocked call items (of any call type, as the response held them) go beside the batch's other call
+        items, their ``function_call_output`` items beside the other calls' results."""
+        output = [item for item in as_list(response.get("output")) if call_of(item) is not None]
+        order = [_call_id(item) for item in output]
+        answered = {r.call_id for r in results}
+        calls = {_call_id(item): item for item in output if _call_id(item) in answered}
+        answers = {r.call_id: item for r, item in zip(results, self.tool_results(results))}
+        into_calls = beside(items, lambda item: _call_id(item) if call_of(item) is not None else None, order, calls,
+                            start + 1)
+        into_results = beside(items, lambda item: item["call_id"] if _is_result(item) else None, order, answers,
+                              start + 1)
+        if into_calls is None or into_results is None:
+            return Graft()
+        runs: dict[int, list[Any]] = {}
+        for at, run in into_calls + into_results:  # a call's run comes before a result's at the same place
+            runs.setdefault(at, []).extend(run)
+        return Graft(runs=sorted(runs.items()))
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _ResponsesSplice(hold, stop)
