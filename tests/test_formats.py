@@ -179,3 +179,81 @@ async def test_scripted_supervisor_answers_report_the_calls_counted_tokens(fmt: 
     assert scripted_server.script.supervisor_requests, "not taken for a verifier call"
     usage = fmt_of(fmt).usage(orjson.loads(data))
     assert usage.input_tokens == estimate.input_tokens(fmt_of(fmt), body) > 0 and usage.output_tokens > 0
+
+
+# ---- grafting a part-blocked batch's calls back into the agent's copy of it (WireFormat.graft) -------------------
+def _grafted(fmt: str, history: list, response: dict) -> list:
+    from proxyvisor.proxy.formats.base import CallResult, interleave_runs
+
+    w = fmt_of(fmt)
+    graft = w.graft(history, 0, response, [CallResult("call_b", "[authorizer] Tool not executed: r.", True)])
+    out = [graft.replace.get(n, item) for n, item in enumerate(history)]
+    return interleave_runs(out, graft.runs)
+
+
+def test_messages_graft_puts_the_call_into_the_same_message_without_repeating_its_thinking() -> None:
+    from helpers import pairing_errors
+
+    thinking = {"type": "thinking", "thinking": "plan", "signature": "sig"}
+    use_a = {"type": "tool_use", "id": "call_a", "name": "Bash", "input": {"command": "ls"}}
+    use_b = {"type": "tool_use", "id": "call_b", "name": "Bash", "input": {"command": "pytest"}}
+    response = {"role": "assistant", "content": [thinking, {"type": "text", "text": "Two."}, use_a, use_b]}
+    reminder = {"type": "text", "text": "<system-reminder>x</system-reminder>"}
+    history = [{"role": "user", "content": "Go."},
+               {"role": "assistant", "content": [thinking, {"type": "text", "text": "Two."}, use_a]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_a", "content": "ok"},
+                                            reminder]}]
+    out = _grafted("messages", history, response)
+    assert out[1]["content"] == response["content"]  # one thinking block, the calls in the model's order
+    assert [b.get("tool_use_id") for b in out[2]["content"]] == ["call_a", "call_b", None]  # the text stays last
+    assert out[2]["content"][1]["is_error"] is True and len(out) == 3
+    assert pairing_errors("messages", {"messages": out}) == []
+    assert history[1]["content"] == [thinking, {"type": "text", "text": "Two."}, use_a]  # the agent's item as sent
+
+
+def test_responses_graft_puts_the_call_beside_its_batch_and_repeats_no_reasoning_item() -> None:
+    from helpers import pairing_errors
+
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"}
+    call_a = {"type": "function_call", "id": "fc_a", "call_id": "call_a", "name": "shell", "arguments": "{}"}
+    call_b = {"type": "local_shell_call", "id": "lsh_b", "call_id": "call_b", "status": "completed",
+              "action": {"type": "exec", "command": ["pytest"]}}
+    response = {"output": [reasoning, call_b, call_a]}
+    history = [{"role": "user", "content": "Go."}, reasoning, call_a,
+               {"type": "function_call_output", "call_id": "call_a", "output": "ok"}]
+    out = _grafted("responses", history, response)
+    assert [i.get("call_id") or i.get("id") or i.get("role") for i in out] == [
+        "user", "rs_1", "call_b", "call_a", "call_b", "call_a"]
+    assert out[2] == call_b and out[4]["output"].startswith("[authorizer]")
+    assert pairing_errors("responses", {"input": out}) == []
+
+
+def test_chat_graft_answers_every_call_before_the_next_message() -> None:
+    from helpers import pairing_errors
+
+    entry_a = {"id": "call_a", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}
+    entry_b = {"id": "call_b", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"pytest"}'}}
+    response = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [entry_a, entry_b]}}]}
+    history = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": None, "tool_calls": [entry_a]},
+               {"role": "tool", "tool_call_id": "call_a", "content": "ok"}]
+    out = _grafted("chat", history, response)
+    assert out[1]["tool_calls"] == [entry_a, entry_b]
+    assert [m.get("tool_call_id") for m in out[2:]] == ["call_a", "call_b"]
+    assert pairing_errors("chat", {"messages": out}) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_graft_without_the_batchs_other_calls_and_their_results(fmt: str) -> None:
+    """A history that went another way (the batch's other calls or their results are not there) gets nothing:
+    a call is never put back without its result."""
+    from proxyvisor.proxy.formats import AssistantTurn, ToolCall
+    from proxyvisor.proxy.formats.base import CallResult
+
+    w = fmt_of(fmt)
+    response = w.render(AssistantTurn("", (ToolCall("Bash", {"command": "ls"}, "call_a"),
+                                           ToolCall("Bash", {"command": "pytest"}, "call_b"))), MODEL)
+    asked = [w.user_item("Go.")]
+    called = asked + w.assistant_items(w.without_calls(response, ["call_b"]), lambda _n: True)
+    for history in (asked + [w.user_item("Something else.")], called):
+        assert w.graft(history, 0, response, [CallResult("call_b", "no", True)]).replace == {}
+        assert w.graft(history, 0, response, [CallResult("call_b", "no", True)]).runs == []
