@@ -385,11 +385,12 @@ class Exchange:
     def graft(self, response: dict[str, Any], results: list[CallResult]) -> None:
         """Record the calls of ``response`` that ``results`` answer (a batch's calls the agent never received) for
         the thread's later requests, which get them back in the agent's own copy of the batch, with their results
-        (:class:`Grafted`)."""
+        (:class:`Grafted`); replaces what an earlier request ending at the same item recorded (a retry)."""
         if self.tail is None:
             return
         index, anchor, _role = self.tail
-        self.thread.grafted = (self.thread.grafted + [Grafted(index, anchor, response, results)])[-DELEGATED:]
+        self.thread.grafted = ([g for g in self.thread.grafted if g.index != index]
+                               + [Grafted(index, anchor, response, results)])[-DELEGATED:]
 
     async def before_forward(self) -> None:
         """Run the request-side steps that need I/O (condensing), in order, on ``body``. A step that fails is
