@@ -71,8 +71,8 @@ prompt-cache miss)."""
 RECORDS = 256
 """Request records kept per session (:attr:`SessionSupervision.records`)."""
 DELEGATED = 64
-"""Continued turns kept per thread for re-insertion (:class:`Delegated`); past it the oldest is no longer
-re-inserted (one prompt-cache miss)."""
+"""Continued turns kept per thread for re-insertion (:class:`Delegated`), and part-blocked batches for grafting
+(:class:`Grafted`); past it the oldest is no longer re-inserted (one prompt-cache miss)."""
 
 
 @dataclass(frozen=True)
