@@ -26,8 +26,8 @@ files and environment:
                   embedded scripted upstream, which needs no API key. Every setting is documented in
                   the repository's config.toml.
   state dir       [state] dir, else $PROXYVISOR_STATE_DIR, else $XDG_STATE_HOME/proxyvisor
-                  (~/.local/state/proxyvisor): per-session JSONL ledgers (written only with
-                  supervision enabled).
+                  (~/.local/state/proxyvisor): per-session JSONL ledgers and memory/, one file
+                  per project of what learning kept (written only with supervision enabled).
 """
 
 
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
               proxyvisor condense build.log --task "why did it fail?"
                                                    what the model would see of a large tool output
               proxyvisor info                      the latest session's counters (the agent can send /info)
+              proxyvisor memory list               what proxyvisor learnt in this project (forget removes it)
 
             Run 'proxyvisor COMMAND --help' for a command's options.
             """) + "\n" + _FILES)
@@ -399,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .info_cli import register as register_info
 
     register_info(commands, _common, _Formatter)  # info, plan: each sets a handler
+    from .memory_cli import register as register_memory
+
+    register_memory(commands, _common, _Formatter)  # memory list|show|forget: sets a handler
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser

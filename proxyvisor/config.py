@@ -28,7 +28,7 @@ from msgspec import Meta
 from msgspec.structs import replace
 
 from .rules import (AUTHORIZER_BUDGET, BLOCK, DEFAULT_AUTHORIZER_BUDGET, DEFAULT_AUTHORIZER_TIMEOUT_S,
-                    AuthorizerMode, CHILD_WALL_CLOCK, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
+                    AuthorizerMode, CHILD_WALL_CLOCK, DEFAULT_LEARNING_BUDGET, LEARNING_BUDGET, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
                     DEFAULT_VIEW_BUDGET, DIGEST_BUDGET, RESULT_BUDGET,
                     FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, POSITIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
                     Complexity, CondenseKind, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
@@ -218,6 +218,36 @@ class AuthorizerConfig(Table, frozen=True):
     budget_tokens: Annotated[int, integer(AUTHORIZER_BUDGET)] = DEFAULT_AUTHORIZER_BUDGET
 
 
+class EvolutionConfig(Table, frozen=True):
+    """``[supervisor.learning.evolution]``: evolved skills (seed 003). Not built: ``enabled`` is accepted as
+    ``false`` only, so the seed's configuration loads and a request for evolution is refused, never ignored."""
+
+    enabled: bool = False
+
+
+class LearningConfig(Table, frozen=True):
+    """``[supervisor.learning]``: cross-session learning and recall (seed 003 "The closed loop", "Cross-session
+    memory"; ``proxyvisor.learning``, ``proxyvisor.proxy.learning``).
+
+    ``enabled``: distill grounded records (the user's durable rules, orientation facts, task experience) at a turn
+    end the gate judged, at a compaction and at session end, and recall them on a session's first request (off:
+    nothing is read or written). ``scope``: the project folder whose memory every session shares (empty: each
+    session's own, from the working directory its client reports, else ``wrap``'s). ``budget_tokens``: the Active
+    Memory Pack's bound (:data:`~proxyvisor.rules.LEARNING_BUDGET`). ``max_records`` / ``max_bytes``: one scope's
+    bounds, past which archived, then lowest-credit, then oldest records go; ``retention_days``: records neither
+    stored again nor recalled for that long go. ``timeout_s``: seconds one distill call may take.
+    """
+
+    enabled: bool = True
+    scope: str = ""
+    budget_tokens: Annotated[int, integer(LEARNING_BUDGET)] = DEFAULT_LEARNING_BUDGET
+    max_records: Annotated[int, integer(Range(1, 100_000))] = 1000
+    max_bytes: Annotated[int, integer(Range(4096))] = 2 * 1024 * 1024
+    retention_days: Seconds = 180.0
+    timeout_s: Seconds = 60.0
+    evolution: EvolutionConfig = msgspec.field(default_factory=EvolutionConfig)
+
+
 class BreakersConfig(Table, frozen=True):
     """``[supervisor.breakers]``: per-pool health of the agent's own requests (a pool: an upstream and a model;
     ``proxyvisor.proxy.breakers``). A pool's first trip cools it for ``cooldown_s``, doubling on each trip in a
@@ -237,6 +267,7 @@ class SupervisorConfig(Table, frozen=True):
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     plan: PlanConfig = msgspec.field(default_factory=PlanConfig)
     authorizer: AuthorizerConfig = msgspec.field(default_factory=AuthorizerConfig)
+    learning: LearningConfig = msgspec.field(default_factory=LearningConfig)
 
 
 class RouteTarget(Table, frozen=True):
@@ -447,6 +478,9 @@ def _check(config: Config) -> None:
     if not b.cooldown_s <= b.maximum_cooldown_s:
         raise ConfigError(f"{where}: [supervisor.breakers] needs cooldown_s <= maximum_cooldown_s, got "
                           f"{b.cooldown_s} and {b.maximum_cooldown_s}")
+    if config.supervisor.learning.evolution.enabled:
+        raise ConfigError(f"{where}: [supervisor.learning.evolution] enabled = true: evolved skills are not built "
+                          "in proxyvisor; set it to false or leave it out")
     names = [u.name for u in config.upstreams]
     for upstream in config.upstreams:
         for other in upstream.fallback:

@@ -69,6 +69,11 @@ AuthorizerMode = Literal["block", "advise"]
 AUTHORIZER_MODES: tuple[AuthorizerMode, ...] = get_args(AuthorizerMode)
 BLOCK, ADVISE = AUTHORIZER_MODES
 """``[supervisor.authorizer] mode``: a confirmed conflict stops the call, or is only recorded and noted."""
+LEARNING_BUDGET = Range(200, 32_000)
+"""``[supervisor.learning] budget_tokens``: the Active Memory Pack's bound; below 200 tokens not one record with
+its id and source would fit beside the note's header."""
+DEFAULT_LEARNING_BUDGET = 1_500
+"""The Active Memory Pack's default bound (seed 003, "Cross-session memory")."""
 CHILD_WALL_CLOCK = Range(30, 3_600)
 """``[model_routing.children] wall_clock_s``: seconds a child run may take (seed 002)."""
 

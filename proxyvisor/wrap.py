@@ -115,6 +115,8 @@ def _records(proxy: RunningProxy, session: str) -> int:
 
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
+        # The agent runs here: a session whose client names no working directory learns for this folder.
+        proxy.pipeline.learning.default_scope = os.getcwd()
         earlier = _records(proxy, session)
         for notice in start_notices(config):
             print(notice, file=sys.stderr, flush=True)

@@ -120,7 +120,7 @@ class Standing:
     turn: int
 
 
-def _units(request: str) -> Iterator[str]:
+def units(request: str) -> Iterator[str]:
     """The units of ``request`` that may state a rule: not skipped (module docstring), not questions or quotes."""
     fenced = False
     for line in request.splitlines():
@@ -153,7 +153,7 @@ def _forbids(text: str) -> bool:
 def prohibitions(request: str) -> tuple[str, ...]:
     """The prohibitions stated in ``request``, verbatim (trimmed, clipped to :data:`MAX_CHARS` characters)."""
     found: list[str] = []
-    for unit in _units(request):
+    for unit in units(request):
         if not _forbids(unit):
             continue
         unit = unit if len(unit) <= MAX_CHARS else unit[:MAX_CHARS - 1] + "\u2026"
@@ -243,7 +243,7 @@ def _rule(text: str) -> _Rule:
 
 
 def _clauses(request: str) -> Iterator[str]:
-    for unit in _units(request):
+    for unit in units(request):
         for clause in _CLAUSE.split(unit):
             if clause.strip() and not _forbids(clause):
                 yield clause.strip()

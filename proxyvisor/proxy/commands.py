@@ -35,7 +35,8 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   recent first: the sessions with a ledger and those in memory;
 - ``GET /proxyvisor/sessions/{id}/info``: :func:`proxyvisor.proxy.info.summarize` of the session's ledger plus
   ``session`` and ``live`` (the in-memory counters, None when the session is not in memory; ``unrecorded``: its
-  requests whose ledger line could not be written); a ledger that exists but cannot be read is a 500 naming the
+  requests whose ledger line could not be written; ``learning``: its project memory,
+  ``proxyvisor.proxy.learning.SessionLearning.info``, when it has a scope); a ledger that exists but cannot be read is a 500 naming the
   file (so is ``/info``, in the request's format);
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
@@ -64,6 +65,7 @@ from ..store import SESSION_ID, LedgerError, Store
 from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import derived, has_non_text
 from .info import info_object, render_text
+from .learning import SessionLearning
 from .planning import goal_text
 from .server import Headers, Response
 from .sessions import Session, SessionTable
@@ -182,6 +184,8 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
         thread = thread_for(session)
         out.update(threads=len(state.threads), state=thread.state if thread else None,
                    self_reports=dict(state.reports), fires=dict(state.signals), steers=dict(state.notes))
+    if isinstance(session.learning, SessionLearning) and session.learning.scope is not None:
+        out["learning"] = session.learning.info()
     return out
 
 

@@ -409,6 +409,14 @@ def render_text(info: Mapping[str, Any]) -> str:
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]
+    learning = (info.get("live") or {}).get("learning")
+    if learning:
+        rows.append(("memory", f"{plural(learning['records'], 'record')} ({learning['archived']:,} archived) for "
+                               f"{learning['scope']} · recalled {plural(learning['recalled_items'], 'item')}, "
+                               f"{plural(learning['recalled_tokens'], 'token')} · distills {learning['distills']:,}"
+                               f" (calls {learning['distill_calls']:,}, pre-screened out "
+                               f"{learning['distill_skipped']:,}) · stored {learning['stored']:,} · credit "
+                               f"+{learning['credit_positive']:,} / -{learning['credit_negative']:,}"))
     unrecorded = (info.get("live") or {}).get("unrecorded")
     if unrecorded:
         rows.append(("not in the ledger", f"{unrecorded:,} request{'' if unrecorded == 1 else 's'} (the ledger "

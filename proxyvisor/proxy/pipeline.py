@@ -59,6 +59,7 @@ from .delegation import ProxyDelegation
 from .authorizing import Authorizer
 from .breakers import Dispatch, breakers_for
 from .gating import Gating, eligible
+from .learning import FOLDER as MEMORY_FOLDER, Learning
 from .supervise import Exchange, ModelUse, Supervisor
 from .closing import close
 from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost, last_event_start
@@ -159,6 +160,11 @@ class Pipeline:
         self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.authorizer = Authorizer(config.supervisor.authorizer)
+        self.learning = Learning(config.supervisor.learning, store.root / MEMORY_FOLDER
+                                 if store is not None and config.supervisor.enabled else None,
+                                 self.supervisor.mutating_tools)
+        if self.learning.on:
+            self.sessions.on_end = self._end_learning
         self.breakers = breakers_for(config, store.root if store is not None else None)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
@@ -168,11 +174,22 @@ class Pipeline:
             estimate.warm()
 
     def close(self) -> None:
-        """Release what the pipeline holds open (the delegation state stores)."""
+        """End the sessions' learning (``proxyvisor.proxy.learning``) and release what the pipeline holds open
+        (the delegation state stores)."""
+        for session in self.sessions.all():
+            self._end_learning(session)
         if self.delegation is not None:
             self.delegation.close()
         if self.breakers is not None:
             self.breakers.close()
+
+    def _end_learning(self, session: Session) -> None:
+        """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill.
+        A failure is logged, never raised."""
+        try:
+            self.learning.end(session)
+        except Exception:  # noqa: BLE001 - learning must never cost a request or the shutdown
+            log.exception("distilling the end of session %s failed", session.id)
 
     @property
     def supervised(self) -> bool:
@@ -364,6 +381,8 @@ class Pipeline:
             send, upstream, secrets, translated = sender
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
             exchange = self.supervisor.begin(session, fmt, body, model, route)
+            exchange.secrets = secrets
+            self.learning.begin(session, exchange, self.background)
             if exchange.model is not None:
                 exchange.model = _timed(exchange.model, exchange.record.model)
             exchange.send = send
@@ -660,10 +679,19 @@ class Pipeline:
             record["local"] = local
         elif exchange is not None:
             record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail.role == "tool"))
+            self._learn(session, exchange)
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
         if not self.store.append_ledger(session.id, record):
             session.unrecorded += 1
+
+
+    def _learn(self, session: Session, exchange: Exchange) -> None:
+        """Hand the finished ``exchange`` to learning (credit, distill); a failure is logged, never raised."""
+        try:
+            self.learning.ended(session, exchange, exchange.secrets, self.background)
+        except Exception:  # noqa: BLE001 - learning must never cost the agent its answer
+            log.exception("learning from a request of session %s failed", session.id)
 
 
 def _timed(call: ModelCall, use: ModelUse) -> ModelCall:

@@ -242,7 +242,7 @@ class Planner:
         thread.plan_signal = "reassess"
         log.info("plan assumption broken: %s; reassessing", ", ".join(str(a) for _, a in broken))
         if tail is not None and tail.role in _SAFE_ROLES:
-            _add_note(thread, state, tail, "plan_assumption", assumption_note(plan, broken))
+            add_note(thread, state, tail, "plan_assumption", assumption_note(plan, broken))
 
     async def run(self, exchange: Exchange, final: bool) -> None:
         """Call the planner for the thread's pending signal and apply its decision (module docstring, 3).
@@ -281,8 +281,8 @@ class Planner:
         if isinstance(decision, Hold) and not final and exchange.tail is not None \
                 and exchange.tail.role in _SAFE_ROLES:
             text = hold_note(decision.reason)
-            _append(exchange, text)
-            _add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
+            append_note(exchange, text)
+            add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
 
     async def _ask(self, model: ModelCall, document: str) -> ModelAnswer | None:
         """The planner's answer from ``model``, or None when the call failed or took longer than ``timeout_s``
@@ -300,7 +300,7 @@ class Planner:
         return None
 
 
-def _add_note(thread: Thread, state: SessionSupervision | None, tail: Tail, signal: str,
+def add_note(thread: Thread, state: SessionSupervision | None, tail: Tail, signal: str,
               text: str) -> None:
     """Keep ``text`` as a note after the agent's last history item ``tail``, re-inserted there in the thread's later
     requests; counted by ``signal`` in ``state.notes`` (what /info shows as steers) unless ``state`` is None."""
@@ -327,11 +327,11 @@ def _recite(exchange: Exchange) -> None:
     latest = next((n for n in reversed(thread.notes) if n.signal == RECITE), None)
     if latest is not None and latest.text == text and tail.position - latest.index < RECITE_AFTER:
         return  # it is in the body already, re-inserted where it was first recited
-    _append(exchange, text)
-    _add_note(thread, None, tail, RECITE, text)
+    append_note(exchange, text)
+    add_note(thread, None, tail, RECITE, text)
 
 
-def _append(exchange: Exchange, text: str) -> None:
+def append_note(exchange: Exchange, text: str) -> None:
     """Insert ``text`` as a note after the last item of the upstream body's history."""
     exchange.fmt.insert_notes(exchange.body, [(len(exchange.fmt.history(exchange.body)) - 1, text)])
 

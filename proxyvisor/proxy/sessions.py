@@ -292,6 +292,8 @@ class Session:
     conversation, so proxyvisor records the answers it delivers, :meth:`Conversations.answered`)."""
     supervision: SessionSupervision | None = None
     """Per-session supervisor state, made on first use."""
+    learning: Any = None
+    """Per-session learning state (``proxyvisor.proxy.learning.SessionLearning``), made on first use."""
 
 
 class SessionTable:
@@ -304,6 +306,8 @@ class SessionTable:
         self.idle_s = idle_s
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
+        self.on_end: Callable[[Session], None] | None = None
+        """Called with each session :meth:`evict` drops (its end: ``proxyvisor.proxy.learning``)."""
         self.conversations = Conversations(idle_s, _ENDS_PER_SESSION * max_sessions)
         """The live conversations of clients that send no session id (:func:`identify`)."""
 
@@ -331,6 +335,9 @@ class SessionTable:
                 dropped.append(self._sessions.pop(sid))
             else:
                 break
+        if self.on_end is not None:
+            for session in dropped:
+                self.on_end(session)
         return dropped
 
     def all(self) -> list[Session]:

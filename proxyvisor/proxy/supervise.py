@@ -370,6 +370,9 @@ class Exchange:
         session's route it holds the request's credentials: it lives as long as the exchange, never longer."""
         self.send: Send | None = None
         """Sends a body the way the request went: continued turns."""
+        self.secrets: list[str] = []
+        """The credentials the request carries (``proxyvisor.proxy.session_model.secrets_of``): what learning
+        never stores. Never written anywhere."""
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.

@@ -1,0 +1,186 @@
+"""One project's memory: grounded records, their credit, bounds and retention. Pure: time is passed in, and the
+memory is read from and written to bytes (:meth:`Memory.encode`, :meth:`Memory.decode`) by the shell.
+
+Three kinds of :class:`Record` (seed 003, "Cross-session memory"):
+
+- ``rule``: the user's own durable instruction, ``text`` an exact quote, ``source`` its turn
+  (``user turn 2 of session 1a2b...``);
+- ``orientation``: a fact the session established, ``source`` the action whose result showed it
+  (``action #3: pytest -q (succeeded)``);
+- ``experience``: a finished task, ``text`` what was asked, ``label`` the gate's label (``verified``, ``failed``,
+  ``unknown``), never upgraded: the same task with another label is another record.
+
+A record's ``id`` is ``M`` and 8 hex digits of a hash of its kind, text and label, so the same record distilled
+twice (or by two processes) is one record, and the self-report names it (its ``memories`` field) as the note shows
+it. **Credit** starts at :data:`INITIAL_CREDIT`; a record the self-report names as used gains
+:data:`CREDIT_VERIFIED` on a ``verified`` turn and loses :data:`CREDIT_FAILED` on a ``failed`` one (reference
+section 3, outcome table); below :data:`ARCHIVE_BELOW` it is **archived**: kept, listed, never recalled.
+**Secrets**: a text holding a secret-looking value (:func:`secret_in`) is never made a record.
+**Bounds** (:meth:`Memory.bound`): records past retention go; then, past ``max_records`` or ``max_bytes``,
+archived records first, then the lowest credit, then the oldest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from ..adapters.failures import summary
+
+RULE, ORIENTATION, EXPERIENCE = "rule", "orientation", "experience"
+KINDS = (RULE, ORIENTATION, EXPERIENCE)
+VERIFIED, FAILED, UNKNOWN = "verified", "failed", "unknown"
+LABELS = (VERIFIED, FAILED, UNKNOWN)
+INITIAL_CREDIT = 0.5
+CREDIT_VERIFIED = 0.05
+CREDIT_FAILED = -0.15
+ARCHIVE_BELOW = 0.25
+"""Two failed uses from the start archive a record; a verified use in between keeps it."""
+MAX_TEXT = 300
+"""Characters of a record's text or source; longer candidates are clipped (a rule's quote is at most 200)."""
+_SECRETS = re.compile(
+    r"(?:AKIA|ASIA)[A-Z0-9]{16}|gh[pousr]_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY"
+    r"|(?i:password|passwd|secret|token)[\"']?\s*[:=]\s*[\"']?[^\s\"',]{6,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}")
+"""Secret shapes beyond those ``proxyvisor.adapters.failures.summary`` masks (keys ``sk-...``, bearer tokens,
+``api_key=...``): cloud and chat tokens, private keys, ``password=...``, JWTs."""
+
+
+def secret_in(text: str, secrets: Iterable[str] = ()) -> bool:
+    """Whether ``text`` holds a secret-looking value (the masks of ``proxyvisor.adapters.failures.summary``, the
+    shapes of :data:`_SECRETS`) or one of ``secrets`` (the credentials a request carried)."""
+    for start in range(0, max(len(text), 1), 200):  # summary reads its first 300 characters: overlapping windows
+        window = text[start:start + 300]
+        if "[redacted]" in summary(window) and "[redacted]" not in " ".join(window.split()):
+            return True
+    return bool(_SECRETS.search(text)) or any(s and s in text for s in secrets)
+
+
+def clip(text: str) -> str:
+    """``text`` on one line, at most :data:`MAX_TEXT` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "\u2026"
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True):
+    """One memory record (module docstring). ``created`` / ``seen``: Unix times when it was first stored and
+    last stored again or recalled; ``session``: the session that first stored it; ``used``: times the self-report
+    named it."""
+
+    id: str
+    kind: str
+    text: str
+    source: str
+    label: str = ""
+    credit: float = INITIAL_CREDIT
+    archived: bool = False
+    created: float = 0.0
+    seen: float = 0.0
+    session: str = ""
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A record to store: ``kind``, ``text``, ``source`` and, for an experience, its ``label``."""
+
+    kind: str
+    text: str
+    source: str
+    label: str = ""
+
+
+def record_id(kind: str, text: str, label: str = "") -> str:
+    digest = hashlib.blake2b(f"{kind}\0{' '.join(text.lower().split())}\0{label}".encode(), digest_size=4)
+    return "M" + digest.hexdigest()
+
+
+class _File(msgspec.Struct, kw_only=True):
+    scope: str
+    records: list[Record] = []
+
+
+class Memory:
+    """The records of one ``scope`` (a project folder), by id, in the order they were stored."""
+
+    def __init__(self, scope: str, records: Iterable[Record] = ()) -> None:
+        self.scope = scope
+        self.records: dict[str, Record] = {r.id: r for r in records}
+
+    @classmethod
+    def decode(cls, data: bytes) -> Memory:
+        """The memory written by :meth:`encode`.
+
+        Raises:
+            msgspec.DecodeError / msgspec.ValidationError: ``data`` is not such a memory (both are ValueErrors).
+        """
+        file = msgspec.json.decode(data, type=_File)
+        return cls(file.scope, (r for r in file.records if r.kind in KINDS))
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(_File(scope=self.scope, records=list(self.records.values())))
+
+    def add(self, candidate: Candidate, now: float, session: str, secrets: Iterable[str] = ()) -> Record | None:
+        """Store ``candidate`` (clipped, :func:`clip`) unless it is empty, of an unknown kind or label, or holds a
+        secret (:func:`secret_in`); the same record again is only marked ``seen``. Returns the new record, None
+        when nothing new was stored."""
+        text, source = clip(candidate.text), clip(candidate.source)
+        label = candidate.label if candidate.kind == EXPERIENCE else ""
+        if not text or candidate.kind not in KINDS or (candidate.kind == EXPERIENCE and label not in LABELS) \
+                or secret_in(candidate.text, secrets) or secret_in(candidate.source, secrets):
+            return None
+        key = record_id(candidate.kind, text, label)
+        old = self.records.get(key)
+        if old is not None:
+            self.records[key] = msgspec.structs.replace(old, seen=now)
+            return None
+        record = Record(id=key, kind=candidate.kind, text=text, source=source, label=label, created=now, seen=now,
+                        session=session)
+        self.records[key] = record
+        return record
+
+    def active(self) -> list[Record]:
+        """The records that may be recalled: not archived."""
+        return [r for r in self.records.values() if not r.archived]
+
+    def credit(self, ids: Iterable[str], label: str) -> list[tuple[str, float, bool]]:
+        """Apply a turn's outcome ``label`` to the records ``ids`` the self-report named as used (module docstring;
+        ``unknown`` moves nothing). Returns, per record moved, (id, change, whether it is now archived)."""
+        delta = CREDIT_VERIFIED if label == VERIFIED else CREDIT_FAILED if label == FAILED else 0.0
+        moved = []
+        for rid in dict.fromkeys(ids):
+            record = self.records.get(rid)
+            if record is None:
+                continue
+            credit = round(min(1.0, max(0.0, record.credit + delta)), 4)
+            archived = record.archived or credit < ARCHIVE_BELOW
+            self.records[rid] = msgspec.structs.replace(record, credit=credit, archived=archived,
+                                                        used=record.used + 1)
+            if delta:
+                moved.append((rid, delta, archived))
+        return moved
+
+    def seen(self, ids: Iterable[str], now: float) -> None:
+        """Mark the records ``ids`` recalled at ``now`` (retention counts from it)."""
+        for rid in ids:
+            if (record := self.records.get(rid)) is not None:
+                self.records[rid] = msgspec.structs.replace(record, seen=now)
+
+    def forget(self, rid: str) -> bool:
+        """Remove record ``rid``; whether it was there."""
+        return self.records.pop(rid, None) is not None
+
+    def bound(self, max_records: int, max_bytes: int, retention_s: float, now: float) -> int:
+        """Apply retention and the bounds (module docstring); returns the records removed."""
+        before = len(self.records)
+        self.records = {k: r for k, r in self.records.items() if now - max(r.seen, r.created) <= retention_s}
+        order = sorted(self.records.values(), key=lambda r: (not r.archived, r.credit, r.seen))
+        size = len(self.encode())
+        while order and (len(self.records) > max_records or size > max_bytes):
+            gone = order.pop(0)
+            del self.records[gone.id]
+            size -= len(msgspec.json.encode(gone)) + 1
+        return before - len(self.records)

@@ -1,0 +1,131 @@
+"""Command line of ``proxyvisor memory list|show|forget`` (registered by cli.py): a project's memory, read and
+changed in its file (``proxyvisor.proxy.learning.MemoryFiles``) without a proxy. A running proxy takes a
+``forget`` into account at its next save (records forgotten from the file stay forgotten)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import orjson
+
+from .cli import _FILES
+from .config import Config
+from .learning.memory import Memory
+from .proxy.learning import FOLDER, MemoryFiles, project_root
+from .store import atomic_write
+
+_HELP = textwrap.dedent("""\
+    Show or forget what proxyvisor learnt in a project ([supervisor.learning]). Each project folder (a
+    folder inside a git repository counts as the repository's root) has one memory file under the state
+    directory, STATE/memory/HASH.json (0600), holding three kinds of record, each with an id (M and 8 hex
+    digits, as the recalled note names it):
+
+      rule         the user's durable instruction, an exact quote, with its source turn
+      orientation  a fact a session established, citing the action whose result showed it
+      experience   a finished task with the gate's label: verified, failed or unknown
+
+    and its credit (0-1; a record a verified turn used gains 0.05, a failed one costs 0.15; below 0.25
+    it is archived: kept and listed, never recalled).
+
+    subcommands:
+      list              the scope's records: id, kind, label, credit, archived, text
+      show ID           one record in full (source, times, session, uses)
+      forget ID         remove one record
+      forget --all      remove the scope's whole memory file
+
+    The scope is --scope DIR, else [supervisor.learning] scope, else the current folder.
+    """)
+_EXIT = textwrap.dedent("""\
+    exit status:
+      0 done; 1 no memory for the scope, no such record, or the memory file cannot be read or
+      written; 2 bad usage or configuration.
+    """)
+
+
+def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], formatter: type) -> None:
+    """Add ``memory`` to the ``proxyvisor`` subparsers; it sets ``handler(args, config)``."""
+    parser = commands.add_parser(
+        "memory", help="list, show or forget what proxyvisor learnt in a project", formatter_class=formatter,
+        description=_HELP, epilog=textwrap.dedent("""\
+            examples:
+              proxyvisor memory list
+              proxyvisor memory show M1a2b3c4d --scope ~/src/app
+              proxyvisor memory forget M1a2b3c4d
+              proxyvisor memory forget --all --scope ~/src/app
+            """) + "\n" + _EXIT + "\n" + _FILES)
+    parser.add_argument("action", choices=["list", "show", "forget"], metavar="list|show|forget",
+                        help="what to do (see subcommands above)")
+    parser.add_argument("id", nargs="?", metavar="ID", help="the record (show, forget)")
+    parser.add_argument("--all", action="store_true", help="forget: remove every record of the scope")
+    parser.add_argument("--scope", metavar="DIR", help="the project folder (default: [supervisor.learning] scope, "
+                                                       "else the current folder)")
+    parser.add_argument("--json", action="store_true", help="list, show: print JSON instead of text")
+    common(parser)
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
+    if args.action in ("show", "forget") and not args.id and not (args.action == "forget" and args.all):
+        print(f"proxyvisor memory {args.action}: needs an ID" + (" or --all" if args.action == "forget" else ""),
+              file=sys.stderr)
+        return 2
+    if args.id and args.all:
+        print("proxyvisor memory forget: give an ID or --all, not both", file=sys.stderr)
+        return 2
+    scope = project_root(args.scope or config.supervisor.learning.scope or os.getcwd())
+    files = MemoryFiles(config.state_dir() / FOLDER)
+    path = files.path(scope)
+    try:
+        memory = files.read(path)
+    except (OSError, ValueError) as exc:
+        print(f"proxyvisor memory: {path} cannot be read: {exc}", file=sys.stderr)
+        return 1
+    if memory is None or memory.scope != scope:
+        print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
+        return 1
+    if args.action == "list":
+        return _list(memory, args.json)
+    record = memory.records.get(args.id) if args.id else None
+    if args.id and record is None:
+        print(f"proxyvisor memory: no record {args.id} in the memory of {scope}", file=sys.stderr)
+        return 1
+    if args.action == "show":
+        assert record is not None
+        if args.json:
+            print(orjson.dumps(msgspec.to_builtins(record), option=orjson.OPT_INDENT_2).decode())
+        else:
+            for name in record.__struct_fields__:
+                print(f"{name}: {getattr(record, name)}")
+        return 0
+    try:
+        if args.all:
+            path.unlink()
+            print(f"forgot {len(memory.records)} record(s) of {scope}")
+            return 0
+        memory.forget(args.id)
+        atomic_write(path, memory.encode())
+    except OSError as exc:
+        print(f"proxyvisor memory: cannot change {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"forgot {args.id}")
+    return 0
+
+
+def _list(memory: Memory, as_json: bool) -> int:
+    records = list(memory.records.values())
+    if as_json:
+        print(orjson.dumps({"scope": memory.scope, "records": msgspec.to_builtins(records)},
+                           option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(f"memory of {memory.scope}: {len(records)} record(s)")
+    for r in records:
+        flags = (r.label + " " if r.label else "") + ("archived " if r.archived else "")
+        text = r.text if len(r.text) <= 80 else r.text[:79] + "\u2026"
+        print(f"{r.id}  {r.kind:<11} {flags}credit {r.credit:.2f}  {text}")
+    return 0

@@ -1,0 +1,369 @@
+"""Cross-session learning on the supervised path: the trio shell around ``proxyvisor.learning``.
+
+- **Scope** (:func:`scope_of`): one memory per project folder: ``[supervisor.learning] scope`` when set, else the
+  working directory the client's environment context names (Codex's ``<cwd>``, Claude Code's ``Primary working
+  directory:``), else :attr:`Learning.default_scope` (``proxyvisor wrap`` sets its own working directory); a
+  folder inside a git repository counts as the repository's root. A session without a scope learns nothing.
+- **Files** (:class:`MemoryFiles`): ``STATE/memory/<hash of the scope>.json``, the folder 0700, each file 0600,
+  written atomically; a save merges what another process stored meanwhile and keeps records forgotten from the
+  command line forgotten. A file that cannot be read is left alone (logged) and nothing is written over it.
+- **Recall** (a step of ``Exchange.before_forward``): on a thread's first request that offers tools, after a tool
+  result or a user message, and again when a compaction dropped the note's place: the session's Active Memory
+  Pack (``proxyvisor.learning.pack``), assembled once per session and re-inserted byte for byte like the steer
+  notes and the recitation (``Thread.notes``, signal ``memory``), so the upstream prefix holds.
+- **Distill**: at a turn end the gate judged (:meth:`Learning.ended`, from ``Pipeline._account``), at a detected
+  compaction (a rewritten history, :meth:`Learning.begin`) and at session end (:meth:`Learning.end`: ``wrap``'s
+  exit, idle eviction, the proxy's shutdown). The free records are stored at once; when the pre-screen finds
+  something more to learn and a supervisor model call is at hand (a request's: turn ends and compactions), one
+  call runs in the proxy's background nursery, after the answer went out, within ``timeout_s``. Session end has
+  no request, so it stores the free records only.
+- **Credit**: at a judged turn end, the records the self-report names in ``memories`` move by the gate's label.
+
+With ``[supervisor.learning] enabled = false`` or supervision off, nothing here runs: no file is read or written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..condense.text import count_tokens
+from ..config import LearningConfig
+from ..detectors import checks
+from ..gate import digest
+from ..gate.verdict import Malformed
+from ..learning import distill
+from ..learning.memory import Candidate, Memory
+from ..learning.pack import SIGNAL, Pack, assemble
+from ..store import atomic_write, private_dir
+from ..supervisor_model import ModelCall, ReportedFailure
+from .planning import add_note, append_note, goal_text
+
+if TYPE_CHECKING:
+    from .sessions import Session
+    from .supervise import Exchange
+
+log = logging.getLogger("proxyvisor.learning")
+
+FOLDER = "memory"
+_CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:Primary working directory|Working directory):[ \t]*(/[^\n]*?)"
+                  r"[ \t]*$", re.MULTILINE)
+_SAFE_ROLES = ("tool", "user")
+
+
+def project_root(path: str) -> str:
+    """``path`` as a scope: normalised, and the root of the git repository it is in when it is in one (a folder
+    that does not exist here, such as a remote client's, is taken as written)."""
+    path = os.path.normpath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        return path
+    real = os.path.realpath(path)
+    for folder in (real, *map(str, Path(real).parents)):
+        if os.path.exists(os.path.join(folder, ".git")):
+            return folder
+    return real
+
+
+def scope_of(texts: tuple[str, str], configured: str, default: str | None) -> str | None:
+    """The scope of a session whose system prompt and first user message are ``texts`` (module docstring)."""
+    if configured:
+        return project_root(configured)
+    for text in texts:
+        if ("cwd>" in text or "orking directory:" in text) and (match := _CWD.search(text)):
+            return project_root(match.group(1) or match.group(2))
+    return project_root(default) if default else None
+
+
+class MemoryFiles:
+    """The memory files under ``root`` (``STATE/memory``), one per scope."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, scope: str) -> Path:
+        return self.root / (hashlib.blake2b(scope.encode(), digest_size=12).hexdigest() + ".json")
+
+    def read(self, path: Path) -> Memory | None:
+        """The memory in ``path``; None when it does not exist.
+
+        Raises:
+            OSError: it cannot be read; ValueError: it is not a memory file.
+        """
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return Memory.decode(data)
+
+    def load(self, scope: str) -> Memory | None:
+        """The memory of ``scope`` (empty when it has none yet); None when its file cannot be read (logged)."""
+        try:
+            memory = self.read(self.path(scope))
+        except (OSError, ValueError) as exc:
+            log.warning("the memory file %s cannot be read (%s); learning is off for %s", self.path(scope), exc,
+                        scope)
+            return None
+        return memory if memory is not None and memory.scope == scope else Memory(scope)
+
+    def save(self, memory: Memory, loaded: set[str]) -> bool:
+        """Write ``memory``, first taking in the records another process stored in its file since and dropping
+        those of ``loaded`` (the ids read from the file before) that are gone from it (forgotten). Returns
+        whether it was written (a failure is logged)."""
+        path = self.path(memory.scope)
+        try:
+            private_dir(self.root)
+            disk = self.read(path)
+            on_disk = disk.records if disk is not None and disk.scope == memory.scope else {}
+            for rid in loaded - on_disk.keys():
+                memory.forget(rid)
+            for rid, record in on_disk.items():
+                memory.records.setdefault(rid, record)
+            atomic_write(path, memory.encode())
+        except (OSError, ValueError) as exc:
+            log.warning("cannot write the memory file %s: %s", path, exc)
+            return False
+        loaded.clear()
+        loaded.update(memory.records)
+        return True
+
+    def all(self) -> list[tuple[Path, Memory | None]]:
+        """Every memory file, with its memory (None: unreadable), by scope."""
+        try:
+            paths = sorted(p for p in self.root.glob("*.json"))
+        except OSError:
+            return []
+        out = []
+        for path in paths:
+            try:
+                out.append((path, self.read(path)))
+            except (OSError, ValueError):
+                out.append((path, None))
+        return sorted(out, key=lambda pm: pm[1].scope if pm[1] is not None else "")
+
+
+@dataclass
+class SessionLearning:
+    """A session's learning state (``Session.learning``): its ``scope``, its pack once assembled, what earlier
+    distill calls were shown (``asked``), the last request's material for a later distill (``pending``) and the
+    counters /info shows."""
+
+    scope: str | None
+    memory: Memory | None = None
+    """The scope's memory, once read."""
+    pack: Pack | None = None
+    asked: set[str] = field(default_factory=set)
+    pending: Callable[[], distill.Material] | None = None
+    pending_thread: Any = None
+    """The thread ``pending`` is of: a request of another thread (a compaction to a summary starts one) distils it."""
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def info(self) -> dict[str, Any]:
+        """The /info object: the scope, its records (active and archived), what was recalled and distilled."""
+        records = list(self.memory.records.values()) if self.memory is not None else []
+        pack = self.pack
+        return {"scope": self.scope, "records": sum(not r.archived for r in records),
+                "archived": sum(r.archived for r in records),
+                "recalled_items": len(pack.records) if pack else 0, "recalled_tokens": pack.tokens if pack else 0,
+                **{k: self.counts[k] for k in ("recalls", "distills", "distill_calls", "distill_skipped",
+                                               "stored", "credit_positive", "credit_negative", "archived_now")}}
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """What :func:`material_of` reads of an exchange, without the exchange (whose model call holds the request's
+    credentials, and must not outlive it)."""
+
+    fmt: Any
+    items: list[Any]
+    extra: list[Any]
+    thread: Any
+    schemas: dict[str, Any]
+    record: Any
+
+
+def _turn(exchange: Exchange) -> _Turn:
+    extra = exchange.continuation.items if exchange.continuation is not None else []
+    return _Turn(exchange.fmt, exchange.items, list(extra), exchange.thread, exchange.schemas, exchange.record)
+
+
+def material_of(turn: _Turn, session: str, mutating_tools: frozenset[str]) -> distill.Material:
+    """What a distill reads of a request's ``turn`` (the agent's history, the continued turn's items, its report)."""
+    fmt, thread, items = turn.fmt, turn.thread, turn.items
+    turns = tuple((n, goal_text(fmt.message(items[i]).text))
+                  for n, i in enumerate(thread.tracker.user_turns, 1) if i < len(items))
+    start = thread.tracker.turn_start
+    turn_items = (items[start + 1:] if start is not None else items) + turn.extra
+    actions = digest.turn_actions([fmt.message(i) for i in turn_items], turn.schemas, mutating_tools,
+                                  thread.tracker.reader.turn_receipts)
+    ev = digest.evidence(actions)
+    steps = tuple(distill.Action(n, a.use.name, a.receipt.command or "", not a.receipt.error,
+                                 a.receipt.check != checks.NONE, a.receipt.summary,
+                                 a.output.text[:distill.OUTPUT_CHARS] if a.output is not None else "")
+                  for n, a in enumerate(actions, 1))
+    gate = turn.record.gate or {}
+    report = turn.record.report.report if turn.record.report is not None else None
+    passed = ev.latest.number if ev.latest is not None and ev.latest.passed else 0
+    return distill.Material(session, turns, turns[-1][1] if turns else "", distill.label_of(gate.get("outcome")),
+                            steps, passed, report.memories if report is not None else ())
+
+
+class Learning:
+    """Learning for every session of a proxy (module docstring): ``settings`` (``[supervisor.learning]``), the
+    state directory's memory folder ``root`` (None: no state directory, nothing learnt), ``clock`` (Unix time)."""
+
+    def __init__(self, settings: LearningConfig, root: Path | None, mutating_tools: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.files = MemoryFiles(root) if root is not None and settings.enabled else None
+        self.mutating_tools = mutating_tools
+        self.clock = clock
+        self.default_scope: str | None = None
+        """The scope of a session whose client names no working directory (``wrap`` sets its own)."""
+        self.memories: dict[str, Memory | None] = {}
+        self.loaded: dict[str, set[str]] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.files is not None
+
+    def memory(self, scope: str) -> Memory | None:
+        """The memory of ``scope``, read once per proxy (None: its file is unreadable)."""
+        if scope not in self.memories:
+            assert self.files is not None
+            memory = self.memories[scope] = self.files.load(scope)
+            self.loaded[scope] = set(memory.records) if memory is not None else set()
+        return self.memories[scope]
+
+    def _state(self, session: Session, exchange: Exchange) -> SessionLearning:
+        state = session.learning
+        if not isinstance(state, SessionLearning):
+            state = session.learning = SessionLearning(scope_of(exchange.parts, self.settings.scope,
+                                                                self.default_scope))
+        return state
+
+    def begin(self, session: Session, exchange: Exchange, background: trio.Nursery | None) -> None:
+        """Before ``exchange`` goes upstream: distill the pending material when its history was rewritten or
+        another thread began (a compaction; the distill call, when one is worth it, in ``background``), and add
+        the recall step when the thread has no memory note in place."""
+        if not self.on or not exchange.tools:
+            return
+        state = self._state(session, exchange)
+        if state.scope is None or (memory := self.memory(state.scope)) is None:
+            return
+        state.memory = memory
+        if state.pending is not None and (exchange.record.rebuilt or state.pending_thread is not exchange.thread):
+            pending, state.pending = state.pending, None
+            self._distill(session.id, state, memory, pending(), exchange.model, exchange.secrets, background)
+        if any(n.signal == SIGNAL for n in exchange.thread.notes):
+            return
+
+        async def recall(ex: Exchange) -> None:
+            self._recall(state, memory, ex)
+
+        exchange.steps.append(recall)
+
+    def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
+        tail = exchange.tail
+        if tail is None or tail.role not in _SAFE_ROLES:
+            return
+        if state.pack is None:
+            state.pack = assemble(memory.active(), exchange.thread.planning.goal, self.settings.budget_tokens,
+                                  count_tokens)
+            memory.seen((r.id for r in state.pack.records), self.clock())
+        if not state.pack.records:
+            return
+        append_note(exchange, state.pack.text)
+        add_note(exchange.thread, None, tail, SIGNAL, state.pack.text)
+        state.counts["recalls"] += 1
+        log.info("recalled %d memories (%d tokens) for %s", len(state.pack.records), state.pack.tokens, state.scope)
+
+    def ended(self, session: Session, exchange: Exchange, secrets: list[str],
+              background: trio.Nursery | None) -> None:
+        """After ``exchange``'s answer went out: at a turn end the gate judged, credit and distill (the model call,
+        when one is worth it, in ``background``); otherwise keep the material for a later distill."""
+        state = session.learning
+        if not self.on or not isinstance(state, SessionLearning) or state.scope is None:
+            return
+        memory = self.memory(state.scope)
+        if memory is None:
+            return
+        gate = exchange.record.gate
+        if gate is None or "outcome" not in gate:
+            turn, mutating, sid = _turn(exchange), self.mutating_tools, session.id
+            state.pending = lambda: material_of(turn, sid, mutating)
+            state.pending_thread = exchange.thread
+            return
+        state.pending = None
+        material = material_of(_turn(exchange), session.id, self.mutating_tools)
+        if material.label is not None:
+            for _rid, delta, archived in memory.credit(material.memories, material.label):
+                state.counts["credit_positive" if delta > 0 else "credit_negative"] += 1
+                state.counts["archived_now"] += archived
+        self._distill(session.id, state, memory, material, exchange.model if background is not None else None,
+                      secrets, background)
+
+    def end(self, session: Session) -> None:
+        """At session end: the free records of the material not yet distilled (no model call: no request)."""
+        state = session.learning
+        if not self.on or not isinstance(state, SessionLearning) or state.scope is None or state.pending is None:
+            return
+        memory = self.memory(state.scope)
+        pending, state.pending = state.pending, None
+        if memory is not None:
+            self._distill(session.id, state, memory, pending(), None, [])
+
+    def _distill(self, sid: str, state: SessionLearning, memory: Memory, material: distill.Material,
+                 model: ModelCall | None, secrets: list[str], background: trio.Nursery | None = None) -> None:
+        state.counts["distills"] += 1
+        self._store(state, memory, distill.free_records(material), sid, secrets)
+        keys = distill.worth_asking(material, memory, state.asked)
+        if model is None or not keys or background is None:
+            state.counts["distill_skipped"] += model is not None
+            self._save(memory)
+            return
+        state.asked |= keys
+        background.start_soon(self._ask, sid, state, memory, material, model, list(secrets))
+
+    async def _ask(self, sid: str, state: SessionLearning, memory: Memory, material: distill.Material,
+                   model: ModelCall, secrets: list[str]) -> None:
+        """One distill call (``proxyvisor.learning.distill``); a failure, a timeout or a malformed answer stores
+        nothing more (logged). The memory is saved either way."""
+        messages = [{"role": "system", "content": distill.INSTRUCTIONS},
+                    {"role": "user", "content": distill.distill_input(material)}]
+        state.counts["distill_calls"] += 1
+        with trio.move_on_after(self.settings.timeout_s):
+            try:
+                answer = await model(messages)
+            except Exception as exc:  # noqa: BLE001 - a distill outage loses only what it would have learnt
+                (log.debug if isinstance(exc, ReportedFailure) else log.warning)(
+                    "the distill call failed (%s: %s)", type(exc).__name__, exc)
+            else:
+                found = distill.parse(answer.text, material)
+                if isinstance(found, Malformed):
+                    log.warning("the distill answer is malformed (%s); nothing more stored", found.error)
+                else:
+                    self._store(state, memory, found, sid, secrets)
+        self._save(memory)
+
+    def _store(self, state: SessionLearning, memory: Memory, candidates: list[Candidate], sid: str,
+               secrets: list[str]) -> None:
+        now = self.clock()
+        for candidate in candidates:
+            if memory.add(candidate, now, sid, secrets) is not None:
+                state.counts["stored"] += 1
+
+    def _save(self, memory: Memory) -> None:
+        assert self.files is not None
+        s = self.settings
+        memory.bound(s.max_records, s.max_bytes, s.retention_days * 86_400, self.clock())
+        self.files.save(memory, self.loaded.setdefault(memory.scope, set()))

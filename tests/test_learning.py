@@ -1,0 +1,439 @@
+"""Cross-session learning and recall (``proxyvisor.learning``, ``proxyvisor.proxy.learning``): a rule stated in one
+session is recalled in the next session of the same project and not in another; task-local instructions, secrets
+and, with learning off, anything at all are never stored; a failed experience is recalled as failed; credit moves
+by the gate's label; the recalled note keeps the upstream prefix; ``proxyvisor memory`` lists and forgets."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import orjson
+import pytest
+
+from proxyvisor.cli import main
+from proxyvisor.condense.text import count_tokens
+from proxyvisor.config import Config, ConfigError, LearningConfig, parse
+from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
+from proxyvisor.learning import distill
+from proxyvisor.learning.memory import (ARCHIVE_BELOW, EXPERIENCE, FAILED, INITIAL_CREDIT, ORIENTATION, RULE,
+                                        UNKNOWN, VERIFIED, Candidate, Memory, secret_in)
+from proxyvisor.learning.pack import assemble
+from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.formats.base import shared_prefix
+from proxyvisor.proxy.learning import FOLDER, MemoryFiles, project_root, scope_of
+from proxyvisor.proxy.service import running
+from proxyvisor.proxy.sse import SSEParser
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.store import Store
+from proxyvisor.supervisor_model import ModelAnswer
+
+BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}})
+RULE_TEXT = "Always use uv, never pip."
+MEMORY_NOTE = 'signal="memory"'
+CANARY = "sk-canary0123456789abcdefXYZ"
+
+
+def report(state: str = "progressing", memories: list[str] | None = None) -> str:
+    return "<sup>" + json.dumps({"state": state, "focus": "the task", "next": None, "carry": [],
+                                 "memories": memories or []}) + "</sup>"
+
+
+def passing() -> str:
+    return json.dumps({"requirements": [{"id": 1, "requirement": "the task", "status": "matched", "basis": None,
+                                         "evidence": "x"}], "gaps": [], "handback": None, "verdict": "pass"})
+
+
+class Model:
+    """The supervisor model double: the verifier passes, the distill call answers ``distilled``."""
+
+    def __init__(self, distilled: dict[str, Any] | None = None) -> None:
+        self.distilled = distilled or {"rules": [], "orientation": []}
+        self.purposes: list[str] = []
+
+    async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
+        system = messages[0]["content"]
+        if system == VERIFIER_INSTRUCTIONS:
+            self.purposes.append("verify")
+            return ModelAnswer(passing())
+        if system == distill.INSTRUCTIONS:
+            self.purposes.append("distill")
+            return ModelAnswer(json.dumps(self.distilled))
+        self.purposes.append("other")
+        return ModelAnswer('{"findings": []}')
+
+
+class Agent:
+    """One conversation in ``fmt`` through the proxy, with a system prompt naming ``cwd`` as Codex does."""
+
+    def __init__(self, proxy: Any, session: str, cwd: Path | None, task: str, fmt: str = "chat",
+                 stream: bool = False) -> None:
+        self.proxy, self.session, self.fmt, self.stream = proxy, session, BY_NAME[fmt], stream
+        self.upstream: ScriptedUpstream = proxy.scripted["scripted"]
+        system = "You are a coding agent." + (f"\n<environment_context><cwd>{cwd}</cwd></environment_context>"
+                                              if cwd is not None else "")
+        self.history: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                              {"role": "user", "content": task}]
+        self.sent: list[bytes] = []
+        self.outputs: dict[str, str] = {}
+
+    def call(self, command: str, output: str, text: str = "Working. ") -> dict[str, Any]:
+        cid = f"call_{len(self.outputs)}"
+        self.outputs[cid] = output
+        return {"text": text + report(), "tool_calls": [{"name": "Bash", "arguments": {"command": command},
+                                                           "id": cid}]}
+
+    async def turn(self, *steps: dict[str, Any]) -> str:
+        """One request; the upstream answers ``steps``; returns the text the agent got."""
+        before = len(self.upstream.requests)
+        self.upstream.queue(*steps)
+        body = self.fmt.request_from_chat(orjson.loads(orjson.dumps(self.history)), "m", self.stream, (BASH,))
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(f"{self.proxy.url}/s/{self.session}{self.fmt.path}", json=body)
+        assert response.status_code == 200, response.text
+        self.sent += [b for _t, b, _h in self.upstream.requests[before:]]
+        got = self.fmt.assemble([(e.event, e.data) for e in SSEParser().feed(response.content)]) if self.stream \
+            else self.fmt.parse_response(response.json())
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                 for c in got.tool_calls]
+        self.history.append({"role": "assistant", "content": got.text or None, **({"tool_calls": calls} if calls
+                                                                                   else {})})
+        self.history += [{"role": "tool", "tool_call_id": c["id"], "content": self.outputs.get(c["id"], "ok")}
+                         for c in calls]
+        return got.text
+
+    def say(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+
+    def first_tail(self) -> str:
+        """The text of the last history item of the session's first upstream request."""
+        body = orjson.loads(self.sent[0])
+        return self.fmt.message(self.fmt.history(body)[-1]).text
+
+
+async def session_one(proxy: Any, cwd: Path, task: str, session: str = "one") -> Agent:
+    """A session that states ``task``, runs the tests (passing) and finishes."""
+    agent = Agent(proxy, session, cwd, task)
+    await agent.turn(agent.call("pytest -q", "3 passed in 0.05s"))
+    await agent.turn({"text": "Done. " + report("done")})
+    return agent
+
+
+def memory_of(state: Path, scope: Path) -> Memory | None:
+    return MemoryFiles(state / FOLDER).read(MemoryFiles(state / FOLDER).path(project_root(str(scope))))
+
+
+# --- the sans-IO core ---------------------------------------------------------------------------------------------
+
+def test_durable_instructions_are_rules_and_task_local_or_conditional_ones_are_not() -> None:
+    material = distill.Material("s1", ((1, f"{RULE_TEXT} Add a --verbose flag."),
+                                       (2, "For this task, always use the staging database. If the build fails, "
+                                           "never retry it. Do not touch migrations/ today.")))
+    rules = [c for c in distill.free_records(material) if c.kind == RULE]
+    assert [(c.text, c.source) for c in rules] == [(RULE_TEXT, "user turn 1 of session s1")]
+
+
+def test_free_records_cite_the_passing_check_and_label_the_experience() -> None:
+    actions = (distill.Action(1, "Bash", "sed -i s/a/b/ app.py", True),
+               distill.Action(2, "Bash", "pytest -q", True, True, "3 passed"))
+    material = distill.Material("s1", ((1, "Fix the bug"),), "Fix the bug", FAILED, actions, passed_check=2)
+    found = {c.kind: c for c in distill.free_records(material)}
+    assert found[ORIENTATION].source == "action #2: Bash `pytest -q` (succeeded: 3 passed)"
+    assert (found[EXPERIENCE].text, found[EXPERIENCE].label) == ("Fix the bug", FAILED)
+    assert distill.label_of("unverified") == UNKNOWN and distill.label_of("verified") == VERIFIED
+
+
+def test_a_distill_answer_is_kept_only_where_the_transcript_grounds_it() -> None:
+    material = distill.Material("s1", ((1, "Use ruff for linting. Fix the bug."),), actions=(
+        distill.Action(1, "Bash", "make build", True), distill.Action(2, "Bash", "make deploy", False)))
+    answer = json.dumps({"rules": [{"source": "user:1", "quote": "Use ruff for linting."},
+                                   {"source": "user:1", "quote": "Use black for formatting."},
+                                   {"source": "user:2", "quote": "Use ruff for linting."}],
+                         "orientation": [{"fact": "make build builds it", "action": 1},
+                                         {"fact": "make deploy deploys", "action": 2},
+                                         {"fact": "there is a Makefile", "action": 9}]})
+    found = distill.parse(answer, material)
+    assert not isinstance(found, distill.Malformed)
+    assert [(c.kind, c.text) for c in found] == [(RULE, "Use ruff for linting."), (ORIENTATION, "make build builds it")]
+    assert isinstance(distill.parse("no json here", material), distill.Malformed)
+
+
+def test_the_pre_screen_skips_what_could_teach_nothing_new() -> None:
+    memory = Memory("/p")
+    quiet = distill.Material("s1", ((1, f"{RULE_TEXT}"),), actions=(distill.Action(1, "Read", "", True),))
+    assert distill.worth_asking(quiet, memory) == frozenset()
+    hinted = distill.Material("s1", ((1, "Use ruff for linting."),))
+    keys = distill.worth_asking(hinted, memory)
+    assert keys and distill.worth_asking(hinted, memory, keys) == frozenset()  # asked once per session
+
+
+def test_credit_moves_by_the_label_and_low_credit_archives_without_deleting() -> None:
+    memory = Memory("/p")
+    record = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "s1")
+    assert record is not None and record.credit == INITIAL_CREDIT
+    memory.credit([record.id], VERIFIED)
+    assert memory.records[record.id].credit == pytest.approx(INITIAL_CREDIT + 0.05)
+    memory.credit([record.id], UNKNOWN)
+    assert memory.records[record.id].credit == pytest.approx(INITIAL_CREDIT + 0.05)
+    memory.credit([record.id], FAILED)
+    memory.credit([record.id], FAILED)
+    assert not memory.records[record.id].archived  # 0.25: not below the line yet
+    memory.credit([record.id], FAILED)
+    kept = memory.records[record.id]
+    assert kept.credit == pytest.approx(INITIAL_CREDIT + 0.05 - 0.45) and kept.credit < ARCHIVE_BELOW
+    assert kept.archived and kept.used == 5 and memory.active() == []
+    assert assemble(list(memory.records.values()), "", 1500, count_tokens).records == ()
+
+
+def test_an_experience_is_never_upgraded() -> None:
+    memory = Memory("/p")
+    failed = memory.add(Candidate(EXPERIENCE, "Fix the bug", "s1", FAILED), 1.0, "s1")
+    verified = memory.add(Candidate(EXPERIENCE, "Fix the bug", "s2", VERIFIED), 2.0, "s2")
+    assert failed is not None and verified is not None and failed.id != verified.id
+    assert {r.label for r in memory.records.values()} == {FAILED, VERIFIED}
+
+
+@pytest.mark.parametrize("value", [CANARY, "Bearer abcdef123456789", "api_key=abcdef123456", "password: hunter2222",
+                                   "ghp_" + "a" * 36, "AKIA" + "A" * 16, "-----BEGIN RSA PRIVATE KEY-----"])
+def test_a_secret_looking_value_is_never_stored(value: str) -> None:
+    memory = Memory("/p")
+    assert secret_in(f"the deploy uses {value} for now")
+    assert memory.add(Candidate(ORIENTATION, f"the deploy uses {value}", "action #1"), 1.0, "s1") is None
+    assert memory.add(Candidate(RULE, "Always deploy with make.", f"output {value}"), 1.0, "s1") is None
+    assert memory.records == {}
+
+
+def test_a_request_credential_is_never_stored() -> None:
+    memory = Memory("/p")
+    assert memory.add(Candidate(RULE, "Always pass xyz-token-42 to the cli.", "t"), 1.0, "s", ["xyz-token-42"]) is None
+
+
+def test_the_pack_holds_rules_first_within_budget_and_is_byte_stable() -> None:
+    memory = Memory("/p")
+    for n in range(400):
+        memory.add(Candidate(EXPERIENCE, f"Refactor parser{n}", f"session s{n}", VERIFIED), n, "s")
+        memory.add(Candidate(ORIENTATION, f"parser{n} lives in src/parser{n}.py", f"action #{n}"), n, "s")
+    memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 0.0, "s")
+    records = list(memory.records.values())
+    pack = assemble(records, "Refactor parser7", 1500, count_tokens)
+    assert pack.tokens <= 1500 and count_tokens(pack.text) == pack.tokens
+    assert pack.records[0].kind == RULE
+    kinds = [r.kind for r in pack.records]
+    assert kinds == sorted(kinds, key=[RULE, ORIENTATION, EXPERIENCE].index)
+    assert [r.text for r in pack.records if r.kind != RULE][:1] == ["parser7 lives in src/parser7.py"]
+    assert "Refactor parser7" in [r.text for r in pack.records if r.kind == EXPERIENCE][:1]  # the relevant first
+    assert "a current user instruction beats a recalled rule" in pack.text
+    assert assemble(list(reversed(records)), "Refactor parser7", 1500, count_tokens).text == pack.text
+
+
+def test_bounds_drop_archived_then_lowest_credit_and_retention_ages_out() -> None:
+    memory = Memory("/p")
+    ids = [memory.add(Candidate(ORIENTATION, f"fact {n}", "a"), float(n), "s") for n in range(5)]
+    assert all(ids)
+    memory.credit([ids[3].id], FAILED) and memory.credit([ids[3].id], FAILED)  # type: ignore[union-attr]
+    assert memory.bound(4, 10**6, 10**6, 5.0) == 1 and ids[3].id not in memory.records  # type: ignore[union-attr]
+    assert memory.bound(100, 10**6, 3.5, 5.0) == 2  # seen at 0 and 1: older than 3.5 s
+    assert sorted(r.text for r in memory.records.values()) == ["fact 2", "fact 4"]
+
+
+def test_the_scope_comes_from_the_config_the_client_or_the_default(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "src").mkdir()
+    assert scope_of((f"<environment_context>\n  <cwd>{repo / 'src'}</cwd>", ""), "", None) == str(repo.resolve())
+    assert scope_of(("env:\nPrimary working directory: /remote/app\n", ""), "", None) == "/remote/app"
+    assert scope_of(("no env here", "hi"), "", str(tmp_path)) == str(tmp_path.resolve())
+    assert scope_of((f"<cwd>{repo}</cwd>", ""), str(tmp_path), None) == str(tmp_path.resolve())
+    assert scope_of(("no env here", "hi"), "", None) is None
+
+
+def test_the_seed_configuration_loads_and_evolution_is_refused() -> None:
+    config = parse({"supervisor": {"learning": {"enabled": True, "evolution": {"enabled": False}}}})
+    assert config.supervisor.learning == LearningConfig()
+    with pytest.raises(ConfigError, match="evolution"):
+        parse({"supervisor": {"learning": {"evolution": {"enabled": True}}}})
+    with pytest.raises(ConfigError, match=r"\[supervisor.learning\] budget_tokens"):
+        parse({"supervisor": {"learning": {"budget_tokens": 10}}})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        parse({"supervisor": {"learning": {"enable": True}}})
+
+
+# --- through the proxy --------------------------------------------------------------------------------------------
+
+async def test_a_rule_of_session_one_is_recalled_in_session_two_of_the_same_scope_only(tmp_path: Path) -> None:
+    project, other = tmp_path / "project", tmp_path / "other"
+    project.mkdir()
+    other.mkdir()
+    state = tmp_path / "state"
+    model = Model()
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=model) as proxy:
+        await session_one(proxy, project, f"{RULE_TEXT} For this task, always use the staging database. Add a flag.")
+        assert "verify" in model.purposes
+    path = MemoryFiles(state / FOLDER).path(str(project.resolve()))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    memory = memory_of(state, project)
+    assert memory is not None
+    kinds = {r.kind: r for r in memory.records.values()}
+    assert [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]  # the task-local one is not
+    assert kinds[ORIENTATION].text.startswith("`pytest -q` runs the project's checks")
+    assert kinds[EXPERIENCE].label in (VERIFIED, UNKNOWN)
+
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        two = Agent(proxy, "two", project, "Add a --quiet flag.")
+        await two.turn(two.call("ls", "app.py"))
+        await two.turn(two.call("cat app.py", "print()"))
+        three = Agent(proxy, "three", other, "Add a --quiet flag.")
+        await three.turn(three.call("ls", "app.py"))
+        async with httpx.AsyncClient(timeout=30) as client:
+            info = (await client.get(f"{proxy.url}/proxyvisor/sessions/two/info")).json()["live"]["learning"]
+            text = (await client.post(f"{proxy.url}/s/two/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "/info"}]})).json()
+    assert info["scope"] == str(project.resolve()) and info["records"] == len(memory.records)
+    assert info["recalls"] == 1 and info["recalled_items"] == len(memory.records) and info["recalled_tokens"] > 0
+    assert "| memory " in text["choices"][0]["message"]["content"]
+    tail = two.first_tail()
+    assert MEMORY_NOTE in tail and RULE_TEXT in tail and kinds[ORIENTATION].id in tail
+    assert "a current user instruction beats a recalled rule" in tail
+    assert two.sent[1].count(b'signal=\\"memory\\"') == 1  # kept at its place, not recalled again
+    assert MEMORY_NOTE.encode() not in three.sent[0].replace(b"\\", b"")
+
+
+@pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", False)])
+async def test_the_recalled_note_keeps_the_upstream_prefix_and_returns_after_a_compaction(
+        tmp_path: Path, fmt: str, stream: bool) -> None:
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    memory.add(Candidate(RULE, RULE_TEXT, "user turn 1 of session s0"), 1.0, "s0")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "prefix", tmp_path, "Refactor the parser.", fmt, stream)
+        for n in range(4):
+            await agent.turn(agent.call(f"ls {n}", "x"))
+        f = agent.fmt
+        prompts = [f.prompt(orjson.loads(b)) for b in agent.sent]
+        for before, after in zip(prompts, prompts[1:]):
+            assert shared_prefix(before, after) == sum(map(len, before))
+        assert all(b.count(RULE_TEXT.encode()) == 1 for b in agent.sent)
+        agent.history = agent.history[:2] + agent.history[-2:]  # pruned: the note's place is still there
+        await agent.turn(agent.call("ls again", "x"))
+        assert agent.sent[-1].count(RULE_TEXT.encode()) == 1
+        # Compacted to a summary: the note's place is gone, so it is recalled again, at the new tail.
+        agent.history = agent.history[:1] + [{"role": "user", "content": "Summary: the parser refactor is under way."}]
+        await agent.turn(agent.call("ls at last", "x"))
+        body = orjson.loads(agent.sent[-1])
+        assert RULE_TEXT in f.message(f.history(body)[-1]).text
+
+
+async def test_a_failed_experience_is_recalled_as_failed(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    for candidate in distill.free_records(distill.Material("s0", ((1, "Fix the login redirect"),),
+                                                           "Fix the login redirect", FAILED)):
+        memory.add(candidate, 1.0, "s0")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "again", tmp_path, "Fix the login redirect once more.")
+        await agent.turn(agent.call("ls", "x"))
+    assert "failed: Fix the login redirect" in agent.first_tail()
+
+
+async def test_credit_moves_for_the_memories_a_judged_turn_names(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1 of session s0"), 1.0, "s0")
+    assert rule is not None
+    MemoryFiles(state / FOLDER).save(memory, set())
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "credit", tmp_path, "Add uv to the setup docs.")
+        await agent.turn(agent.call("sed -i 's/pip/uv/' README.md setup.sh", ""))
+        await agent.turn(agent.call("pytest -q", "3 passed in 0.05s"))
+        await agent.turn({"text": "Done. " + report("done", [rule.id])})
+        gate = [json.loads(line)["gate"] for line in (state / "ledger" / "credit.jsonl").read_text().splitlines()
+                if "gate" in json.loads(line)][-1]
+    after = memory_of(state, tmp_path)
+    assert after is not None
+    expected = {VERIFIED: INITIAL_CREDIT + 0.05, FAILED: INITIAL_CREDIT - 0.15}.get(gate["outcome"], INITIAL_CREDIT)
+    assert gate["outcome"] == VERIFIED and after.records[rule.id].credit == pytest.approx(expected)
+    assert after.records[rule.id].used == 1
+
+
+async def test_a_secret_in_a_tool_output_is_never_stored(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    model = Model({"rules": [], "orientation": [{"fact": f"the deploy key is {CANARY}", "action": 1},
+                                                {"fact": "deploy.log records the deploys", "action": 1}]})
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=model) as proxy:
+        agent = Agent(proxy, "canary", tmp_path, f"Check the deploy. Use the smoke tests for it. Always use the key "
+                                                  f"{CANARY} for deploys.")
+        await agent.turn(agent.call("pytest -q smoke", f"using DEPLOY_KEY={CANARY}\n3 passed in 0.05s"))
+        await agent.turn({"text": "Deployed. " + report("done")})
+    assert "distill" in model.purposes
+    files = [p for p in (state / FOLDER).iterdir()]
+    assert files and all(CANARY.encode() not in p.read_bytes() for p in files)
+    memory = memory_of(state, tmp_path)
+    assert memory is not None and "deploy.log records the deploys" in {r.text for r in memory.records.values()}
+
+
+async def test_learning_off_reads_and_writes_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "s0")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    before = {p: p.read_bytes() for p in (state / FOLDER).iterdir()}
+    config = msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
+        Config().supervisor, learning=LearningConfig(enabled=False)))
+    model = Model()
+    async with running(config, port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=model) as proxy:
+        agent = await session_one(proxy, tmp_path, f"{RULE_TEXT} Also always run ruff.")
+    assert all(b"memory" not in b.replace(b"\\", b"") for b in agent.sent) and "distill" not in model.purposes
+    assert {p: p.read_bytes() for p in (state / FOLDER).iterdir()} == before
+
+
+def test_memory_list_show_and_forget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "s0")
+    fact = memory.add(Candidate(ORIENTATION, "tests run with pytest -q", "action #1"), 1.0, "s0")
+    assert rule is not None and fact is not None
+    MemoryFiles(state / FOLDER).save(memory, set())
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+    assert main(["memory", "list", *common]) == 0
+    listed = capsys.readouterr().out
+    assert rule.id in listed and fact.id in listed and "credit 0.50" in listed
+    assert main(["memory", "show", rule.id, "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == RULE_TEXT
+    assert main(["memory", "forget", rule.id, *common]) == 0
+    capsys.readouterr()
+    after = memory_of(state, tmp_path)
+    assert after is not None and list(after.records) == [fact.id]
+    assert main(["memory", "show", rule.id, *common]) == 1
+    assert main(["memory", "forget", "--all", *common]) == 0
+    assert memory_of(state, tmp_path) is None
+    assert main(["memory", "list", *common]) == 1
+    assert main(["memory", "forget", *common]) == 2
+
+
+def test_a_forget_from_the_command_line_stays_forgotten_when_a_proxy_saves(tmp_path: Path) -> None:
+    files = MemoryFiles(tmp_path / FOLDER)
+    memory = Memory("/p")
+    rule = memory.add(Candidate(RULE, RULE_TEXT, "t"), 1.0, "s")
+    assert rule is not None
+    loaded: set[str] = set()
+    files.save(memory, loaded)
+    other = files.read(files.path("/p"))
+    assert other is not None and other.forget(rule.id)
+    files.path("/p").write_bytes(other.encode())
+    memory.add(Candidate(ORIENTATION, "a fact", "a"), 2.0, "s")
+    files.save(memory, loaded)
+    saved = files.read(files.path("/p"))
+    assert saved is not None and rule.id not in saved.records and len(saved.records) == 1
