@@ -235,7 +235,8 @@ def test_claude_code_gets_proxyvisors_answer_to_info_and_plan(tmp_path: Path) ->
     assert [line.get("local") for line in lines] == [None, None, "/info", "/plan"], lines
     expected = {"session": session, **summarize(lines[:2])}
     assert (info["subtype"], info["is_error"], info["num_turns"]) == ("success", False, 1), info
-    assert info["result"] == render_text(expected), info["result"]
+    # The ledger's counters, then the live memory row: learning's records for the folder (it is on by default).
+    assert info["result"].startswith(render_text(expected) + "\n| memory "), info["result"]
     assert "| model requests   | 2 (tool rounds 1, errors 0) |" in info["result"]
     assert (plan["subtype"], plan["result"]) == ("success", plans.NO_PLAN), plan
 
@@ -631,3 +632,28 @@ def test_codex_waits_out_a_rate_limit_that_proxyvisor_keeps_from_the_upstream(tm
     assert run.returncode == 0, run
     check_codex_turn(json_lines(run.stdout))
     check_no_request_during_the_cooldown(ws, session)
+
+
+def test_claude_code_recalls_in_its_next_run_the_rule_the_user_stated_in_one_folder(tmp_path: Path) -> None:
+    """Two ``wrap`` runs of Claude Code in one folder: the second run's first request that can take a note carries
+    the rule the user stated in the first (``[supervisor.learning]``, on by default; the scope: the folder)."""
+    from proxyvisor.learning.memory import RULE, Memory
+    from proxyvisor.proxy.learning import FOLDER
+
+    ws = Workspace.make(tmp_path)
+    rule = "Always use uv, never pip."
+    for n, prompt in enumerate((f"{rule} List the files in the current directory.", "List the files again.")):
+        cmd = [find_agent("claude"), "-p", prompt, "--model", MODEL, "--output-format", "json"]
+        run = wrap(ws, cmd, claude_env(ws), "--session", f"learn-{n}")
+        assert run.returncode == 0, run
+    (path,) = (ws.state / FOLDER).iterdir()
+    memory = Memory.decode(path.read_bytes())
+    assert memory.scope == str(ws.work.resolve())
+    (stored,) = [r for r in memory.records.values() if r.kind == RULE]
+    assert stored.text == rule and stored.session == "learn-0"
+    # Recalled once, at the session's first safe point: Claude Code's first request ends with a system item of its
+    # own (no note goes after it), so the note goes after the tool result of its second, and stays there.
+    lines = ws.ledger("learn-1")
+    recalled = [(n, line["learning"]) for n, line in enumerate(lines) if "learning" in line]
+    assert len(recalled) == 1 and stored.id in recalled[0][1]["recalled"], lines
+    assert recalled[0][0] == next(n for n, line in enumerate(lines) if line.get("tool_round")), lines

@@ -4,8 +4,8 @@ decides whether one supervisor-model call could learn more, and that call's inpu
 **Free records** (:func:`free_records`, no model call):
 
 - rules: each unit of a genuine user turn (``proxyvisor.gate.prohibitions.units``) that is a *durable*
-  instruction: it holds a marker of permanence (:data:`DURABLE`: ``always``, ``never``, ``from now on``, ``in this
-  project`` ...) and none of a task-local or conditional one (:data:`LOCAL`: ``this time``, ``for now``, ``in this
+  instruction: it opens with a marker of permanence (:data:`DURABLE`: ``always``, ``never``, ``from now on``, ``in
+  this project`` ...) and holds none of a task-local or conditional one (:data:`LOCAL`: ``this time``, ``for now``, ``in this
   task``, ``today``, ``if``, ``unless`` ...); the quote is the unit, verbatim, its source the turn;
 - orientation: the turn's latest check when it passed (the command that runs the project's checks), citing the
   action;
@@ -37,8 +37,12 @@ from ..gate.verdict import Malformed, json_object
 from .memory import EXPERIENCE, FAILED, ORIENTATION, RULE, UNKNOWN, VERIFIED, Candidate, Memory
 
 DURABLE = ("always ", "never ", "from now on", "in this project", "in this repo", "in this codebase",
-           "every time", "whenever ", "by default", "as a rule", "going forward", "in future", "in the future",
-           "don't ever", "do not ever", "each time")
+           "every time", "each time", "whenever ", "by default", "as a rule", "going forward", "in future",
+           "in the future", "don't ever", "do not ever")
+"""What a durable instruction opens with (after a list bullet and a lead-in of :data:`LEAD_INS`): "Always use uv",
+"From now on, run ruff", "Never push to main". A marker further in describes rather than instructs ("Changed
+``get_context()`` to always return a string")."""
+LEAD_INS = ("please ", "and ", "also ", "you should ", "you must ", "we ", "remember to ", "remember: ", "note: ")
 LOCAL = ("this time", "for now", "for this task", "in this task", "for this change", "this session", "right now",
          "today", "for the moment", "just this", "until ", "this once", "for this pr", "in this pr", "if ",
          "unless ", "when you're done", "when you are done", "after that")
@@ -97,7 +101,10 @@ def _has(unit: str, markers: Sequence[str]) -> bool:
 
 def durable(unit: str) -> bool:
     """Whether ``unit`` (one sentence of a user turn) is a durable instruction (module docstring)."""
-    return _has(unit, DURABLE) and not _has(unit, LOCAL)
+    head = unit.lower().replace("\u2019", "'").lstrip("-*\u2022 \t").lstrip("0123456789.) ")
+    while (lead := next((w for w in LEAD_INS if head.startswith(w)), None)) is not None:
+        head = head[len(lead):]
+    return head.startswith(DURABLE) and not _has(unit, LOCAL)
 
 
 def label_of(outcome: str | None) -> str | None:

@@ -35,6 +35,8 @@ SIGNAL = "memory"
 HEADER = ("Recalled from earlier sessions in this project (advisory: a current user instruction beats a recalled "
           "rule):")
 TITLES = {RULE: "Rules (the user's own words):", ORIENTATION: "Orientation:", EXPERIENCE: "Experience:"}
+_SMALLEST = 12
+"""Tokens below which no record's line fits (its id, brackets and a word or two): the search stops there."""
 FOOTER = "Name the id of a memory that materially shaped your answer in your status line's \"memories\"."
 
 
@@ -80,6 +82,8 @@ def assemble(records: Sequence[Record], task: str, budget: int, count: Callable[
     used = count(note(SIGNAL, "<pay-attention>\n" + "\n".join([HEADER, FOOTER]) + "\n</pay-attention>"))
     seen_kinds: set[str] = set()
     for record in sorted((r for r in records if not r.archived), key=rank):
+        if budget - used < _SMALLEST:
+            break
         cost = count(_line(record)) + 1 + (0 if record.kind in seen_kinds else count(TITLES[record.kind]) + 1)
         if used + cost > budget:
             continue

@@ -43,7 +43,9 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``prescreened`` (of them admitted with no model call), and over calls ``checked`` (put to the judge), ``blocked``
   (confirmed conflicts, reused ones included), ``cached`` (blocked by a reused denial), ``unavailable`` (judgments
   that failed, timed out or were over budget, so allowed); ``decisions``: per call decided, ``{"call", "tool",
-  "decision": "allow"|"block"|"advise", "by", "source", "quote", "path", "value"}`` (the last four for a conflict).
+  "decision": "allow"|"block"|"advise", "by", "source", "quote", "path", "value"}`` (the last four for a conflict);
+- ``learning``: on a request that recalled the project's memory (``proxyvisor.proxy.learning``): ``{"recalled":
+  [record id], "tokens": n}``, the records of the Active Memory Pack and its size.
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
@@ -135,6 +137,8 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
         out["authorizer"] = record.authorizer
     if record.upstream is not None:
         out["upstream"] = record.upstream
+    if record.learning is not None:
+        out["learning"] = record.learning
     return out
 
 

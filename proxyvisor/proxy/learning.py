@@ -24,6 +24,7 @@ With ``[supervisor.learning] enabled = false`` or supervision off, nothing here 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -267,23 +268,22 @@ class Learning:
         if any(n.signal == SIGNAL for n in exchange.thread.notes):
             return
 
-        async def recall(ex: Exchange) -> None:
-            self._recall(state, memory, ex)
+        exchange.steps.append(functools.partial(self._recall, state, memory))
 
-        exchange.steps.append(recall)
-
-    def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
+    async def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
         tail = exchange.tail
         if tail is None or tail.role not in _SAFE_ROLES:
             return
         if state.pack is None:
-            state.pack = assemble(memory.active(), exchange.thread.planning.goal, self.settings.budget_tokens,
-                                  count_tokens)
+            # Once per session, off the event loop: ranking and counting a full memory takes some 100 ms.
+            state.pack = await trio.to_thread.run_sync(assemble, memory.active(), exchange.thread.planning.goal,
+                                                       self.settings.budget_tokens, count_tokens)
             memory.seen((r.id for r in state.pack.records), self.clock())
         if not state.pack.records:
             return
         append_note(exchange, state.pack.text)
         add_note(exchange.thread, None, tail, SIGNAL, state.pack.text)
+        exchange.record.learning = {"recalled": [r.id for r in state.pack.records], "tokens": state.pack.tokens}
         state.counts["recalls"] += 1
         log.info("recalled %d memories (%d tokens) for %s", len(state.pack.records), state.pack.tokens, state.scope)
 
@@ -329,7 +329,10 @@ class Learning:
         keys = distill.worth_asking(material, memory, state.asked)
         if model is None or not keys or background is None:
             state.counts["distill_skipped"] += model is not None
-            self._save(memory)
+            if background is not None:
+                background.start_soon(self._saved, memory)
+            else:
+                self._save(memory)
             return
         state.asked |= keys
         background.start_soon(self._ask, sid, state, memory, material, model, list(secrets))
@@ -353,7 +356,7 @@ class Learning:
                     log.warning("the distill answer is malformed (%s); nothing more stored", found.error)
                 else:
                     self._store(state, memory, found, sid, secrets)
-        self._save(memory)
+        await self._saved(memory)
 
     def _store(self, state: SessionLearning, memory: Memory, candidates: list[Candidate], sid: str,
                secrets: list[str]) -> None:
@@ -362,8 +365,33 @@ class Learning:
             if memory.add(candidate, now, sid, secrets) is not None:
                 state.counts["stored"] += 1
 
-    def _save(self, memory: Memory) -> None:
-        assert self.files is not None
+    def _snapshot(self, memory: Memory) -> tuple[Memory, set[str]]:
+        """``memory`` bounded, and a copy of it to save with the ids read from its file (``MemoryFiles.save``
+        changes both), so the event loop may go on changing ``memory`` while the copy is written."""
         s = self.settings
         memory.bound(s.max_records, s.max_bytes, s.retention_days * 86_400, self.clock())
-        self.files.save(memory, self.loaded.setdefault(memory.scope, set()))
+        return Memory(memory.scope, memory.records.values()), set(self.loaded.setdefault(memory.scope, set()))
+
+    def _merge(self, memory: Memory, written: Memory) -> None:
+        """Take into ``memory`` what its save found on disk (``written``, the copy as saved): records another
+        process stored, and the loss of those forgotten there since they were read."""
+        loaded = self.loaded.setdefault(memory.scope, set())
+        for rid in loaded - written.records.keys():
+            memory.forget(rid)
+        for rid, record in written.records.items():
+            memory.records.setdefault(rid, record)
+        loaded.clear()
+        loaded.update(written.records)
+
+    def _save(self, memory: Memory) -> None:
+        assert self.files is not None
+        copy, loaded = self._snapshot(memory)
+        self.files.save(copy, loaded)
+        self._merge(memory, copy)
+
+    async def _saved(self, memory: Memory) -> None:
+        """:meth:`_save` with the file work off the event loop."""
+        assert self.files is not None
+        copy, loaded = self._snapshot(memory)
+        await trio.to_thread.run_sync(self.files.save, copy, loaded)
+        self._merge(memory, copy)

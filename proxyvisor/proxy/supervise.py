@@ -159,6 +159,8 @@ class RequestRecord:
     """What the tool authorizer did (a ledger object, ``proxyvisor.proxy.authorizing``); None when it did not run."""
     upstream: dict[str, Any] | None = None
     """Which upstream answered and why, under the breakers (``proxyvisor.proxy.breakers.Dispatch.evidence``)."""
+    learning: dict[str, Any] | None = None
+    """What learning recalled into the request (``proxyvisor.proxy.learning``); None when it recalled nothing."""
 
 
 @dataclass
