@@ -6,8 +6,8 @@ Usage: python bench/cache_prefix.py [CORPUS_TRAJECTORIES_DIR] [--formats chat,me
 The directory defaults to ../shared/corpus/trajectories next to the repository. Each trajectory is replayed as its
 agent sent it (``proxyvisor.replay``: growing history, supervision, condensing and the verify-gate on, the scripted
 upstream answering the recorded turns and, as the session's supervisor model, the condenser, verifier and planner
-calls with its fixed policies), and every model request the upstream received is kept, a gate's continued requests
-included. For each pair of consecutive upstream requests, the bench reads both as a provider's prompt cache does
+calls with its fixed policies; learning recalls a project memory of two records into every session), and every model
+request the upstream received is kept, a gate's continued requests included. For each pair of consecutive upstream requests, the bench reads both as a provider's prompt cache does
 (``WireFormat.prompt``: every field but the history, then each history item, as serialised) and prints the share of
 the earlier request that begins the later one (``shared_prefix``).
 
@@ -31,13 +31,16 @@ from typing import Any
 
 import orjson
 import trio
+from msgspec.structs import replace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import corpus_parser, trajectories  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
-from proxyvisor.config import Config  # noqa: E402
+from proxyvisor.config import Config, LearningConfig  # noqa: E402
+from proxyvisor.learning.memory import ORIENTATION, RULE, Candidate, Memory  # noqa: E402
+from proxyvisor.proxy.learning import FOLDER, MemoryFiles  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, WireFormat  # noqa: E402
 from proxyvisor.proxy.formats.base import shared_prefix  # noqa: E402
 from proxyvisor.replay import MODEL, Round, load_trajectory, replay, tools_of  # noqa: E402
@@ -95,6 +98,18 @@ def agent_prompts(fmt: WireFormat, messages: list[dict[str, Any]], stream: bool)
             for i, m in enumerate(messages) if m.get("role") == "assistant"}
 
 
+def recalling(state: Path) -> Config:
+    """The default configuration with learning's scope set to a project whose memory (in ``state``) holds a rule
+    and a fact, so every replay recalls them: the memory note is held to the prefix like the other notes."""
+    project = str(state / "project")
+    memory = Memory(project)
+    memory.add(Candidate(RULE, "Always use uv, never pip.", "user turn 1 of session bench"), 0.0, "bench")
+    memory.add(Candidate(ORIENTATION, "`pytest -q` runs the project's checks (it passed)", "action #1"), 0.0, "bench")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    config = Config()
+    return replace(config, supervisor=replace(config.supervisor, learning=LearningConfig(scope=project)))
+
+
 async def measure(path: Path, fmt: WireFormat, stream: bool) -> Pairs:
     """Replay ``path`` in ``fmt`` and measure its consecutive upstream requests (module docstring)."""
     messages = load_trajectory(path)
@@ -106,8 +121,8 @@ async def measure(path: Path, fmt: WireFormat, stream: bool) -> Pairs:
         served.append((result.message, len(upstream.requests)))
 
     with tempfile.TemporaryDirectory(prefix="proxyvisor-bench-prefix-") as state:
-        await replay(Config(), messages, fmt, stream, store=Store(Path(state)), on_round=on_round, gate=True,
-                     scripted=upstream)
+        await replay(recalling(Path(state)), messages, fmt, stream, store=Store(Path(state)), on_round=on_round,
+                     gate=True, scripted=upstream)
     prompts = [fmt.prompt(orjson.loads(body)) for _target, body, _headers in upstream.requests]
     pairs = Pairs()
     start, previous = 0, None

@@ -9,16 +9,13 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any
-
-import msgspec
-import orjson
+from typing import TYPE_CHECKING, Any
 
 from .cli import _FILES
 from .config import Config
-from .learning.memory import Memory
-from .proxy.learning import FOLDER, MemoryFiles, project_root
-from .store import atomic_write
+
+if TYPE_CHECKING:
+    from .learning.memory import Memory
 
 _HELP = textwrap.dedent("""\
     Show or forget what proxyvisor learnt in a project ([supervisor.learning]). Each project folder (a
@@ -71,6 +68,13 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:
+    # Imported here: every proxyvisor command builds this parser, and the shell's modules take a while to load.
+    import msgspec
+    import orjson
+
+    from .proxy.learning import FOLDER, MemoryFiles, project_root
+    from .store import atomic_write
+
     if args.action in ("show", "forget") and not args.id and not (args.action == "forget" and args.all):
         print(f"proxyvisor memory {args.action}: needs an ID" + (" or --all" if args.action == "forget" else ""),
               file=sys.stderr)
@@ -118,6 +122,9 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
 
 def _list(memory: Memory, as_json: bool) -> int:
+    import msgspec
+    import orjson
+
     records = list(memory.records.values())
     if as_json:
         print(orjson.dumps({"scope": memory.scope, "records": msgspec.to_builtins(records)},

@@ -53,6 +53,8 @@ INSTRUCTIVE = ("use ", "prefer ", "don't ", "do not ", "make sure", "remember ",
 ACTIONS = 24
 """Actions shown to the distill call (the latest kept)."""
 OUTPUT_CHARS = 300
+TURNS = 16
+"""User turns shown to the distill call (the latest kept), each clipped to :data:`TURN_CHARS`."""
 TURN_CHARS = 2_000
 
 
@@ -156,7 +158,7 @@ the agent proposed. Answer with one JSON object and nothing else:
 
 def distill_input(material: Material) -> str:
     """The distill call's document (module docstring)."""
-    turns = [{"source": f"user:{n}", "text": text[:TURN_CHARS]} for n, text in material.turns]
+    turns = [{"source": f"user:{n}", "text": text[:TURN_CHARS]} for n, text in material.turns[-TURNS:]]
     actions = [{"action": a.number, "tool": a.tool, "command": a.command[:300], "ok": a.ok,
                 "output": a.output[:OUTPUT_CHARS]} for a in material.actions[-ACTIONS:]]
     document = {"user_turns": turns, "actions": actions,

@@ -36,9 +36,10 @@ carrying its own marker) each follow their own script.
 
 A request carrying proxyvisor's own condenser prompt (``proxyvisor.condense.protocol``) takes no turn: it gets
 the next ``condense`` step, or, with none queued, no verdict (:mod:`.condenser`: the deterministic condenser
-decides). The verify-gate's verifier and refuter calls, the planner's and the tool authorizer's likewise get a
-fixed policy's answer (:mod:`.verifier`, :mod:`.planner`, :mod:`.authorizer`: the last a word rule, blocking a
-call whose arguments name what a standing prohibition forbids), in the call's own format: a call that forces a tool
+decides). The verify-gate's verifier and refuter calls, the planner's, the tool authorizer's and learning's distill
+call likewise get a fixed policy's answer (:mod:`.verifier`, :mod:`.planner`, :mod:`.authorizer`: the last a word
+rule, blocking a call whose arguments name what a standing prohibition forbids; :mod:`.distiller`: nothing to
+learn), in the call's own format: a call that forces a tool
 (Anthropic's ``tool_choice: {"type": "tool"}``) gets that tool's call with the answer as its input, as a provider
 answers it. So the supervisor model on the session's route, or ``[supervisor.model] api_base = "scripted:"``, is a
 supervisor model with no key and no network.
@@ -69,6 +70,7 @@ from ..proxy.formats.freeform import arguments as freeform_arguments
 from ..proxy.server import AbortConnection, Request, Response
 from ..gate.verdict import json_object
 from . import authorizer as scripted_authorizer
+from . import distiller as scripted_distiller
 from . import condenser as scripted_condenser
 from . import planner as scripted_planner
 from . import verifier as scripted_verifier
@@ -333,7 +335,7 @@ class ScriptedUpstream:
             yield event
 
 
-_POLICIES = (scripted_condenser, scripted_verifier, scripted_planner, scripted_authorizer)
+_POLICIES = (scripted_condenser, scripted_verifier, scripted_planner, scripted_authorizer, scripted_distiller)
 """Fixed answers to proxyvisor's own supervisor model calls (each module has ``MARKS``, the prefixes its calls'
 system prompts start with, and ``answer(fmt, body)``)."""
 
