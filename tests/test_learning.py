@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import orjson
 import pytest
+import trio
 
 from proxyvisor.cli import main
 from proxyvisor.condense.text import count_tokens
@@ -437,3 +438,21 @@ def test_a_forget_from_the_command_line_stays_forgotten_when_a_proxy_saves(tmp_p
     files.save(memory, loaded)
     saved = files.read(files.path("/p"))
     assert saved is not None and rule.id not in saved.records and len(saved.records) == 1
+
+
+async def test_an_idle_session_evicted_mid_turn_keeps_its_rule(tmp_path: Path) -> None:
+    """Session end by idle eviction: a session whose turn never ended (no gate outcome) is distilled for free when
+    the table drops it."""
+    state = tmp_path / "state"
+    config = msgspec.structs.replace(Config(), state=msgspec.structs.replace(Config().state, session_idle_s=0.05))
+    async with running(config, port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "idle", tmp_path, f"{RULE_TEXT} Add a flag.")
+        await agent.turn(agent.call("ls", "app.py"))
+        assert memory_of(state, tmp_path) is None  # mid-turn: nothing distilled yet
+        await trio.sleep(0.2)
+        other = Agent(proxy, "other", tmp_path / "elsewhere", "Hello.")
+        await other.turn({"text": "Hi. " + report("done")})
+        assert proxy.pipeline.sessions.get("idle") is None
+        memory = memory_of(state, tmp_path)
+        assert memory is not None and [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]
