@@ -14,7 +14,8 @@ this runs). For each request, :meth:`Supervisor.begin` returns an :class:`Exchan
    condensing oversized tool results (``proxyvisor.proxy.condensing``; its candidates and context are read in
    ``begin``, from the agent's history as sent), then the planner call for a pending plan signal and the
    recitation of the plan at the request tail when it changed (``proxyvisor.proxy.planning``; kept as a note, so
-   re-inserted at its place like the others);
+   re-inserted at its place like the others), and on a thread's first request the recall of the project's memory
+   (``proxyvisor.proxy.learning``, a step the pipeline adds; kept as a note too);
 2. **on the reply** (:meth:`Exchange.reply`): the self-report token is stripped from the assistant text, in a
    JSON body or a stream, and parsed from the model's output; missing and malformed reports are counted, never
    fatal. Before it, when the request was offered delegation tools (``Exchange.delegation``), the pipeline lets
