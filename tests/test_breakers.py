@@ -292,6 +292,38 @@ def with_fallback(*formats: str) -> tuple[UpstreamConfig, UpstreamConfig]:
     return UpstreamConfig(name="a", fallback=("b",)), b
 
 
+QUOTA = {"fault": {"status": 429, "message": "You exceeded your current quota, please check your plan and billing "
+                                           "details. (insufficient_quota)"}}
+
+
+@ALL_FORMATS
+async def test_a_quota_429_reaches_the_agent_as_the_upstream_sent_it_and_cools_nothing(fmt: str,
+                                                                                      tmp_path: Path) -> None:
+    """No wait ends a quota: proxyvisor's own 429 with a Retry-After would only make the agent's SDK retry."""
+    async with proxy(tmp_path, clock=Clock()) as rp:
+        rp.scripted["a"].queue(QUOTA, QUOTA)
+        for _ in range(2):
+            reply, data = await raw_stream(rp.url, fmt, request_body(fmt), SESSION)
+            assert reply.status_code == 429 and "x-proxyvisor-breaker" not in reply.headers
+            assert "insufficient_quota" in assert_error_shape(fmt, 429, data)["message"]
+        assert sent(rp) == 2, "each request went upstream: the pool never cooled"
+        assert rp.pipeline.breakers.store.get(pool_of("a", MODEL)).state == HEALTHY
+        lines = rp.pipeline.store.read_ledger("limited")
+    assert [(u["upstream"]["outcome"], u["upstream"]["health_state"]) for u in lines] == [("failed", HEALTHY)] * 2
+
+
+async def test_a_quota_429_is_tried_on_the_fallback(tmp_path: Path) -> None:
+    async with proxy(tmp_path, *with_fallback(), clock=Clock()) as rp:
+        rp.scripted["a"].queue(QUOTA)
+        reply, _ = await raw_stream(rp.url, "chat", request_body("chat"), SESSION)
+        assert (reply.status_code, sent(rp, "a"), sent(rp, "b")) == (200, 1, 1)
+        (line,) = rp.pipeline.store.read_ledger("limited")
+        assert rp.pipeline.breakers.store.get(pool_of("a", MODEL)).state == HEALTHY
+    assert [(t["upstream"], t["outcome"], t["error_category"]) for t in line["upstream"]["tried"]] == [
+        ("a", "failed", "capacity")]
+    assert (line["upstream"]["name"], line["upstream"]["outcome"]) == ("b", "answered")
+
+
 @ALL_FORMATS
 async def test_a_fallback_answers_while_the_primary_cools(fmt: str, tmp_path: Path) -> None:
     clock = Clock()

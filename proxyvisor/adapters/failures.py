@@ -48,10 +48,26 @@ class Failure:
         object.__setattr__(self, "message", summary(self.message))
 
     @property
+    def transient(self) -> bool:
+        """Worth sending again after a wait: retryable and known to have done nothing (``known_failed``), i.e. a
+        429 that is no quota, a 529 or other 5xx, a refused connection. A timeout or a connection reset is not
+        (its outcome is unknown), nor a quota, an auth failure or an invalid request (not retryable)."""
+        return self.retryable and self.outcome == KNOWN_FAILED
+
+    @property
+    def quota(self) -> bool:
+        """An account quota that needs billing action (OpenAI's ``insufficient_quota``, Anthropic's "credit
+        balance is too low"): capacity, but no wait ends it, so it is not retryable."""
+        return self.category == CAPACITY and not self.retryable
+
+    @property
     def opens_breaker(self) -> bool:
         """Only a retryable capacity failure opens a pool's breaker (seed 000)."""
         return self.category == CAPACITY and self.retryable
 
+
+# Wordings of an account quota that needs billing action (one provider answers it with a 429, another a 400).
+_QUOTA = ("insufficient_quota", "check your plan and billing", "credit balance is too low")
 
 _SECRET = re.compile(r"(sk-[A-Za-z0-9_\-]{6,}|(?i:bearer)\s+\S+|(?i:api[_-]?key)[\"']?\s*[:=]\s*[\"']?[^\s\"',]+)")
 
@@ -146,7 +162,7 @@ def from_text(text: str, now: float) -> Failure | None:
     if _has(low, "overloaded", "529", "internal server error", "server-side issue", "service unavailable",
             "bad gateway", " 500", " 502", " 503", "status 500", "status 502", "status 503"):
         return Failure(PROVIDER, True, KNOWN_FAILED, wait, text)
-    if _has(low, "insufficient_quota", "check your plan and billing", "credit balance is too low"):
+    if _has(low, *_QUOTA):
         return Failure(CAPACITY, False, KNOWN_FAILED, None, text)
     if _has(low, "429", "rate limit", "rate_limit", "ratelimit", "too many requests", "usage limit",
             "quota exceeded", "exceeded your current quota", "resource_exhausted", "resource exhausted",
@@ -188,7 +204,7 @@ def from_http(status: int, message: str, now: float, retry_after: str | None = N
     wait = retry_after_header(retry_after, now, retry_after_ms) or retry_after_in_text(message, now)
     text = f"HTTP {status}: {message}" if message else f"HTTP {status}"
     if status == 429:
-        if _has(message.lower(), "insufficient_quota", "check your plan and billing"):
+        if _has(message.lower(), *_QUOTA):
             return Failure(CAPACITY, False, KNOWN_FAILED, None, text)
         return Failure(CAPACITY, True, KNOWN_FAILED, wait, text)
     if status in (408, 504):

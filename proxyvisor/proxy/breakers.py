@@ -6,7 +6,9 @@ proxy process sharing the state dir sees the same pools) of its pool ``upstream:
 
 - a 429, a 529 or other 5xx, and a connection failure (refused, reset, timed out) trip the pool: it cools down for
   ``cooldown_s``, doubling on each trip in a row up to ``maximum_cooldown_s``, with the upstream's ``Retry-After``
-  as the floor; a 401, 400 or another 4xx says nothing about capacity and trips nothing;
+  as the floor; a 401, 400 or another 4xx says nothing about capacity and trips nothing, nor does a 429 whose body
+  asks for billing action (a quota: no wait ends it, and the agent gets the upstream's own error, which tells
+  its SDK not to retry), though it is tried on a fallback;
 - while the pool cools, a request for it is not sent: the agent gets a 429 in its own format at once, with the
   remaining ``Retry-After`` (1 s while the recovery probe is in flight);
 - once the cooldown is over, exactly one request (in the whole fleet of proxies) is the half-open probe; its lease
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ log = logging.getLogger("proxyvisor.breakers")
 
 OPENS = frozenset({CAPACITY, PROVIDER, TIMEOUT, UNAVAILABLE})
 """The failures that trip one of the agent's pools (retryable ones only: a 429 asking for billing action does not)."""
+_WORDING_BYTES = 4096
+"""The head of an error body searched for a quota's wording."""
 PREFIX = "upstream"
 """The first part of every agent pool's name (``proxyvisor health clear upstream`` clears them all)."""
 
@@ -53,12 +57,16 @@ def pool_of(upstream: str, model: str) -> str:
     return f"{PREFIX}:{upstream}:{model or '-'}"
 
 
-def failure_of_reply(status: int, headers: Sequence[tuple[bytes, bytes]], now: float) -> Failure | None:
-    """The normalised failure of an upstream reply's head (None below 400); ``now``: the wall clock (Unix s)."""
+def failure_of_reply(status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes | AsyncIterable[Any],
+                     now: float) -> Failure | None:
+    """The normalised failure of an upstream reply (None below 400); ``now``: the wall clock (Unix s). An error
+    body (read whole by the relay) is read for its wording, so that a 429 asking for billing action (OpenAI's
+    ``insufficient_quota``) is a quota, not a rate limit: no wait ends it."""
     if status < 400:
         return None
     found = {k.lower(): v.decode("latin-1") for k, v in headers if k.lower() in (b"retry-after", b"retry-after-ms")}
-    return from_http(status, "", now, found.get(b"retry-after"), found.get(b"retry-after-ms"))
+    text = body[:_WORDING_BYTES].decode("utf-8", "replace") if isinstance(body, bytes) else ""
+    return from_http(status, text, now, found.get(b"retry-after"), found.get(b"retry-after-ms"))
 
 
 def failure_of_error(exc: UpstreamError, now: float) -> Failure:
@@ -139,7 +147,8 @@ class Breakers:
             raised: UpstreamError | None = None
             try:
                 reply = await send(target)
-                status, failure = reply.status, failure_of_reply(reply.status, reply.headers, self.now())
+                status, failure = reply.status, failure_of_reply(reply.status, reply.headers, reply.body,
+                                                                  self.now())
             except UpstreamError as exc:
                 raised, status, failure = exc, exc.status, failure_of_error(exc, self.now())
             except BaseException:  # cancelled (or proxyvisor failed) before an answer: only a lease is given back
@@ -155,8 +164,8 @@ class Breakers:
             else:
                 self._failed(attempt, status, failure)
                 # An error that opens nothing (a 401, a body that cannot be checked for the key) would fare no
-                # better on a fallback.
-                if index < len(chain) - 1 and self.store.cooldown.opens_on(failure):
+                # better on a fallback; a quota is the account's, and a fallback is another upstream.
+                if index < len(chain) - 1 and (self.store.cooldown.opens_on(failure) or failure.quota):
                     log.warning("upstream %r failed (%s); trying its fallback", target.name, failure.message)
                     continue
             if raised is not None:
