@@ -300,7 +300,8 @@ class CooldownConfig(Table, frozen=True):
 
 
 class ChildrenConfig(Table, frozen=True):
-    """Clocks and limits of child runs (seed 002)."""
+    """Clocks and limits of child runs (seed 002), and the retries and dead letters of a hand-off that fails
+    transiently (``proxyvisor.adapters.retry``)."""
 
     wall_clock_s: Annotated[float, real(CHILD_WALL_CLOCK)] = 600.0
     idle_warn_s: Seconds = 60.0
@@ -309,6 +310,10 @@ class ChildrenConfig(Table, frozen=True):
     claim_check_chars: Annotated[int, integer(Range(1000))] = 6000
     claim_retention_s: Seconds = 604800.0
     budget_tokens: Count = 0
+    attempts: Annotated[int, integer(Range(1, 10))] = 3
+    retry_backoff_s: Seconds = 1.0
+    dead_letter_retention_s: Seconds = 604800.0
+    dead_letters_kept: Annotated[int, integer(Range(1))] = 1000
 
 
 AdapterOption = Annotated[str | int | float | bool | list[str],

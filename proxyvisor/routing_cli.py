@@ -5,7 +5,8 @@
   a malformed file fails closed); ``proxyvisor supervision ...``, its former name, still works for one release,
   with a deprecation notice on stderr;
 - ``proxyvisor delegate --role R PROMPT``: run one child now and print its shaped result (``--json``: with its
-  evidence); ``proxyvisor delegate --record ID``: print a claim-checked result;
+  evidence); ``proxyvisor delegate --record ID``: print a claim-checked result; ``proxyvisor delegate
+  --dead-letters``: list the hand-offs that failed transiently on every attempt;
 - ``proxyvisor health show|clear``: per-pool breaker state; clearing is the only way state is forgotten.
 
 Exit codes: 0 done; 1 the child failed or was refused; 2 bad usage, configuration, or a request the policy
@@ -70,14 +71,24 @@ _DELEGATE_HELP = textwrap.dedent("""\
     'proxyvisor routing show' lists them with the adapter, model and effort each resolves to. The child
     gets PROMPT and nothing else of the caller's context.
 
-    Progress goes to stderr, one plain line per event: the child started, idle warnings, a stop and why.
-    On SIGTERM, SIGINT (Ctrl-C) or SIGHUP the child is stopped (SIGTERM to its process group, SIGKILL after
-    [model_routing.children] stop_grace_s) before delegate exits.
+    Progress goes to stderr, one plain line per event: the child started, idle warnings, a retry and its
+    wait, a stop and why. On SIGTERM, SIGINT (Ctrl-C) or SIGHUP the child is stopped (SIGTERM to its process
+    group, SIGKILL after [model_routing.children] stop_grace_s) before delegate exits.
 
-    exit status: 0 the child answered (or, in suggest mode, the route is printed); 1 the child failed or
-    was refused (a cooling pool, the parallel cap, the budget), or --record ID is unknown; 2 bad usage,
-    configuration or a request the policy cannot satisfy (also: delegation disabled); 128 + N stopped by
-    signal N, after its child was stopped.
+    A child that fails transiently before producing any output (a 429 that is no quota, a 529 or other 5xx,
+    a refused connection) is run again, up to [model_routing.children] attempts runs in all (3), after
+    retry_backoff_s (1 s, doubling per retry, never less than the provider's Retry-After nor than a cooling
+    pool's cooldown: the route's fallbacks are tried meanwhile), and only inside the child's wall_clock_s.
+    A child that produced output, ran a tool, timed out or failed otherwise is never run again. Each run is
+    in the evidence (--json: evidence.attempts). When no attempt is left the hand-off becomes a dead letter,
+    kept under the state directory (dead_letters/, private files) for dead_letter_retention_s, at most
+    dead_letters_kept of them: the error names its id, and --dead-letters lists it with its role, prompt,
+    route, attempts and last failure, oldest first.
+
+    exit status: 0 the child answered (or, in suggest mode, the route is printed; --dead-letters: listed,
+    none included); 1 the child failed (a dead letter included) or was refused (a cooling pool, the parallel
+    cap, the budget), or --record ID is unknown; 2 bad usage, configuration or a request the policy cannot
+    satisfy (also: delegation disabled); 128 + N stopped by signal N, after its child was stopped.
     """)
 
 _DELEGATE_EXAMPLES_HELP = textwrap.dedent("""\
@@ -87,6 +98,8 @@ _DELEGATE_EXAMPLES_HELP = textwrap.dedent("""\
       proxyvisor delegate --role reviewer "Review the diff of HEAD~1 and list concrete problems."
       proxyvisor delegate --role reviewer --json "$(cat task.txt)" | jq .evidence
       proxyvisor delegate --record clm_0123456789abcdef0123     a long result the claim check stored
+      proxyvisor delegate --dead-letters                        hand-offs that failed on every attempt
+      proxyvisor delegate --dead-letters --json | jq -r '.dead_letters[].prompt'
     """)
 
 
@@ -170,15 +183,19 @@ def register(commands: Any, common: Callable[..., None], formatter: type) -> Non
                           help="the child's task, as one argument (quote it): all the child receives")
     delegate.add_argument("--role", metavar="R",
                           help="the role to run: a [model_routing.roles.R] table (see above; 'proxyvisor routing "
-                               "show' lists them); required unless --record")
+                               "show' lists them); required unless --record or --dead-letters")
     delegate.add_argument("--record", metavar="ID", help="print a stored (claim-checked) result and exit")
+    delegate.add_argument("--dead-letters", action="store_true",
+                          help="list the dead letters (hand-offs that failed transiently on every attempt; see "
+                               "above), oldest first, and exit; with --json as {\"dead_letters\": [...]}")
     delegate.add_argument("--complexity", choices=COMPLEXITY,
                           help="the request's complexity; in adaptive mode a child runs only at or above "
                                "[model_routing] complexity_threshold (default: none, below every threshold)")
     for key in ("adapter", "model", "effort"):
         delegate.add_argument(f"--{key}", metavar=key.upper(),
                               help=f"run on this {key} instead of the role's (default: the role's resolved {key})")
-    delegate.add_argument("--json", action="store_true", help="print the result, status and evidence as JSON")
+    delegate.add_argument("--json", action="store_true",
+                          help="print the result, status, evidence and dead letter id as JSON")
     common(delegate, log_help="; at the default the child's progress shows as plain lines, info and debug add "
                               "the logger detail, error shows errors only")
     delegate.set_defaults(handler=_delegate)
@@ -404,9 +421,39 @@ def _progress_lines(plain: bool) -> Iterator[None]:
         progress_log.propagate = propagate
 
 
+def _dead_letters(config: Config, as_json: bool) -> int:
+    from .adapters.dead_letters import DeadLetterStore
+
+    children = config.model_routing.children
+    store = DeadLetterStore(config.state_dir() / "dead_letters", children.dead_letter_retention_s,
+                            children.dead_letters_kept)
+    try:
+        letters = store.all()
+    finally:
+        store.close()
+    if as_json:
+        print(orjson.dumps({"dead_letters": letters}, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    if not letters:
+        print("no dead letters: no hand-off failed on every attempt")
+        return 0
+    for letter in letters:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(letter.get("created_at", 0)))
+        route, failure = letter.get("route") or {}, letter.get("failure") or {}
+        wait = f" (retry after {failure['retry_after_s']} s)" if failure.get("retry_after_s") else ""
+        prompt = " ".join(str(letter.get("prompt", "")).split())
+        print(f"{letter['id']}  {when}  role {letter.get('role')} on {route.get('capacity_scope')}: "
+              f"{letter.get('reason')}\n  last failure: {failure.get('category')}: {failure.get('message')}{wait}"
+              f"\n  prompt ({letter.get('prompt_chars', len(prompt)):,} characters): "
+              f"{prompt[:200] + ('…' if len(prompt) > 200 else '')}")
+    return 0
+
+
 def _delegate(args: argparse.Namespace, config: Config) -> int:
     from .adapters.results import ClaimStore
 
+    if args.dead_letters:
+        return _dead_letters(config, args.json)
     if args.record:
         store = ClaimStore(config.state_dir() / "claims", config.model_routing.children.claim_retention_s)
         record = store.get(args.record)
@@ -416,7 +463,7 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
         sys.stdout.write(record["text"])
         return 0
     if not args.role or not args.prompt:
-        print("proxyvisor: delegate needs --role R and a PROMPT (or --record ID)", file=sys.stderr)
+        print("proxyvisor: delegate needs --role R and a PROMPT (or --record ID, or --dead-letters)", file=sys.stderr)
         return 2
     if not config.model_routing.enabled:
         print("proxyvisor: delegation is disabled; nothing ran (turn it on: proxyvisor routing enable)",

@@ -15,8 +15,8 @@ from proxyvisor.config import ChildrenConfig, Config, parse
 FIXTURE_ADAPTERS = Path(__file__).resolve().parent / "fixtures" / "adapters"
 """A user adapter folder: the ``fixture-cli`` adapter (a fake agent CLI) and a descriptor without dispatch."""
 
-FAST = ChildrenConfig(wall_clock_s=10.0, idle_warn_s=0.3, idle_cancel_s=1.0, stop_grace_s=0.5)
-"""Child clocks short enough for tests (the config allows 30 s at least)."""
+FAST = ChildrenConfig(wall_clock_s=10.0, idle_warn_s=0.3, idle_cancel_s=1.0, stop_grace_s=0.5, retry_backoff_s=0.05)
+"""Child clocks and retry backoff short enough for tests (the config allows a wall clock of 30 s at least)."""
 
 
 def routing_config(roles: dict[str, dict[str, Any]] | None = None, **routing: Any) -> Config:

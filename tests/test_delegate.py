@@ -8,18 +8,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
 from proxyvisor.adapters.children import Budget, ChildHandle, ChildOutcome, run_child
 from proxyvisor.adapters.delegate import Delegation
 from proxyvisor.adapters.descriptors import registry_for
+from proxyvisor.adapters.retry import NextStart, RetryPolicy, next_start
 from proxyvisor.adapters.runtime import ChildJob
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import ChildrenConfig, RouteTarget
 
 from helpers import files_under
 from routing_support import FAST, FIXTURE_ADAPTERS, make_delegator, routing_config
+
+ONCE = msgspec.structs.replace(FAST, attempts=1)
+"""No retry: the breaker's own behaviour, one child run per hand-off."""
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 WORKER = {"worker": {"adapter": "fixture-cli", "model": "fixture-big", "description": "does the work"}}
@@ -259,7 +264,7 @@ async def test_one_budget_covers_the_whole_fan_out(tmp_path: Path, fixture_log: 
 
 async def test_a_rate_limited_child_cools_its_pool_and_the_next_caller_learns_when(tmp_path: Path,
                                                                                    fixture_log: Path) -> None:
-    delegator = make_delegator(routing_config(WORKER), tmp_path / "state")
+    delegator = make_delegator(routing_config(WORKER), tmp_path / "state", clocks=ONCE)
     limited = await delegator.delegate("worker", "mode:rate-limit")
     assert limited.status == "failed"
     assert (limited.evidence["error_category"], limited.evidence["retry_after_s"]) == ("capacity", 7)
@@ -360,6 +365,176 @@ async def test_fifty_callers_at_expiry_send_exactly_one_probe_upstream(tmp_path:
     assert len(refused) == 49 and all("scripted:scripted (half_open" in r.result.as_text() for r in refused)
     assert delegator.health.get("scripted:scripted").state == "healthy"
     delegator.close()
+
+
+# ---- retries and dead letters ------------------------------------------------------------------------------
+
+SCRIPTED = {"worker": {"adapter": "scripted"}}
+LIMITED = {"fault": {"status": 429, "retry_after": "1", "message": "rate limit exceeded"}}
+
+
+def outcomes(result: Delegation) -> list[tuple[int, str, str, str | None]]:
+    """Each attempt of a hand-off: (its number, pool, outcome, error category)."""
+    return [(a["attempt"], a["capacity_scope"], a["outcome"], a.get("error_category"))
+            for a in result.evidence["attempts"]]
+
+
+async def test_a_child_failing_429_then_answering_is_retried_after_its_retry_after(tmp_path: Path) -> None:
+    upstream = ScriptedUpstream([LIMITED, {"text": "reviewed"}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream)
+    started = trio.current_time()
+    result = await delegator.delegate("worker", "review it", traceparent=PARENT)
+    waited = trio.current_time() - started
+    assert (result.status, result.result.content, result.dead_letter) == ("ok", "reviewed", None)
+    assert len(upstream.requests) == 2 and 1.0 <= waited < 3, "Retry-After (1 s) is the floor of the 0.05 s backoff"
+    assert outcomes(result) == [(1, "scripted:scripted", "failed", "capacity"),
+                                (2, "scripted:scripted", "answered", None)]
+    first, second = result.evidence["attempts"]
+    assert (first["health_state"], first["retry_after_s"]) == ("healthy", 1)
+    # The 429 cooled the pool for its Retry-After; the retry waited it out and was the pool's half-open probe.
+    assert (second["health_state"], second["health_probe"]) == ("half_open", True)
+    assert delegator.health.get("scripted:scripted").state == "healthy"
+    assert delegator.dead_letters.all() == []
+    delegator.close()
+
+
+async def test_a_child_process_refused_its_connection_is_run_again(tmp_path: Path, fixture_log: Path) -> None:
+    result = await delegate(tmp_path, "mode:refused fails=1")
+    assert result.status == "ok" and result.result.content.startswith("mode:refused fails=1 | model=fixture-big")
+    assert [p for _, p in runs(fixture_log)] == ["mode:refused fails=1"] * 2
+    assert outcomes(result) == [(1, "fixture-cli:big", "failed", "unavailable"),
+                                (2, "fixture-cli:big", "answered", None)]
+    assert result.evidence["error_category"] is None, "the evidence's head is the attempt that answered"
+
+
+async def test_a_hand_off_failing_past_the_bound_is_a_dead_letter_the_error_names(tmp_path: Path,
+                                                                                  fixture_log: Path) -> None:
+    delegator = make_delegator(routing_config(WORKER), tmp_path / "state")
+    result = await delegator.delegate("worker", "mode:refused", traceparent=PARENT)
+    assert [p for _, p in runs(fixture_log)] == ["mode:refused"] * 3, "attempts = 3 by default"
+    assert result.status == "failed" and result.result.is_error
+    text = result.result.as_text()
+    letter = result.dead_letter
+    assert letter and letter.startswith("dl_") and result.evidence["dead_letter"] == letter
+    assert text.startswith("Tool 'worker' failed: unavailable: ") and "ECONNREFUSED" in text
+    assert f"gave up: 3 attempts failed; dead letter {letter}" in text and "--dead-letters" in text
+    assert [a["outcome"] for a in result.evidence["attempts"]] == ["failed"] * 3
+    (stored,) = delegator.dead_letters.all()
+    assert {k: stored[k] for k in ("id", "role", "prompt", "reason", "trace_id")} == {
+        "id": letter, "role": "worker", "prompt": "mode:refused", "reason": "3 attempts failed",
+        "trace_id": PARENT.split("-")[1]}
+    assert stored["route"]["capacity_scope"] == "fixture-cli:big" and len(stored["attempts"]) == 3
+    assert stored["failure"]["category"] == "unavailable" and "ECONNREFUSED" in stored["failure"]["message"]
+    modes = {p: oct(p.stat().st_mode & 0o777) for p in files_under(tmp_path / "state" / "dead_letters")}
+    assert modes and all(m == ("0o700" if p.is_dir() else "0o600") for p, m in modes.items()), modes
+    delegator.close()
+
+
+async def test_dead_letters_are_bounded_the_oldest_go_first(tmp_path: Path) -> None:
+    upstream = ScriptedUpstream([{"fault": {"status": 503}}] * 3)
+    clocks = msgspec.structs.replace(ONCE, dead_letters_kept=2)
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream, clocks)
+    letters = [(await delegator.delegate("worker", f"task {i}")).dead_letter for i in range(3)]
+    assert all(letters) and [d["id"] for d in delegator.dead_letters.all()] == letters[1:]
+    delegator.close()
+
+
+async def test_a_child_that_failed_after_producing_output_is_never_run_again(tmp_path: Path,
+                                                                             fixture_log: Path) -> None:
+    result = await delegate(tmp_path, "mode:text-then-refused")
+    assert [p for _, p in runs(fixture_log)] == ["mode:text-then-refused"]
+    assert result.status == "failed" and result.dead_letter is None
+    assert "ECONNREFUSED" in result.result.as_text() and "gave up" not in result.result.as_text()
+    assert outcomes(result) == [(1, "fixture-cli:big", "failed", "unavailable")]
+
+
+async def test_a_stream_reset_after_output_is_not_retried(tmp_path: Path) -> None:
+    upstream = ScriptedUpstream([{"text": "a long review of app.py", "fault": {"reset_after_events": 2}},
+                                 {"text": "must not run"}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream)
+    result = await delegator.delegate("worker", "review it")
+    assert len(upstream.requests) == 1 and result.status == "failed" and result.dead_letter is None
+    assert "connection reset" in result.result.as_text()
+    delegator.close()
+
+
+@pytest.mark.parametrize("fault, category", [
+    ({"status": 400, "message": "invalid request"}, "invalid"),
+    ({"status": 401, "message": "invalid api key"}, "auth"),
+    ({"status": 429, "message": "You exceeded your current quota, please check your plan and billing details."},
+     "capacity"),
+])
+async def test_a_non_transient_failure_is_not_retried(fault: dict[str, Any], category: str, tmp_path: Path) -> None:
+    upstream = ScriptedUpstream([{"fault": fault}, {"text": "must not run"}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream)
+    result = await delegator.delegate("worker", "review it")
+    assert len(upstream.requests) == 1 and result.status == "failed" and result.dead_letter is None
+    assert outcomes(result) == [(1, "scripted:scripted", "failed", category)]
+    # A quota is capacity, but no wait ends it: it cools nothing either.
+    assert delegator.health.get("scripted:scripted").state == "healthy"
+    assert delegator.dead_letters.all() == []
+    delegator.close()
+
+
+async def test_retries_stay_inside_the_wall_clock(tmp_path: Path) -> None:
+    """Wall clock 1 s, backoff 0.4 s: the second attempt starts at 0.4 s, the third could only start at 1.2 s."""
+    upstream = ScriptedUpstream([{"fault": {"status": 529}}] * 2)  # a third attempt would get an answer
+    clocks = msgspec.structs.replace(FAST, wall_clock_s=1.0, retry_backoff_s=0.4)
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream, clocks)
+    started = trio.current_time()
+    result = await delegator.delegate("worker", "review it")
+    assert trio.current_time() - started < 1.0 and len(upstream.requests) == 2
+    assert result.dead_letter and "2 attempts failed and the next could only start" in result.result.as_text()
+    assert "past the wall clock" in delegator.dead_letters.all()[0]["reason"]
+    # A Retry-After beyond the wall clock is not waited for at all.
+    upstream.queue({"fault": {"status": 429, "retry_after": "5"}})
+    started = trio.current_time()
+    result = await delegator.delegate("worker", "again")
+    assert trio.current_time() - started < 0.5 and len(upstream.requests) == 3
+    assert [a["outcome"] for a in result.evidence["attempts"]] == ["failed"] and result.dead_letter
+    delegator.close()
+
+
+async def test_a_retry_skips_a_cooling_pool_for_the_fallback_instead_of_hammering_it(tmp_path: Path,
+                                                                                    fixture_log: Path) -> None:
+    """The fixture CLI's pools answer 429 (Retry-After 7 s, so they cool for 7 s); the scripted fallback a 529,
+    which cools nothing: the retry goes to the fallback at once and skips the cooling pools."""
+    upstream = ScriptedUpstream([{"fault": {"status": 529}}, {"text": "answered by the fallback"}])
+    roles = {**WORKER, "helper": {"adapter": "scripted"}}
+    delegator = make_delegator(routing_config(roles, fallback_policy="next_eligible"), tmp_path / "state", upstream)
+    started = trio.current_time()
+    result = await delegator.delegate("worker", "mode:rate-limit")
+    assert (result.status, result.result.content) == ("ok", "answered by the fallback")
+    assert trio.current_time() - started < 5, "the 7 s cooldown was not waited for"
+    assert [p for _, p in runs(fixture_log)] == ["mode:rate-limit"] * 2, "one run per fixture pool, no more"
+    assert outcomes(result) == [
+        (1, "fixture-cli:big", "failed", "capacity"), (1, "fixture-cli:fast", "failed", "capacity"),
+        (1, "scripted:scripted", "failed", "provider"), (2, "fixture-cli:big", "refused", None),
+        (2, "fixture-cli:fast", "refused", None), (2, "scripted:scripted", "answered", None)]
+    delegator.close()
+
+
+async def test_a_retry_waits_for_its_cooling_pool_when_no_fallback_is_left(tmp_path: Path) -> None:
+    upstream = ScriptedUpstream([{"fault": {"status": 429, "retry_after": "2"}}, {"text": "after the wait"}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream)
+    started = trio.current_time()
+    result = await delegator.delegate("worker", "review it")
+    assert result.result.content == "after the wait" and trio.current_time() - started >= 2.0
+    assert len(upstream.requests) == 2, "nothing was sent while the pool cooled"
+    delegator.close()
+
+
+def test_next_start_backs_off_waits_for_the_soonest_pool_and_keeps_to_the_deadline() -> None:
+    policy = RetryPolicy(attempts=4, backoff_s=1.0)
+    assert [policy.backoff(n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert next_start(policy, 1, 100.0, 200.0, [100.0]).at == 101.0
+    assert next_start(policy, 2, 100.0, 200.0, [90.0, 150.0]).at == 102.0, "a ready fallback: the backoff only"
+    assert next_start(policy, 2, 100.0, 200.0, [130.0, 150.0]).at == 130.0, "the soonest pool, not the first"
+    late = next_start(policy, 1, 100.0, 120.0, [125.0])
+    assert late.at is None and "past the wall clock" in late.reason
+    assert next_start(policy, 4, 100.0, 200.0, [100.0]) == NextStart(None, "4 attempts failed")
+    assert next_start(RetryPolicy(attempts=1), 1, 0.0, 10.0, [0.0]).reason == "1 attempt failed (no retry configured)"
+    assert next_start(policy, 1, 100.0, 200.0, []).at is None
 
 
 # ---- policy gates ----------------------------------------------------------------------------------------

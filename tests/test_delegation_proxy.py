@@ -24,7 +24,9 @@ from proxyvisor.config import Config, GateConfig, SupervisorConfig, UpstreamConf
 from proxyvisor.demo_delegation import run_delegating_agent
 from proxyvisor.proxy import continuation
 from proxyvisor.proxy.delegation import ROUNDS
+from proxyvisor.cli import main
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
+from proxyvisor.proxy.info import render_text, summarize
 from proxyvisor.transcript import fingerprint
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sessions import Session
@@ -49,6 +51,10 @@ def proxy_config(roles: dict[str, Any] | None = REVIEWER, supervised: bool = Tru
     config = routing_config(roles, **routing)
     config = msgspec.structs.replace(config, upstreams=(UpstreamConfig(name="scripted"),))
     return config.with_overrides(supervisor={"enabled": supervised})
+
+
+ONCE = proxy_config(children={"attempts": 1})
+"""No retry of a hand-off: the breaker's own behaviour, one child run per delegation."""
 
 
 @dataclasses.dataclass
@@ -246,7 +252,7 @@ async def test_parallel_delegation_calls_run_together_under_one_budget(tmp_path:
 async def test_a_rate_limited_child_is_an_error_result_its_pool_cools_and_the_next_call_is_refused(
         tmp_path: Path) -> None:
     limited = {"fault": {"status": 429, "retry_after": "30", "message": "rate limit exceeded"}}
-    async with delegating(tmp_path / "state", [CALL, FINAL, CALL, FINAL], [limited, CHILD]) as s:
+    async with delegating(tmp_path / "state", [CALL, FINAL, CALL, FINAL], [limited, CHILD], ONCE) as s:
         for _ in range(2):
             answer = await ask("messages", s.proxy.url, stream=True)
             assert answer.text.endswith(FINAL["text"]) and answer.tool_calls == ()
@@ -259,6 +265,79 @@ async def test_a_rate_limited_child_is_an_error_result_its_pool_cools_and_the_ne
     assert (one["status"], one["error_category"], one["retry_after_s"]) == ("failed", "capacity", 30)
     assert (two["status"], two["error_category"], two["health_state"]) == ("refused", "capacity", "cooling_down")
     assert pool.state == "cooling_down" and pool.failure_count == 1
+
+
+QUICK_RETRY = proxy_config(children={"retry_backoff_s": 0.05})
+"""Retries a test can wait for: the backoff starts at 50 ms (1 s by default)."""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_child_failing_429_then_answering_is_retried_and_the_parent_gets_its_result(
+        fmt: str, stream: bool, tmp_path: Path) -> None:
+    limited = {"fault": {"status": 429, "retry_after": "1", "message": "rate limit exceeded"}}
+    async with delegating(tmp_path / "state", [CALL, FINAL], [limited, CHILD], QUICK_RETRY) as s:
+        answer = await ask(fmt, s.proxy.url, stream=stream)
+    assert answer.tool_calls == () and answer.text.endswith(FINAL["text"])
+    assert len(s.child.requests) == 2
+    (result,) = messages(fmt, sent(s.parent, 1))[-1].tool_outputs
+    assert (result.call_id, result.text) == ("call_rev_1", CHILD["text"]) and not result.is_error
+    (record,) = s.ledger()
+    (delegation,) = record["delegations"]
+    assert delegation["status"] == "ok" and delegation["dead_letter"] is None
+    assert [(a["attempt"], a["outcome"], a.get("error_category"), a["health_probe"])
+            for a in delegation["attempts"]] == [(1, "failed", "capacity", False), (2, "answered", None, True)]
+    info = summarize(s.ledger())["delegations"]
+    assert {k: info[k] for k in ("runs", "child_runs", "retries", "dead_letters")} == {
+        "runs": 1, "child_runs": 2, "retries": 1, "dead_letters": 0}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_child_failing_past_the_bound_is_a_dead_letter_the_parents_error_names(
+        fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overloaded = {"fault": {"status": 529, "message": "Overloaded"}}
+    async with delegating(tmp_path / "state", [CALL, FINAL], [overloaded] * 3, QUICK_RETRY) as s:
+        answer = await ask(fmt, s.proxy.url, stream=True)
+    assert answer.tool_calls == () and answer.text.endswith(FINAL["text"])
+    assert len(s.child.requests) == 3
+    (delegation,) = s.ledger()[0]["delegations"]
+    letter = delegation["dead_letter"]
+    assert delegation["status"] == "failed" and re.fullmatch(r"dl_[0-9a-f]{20}", letter)
+    # The parent model got the error as a tool result in its own format, naming the dead letter.
+    (result,) = messages(fmt, sent(s.parent, 1))[-1].tool_outputs
+    assert result.call_id == "call_rev_1" and result.text.startswith("Tool 'reviewer' failed: provider: HTTP 529")
+    assert f"gave up: 3 attempts failed; dead letter {letter}" in result.text
+    assert fmt != "messages" or result.is_error, "only Messages has an error flag on a tool result"
+    info = summarize(s.ledger())
+    assert (info["delegations"]["dead_letters"], info["delegations"]["recent_dead_letters"]) == (1, [letter])
+    assert info["delegations"]["retries"] == 2 and f"dead letters 1 (last: {letter})" in render_text(info)
+    # `proxyvisor delegate --dead-letters` lists it, as text and as JSON.
+    assert main(["delegate", "--dead-letters", "--state-dir", str(tmp_path / "state")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{letter}  ") and "role reviewer on scripted:scripted: 3 attempts failed" in out
+    assert "last failure: provider: HTTP 529: Overloaded" in out and "Review app.py for bugs." in out
+    assert main(["delegate", "--dead-letters", "--json", "--state-dir", str(tmp_path / "state")]) == 0
+    (listed,) = orjson.loads(capsys.readouterr().out)["dead_letters"]
+    assert (listed["id"], listed["prompt"], len(listed["attempts"])) == (letter, "Review app.py for bugs.", 3)
+    assert listed["trace_id"] == delegation["trace_id"]
+
+
+async def test_a_child_stream_reset_after_output_is_not_retried(tmp_path: Path) -> None:
+    reset = {"text": "app.py has a bug in", "fault": {"reset_after_events": 2}}
+    async with delegating(tmp_path / "state", [CALL, FINAL], [reset, CHILD], QUICK_RETRY) as s:
+        await ask("messages", s.proxy.url, stream=False)
+    assert len(s.child.requests) == 1
+    (delegation,) = s.ledger()[0]["delegations"]
+    assert (delegation["status"], delegation["dead_letter"], len(delegation["attempts"])) == ("failed", None, 1)
+
+
+@pytest.mark.parametrize("fault", [{"status": 400}, {"status": 401}], ids=["400", "401"])
+async def test_a_child_failing_400_or_401_is_not_retried(fault: dict[str, Any], tmp_path: Path) -> None:
+    async with delegating(tmp_path / "state", [CALL, FINAL], [{"fault": fault}, CHILD], QUICK_RETRY) as s:
+        await ask("chat", s.proxy.url, stream=False)
+    assert len(s.child.requests) == 1
+    (delegation,) = s.ledger()[0]["delegations"]
+    assert (delegation["status"], delegation["dead_letter"], len(delegation["attempts"])) == ("failed", None, 1)
 
 
 async def test_an_invalid_call_is_an_error_result_and_runs_nothing(tmp_path: Path) -> None:
@@ -446,7 +525,7 @@ async def test_the_delegate_endpoint_runs_one_child_in_the_callers_trace(tmp_pat
 
 async def test_the_delegate_endpoint_says_why_it_did_not_run(tmp_path: Path) -> None:
     limited = {"fault": {"status": 429, "retry_after": "45"}}
-    async with delegating(tmp_path / "state", [], [limited]) as s:
+    async with delegating(tmp_path / "state", [], [limited], ONCE) as s:
         assert (await post(s.proxy.url, {"role": "ghost", "prompt": "x"})).status_code == 400
         assert (await post(s.proxy.url, {"role": "reviewer"})).status_code == 400
         assert (await post(s.proxy.url, [1])).status_code == 400
@@ -530,15 +609,20 @@ async def test_the_demo_delegates_and_shows_a_pool_cool_down_and_recover_through
     text = out.getvalue()
     ran = re.findall(r"supervisor ran reviewer: (\w+)", text)
     breaker = re.findall(r"breaker +pool scripted:scripted is (\w+)", text)
-    assert ran == ["ok", "failed", "refused", "ok"]
-    assert breaker == ["healthy", "cooling_down", "cooling_down", "healthy"]
+    assert ran == ["ok", "ok", "failed", "refused", "ok"]
+    assert breaker == ["healthy", "healthy", "cooling_down", "cooling_down", "healthy"]
+    assert "2 attempts: failed (capacity), answered" in text
+    assert "3 attempts: failed (capacity), failed (capacity), failed (capacity)" in text
     assert "failed; capacity, retry after 1 s" in text and "half_open at dispatch, the half-open probe" in text
     assert "tool calls the agent saw: none" in text and "tool calls the agent saw: reviewer" not in text
     assert "The reviewer is back: app.py is fine." in text
-    # Evidence went to the ledger: one delegation per agent request, the refused one with no child run.
+    # Evidence went to the ledger: one delegation per agent request, the refused one with no child run, the
+    # exhausted one a dead letter that the parent model's error result names.
     (session,) = store.sessions()
     lines = store.read_ledger(session)
-    assert [line["delegations"][0]["status"] for line in lines] == ["ok", "failed", "refused", "ok"]
+    assert [line["delegations"][0]["status"] for line in lines] == ["ok", "ok", "failed", "refused", "ok"]
+    letter = lines[2]["delegations"][0]["dead_letter"]
+    assert re.fullmatch(r"dl_[0-9a-f]{20}", letter) and f"dead letter {letter}" in text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -240,6 +241,32 @@ def test_delegate_claim_checks_a_long_result_and_prints_the_record_later(config_
     assert (code, out) == (0, long_text)
     code, _, err = cli(capsys, "delegate", "--config", str(config_file), "--record", "clm_nothing")
     assert code == 1 and "no stored result" in err
+
+
+def test_delegate_retries_a_transient_failure_and_lists_what_became_a_dead_letter(config_file: Path, tmp_path: Path,
+                                                                                   capsys) -> None:
+    script = tmp_path / "overloaded.json"
+    unavailable = {"fault": {"status": 503, "message": "unavailable"}}
+    script.write_text(json.dumps([unavailable] * 3))
+    _enabled(config_file, f'[model_routing.children]\nretry_backoff_s = 0.05\n'
+                          f'[model_routing.adapter_options.scripted]\nscript = "{script}"\n')
+    assert cli(capsys, "delegate", "--config", str(config_file), "--dead-letters")[1] == (
+        "no dead letters: no hand-off failed on every attempt\n")
+    assert files_under(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "dead_letters") == [], "listing creates nothing"
+    code, out, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "first task")
+    assert (code, out) == (1, "")
+    letter = re.search(r"dead letter (dl_[0-9a-f]{20})", err).group(1)
+    assert re.search(r"helper failed \(provider: HTTP 503: unavailable\): attempt 2 of 3 in 0\.\d s", err)
+    assert err.rstrip().endswith(f"gave up: 3 attempts failed; dead letter {letter} (`proxyvisor delegate "
+                                 "--dead-letters` lists it)")
+    script.write_text(json.dumps([unavailable, {"text": "ok now"}]))  # this hand-off survives on its retry
+    code, out, err = cli(capsys, "delegate", "--config", str(config_file), "--role", "helper", "--json", "second")
+    result = json.loads(out)
+    assert code == 0 and result["result"] == "ok now" and result["dead_letter"] is None
+    assert [a["outcome"] for a in result["evidence"]["attempts"]] == ["failed", "answered"]
+    code, out, _ = cli(capsys, "delegate", "--config", str(config_file), "--dead-letters")
+    assert code == 0 and out.startswith(f"{letter}  ") and out.count("dl_") == 1
+    assert "prompt (10 characters): first task" in out
 
 
 def test_delegate_does_nothing_while_delegation_is_disabled(config_file: Path, capsys) -> None:

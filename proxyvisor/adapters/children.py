@@ -102,6 +102,13 @@ class ChildOutcome:
     duration_s: float = 0.0
 
     @property
+    def retryable(self) -> bool:
+        """Failed transiently (:attr:`~proxyvisor.adapters.failures.Failure.transient`) before producing anything:
+        no text, no work accepted, so the hand-off may be run again."""
+        return self.finish_reason is None and self.failure is not None and self.failure.transient \
+            and not self.text and not self.accepted_work
+
+    @property
     def cancelled(self) -> bool:
         """The parent cancelled the child before it failed: the outcome says nothing about the pool."""
         return self.finish_reason == CANCELLED and self.failure is None

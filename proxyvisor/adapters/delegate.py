@@ -13,35 +13,45 @@
 7. the child runs under its clocks; its pool is settled whatever happens (a crash or a cancel releases a probe
    lease at once); a failure moves on to the next candidate only when its outcome is ``known_failed`` and the
    child accepted no work: never after an unknown outcome;
-8. the result is claim-checked and shaped, with its evidence attributes.
+8. an attempt (steps 6-7) that ended in a transient failure before any output is made again after a backoff,
+   inside the wall clock, up to ``[model_routing.children] attempts`` (:mod:`.retry`), each run in the evidence's
+   ``attempts``; when none is left the hand-off becomes a dead letter (:mod:`.dead_letters`) that the shaped
+   error names;
+9. the result is claim-checked and shaped, with its evidence attributes.
 
 Nothing here is created or written until a supervised delegation needs it, so ``enabled = false`` costs nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import diskcache
+import msgspec
 import trio
 
 from ..config import ChildrenConfig, Config, RouteTarget
 from .children import (Budget, BudgetExhausted, ChildHandle, ChildOutcome, ParallelGate, ParallelLimitReached,
                        run_child)
+from .dead_letters import DeadLetterStore
 from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetError, registry_for
 from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, Failure
 from .graph import ROOT, may_delegate
 from .health import Admission, Cooldown, fleet_wait
 from .health_store import HealthStore
 from .results import ClaimStore, ToolResult, child_traceparent, claim_check, evidence, shape, trace_id_of
+from .retry import RetryPolicy, next_start
 from .routing import NO_TARGET, Route, is_supervised, plan
-from .runtime import ChildJob, Runtime
+from .runtime import ChildJob, Runtime, progress_log
 
 log = logging.getLogger("proxyvisor.adapters.delegate")
 
@@ -64,12 +74,16 @@ class Delegation:
     evidence: dict[str, Any]
     proposed_route: dict[str, Any] | None = None
     record_id: str | None = None
+    dead_letter: str | None = None
+    """The id of the dead letter a hand-off that failed transiently on every attempt became
+    (:mod:`.dead_letters`)."""
     reason: str = ""
     """Why nothing ran (``refused``, ``invalid``), in words for a person; empty otherwise."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "result": self.result.content, "is_error": self.result.is_error,
-                "evidence": self.evidence, "proposed_route": self.proposed_route, "record_id": self.record_id}
+                "evidence": self.evidence, "proposed_route": self.proposed_route, "record_id": self.record_id,
+                "dead_letter": self.dead_letter}
 
 
 class Delegator:
@@ -86,6 +100,8 @@ class Delegator:
         cooldown = Cooldown(self.routing.cooldown.default_seconds, self.routing.cooldown.maximum_seconds)
         self.health = HealthStore(root / "health", cooldown)
         self.claims = ClaimStore(root / "claims", self.routing.children.claim_retention_s)
+        self.dead_letters = DeadLetterStore(root / "dead_letters", self.clocks.dead_letter_retention_s,
+                                            self.clocks.dead_letters_kept)
         self.gate = ParallelGate(self.routing.max_parallel)
         self.now = now
         self._runtimes: dict[str, Runtime] = dict(runtimes or {})
@@ -114,6 +130,7 @@ class Delegator:
     def close(self) -> None:
         self.health.close()
         self.claims.close()
+        self.dead_letters.close()
 
     def _refuse(self, status: str, role: str, message: str, category: str, route: Route | None = None,
                 traceparent: str = "", retry_after_s: int | None = None,
@@ -174,31 +191,83 @@ class Delegator:
     async def _dispatch(self, role: str, prompt: str, candidates: tuple[Route, ...], trace: str, budget: Budget,
                         handle: ChildHandle | None, output_schema: dict[str, Any] | None,
                         cwd: str | None) -> Delegation:
-        refusals: list[Admission] = []
-        unready: list[str] = []
-        last: tuple[Route, Admission, ChildOutcome] | None = None
-        for route in candidates:
-            reason = self.readiness(route.adapter)
-            if reason is not None:
-                unready.append(f"{route.adapter}: {reason}")
-                continue
-            lease_s = self.clocks.wall_clock_s + self.clocks.stop_grace_s
-            admission = await self.health.admit(route.pool, self.now(), lease_s)
-            if not admission.admitted:
-                refusals.append(admission)
-                continue
-            job = ChildJob("child_" + secrets.token_hex(6), role, prompt, route.adapter, route.model, route.effort,
-                           trace, self.clocks.wall_clock_s, self.clocks.stop_grace_s, output_schema, cwd)
-            outcome = await self._run(route, admission, job, handle)
-            budget.spend(outcome.input_tokens + outcome.output_tokens)
-            last = (route, admission, outcome)
-            failure = outcome.failure
-            if outcome.finish_reason is None and failure is not None and failure.outcome == KNOWN_FAILED \
-                    and not outcome.accepted_work:
-                continue
-            break
-        if last is not None:
-            return self._result(role, trace, *last)
+        policy = RetryPolicy(self.clocks.attempts, self.clocks.retry_backoff_s)
+        deadline = trio.current_time() + self.clocks.wall_clock_s
+        attempts: list[dict[str, Any]] = []
+        failed: tuple[Route, Admission, ChildOutcome] | None = None
+        attempt = 0
+        while True:
+            attempt += 1
+            refusals: list[Admission] = []
+            unready: list[str] = []
+            last: tuple[Route, Admission, ChildOutcome] | None = None
+            waits: dict[str, float] = {}  # per pool, when the Retry-After of its failure ends (trio clock)
+            for route in candidates:
+                reason = self.readiness(route.adapter)
+                if reason is not None:
+                    unready.append(f"{route.adapter}: {reason}")
+                    continue
+                # A retry gets what is left of the hand-off's wall clock; the first attempt's candidates a whole one.
+                wall_s = self.clocks.wall_clock_s if attempt == 1 else deadline - trio.current_time()
+                if wall_s <= 0:
+                    break
+                admission = await self.health.admit(route.pool, self.now(), wall_s + self.clocks.stop_grace_s)
+                if not admission.admitted:
+                    refusals.append(admission)
+                    attempts.append(_attempt(attempt, route, admission, None))
+                    continue
+                job = ChildJob("child_" + secrets.token_hex(6), role, prompt, route.adapter, route.model,
+                               route.effort, trace, wall_s, self.clocks.stop_grace_s, output_schema, cwd)
+                outcome = await self._run(route, admission, job, handle,
+                                          msgspec.structs.replace(self.clocks, wall_clock_s=wall_s))
+                budget.spend(outcome.input_tokens + outcome.output_tokens)
+                attempts.append(_attempt(attempt, route, admission, outcome))
+                last = (route, admission, outcome)
+                failure = outcome.failure
+                if failure is not None and failure.retry_after_s:
+                    waits[route.pool] = trio.current_time() + failure.retry_after_s
+                if outcome.finish_reason is None and failure is not None and failure.outcome == KNOWN_FAILED \
+                        and not outcome.accepted_work:
+                    continue
+                break
+            if last is not None and not last[2].retryable:
+                return self._result(role, trace, *last, attempts)
+            if last is None and failed is None:
+                return self._refused(role, candidates, trace, refusals, unready)
+            failed = last or failed
+            assert failed is not None  # one of the two was set above
+            now = trio.current_time()
+            ready = [max(now + await self._recovery_in(route), waits.get(route.pool, now)) for route in candidates
+                     if self.readiness(route.adapter) is None]
+            start = next_start(policy, attempt, now, deadline, ready)
+            gave_up = start.reason
+            if start.at is not None:
+                try:
+                    budget.check()
+                except BudgetExhausted as exc:
+                    gave_up = str(exc)
+            if gave_up:
+                return self._dead_letter(role, prompt, trace, failed, attempts, gave_up)
+            assert start.at is not None
+            progress_log.warning("%s failed (%s): attempt %d of %d in %.1f s", role, _why(failed[2]), attempt + 1,
+                                 policy.attempts, start.at - now)
+            with trio.CancelScope() as waiting:
+                if handle is not None:
+                    handle._attach(waiting)
+                await trio.sleep_until(start.at)
+            if waiting.cancelled_caught:  # the parent cancelled the hand-off between two attempts
+                return self._result(role, trace, *failed, attempts)
+
+    async def _recovery_in(self, route: Route) -> float:
+        """Seconds until ``route``'s pool may admit a caller (0: at once)."""
+        now = self.now()
+        at = await self.health.recovery_at(route.pool, now)
+        return 0.0 if at is None else max(0.0, at - now)
+
+    def _refused(self, role: str, candidates: tuple[Route, ...], trace: str, refusals: list[Admission],
+                 unready: list[str]) -> Delegation:
+        """Nothing could run: every ready candidate's pool refused (the soonest recovery and who waits), or no
+        candidate runtime is ready."""
         if refusals:
             wait = fleet_wait(refusals)
             now = self.now()
@@ -208,10 +277,35 @@ class Delegator:
         return self._refuse(FAILED, role, "unavailable: no candidate runtime is ready (" + "; ".join(unready) + ")",
                             UNAVAILABLE, candidates[0], trace)
 
-    async def _run(self, route: Route, admission: Admission, job: ChildJob,
-                   handle: ChildHandle | None) -> ChildOutcome:
-        """Run one child and settle its pool in every case (shielded, so a cancel still releases a lease); a
-        cancelled child records nothing on the pool but the release of its lease."""
+    def _dead_letter(self, role: str, prompt: str, trace: str, failed: tuple[Route, Admission, ChildOutcome],
+                     attempts: list[dict[str, Any]], reason: str) -> Delegation:
+        """The hand-off's last transient failure, kept as a dead letter (:mod:`.dead_letters`) that the shaped
+        error names; a store that cannot be written is logged and said in the error, the result is given all the
+        same."""
+        route, admission, outcome = failed
+        result = self._result(role, trace, route, admission, outcome, attempts)
+        failure = outcome.failure
+        record = {"reason": reason, "trace_id": trace_id_of(trace), "attempts": attempts,
+                  "route": {"adapter": route.adapter, "model": route.model, "effort": route.effort,
+                            "capacity_scope": route.pool},
+                  "failure": {"category": failure.category if failure else None,
+                              "message": failure.message if failure else "",
+                              "retry_after_s": failure.retry_after_s if failure else None}}
+        try:
+            letter: str | None = self.dead_letters.put(role, prompt, record)
+            kept = f"; dead letter {letter} (`proxyvisor delegate --dead-letters` lists it)"
+        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            log.warning("the dead letter of %s could not be stored under %s: %s", role, self.dead_letters.root, exc)
+            letter, kept = None, f"; the dead letter could not be stored ({type(exc).__name__})"
+        progress_log.warning("%s gave up: %s%s", role, reason, kept)
+        text = f"{result.result.as_text()}; gave up: {reason}{kept}"
+        return dataclasses.replace(result, result=ToolResult(text, is_error=True), dead_letter=letter,
+                                   evidence={**result.evidence, "dead_letter": letter})
+
+    async def _run(self, route: Route, admission: Admission, job: ChildJob, handle: ChildHandle | None,
+                   clocks: ChildrenConfig) -> ChildOutcome:
+        """Run one child under ``clocks`` and settle its pool in every case (shielded, so a cancel still releases
+        a lease); a cancelled child records nothing on the pool but the release of its lease."""
         outcome: ChildOutcome | None = None
         try:
             try:
@@ -219,7 +313,7 @@ class Delegator:
             except (TargetError, DescriptorError) as exc:
                 outcome = ChildOutcome("", None, Failure(INVALID, False, KNOWN_FAILED, None, str(exc)))
                 return outcome
-            outcome = await run_child(runtime, job, self.clocks, handle)
+            outcome = await run_child(runtime, job, clocks, handle)
             return outcome
         finally:
             with trio.CancelScope(shield=True):
@@ -230,7 +324,8 @@ class Delegator:
                 else:
                     await self.health.settle(route.pool, self.now(), outcome.failure, admission.lease_id)
 
-    def _result(self, role: str, trace: str, route: Route, admission: Admission, outcome: ChildOutcome) -> Delegation:
+    def _result(self, role: str, trace: str, route: Route, admission: Admission, outcome: ChildOutcome,
+                attempts: list[dict[str, Any]]) -> Delegation:
         record_id = None
         text = outcome.text
         if outcome.finish_reason is not None:
@@ -239,5 +334,27 @@ class Delegator:
             text, record_id = claim_check(text, self.routing.children.claim_check_chars, self.claims, meta)
         result = shape(role, outcome, text)
         status = FAILED if result.is_error else OK
-        return Delegation(status, result, evidence(role, route.adapter, route.model, route.pool, admission, outcome,
-                                                   trace), record_id=record_id)
+        return Delegation(status, result, {**evidence(role, route.adapter, route.model, route.pool, admission, outcome,
+                                                      trace), "attempts": attempts, "dead_letter": None},
+                          record_id=record_id)
+
+
+def _attempt(number: int, route: Route, admission: Admission, outcome: ChildOutcome | None) -> dict[str, Any]:
+    """The evidence of one child run of a hand-off (``outcome`` None: its pool refused it, nothing ran)."""
+    failure = outcome.failure if outcome else None
+    out: dict[str, Any] = {"attempt": number, "gen_ai.provider.name": route.adapter,
+                           "gen_ai.request.model": (outcome.model if outcome and outcome.model else route.model),
+                           "capacity_scope": route.pool, "health_state": admission.state,
+                           "health_probe": admission.probe}
+    if outcome is None:
+        return {**out, "outcome": "refused"}
+    out.update(outcome="failed" if outcome.finish_reason is None else "answered",
+               finish_reason=outcome.finish_reason, duration_s=round(outcome.duration_s, 3))
+    if failure is not None:
+        out.update(error_category=failure.category, retry_after_s=failure.retry_after_s)
+    return out
+
+
+def _why(outcome: ChildOutcome) -> str:
+    failure = outcome.failure
+    return f"{failure.category}: {failure.message}" if failure else "no result"

@@ -107,6 +107,11 @@ class HealthStore(LazyCache):
     async def release(self, pool: str, now: float, lease_id: str = "") -> PoolHealth:
         return await trio.to_thread.run_sync(self.release_sync, pool, now, lease_id, limiter=self._one)
 
+    async def recovery_at(self, pool: str, now: float) -> float | None:
+        """:meth:`~proxyvisor.adapters.health.PoolHealth.recovery_at` of the pool (None: it admits a caller now),
+        read off the event loop; writes nothing."""
+        return await trio.to_thread.run_sync(lambda: self.get(pool).recovery_at(now), limiter=self._one)
+
     def clear(self, name: str = "") -> list[str]:
         """Forget the health of every pool (``name`` empty), of one pool, or of every pool whose name starts with
         ``name:`` (an adapter's pools; ``upstream:NAME``: an upstream's pools of the agent's own requests).

@@ -26,7 +26,9 @@ With supervision on and ``[model_routing] enabled`` (both gates, seed 000), :cla
   a failed child's, ``skipped`` and ``unsupervised``), 400 invalid, 429 with ``Retry-After`` when every pool is
   cooling, 503 for the parallel cap or the budget.
 
-Each delegation's status, record id and evidence attributes go into the request's ledger line.
+Each delegation's status, record id, dead letter (a hand-off that failed transiently on every attempt,
+:mod:`proxyvisor.adapters.retry`; its error result names it) and evidence attributes, each attempt included, go
+into the request's ledger line.
 """
 
 from __future__ import annotations

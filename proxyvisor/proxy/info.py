@@ -28,6 +28,10 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``refused`` (the pool was cooling: proxyvisor answered 429, nothing was sent), ``failed`` or ``cancelled`` (the
   client left before the answer); ``tried`` lists
   the upstreams tried before it (each with its ``status``, ``error_category`` and ``retry_after_s``);
+- ``delegations``: the children run for the request (``proxyvisor.proxy.delegation``), each ``{"role", "call_id",
+  "status", "record_id", "dead_letter", ...evidence}``; the evidence's ``attempts`` lists each child run of the
+  hand-off (``{"attempt": n, "capacity_scope", "outcome": "answered"|"failed"|"refused", "error_category", ...}``,
+  ``attempt`` above 1 for a retry) and ``dead_letter`` is the id of the dead letter an exhausted hand-off became;
 - ``supervisor_model``: ``{"calls": {purpose: n}, "input_tokens", "output_tokens", "cost_usd", "time_ms", "route",
   "model"}``: the supervisor model's calls for the request by purpose (``condense``, ``verify``, ``refute``,
   ``plan``), only when it made any; ``time_ms``: the wall time spent waiting for them (ms); the route and model they
@@ -70,6 +74,10 @@ are milliseconds:
 - ``breakers``: ``{"pools": {pool: {"answered", "refused", "failed"}}, "fallbacks"}``: each of the agent's pools
   the session's requests were tried on, how often each answered, was refused while cooling and failed; and the
   requests a fallback answered;
+- ``delegations``: ``{"runs", "by_status": {status: n}, "child_runs", "retries", "dead_letters",
+  "recent_dead_letters"}``: the delegations the session's requests made, by status; the child runs they took (a
+  retry or a fallback is one more, a refusal by a cooling pool none); the retries (attempts after a hand-off's
+  first); the hand-offs that became dead letters, and the ids of the last :data:`RECENT_DEAD_LETTERS` of them;
 - ``supervisor_model``: ``{"calls": {purpose: n}, "total_calls", "input_tokens", "output_tokens", "cost_usd",
   "unpriced_calls", "time_ms"}`` (cost as priced when the call was made, over the priced answers;
   ``unpriced_calls``: answers not priced, those of the scripted upstream or of a model litellm's cost map lacks;
@@ -96,6 +104,7 @@ if TYPE_CHECKING:
     from .supervise import RequestRecord
 
 RECENT_CONDENSED = 20
+RECENT_DEAD_LETTERS = 20
 _AUTHORIZER = ("checked", "blocked", "cached", "unavailable", "batches", "prescreened")
 Price = Callable[[str, int, int], "float | None"]
 """The cost in USD of one request to a model, given (model, input tokens, output tokens); None: not priced."""
@@ -201,6 +210,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     overheads: list[float] = []
     pools: dict[str, Counter[str]] = {}
     fallbacks = 0
+    delegations: Counter[str] = Counter()
+    by_delegation_status: Counter[str] = Counter()
+    dead_letters: list[str] = []
     price = price or cost_map_price
     for line in lines:
         first = first or line.get("time")
@@ -224,6 +236,16 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
             if isinstance(attempt.get("pool"), str) and isinstance(attempt.get("outcome"), str):
                 pools.setdefault(attempt["pool"], Counter())[attempt["outcome"]] += 1
         fallbacks += bool(tried) and up.get("outcome") == "answered"
+        for d in (_dict(d) for d in _list(line.get("delegations"))):
+            delegations["runs"] += 1
+            if isinstance(d.get("status"), str):
+                by_delegation_status[d["status"]] += 1
+            attempts = [_dict(a) for a in _list(d.get("attempts"))]
+            delegations["child_runs"] += sum(a.get("outcome") in ("answered", "failed") for a in attempts)
+            delegations["retries"] += max((_int(a.get("attempt")) for a in attempts), default=1) - 1
+            if isinstance(d.get("dead_letter"), str):
+                dead_letters = (dead_letters + [d["dead_letter"]])[-RECENT_DEAD_LETTERS:]
+                delegations["dead_letters"] += 1
         if isinstance(line.get("steer"), str):
             steers[line["steer"]] += 1
         g = line.get("gate")
@@ -304,6 +326,9 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
                      "estimated_requests": estimated},
         "breakers": {"pools": {pool: {k: counts[k] for k in ("answered", "refused", "failed")}
                                for pool, counts in sorted(pools.items())}, "fallbacks": fallbacks},
+        "delegations": {"runs": delegations["runs"], "by_status": dict(by_delegation_status),
+                        "child_runs": delegations["child_runs"], "retries": delegations["retries"],
+                        "dead_letters": delegations["dead_letters"], "recent_dead_letters": dead_letters},
         "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
                         "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
                         "max": _ms(max(overheads, default=0.0))},
@@ -410,6 +435,10 @@ def render_text(info: Mapping[str, Any]) -> str:
                         if up.get("estimated_requests") else "")
                      + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
         ("upstream pools", pools_text(info["breakers"])),
+        *([("delegations", f"runs {dl['runs']:,} ({counts_text(dl['by_status'])}) · child runs {dl['child_runs']:,}"
+                             f" · retries {dl['retries']:,} · dead letters {dl['dead_letters']:,}"
+                             + (f" (last: {dl['recent_dead_letters'][-1]})" if dl["recent_dead_letters"] else ""))]
+          if (dl := info.get("delegations") or {}).get("runs") else []),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]
