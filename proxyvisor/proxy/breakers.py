@@ -24,6 +24,7 @@ With supervision off none of this exists: the byte relay sends every request as 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -66,7 +67,9 @@ def failure_of_reply(status: int, headers: Sequence[tuple[bytes, bytes]], body: 
         return None
     found = {k.lower(): v.decode("latin-1") for k, v in headers if k.lower() in (b"retry-after", b"retry-after-ms")}
     text = body[:_WORDING_BYTES].decode("utf-8", "replace") if isinstance(body, bytes) else ""
-    return from_http(status, text, now, found.get(b"retry-after"), found.get(b"retry-after-ms"))
+    failure = from_http(status, text, now, found.get(b"retry-after"), found.get(b"retry-after-ms"))
+    # The body only classifies: what the upstream wrote is the agent's to read, not proxyvisor's logs'.
+    return dataclasses.replace(failure, message=f"HTTP {status}" + (" (a quota)" if failure.quota else ""))
 
 
 def failure_of_error(exc: UpstreamError, now: float) -> Failure:
