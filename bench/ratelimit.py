@@ -3,6 +3,7 @@
 Usage (from the repository root, in the project's environment)::
 
     python bench/ratelimit.py                  # 20 sessions, 429s for 10 s; about 40 s
+    python bench/ratelimit.py --quick          # CI size: 5 sessions, 429s for 3 s, nothing written; about 20 s
     python bench/ratelimit.py --sessions 5 --window-s 3 --no-write
 
 An upstream on loopback answers every model request with 429 and ``Retry-After: 1`` for ``--window-s`` seconds,
@@ -16,6 +17,9 @@ this run, one after the other, each with a fresh upstream:
 
 For each arm: the requests the limited upstream received during the window, and the share of the agents' requests
 made during the window that got a 200. Figures go to bench/RESULTS.md (section "Rate limits") unless ``--no-write``.
+Exits 1 when the breakers miss their targets: through proxyvisor, after the agents' first burst (the first 0.5 s),
+at most one request per second of the window reaches the limited upstream (the recovery probes), against the
+direct arm's every retry; with the fallback, at least 90% of the agents' requests are answered.
 """
 
 from __future__ import annotations
@@ -115,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=int, default=20, help="concurrent agents (20)")
     parser.add_argument("--window-s", type=float, default=10.0, help="seconds the upstream answers 429 (10)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument("--quick", action="store_true", help="CI size: --sessions 5 --window-s 3 --no-write")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sessions, args.window_s, args.no_write = 5, 3.0, True
     rows = []
     with tempfile.TemporaryDirectory(prefix="proxyvisor-ratelimit-") as state:
         for name in ("direct", "proxyvisor", "fallback"):
@@ -137,6 +144,12 @@ def main(argv: list[str] | None = None) -> None:
             "| agent requests in the window | answered (200) |\n|---|---|---|---|---|---|\n" + table + "\n")
     if not args.no_write:
         write_section("Rate limits", body)
+    (_, _, direct_later, _, _), (_, _, later, _, _), (_, _, _, _, share) = rows
+    if later > math.ceil(args.window_s) or later >= direct_later or share < 0.9:
+        print(f"ratelimit: missed a target: {later} requests after the first burst through proxyvisor (at most "
+              f"{math.ceil(args.window_s)}, direct {direct_later}), {share:.0%} answered with a fallback (at "
+              "least 90%)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
