@@ -9,7 +9,7 @@ import trio
 
 from .config import Config, default_config_path
 from .proxy.server import CannotListen
-from .proxy.service import RunningProxy, running, tune_gc
+from .proxy.service import RunningProxy, running, tune_runtime
 from .supervisor_model import describe, key_warning
 
 
@@ -67,7 +67,7 @@ def serve(config: Config) -> int:
     Raises:
         ConfigError: an upstream key variable is unset or a script file is invalid (inside an exception group).
     """
-    tune_gc()
+    tune_runtime()
     try:
         trio.run(_serve, config)
     except BaseExceptionGroup as group:

@@ -18,7 +18,7 @@ from .agents import agent_command
 from .config import Config
 from .proxy.info import (authorizer_text, counts_text, plural, pools_text, summarize, supervisor_text,
                          upstream_cost)
-from .proxy.service import RunningProxy, running, tune_gc
+from .proxy.service import RunningProxy, running, tune_runtime
 from .store import SESSION_ID
 from .store import LedgerError
 from .serve import start_notices, stop_notices
@@ -158,7 +158,7 @@ def wrap(config: Config, cmd: list[str], session: str | None = None, quiet: bool
     session = session or secrets.token_hex(16)
     if not SESSION_ID.match(session):
         raise ValueError(f"invalid session id {session!r}: use 1-128 of [A-Za-z0-9._-]")
-    tune_gc()
+    tune_runtime()
     return trio.run(_wrap, config, cmd, session, quiet)
 
 
