@@ -28,10 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import orjson
 
 from .adapters.descriptors import Registry, TargetError, registry_for
+from .adapters.overview import health_json, routing_json
 from .config import Config, ModelRoutingConfig, RouteTarget, default_config_path, find_config_file
 from .rules import CHILD_WALL_CLOCK, COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES
 
@@ -293,34 +293,6 @@ def _set_change(args: argparse.Namespace, registry: Registry) -> Callable[..., t
     return change
 
 
-def _policy(routing: Any, registry: Registry) -> dict[str, Any]:
-    from .adapters.routing import resolve
-
-    policy = msgspec.to_builtins(routing)
-    policy["roles"] = {r["name"]: {k: v for k, v in r.items() if k != "name"} for r in policy["roles"]}
-    resolved: dict[str, Any] = {}
-    for role in routing.roles:
-        try:
-            resolved[role.name] = resolve(routing, registry, role.name).as_dict()
-        except TargetError as exc:
-            resolved[role.name] = {"unavailable": str(exc)}
-    return {"policy": policy, "resolved": resolved}
-
-
-def _adapters(config: Config, registry: Registry) -> dict[str, Any]:
-    from .adapters.delegate import Delegator
-
-    delegator = Delegator(config, registry=registry)
-    out: dict[str, Any] = {}
-    for d in registry.descriptors.values():
-        unavailable = delegator.readiness(d.id)
-        out[d.id] = {"ready": unavailable is None, "unavailable": unavailable,
-                     "capabilities": sorted(d.capabilities), "default_model": d.default_model,
-                     "models": [{"id": m.id, "bucket": m.bucket} for m in d.models], "efforts": list(d.efforts),
-                     "description": d.description}
-    return out
-
-
 def _print_policy(config: Config, registry: Registry) -> None:
     r = config.model_routing
     state = "enabled" if r.enabled else "disabled (turn on: proxyvisor routing enable)"
@@ -334,7 +306,8 @@ def _print_policy(config: Config, registry: Registry) -> None:
           f"characters, budget {c.budget_tokens or 'unlimited'} tokens")
     o = r.orchestrator
     print(f"orchestrator: adapter={o.adapter or '-'} model={o.model or '-'} effort={o.effort or '-'}")
-    resolved = _policy(r, registry)["resolved"]
+    shown = routing_json(config, registry)
+    resolved = shown["resolved"]
     print("roles:" if r.roles else "roles: none")
     for role in r.roles:
         route = resolved[role.name]
@@ -343,7 +316,7 @@ def _print_policy(config: Config, registry: Registry) -> None:
         saved = f"saved: adapter={role.adapter or '-'} model={role.model or '-'} effort={role.effort or '-'}"
         print(f"  {role.name}: {target}\n    {saved}; supervises: {', '.join(role.supervises) or '-'}")
     print("adapters:")
-    for adapter_id, a in _adapters(config, registry).items():
+    for adapter_id, a in shown["adapters"].items():
         status = "ready" if a["ready"] else f"unavailable: {a['unavailable']}"
         models = ", ".join(f"{m['id']} ({m['bucket'] or adapter_id})" for m in a["models"]) or "any model string"
         print(f"  {adapter_id}: {status}\n    capabilities: {', '.join(a['capabilities'])}; models: {models}; "
@@ -364,10 +337,7 @@ def _routing(args: argparse.Namespace, config: Config) -> int:
     registry = registry_for(config.model_routing.adapters_dir)
     if args.action == "show":
         if args.json:
-            data = {"source": config.source, "enabled": config.model_routing.enabled,
-                    **_policy(config.model_routing, registry), "adapters": _adapters(config, registry),
-                    "descriptor_errors": registry.errors}
-            print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+            print(orjson.dumps(routing_json(config, registry), option=orjson.OPT_INDENT_2).decode())
         else:
             _print_policy(config, registry)
         return 0
@@ -538,15 +508,8 @@ def _names_a_pool(name: str, recorded: list[str], registry: Registry) -> bool:
     return descriptor is not None and descriptor.pool_per_model and bool(model)
 
 
-def _owner(pool: str) -> str:
-    """What a pool is summarised under: its adapter (``adapter:bucket``), or ``upstream:NAME`` for a pool of the
-    agent's own requests (``upstream:NAME:MODEL``, ``proxyvisor.proxy.breakers``)."""
-    parts = pool.split(":", 2)
-    return ":".join(parts[:2]) if parts[0] == "upstream" and len(parts) == 3 else parts[0]
-
-
 def _health(args: argparse.Namespace, config: Config) -> int:
-    from .adapters.health import Cooldown, adapter_summary
+    from .adapters.health import Cooldown
     from .adapters.health_store import HealthStore
 
     c = config.model_routing.cooldown
@@ -563,21 +526,10 @@ def _health(args: argparse.Namespace, config: Config) -> int:
             cleared = store.clear(args.name)
             print(f"cleared {len(cleared)} pool(s)" + (f": {', '.join(cleared)}" if cleared else ""))
             return 0
-        now = time.time()
-        pools = store.all()
-        rows = []
-        for p in pools:
-            recovery = p.recovery_at(now)
-            rows.append({"pool": p.pool, "state": p.effective_state(now), "failure_count": p.failure_count,
-                         "recovery_at": recovery, "recovers_in_s": round(recovery - now, 1) if recovery else None,
-                         "probe_in_flight": p.state == "half_open" and p.lease_until > now,
-                         "last_category": p.last_category or None, "retry_after_s": p.retry_after_s})
-        adapters: dict[str, Any] = {}
-        for adapter in sorted({_owner(p.pool) for p in pools}):
-            state, soonest, limited = adapter_summary([p for p in pools if _owner(p.pool) == adapter], now)
-            adapters[adapter] = {"state": state, "soonest_recovery_at": soonest, "limited_pools": limited}
+        shown = health_json(store.all(), time.time())
+        rows = shown["pools"]
         if args.json:
-            print(orjson.dumps({"pools": rows, "adapters": adapters}, option=orjson.OPT_INDENT_2).decode())
+            print(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
             return 0
         if not rows:
             print("no pool has recorded health: every pool is healthy")
