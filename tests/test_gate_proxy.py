@@ -684,8 +684,8 @@ async def test_a_tool_call_starting_mid_chunk_flushes_everything_held_and_stream
 async def test_a_failed_continuation_is_not_put_back_into_later_requests(
         tmp_path: Path, fmt: str, stream: bool) -> None:
     # The agent received the held answer itself: its next request carries it, and the advisory that was never
-    # answered must not come back in front of it.
-    async with gated(tmp_path, [DONE, {"fault": {"status": 500}}, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
+    # answered must not come back in front of it. (A 400: a 5xx would cool the pool, refusing the next request.)
+    async with gated(tmp_path, [DONE, {"fault": {"status": 400}}, REWORKED], Verifier([verdict("gaps", (GAP,))])) as run:
         text, _, _ = await send(run, fmt, stream)
         assert read_noticed(text) == noticed(DONE["text"])
         w = BY_NAME[fmt]

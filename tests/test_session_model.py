@@ -235,8 +235,8 @@ async def test_a_refused_verifier_call_labels_the_turn_unverified_delivers_the_a
         assert f"refused the supervisor call ({status})" in gate["reason"] and "[redacted]" in gate["reason"]
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "supervisor call" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    text = caplog.text + "".join(p.read_text() for p in (tmp_path / "state").rglob("*") if p.is_file())
-    assert CLIENT_KEY not in text
+    written = b"".join(p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file())  # health: sqlite
+    assert CLIENT_KEY not in caplog.text and CLIENT_KEY.encode() not in written
 
 
 async def test_an_upstream_that_refuses_the_extras_gets_the_plain_request_from_then_on(tmp_path: Path) -> None:
@@ -336,3 +336,61 @@ async def test_the_requests_credentials_live_no_longer_than_the_request(tmp_path
         gc.collect()
         assert [o for o in gc.get_objects() if isinstance(o, SessionModel)] == []
         assert len(upstream.supervisor_calls()) == 2
+
+
+# ---- the agent's pool breaker -----------------------------------------------------------------------------------
+class FrozenClock:
+    """The breakers' wall clock, stopped: a cooldown lasts as long as the test."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_verifier_calls_429_cools_the_agents_pool(tmp_path: Path) -> None:
+    """The verifier's call goes the agent's route under the agent's pool breaker: its 429 cools the pool, and the
+    agent's next request is answered 429 at once, with no upstream call."""
+    upstream = Recording([{"text": DONE}], refuse=429)
+    async with proxied(tmp_path, upstream) as proxy:
+        assert proxy.pipeline.breakers is not None
+        proxy.pipeline.breakers.now = FrozenClock()
+        text = await send(proxy, "chat", edited_and_checked("chat", False))
+        assert text.removesuffix(GateConfig().unverified_notice).rstrip() == DONE
+        assert len(upstream.seen) == 2  # the agent's request and the verifier's call
+        async with http_client() as client:
+            response = await client.post(proxy.url + BY_NAME["chat"].path, headers={
+                "content-type": "application/json", "x-proxyvisor-session": "route-test", **credentials("chat")},
+                content=orjson.dumps(edited_and_checked("chat", False)))
+        assert (response.status_code, response.headers.get("x-proxyvisor-breaker")) == (429, "open")
+        assert len(upstream.seen) == 2
+    (gate,) = gates(proxy)
+    assert gate["outcome"] == "unverified" and "(429)" in gate["reason"]
+
+
+async def test_no_verifier_call_goes_to_a_cooling_pool(tmp_path: Path) -> None:
+    """A turn answered before its pool tripped (another session's request was rate-limited meanwhile) is judged
+    without a call to the cooling upstream: the turn is labelled unverified, saying why, and delivered."""
+    upstream = Recording([{"fault": {"first_byte_delay_s": 0.5}}, {"fault": {"status": 429, "retry_after": "30"}},
+                          {"text": DONE}])
+    async with proxied(tmp_path, upstream) as proxy:
+        assert proxy.pipeline.breakers is not None
+        proxy.pipeline.breakers.now = FrozenClock()
+        texts: dict[str, str] = {}
+
+        async def slow() -> None:
+            texts["slow"] = await send(proxy, "chat", edited_and_checked("chat", False), session="slow")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow)
+            await trio.sleep(0.1)  # the slow request is upstream: the next one trips the pool
+            async with http_client() as client:
+                response = await client.post(proxy.url + BY_NAME["chat"].path, headers={
+                    "content-type": "application/json", "x-proxyvisor-session": "limited", **credentials("chat")},
+                    content=orjson.dumps(edited_and_checked("chat", False)))
+            assert (response.status_code, response.headers["retry-after"]) == (429, "30")
+        assert texts["slow"].removesuffix(GateConfig().unverified_notice).rstrip() == DONE
+        assert upstream.supervisor_calls() == []
+    (gate,) = gates(proxy, "slow")
+    assert gate["outcome"] == "unverified" and "cooling down" in gate["reason"]

@@ -18,7 +18,9 @@ proxy process sharing the state dir sees the same pools) of its pool ``upstream:
   client's format, else translated), each under its own pool. A stream that has started is never retried: its
   failure ends the agent's stream with the format's error event. Fallbacks are not transitive.
 
-The ledger line of the request says which upstream answered and why (:meth:`Dispatch.evidence`).
+The ledger line of the request says which upstream answered and why (:meth:`Dispatch.evidence`). A supervised
+request's further bodies on its route (supervisor model calls, continued turns) pass the same pool's breaker
+without fallbacks (``Pipeline._sender``).
 With supervision off none of this exists: the byte relay sends every request as it came.
 """
 
@@ -124,18 +126,20 @@ class Breakers:
         return [first, *(self.upstreams[name] for name in first.fallback)]
 
     async def send(self, fmt: WireFormat, model: str, upstream: str, send: Send,
-                   dispatch: Dispatch) -> UpstreamReply:
+                   dispatch: Dispatch, fallbacks: bool = True) -> UpstreamReply:
         """Send the agent's request for ``model`` to the upstream named ``upstream`` or its fallbacks under their
         pools' breakers (module docstring) and return the reply (the last failure when every upstream failed;
         proxyvisor's own 429 when every pool is cooling); what happened goes to ``dispatch``, whether it returns
         or raises. A healthy pool's success costs one read of the store (the admission) and writes nothing.
+        ``fallbacks`` False: ``upstream`` alone is tried (a body bound to its route: a supervisor model call, a
+        continued turn).
 
         Raises:
             UpstreamError: the last upstream tried gave no reply (as ``send`` raised it).
             trio.Cancelled: the caller left; a probe lease held was given back first.
         """
         refusals: list[Admission] = []
-        chain = self.chain(upstream)
+        chain = self.chain(upstream) if fallbacks else [self.upstreams[upstream]]
         for index, target in enumerate(chain):
             pool = pool_of(target.name, model)
             lease_s = target.connect_timeout_s + target.first_byte_timeout_s + target.idle_timeout_s

@@ -349,22 +349,33 @@ class Pipeline:
     def _sender(self, request: Request, fmt: WireFormat, path: str, upstream: Any,
                 native: bool) -> tuple[Send, Any, list[str], bool]:
         """How a supervised request's further bodies (continued turns, supervisor model calls) go upstream: the
-        way the request itself goes (relayed with its headers, or translated), as (send, upstream config, the
-        credentials it carries, whether it is translated)."""
+        way the request itself goes (relayed with its headers, or translated), under the breaker of the pool
+        they name on that upstream (no fallback: a body is bound to its route), as (send, upstream config, the
+        credentials it carries, whether it is translated). So a cooling pool gets none of them, and their
+        429s and 5xx cool it as the agent's own do."""
         relay = self.relays[upstream.name]
+        secrets = secrets_of(request.headers, relay.api_key)
         if not native:
-            async def translated(new: dict[str, Any]) -> UpstreamReply:
+            async def send(new: dict[str, Any]) -> UpstreamReply:
                 reply: UpstreamReply = await self.translator.send(fmt, upstream, new, request.headers)
                 return reply
+        else:
+            headers = self._headers(request, fmt, relay, True)
+            target = self._target(request, path)
 
-            return translated, upstream, secrets_of(request.headers, relay.api_key), True
-        headers = self._headers(request, fmt, relay, True)
-        target = self._target(request, path)
+            async def send(new: dict[str, Any]) -> UpstreamReply:
+                return await relay.send("POST", target, headers, orjson.dumps(new))
 
-        async def relayed(new: dict[str, Any]) -> UpstreamReply:
-            return await relay.send("POST", target, headers, orjson.dumps(new))
+        breakers = self.breakers
+        if breakers is None or upstream.name not in breakers.upstreams:
+            return send, upstream, secrets, not native
 
-        return relayed, upstream, secrets_of(request.headers, relay.api_key), False
+        async def guarded(new: dict[str, Any]) -> UpstreamReply:
+            model = new.get("model")
+            return await breakers.send(fmt, model if isinstance(model, str) else "", upstream.name,
+                                       lambda _target: send(new), Dispatch(), fallbacks=False)
+
+        return guarded, upstream, secrets, not native
 
     @staticmethod
     def _headers(request: Request, fmt: WireFormat, relay: HttpRelay, supervised: bool) -> Headers:
