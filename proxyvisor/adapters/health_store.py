@@ -4,7 +4,8 @@ Layout: ``<state dir>/health/`` (diskcache), one entry per pool keyed ``pool:<ad
 or ``pool:upstream:<upstream>:<model>`` (the agent's own requests, :mod:`proxyvisor.proxy.breakers`). Every admit
 and settle is one read-modify-write inside a SQLite transaction (``BEGIN IMMEDIATE``), serialised across threads
 and processes, so exactly one caller in the whole fleet of proxies sharing the state dir gets a probe lease.
-The async methods run the store in a worker thread, keeping SQLite off the event loop.
+The async methods run the store in a worker thread, keeping SQLite off the event loop (an admission while the
+store does not exist yet, which reads nothing, is answered on the loop).
 
 State survives restarts (wall-clock deadlines) and is cleared only by :meth:`HealthStore.clear`
 (``proxyvisor health clear``); enabling supervision never clears it. Only normalised categories and numbers are
@@ -99,6 +100,12 @@ class HealthStore(LazyCache):
         return self._update(pool, lambda current: release(current, now, lease_id))
 
     async def admit(self, pool: str, now: float, lease_s: float) -> Admission:
+        """:meth:`admit_sync` off the event loop. While the store does not exist (no pool ever failed or held a
+        probe under this state dir: nothing was ever written) every pool is healthy and admitting it writes
+        nothing, so the answer is made here, after one ``stat``, without a worker thread: on a busy machine the
+        thread's round trip costs more than the rest of a supervised request's own work."""
+        if not self.exists():
+            return admit(PoolHealth(pool), now, lease_s)[0]
         return await trio.to_thread.run_sync(self.admit_sync, pool, now, lease_s, limiter=self._one)
 
     async def settle(self, pool: str, now: float, failure: Failure | None, lease_id: str = "") -> PoolHealth:
