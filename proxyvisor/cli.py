@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    what the model would see of a large tool output
               proxyvisor info                      the latest session's counters (the agent can send /info)
               proxyvisor memory list               what proxyvisor learnt in this project (forget removes it)
+              claude mcp add proxyvisor -- proxyvisor mcp
+                                                   let an agent ask proxyvisor itself (MCP tools over stdio)
 
             Run 'proxyvisor COMMAND --help' for a command's options.
             """) + "\n" + _FILES)
@@ -403,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .memory_cli import register as register_memory
 
     register_memory(commands, _common, _Formatter)  # memory list|show|forget: sets a handler
+    from .mcp_cli import register as register_mcp
+
+    register_mcp(commands, _common, _Formatter)  # mcp: sets a handler (the MCP SDK is imported only when it runs)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser

@@ -3,7 +3,8 @@
 Both ask the running proxy first (``GET /proxyvisor/sessions...``, ``proxyvisor.proxy.commands``) and, when none
 answers, ``info`` reads the state directory and sums the session's ledger itself (``proxyvisor.proxy.info``), and
 ``plan`` says that a plan lives only in a running proxy and exits 1. Exit codes: :data:`_INFO_EXIT` and
-:data:`_PLAN_EXIT`.
+:data:`_PLAN_EXIT`. :func:`session_info` and :func:`session_plan` are those answers for any caller (``proxyvisor
+mcp`` too), without printing.
 """
 
 from __future__ import annotations
@@ -138,17 +139,19 @@ def _url_arg(value: str) -> str:
     return value
 
 
-def _base_url(args: argparse.Namespace, config: Config) -> str:
-    if args.url:
-        url: str = args.url
+def proxy_url(config: Config, url: str | None = None) -> str:
+    """The proxy to ask: ``url`` (``http(s)://HOST[:PORT]``) without a trailing ``/``, else ``[proxy] host:port``
+    (a wildcard host on loopback)."""
+    if url:
         return url.rstrip("/")
     host = config.proxy.host
     host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     return f"http://[{host}]:{config.proxy.port}" if ":" in host else f"http://{host}:{config.proxy.port}"
 
 
-class _Refused(Exception):
-    """The proxy answered, but not with what was asked (the message says what it said)."""
+class Refused(Exception):
+    """No answer can be given: the proxy refused or knows no such session, or (``info``) neither a proxy nor the
+    ledgers know it; the message says why, for a person."""
 
 
 class _Proxy:
@@ -181,48 +184,97 @@ class _Proxy:
         return status, body
 
 
-def _refusal(status: int, body: dict[str, Any]) -> _Refused:
+def _refusal(status: int, body: dict[str, Any]) -> Refused:
     error = body.get("error")
-    return _Refused(error.get("message") if isinstance(error, dict) else f"HTTP {status}")
+    return Refused(error.get("message") if isinstance(error, dict) else f"HTTP {status}")
 
 
-def _ask(args: argparse.Namespace, config: Config, what: str) -> tuple[str | None, dict[str, Any] | None, str]:
-    """(session, the proxy's answer for it or None when no proxy answers, the proxy's URL).
+def _ask(config: Config, what: str, named: str | None, url: str) -> tuple[str | None, dict[str, Any] | None]:
+    """(session, the proxy's answer for it or None when no proxy answers) of ``GET
+    /proxyvisor/sessions/SESSION/{what}`` at ``url``.
 
-    Without a session named, the proxy's listing gives the most recent one; a proxy that lists its sessions only
-    to the admin (``[proxy] admin_token``, not configured here) is asked for the session of the ledger written last.
+    Without a session ``named``, the proxy's listing gives the most recent one; a proxy that lists its sessions
+    only to the admin (``[proxy] admin_token``, not configured here) is asked for the session of the ledger written
+    last.
 
     Raises:
-        _Refused: the proxy refused, or it knows no session to show.
+        Refused: the proxy refused, or it knows no session to show.
     """
-    url = _base_url(args, config)
     proxy = _Proxy(url, config)
-    session = args.session
+    session = named
     if session is None:
         listing = proxy.get("/proxyvisor/sessions")
         if listing is None:
-            return None, None, url
+            return None, None
         status, body = listing
         if status == 403 and not config.proxy.admin_token:
             session = _latest(config)[1]
             if session is None:
-                raise _Refused(f"the proxy at {url} lists its sessions only with [proxy] admin_token, and no "
+                raise Refused(f"the proxy at {url} lists its sessions only with [proxy] admin_token, and no "
                                "ledger names one here: name the session")
         elif status != 200 or not isinstance(body.get("sessions"), list):
             raise _refusal(status, body)
         else:
             session = next((s.get("id") for s in body["sessions"] if isinstance(s, dict)), None)
             if session is None:
-                raise _Refused(f"the proxy at {url} has no sessions yet")
+                raise Refused(f"the proxy at {url} has no sessions yet")
     answer = proxy.get(f"/proxyvisor/sessions/{session}/{what}")
     if answer is None:
-        if args.session is not None:
-            return session, None, url
-        raise _Refused(f"the proxy at {url} stopped answering")
+        if named is not None:
+            return session, None
+        raise Refused(f"the proxy at {url} stopped answering")
     status, body = answer
     if status != 200:
         raise _refusal(status, body)
-    return session, body, url
+    return session, body
+
+
+def session_info(config: Config, session: str | None = None, url: str | None = None) -> tuple[dict[str, Any], str]:
+    """The ``/info`` object of ``session`` (default: the most recently active one) and where it came from: ``""``
+    from the proxy at ``url`` (:func:`proxy_url`), else a note that no proxy answers and the ledger in the state
+    directory was summed (then ``live`` is None). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
+
+    Raises:
+        Refused: the proxy refused or knows no such session, or no proxy answers and no ledger holds the session
+            (or it cannot be read).
+    """
+    from .proxy.info import info_object
+    from .store import LedgerError
+
+    url = proxy_url(config, url)
+    session, info = _ask(config, "info", session, url)
+    if info is not None:
+        return info, ""
+    store, latest = _latest(config)
+    session = session or latest
+    try:
+        lines = store.read_ledger(session) if session else []
+    except LedgerError as exc:
+        raise Refused(str(exc)) from None
+    if not lines:
+        where = f"no ledger for session {session!r}" if session else "no session ledgers"
+        raise Refused(f"no proxy answers at {url}, and {where} in {store.root}")
+    assert session is not None  # its ledger's lines were read
+    return info_object(session, lines, None), f"no proxy answers at {url}; summing the ledger in {store.root}"
+
+
+def session_plan(config: Config, session: str | None = None,
+                 url: str | None = None) -> tuple[dict[str, Any] | None, str | None, str]:
+    """``(the /plan object, its session, "")`` of ``session`` (default: the most recently active one) from the
+    proxy at ``url`` (:func:`proxy_url`); ``(None, the session or None, why)`` when no proxy answers, for a plan lives
+    only in the memory of the proxy that serves the session. Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
+
+    Raises:
+        Refused: the proxy refused or knows no such session.
+    """
+    url = proxy_url(config, url)
+    session, plan = _ask(config, "plan", session, url)
+    if plan is not None:
+        return plan, session, ""
+    session = session or _latest(config)[1]
+    return None, session, (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves "
+                           f"the session{f' ({session})' if session else ''}. Start it, or give its address with "
+                           "--url.")
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:
@@ -248,44 +300,27 @@ def _latest(config: Config) -> tuple[Any, str | None]:
 
 def _run(name: str, handler: Callable[[argparse.Namespace, Config], int], args: argparse.Namespace,
          config: Config) -> int:
-    """``handler`` of command ``name``; a refusal (:class:`_Refused`) is printed on stderr and exits 1."""
+    """``handler`` of command ``name``; a refusal (:class:`Refused`) is printed on stderr and exits 1."""
     try:
         return handler(args, config)
-    except _Refused as exc:
+    except Refused as exc:
         print(f"proxyvisor {name}: {exc}", file=sys.stderr)
         return 1
 
 
 def _info(args: argparse.Namespace, config: Config) -> int:
-    from .proxy.info import info_object, render_text
-    from .store import LedgerError
+    from .proxy.info import render_text
 
-    session, info, url = _ask(args, config, "info")
-    if info is None:
-        store, latest = _latest(config)
-        session = session or latest
-        try:
-            lines = store.read_ledger(session) if session else []
-        except LedgerError as exc:
-            print(f"proxyvisor info: {exc}", file=sys.stderr)
-            return 1
-        if not lines:
-            where = f"no ledger for session {session!r}" if session else "no session ledgers"
-            print(f"proxyvisor info: no proxy answers at {url}, and {where} in {store.root}", file=sys.stderr)
-            return 1
-        print(f"proxyvisor info: no proxy answers at {url}; summing the ledger in {store.root}", file=sys.stderr)
-        assert session is not None  # its ledger's lines were read
-        info = info_object(session, lines, None)
+    info, note = session_info(config, args.session, args.url)
+    if note:
+        print(f"proxyvisor info: {note}", file=sys.stderr)
     _print(args, info, render_text(info), markdown=True)
     return 0
 
 
 def _plan(args: argparse.Namespace, config: Config) -> int:
-    session, plan, url = _ask(args, config, "plan")
+    plan, session, text = session_plan(config, args.session, args.url)
     if plan is None:
-        session = session or _latest(config)[1]
-        text = (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves the session"
-                f"{f' ({session})' if session else ''}. Start it, or give its address with --url.")
         if args.json:
             _print(args, {"session": session, "plan": None, "prohibitions": [], "carry": [], "text": text}, text)
         else:

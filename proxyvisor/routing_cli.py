@@ -23,7 +23,7 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -247,22 +247,30 @@ def _infer_adapter(registry: Registry, model: str | None, adapter: str) -> str:
                       "name the adapter")
 
 
-def _set_change(args: argparse.Namespace, registry: Registry) -> Callable[..., tuple[set[str] | None, bool]]:
+POLICY_FIELDS = ("mode", "complexity_threshold", "fallback_policy", "max_parallel", "max_depth", "cooldown_default",
+                 "cooldown_maximum", "wall_clock", "orchestrator_adapter", "orchestrator_model", "orchestrator_effort",
+                 "role", "role_adapter", "role_model", "role_effort", "role_description", "role_supervises",
+                 "remove_role")
+"""The fields of a policy change (:func:`write_policy`), named as the options of ``routing set`` (``--max-parallel``
+is ``max_parallel``). ``role_supervises`` is a comma-separated string."""
+
+
+def _set_change(fields: Mapping[str, Any], registry: Registry) -> Callable[..., tuple[set[str] | None, bool]]:
     from .adapters.settings import routing_table
 
     def change(doc: Any, current: Any) -> tuple[set[str] | None, bool]:
         top = routing_table(doc)
         for key in ("mode", "complexity_threshold", "fallback_policy", "max_parallel", "max_depth"):
-            _assign(top, key, getattr(args, key))
-        if args.cooldown_default is not None or args.cooldown_maximum is not None:
+            _assign(top, key, fields.get(key))
+        if fields.get("cooldown_default") is not None or fields.get("cooldown_maximum") is not None:
             cooldown = routing_table(doc, "cooldown")
-            _assign(cooldown, "default_seconds", args.cooldown_default)
-            _assign(cooldown, "maximum_seconds", args.cooldown_maximum)
-        if args.wall_clock is not None:
-            _assign(routing_table(doc, "children"), "wall_clock_s", args.wall_clock)
+            _assign(cooldown, "default_seconds", fields.get("cooldown_default"))
+            _assign(cooldown, "maximum_seconds", fields.get("cooldown_maximum"))
+        if fields.get("wall_clock") is not None:
+            _assign(routing_table(doc, "children"), "wall_clock_s", fields["wall_clock"])
         roles: set[str] | None = set()
         orchestrator = False
-        given = {k: getattr(args, f"orchestrator_{k}") for k in ("adapter", "model", "effort")}
+        given = {k: fields.get(f"orchestrator_{k}") for k in ("adapter", "model", "effort")}
         if any(v is not None for v in given.values()):
             table = routing_table(doc, "orchestrator")
             adapter = given["adapter"] if given["adapter"] is not None else current.orchestrator.adapter
@@ -270,27 +278,59 @@ def _set_change(args: argparse.Namespace, registry: Registry) -> Callable[..., t
             for key, value in given.items():
                 _assign(table, key, value)
             roles, orchestrator = None, True
-        if args.role:
-            table = routing_table(doc, "roles", args.role)
-            role = current.role(args.role)
-            adapter = args.role_adapter if args.role_adapter is not None else (role.adapter if role else "")
+        name = fields.get("role")
+        if name:
+            table = routing_table(doc, "roles", name)
+            role = current.role(name)
+            role_adapter = fields.get("role_adapter")
+            adapter = role_adapter if role_adapter is not None else (role.adapter if role else "")
             inherited = adapter or current.orchestrator.adapter
-            inferred = _infer_adapter(registry, args.role_model, inherited)
-            _assign(table, "adapter", inferred or args.role_adapter)
+            inferred = _infer_adapter(registry, fields.get("role_model"), inherited)
+            _assign(table, "adapter", inferred or role_adapter)
             for key in ("model", "effort", "description"):
-                _assign(table, key, getattr(args, f"role_{key}"))
-            if args.role_supervises is not None:
-                table["supervises"] = [r for r in (s.strip() for s in args.role_supervises.split(",")) if r]
+                _assign(table, key, fields.get(f"role_{key}"))
+            if fields.get("role_supervises") is not None:
+                table["supervises"] = [r for r in (s.strip() for s in fields["role_supervises"].split(",")) if r]
             if roles is not None:
-                roles.add(args.role)
-        if args.remove_role:
+                roles.add(name)
+        if fields.get("remove_role"):
             existing = routing_table(doc, "roles")
-            if args.remove_role not in existing:
-                raise TargetError(f"role {args.remove_role!r} is not configured")
-            del existing[args.remove_role]
+            if fields["remove_role"] not in existing:
+                raise TargetError(f"role {fields['remove_role']!r} is not configured")
+            del existing[fields["remove_role"]]
         return roles, orchestrator
 
     return change
+
+
+def write_policy(path: Path, action: str, fields: Mapping[str, Any], registry: Registry) -> Config:
+    """Apply ``action`` to ``[model_routing]`` of the configuration file at ``path`` (created if missing) and return
+    the new configuration: ``enable``, ``disable``, or ``set`` with ``fields`` (:data:`POLICY_FIELDS`; a missing or
+    None field is left alone, ``""`` removes it so it is inherited again). Validated against the descriptors in
+    ``registry``, locked, atomic, comments kept (:func:`proxyvisor.adapters.settings.update`).
+
+    Raises:
+        SettingsError: the file is malformed, the result is invalid, a target is rejected (the message says why),
+            a role's field is given without the role, or the lock could not be taken; nothing was written.
+        TargetError: a model no single adapter declares, or removing a role that is not configured.
+    """
+    from .adapters.settings import SettingsError, routing_table, update
+
+    if action in ("enable", "disable"):
+        on = action == "enable"
+
+        def change(doc: Any, current: Any) -> tuple[set[str] | None, bool]:
+            routing_table(doc)["enabled"] = on
+            return (None, True) if on else (set(), False)
+
+        return update(path, change, registry)
+    if action != "set":
+        raise ValueError(f"unknown action {action!r}")
+    role_fields = [f for f in POLICY_FIELDS if f.startswith("role_") and fields.get(f) is not None]
+    if role_fields and not fields.get("role"):
+        raise SettingsError(f"{', '.join(role_fields)} given without role (--role R): name the role to change; "
+                            "nothing written")
+    return update(path, _set_change(fields, registry), registry)
 
 
 def _print_policy(config: Config, registry: Registry) -> None:
@@ -332,7 +372,7 @@ def _deprecated_routing(args: argparse.Namespace, config: Config) -> int:
 
 
 def _routing(args: argparse.Namespace, config: Config) -> int:
-    from .adapters.settings import SettingsError, routing_table, update
+    from .adapters.settings import SettingsError
 
     registry = registry_for(config.model_routing.adapters_dir)
     if args.action == "show":
@@ -342,21 +382,8 @@ def _routing(args: argparse.Namespace, config: Config) -> int:
             _print_policy(config, registry)
         return 0
     path = _config_path(args)
-    if args.action in ("enable", "disable"):
-        on = args.action == "enable"
-
-        def change(doc: Any, current: Any) -> tuple[set[str] | None, bool]:
-            routing_table(doc)["enabled"] = on
-            return (None, True) if on else (set(), False)
-    else:
-        role_flags = [f for f in ("role_adapter", "role_model", "role_effort", "role_description", "role_supervises")
-                      if getattr(args, f) is not None]
-        if role_flags and not args.role:
-            print("proxyvisor: --role-* options need --role R", file=sys.stderr)
-            return 2
-        change = _set_change(args, registry)
     try:
-        new = update(path, change, registry)
+        new = write_policy(path, args.action, {f: getattr(args, f, None) for f in POLICY_FIELDS}, registry)
     except (SettingsError, TargetError) as exc:
         print(f"proxyvisor: refused: {exc}", file=sys.stderr)
         return 2
