@@ -16,7 +16,7 @@ from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.detectors.selfreport import ReportOutcome, SelfReport
 from proxyvisor.proxy.condensing import Condensed, CondenseRecord
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
-from proxyvisor.proxy.info import ledger_fields, render_text, summarize
+from proxyvisor.proxy.info import agent_of, ledger_fields, render_text, session_row, summarize, timeline_entry
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.supervise import ModelUse, RequestRecord
 from proxyvisor.store import Store
@@ -243,3 +243,35 @@ async def test_the_gate_and_the_supervisor_model_reach_the_ledger_and_info(tmp_p
     # The scripted upstream's answers are never priced, whatever model name they go by.
     assert line["supervisor_model"]["unpriced"] == 1 and line["supervisor_model"]["cost_usd"] == 0
     assert "· not priced ·" in render_text(info)
+
+
+def test_a_timeline_step_has_every_field_typed_whatever_the_line_holds() -> None:
+    odd = {"status": "200", "signals": "loop", "steer": 3, "condensed": {"results": 1, "items": ["x", {"tool": 5}]},
+           "gate": {"verdicts": ["gaps", 7], "gaps": "one", "reentries": "2"}, "delegations": [None, {"attempts": 3}],
+           "upstream": {"tried": [{}]}, "report": [], "input_tokens": True}
+    step = timeline_entry(4, odd)
+    assert (step["n"], step["status"], step["signals"], step["steer"], step["report"]) == (4, 0, [], None, None)
+    assert step["input_tokens"] is None
+    assert step["condensed"]["items"][1] == {"call_id": None, "tool": None, "condenser": None, "tokens_before": 0,
+                                             "tokens_after": 0, "spill_path": None}
+    assert (step["gate"]["verdicts"], step["gate"]["gaps"], step["gate"]["reentries"]) == (["gaps"], [], 0)
+    assert [d["runs"] for d in step["delegations"]] == [[], []]
+    assert step["upstream"]["tried"] == [{"name": None, "pool": None, "status": None, "error_category": None}]
+    steered = timeline_entry(1, {"status": 200, "signals": ["loop"], "steer": "loop", "steer_note": "<note/>"})
+    assert steered["steer"] == {"signal": "loop", "note": "<note/>"}
+
+
+def test_a_session_row_sums_its_ledger() -> None:
+    row = session_row("s1", LINES)
+    info = summarize(LINES)
+    assert (row["id"], row["requests"], row["errors"]) == ("s1", info["requests"], info["errors"])
+    assert row["gate_outcomes"] == info["gate"]["outcomes"] and row["fires"] == info["detectors"]["fires"]
+    assert row["last_activity"] == info["last"] and row["state"] == "done"
+
+
+@pytest.mark.parametrize("header,agent", [
+    ("claude-cli/2.0.14 (external, cli)", "claude-cli/2.0.14"), ("OpenAI/Python 1.99.0", "OpenAI/Python"),
+    ("codex_cli_rs/0.171.0 (Debian 12; x86_64) xterm", "codex_cli_rs/0.171.0"), ("", None), (None, None),
+    ("<script>", None), ("a" * 100, "a" * 64)])
+def test_the_agent_is_the_first_product_token_of_the_user_agent(header: str | None, agent: str | None) -> None:
+    assert agent_of(header) == agent

@@ -5,7 +5,8 @@ Every supervised request writes one ledger line (``Pipeline._account``, ``proxyv
 mixes sessions. The fields of a ledger line read here (all optional but ``status``):
 
 - ``status``: HTTP status of the answer (499: the client left before it); ``format``: ``chat``, ``messages`` or
-  ``responses``; ``model``: the model the request named (str, or None);
+  ``responses``; ``model``: the model the request named (str, or None); ``agent``: the client program, the first
+  product token of its ``User-Agent`` (``claude-cli/2.0.1``, :func:`agent_of`; absent when it sent none);
 - ``input_tokens``, ``output_tokens``: upstream tokens the answer reported (int, or None when it reported none);
   ``usage_estimated``: true when proxyvisor counted them itself, the answer having reported none
   (``proxyvisor.proxy.estimate``);
@@ -18,11 +19,12 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
 - ``report``: the reply's self-report, ``{"status": "ok"|"missing"|"malformed", "state": str|None}`` (absent for an
   error reply or one cut short);
 - ``signals``: the detector signals that fired on this request's history (list of str); ``steer``: the signal of
-  the steer note added to this request (str);
+  the steer note added to this request (str), ``steer_note``: that note's text, as the model read it (str);
 - ``condensed``: ``{"results": n, "saved_tokens": n, "items": [...]}``: tool results narrowed for the first time
   on this request, the tokens the narrowed results (new and earlier ones) saved in its upstream body, and for each
-  newly narrowed result ``{"call_id", "tool", "condenser", "tokens_before", "tokens_after"}`` (exact tiktoken
-  ``cl100k_base`` counts of the original and of the model's copy; ``condenser``: ``deterministic`` or ``model``);
+  newly narrowed result ``{"call_id", "tool", "condenser", "tokens_before", "tokens_after", "spill_path"}`` (exact
+  tiktoken ``cl100k_base`` counts of the original and of the model's copy; ``condenser``: ``deterministic`` or
+  ``model``; ``spill_path``: the file holding the full original, which the model's copy names);
 - ``upstream``: under the breakers (``proxyvisor.proxy.breakers``), which upstream answered and why:
   ``{"name", "pool", "health_state", "health_probe", "outcome", "tried": [...]}``; ``outcome`` is ``answered``,
   ``refused`` (the pool was cooling: proxyvisor answered 429, nothing was sent), ``failed`` or ``cancelled`` (the
@@ -93,9 +95,10 @@ are milliseconds:
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..pricing import price as cost_map_price
@@ -123,13 +126,16 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
         out["signals"] = signals
     if record.note is not None:
         out["steer"] = record.note
+        if record.note_text is not None:
+            out["steer_note"] = record.note_text
     if record.condense is not None:
         # A retried request recalls its round's decisions: only those made now count as newly narrowed.
         narrowed = [c for c in record.condense.round if c.decision.text is not None]
         out["condensed"] = {"results": min(record.condense.new, len(narrowed)),
                             "saved_tokens": record.condense.saved_tokens}
         items = [{"call_id": c.call_id, "tool": c.tool, "condenser": c.decision.condenser,
-                  "tokens_before": c.decision.tokens_before, "tokens_after": c.decision.tokens_after}
+                  "tokens_before": c.decision.tokens_before, "tokens_after": c.decision.tokens_after,
+                  **({"spill_path": c.decision.spill_path} if c.decision.spill_path else {})}
                  for c in narrowed if c.new]
         if items:
             out["condensed"]["items"] = items
@@ -149,6 +155,17 @@ def ledger_fields(record: RequestRecord, tool_round: bool) -> dict[str, Any]:
     if record.learning is not None:
         out["learning"] = record.learning
     return out
+
+
+_AGENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+/-]{0,63}")
+
+
+def agent_of(user_agent: str | None) -> str | None:
+    """The client program a ``User-Agent`` names: its first product token (``name/version``), at most 64 of
+    ``[A-Za-z0-9._+/-]``; None when it names none. Only this token is kept: the rest of the header may describe
+    the user's machine."""
+    match = _AGENT.match(user_agent.strip()) if user_agent else None
+    return match.group(0) if match else None
 
 
 def judge_label(route: Mapping[str, Any]) -> str:
@@ -339,6 +356,106 @@ def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str
     """What ``/info`` answers for ``session``: ``{"session", **summarize(lines), "live"}``, where ``live`` is the
     proxy's in-memory counters (``proxyvisor.proxy.commands.live``) or None (not in memory, or read offline)."""
     return {"session": session, **summarize(lines), "live": live}
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _strs(value: Any) -> list[str]:
+    return [v for v in _list(value) if isinstance(v, str)]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _child_run(attempt: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attempt": _int(attempt.get("attempt")) or 1, "outcome": _str(attempt.get("outcome")),
+            "pool": _str(attempt.get("capacity_scope")), "error_category": _str(attempt.get("error_category"))}
+
+
+def timeline_entry(n: int, line: Mapping[str, Any]) -> dict[str, Any]:
+    """One ledger ``line`` (the ``n``-th of its session, from 1) as a step of the session's timeline: what the
+    request was and what supervision did for it, every field typed (odd values count as absent, as in
+    :func:`summarize`): ``time``, ``local`` (a command proxyvisor answered, else None), ``status``, ``error``,
+    ``model``, ``agent``, ``stream``, ``tool_round``, ``input_tokens``, ``output_tokens``, ``latency_ms``,
+    ``overhead_ms``, ``report`` (``{"status", "state"}`` or None), ``signals`` (detector fires), ``steer``
+    (``{"signal", "note"}`` or None), ``condensed`` (``{"results", "saved_tokens", "items": [{"call_id", "tool",
+    "condenser", "tokens_before", "tokens_after", "spill_path"}]}`` or None), ``gate`` (``{"verdicts",
+    "decided_by", "outcome", "passed", "reason", "gaps", "nudges", "reentries", "refuted", "model"}`` or None),
+    ``delegations`` (``[{"role", "status", "adapter", "model", "pool", "error_category", "dead_letter",
+    "input_tokens", "output_tokens", "duration_s", "runs": [{"attempt", "outcome", "pool", "error_category"}]}]``:
+    each child and its runs), ``upstream`` (``{"name", "pool", "outcome", "health_state", "tried"}`` or None),
+    ``authorizer`` (its counts, or None) and ``supervisor_calls`` (``{purpose: n}``). Never raises."""
+    report = _dict(line.get("report"))
+    steer = _str(line.get("steer"))
+    condensed = line.get("condensed")
+    gate = line.get("gate")
+    up = line.get("upstream")
+    authorizer = line.get("authorizer")
+    return {
+        "n": n, "time": _str(line.get("time")), "local": _str(line.get("local")),
+        "status": _int(line.get("status")), "error": _str(line.get("error")),
+        "model": _str(line.get("model")), "agent": _str(line.get("agent")), "stream": line.get("stream") is True,
+        "tool_round": line.get("tool_round") is True,
+        "input_tokens": _int_or_none(line.get("input_tokens")), "output_tokens": _int_or_none(line.get("output_tokens")),
+        "latency_ms": _num(line.get("latency_ms")), "overhead_ms": _num(line.get("overhead_ms")),
+        "report": {"status": _str(report.get("status")), "state": _str(report.get("state"))} if report else None,
+        "signals": _strs(line.get("signals")),
+        "steer": {"signal": steer, "note": _str(line.get("steer_note"))} if steer else None,
+        "condensed": {
+            "results": _int(condensed.get("results")), "saved_tokens": _int(condensed.get("saved_tokens")),
+            "items": [{"call_id": _str(i.get("call_id")), "tool": _str(i.get("tool")),
+                       "condenser": _str(i.get("condenser")), "tokens_before": _int(i.get("tokens_before")),
+                       "tokens_after": _int(i.get("tokens_after")), "spill_path": _str(i.get("spill_path"))}
+                      for i in map(_dict, _list(condensed.get("items")))]}
+        if isinstance(condensed, dict) and (_int(condensed.get("results")) or _int(condensed.get("saved_tokens")))
+        else None,
+        "gate": {"verdicts": _strs(gate.get("verdicts")), "decided_by": _strs(gate.get("decided_by")),
+                 "outcome": _str(gate.get("outcome")), "passed": gate.get("passed") is True,
+                 "reason": _str(gate.get("reason")), "gaps": _strs(gate.get("gaps")),
+                 "nudges": _int(gate.get("nudges")), "reentries": _int(gate.get("reentries")),
+                 "refuted": _int(gate.get("refuted")), "model": _str(gate.get("model"))}
+        if isinstance(gate, dict) else None,
+        "delegations": [{"role": _str(d.get("role")), "status": _str(d.get("status")),
+                         "adapter": _str(d.get("gen_ai.provider.name")), "model": _str(d.get("gen_ai.request.model")),
+                         "pool": _str(d.get("capacity_scope")), "error_category": _str(d.get("error_category")),
+                         "dead_letter": _str(d.get("dead_letter")),
+                         "input_tokens": _int_or_none(d.get("gen_ai.usage.input_tokens")),
+                         "output_tokens": _int_or_none(d.get("gen_ai.usage.output_tokens")),
+                         "duration_s": _num(d.get("duration_s")),
+                         "runs": [_child_run(_dict(a)) for a in _list(d.get("attempts"))]}
+                        for d in map(_dict, _list(line.get("delegations")))],
+        "upstream": {"name": _str(up.get("name")), "pool": _str(up.get("pool")), "outcome": _str(up.get("outcome")),
+                     "health_state": _str(up.get("health_state")),
+                     "tried": [{"name": _str(t.get("upstream")), "pool": _str(t.get("pool")),
+                                "status": _int_or_none(t.get("status")),
+                                "error_category": _str(t.get("error_category"))}
+                               for t in map(_dict, _list(up.get("tried")))]}
+        if isinstance(up, dict) else None,
+        "authorizer": {k: _int(authorizer.get(k)) for k in _AUTHORIZER} if isinstance(authorizer, dict) else None,
+        "supervisor_calls": {k: _int(v) for k, v in _dict(_dict(line.get("supervisor_model")).get("calls")).items()},
+    }
+
+
+def session_row(session: str, lines: Sequence[Mapping[str, Any]], price: Price | None = None) -> dict[str, Any]:
+    """A session as one row of a listing, from its ledger ``lines``: ``id``, ``agent`` and ``model`` (of its
+    latest request naming one), ``requests``, ``errors``, ``input_tokens``, ``output_tokens``, ``cost`` (the
+    :func:`upstream_cost` text) and ``cost_usd``, ``first`` / ``last_activity`` (ISO 8601), ``state`` (the
+    latest self-reported state), ``gate_outcomes`` (``{label: n}``) and ``last_outcome``, ``fires`` and
+    ``steers`` (``{signal: n}``), ``condensed`` and ``saved_tokens``: sums of :func:`summarize`."""
+    info = summarize(lines, price)
+    latest = {key: next((v for line in reversed(lines) if isinstance(v := line.get(key), str)), None)
+              for key in ("agent", "model")}
+    state = next((s for line in reversed(lines) if (s := _str(_dict(line.get("report")).get("state")))), None)
+    up = info["upstream"]
+    return {"id": session, **latest, "requests": info["requests"], "errors": info["errors"],
+            "input_tokens": up["input_tokens"], "output_tokens": up["output_tokens"], "cost_usd": up["cost_usd"],
+            "cost": upstream_cost(up), "first": info["first"], "last_activity": info["last"], "state": state,
+            "gate_outcomes": info["gate"]["outcomes"], "last_outcome": info["gate"]["last_outcome"],
+            "fires": info["detectors"]["fires"], "steers": info["detectors"]["steers"],
+            "condensed": info["condense"]["results"], "saved_tokens": info["condense"]["saved_tokens"]}
 
 
 def counts_text(counts: Mapping[str, int]) -> str:

@@ -20,7 +20,8 @@ included) and for supervisor model calls (condenser, verifier, refuter, planner 
   after the children ran (``proxyvisor.proxy.delegation``); ``POST /proxyvisor/delegate`` runs one child.
   A request whose last user message is ``/plan`` or ``/info`` is answered by proxyvisor itself, and earlier such
   exchanges are kept from the upstream (``proxyvisor.proxy.commands``, which also serves
-  ``GET /proxyvisor/sessions...``).
+  ``GET /proxyvisor/sessions...``). ``/proxyvisor/ui`` is the web view (``proxyvisor.proxy.web``): its static page
+  is served before any authentication, as it holds no data; each ledger line written is told to its event streams.
 
 A failure inside proxyvisor's own code never becomes a lost response: the handler turns it into a 500 in the
 client's format and logs the reason.
@@ -53,8 +54,9 @@ from .server import Headers, Request, Response
 from .bodies import BodyCache
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
-from . import commands, estimate
-from .info import ledger_fields
+from . import commands, estimate, web
+from .web import WebView
+from .info import agent_of, ledger_fields
 from .delegation import ProxyDelegation
 from .authorizing import Authorizer
 from .breakers import Dispatch, breakers_for
@@ -166,6 +168,7 @@ class Pipeline:
         if self.learning.on:
             self.sessions.on_end = self._end_learning
         self.breakers = breakers_for(config, store.root if store is not None else None)
+        self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -182,6 +185,7 @@ class Pipeline:
             self.delegation.close()
         if self.breakers is not None:
             self.breakers.close()
+        self.web.close()
 
     def _end_learning(self, session: Session) -> None:
         """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill.
@@ -221,6 +225,8 @@ class Pipeline:
         if path == "/healthz" and request.method in ("GET", "HEAD"):
             return Response(200, _JSON, orjson.dumps({"status": "ok", "sessions": len(self.sessions),
                                                       "supervision": self.supervised}))
+        if (shown := web.page(request.method, path)) is not None:  # static, holding no data (proxyvisor.proxy.web)
+            return shown
         fmt = format_for_path(path)
         token = self.config.proxy.auth_token
         if token and not request.header_is(AUTH_HEADER, token):
@@ -256,14 +262,16 @@ class Pipeline:
             if bad := self._check_body(request, fmt):
                 return bad
             return await self.delegation.endpoint(request)
+        admin = self.config.proxy.admin_token
         if path.startswith("/proxyvisor/sessions"):
-            admin = self.config.proxy.admin_token
             return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock(),
                                            request.header_is(ADMIN_HEADER, admin) if admin else None)
+        if path.startswith(web.API):
+            return await self.web.api(request.method, path, request.header_is(ADMIN_HEADER, admin) if admin else None)
         return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "
                                "/v1/chat/completions, /v1/messages, /v1/responses, /v1/messages/count_tokens, "
-                               "/proxyvisor/delegate, GET /v1/models, /proxyvisor/sessions[/{id}/info|plan] "
-                               "and /healthz")
+                               "/proxyvisor/delegate, GET /v1/models, /proxyvisor/sessions[/{id}/info|plan], "
+                               "/proxyvisor/ui (the web view) and /healthz")
 
     def _target(self, request: Request, path: str) -> str:
         return path + ("?" + request.query if request.query else "")
@@ -672,6 +680,7 @@ class Pipeline:
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "format": fmt.name,
             "model": body.get("model") if body and isinstance(body.get("model"), str) else None,
+            **({"agent": agent} if (agent := agent_of(request.header("user-agent"))) else {}),
             "stream": bool(body.get("stream")) if body else None,
             "status": status,
             "input_tokens": usage.input_tokens,
@@ -693,7 +702,9 @@ class Pipeline:
             self._learn(session, exchange)
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
-        if not self.store.append_ledger(session.id, record):
+        if self.store.append_ledger(session.id, record):
+            self.web.feed.publish(session.id, record)
+        else:
             session.unrecorded += 1
 
 

@@ -142,7 +142,7 @@ class ModelUse:
 @dataclass
 class RequestRecord:
     """What supervision did for one request: the detector ``firings`` its history completed, as
-    (history position of the round, signals); the ``note`` added (its signal) and where; whether the thread was
+    (history position of the round, signals); the ``note`` added (its signal), where, and its text; whether the thread was
     ``rebuilt``; what condensing did (``condense``; None when it had nothing to do); the supervisor ``model``
     calls made for it; what the verify-gate did (``gate``, a ledger object, ``proxyvisor.proxy.gating``; None
     when it did not run); and, once the reply is through, the self-report ``report`` (None until then, or when
@@ -151,6 +151,7 @@ class RequestRecord:
     firings: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     note: str | None = None
     note_index: int | None = None
+    note_text: str | None = None
     rebuilt: bool = False
     report: ReportOutcome | None = None
     condense: CondenseRecord | None = None
@@ -265,7 +266,7 @@ class Supervisor:
             if signal and tail is not None and tail.role in ("tool", "user"):
                 note = Note(tail.position, tail.fingerprint, signal, note_text(signal))
                 thread.notes = (thread.notes + [note])[-NOTES:]
-                record.note, record.note_index = signal, note.index
+                record.note, record.note_index, record.note_text = signal, note.index, note.text
                 state.notes[signal] += 1
                 log.info("session %s: %s fired at history item %d; steer note added", session.id, signal,
                          update.last.index)
