@@ -19,7 +19,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.config import Config
+from proxyvisor.config import Config, parse
 from proxyvisor.proxy.formats import CHAT, ToolSpec
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.web import LedgerFeed
@@ -31,6 +31,8 @@ AUTH = "auth-42b0d"
 SESSION = "ui-demo-5f3a"
 OTHER = "ui-other-91d2"
 QUOTA = "[task:quota]"
+DELEGATING = "ui-review-c40e"
+REVIEW = "[task:review]"
 AGENT = "claude-cli/2.0.14 (external, cli)"
 HOSTILE_MODEL = '<img src=x onerror="window.__pv_xss=1">model'
 """A model name that would run script if the page put data into markup."""
@@ -42,8 +44,11 @@ REPORT = '<sup>{{"state":"{state}","focus":"build","next":"check","carry":[],"pl
 BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}})
 
 
-def config(**proxy: Any) -> Config:
-    return Config().with_overrides(proxy={"admin_token": ADMIN, "auth_token": AUTH, **proxy})
+def config() -> Config:
+    """Both tokens set, and delegation on with a ``reviewer`` role on the built-in scripted adapter."""
+    return parse({"proxy": {"admin_token": ADMIN, "auth_token": AUTH},
+                  "model_routing": {"enabled": True, "roles": {"reviewer": {
+                      "adapter": "scripted", "description": "Reviews code and says what is wrong."}}}}, source="test")
 
 
 def build_output() -> str:
@@ -97,7 +102,19 @@ def script() -> list[dict[str, Any]]:
         {"text": "Fixed: the build passes now.\n" + REPORT.format(state="done")},
         {"text": "Fixed: the build passes now.\n" + REPORT.format(state="done")},
         {"fault": {"status": 429, "retry_after": "120"}, "marker": QUOTA},
+        {"text": "Let me ask the reviewer.", "marker": REVIEW,
+         "tool_calls": [{"name": "reviewer", "arguments": {"prompt": "Review app.py for bugs."}}]},
+        {"text": "The reviewer found nothing wrong with app.py.", "marker": REVIEW},
     ]
+
+
+async def delegated(client: httpx.AsyncClient, url: str) -> None:
+    """A request of a third session whose answer hands work to the ``reviewer`` role: a child runs, and the turn
+    goes on with its result."""
+    body = CHAT.request_from_chat([{"role": "user", "content": f"{REVIEW} Have app.py reviewed."}], "scripted-model",
+                                  False, (BASH,))
+    reply = await client.post(f"{url}/s/{DELEGATING}{CHAT.path}", json=body, headers={"x-proxyvisor-auth": AUTH})
+    assert reply.status_code == 200 and "found nothing wrong" in reply.text
 
 
 async def rate_limited(client: httpx.AsyncClient, url: str) -> None:
@@ -137,6 +154,7 @@ async def test_the_page_is_static_and_the_data_follows_the_session_model(tmp_pat
     async with proxy_session(tmp_path) as (rp, store, client):
         await run_session(Agent(client, rp.url))
         await rate_limited(client, rp.url)
+        await delegated(client, rp.url)
         anonymous = httpx.AsyncClient(base_url=rp.url, timeout=30)
         # The page holds no data: a browser loads it without headers; its policy allows its own files only.
         page = await anonymous.get("/proxyvisor/ui")
@@ -157,8 +175,9 @@ async def test_the_page_is_static_and_the_data_follows_the_session_model(tmp_pat
         assert (await client.get("/proxyvisor/ui/api/sessions/..%2Fetc")).status_code == 400
         assert (await client.post(f"/proxyvisor/ui/api/sessions/{SESSION}")).status_code == 405
         admin = {"x-proxyvisor-admin": ADMIN}
-        other, row = (await client.get("/proxyvisor/ui/api/sessions", headers=admin)).json()["sessions"]
+        reviewing, other, row = (await client.get("/proxyvisor/ui/api/sessions", headers=admin)).json()["sessions"]
         mine = (await client.get(f"/proxyvisor/ui/api/sessions/{SESSION}")).json()
+        review = (await client.get(f"/proxyvisor/ui/api/sessions/{DELEGATING}")).json()
         overview = (await client.get("/proxyvisor/ui/api/overview", headers=admin)).json()
     await anonymous.aclose()
     lines = store.read_ledger(SESSION)
@@ -180,6 +199,11 @@ async def test_the_page_is_static_and_the_data_follows_the_session_model(tmp_pat
     assert gate["gaps"] == ["no check ran after the last change"]
     assert steps[5]["report"] == {"status": "ok", "state": "done"}
     assert (other["id"], other["requests"], other["errors"]) == (OTHER, 1, 1)  # most recent first
+    assert reviewing["id"] == DELEGATING
+    (handoff,) = review["timeline"][0]["delegations"]
+    assert (handoff["role"], handoff["status"], handoff["adapter"]) == ("reviewer", "ok", "scripted")
+    assert handoff["runs"] == [{"attempt": 1, "outcome": "answered", "pool": "scripted:scripted",
+                               "error_category": None}]
     # Pools and routing: the pool that got a 429 cools down; the built-in scripted adapter can run.
     assert overview["breakers"] is True and overview["routing"]["adapters"]["scripted"]["ready"] is True
     (pool,) = overview["health"]["pools"]
@@ -370,7 +394,14 @@ async def test_the_page_shows_a_session_live_and_after_a_restart(tmp_path: Path)
             await page.js("location.hash = 'view=pools'")
             await page.wait_text("[data-pool='upstream:scripted:other-model'] [data-test=breaker]", "cooling_down")
             assert "ready" in await page.texts("[data-adapter=scripted] [data-test=readiness]")
+            assert await page.texts("[data-role=reviewer] td") == ["reviewer", "scripted / scripted-model", "scripted:scripted", "–"]
             await page.shot("pools")
+            # A delegation and its child run.
+            await delegated(client, rp.url)
+            await page.js(f"location.hash = 'session={DELEGATING}'")
+            await page.wait_text("[data-test=timeline] [data-n='1'] [data-test=delegation-status]", "ok")
+            assert await page.texts("[data-test=timeline] [data-n='1'] .runs li") == ["child run 1: answered"]
+            await page.shot("delegation")
             await page.js(f"location.hash = 'session={SESSION}'")
             await page.wait_text("[data-test=timeline] [data-n='6'] [data-test=gate-outcome]", "unverified")
         # The proxy is gone: the page says so, and reconnects by itself to the next one on the same state dir.

@@ -217,18 +217,6 @@ function step(e) {
            " tokens (saved " + num(i.tokens_before - i.tokens_after) + ")"),
         i.spill_path ? el("div", {class: "mono small", "data-test": "spill-path"}, "full original: " + i.spill_path) : null))));
   }
-  if (e.gate) {
-    const g = e.gate;
-    parts.push(section("Verify-gate", g.outcome ? tone(g.outcome) : "warn",
-      el("div", {class: "chips"},
-         g.verdicts.map((v, i) => badge(v + (g.decided_by[i] ? " (" + g.decided_by[i] + ")" : ""), tone(v), "verdict")),
-         g.outcome ? badge("outcome: " + g.outcome, tone(g.outcome), "gate-outcome") : badge("turn goes on", "info", "gate-outcome"),
-         g.reentries ? badge(plural(g.reentries, "re-entry", "re-entries"), "warn", "reentries") : null,
-         g.nudges ? badge(plural(g.nudges, "nudge"), "warn") : null,
-         g.refuted ? badge(num(g.refuted) + " refuted", "info") : null),
-      g.gaps.length ? el("ul", {class: "gaps", "data-test": "gaps"}, g.gaps.map(t => el("li", {}, t))) : null,
-      g.reason ? el("div", {class: "muted small"}, g.reason) : null));
-  }
   for (const d of e.delegations) {
     parts.push(section("Delegation: " + (d.role || "?"), tone(d.status),
       el("div", {}, badge(d.status || "?", tone(d.status), "delegation-status"), " ",
@@ -240,6 +228,18 @@ function step(e) {
         "child run " + r.attempt + ": ", badge(r.outcome || "?", tone(r.outcome)),
         r.error_category ? el("span", {class: "muted"}, " " + r.error_category) : null))) : null,
       d.dead_letter ? el("div", {class: "mono small"}, "dead letter " + d.dead_letter) : null));
+  }
+  if (e.gate) {
+    const g = e.gate;
+    parts.push(section("Verify-gate", g.outcome ? tone(g.outcome) : "warn",
+      el("div", {class: "chips"},
+         g.verdicts.map((v, i) => badge(v + (g.decided_by[i] ? " (" + g.decided_by[i] + ")" : ""), tone(v), "verdict")),
+         g.outcome ? badge("outcome: " + g.outcome, tone(g.outcome), "gate-outcome") : badge("turn goes on", "info", "gate-outcome"),
+         g.reentries ? badge(plural(g.reentries, "re-entry", "re-entries"), "warn", "reentries") : null,
+         g.nudges ? badge(plural(g.nudges, "nudge"), "warn") : null,
+         g.refuted ? badge(num(g.refuted) + " refuted", "info") : null),
+      g.gaps.length ? el("ul", {class: "gaps", "data-test": "gaps"}, g.gaps.map(t => el("li", {}, t))) : null,
+      g.reason ? el("div", {class: "muted small"}, g.reason) : null));
   }
   if (e.upstream && (e.upstream.tried.length || e.upstream.outcome !== "answered")) {
     parts.push(section("Upstream", tone(e.upstream.outcome),
@@ -302,7 +302,7 @@ async function showPools() {
     el("thead", {}, el("tr", {}, ["Role", "Resolves to", "Pool", "Supervises"].map(h => el("th", {}, h)))),
     el("tbody", {}, roles.map(name => {
       const route = r.resolved[name] || {};
-      return el("tr", {}, el("td", {}, name),
+      return el("tr", {"data-role": name}, el("td", {}, name),
         el("td", {class: "mono"}, route.unavailable ? badge("unavailable: " + route.unavailable, "bad")
                                    : [route.adapter, route.model || "(runtime default)", route.effort].filter(Boolean).join(" / ")),
         el("td", {class: "mono"}, route.capacity_scope || "–"),
