@@ -22,7 +22,7 @@ import trio
 from proxyvisor.config import Config, parse
 from proxyvisor.proxy.formats import CHAT, ToolSpec
 from proxyvisor.proxy.service import RunningProxy, running
-from proxyvisor.proxy.web import LedgerFeed
+from proxyvisor.proxy.web import LISTENERS, LedgerFeed
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 
@@ -242,6 +242,19 @@ async def test_a_listener_that_falls_behind_is_told_to_resync() -> None:
     await body.aclose()  # type: ignore[attr-defined]
     await never_read.aclose()  # type: ignore[attr-defined]
     assert not feed.listeners
+
+
+async def test_event_streams_are_bounded() -> None:
+    feed = LedgerFeed()
+    bodies = [feed.stream(None).body for _ in range(LISTENERS)]
+    for body in bodies:
+        assert not isinstance(body, bytes)
+        await body.__anext__()  # listening
+    refused = feed.stream("s1")
+    assert refused.status == 503 and b"too many event streams" in refused.body  # type: ignore[operator]
+    for body in bodies:
+        await body.aclose()  # type: ignore[union-attr]
+    assert not feed.listeners and feed.stream("s1").status == 200
 
 
 def test_the_page_script_builds_text_never_markup() -> None:
