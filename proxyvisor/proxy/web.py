@@ -181,6 +181,9 @@ class WebView:
         self.store = store
         self.clock = clock
         self.feed = LedgerFeed()
+        self._summed: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+        """The listing's rows by session, with the size and mtime of the ledger they were summed from: the latest
+        listing's sessions only."""
         c = config.model_routing.cooldown
         self.health = HealthStore(store.root / "health", Cooldown(c.default_seconds, c.maximum_seconds)) \
             if store is not None else None
@@ -214,6 +217,25 @@ class WebView:
             return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
         return await self._session(session_id)
 
+    def _row(self, session_id: str, store: Store) -> dict[str, Any]:
+        """The listing's row of a session with a ledger (:func:`~proxyvisor.proxy.info.session_row`), summed again
+        only when its ledger changed since the last listing (a page that follows every session asks often).
+
+        Raises:
+            LedgerError: the ledger exists but cannot be read."""
+        try:
+            stat = store.ledger_path(session_id).stat()
+            version = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            version = None
+        kept = self._summed.get(session_id)
+        if kept is not None and version is not None and kept[0] == version:
+            return kept[1]
+        row = session_row(session_id, store.read_ledger(session_id))
+        if version is not None:
+            self._summed[session_id] = (version, row)
+        return row
+
     def _recorded(self, session_id: str) -> bool:
         return self.store is not None and self.store.ledger_path(session_id).exists()
 
@@ -225,21 +247,21 @@ class WebView:
         store = self.store
 
         def rows() -> list[dict[str, Any]]:
-            out = []
+            out, summed = [], {}
             for s in listed[:LISTED]:
                 try:
-                    lines = store.read_ledger(s["id"]) if store is not None else []
+                    base = self._row(s["id"], store) if store is not None else session_row(s["id"], [])
                 except LedgerError as exc:
                     out.append({"id": s["id"], "error": str(exc), "last_activity": s["last_activity"],
                                 "in_memory": s["in_memory"]})
                     continue
-                row = session_row(s["id"], lines)
-                row["in_memory"] = s["in_memory"]
-                row["last_activity"] = row["last_activity"] or s["last_activity"]
-                if not lines and (mem := counters.get(s["id"])) is not None:
+                summed[s["id"]] = self._summed.get(s["id"])
+                row = {**base, "in_memory": s["in_memory"], "last_activity": base["last_activity"] or s["last_activity"]}
+                if not base["requests"] and (mem := counters.get(s["id"])) is not None:
                     row.update(requests=mem["requests"], errors=mem["errors"], input_tokens=mem["input_tokens"],
                                output_tokens=mem["output_tokens"])
                 out.append(row)
+            self._summed = {sid: entry for sid, entry in summed.items() if entry is not None}
             return out
 
         return _json(200, {"sessions": await trio.to_thread.run_sync(rows),

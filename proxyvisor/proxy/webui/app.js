@@ -338,9 +338,13 @@ function setLive(on, text) {
   live.textContent = text;
 }
 
+let lastEventRender = 0;
+
 function refresh() {
-  clearTimeout(pending);
-  pending = setTimeout(render, 150);
+  // A burst of events is one read, and a busy proxy is read at most once a second.
+  if (pending) return;
+  const wait = Math.max(150, 1000 - (Date.now() - lastEventRender));
+  pending = setTimeout(() => { pending = null; lastEventRender = Date.now(); render(); }, wait);
 }
 
 async function follow(path) {
