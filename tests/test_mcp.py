@@ -1,8 +1,10 @@
 """``proxyvisor mcp``: the MCP SDK's own client starts the server (the venv's interpreter, stdio) and lists and calls
-every tool against a session a running proxy served; real Claude Code lists the server as connected."""
+every tool against a session a running proxy served, and cancels a delegation; real Claude Code lists the server as
+connected, and under ``proxyvisor wrap`` gets its own session from ``session_info``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -19,7 +22,7 @@ from proxyvisor.config import load
 
 from helpers import http_client, request_body
 from routing_support import FIXTURE_ADAPTERS
-from test_real_clients import Workspace, claude_env, find_agent
+from test_real_clients import MODEL, Workspace, claude_env, find_agent, json_lines, wrap
 
 TOOLS = {"session_info", "session_plan", "routing_config", "pool_health", "delegate"}
 REPORT = '<sup>{"state":"exploring","focus":"look","next":null,"carry":["config in etc/app.toml"],"plan":null}</sup>'
@@ -162,6 +165,35 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
         assert error and "delegation is disabled; nothing ran" in text
 
 
+
+async def test_a_delegation_the_client_cancels_stops_its_child(tmp_path: Path, state_dir: Path) -> None:
+    config, runs = tmp_path / "config.toml", tmp_path / "runs.log"
+    config.write_text(f'[model_routing]\nenabled = true\nadapters_dir = "{FIXTURE_ADAPTERS}"\n'
+                      '[model_routing.roles.worker]\nadapter = "fixture-cli"\n'
+                      '[model_routing.children]\nstop_grace_s = 1.0\nidle_cancel_s = 60.0\n')
+    async with server(config, state_dir, env={"FIXTURE_LOG": str(runs)}) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(call, client, "delegate", role="worker", prompt="mode:hang"))
+            with trio.fail_after(20):
+                while not (runs.exists() and runs.read_text().endswith("\n")):
+                    await trio.sleep(0.05)
+            child = int(runs.read_text().split()[0])
+            assert alive(child)
+            nursery.cancel_scope.cancel()
+        with trio.fail_after(10):  # SIGTERM at once, SIGKILL after the grace
+            while alive(child):
+                await trio.sleep(0.05)
+        error, health, _ = await call(client, "pool_health")  # the server goes on serving
+        assert not error and "pools" in health
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
 def test_the_command_line_pays_for_the_sdk_only_when_the_server_runs() -> None:
     script = ("import contextlib, io, sys\nfrom proxyvisor.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -199,3 +231,36 @@ def test_claude_code_lists_the_server_connected(tmp_path: Path) -> None:
     assert run.returncode == 0, run
     line = next((x for x in run.stdout.splitlines() if x.startswith("proxyvisor: ")), "")
     assert line.endswith("✔ Connected") and f"{sys.executable} -m proxyvisor mcp" in line, run.stdout
+
+
+@pytest.mark.real_client
+def test_claude_code_under_wrap_gets_its_own_session_from_the_tool(tmp_path: Path) -> None:
+    """What "current" means, with a real client: Claude Code run by ``proxyvisor wrap`` starts the server, which
+    inherits the wrap's ``PROXYVISOR_URL`` and ``PROXYVISOR_SESSION``, and the scripted model's call of
+    ``session_info`` without a session answers for that run, from the wrap's own proxy (the server's state directory
+    is empty: nothing else could name the session)."""
+    claude = find_agent("claude")
+    ws = Workspace.make(tmp_path)
+    # Claude Code connects MCP servers while its first request is on the way: the model waits (Claude Code's own
+    # tool for it, which it sometimes refuses) until a request offers the tool, whose description it recognises.
+    steps = [{"tool_calls": [{"name": "WaitForMcpServers", "arguments": {}}], "until": "The /info object of a session"},
+             {"tool_calls": [{"name": "mcp__proxyvisor__session_info", "arguments": {}}]}, {"text": "Done."}]
+    script, config, servers = tmp_path / "script.json", tmp_path / "config.toml", tmp_path / "mcp.json"
+    script.write_text(json.dumps(steps))
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    servers.write_text(json.dumps({"mcpServers": {"proxyvisor": {"command": sys.executable, "args": [
+        "-m", "proxyvisor", "mcp", "--state-dir", str(tmp_path / "empty-state")]}}}))
+    cmd = [claude, "-p", "What does proxyvisor say about this session?", "--model", MODEL, "--mcp-config",
+           str(servers), "--allowedTools", "mcp__proxyvisor__session_info", "--output-format", "stream-json",
+           "--verbose"]
+    run = wrap(ws, cmd, claude_env(ws), "--config", str(config), "--session", "claude-mcp", "--quiet")
+    assert run.returncode == 0, run
+    blocks = [b for e in json_lines(run.stdout) if e.get("type") in ("assistant", "user")
+              for b in e["message"]["content"]]
+    calls = [b["id"] for b in blocks if b["type"] == "tool_use" and b["name"] == "mcp__proxyvisor__session_info"]
+    results = [b for b in blocks if b["type"] == "tool_result" and b["tool_use_id"] in calls]
+    assert len(calls) == len(results) == 1 and not results[0].get("is_error"), blocks
+    content = results[0]["content"]
+    text = content if isinstance(content, str) else "".join(c.get("text", "") for c in content)
+    info = json.loads(text)
+    assert info["session"] == "claude-mcp" and info["requests"] >= 1 and info["live"] is not None, info
