@@ -53,6 +53,10 @@ async def _serve(config: Config) -> None:
             mode = (f"supervision on; verify-gate {f'on ({gate.failure_policy})' if gate.enabled else 'off'}; "
                     f"supervisor model: {describe(config.supervisor.model)}")
         print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
+        if config.supervisor.enabled:
+            print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"
+                  + ("#admin=TOKEN (your [proxy] admin_token)" if config.proxy.admin_token else
+                     "#session=ID (the session list needs [proxy] admin_token)"), file=sys.stderr, flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 print("proxyvisor: shutting down", file=sys.stderr)

@@ -284,8 +284,8 @@ KEY_WARNING = ("[supervisor.model] api_key_env names PROXYVISOR_TEST_KEY_NOT_SET
                "call will fail")
 
 
-def serve_start(config: Path) -> str:
-    """The stderr lines ``serve`` prints up to its listening line; then it is stopped with SIGINT."""
+def serve_start(config: Path, until: str = "listening on") -> str:
+    """The stderr lines ``serve`` prints up to the one holding ``until``; then it is stopped with SIGINT."""
     import signal
 
     process = subprocess.Popen([sys.executable, "-m", "proxyvisor", "serve", "--config", str(config), "--port", "0"],
@@ -295,12 +295,21 @@ def serve_start(config: Path) -> str:
         assert process.stderr is not None
         for line in process.stderr:
             lines.append(line)
-            if "listening on" in line:
+            if until in line:
                 break
     finally:
         process.send_signal(signal.SIGINT)
         process.communicate(timeout=30)
     return "".join(lines)
+
+
+def test_serve_names_its_web_view(tmp_path: Path) -> None:
+    config = tmp_path / "admin.toml"
+    config.write_text('[proxy]\nadmin_token = "secret-admin-token"\n')
+    started = serve_start(config, until="web view at")
+    assert re.search(r"^proxyvisor: web view at http://127\.0\.0\.1:\d+/proxyvisor/ui#admin=TOKEN \(your \[proxy\] "
+                     r"admin_token\)$", started, re.MULTILINE), started
+    assert "secret-admin-token" not in started
 
 
 def test_serve_and_wrap_say_when_the_upstream_is_the_scripted_model(tmp_path: Path) -> None:
