@@ -26,7 +26,8 @@ from proxyvisor.proxy.web import LISTENERS, LedgerFeed
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 
-ADMIN = "admin-7c1e9"
+ADMIN = "adm+7c1e9/x="
+"""An admin token with characters a form decoder would change ("+" read as a space)."""
 AUTH = "auth-42b0d"
 SESSION = "ui-demo-5f3a"
 OTHER = "ui-other-91d2"

@@ -12,9 +12,25 @@ let retryMs = 1000;
 
 // ---- credentials and the view, from the URL fragment --------------------------------------------------------
 
+function fragment() {
+  // The fragment's key=value pairs, percent-decoded (a "+" stays a "+": a token may hold one).
+  const out = new Map();
+  for (const pair of location.hash.slice(1).split("&")) {
+    if (!pair) continue;
+    const at = pair.indexOf("=");
+    const key = at < 0 ? pair : pair.slice(0, at), value = at < 0 ? "" : pair.slice(at + 1);
+    try { out.set(decodeURIComponent(key), decodeURIComponent(value)); } catch (e) { out.set(key, value); }
+  }
+  return out;
+}
+
+function encode(params) {
+  return Array.from(params, ([key, value]) => encodeURIComponent(key) + "=" + encodeURIComponent(value)).join("&");
+}
+
 function takeTokens() {
   // #admin=...&auth=... : kept in this tab's session storage, then removed from the address bar (and history).
-  const params = new URLSearchParams(location.hash.slice(1));
+  const params = fragment();
   let changed = false;
   for (const [key, name] of [["admin", "pv-admin"], ["auth", "pv-auth"]]) {
     if (params.has(key)) {
@@ -23,11 +39,11 @@ function takeTokens() {
       changed = true;
     }
   }
-  if (changed) history.replaceState(null, "", location.pathname + (params.toString() ? "#" + params : ""));
+  if (changed) history.replaceState(null, "", location.pathname + (params.size ? "#" + encode(params) : ""));
 }
 
 function view() {
-  const params = new URLSearchParams(location.hash.slice(1));
+  const params = fragment();
   const session = params.get("session");
   if (session) return {name: "session", session};
   return {name: params.get("view") === "pools" ? "pools" : "sessions"};
@@ -113,8 +129,7 @@ function counts(map, test) {
 }
 
 function sessionLink(id) {
-  const params = new URLSearchParams({session: id});
-  return el("a", {href: "#" + params, class: "mono", "data-session-link": id}, id);
+  return el("a", {href: "#" + encode([["session", id]]), class: "mono", "data-session-link": id}, id);
 }
 
 function notice(text, tone) { return el("p", {class: "notice " + (tone || ""), "data-test": "notice"}, text); }
