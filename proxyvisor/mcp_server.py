@@ -176,8 +176,6 @@ class Tools:
         from .routing_cli import write_policy
 
         config = self.config()
-        if action == "show":
-            return await self.blocking(lambda: routing_json(config, registry_for(config.model_routing.adapters_dir)))
         fields = {"mode": mode, "complexity_threshold": complexity_threshold, "fallback_policy": fallback_policy,
                   "max_parallel": max_parallel, "max_depth": max_depth, "cooldown_default": cooldown_default,
                   "cooldown_maximum": cooldown_maximum, "wall_clock": wall_clock,
@@ -186,7 +184,12 @@ class Tools:
                   "role_model": role_model, "role_effort": role_effort, "role_description": role_description,
                   "role_supervises": None if role_supervises is None else ",".join(role_supervises),
                   "remove_role": remove_role}
-        if action == "set" and all(value is None for value in fields.values()):
+        given = [name for name, value in fields.items() if value is not None]
+        if action != "set" and given:
+            raise ToolError(f"{', '.join(given)}: fields are for action set, not {action}; nothing written")
+        if action == "show":
+            return await self.blocking(lambda: routing_json(config, registry_for(config.model_routing.adapters_dir)))
+        if action == "set" and not given:
             raise ToolError("set changes the fields given, and none was given; nothing written")
         registry = registry_for(config.model_routing.adapters_dir)
         await self.blocking(lambda: write_policy(self.config_path, action, fields, registry))

@@ -145,6 +145,8 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
         assert config.read_bytes() == before
         error, _, text = await call(client, "routing_config", action="set", role_model="claude-haiku-4-5")
         assert error and "role_model given without role" in text and config.read_bytes() == before
+        error, _, text = await call(client, "routing_config", action="enable", role="r")
+        assert error and "role: fields are for action set, not enable; nothing written" in text
         error, _, text = await call(client, "routing_config", action="set", mode="sometimes")
         assert error and "mode" in text and config.read_bytes() == before
 
@@ -163,6 +165,10 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
         assert not error and written["enabled"] is False and not load(str(config)).model_routing.enabled
         error, _, text = await call(client, "delegate", role="helper", prompt="x")
         assert error and "delegation is disabled; nothing ran" in text
+
+        config.write_text("[model_routing]\nmax_parallel = 0\n")  # broken while the server runs: read per call
+        error, _, text = await call(client, "pool_health")
+        assert error and "configuration error" in text and "max_parallel" in text and "Traceback" not in text
 
 
 
