@@ -462,3 +462,40 @@ async def test_an_idle_session_evicted_mid_turn_keeps_its_rule(tmp_path: Path) -
         assert proxy.pipeline.sessions.get("idle") is None
         memory = memory_of(state, tmp_path)
         assert memory is not None and [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]
+
+
+async def test_a_request_ending_with_a_system_message_gets_the_memory_before_it_and_keeps_it_there(
+        tmp_path: Path) -> None:
+    """Claude Code's first request ends with a system message of its own (its agent types): the memory goes
+    after the user's message, before it, so the model has it before its first action, and the later requests,
+    which keep that system message in their history, get it at the same place (the upstream prefix holds)."""
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    memory.add(Candidate(RULE, RULE_TEXT, "user turn 1 of session s0"), 1.0, "s0")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    f = BY_NAME["messages"]
+    user = {"role": "user", "content": [{"type": "text", "text": "Add the requests package."}]}
+    agents = {"role": "system", "content": "Available agent types for the Agent tool:\n- claude: catch-all."}
+    body: dict[str, Any] = {"model": "m", "max_tokens": 256, "system": f"Primary working directory: {tmp_path}",
+                            "tools": [{"name": "Bash", "description": "Run", "input_schema": BASH.schema}],
+                            "messages": [user, agents]}
+    upstream = ScriptedUpstream()
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": upstream},
+                       model=Model()) as proxy:
+        upstream.queue({"text": "Installing.", "tool_calls": [{"name": "Bash", "id": "toolu_1",
+                                                               "arguments": {"command": "uv add requests"}}]})
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.post(f"{proxy.url}/s/cc{f.path}", json=body)
+            assert reply.status_code == 200, reply.text
+            body["messages"] += [{"role": "assistant", "content": reply.json()["content"]},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                               "content": "added"}]}]
+            upstream.queue({"text": "Done."})
+            assert (await client.post(f"{proxy.url}/s/cc{f.path}", json=body)).status_code == 200
+    first, second = (orjson.loads(b) for _t, b, _h in upstream.requests[:2])
+    roles = [f.message(item).role for item in f.history(first)]
+    texts = [f.message(item).text for item in f.history(first)]
+    # The Messages format puts a note into the user message it follows, as a text block of its own.
+    assert roles == ["user", "system"] and RULE_TEXT in texts[0] and f.history(first)[1] == agents
+    assert shared_prefix(f.prompt(first), f.prompt(second)) == sum(map(len, f.prompt(first)))
+    assert orjson.dumps(second).count(RULE_TEXT.encode()) == 1

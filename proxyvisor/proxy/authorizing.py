@@ -208,12 +208,12 @@ class Authorizing:
         if self.config.mode != ADVISE or not denials:
             return denials
         ex = self.exchange
-        if ex.tail is not None:
+        if ex.anchor is not None:
             tools = {c.id: c.name for c in turn.tool_calls}
             for call_id, found in denials.items():
                 tool = tools.get(call_id, "")
                 text = ADVICE.format(call=call_id, tool=tool, source=found.source, quote=found.quote)
-                ex.thread.notes = (ex.thread.notes + [Note(ex.tail.position, ex.tail.fingerprint, "authorizer",
+                ex.thread.notes = (ex.thread.notes + [Note(ex.anchor.position, ex.anchor.fingerprint, "authorizer",
                                                            text)])[-NOTES:]
         return {}
 

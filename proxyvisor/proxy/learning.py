@@ -271,7 +271,7 @@ class Learning:
         exchange.steps.append(functools.partial(self._recall, state, memory))
 
     async def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
-        tail = exchange.tail
+        tail = exchange.anchor
         if tail is None or tail.role not in _SAFE_ROLES:
             return
         if state.pack is None:

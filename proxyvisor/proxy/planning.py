@@ -278,11 +278,11 @@ class Planner:
             planning.touched = planning.turns
             planning.phase_start = len(exchange.items) - 1
             planning.broken = frozenset()
-        if isinstance(decision, Hold) and not final and exchange.tail is not None \
-                and exchange.tail.role in _SAFE_ROLES:
+        if isinstance(decision, Hold) and not final and exchange.anchor is not None \
+                and exchange.anchor.role in _SAFE_ROLES:
             text = hold_note(decision.reason)
             append_note(exchange, text)
-            add_note(thread, exchange.state, exchange.tail, "plan_hold", text)
+            add_note(thread, exchange.state, exchange.anchor, "plan_hold", text)
 
     async def _ask(self, model: ModelCall, document: str) -> ModelAnswer | None:
         """The planner's answer from ``model``, or None when the call failed or took longer than ``timeout_s``
@@ -314,7 +314,7 @@ def add_note(thread: Thread, state: SessionSupervision | None, tail: Tail, signa
 def _recite(exchange: Exchange) -> None:
     """Recite at the end of the upstream body's history when the thread's latest recitation says something else
     or lies more than :data:`RECITE_AFTER` history items back (module docstring, 4)."""
-    tail, thread = exchange.tail, exchange.thread
+    tail, thread = exchange.anchor, exchange.thread
     if tail is None or tail.role not in _SAFE_ROLES:
         return
     planning = thread.planning
@@ -332,8 +332,10 @@ def _recite(exchange: Exchange) -> None:
 
 
 def append_note(exchange: Exchange, text: str) -> None:
-    """Insert ``text`` as a note after the last item of the upstream body's history."""
-    exchange.fmt.insert_notes(exchange.body, [(len(exchange.fmt.history(exchange.body)) - 1, text)])
+    """Insert ``text`` as a note after the last item of the upstream body's history before the system messages
+    that end it (``Exchange.anchor``)."""
+    after = exchange.tail.position - exchange.anchor.position if exchange.tail and exchange.anchor else 0
+    exchange.fmt.insert_notes(exchange.body, [(len(exchange.fmt.history(exchange.body)) - 1 - after, text)])
 
 
 async def reconcile(exchange: Exchange, report: SelfReport | None = None) -> None:

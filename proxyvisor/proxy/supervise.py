@@ -257,14 +257,15 @@ class Supervisor:
                             if n.index < len(items) and _anchored(fmt, items, n.index, n.anchor)]
         last = fmt.message(items[-1]) if items else None
         tail = Tail(len(items) - 1, fingerprint(last), last.role) if last is not None else None
+        anchor = note_anchor(fmt, items, tail)
         if isinstance(update.last, UserTurn):
             thread.policy.reset()
         elif isinstance(update.last, Round):
             signal = thread.policy.decide(update.signals, thread.state)
             # The safe point: after the latest tool results (or the harness's latest prompt), never inside
             # the model's own turn.
-            if signal and tail is not None and tail.role in ("tool", "user"):
-                note = Note(tail.position, tail.fingerprint, signal, note_text(signal))
+            if signal and anchor is not None and anchor.role in ("tool", "user"):
+                note = Note(anchor.position, anchor.fingerprint, signal, note_text(signal))
                 thread.notes = (thread.notes + [note])[-NOTES:]
                 record.note, record.note_index, record.note_text = signal, note.index, note.text
                 state.notes[signal] += 1
@@ -283,7 +284,7 @@ class Supervisor:
                     exchange.record.model.record("condense", record.answer)
 
             steps.append(condense)
-        steps += self.planner.begin(fmt, items, update, thread, state, tail)
+        steps += self.planner.begin(fmt, items, update, thread, state, anchor)
         thread.delegated, runs = _live(fmt, sent, thread.delegated)
         thread.grafted, live = _live(fmt, sent, thread.grafted)
         grafts = [fmt.graft(sent, g.index, g.response, g.results) for g in live]
@@ -299,7 +300,7 @@ class Supervisor:
                                 for note in thread.notes])
         fmt.add_instruction(body, INSTRUCTION)
         state.records.append(record)
-        exchange = Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools))
+        exchange = Exchange(fmt, body, state, thread, record, steps, tail, frozenset(t.name for t in tools), anchor)
         exchange.model = model or self.model
         if exchange.model is not None:
             record.model.route = route or {}
@@ -339,13 +340,30 @@ Step = Callable[["Exchange"], Awaitable[None]]
 """A request-side step that needs I/O, run by :meth:`Exchange.before_forward` on the exchange's body."""
 
 
+def note_anchor(fmt: WireFormat, items: list[Any], tail: Tail | None) -> Tail | None:
+    """The history item notes go after: ``tail`` (the agent's last item), or, when the history ends with system
+    messages, the item before them. A harness that ends a request with its own system message (Claude Code's
+    first request ends with one listing its agent types) then gets notes after the user's message, where its
+    later requests keep them; a note after such a message would never be a safe point."""
+    if tail is None or tail.role != "system":
+        return tail
+    position = tail.position
+    while position > 0:
+        position -= 1
+        message = fmt.message(items[position])
+        if message.role != "system":
+            return Tail(position, fingerprint(message), message.role)
+    return tail
+
+
 class Exchange:
     """One supervised request: ``body`` is the upstream body (parsed; :meth:`before_forward` may still change it),
     and :meth:`reply` rewrites the upstream's reply for the agent."""
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], state: SessionSupervision, thread: Thread,
                  record: RequestRecord, steps: list[Step] | None = None,
-                 tail: Tail | None = None, tools: frozenset[str] = frozenset()) -> None:
+                 tail: Tail | None = None, tools: frozenset[str] = frozenset(),
+                 anchor: Tail | None = None) -> None:
         self.fmt = fmt
         self.body = body
         self.state = state
@@ -354,6 +372,9 @@ class Exchange:
         self.steps = steps or []
         self.tail = tail
         """The agent's last history item: (position, :func:`fingerprint`, role); None for an empty history."""
+        self.anchor = anchor if anchor is not None else tail
+        """Where notes go (:func:`note_anchor`): the tail, or the item before the system messages ending the
+        history."""
         self.tools = tools
         """The names of the agent's own tools in the request."""
         self.delegation: DelegationTurn | None = None
