@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from proxyvisor.adapters.failures import Failure, from_http
+from proxyvisor.adapters.failures import RETRY_AFTER_CAP_S, Failure, from_http
 from proxyvisor.adapters.litellm_bridge import import_litellm
 from proxyvisor.cli import main
 from proxyvisor.adapters.health import COOLING_DOWN, HALF_OPEN, HEALTHY, Cooldown, PoolHealth, admit, settle
@@ -161,6 +161,23 @@ async def test_a_429_with_retry_after_3_answers_the_next_requests_with_a_429_and
     assert [line["upstream"]["health_probe"] for line in lines] == [False] * 4 + [True, False]
     assert {line["upstream"]["pool"] for line in lines} == {pool}
     assert [line["status"] for line in lines] == [429] * 4 + [200] * 2
+
+
+@pytest.mark.parametrize("fault, cools_s", [
+    ({"retry_after": "1e400"}, 1.0), ({"retry_after": "-5"}, 1.0), ({"retry_after_ms": "inf"}, 1.0),
+    ({"retry_after": "99999999999"}, RETRY_AFTER_CAP_S), ({"retry_after_ms": "9" * 400}, RETRY_AFTER_CAP_S),
+], ids=["1e400", "negative", "ms-inf", "1e11", "ms-400-digits"])
+async def test_a_retry_after_the_upstream_controls_reaches_the_agent_and_cools_the_pool_a_day_at_most(
+        fault: dict[str, str], cools_s: float, tmp_path: Path) -> None:
+    """The upstream's 429 reaches the agent as the upstream sent it, whatever its Retry-After; a wait that is no
+    number leaves the pool its own cooldown (1 s), one past a day cools it a day."""
+    clock = Clock()
+    async with proxy(tmp_path, clock=clock) as rp:
+        rp.scripted["a"].queue({"fault": {"status": 429, **fault}})
+        reply, data = await raw_stream(rp.url, "messages", request_body("messages"))
+        assert reply.status_code == 429 and assert_error_shape("messages", 429, data)["message"] == "scripted 429"
+        health = rp.pipeline.breakers.store.get(pool_of("a", MODEL))
+        assert (health.state, health.cooldown_until) == (COOLING_DOWN, T0 + cools_s)
 
 
 @ALL_FORMATS

@@ -8,6 +8,7 @@ import orjson
 import pytest
 import trio
 
+from proxyvisor.adapters.failures import RETRY_AFTER_CAP_S
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.proxy.server import Request, Response
 
@@ -23,7 +24,10 @@ ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
 async def test_429_keeps_or_gains_retry_after_and_5xx_keep_their_status(fmt: str, supervised: bool,
                                                                         start_proxy) -> None:
     cases = [({"status": 429, "retry_after": "7"}, "7"), ({"status": 429}, "1"), ({"status": 529}, None),
-             ({"status": 500}, None), ({"status": 503}, None)]
+             ({"status": 500}, None), ({"status": 503}, None),
+             # From retry-after-ms when alone: a wait of no number is 1 s, one past a day a day (never a crash).
+             ({"status": 429, "retry_after_ms": "1500"}, "2"), ({"status": 429, "retry_after_ms": "1e400"}, "1"),
+             ({"status": 429, "retry_after_ms": "9" * 400}, str(RETRY_AFTER_CAP_S))]
     async with start_proxy(supervised=supervised, breakers=False) as rp:
         for fault, retry_after in cases:
             for stream in (False, True):

@@ -9,13 +9,16 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.adapters.failures import Failure, from_http, from_text
+from proxyvisor.adapters.failures import (RETRY_AFTER_CAP_S, Failure, from_http, from_text, retry_after_header,
+                                          retry_after_in_text)
 from proxyvisor.adapters.health import (COOLING_DOWN, HALF_OPEN, HEALTHY, STATES, TRANSITIONS, Cooldown,
                                         PoolHealth, adapter_summary, admit, fleet_wait, release, settle)
 from proxyvisor.adapters.health_store import HealthStore
@@ -195,6 +198,59 @@ def test_an_adapter_summary_is_its_most_restrictive_pool() -> None:
     pools = [PoolHealth("x:a"), tripped(retry_after_s=30), dataclasses.replace(tripped(), pool="x:c")]
     state, soonest, limited = adapter_summary(pools, T0 + 1)
     assert (state, soonest, limited) == (COOLING_DOWN, T0 + 10, ["a:pool", "x:c"])
+
+
+# ---- the provider's wait, as the upstream wrote it ------------------------------------------------------------
+
+HTTP_DATE = "Wed, 21 Oct 2015 07:28:00 GMT"
+AT_HTTP_DATE = 1445412480.0
+
+
+@pytest.mark.parametrize("retry_after, retry_after_ms, seconds", [
+    ("3", None, 3), (" 2.5 ", None, 3), ("0.001", None, 1), ("0", None, None),
+    (HTTP_DATE, None, None),  # a date in the past: no wait
+    ("Wed, 21 Oct 2015 07:28:10 GMT", None, 10), ("Wed, 21 Oct 2015 07:28:10 -0000", None, 10),
+    # Not a wait: ignored, so the pool cools its own cooldown.
+    ("1e400", None, None), ("1e3", None, None), ("inf", None, None), ("-inf", None, None), ("nan", None, None),
+    ("-5", None, None), ("+5", None, None), ("0x10", None, None), ("1_000", None, None), ("\u0663", None, None),
+    ("soon", None, None), ("", None, None),
+    # Longer than a day: a day.
+    ("99999999999", None, RETRY_AFTER_CAP_S), ("9" * 400, None, RETRY_AFTER_CAP_S),
+    ("Fri, 31 Dec 9999 23:59:59 GMT", None, RETRY_AFTER_CAP_S),
+    # retry-after-ms when Retry-After holds no wait.
+    (None, "1500", 2), ("soon", "1500", 2), ("1e400", "2000", 2), ("4", "1500", 4), (None, "1e400", None),
+    (None, "-1", None), (None, "9" * 400, RETRY_AFTER_CAP_S),
+])
+def test_a_retry_after_is_a_wait_of_one_second_to_a_day_or_none(retry_after: str | None, retry_after_ms: str | None,
+                                                                 seconds: int | None) -> None:
+    assert retry_after_header(retry_after, AT_HTTP_DATE, retry_after_ms) == seconds
+    assert from_http(429, "slow down", AT_HTTP_DATE, retry_after, retry_after_ms).retry_after_s == seconds
+
+
+def test_a_wait_in_a_message_is_cut_to_a_day_too() -> None:
+    assert retry_after_in_text("try again in 99999999999 hours", T0) == RETRY_AFTER_CAP_S
+    assert retry_after_in_text("retry after " + "9" * 400 + " seconds", T0) == RETRY_AFTER_CAP_S
+    assert retry_after_in_text("usage limit reached|9999999999", T0) == RETRY_AFTER_CAP_S
+
+
+_DATES = st.builds(lambda when, minutes: format_datetime(when.replace(tzinfo=timezone(timedelta(minutes=minutes)))),
+                   st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30)),
+                   st.integers(-1439, 1439))
+_NUMBERS = st.from_regex(r"\A\s?[-+]?[0-9]{0,400}(\.[0-9]{0,30})?(e[-+]?[0-9]{1,4})?\s?\Z")
+HEADER_VALUES = st.one_of(st.none(), st.text(), _NUMBERS, _DATES,
+                          st.sampled_from(["inf", "-inf", "nan", "Infinity", "1e400", "-0", "0.0"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(HEADER_VALUES, HEADER_VALUES, st.floats(min_value=-1e12, max_value=1e12))
+def test_any_retry_after_header_is_none_or_a_wait_within_the_cap_and_never_raises(
+        retry_after: str | None, retry_after_ms: str | None, now: float) -> None:
+    """Whatever the upstream writes (the headers are the upstream's to choose), the wait is None or a whole number
+    of seconds from 1 to the cap: never an exception, an infinite or a negative wait."""
+    for wait in (retry_after_header(retry_after, now, retry_after_ms),
+                 from_http(429, retry_after or "", now, retry_after, retry_after_ms).retry_after_s,
+                 retry_after_in_text(retry_after or "", now)):
+        assert wait is None or (isinstance(wait, int) and 1 <= wait <= RETRY_AFTER_CAP_S)
 
 
 # ---- persistence ----------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ may have done something before failing (``outcome``). The kernel never guesses: 
 failure opens a pool's breaker, and an ``unknown`` outcome is never retried or rerouted automatically.
 
 This module holds the shared pieces adapters build on: the HTTP status rules (:func:`from_http`), the wording of
-common provider limits (:func:`from_text`) and retry delays (:func:`retry_after_in_text`). It imports no SDK.
+common provider limits (:func:`from_text`) and retry delays (:func:`retry_after_header`,
+:func:`retry_after_in_text`). It imports no SDK.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 
 CAPACITY, AUTH, UNAVAILABLE, TIMEOUT, PROVIDER, INVALID = (
@@ -28,7 +30,8 @@ _MESSAGE_LIMIT = 300
 class Failure:
     """A normalised failure.
 
-    ``retry_after_s`` is a positive whole number of seconds or None; ``message`` is a short human summary (at
+    ``retry_after_s`` is a positive whole number of seconds (at most :data:`RETRY_AFTER_CAP_S` when a provider said
+    it) or None; ``message`` is a short human summary (at
     most 300 characters, credentials masked), never a provider payload, so it may be logged and persisted.
     """
 
@@ -79,29 +82,53 @@ def summary(message: str) -> str:
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
 
 
+RETRY_AFTER_CAP_S = 86_400
+"""The longest provider-supplied wait honoured, in seconds (one day). A wait decides how long a pool cools, and that
+state is persisted and shared by every proxy on the state dir until it expires or ``proxyvisor health clear``: a
+provider's daily limit resets within a day, so a longer wait is a broken or hostile header, capped so that it
+cannot block a pool for years."""
+
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?\Z")
+"""A delay as a header carries it: digits, perhaps a fraction (RFC 9110's ``delay-seconds`` is digits only); no
+sign, exponent, ``inf`` or ``nan``, and only ASCII digits."""
+
+
 def _seconds(value: float) -> int | None:
-    return max(1, math.ceil(value)) if value > 0 else None
+    """``value`` seconds as a whole number of seconds, 1 to :data:`RETRY_AFTER_CAP_S` (beyond the cap: the cap);
+    None when it is not positive or not a number."""
+    if math.isnan(value) or value <= 0:
+        return None
+    return RETRY_AFTER_CAP_S if value >= RETRY_AFTER_CAP_S else max(1, math.ceil(value))
+
+
+def _delay(value: str, unit_s: float) -> int | None:
+    """A header's delay in ``unit_s`` seconds (1, or 0.001 for ``retry-after-ms``), or None if it is not one."""
+    value = value.strip()
+    return _seconds(float(value) * unit_s) if _DELAY_SECONDS.match(value) else None
+
+
+def _http_date(value: str, now: float) -> int | None:
+    """The seconds from ``now`` until an HTTP date (always GMT, RFC 9110 §5.6.7), or None if it is not one."""
+    try:
+        when = parsedate_to_datetime(value.strip())
+        if when.tzinfo is None:  # "-0000": no zone said; an HTTP date is GMT
+            when = when.replace(tzinfo=timezone.utc)
+        return _seconds(when.timestamp() - now)
+    except (TypeError, ValueError, IndexError, OverflowError, OSError):
+        return None
 
 
 def retry_after_header(value: str | None, now: float, milliseconds: str | None = None) -> int | None:
     """Seconds to wait from a ``Retry-After`` header (seconds or an HTTP date; RFC 9110 §10.2.3) or, failing
-    that, a ``retry-after-ms`` header (OpenAI). ``now`` is the wall clock (Unix seconds). None if absent/invalid."""
-    if value:
-        value = value.strip()
-        try:
-            return _seconds(float(value))
-        except ValueError:
-            pass
-        try:
-            return _seconds(parsedate_to_datetime(value).timestamp() - now)
-        except (TypeError, ValueError, IndexError, OverflowError):
-            pass
-    if milliseconds:
-        try:
-            return _seconds(float(milliseconds) / 1000)
-        except ValueError:
-            return None
-    return None
+    that, a ``retry-after-ms`` header (OpenAI). ``now`` is the wall clock (Unix seconds).
+
+    Returns a whole number from 1 to :data:`RETRY_AFTER_CAP_S` (a longer wait is cut to the cap), or None when
+    neither header holds a wait: absent, zero, negative, a date in the past, ``inf``, ``nan``, an exponent or
+    anything else unparsable. Never raises, whatever the strings.
+    """
+    if value and (seconds := _delay(value, 1) or _http_date(value, now)):
+        return seconds
+    return _delay(milliseconds, 0.001) if milliseconds else None
 
 
 _UNITS = {"ms": 0.001, "millisecond": 0.001, "s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60,
@@ -133,7 +160,7 @@ def retry_after_in_text(text: str, now: float) -> int | None:
 
     Understands "retry after 30 seconds", "Retry-After: 30", "try again in 6.5s" / "in 1m30s" / "in 2 hours",
     ``"retryDelay": "37s"`` and the reset time of a usage limit (``... limit reached|1767225600``, Unix seconds,
-    made relative to ``now``).
+    made relative to ``now``), cut to :data:`RETRY_AFTER_CAP_S`.
     """
     epoch = _EPOCH.search(text)
     if epoch:

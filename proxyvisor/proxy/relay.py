@@ -18,7 +18,6 @@ caller ends the client's stream with the format's error event.
 
 from __future__ import annotations
 
-import math
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator
@@ -30,6 +29,7 @@ import h11
 import orjson
 import trio
 
+from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
 from . import limits
 from .client import Connection, ConnectionPool, ConnectTimeout
@@ -183,7 +183,7 @@ def reply_headers(headers: Headers, status: int) -> Headers:
     out = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
     if status == 429 and not any(k.lower() == b"retry-after" for k, _ in out):
         ms = next((v.decode("latin-1") for k, v in out if k.lower() == b"retry-after-ms"), None)
-        seconds = max(1, math.ceil(float(ms) / 1000)) if ms and ms.replace(".", "", 1).isdigit() else 1
+        seconds = retry_after_header(None, 0.0, ms) or 1
         out.append((b"retry-after", str(seconds).encode()))
     return out
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +49,7 @@ import orjson
 import trio
 
 from ..adapters import litellm_bridge
+from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
 from .formats import WireFormat, sse
 from .relay import Headers, HttpRelay, UpstreamError, UpstreamReply
@@ -576,7 +576,5 @@ def _retry_after(exc: Exception) -> str | None:
     lower = {str(k).lower(): str(v) for k, v in dict(headers).items()}
     if lower.get("retry-after"):
         return lower["retry-after"]
-    try:
-        return str(max(1, math.ceil(float(lower["retry-after-ms"]) / 1000)))
-    except (KeyError, ValueError):
-        return None
+    seconds = retry_after_header(None, 0.0, lower.get("retry-after-ms"))
+    return str(seconds) if seconds else None

@@ -19,11 +19,12 @@ A step is a JSON object, one of:
   until a request body contains ``until`` (matched against the raw JSON body, so use text without quotes or
   backslashes); that request gets the next step instead. It stands for a model that repeats itself until
   something in its input changes (the demo's looping agent, answering a steer note);
-- ``{"fault": {...}}`` with one of ``"status": 429`` (plus optional ``"retry_after": "3"``; any 4xx/5xx works,
-  529 included), ``"first_byte_delay_s": 2.5`` (then the next turn), ``"reset_after_events": 3`` (send 3 SSE
-  events, then drop the connection without ending the chunked body), ``"stall_after_events": 3`` (send 3 events,
-  then nothing for ``stall_s``, default 3600 s), ``"truncate_body": true`` (a non-streaming JSON body cut in half),
-  ``"garbage": true`` (an SSE stream of undecodable events);
+- ``{"fault": {...}}`` with one of ``"status": 429`` (plus optional ``"retry_after": "3"`` and
+  ``"retry_after_ms": "1500"``, sent as they are; any 4xx/5xx works, 529 included), ``"first_byte_delay_s": 2.5``
+  (then the next turn), ``"reset_after_events": 3`` (send 3 SSE events, then drop the connection without ending
+  the chunked body), ``"stall_after_events": 3`` (send 3 events, then nothing for ``stall_s``, default 3600 s),
+  ``"truncate_body": true`` (a non-streaming JSON body cut in half), ``"garbage": true`` (an SSE stream of
+  undecodable events);
 - ``{"condense": {"results": [...]}}``: the answer to the next condenser call (below), queued apart from the
   turns, so it never answers an agent's request.
 
@@ -255,8 +256,9 @@ class ScriptedUpstream:
         if "status" in fault:
             status = int(fault["status"])
             headers = list(_JSON)
-            if "retry_after" in fault:
-                headers.append((b"retry-after", str(fault["retry_after"]).encode()))
+            for key, header in (("retry_after", b"retry-after"), ("retry_after_ms", b"retry-after-ms")):
+                if key in fault:
+                    headers.append((header, str(fault[key]).encode()))
             return Response(status, headers, fmt.error_body(status, fault.get("message", f"scripted {status}")))
         try:
             turn = turn_of(step) if step and not fault else auto_turn(fmt, body)
