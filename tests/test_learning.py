@@ -499,3 +499,53 @@ async def test_a_request_ending_with_a_system_message_gets_the_memory_before_it_
     assert roles == ["user", "system"] and RULE_TEXT in texts[0] and f.history(first)[1] == agents
     assert shared_prefix(f.prompt(first), f.prompt(second)) == sum(map(len, f.prompt(first)))
     assert orjson.dumps(second).count(RULE_TEXT.encode()) == 1
+
+
+def seeded(state: Path, scope: Path) -> tuple[Memory, str, str]:
+    """The memory of ``scope`` holding a rule and a fact, saved; with their ids."""
+    memory = Memory(str(scope.resolve()))
+    rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1 of session s0"), 1.0, "s0")
+    fact = memory.add(Candidate(ORIENTATION, "tests run with pytest -q", "action #1"), 1.0, "s0")
+    assert rule is not None and fact is not None
+    MemoryFiles(state / FOLDER).save(memory, set())
+    return memory, rule.id, fact.id
+
+
+async def test_a_running_proxy_recalls_no_forgotten_record_to_a_new_session(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _memory, rule, fact = seeded(state, tmp_path)
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        one = await session_one(proxy, tmp_path, "Add a flag.", "one")
+        assert rule in one.first_tail() and fact in one.first_tail()
+        assert main(["memory", "forget", rule, *common]) == 0
+        two = await session_one(proxy, tmp_path, "Add another flag.", "two")  # it ends a turn: the proxy saves
+        assert rule not in two.first_tail() and fact in two.first_tail()
+        saved = memory_of(state, tmp_path)
+        assert saved is not None and rule not in saved.records and fact in saved.records
+        assert main(["memory", "forget", "--all", *common]) == 0
+        three = Agent(proxy, "three", tmp_path, "Add a third flag.")
+        await three.turn(three.call("ls", "app.py"))
+        assert MEMORY_NOTE not in three.first_tail()
+        ledger = [orjson.loads(line) for line in (state / "ledger" / "two.jsonl").read_bytes().splitlines()]
+    recalled = ledger[0]["learning"]["recalled"]
+    assert fact in recalled and rule not in recalled
+
+
+async def test_a_memory_file_of_another_scope_turns_learning_off_and_is_never_written_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "state"
+    memory, _rule, _fact = seeded(state, tmp_path)
+    path = MemoryFiles(state / FOLDER).path(memory.scope)
+    path.write_bytes(Memory("/tmp/projX", memory.records.values()).encode())
+    before = path.read_bytes()
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        for session in ("one", "two"):
+            agent = await session_one(proxy, tmp_path, f"{RULE_TEXT} Also always run ruff. Add a flag.", session)
+            assert MEMORY_NOTE not in agent.first_tail()
+    assert path.read_bytes() == before
+    warned = [r.getMessage() for r in caplog.records if r.name == "proxyvisor.learning"]
+    assert len(warned) == 1 and str(path) in warned[0] and "/tmp/projX" in warned[0], warned
+

@@ -5,8 +5,13 @@
   directory:``), else :attr:`Learning.default_scope` (``proxyvisor wrap`` sets its own working directory); a
   folder inside a git repository counts as the repository's root. A session without a scope learns nothing.
 - **Files** (:class:`MemoryFiles`): ``STATE/memory/<hash of the scope>.json``, the folder 0700, each file 0600,
-  written atomically; a save merges what another process stored meanwhile and keeps records forgotten from the
-  command line forgotten. A file that cannot be read is left alone (logged) and nothing is written over it.
+  written atomically under a lock of the folder (:meth:`MemoryFiles.locked`, which ``proxyvisor memory`` takes
+  too); a save merges what another process stored meanwhile and keeps records forgotten from the
+  command line forgotten. A running proxy reads the file again, off the event loop, at a session's first request
+  when it changed since it last read or wrote it (:meth:`Learning._current`), so a ``proxyvisor memory forget``
+  holds for every session that starts after it. A file that cannot be read, or that holds another scope's memory,
+  is left alone: learning is off for its scope (one warning naming the file and how to reset it) and nothing is
+  written over it.
 - **Recall** (a step of ``Exchange.before_forward``): on a thread's first request that offers tools, after a tool
   result or a user message, and again when a compaction dropped the note's place: the session's Active Memory
   Pack (``proxyvisor.learning.pack``), assembled once per session and re-inserted byte for byte like the steer
@@ -24,6 +29,8 @@ With ``[supervisor.learning] enabled = false`` or supervision off, nothing here 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -31,7 +38,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +64,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("proxyvisor.learning")
 
 FOLDER = "memory"
+Stamp = tuple[int, int, int]
+"""A memory file's identity as :meth:`MemoryFiles.stamp` reads it: inode, modification time (ns), size. A write
+(always a new file, renamed into place) or a removal changes it."""
 _CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:Primary working directory|Working directory):[ \t]*(/[^\n]*?)"
                   r"[ \t]*$", re.MULTILINE)
 _SAFE_ROLES = ("tool", "user")
@@ -94,48 +104,75 @@ class MemoryFiles:
     def path(self, scope: str) -> Path:
         return self.root / (hashlib.blake2b(scope.encode(), digest_size=12).hexdigest() + ".json")
 
-    def read(self, path: Path) -> Memory | None:
+    def read(self, path: Path, scope: str | None = None) -> Memory | None:
         """The memory in ``path``; None when it does not exist.
 
         Raises:
-            OSError: it cannot be read; ValueError: it is not a memory file.
+            OSError: it cannot be read; ValueError: it is not a memory file, or (``scope`` given) it holds the
+                memory of another scope (a file edited or copied by hand: never taken for, nor written over by,
+                this one's).
         """
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        return Memory.decode(data)
+        memory = Memory.decode(data)
+        if scope is not None and memory.scope != scope:
+            raise ValueError(f"it holds the memory of {memory.scope!r}, not of {scope!r}")
+        return memory
 
-    def load(self, scope: str) -> Memory | None:
-        """The memory of ``scope`` (empty when it has none yet); None when its file cannot be read (logged)."""
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the memory folder's lock (made when missing), so that one process at a time reads and rewrites a
+        memory file: a record forgotten from the command line cannot be written back by a save that read the file
+        before. Blocks; take it off the event loop.
+
+        Raises:
+            OSError: the folder cannot be made or locked.
+        """
+        private_dir(self.root)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            memory = self.read(self.path(scope))
-        except (OSError, ValueError) as exc:
-            log.warning("the memory file %s cannot be read (%s); learning is off for %s", self.path(scope), exc,
-                        scope)
-            return None
-        return memory if memory is not None and memory.scope == scope else Memory(scope)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
-    def save(self, memory: Memory, loaded: set[str]) -> bool:
+    @staticmethod
+    def stamp(path: Path) -> Stamp | None:
+        """``path``'s :data:`Stamp`; None when it does not exist.
+
+        Raises:
+            OSError: it cannot be examined.
+        """
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def save(self, memory: Memory, loaded: set[str]) -> Stamp | None:
         """Write ``memory``, first taking in the records another process stored in its file since and dropping
-        those of ``loaded`` (the ids read from the file before) that are gone from it (forgotten). Returns
-        whether it was written (a failure is logged)."""
+        those of ``loaded`` (the ids read from the file before) that are gone from it (forgotten). Returns the
+        written file's stamp; None when it was not written (logged: among others, a file that cannot be read or
+        holds another scope's memory is never written over)."""
         path = self.path(memory.scope)
         try:
-            private_dir(self.root)
-            disk = self.read(path)
-            on_disk = disk.records if disk is not None and disk.scope == memory.scope else {}
-            for rid in loaded - on_disk.keys():
-                memory.forget(rid)
-            for rid, record in on_disk.items():
-                memory.records.setdefault(rid, record)
-            atomic_write(path, memory.encode())
+            with self.locked():
+                disk = self.read(path, memory.scope)
+                on_disk = disk.records if disk is not None else {}
+                for rid in loaded - on_disk.keys():
+                    memory.forget(rid)
+                for rid, record in on_disk.items():
+                    memory.records.setdefault(rid, record)
+                atomic_write(path, memory.encode())
+                stamp = self.stamp(path)
         except (OSError, ValueError) as exc:
             log.warning("cannot write the memory file %s: %s", path, exc)
-            return False
+            return None
         loaded.clear()
         loaded.update(memory.records)
-        return True
+        return stamp
 
     def all(self) -> list[tuple[Path, Memory | None]]:
         """Every memory file, with its memory (None: unreadable), by scope."""
@@ -159,6 +196,8 @@ class SessionLearning:
     counters /info shows."""
 
     scope: str | None
+    opened: bool = False
+    """Whether the session's first request looked at the scope's file (:meth:`Learning._open`)."""
     memory: Memory | None = None
     """The scope's memory, once read."""
     pack: Pack | None = None
@@ -231,19 +270,67 @@ class Learning:
         self.default_scope: str | None = None
         """The scope of a session whose client names no working directory (``wrap`` sets its own)."""
         self.memories: dict[str, Memory | None] = {}
+        """Each scope's memory as read (None: its file cannot be read, or holds another scope's memory)."""
         self.loaded: dict[str, set[str]] = {}
+        """Each scope's record ids its file held when last read or written."""
+        self.stamps: dict[str, Stamp | None] = {}
+        """Each scope's file stamp when last read or written (absent: never looked at)."""
 
     @property
     def on(self) -> bool:
         return self.files is not None
 
     def memory(self, scope: str) -> Memory | None:
-        """The memory of ``scope``, read once per proxy (None: its file is unreadable)."""
+        """The memory of ``scope`` as read so far, read here when it was not yet (None: its file cannot be read)."""
         if scope not in self.memories:
             assert self.files is not None
-            memory = self.memories[scope] = self.files.load(scope)
-            self.loaded[scope] = set(memory.records) if memory is not None else set()
+            path = self.files.path(scope)
+            try:
+                stamp = self.files.stamp(path)
+                self._take(scope, stamp, self.files.read(path, scope))
+            except (OSError, ValueError) as exc:
+                self._unreadable(scope, exc)
         return self.memories[scope]
+
+    async def _current(self, scope: str) -> Memory | None:
+        """The memory of ``scope`` as its file now holds it: the file is examined off the event loop and read again
+        only when it changed since this proxy last read or wrote it (a ``proxyvisor memory forget``, another
+        proxy's save): records gone from it are forgotten here too, records another process added are taken in.
+        None: the file cannot be read (learning is off for the scope until it can)."""
+        assert self.files is not None
+        path, before = self.files.path(scope), self.stamps.get(scope, ())
+        try:
+            stamp = await trio.to_thread.run_sync(self.files.stamp, path)
+            if stamp == before:
+                return self.memories[scope]
+            disk = await trio.to_thread.run_sync(self.files.read, path, scope)
+        except (OSError, ValueError) as exc:
+            if self.stamps.get(scope, ()) == before:
+                self._unreadable(scope, exc)
+            return self.memories.get(scope)
+        if self.stamps.get(scope, ()) == before:  # else a save or another read took the file in meanwhile
+            self._take(scope, stamp, disk)
+        return self.memories[scope]
+
+    def _take(self, scope: str, stamp: Stamp | None, disk: Memory | None) -> None:
+        """Take in ``disk``, the memory read from ``scope``'s file whose stamp was ``stamp`` (None: no file)."""
+        self.stamps[scope] = stamp
+        memory = self.memories.get(scope)
+        if memory is None:
+            memory = self.memories[scope] = disk or Memory(scope)
+            self.loaded[scope] = set(memory.records)
+        else:
+            self._merge(memory, disk or Memory(scope))
+
+    def _unreadable(self, scope: str, exc: Exception) -> None:
+        """Turn learning off for ``scope``, whose file cannot be read; warned once, until it can be again."""
+        assert self.files is not None
+        if self.memories.get(scope, Memory(scope)) is not None:
+            log.warning("the memory file %s cannot be read (%s); learning is off for %s and the file is left as it "
+                        "is (`proxyvisor memory forget --all --scope %s` removes it)", self.files.path(scope), exc,
+                        scope, scope)
+        self.memories[scope] = None
+        self.stamps.pop(scope, None)
 
     def _state(self, session: Session, exchange: Exchange) -> SessionLearning:
         state = session.learning
@@ -253,13 +340,20 @@ class Learning:
         return state
 
     def begin(self, session: Session, exchange: Exchange, background: trio.Nursery | None) -> None:
-        """Before ``exchange`` goes upstream: distill the pending material when its history was rewritten or
-        another thread began (a compaction; the distill call, when one is worth it, in ``background``), and add
-        the recall step when the thread has no memory note in place."""
+        """Before ``exchange`` goes upstream: on the session's first, add the step that looks at the scope's file
+        and recalls (:meth:`_open`); later, distill the pending material when its history was rewritten or another
+        thread began (a compaction; the distill call, when one is worth it, in ``background``), and add the recall
+        step when the thread has no memory note in place."""
         if not self.on or not exchange.tools:
             return
         state = self._state(session, exchange)
-        if state.scope is None or (memory := self.memory(state.scope)) is None:
+        if state.scope is None:
+            return
+        if not state.opened:
+            state.opened = True
+            exchange.steps.append(functools.partial(self._open, state))
+            return
+        if (memory := self.memories.get(state.scope)) is None:
             return
         state.memory = memory
         if state.pending is not None and (exchange.record.rebuilt or state.pending_thread is not exchange.thread):
@@ -269,6 +363,13 @@ class Learning:
             return
 
         exchange.steps.append(functools.partial(self._recall, state, memory))
+
+    async def _open(self, state: SessionLearning, exchange: Exchange) -> None:
+        """A session's first request: its scope's memory as the file now holds it (:meth:`_current`), recalled."""
+        assert state.scope is not None
+        if (memory := await self._current(state.scope)) is not None:
+            state.memory = memory
+            await self._recall(state, memory, exchange)
 
     async def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
         tail = exchange.anchor
@@ -386,12 +487,16 @@ class Learning:
     def _save(self, memory: Memory) -> None:
         assert self.files is not None
         copy, loaded = self._snapshot(memory)
-        self.files.save(copy, loaded)
-        self._merge(memory, copy)
+        self._written(memory, copy, self.files.save(copy, loaded))
 
     async def _saved(self, memory: Memory) -> None:
         """:meth:`_save` with the file work off the event loop."""
         assert self.files is not None
         copy, loaded = self._snapshot(memory)
-        await trio.to_thread.run_sync(self.files.save, copy, loaded)
-        self._merge(memory, copy)
+        self._written(memory, copy, await trio.to_thread.run_sync(self.files.save, copy, loaded))
+
+    def _written(self, memory: Memory, copy: Memory, stamp: Stamp | None) -> None:
+        """After ``copy`` of ``memory`` was saved as ``stamp`` (None: it was not written)."""
+        if stamp is not None and self.memories.get(memory.scope) is memory:
+            self.stamps[memory.scope] = stamp
+            self._merge(memory, copy)
