@@ -1,11 +1,13 @@
 """Command line of ``proxyvisor memory list|show|forget`` (registered by cli.py): a project's memory, read and
-changed in its file (``proxyvisor.proxy.learning.MemoryFiles``) without a proxy. A running proxy takes a
-``forget`` into account at its next save (records forgotten from the file stay forgotten)."""
+changed in its file (``proxyvisor.proxy.learning.MemoryFiles``, under its lock) without a proxy. A running proxy
+reads the changed file at its next session's start and at its next save: a forgotten record stays forgotten. A
+file that cannot be read (or holds another folder's memory) is only ever removed, by ``forget --all``."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable
@@ -15,7 +17,10 @@ from .cli import _FILES
 from .config import Config
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .learning.memory import Memory
+    from .proxy.learning import MemoryFiles
 
 _HELP = textwrap.dedent("""\
     Show or forget what proxyvisor learnt in a project ([supervisor.learning]). Each project folder (a
@@ -34,7 +39,7 @@ _HELP = textwrap.dedent("""\
       list              the scope's records: id, kind, label, credit, archived, text
       show ID           one record in full (source, times, session, uses)
       forget ID         remove one record
-      forget --all      remove the scope's whole memory file
+      forget --all      remove the scope's whole memory file (also one that cannot be read)
 
     The scope is --scope DIR, else [supervisor.learning] scope, else the current folder.
     """)
@@ -73,7 +78,6 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     import orjson
 
     from .proxy.learning import FOLDER, MemoryFiles, project_root
-    from .store import atomic_write
 
     if args.action in ("show", "forget") and not args.id and not (args.action == "forget" and args.all):
         print(f"proxyvisor memory {args.action}: needs an ID" + (" or --all" if args.action == "forget" else ""),
@@ -85,39 +89,69 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     scope = project_root(args.scope or config.supervisor.learning.scope or os.getcwd())
     files = MemoryFiles(config.state_dir() / FOLDER)
     path = files.path(scope)
+    if args.action == "forget":
+        return _forget(files, scope, args.id)
     try:
-        memory = files.read(path)
+        memory = files.read(path, scope)
     except (OSError, ValueError) as exc:
-        print(f"proxyvisor memory: {path} cannot be read: {exc}", file=sys.stderr)
+        print(_unreadable(path, scope, exc), file=sys.stderr)
         return 1
-    if memory is None or memory.scope != scope:
+    if memory is None:
         print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
         return 1
     if args.action == "list":
         return _list(memory, args.json)
-    record = memory.records.get(args.id) if args.id else None
-    if args.id and record is None:
+    record = memory.records.get(args.id)
+    if record is None:
         print(f"proxyvisor memory: no record {args.id} in the memory of {scope}", file=sys.stderr)
         return 1
-    if args.action == "show":
-        assert record is not None
-        if args.json:
-            print(orjson.dumps(msgspec.to_builtins(record), option=orjson.OPT_INDENT_2).decode())
-        else:
-            for name in record.__struct_fields__:
-                print(f"{name}: {getattr(record, name)}")
-        return 0
+    if args.json:
+        print(orjson.dumps(msgspec.to_builtins(record), option=orjson.OPT_INDENT_2).decode())
+    else:
+        for name in record.__struct_fields__:
+            print(f"{name}: {getattr(record, name)}")
+    return 0
+
+
+def _unreadable(path: Path, scope: str, exc: BaseException) -> str:
+    return (f"proxyvisor memory: {path} cannot be read: {exc}; learning is off for {scope} until "
+            f"`proxyvisor memory forget --all --scope {shlex.quote(scope)}` removes it")
+
+
+def _forget(files: MemoryFiles, scope: str, rid: str | None) -> int:
+    """Forget record ``rid`` of ``scope``, or (None) its whole file, readable or not, under the folder's lock."""
+    from .store import atomic_write
+
+    path = files.path(scope)
+    if not files.root.is_dir():
+        print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
+        return 1
     try:
-        if args.all:
-            path.unlink()
-            print(f"forgot {len(memory.records)} record(s) of {scope}")
-            return 0
-        memory.forget(args.id)
-        atomic_write(path, memory.encode())
+        with files.locked():
+            try:
+                memory = files.read(path, scope)
+            except (OSError, ValueError) as exc:
+                if rid is not None:
+                    print(_unreadable(path, scope, exc), file=sys.stderr)
+                    return 1
+                path.unlink()
+                print(f"removed the memory file {path} of {scope}, which could not be read ({exc})")
+                return 0
+            if memory is None:
+                print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
+                return 1
+            if rid is None:
+                path.unlink()
+                print(f"forgot {len(memory.records)} record(s) of {scope}")
+                return 0
+            if not memory.forget(rid):
+                print(f"proxyvisor memory: no record {rid} in the memory of {scope}", file=sys.stderr)
+                return 1
+            atomic_write(path, memory.encode())
     except OSError as exc:
         print(f"proxyvisor memory: cannot change {path}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    print(f"forgot {args.id}")
+    print(f"forgot {rid}")
     return 0
 
 

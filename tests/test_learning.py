@@ -549,3 +549,24 @@ async def test_a_memory_file_of_another_scope_turns_learning_off_and_is_never_wr
     warned = [r.getMessage() for r in caplog.records if r.name == "proxyvisor.learning"]
     assert len(warned) == 1 and str(path) in warned[0] and "/tmp/projX" in warned[0], warned
 
+
+@pytest.mark.parametrize("damage", ["truncated", "another scope"])
+def test_an_unreadable_memory_file_is_named_with_its_reset_and_forget_all_removes_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    state = tmp_path / "state"
+    memory, rule, _fact = seeded(state, tmp_path)
+    path = MemoryFiles(state / FOLDER).path(memory.scope)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated"
+                     else Memory("/tmp/projX", memory.records.values()).encode())
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+    for command in (["list"], ["show", rule], ["forget", rule]):
+        assert main(["memory", *command, *common]) == 1
+        err = capsys.readouterr().err
+        assert f"{path} cannot be read" in err and "proxyvisor memory forget --all --scope" in err, err
+        assert path.exists()
+    assert main(["memory", "forget", "--all", *common]) == 0
+    assert f"removed the memory file {path}" in capsys.readouterr().out
+    assert not path.exists()
+    assert main(["memory", "list", *common]) == 1
+    assert "no memory for" in capsys.readouterr().err
