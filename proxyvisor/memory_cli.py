@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 import sys
 import textwrap
 from collections.abc import Callable
@@ -37,12 +38,15 @@ _HELP = textwrap.dedent("""\
 
     subcommands:
       list              the scope's records: id, kind, label, credit, archived, text
-      show ID           one record in full (source, times, session, uses)
+      show ID           one record in full: source, when it was stored and last seen (UTC), the
+                        session that stored it, how many sessions it was recalled to and how many
+                        times a status line named it as used
       forget ID         remove one record
       forget --all      remove the scope's whole memory file (also one that cannot be read)
 
     The scope is --scope DIR, else [supervisor.learning] scope, else the current folder.
     """)
+_COUNTS = {"used": "times a session's status line named it as used", "recalled": "sessions it was recalled to"}
 _EXIT = textwrap.dedent("""\
     exit status:
       0 done; 1 no memory for the scope, no such record, or the memory file cannot be read or
@@ -79,6 +83,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
     from .proxy.learning import FOLDER, MemoryFiles, project_root
 
+    if args.action != "forget" and args.all or args.action == "list" and args.id \
+            or args.action == "forget" and args.json:
+        given = "--all" if args.action != "forget" and args.all else args.id if args.action == "list" else "--json"
+        print(f"proxyvisor memory {args.action}: unexpected {given}", file=sys.stderr)
+        return 2
     if args.action in ("show", "forget") and not args.id and not (args.action == "forget" and args.all):
         print(f"proxyvisor memory {args.action}: needs an ID" + (" or --all" if args.action == "forget" else ""),
               file=sys.stderr)
@@ -107,9 +116,14 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         return 1
     if args.json:
         print(orjson.dumps(msgspec.to_builtins(record), option=orjson.OPT_INDENT_2).decode())
-    else:
-        for name in record.__struct_fields__:
-            print(f"{name}: {getattr(record, name)}")
+        return 0
+    for name in record.__struct_fields__:
+        value = getattr(record, name)
+        if name in ("created", "seen"):
+            value = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(value))
+        elif name in _COUNTS:
+            value = f"{value} ({_COUNTS[name]})"
+        print(f"{name}: {value}")
     return 0
 
 

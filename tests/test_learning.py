@@ -570,3 +570,26 @@ def test_an_unreadable_memory_file_is_named_with_its_reset_and_forget_all_remove
     assert not path.exists()
     assert main(["memory", "list", *common]) == 1
     assert "no memory for" in capsys.readouterr().err
+
+
+def test_memory_show_prints_utc_times_and_what_its_counts_count_and_stray_arguments_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    memory, rule, _fact = seeded(state, tmp_path)
+    memory.seen([rule], 86_400.0)
+    memory.seen([rule], 2 * 86_400.0)
+    MemoryFiles(state / FOLDER).save(memory, set(memory.records))
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+    assert main(["memory", "show", rule, *common]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert "created: 1970-01-01T00:00:01Z" in shown and "seen: 1970-01-03T00:00:00Z" in shown
+    assert "recalled: 2 (sessions it was recalled to)" in shown
+    assert "used: 0 (times a session's status line named it as used)" in shown
+    assert main(["memory", "show", rule, "--json", *common]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw["created"] == 1.0 and raw["seen"] == 2 * 86_400.0 and raw["recalled"] == 2
+    for stray in (["list", "extra"], ["list", "--all"], ["show", rule, "--all"], ["forget", rule, "--json"]):
+        assert main(["memory", *stray, *common]) == 2, stray
+        assert "unexpected" in capsys.readouterr().err
+    kept = memory_of(state, tmp_path)
+    assert kept is not None and rule in kept.records

@@ -68,7 +68,7 @@ def clip(text: str) -> str:
 class Record(msgspec.Struct, frozen=True, kw_only=True):
     """One memory record (module docstring). ``created`` / ``seen``: Unix times when it was first stored and
     last stored again or recalled; ``session``: the session that first stored it; ``used``: times the self-report
-    named it."""
+    named it as used; ``recalled``: sessions it was recalled to."""
 
     id: str
     kind: str
@@ -81,6 +81,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     seen: float = 0.0
     session: str = ""
     used: int = 0
+    recalled: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,10 @@ class Memory:
         return moved
 
     def seen(self, ids: Iterable[str], now: float) -> None:
-        """Mark the records ``ids`` recalled at ``now`` (retention counts from it)."""
+        """Mark the records ``ids`` recalled (to one session) at ``now`` (retention counts from it)."""
         for rid in ids:
             if (record := self.records.get(rid)) is not None:
-                self.records[rid] = msgspec.structs.replace(record, seen=now)
+                self.records[rid] = msgspec.structs.replace(record, seen=now, recalled=record.recalled + 1)
 
     def forget(self, rid: str) -> bool:
         """Remove record ``rid``; whether it was there."""
