@@ -106,6 +106,15 @@ class StateConfig(Table, frozen=True):
     max_sessions: Annotated[int, integer(Range(1))] = 1024
 
 
+class TelemetryConfig(Table, frozen=True):
+    """``[telemetry]``: OpenTelemetry traces (``proxyvisor.proxy.telemetry``). ``otlp_endpoint``: the OTLP/HTTP
+    base URL (``http://host:4318``; ``/v1/traces`` is appended unless the URL names that path already); empty = off,
+    and the OpenTelemetry SDK is never imported. ``service_name``: the resource's ``service.name``."""
+
+    otlp_endpoint: str = ""
+    service_name: str = "proxyvisor"
+
+
 class ModelConfig(Table, frozen=True):
     """``[supervisor.model]``: the model proxyvisor calls itself (verifier, refuter, planner, condenser).
 
@@ -347,6 +356,7 @@ class Config(Table, frozen=True):
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     model_routing: ModelRoutingConfig = msgspec.field(default_factory=ModelRoutingConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     source: str = "built-in defaults"
 
     def state_dir(self, env: Mapping[str, str] | None = None) -> Path:
@@ -387,6 +397,7 @@ class _Document(Table, frozen=True):
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     model_routing: dict[str, Any] = {}
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
 
 def _error(source: str, tables: tuple[str, ...], problem: Problem, key: str = "") -> ConfigError:
@@ -432,7 +443,8 @@ def parse(document: dict[str, Any], source: str = "<memory>") -> Config:
     upstreams = tuple(_convert(source, ("upstreams", name), _named(source, ("upstreams", name), table),
                                UpstreamConfig) for name, table in doc.upstreams.items())
     config = Config(proxy=doc.proxy, upstreams=upstreams, state=doc.state, supervisor=doc.supervisor,
-                    model_routing=parse_model_routing(doc.model_routing, source), source=source)
+                    model_routing=parse_model_routing(doc.model_routing, source), telemetry=doc.telemetry,
+                    source=source)
     _check(config)
     return config
 
@@ -471,6 +483,12 @@ def _check(config: Config) -> None:
 
     where = config.source
     p = config.proxy
+    endpoint = config.telemetry.otlp_endpoint
+    if endpoint and not (endpoint.startswith(("http://", "https://")) and endpoint.partition("://")[2].strip("/")):
+        raise ConfigError(f"{where}: [telemetry] otlp_endpoint must be an http:// or https:// URL (an OTLP/HTTP "
+                          f"receiver, e.g. http://localhost:4318), got {endpoint!r}")
+    if endpoint and not config.telemetry.service_name.strip():
+        raise ConfigError(f"{where}: [telemetry] service_name must not be empty")
     if not is_loopback(p.host) and not p.auth_token:
         raise ConfigError(
             f"{where}: [proxy] host = {p.host!r} is not a loopback address; binding elsewhere requires "

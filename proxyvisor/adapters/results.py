@@ -12,7 +12,9 @@ retention time.
 **Evidence** (seed 000): OpenTelemetry GenAI attribute names where they exist (``gen_ai.provider.name`` the
 adapter, ``gen_ai.agent.id`` the role, ``gen_ai.request.model`` the model actually used,
 ``gen_ai.conversation.id`` the runtime's native session), plus ``capacity_scope``, ``health_state``,
-``health_probe``, ``error_category``, ``retry_after_s`` and the W3C ``trace_id`` shared with the parent.
+``health_probe``, ``error_category``, ``retry_after_s``, the W3C ``trace_id`` shared with the parent and the
+``span_id`` of the delegation (the parent span of the child's own work: the span id of the ``traceparent`` it is
+handed).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def child_traceparent(parent: str | None) -> str:
 def trace_id_of(traceparent: str) -> str:
     match = _TRACEPARENT.match(traceparent)
     return match.group(1) if match else ""
+
+
+def span_id_of(traceparent: str) -> str:
+    match = _TRACEPARENT.match(traceparent)
+    return match.group(2) if match else ""
 
 
 class ClaimStore(LazyCache):
@@ -123,6 +130,7 @@ def evidence(role: str, adapter: str, model: str, pool: str, admission: Admissio
         "error_category": error_category or (failure.category if failure else None),
         "retry_after_s": retry_after_s or (failure.retry_after_s if failure else None),
         "trace_id": trace_id_of(traceparent),
+        "span_id": span_id_of(traceparent),
     }
     if outcome is not None:
         attributes.update({

@@ -17,8 +17,8 @@ With supervision on and ``[model_routing] enabled`` (both gates, seed 000), :cla
   calls them again if it still needs them); on a stream, those that reached the agent before the delegation call
   stay in its answer, and the agent runs them. What the upstream saw beyond the agent's history is re-inserted
   at the same place in the agent's later requests (``Delegated``, :mod:`proxyvisor.proxy.supervise`), so the
-  upstream prefix stays stable. Every child shares one trace with the request: the agent's W3C ``traceparent``
-  header when it sends one, else a fresh trace.
+  upstream prefix stays stable. Every child shares one trace with the request (``Exchange.trace``: a span under
+  the agent's W3C ``traceparent`` header when it sends one, else a fresh trace).
 - **``POST /proxyvisor/delegate``**: ``{"role", "prompt"}`` (optional ``complexity``, ``caller`` (the delegating
   role, for nested delegation along the supervision graph), ``adapter``/``model``/``effort`` overrides) runs one
   child and answers :meth:`~proxyvisor.adapters.delegate.Delegation.as_dict`; a ``traceparent`` header makes
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,7 @@ class ProxyDelegation:
     def close(self) -> None:
         self.delegator.close()
 
-    def turn(self, exchange: Exchange, traceparent: str | None = None) -> DelegationTurn | None:
+    def turn(self, exchange: Exchange) -> DelegationTurn | None:
         """Offer the delegation tools on ``exchange.body`` (in place) and return the request's turn, or None when
         this request gets none (module docstring)."""
         if not self.offered or exchange.tail is None or exchange.tail.role not in ("user", "tool"):
@@ -110,7 +111,7 @@ class ProxyDelegation:
         if not tools:
             return None
         exchange.fmt.add_tools(exchange.body, tools)
-        return DelegationTurn(self, exchange, frozenset(t.name for t in tools), traceparent)
+        return DelegationTurn(self, exchange, frozenset(t.name for t in tools))
 
     async def endpoint(self, request: Request) -> Response:
         """``POST /proxyvisor/delegate`` (module docstring)."""
@@ -149,18 +150,19 @@ def _error(status: int, message: str) -> Response:
 
 class DelegationTurn:
     """The delegations of one agent request: runs the children the model asks for and builds the items the turn
-    continues with. ``results`` holds, per delegation, its status, record id and evidence (for the ledger)."""
+    continues with. ``results`` holds, per delegation, its status, record id and evidence (for the ledger), and
+    ``times`` its wall times (ns since the epoch, for the trace)."""
 
-    def __init__(self, owner: ProxyDelegation, exchange: Exchange, names: frozenset[str],
-                 traceparent: str | None) -> None:
+    def __init__(self, owner: ProxyDelegation, exchange: Exchange, names: frozenset[str]) -> None:
         self.owner = owner
         self.exchange = exchange
         self.fmt: WireFormat = exchange.fmt
         self.names = names
-        self.trace = child_traceparent(traceparent)
-        """This request's span: a child of the agent's own when it sent a valid ``traceparent``."""
+        self.trace = exchange.trace or child_traceparent(None)
+        """This request's span, which the children's spans go under."""
         self.budget = Budget(owner.routing.children.budget_tokens)
         self.results: list[dict[str, Any]] = []
+        self.times: list[tuple[int, int]] = []
 
     def continuation(self, resend: Resend, background: trio.Nursery | None = None) -> Continuation:
         """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls,
@@ -185,13 +187,16 @@ class DelegationTurn:
 
     async def _delegate(self, role: str, call_id: str, arguments: dict[str, Any]) -> CallResult:
         prompt = arguments.get("prompt")
+        start = time.time_ns()
         if not isinstance(prompt, str) or not prompt.strip():
             self.results.append({"role": role, "call_id": call_id, "status": INVALID_STATUS})
+            self.times.append((start, start))
             return CallResult(call_id, f"Tool '{role}' failed: invalid: the input must be {{\"prompt\": \"...\"}} "
                                        "with the whole task as a non-empty string", True)
         done = await self.owner.delegator.delegate(role, prompt, traceparent=self.trace, budget=self.budget)
         self.results.append({"role": role, "call_id": call_id, "status": done.status, "record_id": done.record_id,
                              **done.evidence})
+        self.times.append((start, time.time_ns()))
         log.info("delegated to %s (%s): %s on %s", role, call_id, done.status,
                  done.evidence.get("capacity_scope") or "-")
         return CallResult(call_id, done.result.as_text(), done.result.is_error)

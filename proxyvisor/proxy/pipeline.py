@@ -58,11 +58,13 @@ from . import commands, estimate, web
 from .web import WebView
 from .info import agent_of, ledger_fields
 from .delegation import ProxyDelegation
+from ..adapters.results import child_traceparent
+from . import telemetry
 from .authorizing import Authorizer
 from .breakers import Dispatch, breakers_for
 from .gating import Gating, eligible
 from .learning import FOLDER as MEMORY_FOLDER, Learning
-from .supervise import Exchange, ModelUse, Supervisor
+from .supervise import Exchange, ModelCallTime, ModelUse, Supervisor
 from .closing import close
 from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost, last_event_start
 from .reply import Encoded, ReplyStream, off_loop
@@ -169,6 +171,7 @@ class Pipeline:
             self.sessions.on_end = self._end_learning
         self.breakers = breakers_for(config, store.root if store is not None else None)
         self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock)
+        self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -186,6 +189,8 @@ class Pipeline:
         if self.breakers is not None:
             self.breakers.close()
         self.web.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def _end_learning(self, session: Session) -> None:
         """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill.
@@ -405,8 +410,10 @@ class Pipeline:
             if exchange.model is not None:
                 exchange.model = _timed(exchange.model, exchange.record.model)
             exchange.send = send
+            if self.delegation is not None or self.telemetry is not None:
+                exchange.trace = child_traceparent(traceparent)
             if self.delegation is not None:
-                exchange.delegation = self.delegation.turn(exchange, traceparent)
+                exchange.delegation = self.delegation.turn(exchange)
         except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
             log.exception("supervision failed for session %s; forwarding the request unsupervised", session.id)
             return None
@@ -530,15 +537,18 @@ class Pipeline:
             assert isinstance(reply.body, bytes)
             if session is not None:
                 usage = Usage()
+                model = None
                 if reply.status < 400 and self.supervised:
                     try:
                         answer = reply.json()
+                        model = telemetry.response_model(answer)
                         turn = fmt.parse_response(answer)
                         usage = estimate.completed(self._ledger_usage(fmt, fmt.usage(answer)), fmt, body, turn)
                         self._delivered(session, fmt, body, turn)
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
-                self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange)
+                self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange,
+                              response_model=model)
             return Response(reply.status, headers, reply.body)
         return Response(reply.status, headers, self._stream(request, fmt, reply, body, session, overhead, exchange))
 
@@ -640,7 +650,8 @@ class Pipeline:
                             turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
                     usage = estimate.completed(usage, fmt, body, turn, unread)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
-                              usage, overhead, message, exchange)
+                              usage, overhead, message, exchange, response_model=telemetry.response_model(
+                                  event_object(events[0][1])) if self.telemetry is not None and events else None)
                 self._delivered(session, fmt, body, shown)
 
     def _delivered(self, session: Session, fmt: WireFormat, body: dict[str, Any] | None,
@@ -660,10 +671,13 @@ class Pipeline:
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                  status: int, usage: Usage, overhead_s: float, failure: str | None = None,
-                 exchange: Exchange | None = None, local: str | None = None) -> None:
+                 exchange: Exchange | None = None, local: str | None = None,
+                 response_model: str | None = None) -> None:
         """Count the request in its session and write its ledger line: with the delegations it ran and what
         supervision did (``proxyvisor.proxy.info.ledger_fields``), or, for ``local``, the command proxyvisor
-        answered itself (``proxyvisor.proxy.commands``; not counted as a model request)."""
+        answered itself (``proxyvisor.proxy.commands``; not counted as a model request). With tracing on, the
+        same record makes the request's spans (``proxyvisor.proxy.telemetry``; ``response_model``: the model the
+        answer names)."""
         if session is None:
             return
         if local is None:
@@ -674,7 +688,7 @@ class Pipeline:
             session.overhead_ms += overhead_s * 1000
             if status >= 400:
                 session.errors += 1
-        if self.store is None or not self.supervised:
+        if not self.supervised or (self.store is None and self.telemetry is None):
             return
         record = {
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -702,10 +716,31 @@ class Pipeline:
             self._learn(session, exchange)
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
+        if self.telemetry is not None:
+            self._trace(record, session, request, exchange, response_model)
+        if self.store is None:
+            return
         if self.store.append_ledger(session.id, record):
             self.web.feed.publish(session.id, record)
         else:
             session.unrecorded += 1
+
+    def _trace(self, record: dict[str, Any], session: Session, request: Request, exchange: Exchange | None,
+               response_model: str | None) -> None:
+        """Export the spans of the request whose ledger line is ``record`` (``proxyvisor.proxy.telemetry``)."""
+        assert self.telemetry is not None  # the caller checked
+        parent = request.header("traceparent")
+        use = exchange.record.model if exchange is not None else None
+        turn = exchange.delegation if exchange is not None else None
+        self.telemetry.request(
+            record, session_id=session.id, trace=exchange.trace if exchange is not None and exchange.trace
+            else child_traceparent(parent), parent=parent, start_ns=telemetry.wall_ns(request.received_at),
+            end_ns=time.time_ns(), response_model=response_model, model_route=use.route if use else None,
+            model_calls=[telemetry.ModelCallSpan(
+                t.start_ns, t.end_ns, t.purpose, t.answer.input_tokens if t.answer else None,
+                t.answer.output_tokens if t.answer else None, t.error) for t in (use.timeline if use else ())],
+            delegations=[telemetry.DelegationSpan(result, start, end) for result, (start, end)
+                         in zip(turn.results, turn.times)] if turn is not None else ())
 
 
     def _learn(self, session: Session, exchange: Exchange) -> None:
@@ -718,7 +753,8 @@ class Pipeline:
 
 def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
     """``call``, adding to ``use.time_s`` the wall time during which at least one of its calls was under way
-    (concurrent calls count once), which the proxy overhead leaves out."""
+    (concurrent calls count once), which the proxy overhead leaves out, and each call's times to
+    ``use.timeline`` (the trace's spans)."""
     busy = 0
     since = 0.0
 
@@ -727,12 +763,18 @@ def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
         if busy == 0:
             since = time.perf_counter()
         busy += 1
+        start, answer, failure = time.time_ns(), None, "Cancelled"
         try:
-            return await call(messages)
+            answer = await call(messages)
+            return answer
+        except Exception as exc:
+            failure = type(exc).__name__
+            raise
         finally:
             busy -= 1
             if busy == 0:
                 use.time_s += time.perf_counter() - since
+            use.timeline.append(ModelCallTime(start, time.time_ns(), answer, None if answer else failure))
 
     return timed
 

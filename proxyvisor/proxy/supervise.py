@@ -112,6 +112,18 @@ class Grafted:
 
 
 @dataclass
+class ModelCallTime:
+    """One supervisor model call's wall times (ns since the epoch), its answer (None: it failed, ``error`` the
+    exception's type name) and the purpose it was recorded for (empty until :meth:`ModelUse.record`)."""
+
+    start_ns: int
+    end_ns: int
+    answer: ModelAnswer | None
+    error: str | None = None
+    purpose: str = ""
+
+
+@dataclass
 class ModelUse:
     """The supervisor model's calls for one request: ``calls`` by purpose (``condense``, ``verify``, ``refute``,
     ``plan``), their tokens and cost in USD (each :class:`~proxyvisor.supervisor_model.ModelAnswer`'s) over the
@@ -126,9 +138,15 @@ class ModelUse:
     """Wall time (s) during which a call was under way (``proxyvisor.proxy.pipeline`` times them)."""
     route: dict[str, str] = field(default_factory=dict)
     """Which route and model the calls take: ``{"route": "session"|"litellm"|"supplied", "model": name}``."""
+    timeline: list[ModelCallTime] = field(default_factory=list)
+    """Each call made, in the order they ended (``proxyvisor.proxy.pipeline`` times them), for the trace."""
 
     def record(self, purpose: str, answer: ModelAnswer | None) -> None:
-        """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed)."""
+        """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed). The earliest timed
+        call not yet recorded with that answer (a failed one for None) is labelled with ``purpose``."""
+        timed = next((t for t in self.timeline if not t.purpose and t.answer is answer), None)
+        if timed is not None:
+            timed.purpose = purpose
         self.calls[purpose] += 1
         if answer is not None:
             self.input_tokens += answer.input_tokens
@@ -395,6 +413,9 @@ class Exchange:
         session's route it holds the request's credentials: it lives as long as the exchange, never longer."""
         self.send: Send | None = None
         """Sends a body the way the request went: continued turns."""
+        self.trace: str | None = None
+        """The W3C ``traceparent`` of the request's own span (a child of the client's), which its delegated
+        children and its trace share; None when neither tracing nor delegation is on."""
         self.secrets: list[str] = []
         """The credentials the request carries (``proxyvisor.proxy.session_model.secrets_of``): what learning
         never stores. Never written anywhere."""
