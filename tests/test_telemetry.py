@@ -37,6 +37,7 @@ from helpers import ask
 ROOT = Path(__file__).resolve().parent.parent
 _IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 TRACE = "6bf92f3577b34da6a3ce929d0e0e4736"
+OTHER_TRACE = "7bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 CALL = {"text": "Let me ask the reviewer.",
         "tool_calls": [{"name": "reviewer", "arguments": {"prompt": "Review app.py for bugs."}, "id": "call_rev_1"}]}
@@ -219,12 +220,18 @@ async def test_a_delegation_tree_is_one_trace_in_a_real_receiver(
     port = _free_port()
     # The parent model calls the reviewer; the child's litellm request comes back through the proxy and gets the
     # child's answer; the parent's turn is continued, and its end is gated (the scripted verifier passes it).
-    upstream = ScriptedUpstream([CALL, CHILD, FINAL])
+    # Then a caller asks for a delegation on its own (POST /proxyvisor/delegate) in a trace of its own.
+    upstream = ScriptedUpstream([CALL, CHILD, FINAL, CHILD])
     store = Store(tmp_path / "state")
     async with running(_delegating_config(port, phoenix.url), port=port, store=store,
                        scripted={"scripted": upstream}) as rp:
         answer = await ask("chat", rp.url, stream=True, headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
+        async with httpx.AsyncClient(timeout=60) as client:
+            asked = await client.post(rp.url + "/proxyvisor/delegate",
+                                      json={"role": "reviewer", "prompt": "Review util.py."},
+                                      headers={"traceparent": f"00-{OTHER_TRACE}-{CLIENT_SPAN}-01"})
     assert answer.text.endswith(FINAL["text"]) and answer.tool_calls == ()
+    assert asked.status_code == 200 and asked.json()["result"] == CHILD["text"]
     ledger = [r for s in store.sessions() for r in store.read_ledger(s)]
     (parent_line,) = [r for r in ledger if r.get("delegations")]
     assert parent_line["gate"]["outcome"] and parent_line["delegations"][0]["status"] == "ok"
@@ -262,3 +269,9 @@ async def test_a_delegation_tree_is_one_trace_in_a_real_receiver(
     assert child_request["name"] == "chat scripted-model"
     assert child_request["attributes"]["gen_ai.usage.output_tokens"] > 0
     assert delegation["context"]["span_id"] == parent_line["delegations"][0]["span_id"]
+
+    # The endpoint's delegation: its span under the caller's, the child's request under it.
+    endpoint, child = sorted(phoenix.spans(OTHER_TRACE, at_least=2), key=lambda s: s["start_time"])
+    assert (endpoint["name"], endpoint["parent_id"]) == ("invoke_agent reviewer", CLIENT_SPAN)
+    assert endpoint["context"]["span_id"] == asked.json()["evidence"]["span_id"]
+    assert (child["name"], child["parent_id"]) == ("chat scripted-model", endpoint["context"]["span_id"])

@@ -54,6 +54,7 @@ from .continuation import Continuation, Resend
 from .formats import CHAT, ToolSpec, WireFormat
 from .formats.base import CallResult
 from .server import Request, Response
+from .telemetry import Tracing
 
 if TYPE_CHECKING:  # supervision holds the delegation turn of its exchange
     from .supervise import Exchange
@@ -83,8 +84,10 @@ def tool_for(role: RoleConfig) -> ToolSpec:
 class ProxyDelegation:
     """Delegation for one proxy (module docstring). ``state_dir`` holds pool health and claim checks."""
 
-    def __init__(self, config: Config, state_dir: Path | None = None) -> None:
+    def __init__(self, config: Config, state_dir: Path | None = None, tracing: Tracing | None = None) -> None:
         self.routing = config.model_routing
+        self.tracing = tracing
+        """Where the endpoint's delegations go as spans (``proxyvisor.proxy.telemetry``); None: tracing off."""
         self.delegator = Delegator(config, state_dir=state_dir)
         edges = {r.name: r.supervises for r in self.routing.roles}
         self.tools = [tool_for(r) for r in self.routing.roles if may_delegate(edges, ROOT, r.name)]
@@ -129,10 +132,14 @@ class ProxyDelegation:
                                f"(strings); got {'unknown keys ' + ', '.join(unknown) if unknown else 'bad values'}")
         if data.get("complexity") and data["complexity"] not in COMPLEXITY:
             return _error(400, f"complexity must be one of {', '.join(COMPLEXITY)}")
+        start = time.time_ns()
         result = await self.delegator.delegate(
             data["role"], data["prompt"], caller=data.get("caller") or ROOT, complexity=data.get("complexity") or None,
             override=RouteTarget(data.get("adapter", ""), data.get("model", ""), data.get("effort", "")),
             traceparent=request.header("traceparent"))
+        if self.tracing is not None and result.evidence:
+            self.tracing.delegation({"role": data["role"], "status": result.status, "record_id": result.record_id,
+                                     **result.evidence}, start, time.time_ns(), request.header("traceparent"))
         status, headers = 200, list(_JSON)
         if result.status == INVALID_STATUS:
             status = 400

@@ -161,7 +161,8 @@ class Pipeline:
             config.supervisor, store.root if store is not None and condense else None))
         self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
-        self.delegation = ProxyDelegation(config, store.root if store is not None else None) \
+        self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
+        self.delegation = ProxyDelegation(config, store.root if store is not None else None, self.telemetry) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.authorizer = Authorizer(config.supervisor.authorizer)
         self.learning = Learning(config.supervisor.learning, store.root / MEMORY_FOLDER
@@ -171,7 +172,6 @@ class Pipeline:
             self.sessions.on_end = self._end_learning
         self.breakers = breakers_for(config, store.root if store is not None else None)
         self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock)
-        self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""

@@ -326,7 +326,24 @@ class Tracing:
                            SpanContext(parent.trace_id, 0, parent.sampled), parent, call.start_ns, attrs)
         self._end(span, call.end_ns, call.error)
 
-    def _delegation(self, delegation: DelegationSpan, parent: SpanContext) -> None:
+    def delegation(self, result: Mapping[str, Any], start_ns: int, end_ns: int, parent: str | None) -> None:
+        """Export the span of a delegation asked for on its own (``POST /proxyvisor/delegate``): ``result`` its
+        answer's evidence with its ``role`` and ``status``; ``parent``: the caller's ``traceparent`` header (None or
+        invalid: the span starts the delegation's trace). Never raises."""
+        try:
+            context = parse_traceparent(parent)
+            trace_id = result.get("trace_id")
+            if context is None and isinstance(trace_id, str) and trace_id:
+                self._delegation(DelegationSpan(result, start_ns, end_ns), None, int(trace_id, 16))
+            elif context is not None:
+                self._delegation(DelegationSpan(result, start_ns, end_ns), context, remote=True)
+        except Exception:  # noqa: BLE001 - tracing must never cost a request
+            log.exception("OpenTelemetry: the span of a delegation to %s was not made", result.get("role"))
+
+    def _delegation(self, delegation: DelegationSpan, parent: SpanContext | None, trace_id: int = 0,
+                    remote: bool = False) -> None:
+        """The ``invoke_agent`` span of ``delegation`` under ``parent`` (None: a root span in trace ``trace_id``;
+        ``remote``: a caller's span)."""
         result = delegation.result
         role = str(result.get("role") or "")
         evidence = {k: v for k, v in result.items() if k not in ("attempts", "role")}
@@ -335,9 +352,11 @@ class Tracing:
             name = key if key.startswith("gen_ai.") else f"proxyvisor.delegation.{key}"
             attributes(name, value, attrs)
         span_id = result.get("span_id")
-        own = SpanContext(parent.trace_id, int(span_id, 16) if isinstance(span_id, str) and span_id else 0,
-                          parent.sampled)
-        span = self._start(f"invoke_agent {role}", "CLIENT", own, parent, delegation.start_ns, attrs)
+        own = SpanContext(parent.trace_id if parent is not None else trace_id,
+                          int(span_id, 16) if isinstance(span_id, str) and span_id else 0,
+                          parent.sampled if parent is not None else True)
+        span = self._start(f"invoke_agent {role}", "CLIENT", own, parent, delegation.start_ns, attrs,
+                           remote)
         for attempt in result.get("attempts") or ():
             if isinstance(attempt, Mapping):
                 span.add_event("proxyvisor.delegation.attempt", attributes("", attempt), delegation.start_ns)
