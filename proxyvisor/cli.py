@@ -479,6 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(leaf, ConfigError):
             print(f"proxyvisor: configuration error: {leaf}", file=sys.stderr)
             return 2
+        from .store import StoreUnusable
+
+        if isinstance(leaf, StoreUnusable):
+            print(f"proxyvisor: {leaf}", file=sys.stderr)
+            return 1
         if isinstance(leaf, KeyboardInterrupt):
             return 130
         if isinstance(leaf, BrokenPipeError):

@@ -11,8 +11,9 @@ always starts after a newline, so a torn last line (a power cut) stays a line of
 ledger.
 
 Every store in the state directory is optional: the ledger, the condense decisions and spill files, and
-delegation's pool health and claim checks. :func:`unusable` tells, without writing, why one cannot work; the
-proxy then runs with the feature that needs it off (``proxyvisor.proxy.pipeline``).
+delegation's pool health, claim checks and dead letters. :func:`unusable` tells, without writing, why one cannot work;
+the proxy then runs with the feature that needs it off (``proxyvisor.proxy.pipeline``), and a command reading it
+stops with :class:`StoreUnusable`.
 """
 
 from __future__ import annotations
@@ -68,6 +69,16 @@ def private_dir(path: Path) -> Path:
 def private_opener(path: str, flags: int) -> int:
     """An ``opener`` for :func:`open` whose new files are 0600 (the umask may only remove more)."""
     return os.open(path, flags, 0o600)
+
+
+class StoreUnusable(Exception):
+    """A store in the state directory cannot be read: the message names the store, the path at fault and why
+    (:func:`unusable`), and what to do; nothing was read or changed."""
+
+    def __init__(self, store: str, reason: str) -> None:
+        super().__init__(f"the {store} store cannot be used: {reason}; nothing was read or changed (move it aside or "
+                         f"fix its permissions, and proxyvisor starts the store again, empty; or use another state "
+                         f"directory)")
 
 
 def unusable(folder: Path, database: str = "") -> str | None:

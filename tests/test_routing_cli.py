@@ -293,6 +293,37 @@ def test_health_show_and_clear(capsys) -> None:
         "claude-code:haiku-4-5"]
 
 
+def _garbage_databases(state: Path, store: str) -> tuple[Path, str]:
+    (state / store).mkdir(parents=True)
+    (state / store / "cache.db").write_text("garbage\n")
+    return state / store / "cache.db", "cannot be read as a database (file is not a database)"
+
+
+def _file_in_place(state: Path, store: str) -> tuple[Path, str]:
+    state.mkdir(parents=True)
+    (state / store).write_text("x\n")
+    return state / store, "is not a folder"
+
+
+@pytest.mark.parametrize("make_bad", [_garbage_databases, _file_in_place], ids=["garbage-database", "file-in-place"])
+@pytest.mark.parametrize("store, argv", [
+    ("health", ["health", "show"]), ("health", ["health", "show", "--json"]),
+    ("health", ["health", "clear"]), ("health", ["health", "clear", "upstream"]),
+    ("dead_letters", ["delegate", "--dead-letters"]), ("dead_letters", ["delegate", "--dead-letters", "--json"]),
+], ids=["show", "show-json", "clear", "clear-upstream", "dead-letters", "dead-letters-json"])
+def test_a_store_that_cannot_be_used_is_one_line_naming_it_never_a_traceback_or_all_healthy(
+        tmp_path: Path, capsys, make_bad, store: str, argv: list[str]) -> None:
+    state = tmp_path / "state"
+    culprit, reason = make_bad(state, store)
+    before = files_under(state)
+    code, out, err = cli(capsys, *argv, "--state-dir", str(state))
+    assert (code, out) == (1, ""), "no listing, no 'every pool is healthy', no 'cleared 0 pool(s)'"
+    assert err == (f"proxyvisor: the {store.replace('_', ' ')} store cannot be used: {culprit} {reason}; nothing was "
+                   "read or changed (move it aside or fix its permissions, and proxyvisor starts the store again, "
+                   "empty; or use another state directory)\n")
+    assert files_under(state) == before
+
+
 def test_delegate_shows_progress_as_plain_lines_and_logger_detail_only_when_asked(tmp_path: Path, capsys) -> None:
     config = tmp_path / "config.toml"
     config.write_text(f'[model_routing]\nenabled = true\nadapters_dir = "{FIXTURE_ADAPTERS}"\n'

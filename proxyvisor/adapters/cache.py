@@ -12,7 +12,7 @@ from typing import Any
 
 import diskcache
 
-from ..store import private_dir
+from ..store import StoreUnusable, private_dir, unusable
 
 
 def open_cache(path: Path, **settings: Any) -> diskcache.Cache:
@@ -47,6 +47,19 @@ class LazyCache:
 
     def exists(self) -> bool:
         return self.root.is_dir()
+
+    def readable(self) -> bool:
+        """Whether the store holds anything to read: False while it does not exist (nothing was ever written).
+        Checked without creating or changing anything (:func:`proxyvisor.store.unusable`).
+
+        Raises:
+            StoreUnusable: the store cannot be used (a file where its folder should be, a folder proxyvisor may not
+                write, a ``cache.db`` that is not a database), rather than reading as empty.
+        """
+        reason = unusable(self.root, "cache.db")
+        if reason is not None:
+            raise StoreUnusable(self.root.name.replace("_", " "), reason)
+        return self.exists()
 
     def close(self) -> None:
         if self._cache is not None:

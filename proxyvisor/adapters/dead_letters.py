@@ -50,8 +50,12 @@ class DeadLetterStore(LazyCache):
         return sorted((v for v in found if isinstance(v, dict)), key=lambda v: (v.get("created_at", 0), v["id"]))
 
     def all(self) -> list[dict[str, Any]]:
-        """Every dead letter not expired, oldest first; creates nothing if the store does not exist."""
-        if not self.exists():
+        """Every dead letter not expired, oldest first; creates nothing if the store does not exist.
+
+        Raises:
+            StoreUnusable: the store cannot be used (:meth:`~proxyvisor.adapters.cache.LazyCache.readable`).
+        """
+        if not self.readable():
             return []
         with self._lock:
             self._db().expire()

@@ -52,8 +52,12 @@ class HealthStore(LazyCache):
         return self._load(pool, self._db().get(_PREFIX + pool))
 
     def all(self) -> list[PoolHealth]:
-        """Every pool with recorded health, by name."""
-        if not self.exists():
+        """Every pool with recorded health, by name.
+
+        Raises:
+            StoreUnusable: the store cannot be used (:meth:`~proxyvisor.adapters.cache.LazyCache.readable`).
+        """
+        if not self.readable():
             return []
         db = self._db()
         keys = sorted(k for k in db.iterkeys() if isinstance(k, str) and k.startswith(_PREFIX))
@@ -122,8 +126,12 @@ class HealthStore(LazyCache):
     def clear(self, name: str = "") -> list[str]:
         """Forget the health of every pool (``name`` empty), of one pool, or of every pool whose name starts with
         ``name:`` (an adapter's pools; ``upstream:NAME``: an upstream's pools of the agent's own requests).
-        Returns the pools cleared."""
-        if not self.exists():
+        Returns the pools cleared.
+
+        Raises:
+            StoreUnusable: the store cannot be used; nothing was cleared.
+        """
+        if not self.readable():
             return []
         cleared = []
         with self._lock:
