@@ -17,6 +17,8 @@ import orjson
 import pytest
 import trio
 
+from proxyvisor.config import Config
+from proxyvisor.proxy.pipeline import check_state
 from proxyvisor.serve import stop_notices
 from proxyvisor.store import Store
 
@@ -157,6 +159,29 @@ def test_serve_with_a_bad_state_dir_names_the_cause_and_serves_on(tmp_path: Path
     if make_bad is not _corrupt_databases:
         assert "not recorded in the ledger (the ledger is off" in text, text
         assert (files_under(state) if state.is_dir() else None) == before  # nothing written where it cannot be
+
+
+@pytest.mark.parametrize("bad", ["file-in-place", "garbage-database"])
+def test_a_dead_letter_store_that_cannot_work_is_named_once_as_serve_starts_and_delegation_stays_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: str) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    if bad == "file-in-place":
+        (state / "dead_letters").write_text("x\n")
+        culprit, reason = state / "dead_letters", "is not a folder"
+    else:
+        (state / "dead_letters").mkdir()
+        (state / "dead_letters" / "cache.db").write_text("garbage\n")
+        culprit, reason = state / "dead_letters" / "cache.db", "cannot be read as a database (file is not a database)"
+    config = Config().with_overrides(model_routing={"enabled": True})
+    with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
+        assert check_state(config, Store(state)) == (True, True)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"state directory: {culprit} {reason}: keeping dead letters is off (")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
+        check_state(Config(), Store(state))
+    assert not caplog.records, "delegation off: its dead letters are not checked"
 
 
 async def test_a_ledger_that_cannot_be_read_is_an_error_naming_the_file(start_proxy, state_dir: Path) -> None:

@@ -118,8 +118,9 @@ def check_state(config: Config, store: Store | None) -> tuple[bool, bool]:
     """Check, without writing, the stores in ``store``'s state directory that the enabled features need, and
     turn off each feature whose store cannot work, with one warning naming the path and why: the ledger
     (``store.ledger_off``: requests are then counted in memory only), condensing (its decisions and spill files)
-    and delegation (pool health and claim checks). Every store is optional: none of them is needed to relay an
-    answer. Returns whether condensing and delegation may run."""
+    and delegation (pool health and claim checks); a dead-letter store that cannot work is only warned about (a
+    dead letter not stored is said in the parent's error). Every store is optional: none of them is needed to relay
+    an answer. Returns whether condensing and delegation may run."""
     if store is None:
         return True, True
     root = store.root
@@ -135,6 +136,9 @@ def check_state(config: Config, store: Store | None) -> tuple[bool, bool]:
         "condensing", "tool results go upstream whole", ("condense", "cache.db"), ("spill", "")))
     delegate = not (config.model_routing.enabled and problem(
         "delegation", "the model is offered no delegation tools", ("health", "cache.db"), ("claims", "cache.db")))
+    if config.model_routing.enabled and delegate:
+        problem("keeping dead letters", "a hand-off that fails on every attempt is still reported to the model, but "
+                "not kept for 'proxyvisor delegate --dead-letters'", ("dead_letters", "cache.db"))
     return condense, delegate
 
 
