@@ -162,7 +162,7 @@ class CondenseEngine:
         # A text has at most as many tokens as UTF-8 bytes, and at most 4 bytes per character.
         large = [r for r in results if len(r.text) * 4 > floor]
         keys = {r.call_id: decision_key(session, r.call_id, r.text) for r in large}
-        known, counts = await trio.to_thread.run_sync(self._lookup, large, keys)
+        known, counts = await trio.to_thread.run_sync(self._lookup, large, keys) if large else ({}, {})
         pending: list[tuple[ToolResult, int]] = []
         hidden = False
         for result in large:
@@ -195,9 +195,13 @@ class CondenseEngine:
         if self.cache is not None and fresh:
             settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
             report.decisions.update({c: settled[keys[c]] for c in fresh})
-        with self._lock:
-            for result in large:  # decided now: a recall from before (a rewritten history's) no longer holds
-                self._texts.pop((session, result.call_id, result.text), None)
+        if self.cache is not None:
+            # What the cache now holds for each result read or decided here (None: nothing): the next request,
+            # which repeats them, recalls them from memory, with no worker thread (a recall from before, a
+            # rewritten history's, no longer holds).
+            with self._lock:
+                for result in large:
+                    self._memo(session, result, report.decisions.get(result.call_id))
         return report
 
     async def recall(self, session: str, results: Sequence[ToolResult]) -> dict[str, Decision]:
@@ -239,12 +243,18 @@ class CondenseEngine:
                     continue
                 self._remember(key, decision)
             with self._lock:
-                self._texts[(session, result.call_id, result.text)] = decision
-                while len(self._texts) > _DECISION_MEMO:
-                    self._texts.popitem(last=False)
+                self._memo(session, result, decision)
             if decision is not None:
                 found[result.call_id] = decision
         return found
+
+    def _memo(self, session: str, result: ToolResult, decision: Decision | None) -> None:
+        """(Under ``_lock``.) What :meth:`recall` finds for ``result`` of ``session`` from now on."""
+        memo = (session, result.call_id, result.text)
+        self._texts.pop(memo, None)
+        self._texts[memo] = decision
+        while len(self._texts) > _DECISION_MEMO:
+            self._texts.popitem(last=False)
 
     def _remember(self, key: str, decision: Decision | None) -> None:
         with self._lock:
