@@ -9,9 +9,11 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from proxyvisor.detectors.selfreport import INSTRUCTION
 from proxyvisor.gate import plan as plans
+from proxyvisor.proxy.bodies import BodyCache
 from proxyvisor.proxy.commands import command_of, strip_exchanges
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES
 
@@ -193,6 +195,32 @@ def test_strip_exchanges_removes_each_command_and_its_answer_only() -> None:
     assert claude["messages"][0]["content"] == "List the files."
     untouched = {"messages": [{"role": "user", "content": "Fix it."}]}
     assert strip_exchanges(CHAT, untouched) == 0 and untouched == {"messages": [{"role": "user", "content": "Fix it."}]}
+
+
+_TURNS = {
+    "command": {"role": "user", "content": "/info"},
+    "prompt": {"role": "user", "content": "Fix it."},
+    "system": {"role": "system", "content": "mid"},
+    "answer": {"role": "assistant", "content": "| counter | value |"},
+    "call": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}]},
+    "result": {"role": "tool", "tool_call_id": "c", "content": "ok"},
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(sorted(_TURNS)), max_size=4), min_size=1, max_size=8))
+def test_strip_exchanges_of_a_growing_history_reads_only_new_items_and_drops_the_same(
+        growth: list[list[str]]) -> None:
+    """A history that grows request by request (parsed from its new bytes, its items kept) is stripped as if it
+    were read whole each time, whichever split of commands, system messages and answers the growth makes."""
+    cache, history = BodyCache(), [{"role": "system", "content": "s"}]
+    for added in growth:
+        history += [_TURNS[name] for name in added]
+        raw = orjson.dumps({"model": MODEL, "messages": history, "stream": False})
+        kept, whole = cache.loads("messages", "chat", raw), orjson.loads(raw)
+        assert strip_exchanges(CHAT, kept) == strip_exchanges(CHAT, whole)
+        assert kept == whole
 
 
 async def test_plan_shows_the_live_plan_of_the_thread(start_proxy) -> None:

@@ -109,10 +109,16 @@ def _is_command(fmt: WireFormat, item: Any) -> bool:
 def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
     """Remove every command exchange from the history of ``body`` (in place): each user message that is a
     command, and the assistant message (text only) that follows it, system messages between them aside.
-    Returns how many items were removed. Call it only when the request is not itself a command."""
+    Returns how many items were removed. Call it only when the request is not itself a command.
+
+    Reads only the items new since an earlier request of the same body lineage (:class:`~.formats.base.Item`):
+    what the items up to its last one drop is kept on that item, once no command among them waits for its
+    answer."""
     items = fmt.history(body)
-    drop: set[int] = set()
-    for index, item in enumerate(items):
+    start, drop = _stripped(items)
+    settled = True  # no command among the items read waits for an item after them
+    for index in range(start, len(items)):
+        item = items[index]
         kept = derived(item)  # an item repeated from an earlier request: whether it is a command is kept on it
         command = kept.get("command") if kept is not None else None
         if command is None:
@@ -125,13 +131,27 @@ def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
         after = index + 1
         while after < len(items) and fmt.message(items[after]).role == "system":
             after += 1
-        if after < len(items):
+        settled = after < len(items)
+        if settled:
             answer = fmt.message(items[after])
             if answer.role == "assistant" and not answer.tool_uses:
                 drop.add(after)
+    if settled and items and (kept := derived(items[-1])) is not None:
+        kept["strip"] = (len(items), frozenset(drop))
     if drop:
         body[fmt.history_field] = [item for index, item in enumerate(items) if index not in drop]
     return len(drop)
+
+
+def _stripped(items: list[Any]) -> tuple[int, set[int]]:
+    """(how many of ``items`` an earlier :func:`strip_exchanges` read, the positions it dropped among them): from
+    the latest item that kept them at its own place (none: (0, nothing))."""
+    for start in range(len(items), 0, -1):
+        kept = derived(items[start - 1])
+        found = kept.get("strip") if kept is not None else None
+        if found is not None and found[0] == start:
+            return start, set(found[1])
+    return 0, set()
 
 
 # ---- answers ---------------------------------------------------------------------------------------------------
