@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from .formats.base import Item, derived
+from .formats.base import ByIdentity, Item, derived
 
 HEAD = 512
 """Bytes of a body's start that select the cached bodies it is compared with."""
@@ -219,7 +219,7 @@ def chunks(body: Any, field: str) -> tuple[bytes, ...]:
             part.append(b",")
         part.append(orjson.dumps(key))
         if key != field:
-            part += (b":", orjson.dumps([value])[1:-1])  # one level down, as in the body
+            part += (b":", _VALUES.get(value, _value) if type(value) in (list, dict) else _value(value))
             continue
         part.append(b":[")
         out.append(b"".join(part))
@@ -228,6 +228,15 @@ def chunks(body: Any, field: str) -> tuple[bytes, ...]:
     part.append(b"}")
     out.append(b"".join(part))
     return tuple(out)
+
+
+def _value(value: Any) -> bytes:
+    return orjson.dumps([value])[1:-1]  # one level down, as in the body
+
+
+_VALUES = ByIdentity()
+"""The bytes of a body's values beside its history, by the value (the tool declarations, the same object in every
+request of a session that repeats them): written once."""
 
 
 SEGMENT = 64

@@ -49,6 +49,29 @@ class Item(dict[str, Any]):
         self.derived: dict[Hashable, Any] = {}
 
 
+class ByIdentity:
+    """Values computed from parts of request bodies that are never changed in place (like :class:`Item`: the values
+    before and after a body's history, which ``proxyvisor.proxy.bodies`` shares between the requests that repeat
+    them, such as the tool declarations), by the part's identity: a request that repeats the very same object gets
+    what was computed from it. Each value is kept with its object, so that object's id cannot be reused while it is
+    kept; at most ``size`` are kept (all forgotten at once past it)."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._kept: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, part: Any, make: Callable[[Any], Any]) -> Any:
+        """``make(part)``, computed once per object ``part`` while it is kept."""
+        kept = self._kept.get(id(part))
+        if kept is not None and kept[0] is part:
+            return kept[1]
+        value = make(part)
+        if len(self._kept) >= self.size:
+            self._kept.clear()
+        self._kept[id(part)] = (part, value)
+        return value
+
+
 def derived(item: Any) -> dict[Hashable, Any] | None:
     """Where values computed from ``item`` may be kept (None: not an :class:`Item`, compute them each time)."""
     return item.derived if type(item) is Item else None

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
-                   dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   interleave_runs, edited, leading_system, split_json, sse, sse_json, with_field, words)
+from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside,
+                   chat_text, dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text,
+                   interleave, interleave_runs, edited, leading_system, split_json, sse, sse_json, with_field, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
@@ -55,15 +55,7 @@ class ChatFormat(WireFormat):
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         """The ``function`` tools and the ``custom`` (freeform) ones of ``tools``."""
-        out = []
-        for tool in as_list(body.get("tools")):
-            kind = "custom" if isinstance(tool, dict) and tool.get("type") == "custom" else "function"
-            fn = tool.get(kind) if isinstance(tool, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-                schema = fn.get("parameters") if kind == "function" else None
-                about = text if isinstance(text := fn.get("description"), str) else ""
-                out.append(ToolSpec(fn["name"], schema if isinstance(schema, dict) else {}, about, kind))
-        return out
+        return list(_TOOLS.get(body.get("tools"), _tools))
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         messages = body.get("messages") or []
@@ -517,3 +509,19 @@ def _call_id() -> str:
 
 
 CHAT = ChatFormat()
+
+
+_TOOLS = ByIdentity()
+""":meth:`ChatFormat.tools` by the ``tools`` list, which the requests of a session repeat."""
+
+
+def _tools(tools: Any) -> list[ToolSpec]:
+    out = []
+    for tool in as_list(tools):
+        kind = "custom" if isinstance(tool, dict) and tool.get("type") == "custom" else "function"
+        fn = tool.get(kind) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            schema = fn.get("parameters") if kind == "function" else None
+            about = text if isinstance(text := fn.get("description"), str) else ""
+            out.append(ToolSpec(fn["name"], schema if isinstance(schema, dict) else {}, about, kind))
+    return out

@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of, arguments_of,
-                   as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text, interleave,
-                   interleave_runs, split_json, sse, with_field, words)
+from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of,
+                   arguments_of, as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text,
+                   interleave, interleave_runs, split_json, sse, with_field, words)
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
 
 
@@ -66,15 +66,7 @@ class MessagesFormat(WireFormat):
         """Every named tool of ``tools``: a client tool (``input_schema``; Anthropic's ``custom`` type) is a
         ``function``, any other (``bash_20250124``, ``text_editor_*``, the server tools ``web_search_*``...) has
         its declared type as its kind."""
-        out = []
-        for tool in as_list(body.get("tools")):
-            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
-                kind = declared if isinstance(declared := tool.get("type"), str) and "input_schema" not in tool else ""
-                schema = tool.get("input_schema")
-                about = text if isinstance(text := tool.get("description"), str) else ""
-                out.append(ToolSpec(tool["name"], schema if isinstance(schema, dict) else {}, about,
-                                    "function" if kind in ("", "custom") else kind))
-        return out
+        return list(_TOOLS.get(body.get("tools"), _tools))
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         messages = body.get("messages") or []
@@ -608,3 +600,19 @@ def _tool_id() -> str:
 
 
 MESSAGES = MessagesFormat()
+
+
+_TOOLS = ByIdentity()
+""":meth:`MessagesFormat.tools` by the ``tools`` list, which the requests of a session repeat."""
+
+
+def _tools(tools: Any) -> list[ToolSpec]:
+    out = []
+    for tool in as_list(tools):
+        if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            kind = declared if isinstance(declared := tool.get("type"), str) and "input_schema" not in tool else ""
+            schema = tool.get("input_schema")
+            about = text if isinstance(text := tool.get("description"), str) else ""
+            out.append(ToolSpec(tool["name"], schema if isinstance(schema, dict) else {}, about,
+                                "function" if kind in ("", "custom") else kind))
+    return out
