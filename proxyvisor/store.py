@@ -50,19 +50,28 @@ def private_dir(path: Path) -> Path:
     Raises:
         OSError: a component is not a folder, or a folder cannot be made or changed.
     """
+    try:  # the folder exists on every call but the first: one stat, no exception
+        return _tightened(path, path.stat().st_mode)
+    except FileNotFoundError:
+        pass
     try:
         path.mkdir(mode=0o700)
     except FileNotFoundError:
         private_dir(path.parent)
         return private_dir(path)  # made by another thread meanwhile, or by us now
     except FileExistsError:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
-        if mode & 0o077:
-            os.chmod(path, mode & 0o700)
-        return path
+        return _tightened(path, path.stat().st_mode)
     os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+    return path
+
+
+def _tightened(path: Path, mode: int) -> Path:
+    """``path``, an existing file of ``mode``, once it is known to be a folder without group or other permissions.
+    Raises NotADirectoryError, or OSError when its mode cannot be changed."""
+    if not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    if stat.S_IMODE(mode) & 0o077:
+        os.chmod(path, stat.S_IMODE(mode) & 0o700)
     return path
 
 
