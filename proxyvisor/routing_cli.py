@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from .adapters.descriptors import Registry, TargetError, registry_for
+from .adapters.health import named
 from .adapters.overview import health_json, routing_json
 from .config import Config, ModelRoutingConfig, RouteTarget, default_config_path, find_config_file
 from .rules import CHILD_WALL_CLOCK, COMPLEXITY, FALLBACK_POLICIES, ROUTING_MODES
@@ -211,10 +212,10 @@ def register(commands: Any, common: Callable[..., None], formatter: type) -> Non
     hshow.add_argument("--json", action="store_true", help="print JSON")
     common(hshow)
     hclear = hactions.add_parser("clear", help="forget pool state", formatter_class=formatter)
-    hclear.add_argument("name", nargs="?", default="", metavar="POOL|ADAPTER",
+    hclear.add_argument("name", nargs="?", metavar="POOL|ADAPTER",
                         help="one pool (ADAPTER:BUCKET or upstream:NAME:MODEL, as 'health show' names it), every "
                              "pool of an adapter, of an upstream (upstream:NAME) or of the agent (upstream) "
-                             "(default: every pool); a name no pool or adapter has is an error")
+                             "(default: every pool); a name no pool or adapter has, or an empty one, is an error")
     common(hclear)
     health.set_defaults(handler=_health)
 
@@ -528,7 +529,7 @@ def _declared_pools(registry: Registry) -> list[str]:
 def _names_a_pool(name: str, recorded: list[str], registry: Registry) -> bool:
     """Whether ``name`` is a pool or an adapter ``health clear`` can mean: one with recorded health, or one the
     descriptors declare (an adapter with ``pool_per_model`` meters any ``<adapter>:<model>``)."""
-    if any(pool == name or pool.startswith(name + ":") for pool in recorded) or name in _declared_pools(registry):
+    if any(named(pool, name) for pool in recorded) or name in _declared_pools(registry):
         return True
     adapter, _, model = name.partition(":")
     descriptor = registry.descriptors.get(adapter)
@@ -541,11 +542,17 @@ def _health(args: argparse.Namespace, config: Config) -> int:
 
     c = config.model_routing.cooldown
     store = HealthStore(config.state_dir() / "health", Cooldown(c.default_seconds, c.maximum_seconds))
+    if args.action == "clear" and args.name is not None and not args.name.strip():
+        # An unset "$POOL" in a script: never read as "every pool".
+        print("proxyvisor: health clear: the pool name is empty; nothing cleared (name a pool or an adapter as "
+              "'health show' lists them, 'upstream' for every pool of the agent, or give no name for every pool)",
+              file=sys.stderr)
+        return 2
     try:
         if args.action == "clear":
             recorded = [p.pool for p in store.all()]
             registry = registry_for(config.model_routing.adapters_dir)
-            if args.name and not _names_a_pool(args.name, recorded, registry):
+            if args.name is not None and not _names_a_pool(args.name, recorded, registry):
                 known = sorted(set(recorded) | set(_declared_pools(registry)))
                 print(f"proxyvisor: no pool or adapter is named {args.name!r}; nothing cleared (known pools: "
                       f"{', '.join(known) or 'none'})", file=sys.stderr)

@@ -293,6 +293,33 @@ def test_health_show_and_clear(capsys) -> None:
         "claude-code:haiku-4-5"]
 
 
+def _two_upstreams_cooling(state: Path) -> list[str]:
+    store = HealthStore(state / "health", Cooldown())
+    pools = ["upstream:a:m1", "upstream:a:m2", "upstream:ab:m1", "claude-code:opus-4x"]
+    for pool in pools:
+        store.settle_sync(pool, time.time(), Failure("capacity", True, "known_failed", 120))
+    store.close()
+    return pools
+
+
+@pytest.mark.parametrize("name", ["", " ", "\t"], ids=["empty", "space", "tab"])
+@pytest.mark.parametrize("action", ["clear"])
+def test_an_empty_pool_name_is_an_error_never_every_pool(capsys, action: str, name: str) -> None:
+    """A script's unset "$POOL" (``health clear "$POOL"``) clears nothing: every pool takes no name at all."""
+    state = Path(os.environ["PROXYVISOR_STATE_DIR"])
+    pools = _two_upstreams_cooling(state)
+    code, out, err = cli(capsys, "health", action, name)
+    done = "cleared" if action == "clear" else "shown"
+    assert (code, out) == (2, "")
+    assert err == (f"proxyvisor: health {action}: the pool name is empty; nothing {done} (name a pool or an adapter "
+                   "as 'health show' lists them, 'upstream' for every pool of the agent, or give no name for every "
+                   "pool)\n")
+    assert sorted(p.pool for p in HealthStore(state / "health", Cooldown()).all()) == sorted(pools)
+    with pytest.raises(ValueError, match="an empty pool name names no pool"):
+        HealthStore(state / "health", Cooldown()).clear(name)
+    assert cli(capsys, "health", "clear")[:2] == (0, f"cleared 4 pool(s): {', '.join(sorted(pools))}\n")
+
+
 def _garbage_databases(state: Path, store: str) -> tuple[Path, str]:
     (state / store).mkdir(parents=True)
     (state / store / "cache.db").write_text("garbage\n")

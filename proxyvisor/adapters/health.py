@@ -136,6 +136,13 @@ class Admission:
     failure_count: int = 0
 
 
+def named(pool: str, name: str) -> bool:
+    """Whether ``name`` names ``pool``: the pool itself, or a prefix of its name ending at a ``:`` (an adapter, for
+    its ``<adapter>:<bucket>`` pools; ``upstream:NAME`` or ``upstream`` for the agent's ``upstream:NAME:MODEL``).
+    An empty or blank ``name`` names no pool."""
+    return bool(name.strip()) and (pool == name or pool.startswith(name + ":"))
+
+
 def _step(health: PoolHealth, event: str) -> str | None:
     return TRANSITIONS.get((health.state, event))
 

@@ -23,7 +23,7 @@ import trio
 
 from .cache import LazyCache
 from .failures import Failure
-from .health import HEALTHY, Admission, Cooldown, PoolHealth, admit, release, settle
+from .health import HEALTHY, Admission, Cooldown, PoolHealth, admit, named, release, settle
 
 _PREFIX = "pool:"
 
@@ -123,14 +123,17 @@ class HealthStore(LazyCache):
         read off the event loop; writes nothing."""
         return await trio.to_thread.run_sync(lambda: self.get(pool).recovery_at(now), limiter=self._one)
 
-    def clear(self, name: str = "") -> list[str]:
-        """Forget the health of every pool (``name`` empty), of one pool, or of every pool whose name starts with
-        ``name:`` (an adapter's pools; ``upstream:NAME``: an upstream's pools of the agent's own requests).
-        Returns the pools cleared.
+    def clear(self, name: str | None = None) -> list[str]:
+        """Forget the health of every pool (``name`` None), or of the pools ``name`` names
+        (:func:`~proxyvisor.adapters.health.named`: one pool, an adapter's, ``upstream:NAME`` an upstream's,
+        ``upstream`` the agent's). Returns the pools cleared.
 
         Raises:
+            ValueError: ``name`` is empty or blank (never "every pool": that is None); nothing was cleared.
             StoreUnusable: the store cannot be used; nothing was cleared.
         """
+        if name is not None and not name.strip():
+            raise ValueError("an empty pool name names no pool")
         if not self.readable():
             return []
         cleared = []
@@ -138,7 +141,7 @@ class HealthStore(LazyCache):
             db = self._db()
             with db.transact():
                 for health in self.all():
-                    if not name or health.pool == name or health.pool.startswith(name + ":"):
+                    if name is None or named(health.pool, name):
                         db.delete(_PREFIX + health.pool)
                         cleared.append(health.pool)
         return cleared
