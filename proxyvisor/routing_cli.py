@@ -208,7 +208,11 @@ def register(commands: Any, common: Callable[..., None], formatter: type) -> Non
         (upstream:<upstream>:<model>, under [supervisor.breakers]). State is shared by every proxy using the
         state directory, survives restarts and is forgotten only by 'clear'."""))
     hactions = health.add_subparsers(dest="action", metavar="ACTION", required=True)
-    hshow = hactions.add_parser("show", help="print every pool's state", formatter_class=formatter)
+    hshow = hactions.add_parser("show", help="print the pools' state", formatter_class=formatter)
+    hshow.add_argument("name", nargs="?", metavar="POOL|ADAPTER",
+                       help="one pool (ADAPTER:BUCKET or upstream:NAME:MODEL), every pool of an adapter, of an "
+                            "upstream (upstream:NAME) or of the agent (upstream) (default: every pool); a name no "
+                            "pool or adapter has is an error")
     hshow.add_argument("--json", action="store_true", help="print JSON")
     common(hshow)
     hclear = hactions.add_parser("clear", help="forget pool state", formatter_class=formatter)
@@ -520,16 +524,27 @@ def _delegate(args: argparse.Namespace, config: Config) -> int:
 # ---- health ---------------------------------------------------------------------------------------------
 
 
-def _declared_pools(registry: Registry) -> list[str]:
-    """Every pool the adapter descriptors declare: each adapter's own and the ``<adapter>:<bucket>`` of its models."""
-    return list(dict.fromkeys(pool for d in registry.descriptors.values()
-                              for pool in (d.id, *(d.pool(m.id) for m in d.models))))
+def _declared_pools(config: Config, registry: Registry) -> list[str]:
+    """Every pool the adapter descriptors declare (each adapter's own and the ``<adapter>:<bucket>`` of its models),
+    and the agent's pools of each configured upstream (``upstream:NAME``, a prefix of its ``upstream:NAME:MODEL``)."""
+    return list(dict.fromkeys([*(pool for d in registry.descriptors.values()
+                                 for pool in (d.id, *(d.pool(m.id) for m in d.models))),
+                               *_upstream_pools(config)]))
 
 
-def _names_a_pool(name: str, recorded: list[str], registry: Registry) -> bool:
-    """Whether ``name`` is a pool or an adapter ``health clear`` can mean: one with recorded health, or one the
-    descriptors declare (an adapter with ``pool_per_model`` meters any ``<adapter>:<model>``)."""
-    if any(named(pool, name) for pool in recorded) or name in _declared_pools(registry):
+def _upstream_pools(config: Config) -> list[str]:
+    from .proxy.breakers import PREFIX
+
+    return [f"{PREFIX}:{u.name}" for u in config.upstreams]
+
+
+def _names_a_pool(name: str, recorded: list[str], config: Config, registry: Registry) -> bool:
+    """Whether ``name`` is a pool or an adapter ``health show|clear`` can mean: one with recorded health, one the
+    descriptors or the configured upstreams declare (:func:`_declared_pools`), or one they meter (an adapter with
+    ``pool_per_model`` any ``<adapter>:<model>``, an upstream any ``upstream:NAME:<model>``)."""
+    if any(named(pool, name) for pool in (*recorded, *_declared_pools(config, registry))):
+        return True
+    if any(named(name, upstream) for upstream in _upstream_pools(config)):
         return True
     adapter, _, model = name.partition(":")
     descriptor = registry.descriptors.get(adapter)
@@ -542,31 +557,36 @@ def _health(args: argparse.Namespace, config: Config) -> int:
 
     c = config.model_routing.cooldown
     store = HealthStore(config.state_dir() / "health", Cooldown(c.default_seconds, c.maximum_seconds))
-    if args.action == "clear" and args.name is not None and not args.name.strip():
+    name: str | None = args.name
+    done = "cleared" if args.action == "clear" else "shown"
+    if name is not None and not name.strip():
         # An unset "$POOL" in a script: never read as "every pool".
-        print("proxyvisor: health clear: the pool name is empty; nothing cleared (name a pool or an adapter as "
-              "'health show' lists them, 'upstream' for every pool of the agent, or give no name for every pool)",
-              file=sys.stderr)
+        print(f"proxyvisor: health {args.action}: the pool name is empty; nothing {done} (name a pool or "
+              f"an adapter as 'health show' lists them, 'upstream' for every pool of the agent, or give no name for "
+              f"every pool)", file=sys.stderr)
         return 2
     try:
-        if args.action == "clear":
-            recorded = [p.pool for p in store.all()]
+        pools = store.all()
+        if name is not None:
+            recorded = [p.pool for p in pools]
             registry = registry_for(config.model_routing.adapters_dir)
-            if args.name is not None and not _names_a_pool(args.name, recorded, registry):
-                known = sorted(set(recorded) | set(_declared_pools(registry)))
-                print(f"proxyvisor: no pool or adapter is named {args.name!r}; nothing cleared (known pools: "
+            if not _names_a_pool(name, recorded, config, registry):
+                known = sorted(set(recorded) | set(_declared_pools(config, registry)))
+                print(f"proxyvisor: no pool or adapter is named {name!r}; nothing {done} (known pools: "
                       f"{', '.join(known) or 'none'})", file=sys.stderr)
                 return 1
-            cleared = store.clear(args.name)
+        if args.action == "clear":
+            cleared = store.clear(name)
             print(f"cleared {len(cleared)} pool(s)" + (f": {', '.join(cleared)}" if cleared else ""))
             return 0
-        shown = health_json(store.all(), time.time())
+        shown = health_json([p for p in pools if name is None or named(p.pool, name)], time.time())
         rows = shown["pools"]
         if args.json:
             print(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
             return 0
         if not rows:
-            print("no pool has recorded health: every pool is healthy")
+            print("no pool has recorded health: every pool is healthy" if name is None else
+                  f"{name}: healthy (no pool of it has recorded health)")
             return 0
         for row in rows:
             extra = f", recovers in {row['recovers_in_s']:g} s" if row["recovers_in_s"] is not None else ""

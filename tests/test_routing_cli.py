@@ -303,7 +303,7 @@ def _two_upstreams_cooling(state: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["", " ", "\t"], ids=["empty", "space", "tab"])
-@pytest.mark.parametrize("action", ["clear"])
+@pytest.mark.parametrize("action", ["clear", "show"])
 def test_an_empty_pool_name_is_an_error_never_every_pool(capsys, action: str, name: str) -> None:
     """A script's unset "$POOL" (``health clear "$POOL"``) clears nothing: every pool takes no name at all."""
     state = Path(os.environ["PROXYVISOR_STATE_DIR"])
@@ -318,6 +318,32 @@ def test_an_empty_pool_name_is_an_error_never_every_pool(capsys, action: str, na
     with pytest.raises(ValueError, match="an empty pool name names no pool"):
         HealthStore(state / "health", Cooldown()).clear(name)
     assert cli(capsys, "health", "clear")[:2] == (0, f"cleared 4 pool(s): {', '.join(sorted(pools))}\n")
+
+
+def test_health_show_takes_a_pool_an_upstream_or_an_adapter_as_clear_does(config_file: Path, capsys) -> None:
+    state = Path(os.environ["PROXYVISOR_STATE_DIR"])
+    _two_upstreams_cooling(state)
+
+    def shown(*name: str) -> list[str]:
+        code, out, err = cli(capsys, "health", "show", *name, "--json", "--config", str(config_file))
+        assert (code, err) == (0, "")
+        return [row["pool"] for row in json.loads(out)["pools"]]
+
+    assert shown("upstream:a") == ["upstream:a:m1", "upstream:a:m2"], "not upstream:ab's"
+    assert shown("upstream:a:m2") == ["upstream:a:m2"]
+    assert shown("upstream") == ["upstream:a:m1", "upstream:a:m2", "upstream:ab:m1"]
+    assert shown("claude-code") == ["claude-code:opus-4x"]
+    assert len(shown()) == 4
+    code, out, _ = cli(capsys, "health", "show", "upstream:a", "--config", str(config_file))
+    assert code == 0 and out.startswith("upstream:a:m1: cooling_down, recovers in ") and "upstream:ab" not in out
+    # A configured upstream with nothing recorded is healthy, not unknown; a name nothing has is an error.
+    code, out, _ = cli(capsys, "health", "show", "upstream:main", "--config", str(config_file))
+    assert (code, out) == (0, "upstream:main: healthy (no pool of it has recorded health)\n")
+    assert cli(capsys, "health", "clear", "upstream:main:m9", "--config", str(config_file))[:2] == (
+        0, "cleared 0 pool(s)\n")
+    code, out, err = cli(capsys, "health", "show", "upstream:nosuch", "--config", str(config_file))
+    assert (code, out) == (1, "") and "no pool or adapter is named 'upstream:nosuch'; nothing shown" in err
+    assert "upstream:main" in err.split("known pools: ", 1)[1]
 
 
 def _garbage_databases(state: Path, store: str) -> tuple[Path, str]:
