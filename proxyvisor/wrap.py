@@ -16,8 +16,9 @@ import trio
 
 from .agents import agent_command
 from .config import Config
-from .proxy.info import (authorizer_text, counts_text, plural, pools_text, summarize, supervisor_text,
-                         upstream_cost)
+from .proxy.info import (authorizer_text, counts_text, delegations_text, memory_text, plural, pools_text, summarize,
+                         supervisor_text, upstream_cost)
+from .proxy.learning import SessionLearning
 from .proxy.service import RunningProxy, running, tune_runtime
 from .store import SESSION_ID
 from .store import LedgerError
@@ -52,7 +53,8 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
     and tool rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer notes by
     signal, gate outcomes, condensed results and tokens saved, supervisor model calls with tokens, cost and time;
     the tool authorizer's counts once it saw a tool-call batch; the upstream pools once one refused, failed or was
-    stood in for by a fallback) and the proxy overhead; the questions proxyvisor answered itself (``/info``,
+    stood in for by a fallback; the delegations once one ran; what learning recalled, stored and asked, from the
+    session's live counters, else the ledger) and the proxy overhead; the questions proxyvisor answered itself (``/info``,
     ``/plan``). With it off, the in-memory counts of the byte relay: requests, errors, overhead."""
     head = f"proxyvisor: session {session}:"
     store = proxy.pipeline.store
@@ -99,6 +101,13 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
         out.append(f"proxyvisor:   tool authorizer {authorizer_text(authz)}")
     if breakers["fallbacks"] or any(c["refused"] or c["failed"] for c in breakers["pools"].values()):
         out.append(f"proxyvisor:   upstream pools {pools_text(breakers)}")
+    if delegations := delegations_text(info["delegations"]):
+        out.append(f"proxyvisor:   delegations {delegations}")
+    live = proxy.pipeline.sessions.get(session)
+    learning = live.learning if live is not None else None
+    if memory := memory_text(learning.info() if isinstance(learning, SessionLearning) and learning.scope is not None
+                             else info["learning"]):
+        out.append(f"proxyvisor:   memory {memory}")
     out.append(f"proxyvisor:   proxy overhead {over['total']:,.1f} ms in all (mean {over['mean']:,.1f}, max "
                f"{over['max']:,.1f} ms a request; upstream and supervisor model time left out)")
     return out

@@ -275,3 +275,28 @@ def test_a_session_row_sums_its_ledger() -> None:
     ("<script>", None), ("a" * 100, "a" * 64)])
 def test_the_agent_is_the_first_product_token_of_the_user_agent(header: str | None, agent: str | None) -> None:
     assert agent_of(header) == agent
+
+
+def test_info_from_the_ledger_says_what_learning_and_delegation_did() -> None:
+    lines = [{"status": 200, "learning": {"recalled": ["M1", "M2"], "tokens": 120}},
+             {"status": 200, "learning": {"stored": 2, "distill_calls": 1},
+              "delegations": [{"role": "reviewer", "status": "answered", "attempts": [
+                  {"attempt": 1, "outcome": "failed"}, {"attempt": 2, "outcome": "answered"}]},
+                  {"role": "reviewer", "status": "failed", "dead_letter": "dl-1",
+                   "attempts": [{"attempt": 1, "outcome": "failed"}]}]},
+             {"status": 200, "learning": {"recalled": ["M1"], "tokens": 60, "stored": "odd"}}]
+    info = summarize(lines)
+    assert info["learning"] == {"recalls": 2, "recalled_items": 3, "recalled_tokens": 180, "stored": 2,
+                                "distill_calls": 1}
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in render_text(info).splitlines()[4:]}
+    assert rows["memory"] == "recalled 3 items, 180 tokens · distill calls 1 · stored 2"
+    assert rows["delegations"] == ("runs 2 (answered 1 · failed 1) · child runs 3 · retries 1 · dead letters 1 "
+                                   "(last: dl-1)")
+    assert "memory" not in render_text(summarize(LINES, price))  # learning did nothing: no row
+    live = {"scope": "/p", "records": 4, "archived": 1, "recalled_items": 2, "recalled_tokens": 120, "recalls": 1,
+            "distills": 3, "distill_calls": 1, "distill_skipped": 2, "stored": 5, "credit_positive": 1,
+            "credit_negative": 0, "archived_now": 0}
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in render_text({**info, "live": {"learning": live}}).splitlines()[4:]}
+    assert rows["memory"] == ("4 records (1 archived) for /p · recalled 2 items, 120 tokens · distills 3 (calls 1, "
+                              "pre-screened out 2) · stored 5 · credit +1 / -0")

@@ -82,7 +82,7 @@ def summary_lines(stderr: str) -> list[str]:
 
 def test_wraps_summary_shows_what_supervision_did(tmp_path: Path) -> None:
     stderr, state = wrap(tmp_path, "poll", "poll", "poll", "poll", "info")
-    head, reports, gate, overhead = summary_lines(stderr)
+    head, reports, gate, memory, overhead = summary_lines(stderr)
     assert "4 model requests (chat), 0 errors, 3 tool rounds" in head
     # The scripted model answered: its tokens are counted and never priced under the client's model name.
     assert "4 answers of the built-in scripted model, not priced" in head and "$" not in head
@@ -93,6 +93,11 @@ def test_wraps_summary_shows_what_supervision_did(tmp_path: Path) -> None:
     (outcome,) = {line["gate"]["outcome"] for line in Store(state).read_ledger(session) if "gate" in line}
     assert f"verify-gate 3 runs, outcomes {outcome} 3" in gate
     assert "supervisor model 3 calls (verify 3) · " in gate and "condensed 0 results, saved 0 tokens" in gate
+    # Learning (on by default; the project is wrap's folder): each judged turn end distils, the first stores the
+    # task's experience, and each asks the supervisor route (the scripted one answers nothing more).
+    assert memory.startswith("proxyvisor:   memory 1 record (0 archived) for /"), memory
+    assert memory.endswith(" · recalled 0 items, 0 tokens · distills 3 (calls 3, pre-screened out 0) · stored 1 · "
+                           "credit +0 / -0"), memory
     assert overhead.startswith("proxyvisor:   proxy overhead ") and "supervisor model time left out" in overhead
 
 

@@ -50,8 +50,10 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   (confirmed conflicts, reused ones included), ``cached`` (blocked by a reused denial), ``unavailable`` (judgments
   that failed, timed out or were over budget, so allowed); ``decisions``: per call decided, ``{"call", "tool",
   "decision": "allow"|"block"|"advise", "by", "source", "quote", "path", "value"}`` (the last four for a conflict);
-- ``learning``: on a request that recalled the project's memory (``proxyvisor.proxy.learning``): ``{"recalled":
-  [record id], "tokens": n}``, the records of the Active Memory Pack and its size.
+- ``learning``: on a request at which learning did something (``proxyvisor.proxy.learning``): ``recalled``
+  (``[record id]``) and ``tokens``, the records of the Active Memory Pack it recalled and its size; ``stored``,
+  the records a distill at it stored; ``distill_calls``, 1 when it started a distill call (whose own records
+  come after the line is written: only the live counters have them). Each key only when it applies.
 
 The summary (:func:`summarize`), a JSON object; counts are ints, tokens are tokens, money is USD (float), times
 are milliseconds:
@@ -90,6 +92,8 @@ are milliseconds:
   summary is made; a model the map does not price (a local model) adds nothing to ``cost_usd``, is listed in
   ``unpriced`` and makes ``cost_known`` false; the answers of the built-in scripted model are never priced and are
   counted in ``scripted_requests``;
+- ``learning``: ``{"recalls", "recalled_items", "recalled_tokens", "stored", "distill_calls"}`` summed over the
+  lines' ``learning``;
 - ``overhead_ms``: ``{"total", "mean", "p50", "max"}`` over model requests (0 without any).
 """
 
@@ -109,6 +113,7 @@ if TYPE_CHECKING:
 RECENT_CONDENSED = 20
 RECENT_DEAD_LETTERS = 20
 _AUTHORIZER = ("checked", "blocked", "cached", "unavailable", "batches", "prescreened")
+_LEARNING = ("recalls", "recalled_items", "recalled_tokens", "stored", "distill_calls")
 Price = Callable[[str, int, int], "float | None"]
 """The cost in USD of one request to a model, given (model, input tokens, output tokens); None: not priced."""
 
@@ -230,6 +235,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     delegations: Counter[str] = Counter()
     by_delegation_status: Counter[str] = Counter()
     dead_letters: list[str] = []
+    learning: Counter[str] = Counter()
     price = price or cost_map_price
     for line in lines:
         first = first or line.get("time")
@@ -263,6 +269,13 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
             if isinstance(d.get("dead_letter"), str):
                 dead_letters = (dead_letters + [d["dead_letter"]])[-RECENT_DEAD_LETTERS:]
                 delegations["dead_letters"] += 1
+        learnt = _dict(line.get("learning"))
+        if recalled := _list(learnt.get("recalled")):
+            learning["recalls"] += 1
+            learning["recalled_items"] += len(recalled)
+            learning["recalled_tokens"] += _int(learnt.get("tokens"))
+        learning["stored"] += _int(learnt.get("stored"))
+        learning["distill_calls"] += _int(learnt.get("distill_calls"))
         if isinstance(line.get("steer"), str):
             steers[line["steer"]] += 1
         g = line.get("gate")
@@ -346,6 +359,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "delegations": {"runs": delegations["runs"], "by_status": dict(by_delegation_status),
                         "child_runs": delegations["child_runs"], "retries": delegations["retries"],
                         "dead_letters": delegations["dead_letters"], "recent_dead_letters": dead_letters},
+        "learning": {k: learning[k] for k in _LEARNING},
         "overhead_ms": {"total": _ms(sum(overheads)), "mean": _ms(statistics.fmean(overheads)) if overheads else 0.0,
                         "p50": _ms(statistics.median(overheads)) if overheads else 0.0,
                         "max": _ms(max(overheads, default=0.0))},
@@ -517,6 +531,38 @@ def pools_text(breakers: Mapping[str, Any]) -> str:
     return pools + (f"; answered by a fallback {breakers['fallbacks']:,}" if breakers["fallbacks"] else "")
 
 
+def delegations_text(dl: Mapping[str, Any]) -> str:
+    """A :func:`summarize` object's ``delegations``, as text; empty when it made none."""
+    if not dl.get("runs"):
+        return ""
+    return (f"runs {dl['runs']:,} ({counts_text(dl['by_status'])}) · child runs {dl['child_runs']:,} · retries "
+            f"{dl['retries']:,} · dead letters {dl['dead_letters']:,}"
+            + (f" (last: {dl['recent_dead_letters'][-1]})" if dl["recent_dead_letters"] else ""))
+
+
+def memory_text(learning: Mapping[str, Any]) -> str:
+    """What learning did, as text; empty when it did nothing. ``learning`` is a :func:`summarize` object's
+    ``learning`` (from the ledger) or the live counters (``proxyvisor.proxy.learning.SessionLearning.info``),
+    which add the scope, its records, the distills the pre-screen left without a call, the records a distill call
+    stored and credit moves."""
+    if not (learning.get("recalled_items") or learning.get("stored") or learning.get("distill_calls")
+            or "records" in learning):
+        return ""
+    parts = [f"{plural(learning['records'], 'record')} ({learning['archived']:,} archived) for {learning['scope']}"
+             ] if "records" in learning else []
+    parts.append(f"recalled {plural(learning['recalled_items'], 'item')}, "
+                 f"{plural(learning['recalled_tokens'], 'token')}")
+    if "distills" in learning:
+        parts.append(f"distills {learning['distills']:,} (calls {learning['distill_calls']:,}, pre-screened out "
+                     f"{learning['distill_skipped']:,})")
+    else:
+        parts.append(f"distill calls {learning['distill_calls']:,}")
+    parts.append(f"stored {learning['stored']:,}")
+    if "credit_positive" in learning:
+        parts.append(f"credit +{learning['credit_positive']:,} / -{learning['credit_negative']:,}")
+    return " · ".join(parts)
+
+
 def render_text(info: Mapping[str, Any]) -> str:
     """``info`` (a :func:`summarize` object, with ``session`` when known) as a compact Markdown table that reads
     as plain text too: the text of proxyvisor's /info answer and of ``proxyvisor info``."""
@@ -552,21 +598,13 @@ def render_text(info: Mapping[str, Any]) -> str:
                         if up.get("estimated_requests") else "")
                      + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
         ("upstream pools", pools_text(info["breakers"])),
-        *([("delegations", f"runs {dl['runs']:,} ({counts_text(dl['by_status'])}) · child runs {dl['child_runs']:,}"
-                             f" · retries {dl['retries']:,} · dead letters {dl['dead_letters']:,}"
-                             + (f" (last: {dl['recent_dead_letters'][-1]})" if dl["recent_dead_letters"] else ""))]
-          if (dl := info.get("delegations") or {}).get("runs") else []),
+        *([("delegations", dl)] if (dl := delegations_text(info.get("delegations") or {})) else []),
         ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
                             f"max {over['max']:,.1f} ms")),
     ]
-    learning = (info.get("live") or {}).get("learning")
-    if learning:
-        rows.append(("memory", f"{plural(learning['records'], 'record')} ({learning['archived']:,} archived) for "
-                               f"{learning['scope']} · recalled {plural(learning['recalled_items'], 'item')}, "
-                               f"{plural(learning['recalled_tokens'], 'token')} · distills {learning['distills']:,}"
-                               f" (calls {learning['distill_calls']:,}, pre-screened out "
-                               f"{learning['distill_skipped']:,}) · stored {learning['stored']:,} · credit "
-                               f"+{learning['credit_positive']:,} / -{learning['credit_negative']:,}"))
+    memory = memory_text((info.get("live") or {}).get("learning") or info.get("learning") or {})
+    if memory:
+        rows.append(("memory", memory))
     unrecorded = (info.get("live") or {}).get("unrecorded")
     if unrecorded:
         rows.append(("not in the ledger", f"{unrecorded:,} request{'' if unrecorded == 1 else 's'} (the ledger "

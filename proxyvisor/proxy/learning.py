@@ -59,7 +59,7 @@ from .planning import add_note, append_note, goal_text
 
 if TYPE_CHECKING:
     from .sessions import Session
-    from .supervise import Exchange
+    from .supervise import Exchange, RequestRecord
 
 log = logging.getLogger("proxyvisor.learning")
 
@@ -358,7 +358,8 @@ class Learning:
         state.memory = memory
         if state.pending is not None and (exchange.record.rebuilt or state.pending_thread is not exchange.thread):
             pending, state.pending = state.pending, None
-            self._distill(session.id, state, memory, pending(), exchange.model, exchange.secrets, background)
+            self._distill(session.id, state, memory, pending(), exchange.model, exchange.secrets, background,
+                          exchange.record)
         if any(n.signal == SIGNAL for n in exchange.thread.notes):
             return
 
@@ -384,7 +385,8 @@ class Learning:
             return
         append_note(exchange, state.pack.text)
         add_note(exchange.thread, None, tail, SIGNAL, state.pack.text)
-        exchange.record.learning = {"recalled": [r.id for r in state.pack.records], "tokens": state.pack.tokens}
+        exchange.record.learning = {**(exchange.record.learning or {}), "recalled": [r.id for r in state.pack.records],
+                                    "tokens": state.pack.tokens}
         state.counts["recalls"] += 1
         log.info("recalled %d memories (%d tokens) for %s", len(state.pack.records), state.pack.tokens, state.scope)
 
@@ -411,7 +413,7 @@ class Learning:
                 state.counts["credit_positive" if delta > 0 else "credit_negative"] += 1
                 state.counts["archived_now"] += archived
         self._distill(session.id, state, memory, material, exchange.model if background is not None else None,
-                      secrets, background)
+                      secrets, background, exchange.record)
 
     def end(self, session: Session) -> None:
         """At session end: the free records of the material not yet distilled (no model call: no request)."""
@@ -424,10 +426,18 @@ class Learning:
             self._distill(session.id, state, memory, pending(), None, [])
 
     def _distill(self, sid: str, state: SessionLearning, memory: Memory, material: distill.Material,
-                 model: ModelCall | None, secrets: list[str], background: trio.Nursery | None = None) -> None:
+                 model: ModelCall | None, secrets: list[str], background: trio.Nursery | None = None,
+                 record: RequestRecord | None = None) -> None:
+        """Store ``material``'s free records and start the distill call when one is worth it; what was stored and
+        whether a call started go to the ledger ``record`` of the request it happened at (the records the call
+        adds later are counted in /info's live counters only)."""
         state.counts["distills"] += 1
-        self._store(state, memory, distill.free_records(material), sid, secrets)
+        stored = self._store(state, memory, distill.free_records(material), sid, secrets)
         keys = distill.worth_asking(material, memory, state.asked)
+        asking = model is not None and bool(keys) and background is not None
+        if record is not None and (stored or asking):
+            record.learning = {**(record.learning or {}), **({"stored": stored} if stored else {}),
+                               **({"distill_calls": 1} if asking else {})}
         if model is None or not keys or background is None:
             state.counts["distill_skipped"] += model is not None
             if background is not None:
@@ -460,11 +470,14 @@ class Learning:
         await self._saved(memory)
 
     def _store(self, state: SessionLearning, memory: Memory, candidates: list[Candidate], sid: str,
-               secrets: list[str]) -> None:
-        now = self.clock()
+               secrets: list[str]) -> int:
+        """Add ``candidates`` to ``memory``; returns how many were new records."""
+        now, stored = self.clock(), 0
         for candidate in candidates:
             if memory.add(candidate, now, sid, secrets) is not None:
-                state.counts["stored"] += 1
+                stored += 1
+        state.counts["stored"] += stored
+        return stored
 
     def _snapshot(self, memory: Memory) -> tuple[Memory, set[str]]:
         """``memory`` bounded, and a copy of it to save with the ids read from its file (``MemoryFiles.save``

@@ -716,8 +716,8 @@ class Pipeline:
         if local is not None:
             record["local"] = local
         elif exchange is not None:
+            self._learn(session, exchange)  # first: what it stores and asks goes in the record
             record.update(ledger_fields(exchange.record, exchange.tail is not None and exchange.tail.role == "tool"))
-            self._learn(session, exchange)
         elif body is not None:
             record["tool_round"] = fmt.ends_with_tool_result(body)
         if self.telemetry is not None:

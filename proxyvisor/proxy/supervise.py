@@ -180,7 +180,8 @@ class RequestRecord:
     upstream: dict[str, Any] | None = None
     """Which upstream answered and why, under the breakers (``proxyvisor.proxy.breakers.Dispatch.evidence``)."""
     learning: dict[str, Any] | None = None
-    """What learning recalled into the request (``proxyvisor.proxy.learning``); None when it recalled nothing."""
+    """What learning did at the request (``proxyvisor.proxy.learning``; the ledger's ``learning``,
+    ``proxyvisor.proxy.info``); None when nothing."""
 
 
 @dataclass
