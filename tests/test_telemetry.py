@@ -28,6 +28,9 @@ import trio
 
 from proxyvisor.config import Config, UpstreamConfig, parse
 from proxyvisor.proxy import telemetry
+from proxyvisor.proxy.pipeline import _timed
+from proxyvisor.proxy.supervise import ModelUse
+from proxyvisor.supervisor_model import ModelAnswer
 from proxyvisor.proxy.service import running
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
@@ -275,3 +278,18 @@ async def test_a_delegation_tree_is_one_trace_in_a_real_receiver(
     assert (endpoint["name"], endpoint["parent_id"]) == ("invoke_agent reviewer", CLIENT_SPAN)
     assert endpoint["context"]["span_id"] == asked.json()["evidence"]["span_id"]
     assert (child["name"], child["parent_id"]) == ("chat scripted-model", endpoint["context"]["span_id"])
+
+
+async def test_a_supervisor_call_ending_after_the_request_spans_is_handed_on() -> None:
+    # Learning's distill call ends after the answer went out, when the request's spans were made already.
+    use, late = ModelUse(), []
+    answer = ModelAnswer("{}", 3, 4)
+
+    async def call(_messages: list[dict[str, str]]) -> ModelAnswer:
+        return answer
+
+    timed = _timed(call, use)
+    await timed([])
+    use.late = late.append
+    await timed([])
+    assert [t.answer for t in use.timeline] == [answer, answer] and late == use.timeline[1:]

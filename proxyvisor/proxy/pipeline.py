@@ -731,21 +731,23 @@ class Pipeline:
 
     def _trace(self, record: dict[str, Any], session: Session, request: Request, exchange: Exchange | None,
                response_model: str | None) -> None:
-        """Export the spans of the request whose ledger line is ``record`` (``proxyvisor.proxy.telemetry``)."""
-        assert self.telemetry is not None  # the caller checked
+        """Export the spans of the request whose ledger line is ``record`` (``proxyvisor.proxy.telemetry``); a
+        supervisor model call that ends later (learning's distill) is exported as it ends, under the same span."""
+        tracing = self.telemetry
+        assert tracing is not None  # the caller checked
         parent = request.header("traceparent")
         use = exchange.record.model if exchange is not None else None
         turn = exchange.delegation if exchange is not None else None
-        self.telemetry.request(
-            record, session_id=session.id, trace=exchange.trace if exchange is not None and exchange.trace
-            else child_traceparent(parent), parent=parent, start_ns=telemetry.wall_ns(request.received_at),
+        trace = exchange.trace if exchange is not None and exchange.trace else child_traceparent(parent)
+        tracing.request(
+            record, session_id=session.id, trace=trace, parent=parent, start_ns=telemetry.wall_ns(request.received_at),
             end_ns=time.time_ns(), response_model=response_model, model_route=use.route if use else None,
-            model_calls=[telemetry.ModelCallSpan(
-                t.start_ns, t.end_ns, t.purpose, t.answer.input_tokens if t.answer else None,
-                t.answer.output_tokens if t.answer else None, t.error) for t in (use.timeline if use else ())],
+            model_calls=[_call_span(t) for t in (use.timeline if use else ())],
             delegations=[telemetry.DelegationSpan(result, start, end) for result, (start, end)
                          in zip(turn.results, turn.times)] if turn is not None else ())
-
+        if use is not None:
+            route, provider = use.route, telemetry.provider_name(record["format"])
+            use.late = lambda timed: tracing.model_call(_call_span(timed, "distill"), trace, provider, route)
 
     def _learn(self, session: Session, exchange: Exchange) -> None:
         """Hand the finished ``exchange`` to learning (credit, distill); a failure is logged, never raised."""
@@ -778,9 +780,20 @@ def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
             busy -= 1
             if busy == 0:
                 use.time_s += time.perf_counter() - since
-            use.timeline.append(ModelCallTime(start, time.time_ns(), answer, None if answer else failure))
+            timed = ModelCallTime(start, time.time_ns(), answer, None if answer else failure)
+            use.timeline.append(timed)
+            if use.late is not None:
+                use.late(timed)
 
     return timed
+
+
+def _call_span(timed: ModelCallTime, purpose: str = "") -> telemetry.ModelCallSpan:
+    """The span of a supervisor model call; ``purpose`` when it was not recorded with one."""
+    answer = timed.answer
+    return telemetry.ModelCallSpan(timed.start_ns, timed.end_ns, timed.purpose or purpose,
+                                   answer.input_tokens if answer else None, answer.output_tokens if answer else None,
+                                   timed.error)
 
 
 def _key_header(fmt_name: str) -> bytes:

@@ -140,6 +140,9 @@ class ModelUse:
     """Which route and model the calls take: ``{"route": "session"|"litellm"|"supplied", "model": name}``."""
     timeline: list[ModelCallTime] = field(default_factory=list)
     """Each call made, in the order they ended (``proxyvisor.proxy.pipeline`` times them), for the trace."""
+    late: Callable[[ModelCallTime], None] | None = None
+    """Set once the request's spans were made: takes each call that ends after that (learning's distill call,
+    made once the answer went out), which has its span of its own."""
 
     def record(self, purpose: str, answer: ModelAnswer | None) -> None:
         """Count one call for ``purpose``; ``answer`` is its answer (None when the call failed). The earliest timed

@@ -17,7 +17,8 @@ What one supervised request exports (:meth:`Tracing.request`, called where its l
   ``authorizer``, ``gate`` (the verdict), ``self_report``, ``upstream.attempt`` (each upstream tried under the
   breakers: a refusal of a cooling pool, a failure, the fallback that answered);
 - **child spans** for each supervisor model call (``chat {model}``, kind ``CLIENT``, ``proxyvisor.purpose``:
-  ``verify``, ``refute``, ``condense``, ``plan``, ``authorize``, ...) and each delegated child
+  ``verify``, ``refute``, ``condense``, ``plan``, ``authorize``, ...; learning's ``distill``, made after the answer
+  went out, is exported as it ends: :meth:`Tracing.model_call`) and each delegated child
   (``invoke_agent {role}``, kind ``CLIENT``, the delegation's evidence as attributes, each attempt an event). A
   delegated child is handed that span's context as its ``traceparent`` (an HTTP child as a header, a CLI child as
   ``TRACEPARENT``), so a child whose requests come back through proxyvisor puts its own request spans under it:
@@ -307,6 +308,17 @@ class Tracing:
         for delegation in delegations:
             self._delegation(delegation, own)
         self._end(span, end_ns, error)
+
+    def model_call(self, call: ModelCallSpan, trace: str, provider: str, route: Mapping[str, str]) -> None:
+        """Export the span of a supervisor model call that ended after its request's spans were made, under the
+        request's span (``trace``, its ``traceparent``; ``provider``: its ``gen_ai.provider.name``). Never
+        raises."""
+        try:
+            parent = parse_traceparent(trace)
+            if parent is not None:
+                self._model_call(call, parent, provider, route)
+        except Exception:  # noqa: BLE001 - tracing must never cost a request
+            log.exception("OpenTelemetry: the span of a supervisor model call was not made")
 
     def _model_call(self, call: ModelCallSpan, parent: SpanContext, provider: str,
                     route: Mapping[str, str]) -> None:
