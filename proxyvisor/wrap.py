@@ -7,10 +7,12 @@ identifies itself. Agent CLIs that ignore those variables get arguments instead 
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import signal
 import sys
+import time
 
 import trio
 
@@ -122,11 +124,22 @@ def _records(proxy: RunningProxy, session: str) -> int:
         return 0
 
 
+def _say_cooling(pool: str, until: float) -> None:
+    """Tell the user, once per pool and cooldown, that the agent's requests wait on a long cooldown (which another
+    proxy sharing the state directory may have started), so that the agent does not wait in silence."""
+    print(f"proxyvisor: upstream pool {pool} is cooling down until "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(until))} ({max(0, math.ceil(until - time.time()))} s "
+          f"from now): the agent's requests for it get a 429 and are not sent; `proxyvisor health clear {pool}` "
+          f"resets it", file=sys.stderr, flush=True)
+
+
 async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
         # The agent runs here: a session whose client names no working directory learns for this folder.
         proxy.pipeline.learning.default_scope = os.getcwd()
         earlier = _records(proxy, session)
+        if proxy.pipeline.breakers is not None:
+            proxy.pipeline.breakers.on_long_wait = _say_cooling
         for notice in start_notices(config):
             print(notice, file=sys.stderr, flush=True)
         if not quiet and config.supervisor.enabled:

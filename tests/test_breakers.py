@@ -180,6 +180,33 @@ async def test_a_retry_after_the_upstream_controls_reaches_the_agent_and_cools_t
         assert (health.state, health.cooldown_until) == (COOLING_DOWN, T0 + cools_s)
 
 
+async def test_a_long_cooldown_names_the_command_that_resets_it_and_is_told_once_per_deadline(tmp_path: Path) -> None:
+    """A wait of 10 s or more may not be the user's doing (another proxy on the state dir can have started it):
+    the 429 names the reset, and ``on_long_wait`` (wrap's stderr line) hears of it once per pool and deadline."""
+    clock, told = Clock(), []
+    pool = pool_of("a", MODEL)
+    async with proxy(tmp_path, clock=clock) as rp:
+        rp.pipeline.breakers.on_long_wait = lambda name, until: told.append((name, until))
+        rp.scripted["a"].queue({"fault": {"status": 429, "retry_after": "9"}}, TEXT_STEP,
+                               {"fault": {"status": 429, "retry_after": "600"}})
+        await raw_stream(rp.url, "chat", request_body("chat"))
+        reply, data = await raw_stream(rp.url, "chat", request_body("chat"))
+        assert (reply.status_code, reply.headers["retry-after"]) == (429, "9")
+        assert "health clear" not in assert_error_shape("chat", 429, data)["message"] and told == []
+        clock.now = T0 + 9
+        assert (await raw_stream(rp.url, "chat", request_body("chat")))[0].status_code == 200  # the probe
+        assert (await raw_stream(rp.url, "chat", request_body("chat")))[0].status_code == 429  # 600 s now
+        for elapsed in (1, 2, 3):
+            clock.now = T0 + 9 + elapsed
+            reply, data = await raw_stream(rp.url, "chat", request_body("chat"))
+            assert (reply.status_code, reply.headers["retry-after"]) == (429, str(600 - elapsed))
+            assert assert_error_shape("chat", 429, data)["message"].endswith(
+                "The pools' state is shared by every proxy using this state directory; to send now anyway, reset "
+                f"`proxyvisor health clear {pool}`")
+        assert told == [(pool, T0 + 9 + 600)], "once, not per request"
+        assert sent(rp) == 3
+
+
 @ALL_FORMATS
 async def test_after_the_cooldown_exactly_one_request_is_the_probe(fmt: str, tmp_path: Path) -> None:
     """While the probe is in flight every other request is refused with Retry-After 1, and no request but the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,9 @@ import orjson
 import pytest
 import trio
 
+from proxyvisor.adapters.failures import Failure
+from proxyvisor.adapters.health import Cooldown
+from proxyvisor.adapters.health_store import HealthStore
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, CondenseConfig, GateConfig, ModelConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
@@ -125,6 +129,24 @@ def test_wraps_summary_names_an_upstream_pool_that_failed_and_then_refused(tmp_p
     (pools,) = [line for line in summary_lines(stderr) if line.startswith("proxyvisor:   upstream pools ")]
     assert pools.endswith(" upstream:down:claude-sonnet-4-5: answered 0 · refused 1 · failed 1"), stderr
     assert not any("tool authorizer" in line for line in summary_lines(stderr))  # it saw no tool-call batch
+
+
+def test_wrap_says_once_which_pool_holds_the_agents_requests_and_until_when(tmp_path: Path) -> None:
+    """A 429 another proxy saw on the same state directory cools the pool for this wrap too: the agent's requests
+    get proxyvisor's 429, and wrap says so on one line (not one per request), with the command that resets it."""
+    pool = "upstream:scripted:claude-sonnet-4-5"
+    store = HealthStore(tmp_path / "state" / "health", Cooldown())
+    until = store.settle_sync(pool, time.time(), Failure("capacity", True, "known_failed", 600)).cooldown_until
+    store.close()
+    stderr, _ = wrap(tmp_path, "poll", "poll", "poll")
+    told = [line for line in stderr.splitlines() if "is cooling down until" in line]
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until))
+    assert len(told) == 1 and told[0].startswith(f"proxyvisor: upstream pool {pool} is cooling down until {when} ("), \
+        stderr
+    assert told[0].endswith(f" s from now): the agent's requests for it get a 429 and are not sent; `proxyvisor "
+                            f"health clear {pool}` resets it")
+    (pools,) = [line for line in summary_lines(stderr) if line.startswith("proxyvisor:   upstream pools ")]
+    assert pools.endswith(f" {pool}: answered 0 · refused 3 · failed 0"), stderr
 
 
 def test_without_supervision_wrap_counts_requests_errors_and_overhead_and_writes_nothing(tmp_path: Path) -> None:

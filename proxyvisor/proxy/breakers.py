@@ -53,6 +53,10 @@ _WORDING_BYTES = 4096
 """The head of an error body searched for a quota's wording."""
 PREFIX = "upstream"
 """The first part of every agent pool's name (``proxyvisor health clear upstream`` clears them all)."""
+LONG_WAIT_S = 10
+"""A cooldown with at least this many seconds left is a wait a user notices (and may not have caused: the state is
+shared by every proxy on the state dir, so another's 429 can hold this one's requests): proxyvisor's 429 then says
+how to reset the pool, and :attr:`Breakers.on_long_wait` hears of it."""
 
 
 def pool_of(upstream: str, model: str) -> str:
@@ -116,6 +120,10 @@ class Breakers:
         self.store = HealthStore(root / "health", Cooldown(config.cooldown_s, config.maximum_cooldown_s, OPENS,
                                                            retry_after_floor=True))
         self.now = now
+        self.on_long_wait: Callable[[str, float], None] | None = None
+        """Called with (pool, the end of its cooldown, Unix s) when a request is refused by a pool cooling for
+        :data:`LONG_WAIT_S` or more: once per pool and deadline, not per request (``wrap`` says so on stderr)."""
+        self._told: dict[str, float] = {}
 
     def close(self) -> None:
         self.store.close()
@@ -192,18 +200,29 @@ class Breakers:
 
     def _cooling(self, fmt: WireFormat, refusals: list[Admission]) -> UpstreamReply:
         """Proxyvisor's own 429 in ``fmt`` for a request every pool of which refused: ``Retry-After`` is the
-        soonest recovery (1 s while a probe is in flight: it settles as soon as the probe is answered)."""
+        soonest recovery (1 s while a probe is in flight: it settles as soon as the probe is answered). When that
+        is :data:`LONG_WAIT_S` or more, the message names the command that resets the cooling pools, and
+        :attr:`on_long_wait` hears of each one not told of yet at its deadline."""
         now = self.now()
-        waits = []
+        waits, cooling = [], []
         for refusal in refusals:
             if refusal.state == HALF_OPEN:
                 waits.append((1, refusal.pool, "waiting for its recovery probe"))
             else:
-                waits.append((max(1, math.ceil((refusal.recovery_at or now) - now)), refusal.pool, "cooling down"))
+                until = refusal.recovery_at or now
+                waits.append((max(1, math.ceil(until - now)), refusal.pool, "cooling down"))
+                cooling.append((refusal.pool, until))
         seconds = min(w[0] for w in waits)
         parts = "; ".join(f"{pool} is {why} (retry in {s} s)" for s, pool, why in waits)
         message = (f"proxyvisor: not sent upstream: {parts}. The upstream rate-limited or failed recently; "
                    f"retry after {seconds} s")
+        if seconds >= LONG_WAIT_S:
+            message += (". The pools' state is shared by every proxy using this state directory; to send now "
+                        "anyway, reset " + " and ".join(f"`proxyvisor health clear {pool}`" for pool, _ in cooling))
+            for pool, until in cooling:
+                if self.on_long_wait is not None and self._told.get(pool) != until:
+                    self._told[pool] = until
+                    self.on_long_wait(pool, until)
         headers = [(b"content-type", b"application/json"), (b"retry-after", str(seconds).encode()),
                    (b"x-proxyvisor-breaker", b"open")]
         return UpstreamReply(429, headers, fmt.error_body(429, message))
