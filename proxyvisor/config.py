@@ -21,7 +21,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -101,9 +101,17 @@ class UpstreamConfig(Table, frozen=True):
 
 
 class StateConfig(Table, frozen=True):
+    """``[state]``: the state directory, the in-memory session table's bounds, and where shared state lives
+    (``backend``: ``diskcache`` in the state directory, or ``redis`` at ``url``, shared by several replicas;
+    ``proxyvisor.adapters.state``). ``session_ttl_s``: seconds a session's supervision state is kept after its
+    last request (what a restart or another replica picks up)."""
+
     dir: str = ""
     session_idle_s: Seconds = 3600.0
     max_sessions: Annotated[int, integer(Range(1))] = 1024
+    backend: Literal["diskcache", "redis"] = "diskcache"
+    url: str = ""
+    session_ttl_s: Seconds = 86400.0
 
 
 class TelemetryConfig(Table, frozen=True):
@@ -497,6 +505,8 @@ def _check(config: Config) -> None:
     if config.supervisor.model.api_base == SCRIPTED_URL and not any(u.scripted for u in config.upstreams):
         raise ConfigError(f"{where}: [supervisor.model] api_base = {SCRIPTED_URL!r} is the embedded scripted "
                           f"upstream, but no [upstreams.NAME] has url = {SCRIPTED_URL!r}")
+    if config.state.backend == "redis" and not config.state.url:
+        raise ConfigError(f"{where}: [state] backend = \"redis\" needs url (e.g. \"redis://127.0.0.1:6379/0\")")
     b = config.supervisor.breakers
     if not b.cooldown_s <= b.maximum_cooldown_s:
         raise ConfigError(f"{where}: [supervisor.breakers] needs cooldown_s <= maximum_cooldown_s, got "

@@ -199,15 +199,16 @@ class Tools:
 
     async def pool_health(self) -> dict[str, Any]:
         from .adapters.health import Cooldown
-        from .adapters.health_store import HealthStore
+        from .adapters.health_store import NAMESPACE as HEALTH, HealthStore
         from .adapters.overview import health_json
+        from .adapters.state import backend_of
 
         config = self.config()
         cooldown = config.model_routing.cooldown
 
         def report() -> dict[str, Any]:
-            store = HealthStore(config.state_dir() / "health", Cooldown(cooldown.default_seconds,
-                                                                        cooldown.maximum_seconds))
+            store = HealthStore(backend_of(config).kv(HEALTH), Cooldown(cooldown.default_seconds,
+                                                                         cooldown.maximum_seconds))
             try:
                 return health_json(store.all(), time.time())
             finally:

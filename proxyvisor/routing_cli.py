@@ -453,11 +453,12 @@ def _dead_letters(config: Config, as_json: bool) -> int:
 
 def _delegate(args: argparse.Namespace, config: Config) -> int:
     from .adapters.results import ClaimStore
+    from .adapters.state import backend_of
 
     if args.dead_letters:
         return _dead_letters(config, args.json)
     if args.record:
-        store = ClaimStore(config.state_dir() / "claims", config.model_routing.children.claim_retention_s)
+        store = ClaimStore(backend_of(config).kv(ClaimStore.NAMESPACE), config.model_routing.children.claim_retention_s)
         record = store.get(args.record)
         if record is None:
             print(f"proxyvisor: no stored result {args.record!r} (unknown or expired)", file=sys.stderr)
@@ -553,10 +554,11 @@ def _names_a_pool(name: str, recorded: list[str], config: Config, registry: Regi
 
 def _health(args: argparse.Namespace, config: Config) -> int:
     from .adapters.health import Cooldown
-    from .adapters.health_store import HealthStore
+    from .adapters.health_store import NAMESPACE as HEALTH, HealthStore
+    from .adapters.state import backend_of
 
     c = config.model_routing.cooldown
-    store = HealthStore(config.state_dir() / "health", Cooldown(c.default_seconds, c.maximum_seconds))
+    store = HealthStore(backend_of(config).kv(HEALTH), Cooldown(c.default_seconds, c.maximum_seconds))
     name: str | None = args.name
     done = "cleared" if args.action == "clear" else "shown"
     if name is not None and not name.strip():

@@ -10,10 +10,11 @@ always starts after a newline, so a torn last line (a power cut) stays a line of
 :meth:`Store.read_ledger` skips. Nothing here ever receives request headers, so credentials cannot reach the
 ledger.
 
-Every store in the state directory is optional: the ledger, the condense decisions and spill files, and
-delegation's pool health, claim checks and dead letters. :func:`unusable` tells, without writing, why one cannot work;
-the proxy then runs with the feature that needs it off (``proxyvisor.proxy.pipeline``), and a command reading it
-stops with :class:`StoreUnusable`.
+Every store in the state directory is optional: the ledger, the condense decisions and spill files, the
+sessions' supervision state, and delegation's pool health, claim checks and dead letters (the condense decisions,
+session states, pool health and claim checks are namespaces of the state backend, ``proxyvisor.adapters.state``).
+:func:`unusable` tells, without writing, why one cannot work; the proxy then runs with the feature that needs it off
+(``proxyvisor.proxy.pipeline``), and a command reading it stops with :class:`StoreUnusable`.
 """
 
 from __future__ import annotations

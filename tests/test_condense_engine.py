@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.condense.adaptive import AdaptiveThreshold, AdaptiveThresholds
 from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
 from proxyvisor.proxy.condense_engine import CondenseEngine, ToolResult, effective_threshold
@@ -49,7 +50,7 @@ def engine_for(tmp_path: Path, condenser, *, cache: bool = True, **settings) -> 
     """An engine asking ``condenser`` about every kind of result (a build log included) unless told otherwise."""
     settings.setdefault("deterministic_kinds", ())
     return CondenseEngine(CondenseConfig(**settings), condenser, spill=SpillStore(tmp_path / "spill"),
-                          cache=DecisionCache(tmp_path / "cache") if cache else None)
+                          cache=DecisionCache(DiskKV(tmp_path / "cache")) if cache else None)
 
 
 async def test_a_large_result_is_narrowed_verbatim_and_spilled_privately(tmp_path: Path) -> None:
@@ -87,13 +88,13 @@ async def test_decisions_are_sticky_across_requests_and_restarts(tmp_path: Path)
 
 
 def test_the_first_decision_settled_wins(tmp_path: Path) -> None:
-    cache = DecisionCache(tmp_path / "cache")
+    cache = DecisionCache(DiskKV(tmp_path / "cache"))
     first = Decision("narrowed", "condensed", 9000, 300, 10, 900, "/spill/a.txt")
     assert cache.settle("k", first) == first
     assert cache.settle("k", Decision(None, "condenser timed out", 9000, 9000, 900, 900)) == first
     assert cache.get("missing") is None
     odd = Decision("kept \ud800 \x00 line\r\n", "condensed", 9000, 10, 1, 900, "/spill/b.txt")
-    assert cache.settle("odd", odd) == odd and DecisionCache(tmp_path / "cache").get("odd") == odd
+    assert cache.settle("odd", odd) == odd and DecisionCache(DiskKV(tmp_path / "cache")).get("odd") == odd
 
 
 ERROR_LINE = "src/widget.c:88:3: error: 'frob' undeclared (first use in this function)\n"

@@ -497,7 +497,7 @@ async def test_with_model_routing_disabled_requests_are_byte_identical_and_nothi
     assert roles_but_off.model_routing.roles and not roles_but_off.model_routing.enabled
     baseline = await requests_through(plain, tmp_path / "plain")
     assert await requests_through(roles_but_off, tmp_path / "off") == baseline
-    assert [p.name for p in files_under(tmp_path / "off") if p.is_dir()] == (["ledger"] if supervised else [])
+    assert [p.name for p in files_under(tmp_path / "off") if p.is_dir()] == (["ledger", "sessions"] if supervised else [])
     if not supervised:  # the other gate: routing on, supervision off
         assert await requests_through(proxy_config(REVIEWER, supervised=False), tmp_path / "on") == baseline
         assert files_under(tmp_path / "on") == []

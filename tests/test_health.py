@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.adapters.failures import (RETRY_AFTER_CAP_S, Failure, from_http, from_text, retry_after_header,
                                           retry_after_in_text)
 from proxyvisor.adapters.health import (COOLING_DOWN, HALF_OPEN, HEALTHY, STATES, TRANSITIONS, Cooldown,
@@ -257,14 +258,14 @@ def test_any_retry_after_header_is_none_or_a_wait_within_the_cap_and_never_raise
 
 
 def test_the_store_persists_settles_and_clears_by_pool_or_adapter(tmp_path: Path) -> None:
-    store = HealthStore(tmp_path / "health", COOL)
-    assert store.all() == [] and not store.exists(), "reading creates nothing"
+    store = HealthStore(DiskKV(tmp_path / "health"), COOL)
+    assert store.all() == [] and not store.kv.exists(), "reading creates nothing"
     for pool in ("cc:opus", "cc:haiku", "codex"):
         store.settle_sync(pool, T0, capacity(60))
     assert oct((tmp_path / "health").stat().st_mode & 0o777) == "0o700"
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (tmp_path / "health").iterdir() if f.is_file())
     store.close()
-    reopened = HealthStore(tmp_path / "health", COOL)
+    reopened = HealthStore(DiskKV(tmp_path / "health"), COOL)
     assert [p.pool for p in reopened.all()] == ["cc:haiku", "cc:opus", "codex"]
     assert reopened.get("cc:opus").cooldown_until == T0 + 60
     assert reopened.clear("cc") == ["cc:haiku", "cc:opus"]
@@ -272,7 +273,7 @@ def test_the_store_persists_settles_and_clears_by_pool_or_adapter(tmp_path: Path
 
 
 def test_fifty_threads_at_expiry_get_exactly_one_probe_lease(tmp_path: Path) -> None:
-    store = HealthStore(tmp_path / "health", COOL)
+    store = HealthStore(DiskKV(tmp_path / "health"), COOL)
     store.settle_sync("p", T0, capacity(5))
     start = threading.Barrier(50)
     admissions = []
@@ -294,7 +295,7 @@ def test_fifty_threads_at_expiry_get_exactly_one_probe_lease(tmp_path: Path) -> 
 def test_a_cooldown_survives_a_process_restart_with_its_deadline(tmp_path: Path) -> None:
     state = tmp_path / "state"
     now = time.time()
-    store = HealthStore(state / "health", COOL)
+    store = HealthStore(DiskKV(state / "health"), COOL)
     store.settle_sync("claude-code:opus-4x", now, capacity(900))
     store.close()
     env = {**os.environ, "PROXYVISOR_STATE_DIR": str(state)}
@@ -307,4 +308,4 @@ def test_a_cooldown_survives_a_process_restart_with_its_deadline(tmp_path: Path)
     cleared = subprocess.run([sys.executable, "-m", "proxyvisor", "health", "clear", "claude-code"], env=env,
                              capture_output=True, text=True, timeout=60, check=True)
     assert "cleared 1 pool(s): claude-code:opus-4x" in cleared.stdout
-    assert HealthStore(state / "health", COOL).all() == []
+    assert HealthStore(DiskKV(state / "health"), COOL).all() == []

@@ -45,7 +45,9 @@ async def test_one_line_per_request_with_what_happened(start_proxy, state_dir) -
     assert mode(ledger) == 0o600
     for folder in (state_dir, state_dir / "ledger"):
         assert mode(folder) == 0o700, folder
-    assert files_under(state_dir) == [state_dir / "ledger", ledger]
+    # Beside the ledger, only the sessions' supervision state (``proxyvisor.proxy.session_state``), private too.
+    assert [p for p in files_under(state_dir) if "sessions" not in p.parts] == [state_dir / "ledger", ledger]
+    assert all(mode(p) == (0o700 if p.is_dir() else 0o600) for p in files_under(state_dir / "sessions"))
 
 
 async def test_a_failed_upstream_is_accounted_with_its_error(start_proxy, state_dir) -> None:

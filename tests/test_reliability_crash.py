@@ -22,6 +22,7 @@ import httpx
 import orjson
 import trio
 
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
 from proxyvisor.adapters.health_store import HealthStore
 from proxyvisor.proxy.condense_decisions import DecisionCache
@@ -146,15 +147,16 @@ def test_kill_9_during_decision_cache_writes_leaves_every_decision_whole(tmp_pat
     """Decisions small (in SQLite) and large (in their own file: diskcache keeps values over 32 KiB outside)."""
     folder = tmp_path / "decisions"
     code = f"""
+        from proxyvisor.adapters.state import DiskKV
         from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
-        cache = DecisionCache({str(folder)!r})
+        cache = DecisionCache(DiskKV({str(folder)!r}))
         for i in range(100000):
             text = str(i) * (1 + (i % 3) * 20000)
             cache.settle(f"k{{i}}", Decision(text, "condensed", 10 * i, i, i, 2 * i))
             print(i, flush=True)
     """
     done = run_until_killed(code, 200)
-    cache = DecisionCache(folder)
+    cache = DecisionCache(DiskKV(folder))
     try:
         found = 0
         for i in range(int(done[-1]) + 2):
@@ -180,7 +182,8 @@ def test_kill_9_during_breaker_writes_leaves_the_breaker_state_intact(tmp_path: 
         from proxyvisor.adapters.failures import Failure
         from proxyvisor.adapters.health import Cooldown
         from proxyvisor.adapters.health_store import HealthStore
-        store = HealthStore({str(root)!r}, Cooldown())
+        from proxyvisor.adapters.state import DiskKV
+        store = HealthStore(DiskKV({str(root)!r}), Cooldown())
         for i in range(1, 100000):
             store.settle_sync(f"scripted:p{{i % 4}}", 1000.0 + i,
                               Failure("capacity", True, "known_failed", retry_after_s=i))
@@ -188,7 +191,7 @@ def test_kill_9_during_breaker_writes_leaves_the_breaker_state_intact(tmp_path: 
     """
     done = run_until_killed(code, 120)
     last = int(done[-1])
-    store = HealthStore(root, Cooldown())
+    store = HealthStore(DiskKV(root), Cooldown())
     try:
         pools = {p.pool: p for p in store.all()}
         assert set(pools) == {f"scripted:p{k}" for k in range(4)}

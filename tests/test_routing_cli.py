@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.adapters import settings
 from proxyvisor.adapters.descriptors import registry_for
 from proxyvisor.adapters.failures import Failure
@@ -147,7 +148,7 @@ def test_enable_show_and_disable_round_trip_the_complete_shape(tmp_path: Path, c
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = Path(os.environ["XDG_CONFIG_HOME"]) / "proxyvisor" / "config.toml"
     assert not path.exists()
-    health = HealthStore(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health", Cooldown())
+    health = HealthStore(DiskKV(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health"), Cooldown())
     health.settle_sync("codex", time.time(), Failure("capacity", True, "known_failed", 600))
     assert cli(capsys, "routing", "enable")[0] == 0
     assert path.read_text() == "[model_routing]\nenabled = true\n", "a new file holds only what was set"
@@ -280,7 +281,7 @@ def test_health_show_and_clear(capsys) -> None:
     state = Path(os.environ["PROXYVISOR_STATE_DIR"])
     assert cli(capsys, "health", "show")[1] == "no pool has recorded health: every pool is healthy\n"
     assert files_under(state) == [], "showing health creates nothing"
-    store = HealthStore(state / "health", Cooldown())
+    store = HealthStore(DiskKV(state / "health"), Cooldown())
     store.settle_sync("claude-code:opus-4x", time.time(), Failure("capacity", True, "known_failed", 120))
     store.settle_sync("claude-code:haiku-4-5", time.time(), Failure("auth", False, "known_failed"))
     store.close()
@@ -398,7 +399,7 @@ def test_delegate_shows_progress_as_plain_lines_and_logger_detail_only_when_aske
 
 def test_health_clear_names_an_unknown_pool_and_lists_the_known_ones(config_file: Path, capsys) -> None:
     state = Path(os.environ["PROXYVISOR_STATE_DIR"])
-    store = HealthStore(state / "health", Cooldown())
+    store = HealthStore(DiskKV(state / "health"), Cooldown())
     store.settle_sync("claude-code:opus-4x", time.time(), Failure("capacity", True, "known_failed", 120))
     store.close()
     code, out, err = cli(capsys, "health", "clear", "nosuch", "--config", str(config_file))
@@ -454,7 +455,7 @@ def test_delegate_stops_its_child_on_a_signal_before_it_exits(tmp_path: Path, si
     assert len(lines) == len(expected) and all(line.startswith("proxyvisor: " + text)
                                                for line, text in zip(lines, expected)), err
     assert "proxyvisor." not in err and "INFO" not in err and "WARNING" not in err, "no logger detail"
-    store = HealthStore(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health", Cooldown())
+    store = HealthStore(DiskKV(Path(os.environ["PROXYVISOR_STATE_DIR"]) / "health"), Cooldown())
     pools = store.all()
     store.close()
     assert [(p.pool, p.last_category) for p in pools if p.last_category or p.failure_count] == [], \

@@ -24,6 +24,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import Cooldown
 from proxyvisor.adapters.health_store import HealthStore
@@ -384,10 +385,10 @@ def test_every_state_file_is_private_whatever_the_umask(tmp_path: Path) -> None:
         Store(state).append_ledger("s1", {"ok": True})
         spill = SpillStore(state / "spill")
         spill.write(spill.path_for("s1", "Bash", "ab" * 32), "output\n")
-        cache = DecisionCache(state / "condense")
+        cache = DecisionCache(DiskKV(state / "condense"))
         cache.settle("k", Decision(None, "kept", 1, 1, 1, 1))
         cache.close()
-        health = HealthStore(state / "health", Cooldown())
+        health = HealthStore(DiskKV(state / "health"), Cooldown())
         health.settle_sync("a:b", 1.0, Failure("capacity", True, "known_failed"))
         health.close()
     finally:

@@ -31,18 +31,20 @@ def open_cache(path: Path, **settings: Any) -> diskcache.Cache:
 
 
 class LazyCache:
-    """A diskcache at ``root``, opened on first use by :meth:`_db` (so reading an absent store creates nothing);
-    ``_lock`` (re-entrant) also serves subclasses' read-modify-write sections."""
+    """A diskcache at ``root``, opened on first use by :meth:`_db` (so reading an absent store creates nothing)
+    with ``settings`` (:func:`open_cache`); ``_lock`` (re-entrant) also serves subclasses' read-modify-write
+    sections."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **settings: Any) -> None:
         self.root = Path(root)
+        self._settings = settings
         self._cache: diskcache.Cache | None = None
         self._lock = threading.RLock()
 
     def _db(self) -> diskcache.Cache:
         with self._lock:
             if self._cache is None:
-                self._cache = open_cache(self.root)
+                self._cache = open_cache(self.root, **self._settings)
             return self._cache
 
     def exists(self) -> bool:

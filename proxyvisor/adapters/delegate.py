@@ -47,7 +47,8 @@ from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetErr
 from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, Failure
 from .graph import ROOT, may_delegate
 from .health import Admission, Cooldown, fleet_wait
-from .health_store import HealthStore
+from .health_store import NAMESPACE as HEALTH, HealthStore
+from .state import DiskBackend, StateBackend, backend_of
 from .results import ClaimStore, ToolResult, child_traceparent, claim_check, evidence, shape, trace_id_of
 from .retry import RetryPolicy, next_start
 from .routing import NO_TARGET, Route, is_supervised, plan
@@ -88,18 +89,23 @@ class Delegation:
 
 class Delegator:
     """Runs delegations for one process. ``runtimes`` replaces the runtime of an adapter id (tests);
-    ``clocks`` the configured child clocks; ``now`` the wall clock (Unix seconds) used for health deadlines."""
+    ``clocks`` the configured child clocks; ``now`` the wall clock (Unix seconds) used for health deadlines.
+    ``backend`` holds pool health and claim checks (by default a diskcache in ``state_dir`` when it is given, else
+    the one ``[state]`` names); dead letters stay in the state directory."""
 
     def __init__(self, config: Config, *, registry: Registry | None = None,
                  runtimes: Mapping[str, Runtime] | None = None, clocks: ChildrenConfig | None = None,
-                 state_dir: Path | None = None, now: Callable[[], float] = time.time) -> None:
+                 state_dir: Path | None = None, now: Callable[[], float] = time.time,
+                 backend: StateBackend | None = None) -> None:
         self.routing = config.model_routing
         self.registry = registry if registry is not None else registry_for(self.routing.adapters_dir)
         self.clocks = clocks or self.routing.children
         root = Path(state_dir) if state_dir is not None else config.state_dir()
         cooldown = Cooldown(self.routing.cooldown.default_seconds, self.routing.cooldown.maximum_seconds)
-        self.health = HealthStore(root / "health", cooldown)
-        self.claims = ClaimStore(root / "claims", self.routing.children.claim_retention_s)
+        if backend is None:
+            backend = DiskBackend(root) if state_dir is not None else backend_of(config)
+        self.health = HealthStore(backend.kv(HEALTH), cooldown)
+        self.claims = ClaimStore(backend.kv(ClaimStore.NAMESPACE), self.routing.children.claim_retention_s)
         self.dead_letters = DeadLetterStore(root / "dead_letters", self.clocks.dead_letter_retention_s,
                                             self.clocks.dead_letters_kept)
         self.gate = ParallelGate(self.routing.max_parallel)

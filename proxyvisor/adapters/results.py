@@ -19,19 +19,19 @@ handed).
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
 
-from .cache import LazyCache
 from .children import ChildOutcome
 from .health import Admission
 from .runtime import FINISHED
+from .state import KV
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -55,25 +55,39 @@ def span_id_of(traceparent: str) -> str:
     return match.group(2) if match else ""
 
 
-class ClaimStore(LazyCache):
-    """Long child results, kept in ``root`` (a diskcache under the state dir) for ``retention_s`` seconds."""
+class ClaimStore:
+    """Long child results, kept in ``kv`` (the ``claims`` namespace of the state backend) for ``retention_s``
+    seconds, as JSON."""
 
-    def __init__(self, root: Path, retention_s: float) -> None:
-        super().__init__(root)
+    NAMESPACE = "claims"
+
+    def __init__(self, kv: KV, retention_s: float) -> None:
+        self.kv = kv
         self.retention_s = retention_s
 
     def put(self, text: str, meta: dict[str, Any]) -> str:
-        """Store ``text`` with ``meta``; returns the record id (``clm_`` + 20 hex digits)."""
+        """Store ``text`` with ``meta``; returns the record id (``clm_`` + 20 hex digits).
+
+        Raises:
+            StateUnavailable: the state backend cannot be written.
+        """
         record_id = "clm_" + secrets.token_hex(10)
-        self._db().set(record_id, {"text": text, "meta": meta, "stored_at": time.time()}, expire=self.retention_s)
+        # The stdlib's ASCII JSON, not orjson: a child's text may hold lone surrogates, which it escapes.
+        record = json.dumps({"text": text, "meta": meta, "stored_at": time.time()}).encode()
+        self.kv.set(record_id, record, self.retention_s)
         return record_id
 
     def get(self, record_id: str) -> dict[str, Any] | None:
         """The record (``text``, ``meta``, ``stored_at``) or None if unknown or expired; creates nothing."""
-        if not self.exists():
+        raw = self.kv.get(record_id)
+        try:
+            value = json.loads(raw) if raw is not None else None
+        except ValueError:
             return None
-        value = self._db().get(record_id)
         return value if isinstance(value, dict) else None
+
+    def close(self) -> None:
+        self.kv.close()
 
 
 def claim_check(text: str, limit: int, store: ClaimStore, meta: dict[str, Any]) -> tuple[str, str | None]:

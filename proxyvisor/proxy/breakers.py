@@ -32,16 +32,15 @@ import math
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from ..adapters.failures import CAPACITY, KNOWN_FAILED, PROVIDER, TIMEOUT, UNAVAILABLE, Failure, from_http
 from ..adapters.health import HALF_OPEN, Admission, Cooldown
-from ..adapters.health_store import HealthStore
+from ..adapters.health_store import NAMESPACE as HEALTH, HealthStore
+from ..adapters.state import StateBackend
 from ..config import BreakersConfig, Config, UpstreamConfig
-from ..store import unusable
 from .formats import WireFormat
 from .relay import UpstreamError, UpstreamReply
 
@@ -110,14 +109,14 @@ Send = Callable[[UpstreamConfig], Awaitable[UpstreamReply]]
 
 
 class Breakers:
-    """The breakers of one proxy over the health store in ``root`` (the state dir). ``now``: the wall clock (Unix
-    seconds), which deadlines are kept in; tests pass their own."""
+    """The breakers of one proxy over the health store in ``backend``. ``now``: the wall clock (Unix seconds),
+    which deadlines are kept in; tests pass their own."""
 
-    def __init__(self, config: BreakersConfig, upstreams: Sequence[UpstreamConfig], root: Path,
+    def __init__(self, config: BreakersConfig, upstreams: Sequence[UpstreamConfig], backend: StateBackend,
                  now: Callable[[], float] = time.time) -> None:
         self.config = config
         self.upstreams = {u.name: u for u in upstreams}
-        self.store = HealthStore(root / "health", Cooldown(config.cooldown_s, config.maximum_cooldown_s, OPENS,
+        self.store = HealthStore(backend.kv(HEALTH), Cooldown(config.cooldown_s, config.maximum_cooldown_s, OPENS,
                                                            retry_after_floor=True))
         self.now = now
         self.on_long_wait: Callable[[str, float], None] | None = None
@@ -228,14 +227,14 @@ class Breakers:
         return UpstreamReply(429, headers, fmt.error_body(429, message))
 
 
-def breakers_for(config: Config, root: Path | None) -> Breakers | None:
-    """The proxy's breakers over the state dir ``root``, or None: supervision or ``[supervisor.breakers]`` is
-    off, nothing may be written (``root`` None), or the health store cannot work (logged once, naming why)."""
-    if not (config.supervisor.enabled and config.supervisor.breakers.enabled) or root is None:
+def breakers_for(config: Config, backend: StateBackend | None) -> Breakers | None:
+    """The proxy's breakers over the health in ``backend``, or None: supervision or ``[supervisor.breakers]`` is
+    off, nothing may be written (``backend`` None), or the health store cannot work (logged once, naming why)."""
+    if not (config.supervisor.enabled and config.supervisor.breakers.enabled) or backend is None:
         return None
-    reason = unusable(root / "health", "cache.db")
+    reason = backend.unusable(HEALTH)
     if reason is not None:
         log.warning("state directory: %s: rate-limit protection is off (every request goes upstream, whatever "
                     "its pool's health)", reason)
         return None
-    return Breakers(config.supervisor.breakers, config.upstreams, root)
+    return Breakers(config.supervisor.breakers, config.upstreams, backend)

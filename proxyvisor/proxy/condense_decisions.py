@@ -1,4 +1,4 @@
-"""Sticky condense decisions, cached on disk (diskcache) by session, tool call id and content hash.
+"""Sticky condense decisions, kept in the state backend (``proxyvisor.adapters.state``) by session, tool call id and content hash.
 
 Agents re-send their whole history on every request. The decision for a tool result is made once, on the first
 request that carries it, and every later request gets the identical bytes: the narrowed text, or the original
@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import threading
+import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from ..adapters.cache import open_cache
+from ..adapters.state import KV, StateUnavailable
+
+log = logging.getLogger("proxyvisor.condense")
 
 CONDENSE_VERSION = "2"
 EXPIRE_S = 7 * 24 * 3600.0
@@ -60,26 +60,29 @@ def decision_key(session: str, call_id: str, text: str) -> str:
 
 
 class DecisionCache:
-    """Decisions in a diskcache folder (0700, its files 0600), made on first use (a proxy that never condenses
-    writes nothing). Thread-safe and process-safe, as diskcache is; the calls are blocking SQLite operations, so
-    trio code runs them in a worker thread."""
+    """Decisions in ``kv`` (the ``condense`` namespace of the state backend; a diskcache folder is made on first
+    use, so a proxy that never condenses writes nothing). Thread-safe and process-safe; the calls block (SQLite,
+    Redis), so trio code runs them in a worker thread. While the backend fails (Redis down), decisions are neither
+    found nor kept (results are decided again, and go upstream whole when the decision is to leave them), with
+    one warning per outage."""
 
-    def __init__(self, directory: Path, expire_s: float = EXPIRE_S) -> None:
+    NAMESPACE = "condense"
+    SETTINGS = {"size_limit": SIZE_LIMIT}
+    """The diskcache settings of the namespace: its size bound (Redis bounds it by :data:`EXPIRE_S` alone)."""
+
+    def __init__(self, kv: KV, expire_s: float = EXPIRE_S) -> None:
+        self.kv = kv
         self.expire_s = expire_s
-        self.directory = Path(directory)
-        self._opened: Any = None
-        self._lock = threading.Lock()
-
-    @property
-    def _cache(self) -> Any:
-        with self._lock:
-            if self._opened is None:
-                self._opened = open_cache(self.directory, size_limit=SIZE_LIMIT)  # files 0600 whatever the umask
-            return self._opened
+        self._down = False
 
     def get(self, key: str) -> Decision | None:
-        raw = self._cache.get(key)
-        if not isinstance(raw, str):
+        try:
+            raw = self.kv.get(key)
+        except StateUnavailable as exc:
+            self._failed(exc)
+            return None
+        self._up()
+        if raw is None:
             return None
         fields = json.loads(raw)
         fields["kept_ranges"] = tuple(tuple(pair) for pair in fields.get("kept_ranges", ()))
@@ -88,10 +91,22 @@ class DecisionCache:
     def settle(self, key: str, decision: Decision) -> Decision:
         """Store ``decision`` unless one is already stored; return the stored one (first writer wins)."""
         # The stdlib's ASCII JSON, not orjson: a tool result may hold lone surrogates, which it escapes.
-        self._cache.add(key, json.dumps(dataclasses.asdict(decision)), expire=self.expire_s)
+        try:
+            self.kv.add(key, json.dumps(dataclasses.asdict(decision)).encode(), self.expire_s)
+        except StateUnavailable as exc:
+            self._failed(exc)
+            return decision
         return self.get(key) or decision
 
+    def _failed(self, exc: StateUnavailable) -> None:
+        if not self._down:
+            log.warning("condense decisions: %s; results are decided again until it answers", exc)
+        self._down = True
+
+    def _up(self) -> None:
+        if self._down:
+            self._down = False
+            log.warning("condense decisions: the state backend answers again")
+
     def close(self) -> None:
-        with self._lock:
-            if self._opened is not None:
-                self._opened.close()
+        self.kv.close()

@@ -34,6 +34,7 @@ import orjson
 from ..condense.baseline import command_key, passed
 from ..condense.protocol import TaskContext
 from ..condense.text import split_lines
+from ..adapters.state import DiskBackend, StateBackend
 from .condense_decisions import Decision, DecisionCache
 from .condense_engine import MIN_THRESHOLD, CondenseEngine, ToolResult
 from .spill import SpillStore
@@ -256,14 +257,18 @@ def _result(out: ToolOutput, use: ToolUse | None) -> ToolResult:
                       _arguments(use.arguments) if use else "")
 
 
-def request_condenser(settings: SupervisorConfig, state_dir: Path | None) -> RequestCondenser | None:
+def request_condenser(settings: SupervisorConfig, state_dir: Path | None,
+                      backend: StateBackend | None = None) -> RequestCondenser | None:
     """The request condenser of a proxy (the condenser is each request's supervisor model): spill files in
-    ``{state_dir}/spill``, decisions in ``{state_dir}/condense``. None (condensing off) without a state directory
-    (nothing may be written) or with ``[supervisor.condense] enabled = false``."""
+    ``{state_dir}/spill``, decisions in ``backend``'s ``condense`` namespace (by default a diskcache in
+    ``{state_dir}/condense``). None (condensing off) without a state directory (nothing may be written) or with
+    ``[supervisor.condense] enabled = false``."""
     if state_dir is None or not settings.condense.enabled:
         return None
-    engine = CondenseEngine(settings.condense, None, spill=SpillStore(state_dir / "spill"),
-                            cache=DecisionCache(state_dir / "condense"), model_name=settings.model.name)
+    backend = backend or DiskBackend(state_dir)
+    cache = DecisionCache(backend.kv(DecisionCache.NAMESPACE, **DecisionCache.SETTINGS))
+    engine = CondenseEngine(settings.condense, None, spill=SpillStore(state_dir / "spill"), cache=cache,
+                            model_name=settings.model.name)
     return RequestCondenser(engine)
 
 

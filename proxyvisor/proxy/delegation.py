@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import trio
 
+from ..adapters.state import StateBackend
 from ..adapters.children import Budget
 from ..adapters.delegate import INVALID_STATUS, REFUSED, Delegator
 from ..adapters.failures import CAPACITY
@@ -82,13 +83,15 @@ def tool_for(role: RoleConfig) -> ToolSpec:
 
 
 class ProxyDelegation:
-    """Delegation for one proxy (module docstring). ``state_dir`` holds pool health and claim checks."""
+    """Delegation for one proxy (module docstring). ``backend`` holds pool health and claim checks, ``state_dir``
+    the dead letters."""
 
-    def __init__(self, config: Config, state_dir: Path | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(self, config: Config, state_dir: Path | None = None, tracing: Tracing | None = None,
+                 backend: StateBackend | None = None) -> None:
         self.routing = config.model_routing
         self.tracing = tracing
         """Where the endpoint's delegations go as spans (``proxyvisor.proxy.telemetry``); None: tracing off."""
-        self.delegator = Delegator(config, state_dir=state_dir)
+        self.delegator = Delegator(config, state_dir=state_dir, backend=backend)
         edges = {r.name: r.supervises for r in self.routing.roles}
         self.tools = [tool_for(r) for r in self.routing.roles if may_delegate(edges, ROOT, r.name)]
         self.names = frozenset(t.name for t in self.tools)

@@ -40,6 +40,9 @@ from typing import Any
 import orjson
 import trio
 
+from ..adapters.health_store import NAMESPACE as HEALTH
+from ..adapters.results import ClaimStore
+from ..adapters.state import DiskBackend, StateBackend
 from ..config import Config, UpstreamConfig
 from ..schema import json_kind
 from ..detectors.selfreport import strip
@@ -54,6 +57,8 @@ from .server import Headers, Request, Response
 from .bodies import BodyCache
 from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
 from .condensing import request_condenser
+from .condense_decisions import DecisionCache
+from .session_state import NAMESPACE as SESSIONS, SessionStates
 from . import commands, estimate, web
 from .web import WebView
 from .info import agent_of, ledger_fields
@@ -114,32 +119,38 @@ def _ms(seconds: float) -> bytes:
     return b"%.3f" % (seconds * 1000)
 
 
-def check_state(config: Config, store: Store | None) -> tuple[bool, bool]:
-    """Check, without writing, the stores in ``store``'s state directory that the enabled features need, and
-    turn off each feature whose store cannot work, with one warning naming the path and why: the ledger
-    (``store.ledger_off``: requests are then counted in memory only), condensing (its decisions and spill files)
-    and delegation (pool health and claim checks); a dead-letter store that cannot work is only warned about (a
-    dead letter not stored is said in the parent's error). Every store is optional: none of them is needed to relay
-    an answer. Returns whether condensing and delegation may run."""
-    if store is None:
-        return True, True
+def check_state(config: Config, store: Store | None, backend: StateBackend | None) -> tuple[bool, bool, bool]:
+    """Check, without writing, the stores the enabled features need (in ``store``'s state directory, and the
+    namespaces of ``backend``), and turn off each feature whose store cannot work, with one warning naming the path
+    and why: the ledger (``store.ledger_off``: requests are then counted in memory only), condensing (its decisions
+    and spill files), delegation (pool health and claim checks) and the sessions' stored supervision state; a
+    dead-letter store that cannot work is only warned about (a dead letter not stored is said in the parent's
+    error). Every store is optional: none of them is needed to relay an answer. Returns whether condensing,
+    delegation and session states may run."""
+    if store is None or backend is None:
+        return True, True, True
     root = store.root
 
-    def problem(feature: str, consequence: str, *stores: tuple[str, str]) -> str | None:
-        reason = next(filter(None, (unusable(root / folder, database) for folder, database in stores)), None)
+    def problem(feature: str, consequence: str, *stores: str | None) -> str | None:
+        reason = next(filter(None, stores), None)
         if reason is not None:
             log.warning("state directory: %s: %s is off (%s)", reason, feature, consequence)
         return reason
 
-    store.ledger_off = problem("the ledger", "requests are counted in memory only, for /info", ("ledger", ""))
+    store.ledger_off = problem("the ledger", "requests are counted in memory only, for /info",
+                               unusable(root / "ledger"))
     condense = not (config.supervisor.condense.enabled and problem(
-        "condensing", "tool results go upstream whole", ("condense", "cache.db"), ("spill", "")))
+        "condensing", "tool results go upstream whole", backend.unusable(DecisionCache.NAMESPACE),
+        unusable(root / "spill")))
     delegate = not (config.model_routing.enabled and problem(
-        "delegation", "the model is offered no delegation tools", ("health", "cache.db"), ("claims", "cache.db")))
+        "delegation", "the model is offered no delegation tools", backend.unusable(HEALTH),
+        backend.unusable(ClaimStore.NAMESPACE)))
     if config.model_routing.enabled and delegate:
         problem("keeping dead letters", "a hand-off that fails on every attempt is still reported to the model, but "
-                "not kept for 'proxyvisor delegate --dead-letters'", ("dead_letters", "cache.db"))
-    return condense, delegate
+                "not kept for 'proxyvisor delegate --dead-letters'", unusable(root / "dead_letters", "cache.db"))
+    states = not problem("stored session state", "a restart starts every session afresh",
+                         backend.unusable(SESSIONS))
+    return condense, delegate, states
 
 
 class Pipeline:
@@ -148,11 +159,14 @@ class Pipeline:
     ``relays`` maps each configured upstream's name to its :class:`HttpRelay`. ``store`` is None when nothing
     may be written. ``translator`` serves formats no upstream speaks (see ``proxyvisor.proxy.translate``).
     ``routes`` gives each supervised request its supervisor model call (``proxyvisor.proxy.session_model``; None:
-    the session's own route with ``[supervisor.model]``).
+    the session's own route with ``[supervisor.model]``). ``backend`` holds the shared state (pool health, claim
+    checks, condense decisions, sessions' supervision state; ``proxyvisor.adapters.state``); by default a diskcache
+    in ``store``'s state directory.
     """
 
     def __init__(self, config: Config, relays: dict[str, HttpRelay], store: Store | None,
-                 translator: Any = None, clock: Any = time.monotonic, routes: SupervisorRoutes | None = None) -> None:
+                 translator: Any = None, clock: Any = time.monotonic, routes: SupervisorRoutes | None = None,
+                 backend: StateBackend | None = None) -> None:
         self.config = config
         self.relays = relays
         self.store = store
@@ -160,13 +174,20 @@ class Pipeline:
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.bodies = BodyCache()
-        condense, delegate = check_state(config, store)
+        if backend is None and store is not None:
+            backend = DiskBackend(store.root)
+        self.backend = backend
+        condense, delegate, states = check_state(config, store, backend)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
-            config.supervisor, store.root if store is not None and condense else None))
+            config.supervisor, store.root if store is not None and condense else None, backend))
+        self.states = SessionStates(backend.kv(SESSIONS), config.state.session_ttl_s) \
+            if backend is not None and states and self.supervised else None
+        """The sessions' stored supervision state (``proxyvisor.proxy.session_state``); None: memory only."""
         self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
-        self.delegation = ProxyDelegation(config, store.root if store is not None else None, self.telemetry) \
+        self.delegation = ProxyDelegation(config, store.root if store is not None else None,
+                                          self.telemetry, backend) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.authorizer = Authorizer(config.supervisor.authorizer)
         self.learning = Learning(config.supervisor.learning, store.root / MEMORY_FOLDER
@@ -174,8 +195,8 @@ class Pipeline:
                                  self.supervisor.mutating_tools)
         if self.learning.on:
             self.sessions.on_end = self._end_learning
-        self.breakers = breakers_for(config, store.root if store is not None else None)
-        self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock)
+        self.breakers = breakers_for(config, backend if store is not None else None)
+        self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock, backend)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -195,6 +216,8 @@ class Pipeline:
         self.web.close()
         if self.telemetry is not None:
             self.telemetry.close()
+        if self.backend is not None:
+            self.backend.close()
 
     def _end_learning(self, session: Session) -> None:
         """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill.
@@ -336,8 +359,11 @@ class Pipeline:
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
+            if self.states is not None:
+                await self.states.load(session)
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
+            await self._persist(session)
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
@@ -449,7 +475,10 @@ class Pipeline:
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
-        return self._respond(request, fmt, reply, body, session, exchange)
+        response = self._respond(request, fmt, reply, body, session, exchange)
+        if not reply.streaming:  # a stream's state is saved as it ends (_stream)
+            await self._persist(session)
+        return response
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
@@ -468,7 +497,10 @@ class Pipeline:
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
-        return self._respond(request, fmt, reply, body, session, exchange)
+        response = self._respond(request, fmt, reply, body, session, exchange)
+        if not reply.streaming:  # a stream's state is saved as it ends (_stream)
+            await self._persist(session)
+        return response
 
     async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: str, body: dict[str, Any],
                         content: bytes | tuple[bytes, ...] | None, exchange: Exchange | None) -> UpstreamReply:
@@ -657,6 +689,15 @@ class Pipeline:
                               usage, overhead, message, exchange, response_model=telemetry.response_model(
                                   event_object(events[0][1])) if self.telemetry is not None and events else None)
                 self._delivered(session, fmt, body, shown)
+                with trio.CancelScope(shield=True):  # before the stream's end reaches the client
+                    await self._persist(session)
+
+    async def _persist(self, session: Session | None) -> None:
+        """Store the session's supervision state (``proxyvisor.proxy.session_state``): after supervision rewrote
+        the request, and once its answer is through. A backend that hangs costs a request at most its timeouts
+        (``proxyvisor.adapters.state``); the state then stays in memory."""
+        if self.states is not None and session is not None:
+            await self.states.save(session)
 
     def _delivered(self, session: Session, fmt: WireFormat, body: dict[str, Any] | None,
                    turn: AssistantTurn | None) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..adapters.state import backend_of
 from ..adapters import litellm_bridge
 from ..scripted.upstream import ScriptedUpstream, load_script
 from ..supervisor_model import LITELLM, ModelCall, configured_model
@@ -107,13 +108,15 @@ async def running(config: Config, port: int | None = None, store: Store | None =
     the first scripted upstream).
 
     Raises:
-        ConfigError: an upstream key variable is missing, a script file is invalid, or ``[supervisor.model]``
-            asks for a scripted upstream that is not configured.
+        ConfigError: an upstream key variable is missing, a script file is invalid, ``[supervisor.model]``
+            asks for a scripted upstream that is not configured, or ``[state] backend = "redis"`` and its Redis
+            cannot be reached.
         OSError: the address is in use.
     """
     keys = upstream_keys(config)
     if store is None and config.supervisor.enabled:
         store = Store(config.state_dir())
+    backend = backend_of(config, store.root) if store is not None else None
     limits = limits_of(config)
     scripted = dict(scripted or {})
     async with trio.open_nursery() as nursery:
@@ -147,7 +150,7 @@ async def running(config: Config, port: int | None = None, store: Store | None =
 
             translator = Translator(relays)
         pipeline = Pipeline(config, relays, store, translator,
-                            routes=SupervisorRoutes(config.supervisor.model, model, route))
+                            routes=SupervisorRoutes(config.supervisor.model, model, route), backend=backend)
         pipeline.background = nursery
         host = config.proxy.host
         listeners = await open_listeners(host, config.proxy.port if port is None else port)

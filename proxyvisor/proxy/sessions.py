@@ -294,6 +294,9 @@ class Session:
     """Per-session supervisor state, made on first use."""
     learning: Any = None
     """Per-session learning state (``proxyvisor.proxy.learning.SessionLearning``), made on first use."""
+    state_version: bytes = b""
+    """The version of :attr:`supervision` this process last loaded or saved (``proxyvisor.proxy.session_state``);
+    empty: none yet."""
 
 
 class SessionTable:

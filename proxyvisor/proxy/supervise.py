@@ -223,6 +223,11 @@ class SessionSupervision:
     signals: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a stored session state holds (``proxyvisor.proxy.session_state``): everything but the request
+        records, which are this process's own."""
+        return {**self.__dict__, "records": deque(maxlen=RECORDS)}
+
     def thread(self, key: bytes, mutating_tools: frozenset[str]) -> Thread:
         thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools))
         self.threads[key] = thread

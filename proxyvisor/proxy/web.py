@@ -46,7 +46,8 @@ import trio
 
 from ..adapters.descriptors import registry_for
 from ..adapters.health import Cooldown
-from ..adapters.health_store import HealthStore
+from ..adapters.health_store import NAMESPACE as HEALTH, HealthStore
+from ..adapters.state import StateBackend
 from ..adapters.overview import health_json, routing_json
 from ..config import Config
 from ..store import SESSION_ID, LedgerError, Store
@@ -173,9 +174,11 @@ class LedgerFeed:
 
 class WebView:
     """The JSON endpoints and event streams of the web view (module docstring) over one proxy's session table,
-    state directory (``store``; None: nothing recorded) and configuration; ``clock`` is the session table's."""
+    state directory (``store``; None: nothing recorded), state backend (``backend``: pool health) and
+    configuration; ``clock`` is the session table's."""
 
-    def __init__(self, config: Config, sessions: SessionTable, store: Store | None, clock: Callable[[], float]) -> None:
+    def __init__(self, config: Config, sessions: SessionTable, store: Store | None, clock: Callable[[], float],
+                 backend: StateBackend | None = None) -> None:
         self.config = config
         self.sessions = sessions
         self.store = store
@@ -185,8 +188,8 @@ class WebView:
         """The listing's rows by session, with the size and mtime of the ledger they were summed from: the latest
         listing's sessions only."""
         c = config.model_routing.cooldown
-        self.health = HealthStore(store.root / "health", Cooldown(c.default_seconds, c.maximum_seconds)) \
-            if store is not None else None
+        self.health = HealthStore(backend.kv(HEALTH), Cooldown(c.default_seconds, c.maximum_seconds)) \
+            if store is not None and backend is not None else None
 
     def close(self) -> None:
         if self.health is not None:

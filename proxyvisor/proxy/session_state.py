@@ -1,0 +1,163 @@
+"""Sessions' supervision state in the state backend, so that a restarted proxy, or another replica, goes on with a
+session exactly where it was: the same detector state, the same notes at the same places (the upstream prefix stays
+byte-stable for provider prompt caches), the same gate turn, the same plan.
+
+What is kept: a session's :class:`~proxyvisor.proxy.supervise.SessionSupervision` (its threads: detector state,
+steer policy, notes and recitations, re-inserted delegations and grafts, the gate turn, the plan and its
+bookkeeping; and its counters), not its request records, which are each process's own. Two keys per session in the
+``sessions`` namespace (``proxyvisor.adapters.state``), both with a time to live of ``[state] session_ttl_s``
+after the session's last write:
+
+- ``<session>``: 16 random bytes (the version) then the state, pickled;
+- ``<session>:v``: the version alone.
+
+:meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state only
+when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save` writes the state
+after the request's supervision ran (notes added, plan made: before the request goes upstream) and again once its
+answer is through (self-report, gate turn). The state is written before the version, so a reader never takes a new
+version for an old state. Two replicas serving one session's requests at the same moment: the later save wins.
+
+Pickle, because the state is a graph of the cores' own objects (trackers, policies, state machines), but read
+back only through :class:`_Unpickler`, which builds nothing but proxyvisor's own classes and a few containers: a
+state someone else wrote into the store cannot name any other callable. The store must still be trusted with the
+sessions' content (it holds notes and tool results): a Redis with a password, on a private network.
+
+Failures of the backend (Redis down) never cost a request: the session goes on with the state this process holds
+(or a fresh one), one warning per outage.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+from typing import Any
+
+import trio
+
+from ..adapters.state import KV, StateUnavailable
+from .sessions import Session
+from .supervise import SessionSupervision
+
+log = logging.getLogger("proxyvisor.sessions")
+
+NAMESPACE = "sessions"
+_VERSION = 16
+_CONTAINERS = {("collections", "OrderedDict"), ("collections", "deque"), ("collections", "Counter"),
+               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray")}
+_WRITERS = 4
+"""Worker threads writing or reading session states at once (one per session would open a diskcache connection
+per thread under a burst)."""
+
+
+class _Unpickler(pickle.Unpickler):
+    """Builds only proxyvisor's own classes and the containers of :data:`_CONTAINERS`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _CONTAINERS or module.startswith("proxyvisor."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"a session state may not hold {module}.{name}")
+
+
+def encode(state: SessionSupervision, version: bytes) -> bytes:
+    """``version`` and ``state`` as the value of a session's key.
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: ``state`` holds an object pickle cannot write.
+    """
+    return version + pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
+    """(the state, its version) of a session key's ``value``.
+
+    Raises:
+        ValueError: ``value`` is not a session state this version of proxyvisor wrote.
+    """
+    try:
+        state = _Unpickler(io.BytesIO(value[_VERSION:])).load()
+    except Exception as exc:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
+        raise ValueError(f"not a session state ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, SessionSupervision) or len(value) < _VERSION:
+        raise ValueError("not a session state")
+    return state, value[:_VERSION]
+
+
+class SessionStates:
+    """Session states in ``kv`` (module docstring), each kept ``ttl_s`` seconds after its last save."""
+
+    def __init__(self, kv: KV, ttl_s: float) -> None:
+        self.kv = kv
+        self.ttl_s = ttl_s
+        self._limiter = trio.CapacityLimiter(_WRITERS)
+        self._down = False
+
+    async def load(self, session: Session) -> None:
+        """Replace ``session.supervision`` with the stored state when one newer than the session's own is stored
+        (another process saved it, or this process has none yet). A state that cannot be read is logged and left
+        alone; the backend failing changes nothing (warned once per outage). Cancellation propagates."""
+        try:
+            found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
+                                                  limiter=self._limiter)
+        except StateUnavailable as exc:
+            self._failed(exc)
+            return
+        self._up()
+        if found is not None:
+            session.supervision, session.state_version = found
+
+    def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes] | None:
+        version = self.kv.get(session_id + ":v")
+        if version is None or version == known:
+            return None
+        value = self.kv.get(session_id)
+        if value is None:
+            return None
+        try:
+            return decode(value)
+        except ValueError as exc:
+            log.warning("session %s: its stored supervision state is not used (%s)", session_id, exc)
+            return None
+
+    async def save(self, session: Session) -> None:
+        """Store ``session.supervision`` (nothing when it has none) under a new version. Pickled on the event loop,
+        where the state changes, and written in a worker thread; a state that cannot be pickled or stored is
+        logged (the session goes on from memory). Cancellation propagates (the write may still complete)."""
+        state = session.supervision
+        if state is None:
+            return
+        version = os.urandom(_VERSION)
+        try:
+            value = encode(state, version)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            log.warning("session %s: its supervision state cannot be stored (%s: %s)", session.id,
+                        type(exc).__name__, exc)
+            return
+        session.state_version = version
+        try:
+            await trio.to_thread.run_sync(self._save, session.id, value, version, limiter=self._limiter)
+        except StateUnavailable as exc:
+            self._failed(exc)
+            return
+        self._up()
+
+    def _save(self, session_id: str, value: bytes, version: bytes) -> None:
+        self.kv.set(session_id, value, self.ttl_s)
+        self.kv.set(session_id + ":v", version, self.ttl_s)
+
+    def _failed(self, exc: StateUnavailable) -> None:
+        if not self._down:
+            log.warning("session states: %s; sessions go on with the state this process holds until it answers",
+                        exc)
+        self._down = True
+
+    def _up(self) -> None:
+        if self._down:
+            self._down = False
+            log.warning("session states: the state backend answers again")
+
+    def close(self) -> None:
+        self.kv.close()

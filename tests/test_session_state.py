@@ -1,0 +1,71 @@
+"""Sessions' supervision state survives a restart of the proxy (``proxyvisor.proxy.session_state``): the notes and
+recitations go back byte for byte where they were, the plan is the same plan (no second planner call), so the
+request after the restart extends the one before it as it would without the restart; a stored state can only
+build proxyvisor's own objects."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxyvisor.config import Config
+from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.formats.base import shared_prefix
+from proxyvisor.proxy.service import running
+from proxyvisor.proxy.session_state import decode, encode
+from proxyvisor.proxy.supervise import SessionSupervision
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.store import Store
+
+from test_recite_prefix import RECITED, Agent, Model, report
+
+
+async def _turns(agent: Agent, plan_at: int, count: int) -> None:
+    for _ in range(count):
+        await agent.turn(agent.step(f"Step {agent.n}. " + report(plan="request" if agent.n == plan_at else None)))
+
+
+@pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True)], ids=["chat-json", "messages-sse"])
+async def test_a_restart_keeps_the_notes_the_plan_and_the_upstream_prefix(tmp_path: Path, fmt: str,
+                                                                          stream: bool) -> None:
+    model = Model()
+    bodies: list[bytes] = []
+    async with running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": ScriptedUpstream()},
+                       model=model) as proxy:
+        agent = Agent(proxy, BY_NAME[fmt], stream)
+        await _turns(agent, plan_at=2, count=4)  # a recitation, then a plan made and recited at the tail
+        bodies += agent.bodies()
+    assert model.purposes == ["plan"] and bodies[-1].count(RECITED) == 2
+    # The same state directory, a new process's worth of memory: nothing of the first proxy is left but its files.
+    async with running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": ScriptedUpstream()},
+                       model=model) as proxy:
+        agent.proxy, agent.upstream = proxy, proxy.scripted["scripted"]
+        await _turns(agent, plan_at=-1, count=2)
+        bodies += agent.bodies()
+    assert model.purposes == ["plan"], "the plan came back from the store: no planner call after the restart"
+    fmt_ = BY_NAME[fmt]
+    prompts = [fmt_.prompt(orjson.loads(body)) for body in bodies]
+    for i in range(1, len(prompts)):
+        assert shared_prefix(prompts[i - 1], prompts[i]) == sum(map(len, prompts[i - 1])), f"request {i} breaks it"
+    assert bodies[-1].count(RECITED) == 2 and b"Live plan (0/2 done)" in bodies[-1]
+
+
+def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() -> None:
+    state = SessionSupervision()
+    state.notes["loop"] += 2
+    version = os.urandom(16)
+    back, got = decode(encode(state, version))
+    assert got == version and back.notes == state.notes and isinstance(back, SessionSupervision)
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("touch pwned",))
+
+    with pytest.raises(ValueError, match="may not hold"):
+        decode(version + pickle.dumps(Evil()))
+    with pytest.raises(ValueError):
+        decode(b"short")
