@@ -1,0 +1,211 @@
+"""Shared state on a real Redis (``[state] backend = "redis"``, ``proxyvisor.adapters.state``): the key-value
+contract (first writer wins, atomic read-modify-write across threads, every key with a time to live), one probe
+lease fleet-wide, a clear startup error when Redis is unreachable and degradation (no lost answer) when it goes
+away mid-run; and two ``proxyvisor serve`` replicas (real processes) on one Redis: a session's requests alternating
+between them see one detector state and byte-stable notes, a pool cooling on one replica refuses on the other, and
+a ``kill -9`` of one replica loses nothing the other needs."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from types import SimpleNamespace
+
+import orjson
+import pytest
+import redis
+import trio
+
+from proxyvisor.adapters.failures import Failure
+from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
+from proxyvisor.adapters.health_store import HealthStore
+from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, StateUnavailable, open_backend
+from proxyvisor.config import Config
+from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.service import running
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.store import Store
+
+from helpers import http_client, request_body, serve_handler
+from redis_support import free_port, redis_server
+from test_recite_prefix import RECITED, Agent, report
+from test_reliability_crash import start_serve
+
+LOOP_NOTE = b'signal=\\"loop\\"'
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with redis_server(tmp_path / "redis") as url:
+        yield url
+
+
+def test_the_key_value_contract_on_redis(redis_url: str) -> None:
+    backend = RedisBackend(redis_url)
+    kv = backend.kv("t")
+    try:
+        assert kv.get("a") is None and kv.add("a", b"1", 60) and not kv.add("a", b"2", 60) and kv.get("a") == b"1"
+
+        def bump(value: bytes | None) -> bytes:
+            return str(int(value or b"0") + 1).encode()
+
+        def worker() -> None:
+            for _ in range(50):
+                kv.update("n", bump, 60)
+
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert kv.get("n") == b"400", "no lost update among 8 threads"
+        assert kv.update("n", lambda _v: None, 60) is None and kv.get("n") is None
+        kv.set("b:1", b"x", 60)
+        assert kv.keys("b:") == ["b:1"] and sorted(kv.keys()) == ["a", "b:1"]
+        raw = redis.Redis.from_url(redis_url)
+        keys = raw.keys("*")
+        assert keys and all(k.startswith(REDIS_PREFIX.encode() + b"t:") for k in keys)
+        assert all(0 < raw.pttl(k) <= 60_000 for k in keys), "every key expires"
+        raw.close()
+    finally:
+        backend.close()
+
+
+def test_one_probe_lease_across_the_fleet(redis_url: str) -> None:
+    """Four replicas' worth of clients on one cooling pool whose cooldown is over: exactly one gets the probe."""
+    backends = [RedisBackend(redis_url) for _ in range(4)]
+    stores = [HealthStore(b.kv("health"), Cooldown()) for b in backends]
+    try:
+        stores[0].settle_sync("p", 1000.0, Failure("capacity", True, "known_failed", retry_after_s=5))
+        assert stores[1].get("p").state == COOLING_DOWN
+        probes = []
+
+        def client(store: HealthStore) -> None:
+            for _ in range(10):
+                admission = store.admit_sync("p", 2000.0, 60.0)
+                if admission.probe:
+                    probes.append(admission)
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in stores for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(probes) == 1
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_an_unreachable_redis_is_a_clear_startup_error(tmp_path: Path) -> None:
+    port = free_port()
+    with pytest.raises(StateUnavailable, match=f"cannot reach Redis at redis://127.0.0.1:{port}/0"):
+        open_backend("redis", f"redis://:hunter2@127.0.0.1:{port}/0", tmp_path)
+    config = tmp_path / "config.toml"
+    config.write_text(f'[state]\nbackend = "redis"\nurl = "redis://:hunter2@127.0.0.1:{port}/0"\n')
+    done = subprocess.run([sys.executable, "-m", "proxyvisor", "serve", "--config", str(config), "--port", "0"],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"cannot reach Redis at redis://127.0.0.1:" in done.stderr and b"hunter2" not in done.stderr
+    assert b"Traceback" not in done.stderr
+
+
+async def test_redis_going_away_mid_run_loses_no_answer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server(tmp_path / "redis"))
+        config = Config().with_overrides(state={"backend": "redis", "url": url})
+        async with running(config, port=0, store=Store(tmp_path / "state"),
+                           scripted={"scripted": ScriptedUpstream()}) as proxy:
+            agent = Agent(proxy, BY_NAME["chat"], False)
+            await agent.turn(agent.step("Reading. " + report()))
+            raw = redis.Redis.from_url(url)
+            assert raw.exists(f"{REDIS_PREFIX}sessions:prefix"), "the session's state is in Redis"
+            raw.close()
+            stack.close()  # Redis stops; the proxy answers on, from the state it holds
+            for _ in range(2):
+                await agent.turn(agent.step("Going on. " + report()))
+            agent.assert_prefix_stable()
+            assert agent.bodies()[-1].count(RECITED) == 1
+    assert "session states: Redis at" in caplog.text and "pool health: Redis at" in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+# ---- two replicas ------------------------------------------------------------------------------------------------
+
+def _replica_config(path: Path, state: Path, redis_url: str, upstream_url: str) -> Path:
+    path.write_text(f'[state]\ndir = "{state}"\nbackend = "redis"\nurl = "{redis_url}"\n\n'
+                    f'[upstreams.scripted]\nurl = "{upstream_url}"\n\n'
+                    '[supervisor.gate]\nenabled = false\n')
+    return path
+
+
+async def test_two_replicas_on_one_redis_serve_one_session_as_one(tmp_path: Path, redis_url: str) -> None:
+    script = ScriptedUpstream()
+    async with serve_handler(script) as upstream_url:
+        procs, urls = [], []
+        try:
+            for name in ("a", "b"):
+                proc, url = await trio.to_thread.run_sync(start_serve, _replica_config(
+                    tmp_path / f"{name}.toml", tmp_path / f"state-{name}", redis_url, upstream_url),
+                    tmp_path / f"serve-{name}.log")
+                procs.append(proc)
+                urls.append(url)
+            replicas = [SimpleNamespace(url=u, scripted={"scripted": script}) for u in urls]
+            agent = Agent(replicas[0], BY_NAME["chat"], False)
+
+            async def same_call() -> None:
+                """The agent runs ``ls`` again and gets the same listing: a loop, once it has gone on long enough."""
+                agent.n += 1
+                await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
+                    {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
+                agent.history[-1]["content"] = "a.txt b.txt"
+
+            # Alternating replicas: the loop detector counts across both (its state is one), the note lands once
+            # and stays where it was, and each upstream request extends the one before.
+            for turn in range(6):
+                agent.proxy = replicas[turn % 2]
+                await same_call()
+            bodies = agent.bodies()
+            # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing, then back-off.
+            assert [b.count(LOOP_NOTE) for b in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across replicas"
+            assert all(b.count(RECITED) == 1 for b in bodies[1:])
+            agent.assert_prefix_stable()
+
+            # A pool cooling on replica a refuses on replica b: b sends nothing upstream.
+            others = len(script.requests)
+            script.queue({"fault": {"status": 429, "retry_after": "30"}})
+            async with http_client(urls[0]) as client:
+                assert (await client.post("/s/cool/v1/chat/completions", json=request_body("chat"))).status_code == 429
+            sent = len(script.requests)
+            async with http_client(urls[1]) as client:
+                refused = await client.post("/s/cool2/v1/chat/completions", json=request_body("chat"))
+            assert refused.status_code == 429 and refused.headers.get("x-proxyvisor-breaker") == "open"
+            assert len(script.requests) == sent
+            raw = redis.Redis.from_url(redis_url)
+            raw.delete(*raw.keys(f"{REDIS_PREFIX}health:*"))  # the pool is healthy again
+            raw.close()
+            del script.requests[others:]  # other sessions' requests: the agent's prefix check reads its own only
+
+            # kill -9 of replica a mid-session: b goes on with the session as it was.
+            agent.proxy = replicas[0]
+            await same_call()
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(10)
+            agent.proxy = replicas[1]
+            for _ in range(2):
+                await same_call()
+            agent.assert_prefix_stable()
+            assert agent.bodies()[-1].count(LOOP_NOTE) >= 1 and agent.bodies()[-1].count(RECITED) == 1
+            # Every request has its ledger line, in the state directory of the replica that served it.
+            lines = [orjson.loads(line) for name in ("a", "b")
+                     for line in (tmp_path / f"state-{name}" / "ledger" / "prefix.jsonl").read_bytes().splitlines()]
+            assert len(lines) == 9
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
