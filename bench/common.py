@@ -78,6 +78,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_redis(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``redis-server`` (Debian package) on a free loopback port without persistence, its files in ``work``;
+    (the process, its URL).
+
+    Raises:
+        BenchError: redis-server is not installed or does not start.
+    """
+    binary = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK)
+                                              else None)
+    if binary is None:
+        raise BenchError("--redis needs redis-server (Debian: apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(work), "--logfile", str(work / "redis.log")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise BenchError("redis-server did not start")
+
+
 def spawn_role(script: str, role: str, *args: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start bench ``script`` in ``role`` as a child process; returns it and the port it printed as ``PORT n``.
     The child exits when its stdin closes (see :func:`exit_on_stdin_eof`), so it never outlives this process.

@@ -6,6 +6,7 @@ Usage (from the repository root, in the project's environment)::
     python bench/load.py                     # 200 sessions: 60 s direct, 300 s proxyvisor, 60 s LiteLLM
     python bench/load.py --quick             # a CI-size run of about 30 s (no LiteLLM arm unless --litellm)
     python bench/load.py --sessions 50 --duration 120 --compare-duration 30 --no-litellm
+    python bench/load.py --replicas 2 --redis    # and an arm of 2 replicas on one Redis, sessions alternating
 
 Processes: the scripted upstream (auto mode: it calls a tool after a prompt and answers text after a tool
 result, streaming with ``--chunk-delay-ms`` between events) runs in its own process; ``python -m proxyvisor
@@ -19,7 +20,11 @@ after a think time (the tool running), else append the answer and a new prompt. 
 ``--max-messages`` messages, then the agent compacts it (a new thread of the same session). Every reply is
 checked: status 200, a complete stream (the format's last event), and the turn the scripted model must give.
 
-The arms run one after another against the same upstream: ``direct`` (the baseline), ``proxyvisor``, ``litellm``.
+The arms run one after another against the same upstream: ``direct`` (the baseline), ``proxyvisor``, ``litellm``;
+with ``--replicas N --redis`` also ``proxyvisor-redis``: N ``serve`` replicas with ``[state] backend = "redis"`` on
+one ``redis-server`` (Debian package, started here on a free loopback port without persistence), each session's
+requests going round-robin over the replicas (no stickiness), its added p50 put against the one replica on
+diskcache of the ``proxyvisor`` arm (the ratio is printed).
 Figures per arm, after a warm-up: errors (target 0), p50/p99 latency and time to first byte, and the *added*
 latency (the arm's percentile minus direct's), requests per second; for the proxy processes: peak RSS and its
 growth from the end of the warm-up to the end of the run (target < 10 %), open file descriptors before the load
@@ -52,6 +57,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -61,7 +67,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, command_line, cpu_time, exit_on_stdin_eof,
-                          litellm_venv, loadavg, parse_sized, pct, prose, sized_parser, spawn_role, start_litellm,
+                          litellm_venv, loadavg, parse_sized, pct, prose, sized_parser, spawn_role, start_litellm, start_redis,
                           wait_litellm, workspace)
 from bench.results import write_section
 from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -204,9 +210,10 @@ class Settings:
     tools: tuple[ToolSpec, ...]
 
 
-async def agent(index: int, base_url: str, arm: str, settings: Settings, deadline: float, t0: float,
+async def agent(index: int, base_urls: list[str], arm: str, settings: Settings, deadline: float, t0: float,
                 samples: list[Sample], tls: ssl.SSLContext) -> None:
-    """One agent session until ``deadline`` (perf_counter): prompt, tool round, answer, prompt..."""
+    """One agent session until ``deadline`` (perf_counter): prompt, tool round, answer, prompt..., its requests
+    going round-robin over ``base_urls`` (one connection to each), starting at the session's index."""
     rng = random.Random(index)
     fmt = FORMATS[index % 3]
     stream = (index // 3) % 2 == 0
@@ -227,9 +234,14 @@ async def agent(index: int, base_url: str, arm: str, settings: Settings, deadlin
 
     messages = fresh()
     await trio.sleep(rng.uniform(0, settings.think_s[1]))  # the sessions do not start in lockstep
-    async with httpx.AsyncClient(base_url=base_url, timeout=None, trust_env=False, verify=tls,
-                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=url, timeout=None, trust_env=False, verify=tls,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))) for url in base_urls]
+        sent = index
         while time.perf_counter() < deadline:
+            client = clients[sent % len(clients)]
+            sent += 1
             expect_tool_call = messages[-1]["role"] == "user"
             marker, model_s = delay()
             messages[-1]["content"] += marker  # kept: a history only grows at its end, as an agent's does
@@ -306,6 +318,8 @@ class Arm:
     :func:`process_of`). On a small machine the three compete, and latency shows it."""
     big: BigEvent | None = None
     """The big event relayed among this arm's load (the big-event case), if it ran."""
+    replicas: list[int] = field(default_factory=list)
+    """The ports of all the arm's replicas when it has several (``port`` is the first's); empty: ``port`` alone."""
 
 
 async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: subprocess.Popen[bytes],
@@ -323,8 +337,8 @@ async def run_arm(arm: Arm, settings: Settings, tls: ssl.SSLContext, upstream: s
             if big_event:
                 agents.start_soon(big_event_among_load, arm, arm.port, big_event, t0)
             for i in range(settings.sessions):
-                agents.start_soon(agent, i, f"http://127.0.0.1:{arm.port}", arm.name, settings, deadline, t0,
-                                  arm.samples, tls)
+                agents.start_soon(agent, i, [f"http://127.0.0.1:{p}" for p in arm.replicas or [arm.port]],
+                                  arm.name, settings, deadline, t0, arm.samples, tls)
         elapsed = time.perf_counter() - t0
         arm.machine = {"load generator": (time.process_time() - cpu[0]) / elapsed,
                        "upstream": (cpu_time(upstream) - cpu[1]) / elapsed}
@@ -494,12 +508,12 @@ def error_kinds(arm: Arm) -> dict[str, int]:
 def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[bool, str]]:
     out = []
     for arm in arms:
-        if arm.name != "proxyvisor":
+        if not arm.name.startswith("proxyvisor"):
             continue
         n = len(arm.samples)
         failed = sum(errors[arm.name].values())
         detail = ", ".join(f"{count}x {kind}" for kind, count in sorted(errors[arm.name].items())) or "none"
-        out.append((failed == 0, f"proxyvisor: {failed} errors in {n} requests (target 0; {detail})"))
+        out.append((failed == 0, f"{arm.name}: {failed} errors in {n} requests (target 0; {detail})"))
         m = process_of(arm)
         if m is not None and arm.duration_s >= SOAK_S:
             out.append((m.growth < TARGET_RSS_GROWTH, (f"proxyvisor: RSS growth after warm-up {m.growth:+.1%} "
@@ -514,7 +528,7 @@ def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[b
                             f"proxyvisor: other sessions' added p90 while the big event relayed {added:+.1f} ms "
                             f"(target < {TARGET_BIG_EVENT_P90_MS:g} ms)"))
         if arm.ledger_lines is not None:
-            out.append((arm.ledger_lines == n, (f"proxyvisor: {arm.ledger_lines} ledger lines for {n} requests "
+            out.append((arm.ledger_lines == n, (f"{arm.name}: {arm.ledger_lines} ledger lines for {n} requests "
                                                 "(every request accounted for)")))
     return out
 
@@ -678,11 +692,12 @@ async def serve_upstream(chunk_delay_ms: float) -> None:
 
 
 def start_proxyvisor(upstream_port: int, work: Path, supervision: bool = True,
-                     name: str = "proxyvisor") -> tuple[subprocess.Popen[bytes], int]:
-    """``python -m proxyvisor serve`` (supervision on unless told), on a free port, relaying to the upstream;
-    its config, state and log are ``work/name*``."""
+                     name: str = "proxyvisor", redis_url: str = "") -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m proxyvisor serve`` (supervision on unless told), on a free port, relaying to the upstream,
+    its shared state in the Redis at ``redis_url`` when given; its config, state and log are ``work/name*``."""
     config = work / f"{name}.toml"
-    config.write_text(f'[proxy]\nport = 0\n\n[state]\ndir = "{work / (name + "-state")}"\n\n[supervisor]\n'
+    shared = f'backend = "redis"\nurl = "{redis_url}"\n' if redis_url else ""
+    config.write_text(f'[proxy]\nport = 0\n\n[state]\ndir = "{work / (name + "-state")}"\n{shared}\n[supervisor]\n'
                       f'enabled = {"true" if supervision else "false"}\n\n'
                       f'[upstreams.bench]\nurl = "http://127.0.0.1:{upstream_port}"\n')
     log = work / f"{name}.log"
@@ -697,6 +712,21 @@ def start_proxyvisor(upstream_port: int, work: Path, supervision: bool = True,
         time.sleep(0.05)
     proc.kill()
     raise BenchError(f"proxyvisor serve did not start: {log.read_text(errors='replace')[-2000:]}")
+
+
+def redis_figures(url: str) -> str:
+    """Redis's memory and keys at the end of the arm, and its version, in words."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info = client.info()
+        sessions = sum(1 for _ in client.scan_iter(match="proxyvisor:sessions:*:v", count=1000))
+        return (f"Redis {info.get('redis_version')}: {info.get('used_memory', 0) / 1e6:.1f} MB used "
+                f"({info.get('used_memory_dataset', 0) / 1e6:.1f} MB of data) with {client.dbsize()} keys, "
+                f"{sessions} sessions' states, at the end of the arm")
+    finally:
+        client.close()
 
 
 def ledger_lines(state: Path) -> int:
@@ -724,6 +754,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--big-event-mb", type=float,
                    help="size of the big-event case's one SSE event in MB, 0 to leave it out (default 100; quick 10)")
     p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="with --redis: replicas of the proxyvisor-redis arm, sessions round-robin over them (1)")
+    p.add_argument("--redis", action="store_true",
+                   help="add the proxyvisor-redis arm: --replicas serve processes on one redis-server")
     add_arm_options(p)
     p.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
     args = parse_sized(p, argv, quick={"duration": 18.0, "compare_duration": 8.0, "big_event_mb": 10.0},
@@ -732,6 +766,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.think_s = tuple(float(v) / 1000 for v in args.think_ms.split(","))
     args.model_delay_s = tuple(float(v) / 1000 for v in args.model_delay_ms.split(","))
     args.with_litellm = not args.no_litellm and (args.litellm or not args.quick)
+    if args.replicas < 1 or args.replicas > 1 and not args.redis:
+        p.error("--replicas N (N >= 1) shares state through --redis")
     return args
 
 
@@ -752,6 +788,22 @@ def setup_text(args: argparse.Namespace, settings: Settings, arms: list[Arm], li
             + f". {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()} "
               f"{platform.release()}; {time.strftime('%Y-%m-%d')}; run took {time.monotonic() - started:.0f} s; "
               f"1-minute load average {load_before} before, {loadavg()} after.")
+
+
+def replica_ratio(rows: list[Row], replicas: int) -> str:
+    """The replicated arm's added p50 against the one replica on diskcache, per kind, with the ratio."""
+    parts = []
+    for kind in ("json", "stream"):
+        one = next((r.add_p50 for r in rows if r.arm == "proxyvisor" and r.kind == kind), None)
+        many = next((r.add_p50 for r in rows if r.arm == "proxyvisor-redis" and r.kind == kind), None)
+        if one is None or many is None:
+            continue
+        ratio = f"ratio {many / one:.2f}" if one > 0 else "ratio - (one replica added nothing measurable)"
+        parts.append(f"{kind}: {many:+.1f} ms against {one:+.1f} ms ({ratio})")
+    text = (f"Added p50 of {replicas} replicas on Redis, each session's requests alternating between them, against "
+            f"one replica on diskcache: " + ("; ".join(parts) or "-") + ".")
+    print(text, flush=True)
+    return text
 
 
 def warmup_of(duration_s: float) -> float:
@@ -796,6 +848,15 @@ def main(argv: list[str] | None = None) -> int:
             print(" supervision " + ", ".join(f"{k} {v.seconds:.2f} s" + (f" ({v.error})" if v.error else "")
                                             for k, v in big_alone.items()), flush=True)
         arms.append(Arm("proxyvisor", pv_port, pv_proc, args.duration, warmup_of(args.duration)))
+        redis_url = ""
+        if args.redis:
+            redis_proc, redis_url = start_redis(work)
+            procs.append(redis_proc)
+            replicas = [start_proxyvisor(up_port, work, name=f"replica-{n}", redis_url=redis_url)
+                        for n in range(args.replicas)]
+            procs += [proc for proc, _port in replicas]
+            arms.append(Arm("proxyvisor-redis", replicas[0][1], replicas[0][0], args.duration,
+                            warmup_of(args.duration), replicas=[port for _proc, port in replicas]))
         if exe is not None:
             ll_proc, ll_port = start_litellm(exe, up_port, work)
             procs.append(ll_proc)
@@ -813,14 +874,19 @@ def main(argv: list[str] | None = None) -> int:
             if arm.name == "proxyvisor":
                 arm.ledger_lines = (ledger_lines(work / "proxyvisor-state") - bool(big_alone.get("on"))
                                     - (arm.big is not None))  # the big event's own lines
+            if arm.name == "proxyvisor-redis":
+                arm.ledger_lines = sum(ledger_lines(work / f"replica-{n}-state") for n in range(args.replicas))
+                notes.append(redis_figures(redis_url))
             print(f" {len(arm.samples)} requests, {sum(1 for s in arm.samples if s.error)} errors", flush=True)
         errors = {arm.name: error_kinds(arm) for arm in arms}
         for arm in arms:
-            if arm.name != "proxyvisor" and errors[arm.name]:
+            if not arm.name.startswith("proxyvisor") and errors[arm.name]:
                 by_count = sorted(errors[arm.name].items(), key=lambda item: -item[1])
                 detail = ", ".join(f"{n}x {kind}" for kind, n in by_count)
                 notes.append(f"{arm.name}: errors: {detail}"[:600])
         rows = rows_of(arms)
+        if args.redis:
+            notes.append(replica_ratio(rows, args.replicas))
         setup = setup_text(args, settings, arms, litellm_note if exe is not None else "", started, load_before)
         text = markdown(arms, rows, command, setup, notes, errors,
                         big_event_text(arms, big_alone, args.big_event, big_peak_mb, big_pings))

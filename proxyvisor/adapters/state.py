@@ -65,6 +65,10 @@ class KV(Protocol):
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...
 
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
+        """Set every key of ``items`` in one step: a reader sees all of them or none."""
+        ...
+
     def add(self, key: str, value: bytes, ttl_s: float | None) -> bool:
         """Store ``value`` unless ``key`` holds one; whether it was stored (the first writer wins)."""
         ...
@@ -129,6 +133,14 @@ class DiskKV(LazyCache):
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self._call(lambda db: db.set(key, value, expire=ttl_s))
+
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
+        def transact(db: Any) -> None:
+            with self._lock, db.transact():
+                for key, value in items.items():
+                    db.set(key, value, expire=ttl_s)
+
+        self._call(transact)
 
     def add(self, key: str, value: bytes, ttl_s: float | None) -> bool:
         return bool(self._call(lambda db: db.add(key, value, expire=ttl_s)))
@@ -224,6 +236,15 @@ class RedisKV:
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self.backend.call(lambda r: r.set(self.prefix + key, value, px=_ms(ttl_s)))
+
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
+        def transaction(r: Any) -> None:
+            pipe = r.pipeline(transaction=True)
+            for key, value in items.items():
+                pipe.set(self.prefix + key, value, px=_ms(ttl_s))
+            pipe.execute()
+
+        self.backend.call(transaction)
 
     def add(self, key: str, value: bytes, ttl_s: float | None) -> bool:
         return bool(self.backend.call(lambda r: r.set(self.prefix + key, value, px=_ms(ttl_s), nx=True)))

@@ -363,7 +363,6 @@ class Pipeline:
                 await self.states.load(session)
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
-            await self._persist(session)
         if not native:
             if self.translator is None:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
@@ -693,9 +692,11 @@ class Pipeline:
                     await self._persist(session)
 
     async def _persist(self, session: Session | None) -> None:
-        """Store the session's supervision state (``proxyvisor.proxy.session_state``): after supervision rewrote
-        the request, and once its answer is through. A backend that hangs costs a request at most its timeouts
-        (``proxyvisor.adapters.state``); the state then stays in memory."""
+        """Store the session's supervision state (``proxyvisor.proxy.session_state``) once the request's answer
+        is through, before the client has all of it (so its next request, on any replica, finds it). A request cut
+        off before that leaves the state as it was before it: the client's retry makes the same changes again. A
+        backend that hangs costs a request at most its timeouts (``proxyvisor.adapters.state``); the state then
+        stays in memory."""
         if self.states is not None and session is not None:
             await self.states.save(session)
 

@@ -12,10 +12,9 @@ after the session's last write:
 - ``<session>:v``: the version alone.
 
 :meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state only
-when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save` writes the state
-after the request's supervision ran (notes added, plan made: before the request goes upstream) and again once its
-answer is through (self-report, gate turn). The state is written before the version, so a reader never takes a new
-version for an old state. Two replicas serving one session's requests at the same moment: the later save wins.
+when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save` writes both in
+one step (a Redis transaction, a SQLite transaction) once the request's answer is through (notes, plan, self-report,
+gate turn), before the client has all of it. Two replicas serving one session's requests at the same moment: the later save wins.
 
 Pickle, because the state is a graph of the cores' own objects (trackers, policies, state machines), but read
 back only through :class:`_Unpickler`, which builds nothing but proxyvisor's own classes and a few containers: a
@@ -145,8 +144,7 @@ class SessionStates:
         self._up()
 
     def _save(self, session_id: str, value: bytes, version: bytes) -> None:
-        self.kv.set(session_id, value, self.ttl_s)
-        self.kv.set(session_id + ":v", version, self.ttl_s)
+        self.kv.set_many({session_id: value, session_id + ":v": version}, self.ttl_s)
 
     def _failed(self, exc: StateUnavailable) -> None:
         if not self._down:
