@@ -24,7 +24,8 @@ The arms run one after another against the same upstream: ``direct`` (the baseli
 with ``--replicas N --redis`` also ``proxyvisor-redis``: N ``serve`` replicas with ``[state] backend = "redis"`` on
 one ``redis-server`` (Debian package, started here on a free loopback port without persistence), each session's
 requests going round-robin over the replicas (no stickiness), its added p50 put against the one replica on
-diskcache of the ``proxyvisor`` arm (the ratio is printed).
+diskcache of the ``proxyvisor`` arm (the ratio is printed); such a run writes the "Replicas on Redis (issue 15)"
+section of ``bench/RESULTS.md``.
 Figures per arm, after a warm-up: errors (target 0), p50/p99 latency and time to first byte, and the *added*
 latency (the arm's percentile minus direct's), requests per second; for the proxy processes: peak RSS and its
 growth from the end of the warm-up to the end of the run (target < 10 %), open file descriptors before the load
@@ -77,6 +78,8 @@ from proxyvisor.proxy.server import Limits, Response, bound_port, open_listeners
 from proxyvisor.proxy.sse import SSEParser
 
 SECTION = "Load and soak (issue 7)"
+REDIS_SECTION = "Replicas on Redis (issue 15)"
+"""Where a run with ``--redis`` writes its figures (its arms are not the plain run's)."""
 FORMATS = ("chat", "messages", "responses")
 TARGET_RSS_GROWTH = 0.10
 SOAK_S = 120.0
@@ -892,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
                         big_event_text(arms, big_alone, args.big_event, big_peak_mb, big_pings))
         print_report(text)
         if not args.no_write:
-            write_section(SECTION, text, args.results)
+            write_section(REDIS_SECTION if args.redis else SECTION, text, args.results)
             print(f"wrote {args.results}")
         return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
 

@@ -4,7 +4,7 @@
 Usage (from the repository root, in the project's environment; needs the Debian ``redis-server``)::
 
     python bench/redis_client.py              # 2,000 operations per way and kind
-    python bench/redis_client.py --ops 500
+    python bench/redis_client.py --ops 500 --no-write
 
 The ways, each measured from inside ``trio.run`` on one ``redis-server`` on loopback:
 
@@ -18,7 +18,8 @@ The ways, each measured from inside ``trio.run`` on one ``redis-server`` on loop
 
 A trio-native client would need neither thread; none is measured here (``coredis``, built on anyio, was not
 tried). Alone (one task) and with 32 tasks at once. The figures go
-to ``bench/RESULTS.md`` with the load average: the machine is shared.
+to the "Redis client from trio (issue 15)" section of ``bench/RESULTS.md`` with the load average: the machine is
+shared.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import loadavg, pct, start_redis, workspace
+from bench.common import command_line, loadavg, pct, start_redis, workspace
+from bench.results import write_section
 
 VALUE = os.urandom(10 * 1024)
+SECTION = "Redis client from trio (issue 15)"
 
 
 class Bridge:
@@ -119,7 +122,9 @@ async def _now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=2000, help="operations per way, kind and concurrency (2000)")
+    parser.add_argument("--no-write", action="store_true", help="print the figures without writing RESULTS.md")
     args = parser.parse_args(argv)
+    command = command_line("bench/redis_client.py", argv)
     load_before = loadavg()
     with workspace("proxyvisor-redis-bench-") as (work, procs):
         proc, url = start_redis(work)
@@ -130,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
             for way, kinds in figures.items():
                 for kind, samples in kinds.items():
                     rows.append((tasks, way, kind, pct(samples, 50), pct(samples, 99), statistics.fmean(samples)))
-    print("| tasks | way | op | p50 ms | p99 ms | mean ms |\n|---|---|---|---|---|---|")
-    for tasks, way, kind, p50, p99, mean in rows:
-        print(f"| {tasks} | {way} | {kind} | {p50:.3f} | {p99:.3f} | {mean:.3f} |")
-    print(f"\n1-minute load average {load_before} before, {loadavg()} after; {os.cpu_count()} CPUs; "
-          f"{args.ops} operations per row")
+    lines = [f"Command: `{command}`", "", (f"Per-operation latency (ms) as a trio task sees it, one redis-server "
+                                              f"on loopback; {args.ops} operations per row; {os.cpu_count()} CPUs, "
+                                              f"1-minute load average {load_before} before, {loadavg()} after."),
+             "", "| tasks at once | way | op | p50 | p99 | mean |", "|---|---|---|---|---|---|"]
+    lines += [f"| {tasks} | {way} | {kind} | {p50:.3f} | {p99:.3f} | {mean:.3f} |"
+              for tasks, way, kind, p50, p99, mean in rows]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+        print(f"wrote the section {SECTION!r} of bench/RESULTS.md")
     return 0
 
 

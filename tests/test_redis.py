@@ -3,7 +3,8 @@ contract (first writer wins, atomic read-modify-write across threads, every key 
 lease fleet-wide, a clear startup error when Redis is unreachable and degradation (no lost answer) when it goes
 away mid-run; and two ``proxyvisor serve`` replicas (real processes) on one Redis: a session's requests alternating
 between them see one detector state and byte-stable notes, a pool cooling on one replica refuses on the other, and
-a ``kill -9`` of one replica loses nothing the other needs."""
+a ``kill -9`` of one replica loses nothing the other needs; a gate turn begun on one proxy goes on, as one turn, on
+another (two proxies in this process, with a scripted verifier)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
 from proxyvisor.adapters.health_store import HealthStore
 from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, StateUnavailable, open_backend
-from proxyvisor.config import Config
+from proxyvisor.config import Config, GateConfig
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.service import running
 from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -33,7 +34,7 @@ from proxyvisor.store import Store
 
 from helpers import http_client, request_body, serve_handler
 from redis_support import free_port, redis_server
-from test_recite_prefix import RECITED, Agent, report
+from test_recite_prefix import RECITED, Agent, Model, report, verdict
 from test_reliability_crash import start_serve
 
 LOOP_NOTE = b'signal=\\"loop\\"'
@@ -209,3 +210,28 @@ async def test_two_replicas_on_one_redis_serve_one_session_as_one(tmp_path: Path
             for proc in procs:
                 proc.kill()
                 proc.wait()
+
+
+async def test_a_gate_turn_begun_on_one_replica_goes_on_on_the_other(tmp_path: Path, redis_url: str) -> None:
+    """With a re-entry budget of 1 and a verifier that always finds a gap: the first stop, on replica a, is
+    continued upstream; the next stop of the same turn, on replica b, finds the budget spent (one gate turn, as one
+    proxy would have it) and is delivered without another continuation."""
+    model = Model()
+    model.verdicts = [verdict(True)] * 4
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url},
+                                     supervisor={"gate": GateConfig(reentry_budget=1)})
+    script = ScriptedUpstream()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script},
+                       model=model) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}, model=model) as b:
+        agent = Agent(a, BY_NAME["chat"], False)
+        await agent.turn(agent.step("Reading. " + report()))
+        await agent.turn({"text": "Done: the parser is split. " + report("done")},
+                         agent.step("Checking the split. " + report()))
+        first = a.pipeline.store.read_ledger("prefix")[-1]["gate"]
+        assert first["reentries"] == 1 and len(agent.bodies()) == 3
+        agent.proxy = b
+        await agent.turn({"text": "Done, really. " + report("done")})
+        last = b.pipeline.store.read_ledger("prefix")[-1]["gate"]
+        assert last["reentries"] == 0 and last["verdicts"] == ["gaps"] and not last.get("passed")
+        assert len(agent.bodies()) == 4, "no second continuation: the turn's budget was spent on replica a"

@@ -6,8 +6,8 @@
 - ``redis`` (:class:`RedisBackend`): each namespace is a key prefix ``proxyvisor:<namespace>:`` in one Redis
   database, shared by every replica that names it in ``[state] url``.
 
-The stores built on it (pool health, claim checks, condense decisions, sessions' supervision state, learning
-memories) see only :class:`KV`: which backend serves them is chosen once, at startup (:func:`open_backend`).
+The stores built on it (pool health, claim checks, condense decisions, sessions' supervision state) see only
+:class:`KV`: which backend serves them is chosen once, at startup (:func:`open_backend`).
 
 Every call is blocking (SQLite, or one Redis round trip on redis-py's synchronous client): trio code runs them in
 a worker thread (``trio.to_thread.run_sync``), the CLI calls them directly. Values are bytes; every key written
