@@ -16,7 +16,7 @@ from proxyvisor.config import Config
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.service import running
-from proxyvisor.proxy.session_state import decode, encode
+from proxyvisor.proxy.session_state import _source_digest, decode, encode
 from proxyvisor.proxy.supervise import SessionSupervision
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
@@ -65,7 +65,15 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
         def __reduce__(self) -> tuple[object, tuple[str]]:
             return (os.system, ("touch pwned",))
 
+    def forged(payload: bytes, digest: str | None = None) -> bytes:
+        names: tuple[str, ...] = ()
+        header = orjson.dumps({"classes": names, "digest": digest or _source_digest(names).hex()})
+        return version + len(header).to_bytes(4, "big") + header + payload
+
     with pytest.raises(ValueError, match="may not hold"):
-        decode(version + pickle.dumps(Evil()))
+        decode(forged(pickle.dumps(Evil())))
     with pytest.raises(ValueError):
         decode(b"short")
+    # A state whose classes' source differs from this proxyvisor's (another version wrote it) is not used.
+    with pytest.raises(ValueError, match="classes differ"):
+        decode(forged(pickle.dumps(SessionSupervision()), digest="00" * 16))

@@ -8,7 +8,7 @@ bookkeeping; and its counters), not its request records, which are each process'
 ``sessions`` namespace (``proxyvisor.adapters.state``), both with a time to live of ``[state] session_ttl_s``
 after the session's last write:
 
-- ``<session>``: 16 random bytes (the version) then the state, pickled;
+- ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled;
 - ``<session>:v``: the version alone.
 
 :meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state only
@@ -18,7 +18,10 @@ gate turn), before the client has all of it. Two replicas serving one session's 
 
 Pickle, because the state is a graph of the cores' own objects (trackers, policies, state machines), but read
 back only through :class:`_Unpickler`, which builds nothing but proxyvisor's own classes and a few containers: a
-state someone else wrote into the store cannot name any other callable. The store must still be trusted with the
+state someone else wrote into the store cannot name any other callable. The state's format is the list of
+proxyvisor classes it holds and a digest of their source: a state written by a proxyvisor whose classes differ (a
+replica not yet upgraded, a restart onto new code) is not used, and the session starts its supervision afresh
+(one prompt-cache miss) rather than meeting objects its code does not know. The store must still be trusted with the
 sessions' content (it holds notes and tool results): a Redis with a password, on a private network.
 
 Failures of the backend (Redis down) never cost a request: the session goes on with the state this process holds
@@ -27,11 +30,16 @@ Failures of the backend (Redis down) never cost a request: the session goes on w
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import io
 import logging
 import os
 import pickle
 from typing import Any
+
+import orjson
 
 import trio
 
@@ -61,26 +69,70 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a session state may not hold {module}.{name}")
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles as usual, noting the proxyvisor classes it meets (:attr:`classes`)."""
+
+    def __init__(self, out: io.BytesIO) -> None:
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.classes: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind.__module__.startswith("proxyvisor."):
+            self.classes.add(f"{kind.__module__}:{kind.__qualname__}")
+        return NotImplemented
+
+
+@functools.cache
+def _source_digest(names: tuple[str, ...]) -> bytes:
+    """A digest of the source of the classes ``names`` (``module:qualname``) as this proxyvisor has them.
+
+    Raises:
+        ValueError: a class is not in this proxyvisor.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        module, _, qualname = name.partition(":")
+        found: Any = _Unpickler(io.BytesIO()).find_class(module, qualname.split(".")[0])
+        for part in qualname.split(".")[1:]:
+            found = getattr(found, part)
+        try:
+            digest.update(name.encode() + b"\0" + inspect.getsource(found).encode())
+        except (OSError, TypeError) as exc:
+            raise ValueError(f"no source for {name}: {exc}") from None
+    return digest.digest()
+
+
 def encode(state: SessionSupervision, version: bytes) -> bytes:
-    """``version`` and ``state`` as the value of a session's key.
+    """``version``, the state's format and ``state`` as the value of a session's key.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``state`` holds an object pickle cannot write.
     """
-    return version + pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    out = io.BytesIO()
+    pickler = _Pickler(out)
+    pickler.dump(state)
+    names = tuple(sorted(pickler.classes))
+    header = orjson.dumps({"classes": names, "digest": _source_digest(names).hex()})
+    return version + len(header).to_bytes(4, "big") + header + out.getvalue()
 
 
 def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
     """(the state, its version) of a session key's ``value``.
 
     Raises:
-        ValueError: ``value`` is not a session state this version of proxyvisor wrote.
+        ValueError: ``value`` is not a session state, or one whose classes differ from this proxyvisor's.
     """
     try:
-        state = _Unpickler(io.BytesIO(value[_VERSION:])).load()
+        size = int.from_bytes(value[_VERSION:_VERSION + 4], "big")
+        header = orjson.loads(value[_VERSION + 4:_VERSION + 4 + size])
+        names = tuple(header["classes"])
+        if _source_digest(names).hex() != header["digest"]:
+            raise ValueError("written by a proxyvisor whose classes differ")
+        state = _Unpickler(io.BytesIO(value[_VERSION + 4 + size:])).load()
     except Exception as exc:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
-        raise ValueError(f"not a session state ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, SessionSupervision) or len(value) < _VERSION:
+        raise ValueError(f"not a session state of this proxyvisor ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, SessionSupervision):
         raise ValueError("not a session state")
     return state, value[:_VERSION]
 
