@@ -519,7 +519,7 @@ def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[b
         out.append((failed == 0, f"{arm.name}: {failed} errors in {n} requests (target 0; {detail})"))
         m = process_of(arm)
         if m is not None and arm.duration_s >= SOAK_S:
-            out.append((m.growth < TARGET_RSS_GROWTH, (f"proxyvisor: RSS growth after warm-up {m.growth:+.1%} "
+            out.append((m.growth < TARGET_RSS_GROWTH, (f"{arm.name}: RSS growth after warm-up {m.growth:+.1%} "
                                                        f"(target < {TARGET_RSS_GROWTH:.0%})")))
         if arm.big is not None:
             figures = big_event_p90(arm)
