@@ -17,6 +17,7 @@ import orjson
 import pytest
 import trio
 
+from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.config import Config
 from proxyvisor.proxy.pipeline import check_state
 from proxyvisor.serve import stop_notices
@@ -175,12 +176,12 @@ def test_a_dead_letter_store_that_cannot_work_is_named_once_as_serve_starts_and_
         culprit, reason = state / "dead_letters" / "cache.db", "cannot be read as a database (file is not a database)"
     config = Config().with_overrides(model_routing={"enabled": True})
     with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
-        assert check_state(config, Store(state)) == (True, True)
+        assert check_state(config, Store(state), DiskBackend(state)) == (True, True, True)
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"state directory: {culprit} {reason}: keeping dead letters is off (")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
-        check_state(Config(), Store(state))
+        check_state(Config(), Store(state), DiskBackend(state))
     assert not caplog.records, "delegation off: its dead letters are not checked"
 
 
