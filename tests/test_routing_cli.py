@@ -295,7 +295,7 @@ def test_health_show_and_clear(capsys) -> None:
 
 
 def _two_upstreams_cooling(state: Path) -> list[str]:
-    store = HealthStore(state / "health", Cooldown())
+    store = HealthStore(DiskKV(state / "health"), Cooldown())
     pools = ["upstream:a:m1", "upstream:a:m2", "upstream:ab:m1", "claude-code:opus-4x"]
     for pool in pools:
         store.settle_sync(pool, time.time(), Failure("capacity", True, "known_failed", 120))
@@ -315,9 +315,9 @@ def test_an_empty_pool_name_is_an_error_never_every_pool(capsys, action: str, na
     assert err == (f"proxyvisor: health {action}: the pool name is empty; nothing {done} (name a pool or an adapter "
                    "as 'health show' lists them, 'upstream' for every pool of the agent, or give no name for every "
                    "pool)\n")
-    assert sorted(p.pool for p in HealthStore(state / "health", Cooldown()).all()) == sorted(pools)
+    assert sorted(p.pool for p in HealthStore(DiskKV(state / "health"), Cooldown()).all()) == sorted(pools)
     with pytest.raises(ValueError, match="an empty pool name names no pool"):
-        HealthStore(state / "health", Cooldown()).clear(name)
+        HealthStore(DiskKV(state / "health"), Cooldown()).clear(name)
     assert cli(capsys, "health", "clear")[:2] == (0, f"cleared 4 pool(s): {', '.join(sorted(pools))}\n")
 
 
