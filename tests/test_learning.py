@@ -593,3 +593,32 @@ def test_memory_show_prints_utc_times_and_what_its_counts_count_and_stray_argume
         assert "unexpected" in capsys.readouterr().err
     kept = memory_of(state, tmp_path)
     assert kept is not None and rule in kept.records
+
+
+def test_rules_are_recited_newest_first_with_their_day_and_the_newer_supersedes() -> None:
+    memory = Memory("/p")
+    day = 86_400.0
+    for n, (when, text) in enumerate([(20_000 * day, RULE_TEXT), (20_003 * day, "From now on, always use pip, "
+                                                                               "never uv.")]):
+        memory.add(Candidate(RULE, text, f"user turn 1 of session s{n}"), when, f"s{n}")
+    memory.add(Candidate(ORIENTATION, "tests run with pytest -q", "action #1"), 20_004 * day, "s1")
+    pack = assemble(list(memory.records.values()), "Add a flag", 1500, count_tokens)
+    assert [r.text for r in pack.records if r.kind == RULE] == ["From now on, always use pip, never uv.", RULE_TEXT]
+    lines = pack.text.splitlines()
+    assert "a newer rule supersedes an older one on the same subject" in pack.text
+    assert "a current user instruction beats a recalled rule" in pack.text
+    (newer,) = [line for line in lines if "pip, never uv" in line and "From now on" in line]
+    (older,) = [line for line in lines if RULE_TEXT in line]
+    assert lines.index(newer) < lines.index(older)
+    assert ' 2024-10-07 "From now on' in newer and ' 2024-10-04 "Always use uv' in older
+    assert assemble(list(reversed(memory.records.values())), "Add a flag", 1500, count_tokens).text == pack.text
+
+
+def test_a_marker_opening_a_clause_after_a_colon_makes_a_rule_and_local_ones_still_do_not() -> None:
+    assert distill.durable("We switched tooling: always use pip, never uv.")
+    assert distill.durable("Tooling; from now on, run ruff before committing.")
+    assert not distill.durable("We switched tooling: always use pip for now.")
+    assert not distill.durable("Note for this task: never touch the staging database.")
+    assert not distill.durable("Changed get_context() to always return a string.")
+    assert not distill.durable("Status: the build always fails on a cold cache.")
+    assert not distill.durable("- **Explore alternatives** - Always propose 2-3 approaches before settling")

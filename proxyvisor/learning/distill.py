@@ -4,8 +4,8 @@ decides whether one supervisor-model call could learn more, and that call's inpu
 **Free records** (:func:`free_records`, no model call):
 
 - rules: each unit of a genuine user turn (``proxyvisor.gate.prohibitions.units``) that is a *durable*
-  instruction: it opens with a marker of permanence (:data:`DURABLE`: ``always``, ``never``, ``from now on``, ``in
-  this project`` ...) and holds none of a task-local or conditional one (:data:`LOCAL`: ``this time``, ``for now``, ``in this
+  instruction: it, or a clause of it after a colon or a semicolon ("We switched tooling: always use pip"), opens with a marker of permanence (:data:`DURABLE`: ``always``, ``never``, ``from now on``, ``in
+  this project`` ...) and it holds none of a task-local or conditional one (:data:`LOCAL`: ``this time``, ``for now``, ``in this
   task``, ``today``, ``if``, ``unless`` ...); the quote is the unit, verbatim, its source the turn;
 - orientation: the turn's latest check when it passed (the command that runs the project's checks), citing the
   action;
@@ -40,7 +40,8 @@ DURABLE = ("always ", "never ", "from now on", "in this project", "in this repo"
            "every time", "each time", "whenever ", "by default", "as a rule", "going forward", "in future",
            "in the future", "don't ever", "do not ever")
 """What a durable instruction opens with (after a list bullet and a lead-in of :data:`LEAD_INS`): "Always use uv",
-"From now on, run ruff", "Never push to main". A marker further in describes rather than instructs ("Changed
+"From now on, run ruff", "Never push to main", or a clause after a colon or a semicolon ("We switched
+tooling: always use pip"). A marker further in a clause describes rather than instructs ("Changed
 ``get_context()`` to always return a string")."""
 LEAD_INS = ("please ", "and ", "also ", "you should ", "you must ", "we ", "remember to ", "remember: ", "note: ")
 LOCAL = ("this time", "for now", "for this task", "in this task", "for this change", "this session", "right now",
@@ -101,12 +102,22 @@ def _has(unit: str, markers: Sequence[str]) -> bool:
     return any((" " + m) in lowered for m in markers)
 
 
-def durable(unit: str) -> bool:
-    """Whether ``unit`` (one sentence of a user turn) is a durable instruction (module docstring)."""
-    head = unit.lower().replace("\u2019", "'").lstrip("-*\u2022 \t").lstrip("0123456789.) ")
+_CLAUSE = re.compile(r"[:;]\s+")
+"""Where a clause that may open with a marker starts, inside a unit: after a colon or a semicolon (not a dash: a
+list item's "**Title** - Always ..." is a harness's or a document's, rarely the user's own)."""
+
+
+def _opens_durable(clause: str) -> bool:
+    head = clause.lower().replace("\u2019", "'").lstrip("-*\u2022 \t").lstrip("0123456789.) ")
     while (lead := next((w for w in LEAD_INS if head.startswith(w)), None)) is not None:
         head = head[len(lead):]
-    return head.startswith(DURABLE) and not _has(unit, LOCAL)
+    return head.startswith(DURABLE)
+
+
+def durable(unit: str) -> bool:
+    """Whether ``unit`` (one sentence of a user turn) is a durable instruction (module docstring)."""
+    clauses = [unit, *(unit[m.end():] for m in _CLAUSE.finditer(unit))]
+    return any(map(_opens_durable, clauses)) and not _has(unit, LOCAL)
 
 
 def label_of(outcome: str | None) -> str | None:

@@ -4,8 +4,9 @@
 
     <supervisor-note signal="memory"><pay-attention>
     Recalled from earlier sessions in this project (advisory: a current user instruction beats a recalled rule):
-    Rules (the user's own words):
-    - [M1a2b3c4d] "Always use uv, never pip." (user turn 2 of session 3f2a...)
+    Rules (the user's own words, newest first; a newer rule supersedes an older one on the same subject):
+    - [M5e6f7a8b] 2026-03-02 "From now on, always use pip, never uv." (user turn 1 of session 9c1d...)
+    - [M1a2b3c4d] 2026-02-27 "Always use uv, never pip." (user turn 2 of session 3f2a...)
     Orientation:
     - [M...] `pytest -q` runs the project's tests and passed (action #4: Bash `pytest -q` (succeeded: 3 passed))
     Experience:
@@ -13,8 +14,9 @@
     Name the id of a memory that materially shaped your answer in your status line's "memories".
     </pay-attention></supervisor-note>
 
-Which records: the rules first (they bind), then the orientation and experience records sharing most content words
-with the task, then orientation before experience, higher credit, newer; the note shows them grouped in the order
+Which records: the rules first (they bind), newest first, each with the UTC day it was first stored, so that of two
+contradicting rules the model follows the newer; then the orientation and experience records sharing most content
+words with the task, then orientation before experience, higher credit, newer; the note shows them grouped in the order
 rules, orientation, experience (seed 003). Archived records are never recalled. Records are added while
 the rendered note stays within ``budget`` tokens; one that does not fit is skipped for smaller ones after it. Every
 inserted text is XML-escaped, so no record can close the note. The same records and budget give the same bytes:
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from xml.sax.saxutils import escape
 
 from ..detectors.steer import note
@@ -34,7 +37,8 @@ from .memory import EXPERIENCE, KINDS, ORIENTATION, RULE, Record
 SIGNAL = "memory"
 HEADER = ("Recalled from earlier sessions in this project (advisory: a current user instruction beats a recalled "
           "rule):")
-TITLES = {RULE: "Rules (the user's own words):", ORIENTATION: "Orientation:", EXPERIENCE: "Experience:"}
+TITLES = {RULE: "Rules (the user's own words, newest first; a newer rule supersedes an older one on the same "
+                "subject):", ORIENTATION: "Orientation:", EXPERIENCE: "Experience:"}
 _SMALLEST = 12
 """Tokens below which no record's line fits (its id, brackets and a word or two): the search stops there."""
 FOOTER = "Name the id of a memory that materially shaped your answer in your status line's \"memories\"."
@@ -51,7 +55,8 @@ class Pack:
 
 def _line(record: Record) -> str:
     if record.kind == RULE:
-        return f"- [{record.id}] \"{escape(record.text)}\" ({escape(record.source)})"
+        day = datetime.fromtimestamp(record.created, timezone.utc).date().isoformat()
+        return f"- [{record.id}] {day} \"{escape(record.text)}\" ({escape(record.source)})"
     if record.kind == EXPERIENCE:
         return f"- [{record.id}] {record.label}: {escape(record.text)} ({escape(record.source)})"
     return f"- [{record.id}] {escape(record.text)} ({escape(record.source)})"
@@ -75,8 +80,10 @@ def assemble(records: Sequence[Record], task: str, budget: int, count: Callable[
     counts them (module docstring)."""
     words = content_words(task)
 
-    def rank(r: Record) -> tuple[bool, int, int, float, float]:
-        return r.kind != RULE, -len(words & content_words(r.text)), KINDS.index(r.kind), -r.credit, -r.created
+    def rank(r: Record) -> tuple[bool, float, int, int, float, float, str]:
+        if r.kind == RULE:  # newest first, and so kept first when the budget is short
+            return False, -r.created, 0, 0, 0.0, 0.0, r.id
+        return True, 0.0, -len(words & content_words(r.text)), KINDS.index(r.kind), -r.credit, -r.created, r.id
 
     chosen: list[Record] = []
     used = count(note(SIGNAL, "<pay-attention>\n" + "\n".join([HEADER, FOOTER]) + "\n</pay-attention>"))
