@@ -654,6 +654,6 @@ def test_claude_code_recalls_in_its_next_run_the_rule_the_user_stated_in_one_fol
     # Recalled once, on the first request that offers tools, before the model's first action: Claude Code's first
     # request ends with a system item of its own, and the note goes before it, after the user's message.
     lines = ws.ledger("learn-1")
-    recalled = [(n, line["learning"]) for n, line in enumerate(lines) if "learning" in line]
+    recalled = [(n, line["learning"]) for n, line in enumerate(lines) if "recalled" in line.get("learning", {})]
     assert len(recalled) == 1 and stored.id in recalled[0][1]["recalled"], lines
     assert recalled[0][0] < next(n for n, line in enumerate(lines) if line.get("tool_round")), lines
