@@ -105,10 +105,11 @@ class Tools:
         from .adapters.descriptors import TargetError
         from .adapters.settings import SettingsError
         from .info_cli import Refused
+        from .store import StoreUnusable
 
         try:
             return await trio.to_thread.run_sync(fn)
-        except (Refused, SettingsError, TargetError) as exc:
+        except (Refused, SettingsError, TargetError, StoreUnusable) as exc:
             raise ToolError(str(exc)) from None
         except OSError as exc:
             raise ToolError(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")) from None

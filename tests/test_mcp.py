@@ -172,6 +172,17 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
 
 
 
+async def test_pool_health_on_a_store_that_cannot_be_used_is_a_tool_error_naming_it(tmp_path: Path) -> None:
+    config, state = tmp_path / "config.toml", tmp_path / "state"
+    config.write_text(CONFIG)
+    (state / "health").mkdir(parents=True)
+    (state / "health" / "cache.db").write_text("garbage\n")
+    async with server(config, state) as client:
+        error, _, text = await call(client, "pool_health")
+    assert error and f"the health store cannot be used: {state / 'health' / 'cache.db'} cannot be read as a " \
+        "database" in text and "Traceback" not in text, text
+
+
 async def test_a_delegation_the_client_cancels_stops_its_child(tmp_path: Path, state_dir: Path) -> None:
     config, runs = tmp_path / "config.toml", tmp_path / "runs.log"
     config.write_text(f'[model_routing]\nenabled = true\nadapters_dir = "{FIXTURE_ADAPTERS}"\n'

@@ -151,6 +151,16 @@ async def proxy_session(tmp_path: Path, port: int = 0) -> AsyncIterator[tuple[Ru
         yield rp, store, client
 
 
+async def test_the_overview_on_a_health_store_that_cannot_be_used_is_an_error_naming_it(tmp_path: Path) -> None:
+    culprit = tmp_path / "state" / "health" / "cache.db"
+    culprit.parent.mkdir(parents=True)
+    culprit.write_text("garbage\n")
+    async with proxy_session(tmp_path) as (_, _, client):
+        reply = await client.get("/proxyvisor/ui/api/overview", headers={"x-proxyvisor-admin": ADMIN})
+    assert reply.status_code == 500
+    assert reply.json()["error"]["message"].startswith(f"the health store cannot be used: {culprit} cannot be read")
+
+
 async def test_the_page_is_static_and_the_data_follows_the_session_model(tmp_path: Path) -> None:
     async with proxy_session(tmp_path) as (rp, store, client):
         await run_session(Agent(client, rp.url))

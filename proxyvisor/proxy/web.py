@@ -50,7 +50,7 @@ from ..adapters.health_store import NAMESPACE as HEALTH, HealthStore
 from ..adapters.state import StateBackend
 from ..adapters.overview import health_json, routing_json
 from ..config import Config
-from ..store import SESSION_ID, LedgerError, Store
+from ..store import SESSION_ID, LedgerError, Store, StoreUnusable
 from .commands import live, plan_json, sessions_json, thread_for
 from .formats import CHAT
 from .info import info_object, session_row, timeline_entry
@@ -303,4 +303,7 @@ class WebView:
                     "health": health_json(health.all() if health is not None else [], time.time()),
                     "routing": routing_json(config, registry, root)}
 
-        return _json(200, await trio.to_thread.run_sync(read))
+        try:
+            return _json(200, await trio.to_thread.run_sync(read))
+        except StoreUnusable as exc:
+            return _error(500, str(exc))
