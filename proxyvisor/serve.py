@@ -57,6 +57,12 @@ async def _serve(config: Config) -> None:
             print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"
                   + ("#admin=TOKEN (your [proxy] admin_token)" if config.proxy.admin_token else
                      "#session=ID (the session list needs [proxy] admin_token)"), file=sys.stderr, flush=True)
+        if config.telemetry.otlp_endpoint:
+            tracing = proxy.pipeline.telemetry
+            print(f"proxyvisor: OpenTelemetry traces to {tracing.url} as {config.telemetry.service_name}"
+                  if tracing is not None else
+                  "proxyvisor: [telemetry] otlp_endpoint is set, but with supervision off nothing is traced",
+                  file=sys.stderr, flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 print("proxyvisor: shutting down", file=sys.stderr)
