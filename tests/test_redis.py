@@ -235,3 +235,20 @@ async def test_a_gate_turn_begun_on_one_replica_goes_on_on_the_other(tmp_path: P
         last = b.pipeline.store.read_ledger("prefix")[-1]["gate"]
         assert last["reentries"] == 0 and last["verdicts"] == ["gaps"] and not last.get("passed")
         assert len(agent.bodies()) == 4, "no second continuation: the turn's budget was spent on replica a"
+
+
+async def test_plan_on_another_replica_shows_the_plan_made_on_the_first(tmp_path: Path, redis_url: str) -> None:
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
+    script = ScriptedUpstream()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script},
+                       model=Model()) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}, model=Model()) as b:
+        agent = Agent(a, BY_NAME["chat"], False)
+        await agent.turn(agent.step("Reading. " + report()))
+        await agent.turn(agent.step("Planning. " + report(plan="request")))
+        await agent.turn(agent.step("Split under way. " + report()))  # the planner is called on this request
+        body = BY_NAME["chat"].request_from_chat(agent.history + [{"role": "user", "content": "/plan"}], "m", False)
+        async with http_client(b.url) as client:
+            reply = await client.post("/s/prefix/v1/chat/completions", json=body)
+        assert reply.status_code == 200
+        assert "Split the parser" in BY_NAME["chat"].parse_response(reply.json()).text

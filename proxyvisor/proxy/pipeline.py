@@ -356,11 +356,11 @@ class Pipeline:
         if self.supervised:
             assert session is not None  # touched above
             session.identified = source
+            if self.states is not None:  # the session as the replica that served it last left it (/plan too)
+                await self.states.load(session)
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
-            if self.states is not None:
-                await self.states.load(session)
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
         if not native:
