@@ -252,9 +252,8 @@ def test_the_scope_comes_from_the_config_the_client_or_the_default(tmp_path: Pat
     assert scope_of(("no env here", "hi"), "", None) is None
 
 
-def test_the_scope_of_a_real_codex_request_is_its_environment_contexts_cwd() -> None:
-    capture = Path(__file__).resolve().parents[2] / "shared/reference/client-captures"
-    body = json.loads((capture / "codex_0.171.0_default-model_turn1.json").read_text())["body"]
+def test_the_scope_of_a_codex_request_is_its_environment_contexts_cwd() -> None:
+    body = json.loads((Path(__file__).parent / "fixtures/requests/codex_environment_context.json").read_text())
     assert scope_of(BY_NAME["responses"].fingerprint_parts(body), "", "/elsewhere") == "/home/user/project"
 
 
