@@ -439,6 +439,20 @@ async def test_dead_letters_are_bounded_the_oldest_go_first(tmp_path: Path) -> N
     delegator.close()
 
 
+async def test_a_dead_letter_keeps_its_prompt_with_secrets_redacted(tmp_path: Path) -> None:
+    key = "sk-proj-" + "abcdEFGH0123" * 4
+    upstream = ScriptedUpstream([{"fault": {"status": 503}}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream, ONCE)
+    result = await delegator.delegate("worker", f"Review app.py with key {key} and postgres://admin:Pa55word@db/x")
+    (stored,) = delegator.dead_letters.all()
+    assert result.dead_letter == stored["id"]
+    assert stored["prompt"] == "Review app.py with key [redacted] and postgres://admin:[redacted]@db/x"
+    assert key not in repr(stored) and key not in result.result.as_text()
+    assert all(key.encode() not in p.read_bytes() and b"Pa55word" not in p.read_bytes()
+               for p in files_under(tmp_path / "state" / "dead_letters") if p.is_file())
+    delegator.close()
+
+
 async def test_a_child_that_failed_after_producing_output_is_never_run_again(tmp_path: Path,
                                                                              fixture_log: Path) -> None:
     result = await delegate(tmp_path, "mode:text-then-refused")

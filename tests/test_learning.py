@@ -21,14 +21,16 @@ from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import Config, ConfigError, LearningConfig, parse
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
 from proxyvisor.learning import distill
+from proxyvisor.learning import memory as memory_module
 from proxyvisor.learning.memory import (ARCHIVE_BELOW, EXPERIENCE, FAILED, INITIAL_CREDIT, ORIENTATION, RULE,
-                                        UNKNOWN, VERIFIED, Candidate, Memory, secret_in)
+                                        UNKNOWN, VERIFIED, Candidate, Memory)
 from proxyvisor.learning.pack import assemble
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.learning import FOLDER, MemoryFiles, project_root, scope_of
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sse import SSEParser
+from proxyvisor.redact import holds_secret
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 from proxyvisor.supervisor_model import ModelAnswer
@@ -199,13 +201,27 @@ def test_an_experience_is_never_upgraded() -> None:
 
 
 @pytest.mark.parametrize("value", [CANARY, "Bearer abcdef123456789", "api_key=abcdef123456", "password: hunter2222",
-                                   "ghp_" + "a" * 36, "AKIA" + "A" * 16, "-----BEGIN RSA PRIVATE KEY-----"])
+                                   "ghp_" + "a" * 36, "AKIA" + "A" * 16, "-----BEGIN RSA PRIVATE KEY-----",
+                                   "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                                   "postgres://admin:S3cr3tPassw0rd@db.internal/app",
+                                   "Authorization: Basic YWRtaW46czNjcjN0cGFzc3dvcmQ=",
+                                   "AIzaSyA1b2C3d4E5f6G7h8I9j0KlMnOpQrStUvW", "npm_" + "a1B2c3D4e5" * 4,
+                                   "password hunter2hunter2"])
 def test_a_secret_looking_value_is_never_stored(value: str) -> None:
     memory = Memory("/p")
-    assert secret_in(f"the deploy uses {value} for now")
+    assert holds_secret(f"the deploy uses {value} for now")
     assert memory.add(Candidate(ORIENTATION, f"the deploy uses {value}", "action #1"), 1.0, "s1") is None
     assert memory.add(Candidate(RULE, "Always deploy with make.", f"output {value}"), 1.0, "s1") is None
     assert memory.records == {}
+
+
+def test_a_secret_at_a_long_candidates_cut_is_never_stored_and_one_past_what_is_read_cannot_be() -> None:
+    memory = Memory("/p")
+    cut = "Always deploy with make. " + "x" * (memory_module.MAX_TEXT - 30) + " AKIA" + "A" * 16
+    assert memory.add(Candidate(RULE, cut, "t"), 1.0, "s") is None, "the stored text would hold the key's head"
+    far = "Always deploy with make. " + "y " * memory_module.READ_CHARS + "AKIA" + "A" * 16
+    record = memory.add(Candidate(RULE, far, "t"), 1.0, "s")
+    assert record is not None and "AKIA" not in record.text
 
 
 def test_a_request_credential_is_never_stored() -> None:

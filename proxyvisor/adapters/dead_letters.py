@@ -4,7 +4,8 @@ Kept in a diskcache under the state directory (``<state dir>/dead_letters/``, fo
 the first dead letter. Bounded: each record expires after ``retention_s`` and at most ``kept`` are kept, the oldest
 removed first. A record holds what is needed to see and re-run the hand-off: the role, the prompt (at most
 :data:`PROMPT_CHARS` characters of it), the route, each attempt's evidence and the last failure, normalised (a
-short message with credentials masked, never a provider payload); never a credential.
+short message, never a provider payload); never a credential: every text of it, the prompt included, is stored
+with its secret-looking values replaced by ``[redacted]`` (``proxyvisor.redact``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..redact import redact
 from .cache import LazyCache
 
 PROMPT_CHARS = 100_000
@@ -31,10 +33,12 @@ class DeadLetterStore(LazyCache):
 
     def put(self, role: str, prompt: str, record: dict[str, Any]) -> str:
         """Store a dead letter of ``role`` for ``prompt`` with the fields of ``record`` (route, attempts,
-        failure, reason...); returns its id (``dl_`` + 20 hex digits). The oldest beyond ``kept`` are removed."""
+        failure, reason...), secrets redacted (module docstring); returns its id (``dl_`` + 20 hex digits). The oldest beyond ``kept`` are removed."""
         letter_id = _PREFIX + secrets.token_hex(10)
-        letter = {"id": letter_id, "created_at": time.time(), "role": role, "prompt": prompt[:PROMPT_CHARS],
-                  "prompt_chars": len(prompt), **record}
+        # Redacted a little past the cut, so a secret the cut runs through is redacted whole first.
+        letter = {"id": letter_id, "created_at": time.time(), "role": role,
+                  "prompt": redact(prompt[:PROMPT_CHARS + 1_000])[:PROMPT_CHARS], "prompt_chars": len(prompt),
+                  **_redacted(record)}
         with self._lock:
             db = self._db()
             with db.transact():
@@ -60,3 +64,14 @@ class DeadLetterStore(LazyCache):
         with self._lock:
             self._db().expire()
             return self._letters()
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (a record's JSON-like fields) with every string in it redacted."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v) for v in value]
+    return value

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from datetime import timezone
 from email.utils import parsedate_to_datetime
 
+from ..redact import redact
+
 CAPACITY, AUTH, UNAVAILABLE, TIMEOUT, PROVIDER, INVALID = (
     "capacity", "auth", "unavailable", "timeout", "provider", "invalid")
 CATEGORIES = (CAPACITY, AUTH, UNAVAILABLE, TIMEOUT, PROVIDER, INVALID)
@@ -72,13 +74,9 @@ class Failure:
 # Wordings of an account quota that needs billing action (one provider answers it with a 429, another a 400).
 _QUOTA = ("insufficient_quota", "check your plan and billing", "credit balance is too low")
 
-_SECRET = re.compile(r"(sk-[A-Za-z0-9_\-]{6,}|(?i:bearer)\s+\S+|(?i:api[_-]?key)[\"']?\s*[:=]\s*[\"']?[^\s\"',]+)")
-
-
 def summary(message: str) -> str:
-    """``message`` on one line, credentials masked, cut to 300 characters."""
-    text = " ".join(str(message).split())
-    text = _SECRET.sub("[redacted]", text)
+    """``message`` on one line, secret-looking values redacted (``proxyvisor.redact``), cut to 300 characters."""
+    text = redact(" ".join(str(message).split())[:4 * _MESSAGE_LIMIT])  # past the cut: a secret it cuts goes whole
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
 
 

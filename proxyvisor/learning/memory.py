@@ -15,7 +15,8 @@ twice (or by two processes) is one record, and the self-report names it (its ``m
 it. **Credit** starts at :data:`INITIAL_CREDIT`; a record the self-report names as used gains
 :data:`CREDIT_VERIFIED` on a ``verified`` turn and loses :data:`CREDIT_FAILED` on a ``failed`` one (reference
 section 3, outcome table); below :data:`ARCHIVE_BELOW` it is **archived**: kept, listed, never recalled.
-**Secrets**: a text holding a secret-looking value (:func:`secret_in`) is never made a record.
+**Secrets**: a candidate whose text or source holds a secret-looking value or a credential the request carried
+(``proxyvisor.redact.holds_secret``) is never made a record: it is dropped whole.
 **Bounds** (:meth:`Memory.bound`): records past retention go; then, past ``max_records`` or ``max_bytes``,
 archived records first, then the lowest credit, then the oldest.
 """
@@ -23,13 +24,12 @@ archived records first, then the lowest credit, then the oldest.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 
-from ..adapters.failures import summary
+from ..redact import holds_secret
 
 RULE, ORIENTATION, EXPERIENCE = "rule", "orientation", "experience"
 KINDS = (RULE, ORIENTATION, EXPERIENCE)
@@ -42,26 +42,22 @@ ARCHIVE_BELOW = 0.25
 """Two failed uses from the start archive a record; a verified use in between keeps it."""
 MAX_TEXT = 300
 """Characters of a record's text or source; longer candidates are clipped (a rule's quote is at most 200)."""
-_SECRETS = re.compile(
-    r"(?:AKIA|ASIA)[A-Z0-9]{16}|gh[pousr]_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY"
-    r"|(?i:password|passwd|secret|token)[\"']?\s*[:=]\s*[\"']?[^\s\"',]{6,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}")
-"""Secret shapes beyond those ``proxyvisor.adapters.failures.summary`` masks (keys ``sk-...``, bearer tokens,
-``api_key=...``): cloud and chat tokens, private keys, ``password=...``, JWTs."""
+READ_CHARS = 8_000
+"""Characters of a user's text (a turn, a task, a candidate record) learning reads at all. A human instruction is
+not megabytes: past them is a pasted log or file, and reading it whole on every distill and recall would cost
+seconds of CPU for nothing learnt. What a record keeps comes from them, so a secret past them cannot reach one."""
+_CHECKED = MAX_TEXT + 200
+"""Characters of a clipped candidate checked for secrets: what the record keeps and a margin past the cut, so a
+secret the cut runs through is found whole."""
 
 
-def secret_in(text: str, secrets: Iterable[str] = ()) -> bool:
-    """Whether ``text`` holds a secret-looking value (the masks of ``proxyvisor.adapters.failures.summary``, the
-    shapes of :data:`_SECRETS`) or one of ``secrets`` (the credentials a request carried)."""
-    for start in range(0, max(len(text), 1), 200):  # summary reads its first 300 characters: overlapping windows
-        window = text[start:start + 300]
-        if "[redacted]" in summary(window) and "[redacted]" not in " ".join(window.split()):
-            return True
-    return bool(_SECRETS.search(text)) or any(s and s in text for s in secrets)
+def _flat(text: str) -> str:
+    return " ".join(text[:READ_CHARS].split())
 
 
 def clip(text: str) -> str:
-    """``text`` on one line, at most :data:`MAX_TEXT` characters."""
-    text = " ".join(text.split())
+    """``text`` (its first :data:`READ_CHARS` characters) on one line, at most :data:`MAX_TEXT` characters."""
+    text = _flat(text)
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "\u2026"
 
 
@@ -126,12 +122,14 @@ class Memory:
 
     def add(self, candidate: Candidate, now: float, session: str, secrets: Iterable[str] = ()) -> Record | None:
         """Store ``candidate`` (clipped, :func:`clip`) unless it is empty, of an unknown kind or label, or holds a
-        secret (:func:`secret_in`); the same record again is only marked ``seen``. Returns the new record, None
-        when nothing new was stored."""
+        secret or one of the request's credentials ``secrets`` (module docstring); the same record again is only
+        marked ``seen``. Returns the new record, None when nothing new was stored."""
         text, source = clip(candidate.text), clip(candidate.source)
         label = candidate.label if candidate.kind == EXPERIENCE else ""
-        if not text or candidate.kind not in KINDS or (candidate.kind == EXPERIENCE and label not in LABELS) \
-                or secret_in(candidate.text, secrets) or secret_in(candidate.source, secrets):
+        if not text or candidate.kind not in KINDS or (candidate.kind == EXPERIENCE and label not in LABELS):
+            return None
+        secrets = list(secrets)
+        if any(holds_secret(_flat(t)[:_CHECKED], secrets) for t in (candidate.text, candidate.source)):
             return None
         key = record_id(candidate.kind, text, label)
         old = self.records.get(key)

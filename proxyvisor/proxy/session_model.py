@@ -25,7 +25,8 @@ credential: :func:`refusal`) is a refusal: the gate labels the turn ``unverified
 :class:`RouteError`), and the proxy warns once per upstream and status, not per request.
 
 Credentials stay in the request's own closures (``send``) and are never written: error reasons quote the upstream's
-message with every credential the request carried replaced by ``[redacted]``.
+message with every credential the request carried, and any other secret-looking value (``proxyvisor.redact``),
+replaced by ``[redacted]``.
 
 Usage is read from the answer (``WireFormat.usage``) and priced by litellm's cost map (``proxyvisor.pricing``, on a
 worker thread): None, not priced, for a model the map does not know and for the scripted upstream).
@@ -42,6 +43,7 @@ import trio
 
 from ..config import SCRIPTED_MODEL, ModelConfig, UpstreamConfig
 from ..pricing import price
+from ..redact import redact
 from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, ReportedFailure, schema_of
 from .formats import WireFormat
 from .relay import Headers, UpstreamReply
@@ -77,12 +79,6 @@ def secrets_of(headers: Headers, api_key: str | None = None) -> list[str]:
             found.add(text)
             found.add(text.partition(" ")[2].strip() if text.lower().startswith("bearer ") else text)
     return sorted((s for s in found if len(s) >= 4), key=len, reverse=True)
-
-
-def redact(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "[redacted]")
-    return text
 
 
 class SupervisorRoutes:
