@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,23 @@ def test_a_secret_at_a_long_candidates_cut_is_never_stored_and_one_past_what_is_
     far = "Always deploy with make. " + "y " * memory_module.READ_CHARS + "AKIA" + "A" * 16
     record = memory.add(Candidate(RULE, far, "t"), 1.0, "s")
     assert record is not None and "AKIA" not in record.text
+
+
+def test_learning_reads_a_bounded_prefix_of_a_huge_user_message() -> None:
+    """A 20 MB user message opening with a durable instruction: its rule is learnt, and distilling it (free
+    records, storing them, the pre-screen, the call's input) and recalling for it cost milliseconds, not the
+    seconds reading it whole did."""
+    huge = f"{RULE_TEXT} Here is the log:\n" + "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 370_000
+    material = distill.Material("s1", ((1, huge),), huge, VERIFIED)
+    memory = Memory("/p")
+    started = time.process_time()
+    for candidate in distill.free_records(material):
+        memory.add(candidate, 1.0, "s1")
+    distill.worth_asking(material, memory)
+    distill.distill_input(material)
+    pack = assemble(memory.active(), huge, 1_500, count_tokens)
+    assert time.process_time() - started < 0.5
+    assert RULE_TEXT in {r.text for r in memory.records.values()} and pack.records
 
 
 def test_a_request_credential_is_never_stored() -> None:

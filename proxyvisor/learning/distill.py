@@ -1,6 +1,9 @@
 """Distilling a finished turn (or a session's last one) into grounded records: the free part, the pre-screen that
 decides whether one supervisor-model call could learn more, and that call's input and answer. Pure.
 
+Each user turn is read up to ``proxyvisor.learning.memory.READ_CHARS`` characters for free rules, and up to
+:data:`TURN_CHARS`, what the call is shown of it, by the pre-screen and the call's grounding.
+
 **Free records** (:func:`free_records`, no model call):
 
 - rules: each unit of a genuine user turn (``proxyvisor.gate.prohibitions.units``) that is a *durable*
@@ -34,7 +37,7 @@ import orjson
 
 from ..gate.prohibitions import units
 from ..gate.verdict import Malformed, json_object
-from .memory import EXPERIENCE, FAILED, ORIENTATION, RULE, UNKNOWN, VERIFIED, Candidate, Memory
+from .memory import EXPERIENCE, FAILED, ORIENTATION, READ_CHARS, RULE, UNKNOWN, VERIFIED, Candidate, Memory
 
 DURABLE = ("always ", "never ", "from now on", "in this project", "in this repo", "in this codebase",
            "every time", "each time", "whenever ", "by default", "as a rule", "going forward", "in future",
@@ -128,8 +131,8 @@ def label_of(outcome: str | None) -> str | None:
 
 def free_records(material: Material) -> list[Candidate]:
     """The records of ``material`` that need no model call (module docstring)."""
-    out = [Candidate(RULE, unit, material.source(n)) for n, text in material.turns for unit in units(text)
-           if durable(unit)]
+    out = [Candidate(RULE, unit, material.source(n)) for n, text in material.turns
+           for unit in units(text[:READ_CHARS]) if durable(unit)]
     check = next((a for a in material.actions if a.number == material.passed_check), None)
     if check is not None:
         out.append(Candidate(ORIENTATION, f"`{' '.join(check.command.split())}` runs the project's checks (it "
@@ -144,7 +147,7 @@ def worth_asking(material: Material, memory: Memory, asked: Set[str] = frozenset
     """The free pre-screen (module docstring): what in ``material`` a distill call could learn from beyond
     :func:`free_records`, what ``memory`` holds and what earlier calls of the session were shown (``asked``), as
     keys; empty: skip the call. The caller adds the keys to ``asked`` once it asked."""
-    new = {f"u:{n}:{unit}" for n, text in material.turns for unit in units(text)
+    new = {f"u:{n}:{unit}" for n, text in material.turns for unit in units(text[:TURN_CHARS])
            if _has(unit, INSTRUCTIVE) and not _has(unit, LOCAL) and not durable(unit)}
     cited = {r.source for r in memory.records.values() if r.kind == ORIENTATION}
     new |= {f"a:{a.cite()}" for a in material.actions
@@ -198,7 +201,7 @@ def parse(answer: str, material: Material) -> list[Candidate] | Malformed:
         if match is None or not isinstance(quote, str) or not quote.strip():
             continue
         turn = int(match.group(1))
-        if quote.strip() in turns.get(turn, "") and not _has(quote, LOCAL) and not quote.strip().endswith("?"):
+        if quote.strip() in turns.get(turn, "")[:TURN_CHARS] and not _has(quote, LOCAL) and not quote.strip().endswith("?"):
             out.append(Candidate(RULE, quote.strip(), material.source(turn)))
     for fact in facts:
         if not isinstance(fact, dict):

@@ -32,7 +32,7 @@ from xml.sax.saxutils import escape
 
 from ..detectors.steer import note
 from ..gate.prohibitions import content_words
-from .memory import EXPERIENCE, KINDS, ORIENTATION, RULE, Record
+from .memory import EXPERIENCE, KINDS, ORIENTATION, READ_CHARS, RULE, Record
 
 SIGNAL = "memory"
 HEADER = ("Recalled from earlier sessions in this project (advisory: a current user instruction beats a recalled "
@@ -77,8 +77,8 @@ def render(records: Sequence[Record]) -> str | None:
 
 def assemble(records: Sequence[Record], task: str, budget: int, count: Callable[[str], int]) -> Pack:
     """The pack of ``records`` for ``task`` (the session's first request) within ``budget`` tokens as ``count``
-    counts them (module docstring)."""
-    words = content_words(task)
+    counts them (module docstring); the first :data:`READ_CHARS` characters of ``task`` are read."""
+    words = content_words(task[:READ_CHARS])
 
     def rank(r: Record) -> tuple[bool, float, int, int, float, float, str]:
         if r.kind == RULE:  # newest first, and so kept first when the budget is short
