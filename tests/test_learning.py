@@ -655,3 +655,31 @@ def test_a_marker_opening_a_clause_after_a_colon_makes_a_rule_and_local_ones_sti
     assert not distill.durable("Changed get_context() to always return a string.")
     assert not distill.durable("Status: the build always fails on a cold cache.")
     assert not distill.durable("- **Explore alternatives** - Always propose 2-3 approaches before settling")
+
+
+async def settled(state: Path, scope: Path, done: Any) -> Memory:
+    """The memory of ``scope`` once ``done(memory)`` holds (the proxy saves after the answer went out)."""
+    with trio.fail_after(10):
+        while (memory := memory_of(state, scope)) is None or not done(memory):
+            await trio.sleep(0.02)
+    return memory
+
+
+async def test_a_running_session_does_not_store_again_a_rule_forgotten_since_it_began(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+    texts = lambda m: [r.text for r in m.records.values()]  # noqa: E731
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        one = await session_one(proxy, tmp_path, f"{RULE_TEXT} Add a flag.", "one")
+        memory = await settled(state, tmp_path, lambda m: RULE_TEXT in texts(m))
+        (rule,) = [r.id for r in memory.records.values() if r.kind == RULE]
+        assert main(["memory", "forget", rule, *common]) == 0
+        for task in ("Now add another flag.", "And a last one."):  # each distill reads turn 1 again
+            one.say(task)
+            await one.turn(one.call("pytest -q", "4 passed in 0.05s"))
+            await one.turn({"text": "Done. " + report("done")})
+            memory = await settled(state, tmp_path, lambda m, task=task: task in texts(m))
+            assert rule not in memory.records
+        await session_one(proxy, tmp_path, f"{RULE_TEXT} Add a third flag.", "two")  # stated anew: learnt anew
+        await settled(state, tmp_path, lambda m: rule in m.records)

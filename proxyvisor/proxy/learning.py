@@ -196,6 +196,8 @@ class SessionLearning:
     counters /info shows."""
 
     scope: str | None
+    started: float = 0.0
+    """When the session began (the proxy's clock)."""
     opened: bool = False
     """Whether the session's first request looked at the scope's file (:meth:`Learning._open`)."""
     memory: Memory | None = None
@@ -275,6 +277,9 @@ class Learning:
         """Each scope's record ids its file held when last read or written."""
         self.stamps: dict[str, Stamp | None] = {}
         """Each scope's file stamp when last read or written (absent: never looked at)."""
+        self.forgotten: dict[str, dict[str, float]] = {}
+        """Each scope's records found forgotten in its file, with when: a session that began before may not
+        store them again (its transcript still holds what they were distilled from); a later one may."""
 
     @property
     def on(self) -> bool:
@@ -336,7 +341,7 @@ class Learning:
         state = session.learning
         if not isinstance(state, SessionLearning):
             state = session.learning = SessionLearning(scope_of(exchange.parts, self.settings.scope,
-                                                                self.default_scope))
+                                                                self.default_scope), started=self.clock())
         return state
 
     def begin(self, session: Session, exchange: Exchange, background: trio.Nursery | None) -> None:
@@ -471,10 +476,16 @@ class Learning:
 
     def _store(self, state: SessionLearning, memory: Memory, candidates: list[Candidate], sid: str,
                secrets: list[str]) -> int:
-        """Add ``candidates`` to ``memory``; returns how many were new records."""
+        """Add ``candidates`` to ``memory``, but none forgotten since the session began; returns how many were new
+        records."""
         now, stored = self.clock(), 0
+        forgotten = self.forgotten.get(memory.scope, {})
         for candidate in candidates:
-            if memory.add(candidate, now, sid, secrets) is not None:
+            if (record := memory.add(candidate, now, sid, secrets)) is None:
+                continue
+            if forgotten.get(record.id, -1.0) >= state.started:
+                memory.forget(record.id)
+            else:
                 stored += 1
         state.counts["stored"] += stored
         return stored
@@ -490,8 +501,10 @@ class Learning:
         """Take into ``memory`` what its save found on disk (``written``, the copy as saved): records another
         process stored, and the loss of those forgotten there since they were read."""
         loaded = self.loaded.setdefault(memory.scope, set())
+        forgotten = self.forgotten.setdefault(memory.scope, {})
         for rid in loaded - written.records.keys():
-            memory.forget(rid)
+            if memory.forget(rid):  # (one the bounds dropped here is gone already: not forgotten by anyone)
+                forgotten[rid] = self.clock()
         for rid, record in written.records.items():
             memory.records.setdefault(rid, record)
         loaded.clear()
