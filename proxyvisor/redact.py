@@ -5,10 +5,11 @@ dead letters' prompts, the supervisor route's refusal reasons.
 
 What counts as a secret (:data:`SHAPES`), each with the part that is replaced:
 
-- an assignment whose name holds ``SECRET``, ``TOKEN``, ``PASSWORD``/``PASSWD``, ``API_KEY``, ``ACCESS_KEY``,
-  ``PRIVATE_KEY`` or ``CREDENTIAL`` (any case, ``-`` or ``_`` or nothing between the words):
+- an assignment whose name holds ``SECRET``, ``TOKEN`` (not ``tokenizer``), ``PASSWORD``/``PASSWD``, ``API_KEY``,
+  ``ACCESS_KEY``, ``PRIVATE_KEY`` or ``CREDENTIAL`` (any case, ``-`` or ``_`` or nothing between the words):
   ``AWS_SECRET_ACCESS_KEY=...``, ``password: ...``, ``"api-key": "..."``; the value, when it is at least 6
-  characters, holds a letter and is no reference (``$VAR``, ``${VAR}``, ``<your-key>``, ``%VAR%``, a call);
+  characters, holds a letter and is no reference (``$VAR``, ``${VAR}``, ``<your-key>``, ``%VAR%``, a call, an
+  attribute path such as ``settings.api_key``, the word ``redacted``);
 - the password of a URL's userinfo (``postgres://admin:PASSWORD@db``);
 - an ``Authorization`` header's credentials (``Basic``, ``Bearer``, ``token`` or bare), and ``Bearer X`` anywhere
   (``X`` at least 8 characters, with a digit);
@@ -21,11 +22,12 @@ What counts as a secret (:data:`SHAPES`), each with the part that is replaced:
 
 Plus, for both functions, the ``known`` credentials the caller holds (those a request carried), matched exactly.
 
-Why not Yelp's detect-secrets (1.5.0, evaluated): its plugins that name a shape miss half of what a session leaks
-(an assigned ``AWS_SECRET_ACCESS_KEY``, ``Authorization: Basic``, ``AIza``, ``npm_`` outside an ``.npmrc`` line,
-``sk-proj-``, a password in words); its high-entropy plugins, run on free text, flag commit hashes, UUIDs, paths
-and prose alike; it costs some 0.2 ms a short text without them (0.65 ms with), 20 to 60 times this module; and
-its settings are process-wide state, not a pure function a worker thread may call.
+Why not Yelp's detect-secrets (1.5.0, evaluated; ``bench/redact.py`` compares them on the corpus): its plugins
+that name a shape miss half of what a session leaks (an assigned ``AWS_SECRET_ACCESS_KEY``, ``Authorization:
+Basic``, ``AIza``, ``npm_`` outside an ``.npmrc`` line, ``sk-proj-``, a password in words); its high-entropy
+plugins, run on free text, flag commit hashes, UUIDs, paths and prose alike (1,985 of the corpus's 2,287
+messages); it costs some 0.8 ms a message where this module takes 0.02 ms (medians); and its settings are
+process-wide state, not a pure function a worker thread may call.
 
 Cost: one pass of a handful of linear regular expressions; no pattern backtracks more than a bounded word, so the
 time grows with the text's length and nothing else. Callers that read large texts bound what they pass.
@@ -44,11 +46,15 @@ _VALUE = r"[^\s\"'`,;()<>{}\[\]]"
 
 
 def _assigned(match: re.Match[str]) -> bool:
-    """An assigned value is a secret when it holds a letter and is no call (``os.environ.get(...)``)."""
-    return _LETTER.search(match.group("s")) is not None and not match.string.startswith("(", match.end())
+    """An assigned value is a secret when it holds a letter and is no reference: no call (``os.environ.get(...)``),
+    no attribute path (``settings.api_key``), not the word ``redacted``."""
+    value = match.group("s")
+    return _LETTER.search(value) is not None and not match.string.startswith("(", match.end()) \
+        and _ATTRIBUTE.fullmatch(value) is None and value.lower() != "redacted"
 
 
 _LETTER = re.compile(r"[A-Za-z]")
+_ATTRIBUTE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class Shape:
 SHAPES: tuple[Shape, ...] = (
     # The name is matched from its keyword on (not from its start, which would rescan a long word at each of its
     # characters), at most 64 characters of it; the value possessively, so a failed match is not retried inside it.
-    Shape(re.compile(r"(?i:secret|token|passw(?:or)?d|api[-_]?key|access[-_]?key|private[-_]?key|credential)"
+    Shape(re.compile(r"(?i:secret|token(?!iz)|passw(?:or)?d|api[-_]?key|access[-_]?key|private[-_]?key|credential)"
                      r"[A-Za-z0-9_.-]{0,64}+[\"']?\s*[:=]\s*[\"']?(?P<s>(?![$<%{])" + _VALUE + r"{6,}+)"),
           _assigned),
     Shape(re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]{0,30}://[^\s/:@\"']{1,128}:(?P<s>[^\s/@\"']{1,512})@")),
