@@ -52,6 +52,8 @@ async def _serve(config: Config) -> None:
             gate = config.supervisor.gate
             mode = (f"supervision on; verify-gate {f'on ({gate.failure_policy})' if gate.enabled else 'off'}; "
                     f"supervisor model: {describe(config.supervisor.model)}")
+            if proxy.pipeline.backend is not None:
+                mode += f"; shared state: {proxy.pipeline.backend.describe()}"
         print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
         if config.supervisor.enabled:
             print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"

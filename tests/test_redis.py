@@ -156,6 +156,7 @@ async def test_two_replicas_on_one_redis_serve_one_session_as_one(tmp_path: Path
                     tmp_path / f"serve-{name}.log")
                 procs.append(proc)
                 urls.append(url)
+            assert f"shared state: Redis at {redis_url}" in (tmp_path / "serve-a.log").read_text()
             replicas = [SimpleNamespace(url=u, scripted={"scripted": script}) for u in urls]
             agent = Agent(replicas[0], BY_NAME["chat"], False)
 

@@ -122,9 +122,6 @@ class DiskKV(LazyCache):
     """A namespace in a diskcache folder (module docstring), opened on the first call that needs it; reading an
     absent folder creates nothing."""
 
-    def __init__(self, root: Path, **settings: Any) -> None:
-        super().__init__(root, **settings)
-
     def get(self, key: str) -> bytes | None:
         if not self.exists():
             return None
