@@ -15,6 +15,7 @@ import trio
 from proxyvisor.adapters.children import Budget, ChildHandle, ChildOutcome, run_child
 from proxyvisor.adapters.delegate import Delegation
 from proxyvisor.adapters.descriptors import registry_for
+from proxyvisor.adapters.failures import RETRY_AFTER_CAP_S
 from proxyvisor.adapters.retry import NextStart, RetryPolicy, next_start
 from proxyvisor.adapters.runtime import ChildJob
 from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -395,6 +396,20 @@ async def test_a_child_failing_429_then_answering_is_retried_after_its_retry_aft
     assert (second["health_state"], second["health_probe"]) == ("half_open", True)
     assert delegator.health.get("scripted:scripted").state == "healthy"
     assert delegator.dead_letters.all() == []
+    delegator.close()
+
+
+@pytest.mark.parametrize("retry_after, cools_s", [("1e400", None), ("99999999999", RETRY_AFTER_CAP_S)])
+async def test_a_childs_429_with_a_retry_after_the_upstream_controls_is_a_capacity_failure(
+        tmp_path: Path, retry_after: str, cools_s: int | None) -> None:
+    """Never "unavailable: adapter scripted raised OverflowError": a wait that is no number is ignored, one past a
+    day counts as a day."""
+    upstream = ScriptedUpstream([{"fault": {"status": 429, "retry_after": retry_after}}])
+    delegator = make_delegator(routing_config(SCRIPTED), tmp_path / "state", upstream)
+    with trio.fail_after(30):
+        result = await delegator.delegate("worker", "review it", traceparent=PARENT)
+    assert outcomes(result)[0] == (1, "scripted:scripted", "failed", "capacity")
+    assert result.evidence["attempts"][0].get("retry_after_s") == cools_s
     delegator.close()
 
 
