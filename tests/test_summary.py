@@ -18,6 +18,7 @@ import trio
 from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import Cooldown
 from proxyvisor.adapters.health_store import HealthStore
+from proxyvisor.adapters.state import DiskKV
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import Config, CondenseConfig, GateConfig, ModelConfig
 from proxyvisor.gate.verdict import VERIFIER_INSTRUCTIONS
@@ -135,7 +136,7 @@ def test_wrap_says_once_which_pool_holds_the_agents_requests_and_until_when(tmp_
     """A 429 another proxy saw on the same state directory cools the pool for this wrap too: the agent's requests
     get proxyvisor's 429, and wrap says so on one line (not one per request), with the command that resets it."""
     pool = "upstream:scripted:claude-sonnet-4-5"
-    store = HealthStore(tmp_path / "state" / "health", Cooldown())
+    store = HealthStore(DiskKV(tmp_path / "state" / "health"), Cooldown())
     until = store.settle_sync(pool, time.time(), Failure("capacity", True, "known_failed", 600)).cooldown_until
     store.close()
     stderr, _ = wrap(tmp_path, "poll", "poll", "poll")
