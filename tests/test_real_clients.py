@@ -634,6 +634,22 @@ def test_codex_waits_out_a_rate_limit_that_proxyvisor_keeps_from_the_upstream(tm
     check_no_request_during_the_cooldown(ws, session)
 
 
+def test_claude_code_run_whose_user_states_a_secret_leaves_it_in_no_memory_file(tmp_path: Path) -> None:
+    """A ``wrap`` run of Claude Code whose prompt is a durable instruction holding a cloud secret key: learning
+    stores no rule or experience holding it: no memory file holds the key. (The session's supervision state holds
+    the session's content by design, for its TTL: ``proxyvisor.proxy.session_state``.)"""
+    from proxyvisor.proxy.learning import FOLDER
+
+    ws, key = Workspace.make(tmp_path), "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    prompt = f"Always export AWS_SECRET_ACCESS_KEY={key} before deploying. List files."
+    cmd = [find_agent("claude"), "-p", prompt, "--model", MODEL, "--output-format", "json"]
+    run = wrap(ws, cmd, claude_env(ws), "--session", "secret-0")
+    assert run.returncode == 0, run
+    assert list((ws.state / FOLDER).iterdir()), "learning stored the run's records"
+    holding = [p for p in (ws.state / FOLDER).rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert holding == [], holding
+
+
 def test_claude_code_recalls_in_its_next_run_the_rule_the_user_stated_in_one_folder(tmp_path: Path) -> None:
     """Two ``wrap`` runs of Claude Code in one folder: the second run's first request that can take a note carries
     the rule the user stated in the first (``[supervisor.learning]``, on by default; the scope: the folder)."""
