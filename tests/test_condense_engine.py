@@ -249,3 +249,16 @@ async def test_adaptive_rounds_learn_and_never_condense_a_result_they_sent_whole
         state.observe(1.0)
     later = await engine.run_round("s1", [ToolResult("m", "bash", mid)], CONTEXT)
     assert later.decisions["m"].reason == "below the session's adaptive threshold" and not later.condenser_called
+
+
+def test_a_decision_stored_as_text_by_an_earlier_proxyvisor_is_still_found(tmp_path) -> None:
+    import dataclasses
+    import json
+
+    from proxyvisor.adapters.cache import open_cache
+
+    decision = Decision("narrowed", "condensed", 100, 10, 5, 50)
+    old = open_cache(tmp_path / "cache")
+    old.set("k", json.dumps(dataclasses.asdict(decision)))  # how decisions were kept before the state backend
+    old.close()
+    assert DecisionCache(DiskKV(tmp_path / "cache")).get("k") == decision

@@ -126,6 +126,8 @@ class DiskKV(LazyCache):
         if not self.exists():
             return None
         value = self._call(lambda db: db.get(key))
+        if isinstance(value, str):  # a condense decision stored before this interface (JSON text): still the same
+            return value.encode()
         return value if isinstance(value, bytes) else None
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
