@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxyvisor.gate.prohibitions import MAX_ITEMS, Standing, standing
+from proxyvisor.gate.prohibitions import MAX_ITEMS, Standing, prohibitions, standing
 
 
 def in_force(*turns: str) -> list[tuple[int, str]]:
@@ -158,3 +158,18 @@ def test_a_change_mode_forbids_changes_and_names_no_reading() -> None:
     assert content_words("edit modify change write") <= words
     assert not words & content_words("read only")
     assert forbidden_words("Do not run the tests.") == content_words("run the tests")
+
+
+def test_a_long_request_is_read_at_its_start_and_end_in_bounded_time() -> None:
+    """A person's rule opens or closes what they typed; a megabyte paste in between is data, and is not read."""
+    import time
+
+    paste = "\n".join(f"2026-12-04 12:00:{n % 60:02d} INFO worker {n} done" for n in range(400_000))  # ~20 MB
+    rule, buried = "Do not touch migrations/.", "Never edit the lockfile."
+    middle = paste[:len(paste) // 2] + "\n" + buried + "\n" + paste[len(paste) // 2:]
+    started = time.process_time()
+    assert prohibitions(f"{rule}\nHere is the log:\n{middle}") == (rule,)
+    assert prohibitions(f"Here is the log:\n{middle}\n{rule}") == (rule,)
+    assert time.process_time() - started < 1
+    # A fence opened at the start and closed in the part left out does not hide the closing rule.
+    assert prohibitions(f"```\n{paste}\n```\n{rule}") == (rule,)

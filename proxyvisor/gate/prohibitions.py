@@ -120,10 +120,31 @@ class Standing:
     turn: int
 
 
+SCAN_CHARS = 8_000
+"""A request longer than twice this is read at its first and last this many characters (:func:`units`)."""
+
+
+def _read(request: str) -> str:
+    """What :func:`units` reads of ``request``: all of it, or, past ``2 * SCAN_CHARS``, its first and last lines
+    within ``SCAN_CHARS`` each. A person's instruction opens or closes what they typed; the middle of a pasted log
+    or file is data, and reading megabytes of it cost seconds per request. A code fence opened in the part left
+    out stays open in the part read after it."""
+    if len(request) <= 2 * SCAN_CHARS:
+        return request
+    cut = request.rfind("\n", 0, SCAN_CHARS)
+    head = request[:cut if cut > 0 else SCAN_CHARS]
+    start = request.find("\n", len(request) - SCAN_CHARS)
+    tail = request[start + 1 if start >= 0 else len(request) - SCAN_CHARS:]
+    middle = request[len(head):len(request) - len(tail)]
+    fences = sum(middle.count(mark) for mark in ("\n```", "\n~~~", "\n ```", "\n ~~~"))
+    return head + ("\n```\n" if fences % 2 else "\n") + tail
+
+
 def units(request: str) -> Iterator[str]:
-    """The units of ``request`` that may state a rule: not skipped (module docstring), not questions or quotes."""
+    """The units of ``request`` that may state a rule: not skipped (module docstring), not questions or quotes;
+    of a long request, those in its first and last :data:`SCAN_CHARS` characters (:func:`_read`)."""
     fenced = False
-    for line in request.splitlines():
+    for line in _read(request).splitlines():
         stripped = line.strip()
         if stripped.startswith(("```", "~~~")):
             fenced = not fenced
