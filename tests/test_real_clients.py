@@ -233,9 +233,10 @@ def test_claude_code_gets_proxyvisors_answer_to_info_and_plan(tmp_path: Path) ->
     assert (work["total_cost_usd"], info["total_cost_usd"], plan["total_cost_usd"]) == (0, 0, 0), (work, info, plan)
     lines = ws.ledger(session)
     assert [line.get("local") for line in lines] == [None, None, "/info", "/plan"], lines
-    expected = {"session": session, **summarize(lines[:2])}
+    # The ledger's counters, then the live memory row (learning's records for the folder: it is on by default) in
+    # place of the ledger's.
+    expected = {"session": session, **summarize(lines[:2]), "learning": {}}
     assert (info["subtype"], info["is_error"], info["num_turns"]) == ("success", False, 1), info
-    # The ledger's counters, then the live memory row: learning's records for the folder (it is on by default).
     assert info["result"].startswith(render_text(expected) + "\n| memory "), info["result"]
     assert "| model requests   | 2 (tool rounds 1, errors 0) |" in info["result"]
     assert (plan["subtype"], plan["result"]) == ("success", plans.NO_PLAN), plan
