@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -355,3 +356,19 @@ def pairing_errors(fmt: str, body: dict[str, Any]) -> list[str]:
             elif kind.endswith("_output") and item.get("call_id") not in called:
                 errors.append(f"item {n}: output {item.get('call_id')} answers no call before it")
     return errors
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs 10 s from now at the latest: a signal takes effect when the process is
+    next scheduled, not when ``kill`` returns. A zombie counts as dead (a container's init may never reap it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.01)

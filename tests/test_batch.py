@@ -27,7 +27,7 @@ from proxyvisor.cli import main
 from proxyvisor.config import GateConfig
 from proxyvisor.detectors.selfreport import strip
 
-from helpers import http_client, request_body, serve_handler
+from helpers import alive, http_client, request_body, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "batch"
@@ -277,22 +277,6 @@ def test_parallel_runs_that_many_tasks_at_once_and_no_more(tmp_path: Path) -> No
     assert [(r["id"], r["exit_code"], r["outcome"], r["requests"]) for r in report] == \
         [(f"t{n}", 0, "no_verdict", 0) for n in range(4)]
     assert max(int((tmp_path / "shared" / f"most-t{n}").read_text()) for n in range(4)) == 2
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs 10 s from now at the latest: a signal takes effect when the process is
-    next scheduled, not when ``kill`` returns. A zombie counts as dead (a container's init may never reap it)."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, IndexError):
-            return False
-        if state in ("Z", "X"):
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.01)
 
 
 # An agent that starts a helper in its process group, notes both pids in its working directory, then hangs.

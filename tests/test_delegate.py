@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from proxyvisor.adapters.runtime import ChildJob
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.config import ChildrenConfig, RouteTarget
 
-from helpers import files_under
+from helpers import alive, files_under
 from routing_support import FAST, FIXTURE_ADAPTERS, make_delegator, routing_config
 
 ONCE = msgspec.structs.replace(FAST, attempts=1)
@@ -43,14 +42,6 @@ def runs(log: Path) -> list[tuple[int, str]]:
     if not log.exists():
         return []
     return [(int(pid), prompt) for pid, _, prompt in (line.partition(" ") for line in log.read_text().splitlines())]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def delegate(tmp_path: Path, prompt: str, roles: dict[str, Any] = WORKER, role: str = "worker",
