@@ -10,6 +10,7 @@ import trio
 from .config import Config, default_config_path
 from .proxy.server import CannotListen
 from .proxy.service import RunningProxy, running, tune_runtime
+from .proxy.telemetry import shown_url
 from .supervisor_model import describe, key_warning
 
 
@@ -61,7 +62,7 @@ async def _serve(config: Config) -> None:
                      "#session=ID (the session list needs [proxy] admin_token)"), file=sys.stderr, flush=True)
         if config.telemetry.otlp_endpoint:
             tracing = proxy.pipeline.telemetry
-            print(f"proxyvisor: OpenTelemetry traces to {tracing.url} as {config.telemetry.service_name}"
+            print(f"proxyvisor: OpenTelemetry traces to {shown_url(tracing.url)} as {config.telemetry.service_name}"
                   if tracing is not None else
                   "proxyvisor: [telemetry] otlp_endpoint is set, but with supervision off nothing is traced",
                   file=sys.stderr, flush=True)

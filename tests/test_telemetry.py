@@ -91,6 +91,9 @@ def test_traceparent_and_attribute_rules() -> None:
         assert telemetry.parse_traceparent(bad) is None
     assert telemetry.endpoint_url("http://h:4318/") == telemetry.endpoint_url("http://h:4318/v1/traces") == \
         "http://h:4318/v1/traces"
+    url = telemetry.endpoint_url("https://user:hunter2@h:4318/otel?token=abc123secret")
+    assert url == "https://user:hunter2@h:4318/otel/v1/traces?token=abc123secret"  # the path grows, not the query
+    assert telemetry.shown_url(url) == "https://h:4318/otel/v1/traces?token=[redacted]"
     assert telemetry.attributes("gate", {"outcome": "passed", "gaps": [], "route": {"model": "m"}, "x": None,
                                          "calls": ["a", "b"], "mixed": [1, "a"], "items": [{"k": 1}]}) == {
         "gate.outcome": "passed", "gate.gaps": "[]", "gate.route.model": "m", "gate.calls": ["a", "b"],

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,9 +116,20 @@ def wall_ns(perf_counter_s: float) -> int:
 
 
 def endpoint_url(base: str) -> str:
-    """The OTLP/HTTP traces URL of ``[telemetry] otlp_endpoint``: ``/v1/traces`` appended unless it ends so."""
-    base = base.rstrip("/")
-    return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
+    """The OTLP/HTTP traces URL of ``[telemetry] otlp_endpoint``: ``/v1/traces`` appended to its path unless the
+    path ends so (a query string stays after the path)."""
+    parts = urllib.parse.urlsplit(base)
+    path = parts.path.rstrip("/")
+    return urllib.parse.urlunsplit(parts._replace(path=path if path.endswith(TRACES_PATH) else path + TRACES_PATH))
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed or logged: without a user or password and with its query's values hidden
+    (either may hold a credential)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    query = "&".join(f"{name}=[redacted]" for name, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit(parts._replace(netloc=host, query=query))
 
 
 def provider_name(fmt_name: str) -> str:
@@ -204,9 +216,9 @@ class Tracing:
                     result, reason = SpanExportResult.FAILURE, type(exc).__name__
                 if result is SpanExportResult.FAILURE and not self.failing:
                     log.warning("OpenTelemetry: exporting spans to %s failed (%s); spans are dropped until it "
-                                "works again, and this is not logged again until then", url, reason)
+                                "works again, and this is not logged again until then", shown_url(url), reason)
                 elif result is SpanExportResult.SUCCESS and self.failing:
-                    log.info("OpenTelemetry: exporting spans to %s works again", url)
+                    log.info("OpenTelemetry: exporting spans to %s works again", shown_url(url))
                 self.failing = result is SpanExportResult.FAILURE
                 return result
 
