@@ -8,10 +8,12 @@ another (two proxies in this process, with a scripted verifier)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,6 +27,7 @@ import trio
 from proxyvisor.adapters.failures import Failure
 from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
 from proxyvisor.adapters.health_store import HealthStore
+from proxyvisor.adapters import state
 from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, StateUnavailable, open_backend
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.proxy.formats import BY_NAME
@@ -114,6 +117,40 @@ def test_an_unreachable_redis_is_a_clear_startup_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert b"cannot reach Redis at redis://127.0.0.1:" in done.stderr and b"hunter2" not in done.stderr
     assert b"Traceback" not in done.stderr
+
+
+def test_a_hung_redis_costs_one_timeout_then_calls_fail_at_once_until_it_answers(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis that hangs (stopped, not gone: its socket accepts and never answers) would make every call wait out
+    the timeout, several per request; after one timeout every call fails at once, and one short ping a period
+    finds it back."""
+    monkeypatch.setattr(state, "_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(state, "_DOWN_S", 1.0)
+    backend = RedisBackend(redis_url)
+    kv = backend.kv("hung")
+    kv.set("k", b"v", 60)
+    pid = redis.Redis.from_url(redis_url).info()["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):
+            kv.get("k")  # waits out the timeout once
+        assert time.monotonic() - started < 3
+        started = time.monotonic()
+        for _ in range(20):
+            with pytest.raises(StateUnavailable, match="down since a call failed"):
+                kv.get("k")
+        assert time.monotonic() - started < 0.5
+        time.sleep(1.1)
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):
+            kv.get("k")  # the period's one ping, which times out sooner than a call
+        assert time.monotonic() - started < 2
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(1.1)
+    assert kv.get("k") == b"v"
+    backend.close()
 
 
 async def test_redis_going_away_mid_run_loses_no_answer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,10 @@ _CAS_ATTEMPTS = 64
 changed the key in between: only under heavy contention on one key)."""
 _TIMEOUT_S = 5.0
 """Seconds a Redis connection or command may take before it counts as unavailable."""
+_DOWN_S = 5.0
+"""Seconds after a failed call during which every call fails at once (:meth:`RedisBackend.call`)."""
+_PROBE_TIMEOUT_S = 0.5
+"""Seconds the ping that ends a down period may take."""
 
 
 class StateUnavailable(Exception):
@@ -299,9 +304,13 @@ class RedisBackend:
         self._errors = (redis.RedisError, OSError)
         self.where = redacted(url)
         self._warned = threading.Event()
+        self._down_until = 0.0  # time.monotonic() until which calls fail at once; 0: up
+        self._probing = threading.Lock()
         try:
             self.client = redis.Redis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S,
                                                health_check_interval=30)
+            self._probe = redis.Redis.from_url(url, socket_timeout=_PROBE_TIMEOUT_S,
+                                               socket_connect_timeout=_PROBE_TIMEOUT_S)
             self.client.ping()
             self._cas = self.client.register_script(_CAS)
         except self._errors as exc:
@@ -310,10 +319,27 @@ class RedisBackend:
             raise StateUnavailable(f"[state] url is not a Redis URL ({exc})") from None
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)``; raises :class:`StateUnavailable` for any Redis or connection error."""
+        """``fn(client)``; raises :class:`StateUnavailable` for any Redis or connection error.
+
+        A failed call makes Redis *down* for :data:`_DOWN_S`: every call meanwhile raises at once, so a Redis that
+        hangs (its every command waiting out :data:`_TIMEOUT_S`) costs the requests one timeout, not one per call.
+        Then one caller at a time pings it (at most :data:`_PROBE_TIMEOUT_S`) before its call; the others keep
+        failing at once until a ping answers."""
+        if self._down_until:
+            if time.monotonic() < self._down_until or not self._probing.acquire(blocking=False):
+                raise StateUnavailable(f"Redis at {self.where}: down since a call failed; retried every {_DOWN_S:g} s")
+            try:
+                self._probe.ping()
+            except self._errors as exc:
+                self._down_until = time.monotonic() + _DOWN_S
+                raise StateUnavailable(f"Redis at {self.where}: {_reason(exc)}") from None
+            finally:
+                self._probing.release()
+            self._down_until = 0.0
         try:
             result = fn(self.client)
         except self._errors as exc:
+            self._down_until = time.monotonic() + _DOWN_S
             raise StateUnavailable(f"Redis at {self.where}: {_reason(exc)}") from None
         return result
 
@@ -332,6 +358,7 @@ class RedisBackend:
 
     def close(self) -> None:
         self.client.close()
+        self._probe.close()
 
 
 def _reason(exc: BaseException) -> str:
