@@ -116,3 +116,16 @@ def test_ledger_paths_stay_inside_the_state_dir(tmp_path, bad: str) -> None:
     with pytest.raises(ValueError):
         Store(root).append_ledger(bad, {})
     assert files_under(tmp_path / "a") == []
+
+
+async def test_a_model_name_of_any_size_is_kept_clipped(start_proxy, state_dir) -> None:
+    """A client may name a model of megabytes: the ledger keeps its first 200 characters, so no view of the
+    session (/info, the web view, MCP) carries the rest."""
+    from proxyvisor.proxy.info import MODEL_CHARS
+
+    async with start_proxy([TEXT_STEP], breakers=False) as rp:
+        reply, _ = await raw_stream(rp.url + "/s/big-model", "chat", request_body("chat", model="Q" * 1_000_000))
+        assert reply.status_code == 200
+        (record,) = rp.pipeline.store.read_ledger("big-model")
+    assert record["model"] == "Q" * (MODEL_CHARS - 1) + "\u2026"
+    assert (state_dir / "ledger" / "big-model.jsonl").stat().st_size < 20_000

@@ -173,6 +173,18 @@ def agent_of(user_agent: str | None) -> str | None:
     return match.group(0) if match else None
 
 
+MODEL_CHARS = 200
+"""A model name recorded in the ledger is clipped to this many characters (:func:`model_name`)."""
+
+
+def model_name(value: object) -> str | None:
+    """A request's ``model`` as the ledger keeps it: a string clipped to :data:`MODEL_CHARS` characters (a client
+    may send any size; a megabyte name would fill every view of the session), None for anything else."""
+    if not isinstance(value, str):
+        return None
+    return value if len(value) <= MODEL_CHARS else value[:MODEL_CHARS - 1] + "\u2026"
+
+
 def judge_label(route: Mapping[str, Any]) -> str:
     """``session: MODEL`` (or ``litellm: ...``): a gate object's ``route`` and ``model`` as /info counts them."""
     return f"{route.get('route')}: {route.get('model') or '(no model named)'}"

@@ -61,7 +61,7 @@ from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SessionStates
 from . import commands, estimate, web
 from .web import WebView
-from .info import agent_of, ledger_fields
+from .info import agent_of, ledger_fields, model_name
 from .delegation import ProxyDelegation
 from ..adapters.results import child_traceparent
 from . import telemetry
@@ -736,10 +736,10 @@ class Pipeline:
                 session.errors += 1
         if not self.supervised or (self.store is None and self.telemetry is None):
             return
-        record = {
+        record: dict[str, Any] = {
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "format": fmt.name,
-            "model": body.get("model") if body and isinstance(body.get("model"), str) else None,
+            "model": model_name(body.get("model")) if body else None,
             **({"agent": agent} if (agent := agent_of(request.header("user-agent"))) else {}),
             "stream": bool(body.get("stream")) if body else None,
             "status": status,

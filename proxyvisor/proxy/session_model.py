@@ -46,6 +46,7 @@ from ..pricing import price
 from ..redact import redact
 from ..supervisor_model import LITELLM, SESSION, ModelAnswer, ModelCall, ReportedFailure, schema_of
 from .formats import WireFormat
+from .info import model_name
 from .relay import Headers, UpstreamReply
 from .sse import SSEParser
 
@@ -105,7 +106,7 @@ class SupervisorRoutes:
         call = SessionModel(self, fmt, send, model, upstream, secrets, "max_completion_tokens" in body)
         # The built-in scripted upstream answers whatever model is asked for: it, not that name, judged.
         named = SCRIPTED_MODEL if upstream.scripted else upstream.model if translated and upstream.model else model
-        return call, {"route": SESSION, "model": named}
+        return call, {"route": SESSION, "model": model_name(named) or ""}
 
     def failed(self, upstream: str, status: int, reason: str) -> None:
         """Log a route's refusal or error once per upstream and status (later ones at debug level)."""
