@@ -57,9 +57,11 @@ async def _serve(config: Config) -> None:
                 mode += f"; shared state: {proxy.pipeline.backend.describe()}"
         print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
         if config.supervisor.enabled:
+            auth = ("&auth=TOKEN", " and auth_token") if config.proxy.auth_token else ("", "")
             print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"
-                  + ("#admin=TOKEN (your [proxy] admin_token)" if config.proxy.admin_token else
-                     "#session=ID (the session list needs [proxy] admin_token)"), file=sys.stderr, flush=True)
+                  + (f"#admin=TOKEN{auth[0]} (your [proxy] admin_token{auth[1]})" if config.proxy.admin_token else
+                     f"#session=ID{auth[0]} (the session list needs [proxy] admin_token)"),
+                  file=sys.stderr, flush=True)
         if config.telemetry.otlp_endpoint:
             tracing = proxy.pipeline.telemetry
             print(f"proxyvisor: OpenTelemetry traces to {shown_url(tracing.url)} as {config.telemetry.service_name}"

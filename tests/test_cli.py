@@ -310,6 +310,11 @@ def test_serve_names_its_web_view(tmp_path: Path) -> None:
     assert re.search(r"^proxyvisor: web view at http://127\.0\.0\.1:\d+/proxyvisor/ui#admin=TOKEN \(your \[proxy\] "
                      r"admin_token\)$", started, re.MULTILINE), started
     assert "secret-admin-token" not in started
+    config.write_text('[proxy]\nadmin_token = "secret-admin-token"\nauth_token = "secret-auth-token"\n')
+    started = serve_start(config, until="web view at")
+    assert re.search(r"/proxyvisor/ui#admin=TOKEN&auth=TOKEN \(your \[proxy\] admin_token and auth_token\)$",
+                     started, re.MULTILINE), started
+    assert "secret-a" not in started
 
 
 def test_serve_and_wrap_say_when_the_upstream_is_the_scripted_model(tmp_path: Path) -> None:

@@ -148,7 +148,8 @@ async function showSessions() {
   } catch (e) {
     setMain(el("h1", {}, "Sessions"), notice(e.message, "bad"),
             el("p", {class: "muted"}, "Open a session you know: /proxyvisor/ui#session=ID. The listing needs the " +
-               "admin token: /proxyvisor/ui#admin=TOKEN (kept in this tab only)."));
+               "admin token: /proxyvisor/ui#admin=TOKEN. Where the proxy has an auth token, add &auth=TOKEN " +
+               "(both kept in this tab only)."));
     return;
   }
   const head = el("tr", {}, ["Session", "Agent", "Model", "Requests", "Tokens in / out", "Cost", "Last activity",
