@@ -34,7 +34,9 @@ import httpx
 import orjson
 import trio
 
-from bench.results import write_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.results import write_section  # noqa: E402
 from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.server import Limits, Request, Response, bound_port, open_listeners, serve_listeners
 from proxyvisor.proxy.service import running
