@@ -174,20 +174,6 @@ class MemoryFiles:
         loaded.update(memory.records)
         return stamp
 
-    def all(self) -> list[tuple[Path, Memory | None]]:
-        """Every memory file, with its memory (None: unreadable), by scope."""
-        try:
-            paths = sorted(p for p in self.root.glob("*.json"))
-        except OSError:
-            return []
-        out = []
-        for path in paths:
-            try:
-                out.append((path, self.read(path)))
-            except (OSError, ValueError):
-                out.append((path, None))
-        return sorted(out, key=lambda pm: pm[1].scope if pm[1] is not None else "")
-
 
 @dataclass
 class SessionLearning:
