@@ -187,10 +187,14 @@ class SessionStates:
             log.warning("session %s: its supervision state cannot be stored (%s: %s)", session.id,
                         type(exc).__name__, exc)
             return
-        session.state_version = version
+        known, session.state_version = session.state_version, version
         try:
             await trio.to_thread.run_sync(self._save, session.id, value, version, limiter=self._limiter)
         except StateUnavailable as exc:
+            # Not stored: keep the version the store holds, lest the next load take it for another process's newer
+            # state and replace this process's with it.
+            if session.state_version == version:
+                session.state_version = known
             self._failed(exc)
             return
         self._up()
