@@ -683,3 +683,11 @@ async def test_a_running_session_does_not_store_again_a_rule_forgotten_since_it_
             assert rule not in memory.records
         await session_one(proxy, tmp_path, f"{RULE_TEXT} Add a third flag.", "two")  # stated anew: learnt anew
         await settled(state, tmp_path, lambda m: rule in m.records)
+
+
+def test_tool_output_pasted_into_a_user_turn_makes_no_rule() -> None:
+    """A clause after a colon counts only after a few plain words: a test failure or an error line the user pasted
+    is not their instruction."""
+    assert distill.durable("We switched tooling: always use pip, never uv.")
+    assert not distill.durable("FAILED tests/test_x.py::test_y - AssertionError: always returns None")
+    assert not distill.durable("Error: always-on feature flag missing; never mind.")

@@ -117,9 +117,14 @@ def _opens_durable(clause: str) -> bool:
     return head.startswith(DURABLE)
 
 
+_PROSE = re.compile(r"[A-Za-z ,'\u2019-]{1,60}")
+"""What may stand before the colon or semicolon of a clause that counts: a few plain words ("We switched tooling"),
+not tool output ("FAILED tests/test_x.py::test_y - AssertionError: always returns None", "Error: ...; never mind")."""
+
+
 def durable(unit: str) -> bool:
     """Whether ``unit`` (one sentence of a user turn) is a durable instruction (module docstring)."""
-    clauses = [unit, *(unit[m.end():] for m in _CLAUSE.finditer(unit))]
+    clauses = [unit, *(unit[m.end():] for m in _CLAUSE.finditer(unit) if _PROSE.fullmatch(unit[:m.start()]))]
     return any(map(_opens_durable, clauses)) and not _has(unit, LOCAL)
 
 
