@@ -92,9 +92,12 @@ class DecisionCache:
         """Store ``decision`` unless one is already stored; return the stored one (first writer wins)."""
         # The stdlib's ASCII JSON, not orjson: a tool result may hold lone surrogates, which it escapes.
         try:
-            self.kv.add(key, json.dumps(dataclasses.asdict(decision)).encode(), self.expire_s)
+            stored = self.kv.add(key, json.dumps(dataclasses.asdict(decision)).encode(), self.expire_s)
         except StateUnavailable as exc:
             self._failed(exc)
+            return decision
+        if stored:  # the first writer: what is stored is ``decision`` (no second round trip to read it back)
+            self._up()
             return decision
         return self.get(key) or decision
 
