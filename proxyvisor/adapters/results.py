@@ -33,25 +33,26 @@ from .health import Admission
 from .runtime import FINISHED
 from .state import KV
 
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+"""A W3C ``traceparent`` (version 00): trace id, span id, flags (also parsed by ``proxyvisor.proxy.telemetry``)."""
 
 
 def child_traceparent(parent: str | None) -> str:
     """A W3C ``traceparent`` for a child: the parent's trace id and flags with a fresh span id; a new trace when
     ``parent`` is absent or invalid (an all-zero id is invalid), so a child never produces broken spans."""
-    match = _TRACEPARENT.match((parent or "").strip().lower())
+    match = TRACEPARENT.match((parent or "").strip().lower())
     if match and set(match.group(1)) != {"0"} and set(match.group(2)) != {"0"}:
         return f"00-{match.group(1)}-{secrets.token_hex(8)}-{match.group(3)}"
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
 def trace_id_of(traceparent: str) -> str:
-    match = _TRACEPARENT.match(traceparent)
+    match = TRACEPARENT.match(traceparent)
     return match.group(1) if match else ""
 
 
 def span_id_of(traceparent: str) -> str:
-    match = _TRACEPARENT.match(traceparent)
+    match = TRACEPARENT.match(traceparent)
     return match.group(2) if match else ""
 
 

@@ -33,7 +33,6 @@ blocks or fails a request; an export failure is logged once until an export succ
 from __future__ import annotations
 
 import logging
-import re
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ..adapters.results import TRACEPARENT
 from ..config import TelemetryConfig
 
 if TYPE_CHECKING:  # imported at run time only when tracing is on
@@ -50,7 +50,6 @@ if TYPE_CHECKING:  # imported at run time only when tracing is on
 
 log = logging.getLogger("proxyvisor.telemetry")
 
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 TRACES_PATH = "/v1/traces"
 ERROR_STATUSES = frozenset({"failed", "refused", "invalid"})
 """Delegation statuses whose span has the error status."""
@@ -79,7 +78,7 @@ class SpanContext:
 def parse_traceparent(value: str | None) -> SpanContext | None:
     """The context of a W3C ``traceparent`` header (version 00), or None when absent or invalid (all-zero ids are
     invalid)."""
-    match = _TRACEPARENT.match((value or "").strip().lower())
+    match = TRACEPARENT.match((value or "").strip().lower())
     if match is None:
         return None
     trace_id, span_id = int(match.group(1), 16), int(match.group(2), 16)
