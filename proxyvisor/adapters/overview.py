@@ -38,9 +38,12 @@ def health_json(pools: Iterable[PoolHealth], now: float) -> dict[str, Any]:
                      "recovery_at": recovery, "recovers_in_s": round(recovery - now, 1) if recovery else None,
                      "probe_in_flight": p.state == "half_open" and p.lease_until > now,
                      "last_category": p.last_category or None, "retry_after_s": p.retry_after_s})
+    owned: dict[str, list[PoolHealth]] = {}
+    for p in pools:
+        owned.setdefault(owner(p.pool), []).append(p)
     adapters: dict[str, Any] = {}
-    for name in sorted({owner(p.pool) for p in pools}):
-        state, soonest, limited = adapter_summary([p for p in pools if owner(p.pool) == name], now)
+    for name in sorted(owned):
+        state, soonest, limited = adapter_summary(owned[name], now)
         adapters[name] = {"state": state, "soonest_recovery_at": soonest, "limited_pools": limited}
     return {"pools": rows, "adapters": adapters}
 
