@@ -216,8 +216,6 @@ class WebView:
             return _error(400, "invalid session id: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
         if events:  # a session not seen yet too: a page may open before the agent's first request
             return self.feed.stream(session_id)
-        if self.sessions.get(session_id) is None and not self._recorded(session_id):
-            return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
         return await self._session(session_id)
 
     def _row(self, session_id: str, store: Store) -> dict[str, Any]:
@@ -238,9 +236,6 @@ class WebView:
         if version is not None:
             self._summed[session_id] = (version, row)
         return row
-
-    def _recorded(self, session_id: str) -> bool:
-        return self.store is not None and self.store.ledger_path(session_id).exists()
 
     async def _sessions(self) -> Response:
         clock = self.clock()
@@ -275,8 +270,10 @@ class WebView:
         counters = live(session, self.clock())
         store = self.store
 
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, Any] | None:
             lines = store.read_ledger(session_id) if store is not None else []
+            if not lines and session is None and (store is None or not store.ledger_path(session_id).exists()):
+                return None  # the file is looked for only when no line was read (off the event loop)
             shown = lines[-TIMELINE:]
             first = len(lines) - len(shown) + 1
             return {"session": session_id, "in_memory": session is not None,
@@ -288,6 +285,8 @@ class WebView:
             body = await trio.to_thread.run_sync(read)
         except LedgerError as exc:
             return _error(500, str(exc))
+        if body is None:
+            return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
         body["plan"] = plan_json(session_id, session, thread_for(session))
         return _json(200, body)
 
