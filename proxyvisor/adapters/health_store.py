@@ -25,7 +25,7 @@ import trio
 
 from .failures import Failure
 from .health import HEALTHY, Admission, Cooldown, PoolHealth, admit, named, release, settle
-from .state import KV, StateUnavailable
+from .state import KV, Outage, StateUnavailable
 
 log = logging.getLogger("proxyvisor.health")
 T = TypeVar("T")
@@ -49,7 +49,8 @@ class HealthStore:
         # One worker thread at a time: the calls are serialised by SQLite anyway, and diskcache opens a connection
         # (file descriptors) per thread, so a burst of requests would otherwise open one per request.
         self._one = trio.CapacityLimiter(1)
-        self._down = False
+        self._outage = Outage(log, "pool health", "every request is admitted as to a healthy pool until it answers",
+                              "the state backend answers again; breakers are back on")
 
     @staticmethod
     def _load(pool: str, value: bytes | None) -> PoolHealth:
@@ -149,14 +150,9 @@ class HealthStore:
         try:
             result = await trio.to_thread.run_sync(fn, *args, limiter=self._one)
         except StateUnavailable as exc:
-            if not self._down:
-                log.warning("pool health: %s; every request is admitted as to a healthy pool until it answers",
-                            exc)
-            self._down = True
+            self._outage.failed(exc)
             return fallback()
-        if self._down:
-            self._down = False
-            log.warning("pool health: the state backend answers again; breakers are back on")
+        self._outage.up()
         return result
 
     def clear(self, name: str | None = None) -> list[str]:

@@ -57,6 +57,30 @@ class StateUnavailable(Exception):
     folder that cannot be written). The message says which backend and why; it never holds a password."""
 
 
+class Outage:
+    """A store's outages, each warned about once: :meth:`failed` when a call raised :class:`StateUnavailable`
+    (``"<what>: <why>; <meanwhile>"``, the first time), :meth:`up` when a call succeeded (``"<what>: <back>"``, the
+    first time after a failure)."""
+
+    def __init__(self, log: logging.Logger, what: str, meanwhile: str,
+                 back: str = "the state backend answers again") -> None:
+        self.log = log
+        self.what = what
+        self.meanwhile = meanwhile
+        self.back = back
+        self.down = False
+
+    def failed(self, exc: StateUnavailable) -> None:
+        if not self.down:
+            self.log.warning("%s: %s; %s", self.what, exc, self.meanwhile)
+        self.down = True
+
+    def up(self) -> None:
+        if self.down:
+            self.down = False
+            self.log.warning("%s: %s", self.what, self.back)
+
+
 Step = Callable[[bytes | None], bytes | None]
 """A read-modify-write step: the current value (None: absent) to the new one (None: delete)."""
 

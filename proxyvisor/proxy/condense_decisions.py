@@ -19,7 +19,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from ..adapters.state import KV, StateUnavailable
+from ..adapters.state import KV, Outage, StateUnavailable
 
 log = logging.getLogger("proxyvisor.condense")
 
@@ -73,15 +73,15 @@ class DecisionCache:
     def __init__(self, kv: KV, expire_s: float = EXPIRE_S) -> None:
         self.kv = kv
         self.expire_s = expire_s
-        self._down = False
+        self._outage = Outage(log, "condense decisions", "results are decided again until it answers")
 
     def get(self, key: str) -> Decision | None:
         try:
             raw = self.kv.get(key)
         except StateUnavailable as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             return None
-        self._up()
+        self._outage.up()
         if raw is None:
             return None
         fields = json.loads(raw)
@@ -94,22 +94,12 @@ class DecisionCache:
         try:
             stored = self.kv.add(key, json.dumps(dataclasses.asdict(decision)).encode(), self.expire_s)
         except StateUnavailable as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             return decision
         if stored:  # the first writer: what is stored is ``decision`` (no second round trip to read it back)
-            self._up()
+            self._outage.up()
             return decision
         return self.get(key) or decision
-
-    def _failed(self, exc: StateUnavailable) -> None:
-        if not self._down:
-            log.warning("condense decisions: %s; results are decided again until it answers", exc)
-        self._down = True
-
-    def _up(self) -> None:
-        if self._down:
-            self._down = False
-            log.warning("condense decisions: the state backend answers again")
 
     def close(self) -> None:
         self.kv.close()

@@ -43,7 +43,7 @@ import orjson
 
 import trio
 
-from ..adapters.state import KV, StateUnavailable
+from ..adapters.state import KV, Outage, StateUnavailable
 from .sessions import Session
 from .supervise import SessionSupervision
 
@@ -144,7 +144,8 @@ class SessionStates:
         self.kv = kv
         self.ttl_s = ttl_s
         self._limiter = trio.CapacityLimiter(_WRITERS)
-        self._down = False
+        self._outage = Outage(log, "session states",
+                              "sessions go on with the state this process holds until it answers")
 
     async def load(self, session: Session) -> None:
         """Replace ``session.supervision`` with the stored state when one newer than the session's own is stored
@@ -154,9 +155,9 @@ class SessionStates:
             found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
                                                   limiter=self._limiter)
         except StateUnavailable as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             return
-        self._up()
+        self._outage.up()
         if found is not None:
             session.supervision, session.state_version = found
 
@@ -195,23 +196,12 @@ class SessionStates:
             # state and replace this process's with it.
             if session.state_version == version:
                 session.state_version = known
-            self._failed(exc)
+            self._outage.failed(exc)
             return
-        self._up()
+        self._outage.up()
 
     def _save(self, session_id: str, value: bytes, version: bytes) -> None:
         self.kv.set_many({session_id: value, session_id + ":v": version}, self.ttl_s)
-
-    def _failed(self, exc: StateUnavailable) -> None:
-        if not self._down:
-            log.warning("session states: %s; sessions go on with the state this process holds until it answers",
-                        exc)
-        self._down = True
-
-    def _up(self) -> None:
-        if self._down:
-            self._down = False
-            log.warning("session states: the state backend answers again")
 
     def close(self) -> None:
         self.kv.close()
