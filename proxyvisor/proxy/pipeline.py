@@ -576,7 +576,7 @@ class Pipeline:
                 if reply.status < 400 and self.supervised:
                     try:
                         answer = reply.json()
-                        model = telemetry.response_model(answer)
+                        model = telemetry.response_model(answer) if self.telemetry is not None else None
                         turn = fmt.parse_response(answer)
                         usage = estimate.completed(self._ledger_usage(fmt, fmt.usage(answer)), fmt, body, turn)
                         self._delivered(session, fmt, body, turn)
