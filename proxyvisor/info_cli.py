@@ -258,11 +258,12 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
     return info_object(session, lines, None), f"no proxy answers at {url}; summing the ledger in {store.root}"
 
 
-def session_plan(config: Config, session: str | None = None,
-                 url: str | None = None) -> tuple[dict[str, Any] | None, str | None, str]:
+def session_plan(config: Config, session: str | None = None, url: str | None = None,
+                 url_option: str = "--url") -> tuple[dict[str, Any] | None, str | None, str]:
     """``(the /plan object, its session, "")`` of ``session`` (default: the most recently active one) from the
     proxy at ``url`` (:func:`proxy_url`); ``(None, the session or None, why)`` when no proxy answers, for a plan lives
-    only in the memory of the proxy that serves the session. Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
+    only in the memory of the proxy that serves the session (``why`` names ``url_option`` as the way to give an
+    address). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
 
     Raises:
         Refused: the proxy refused or knows no such session.
@@ -274,7 +275,7 @@ def session_plan(config: Config, session: str | None = None,
     session = session or _latest(config)[1]
     return None, session, (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves "
                            f"the session{f' ({session})' if session else ''}. Start it, or give its address with "
-                           "--url.")
+                           f"{url_option}.")
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:

@@ -127,9 +127,9 @@ class Tools:
         from .info_cli import session_plan
 
         config, named = self.config(), self.session(session)
-        plan, _, why = await self.blocking(lambda: session_plan(config, named, self.url))
+        plan, _, why = await self.blocking(lambda: session_plan(config, named, self.url, "'proxyvisor mcp --url'"))
         if plan is None:
-            raise ToolError(why.replace("with --url", "with 'proxyvisor mcp --url'"))
+            raise ToolError(why)
         return plan
 
     async def routing_config(
