@@ -437,7 +437,7 @@ class Pipeline:
             exchange.secrets = secrets
             self.learning.begin(session, exchange, self.background)
             if exchange.model is not None:
-                exchange.model = _timed(exchange.model, exchange.record.model)
+                exchange.model = _timed(exchange.model, exchange.record.model, self.telemetry is not None)
             exchange.send = send
             if self.delegation is not None or self.telemetry is not None:
                 exchange.trace = child_traceparent(traceparent)
@@ -799,9 +799,9 @@ class Pipeline:
             log.exception("learning from a request of session %s failed", session.id)
 
 
-def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
+def _timed(call: ModelCall, use: ModelUse, traced: bool = True) -> ModelCall:
     """``call``, adding to ``use.time_s`` the wall time during which at least one of its calls was under way
-    (concurrent calls count once), which the proxy overhead leaves out, and each call's times to
+    (concurrent calls count once), which the proxy overhead leaves out, and, when ``traced``, each call's times to
     ``use.timeline`` (the trace's spans)."""
     busy = 0
     since = 0.0
@@ -822,10 +822,11 @@ def _timed(call: ModelCall, use: ModelUse) -> ModelCall:
             busy -= 1
             if busy == 0:
                 use.time_s += time.perf_counter() - since
-            timed = ModelCallTime(start, time.time_ns(), answer, None if answer else failure)
-            use.timeline.append(timed)
-            if use.late is not None:
-                use.late(timed)
+            if traced:
+                timed = ModelCallTime(start, time.time_ns(), answer, None if answer else failure)
+                use.timeline.append(timed)
+                if use.late is not None:
+                    use.late(timed)
 
     return timed
 
