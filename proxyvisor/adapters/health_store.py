@@ -36,6 +36,10 @@ TTL_S = 7 * 24 * 3600.0
 """Seconds a pool's recorded health is kept after its last change (far beyond any cooldown)."""
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolHealth))
+"""The fields a stored health may set (others, from another version, are ignored)."""
+
+
 def _encode(health: PoolHealth) -> bytes:
     return orjson.dumps({k: v for k, v in dataclasses.asdict(health).items() if k != "pool"})
 
@@ -60,8 +64,7 @@ class HealthStore:
             fields = None
         if not isinstance(fields, dict):
             return PoolHealth(pool)
-        known = {f.name for f in dataclasses.fields(PoolHealth)}
-        return PoolHealth(**{k: v for k, v in fields.items() if k in known} | {"pool": pool})
+        return PoolHealth(**{k: v for k, v in fields.items() if k in _FIELDS} | {"pool": pool})
 
     def get(self, pool: str) -> PoolHealth:
         """The pool's health (healthy when never seen). Reading creates nothing if the store does not exist.
