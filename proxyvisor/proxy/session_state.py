@@ -37,6 +37,8 @@ import io
 import logging
 import os
 import pickle
+import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -85,7 +87,9 @@ class _Pickler(pickle.Pickler):
 
 @functools.cache
 def _source_digest(names: tuple[str, ...]) -> bytes:
-    """A digest of the source of the classes ``names`` (``module:qualname``) as this proxyvisor has them.
+    """A digest of the source of the classes ``names`` (``module:qualname``) as this proxyvisor has them: of the
+    files of the modules that define them (:func:`_module_digest`, read once per process), so any change to such a
+    module makes an older state unused.
 
     Raises:
         ValueError: a class is not in this proxyvisor.
@@ -96,11 +100,25 @@ def _source_digest(names: tuple[str, ...]) -> bytes:
         found: Any = _Unpickler(io.BytesIO()).find_class(module, qualname.split(".")[0])
         for part in qualname.split(".")[1:]:
             found = getattr(found, part)
-        try:
-            digest.update(name.encode() + b"\0" + inspect.getsource(found).encode())
-        except (OSError, TypeError) as exc:
-            raise ValueError(f"no source for {name}: {exc}") from None
+        digest.update(name.encode() + b"\0" + _module_digest(found.__module__))
     return digest.digest()
+
+
+@functools.cache
+def _module_digest(module: str) -> bytes:
+    """The digest of module ``module``'s source file. (``inspect.getsource`` of each class took some 250 ms on a
+    process's first save, in its first request.)
+
+    Raises:
+        ValueError: the module has no source file.
+    """
+    try:
+        path = inspect.getsourcefile(sys.modules[module])
+        if path is None:
+            raise OSError("no source file")
+        return hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+    except (KeyError, OSError, TypeError) as exc:
+        raise ValueError(f"no source for {module}: {exc}") from None
 
 
 def encode(state: SessionSupervision, version: bytes) -> bytes:
