@@ -104,7 +104,7 @@ async def recall_cost(path: Path, repeat: int, root: Path) -> tuple[float, float
     for _ in range(repeat):
         off, recalled = await request_times(messages, Learning(LearningConfig(enabled=False), None))
         assert not recalled
-        on, recalled = await request_times(messages, Learning(settings, root / "state" / FOLDER))
+        on, recalled = await request_times(messages, Learning(settings, MemoryFiles(root / "state" / FOLDER)))
         assert recalled, "learning on recalled nothing: the timing would measure no recall"
         n = len(on)
         added.append(statistics.median(b - a for a, b in zip(off[1:], on[1:])) * 1000)

@@ -1,7 +1,9 @@
 """Command line of ``proxyvisor memory list|show|forget`` (registered by cli.py): a project's memory, read and
-changed in its file (``proxyvisor.proxy.learning.MemoryFiles``, under its lock) without a proxy. A running proxy
-reads the changed file at its next session's start and at its next save: a forgotten record stays forgotten. A
-file that cannot be read (or holds another folder's memory) is only ever removed, by ``forget --all``."""
+changed where the proxies keep it (``proxyvisor.proxy.learning.memory_store``: its file under the state directory,
+or with ``[state] backend = "redis"`` its Redis key), in one atomic change, without a proxy. A running proxy (every
+replica) reads the changed memory at its next session's start and at its next save: a forgotten record stays
+forgotten. A memory that cannot be read (or holds another folder's memory) is only ever removed, by
+``forget --all``."""
 
 from __future__ import annotations
 
@@ -18,16 +20,15 @@ from .cli import _FILES
 from .config import Config
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from .learning.memory import Memory
-    from .proxy.learning import MemoryFiles
+    from .proxy.learning import MemoryStore
 
 _HELP = textwrap.dedent("""\
     Show or forget what proxyvisor learnt in a project ([supervisor.learning]). Each project folder (a
     folder inside a git repository counts as the repository's root) has one memory file under the state
-    directory, STATE/memory/HASH.json (0600), holding three kinds of record, each with an id (M and 8 hex
-    digits, as the recalled note names it):
+    directory, STATE/memory/HASH.json (0600), or with [state] backend = "redis" one Redis key,
+    proxyvisor:memory:HASH, shared by every replica; it holds three kinds of record, each with an id
+    (M and 8 hex digits, as the recalled note names it):
 
       rule         the user's durable instruction, an exact quote, with its source turn
       orientation  a fact a session established, citing the action whose result showed it
@@ -42,15 +43,16 @@ _HELP = textwrap.dedent("""\
                         session that stored it, how many sessions it was recalled to and how many
                         times a status line named it as used
       forget ID         remove one record
-      forget --all      remove the scope's whole memory file (also one that cannot be read)
+      forget --all      remove the scope's whole memory (also one that cannot be read)
 
     The scope is --scope DIR, else [supervisor.learning] scope, else the current folder.
     """)
 _COUNTS = {"used": "times a session's status line named it as used", "recalled": "sessions it was recalled to"}
 _EXIT = textwrap.dedent("""\
     exit status:
-      0 done; 1 no memory for the scope, no such record, or the memory file cannot be read or
-      written; 2 bad usage or configuration.
+      0 done (list: also when the scope has no memory yet, saying so); 1 no memory for the
+      scope (show, forget), no such record, or the memory cannot be read or written (Redis down);
+      2 bad usage or configuration.
     """)
 
 
@@ -76,12 +78,17 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
     parser.set_defaults(handler=_run)
 
 
+class _Refused(Exception):
+    """A ``forget`` that changes nothing: the message says why."""
+
+
 def _run(args: argparse.Namespace, config: Config) -> int:
     # Imported here: every proxyvisor command builds this parser, and the shell's modules take a while to load.
     import msgspec
     import orjson
 
-    from .proxy.learning import FOLDER, MemoryFiles, project_root
+    from .adapters.state import StateUnavailable, backend_of
+    from .proxy.learning import decoded, memory_store, project_root
 
     if args.action != "forget" and args.all or args.action == "list" and args.id \
             or args.action == "forget" and args.json:
@@ -96,23 +103,29 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         print("proxyvisor memory forget: give an ID or --all, not both", file=sys.stderr)
         return 2
     scope = project_root(args.scope or config.supervisor.learning.scope or os.getcwd())
-    files = MemoryFiles(config.state_dir() / FOLDER)
-    path = files.path(scope)
-    if args.action == "forget":
-        return _forget(files, scope, args.id)
+    backend = backend_of(config)
     try:
-        memory = files.read(path, scope)
-    except (OSError, ValueError) as exc:
-        print(_unreadable(path, scope, exc), file=sys.stderr)
+        store = memory_store(config.supervisor.learning, config.state_dir(), backend)
+        assert store is not None  # a state directory is given
+        if args.action == "forget":
+            return _forget(store, scope, args.id)
+        try:
+            found = store.look(scope, ())
+            memory = decoded(found[1] if found else None, scope)
+        except (OSError, ValueError) as exc:
+            print(_unreadable(store, scope, exc), file=sys.stderr)
+            return 1
+    except StateUnavailable as exc:
+        print(f"proxyvisor memory: {exc}", file=sys.stderr)
         return 1
-    if memory is None:
-        print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
-        return 1
+    finally:
+        backend.close()
     if args.action == "list":
-        return _list(memory, args.json)
-    record = memory.records.get(args.id)
+        return _list(memory, scope, args.json)
+    record = memory.records.get(args.id) if memory is not None else None
     if record is None:
-        print(f"proxyvisor memory: no record {args.id} in the memory of {scope}", file=sys.stderr)
+        print(f"proxyvisor memory: no record {args.id} in the memory of {scope}" if memory is not None
+              else f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
         return 1
     if args.json:
         print(orjson.dumps(msgspec.to_builtins(record), option=orjson.OPT_INDENT_2).decode())
@@ -127,56 +140,67 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _unreadable(path: Path, scope: str, exc: BaseException) -> str:
-    return (f"proxyvisor memory: {path} cannot be read: {exc}; learning is off for {scope} until "
+def _unreadable(store: MemoryStore, scope: str, exc: BaseException) -> str:
+    return (f"proxyvisor memory: {store.where(scope)} cannot be read: {exc}; learning is off for {scope} until "
             f"`proxyvisor memory forget --all --scope {shlex.quote(scope)}` removes it")
 
 
-def _forget(files: MemoryFiles, scope: str, rid: str | None) -> int:
-    """Forget record ``rid`` of ``scope``, or (None) its whole file, readable or not, under the folder's lock."""
-    from .store import atomic_write
+def _forget(store: MemoryStore, scope: str, rid: str | None) -> int:
+    """Forget record ``rid`` of ``scope``, or (None) its whole memory, readable or not, in one atomic change of the
+    store (so a running proxy's save cannot write the record back).
 
-    path = files.path(scope)
-    if not files.root.is_dir():
-        print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
-        return 1
+    Raises:
+        StateUnavailable: the shared state backend does not answer.
+    """
+    from .proxy.learning import decoded
+
+    said: list[str] = []
+
+    def step(current: bytes | None) -> bytes | None:
+        said.clear()
+        if current is None:
+            raise _Refused(f"proxyvisor memory: no memory for {scope}")
+        try:
+            memory = decoded(current, scope)
+        except ValueError as exc:
+            if rid is not None:
+                raise _Refused(_unreadable(store, scope, exc)) from None
+            said.append(f"removed {store.where(scope)} of {scope}, which could not be read ({exc})")
+            return None
+        assert memory is not None
+        if rid is None:
+            said.append(f"forgot {len(memory.records)} record(s) of {scope}")
+            return None
+        if not memory.forget(rid):
+            raise _Refused(f"proxyvisor memory: no record {rid} in the memory of {scope}")
+        said.append(f"forgot {rid}")
+        return memory.encode()
+
     try:
-        with files.locked():
-            try:
-                memory = files.read(path, scope)
-            except (OSError, ValueError) as exc:
-                if rid is not None:
-                    print(_unreadable(path, scope, exc), file=sys.stderr)
-                    return 1
-                path.unlink()
-                print(f"removed the memory file {path} of {scope}, which could not be read ({exc})")
-                return 0
-            if memory is None:
-                print(f"proxyvisor memory: no memory for {scope}", file=sys.stderr)
-                return 1
-            if rid is None:
-                path.unlink()
-                print(f"forgot {len(memory.records)} record(s) of {scope}")
-                return 0
-            if not memory.forget(rid):
-                print(f"proxyvisor memory: no record {rid} in the memory of {scope}", file=sys.stderr)
-                return 1
-            atomic_write(path, memory.encode())
-    except OSError as exc:
-        print(f"proxyvisor memory: cannot change {path}: {exc.strerror or exc}", file=sys.stderr)
+        if store.look(scope, ()) == (None, None):  # nothing stored: say so without making the folder
+            raise _Refused(f"proxyvisor memory: no memory for {scope}")
+        store.update(scope, step)
+    except _Refused as exc:
+        print(exc, file=sys.stderr)
         return 1
-    print(f"forgot {rid}")
+    except OSError as exc:
+        print(f"proxyvisor memory: cannot change {store.where(scope)}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(*said)
     return 0
 
 
-def _list(memory: Memory, as_json: bool) -> int:
+def _list(memory: Memory | None, scope: str, as_json: bool) -> int:
     import msgspec
     import orjson
 
-    records = list(memory.records.values())
+    records = list(memory.records.values()) if memory is not None else []
     if as_json:
-        print(orjson.dumps({"scope": memory.scope, "records": msgspec.to_builtins(records)},
+        print(orjson.dumps({"scope": scope, "records": msgspec.to_builtins(records)},
                            option=orjson.OPT_INDENT_2).decode())
+        return 0
+    if memory is None:
+        print(f"no memory for {scope}: nothing learnt there yet")
         return 0
     print(f"memory of {memory.scope}: {len(records)} record(s)")
     for r in records:

@@ -459,7 +459,12 @@ def test_memory_list_show_and_forget(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["memory", "show", rule.id, *common]) == 1
     assert main(["memory", "forget", "--all", *common]) == 0
     assert memory_of(state, tmp_path) is None
-    assert main(["memory", "list", *common]) == 1
+    capsys.readouterr()
+    assert main(["memory", "list", *common]) == 0, "a project without memory is not an error"
+    assert capsys.readouterr().out.startswith(f"no memory for {tmp_path}")
+    assert main(["memory", "list", "--json", *common]) == 0
+    assert orjson.loads(capsys.readouterr().out) == {"scope": str(tmp_path), "records": []}
+    assert main(["memory", "show", rule.id, *common]) == 1
     assert main(["memory", "forget", *common]) == 2
 
 
@@ -601,7 +606,7 @@ def test_an_unreadable_memory_file_is_named_with_its_reset_and_forget_all_remove
     assert main(["memory", "forget", "--all", *common]) == 0
     assert f"removed the memory file {path}" in capsys.readouterr().out
     assert not path.exists()
-    assert main(["memory", "list", *common]) == 1
+    assert main(["memory", "forget", "--all", *common]) == 1
     assert "no memory for" in capsys.readouterr().err
 
 

@@ -4,14 +4,19 @@
   working directory the client's environment context names (Codex's ``<cwd>``, Claude Code's ``Primary working
   directory:``), else :attr:`Learning.default_scope` (``proxyvisor wrap`` sets its own working directory); a
   folder inside a git repository counts as the repository's root. A session without a scope learns nothing.
-- **Files** (:class:`MemoryFiles`): ``STATE/memory/<hash of the scope>.json``, the folder 0700, each file 0600,
-  written atomically under a lock of the folder (:meth:`MemoryFiles.locked`, which ``proxyvisor memory`` takes
-  too); a save merges what another process stored meanwhile and keeps records forgotten from the
-  command line forgotten. A running proxy reads the file again, off the event loop, at a session's first request
-  when it changed since it last read or wrote it (:meth:`Learning._current`), so a ``proxyvisor memory forget``
-  holds for every session that starts after it. A file that cannot be read, or that holds another scope's memory,
-  is left alone: learning is off for its scope (one warning naming the file and how to reset it) and nothing is
-  written over it.
+- **Store** (:class:`MemoryStore`, :func:`memory_store`): one value per scope, the bytes of
+  :meth:`~proxyvisor.learning.memory.Memory.encode`. By default a file ``STATE/memory/<hash of the scope>.json``
+  (:class:`MemoryFiles`: the folder 0700, each file 0600, written atomically under a lock of the folder, which
+  ``proxyvisor memory`` takes too); with ``[state] backend = "redis"`` the key ``proxyvisor:memory:<hash of the
+  scope>`` (:class:`MemoryKV`), shared by every replica, expiring ``retention_days`` after its last write. Every
+  write is one atomic read-modify-write (:func:`save`) that merges what another process or replica stored meanwhile
+  and keeps records forgotten from the command line forgotten (:meth:`~proxyvisor.learning.memory.Memory.merge`,
+  the one merge rule). A running proxy looks at the stored value again, off the event loop, at a session's first
+  request, and takes it in when it changed since it last read or wrote it (:meth:`Learning._current`), so a
+  ``proxyvisor memory forget`` holds for every session that starts after it, on every replica. A value that cannot
+  be read, or that holds another scope's memory, is left alone: learning is off for its scope (one warning naming
+  it and how to reset it) and nothing is written over it. A Redis that does not answer turns sharing off (warned
+  once per outage): learning goes on with the memories the process holds, merged in at the next write that works.
 - **Recall** (a step of ``Exchange.before_forward``): on a thread's first request that offers tools, after a tool
   result or a user message, and again when a compaction dropped the note's place: the session's Active Memory
   Pack (``proxyvisor.learning.pack``), assembled once per session and re-inserted byte for byte like the steer
@@ -41,10 +46,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from ..adapters.state import KV, REDIS, Outage, StateBackend, StateUnavailable, Step
 from ..condense.text import count_tokens
 from ..config import LearningConfig
 from ..detectors import checks
@@ -64,9 +70,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("proxyvisor.learning")
 
 FOLDER = "memory"
-Stamp = tuple[int, int, int]
-"""A memory file's identity as :meth:`MemoryFiles.stamp` reads it: inode, modification time (ns), size. A write
-(always a new file, renamed into place) or a removal changes it."""
+NAMESPACE = "memory"
+"""The state backend's namespace of the memories (:class:`MemoryKV`)."""
+Stamp = tuple[int, int, int] | bytes
+"""A stored memory's identity: a file's (:meth:`MemoryFiles.stamp`), a digest of a value (:class:`MemoryKV`). A
+write or a removal changes it."""
 _CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:Primary working directory|Working directory):[ \t]*(/[^\n]*?)"
                   r"[ \t]*$", re.MULTILINE)
 _SAFE_ROLES = ("tool", "user")
@@ -85,6 +93,11 @@ def project_root(path: str) -> str:
     return real
 
 
+def scope_key(scope: str) -> str:
+    """The name of ``scope``'s memory in a store: a hash of the scope."""
+    return hashlib.blake2b(scope.encode(), digest_size=12).hexdigest()
+
+
 def scope_of(texts: tuple[str, str], configured: str, default: str | None) -> str | None:
     """The scope of a session whose system prompt and first user message are ``texts`` (module docstring)."""
     if configured:
@@ -95,37 +108,111 @@ def scope_of(texts: tuple[str, str], configured: str, default: str | None) -> st
     return project_root(default) if default else None
 
 
+class MemoryStore(Protocol):
+    """Where the scopes' memories are kept, one value per scope (the bytes of :meth:`Memory.encode`): files in the
+    state directory (:class:`MemoryFiles`, the default) or a namespace of the shared state backend
+    (:class:`MemoryKV`, with ``[state] backend = "redis"``). Every call blocks: take it off the event loop."""
+
+    def where(self, scope: str) -> str:
+        """Where ``scope``'s memory is, for a message (never a password)."""
+        ...
+
+    def look(self, scope: str, known: Stamp | None | tuple[()]) -> tuple[Stamp | None, bytes | None] | None:
+        """(the stored value's stamp, the value; both None when there is none), or None when the stamp is still
+        ``known`` (what the caller last read or wrote; ``()``: nothing yet).
+
+        Raises:
+            OSError, StateUnavailable: the store cannot be read.
+        """
+        ...
+
+    def update(self, scope: str, step: Step) -> tuple[Stamp | None, bytes | None]:
+        """Apply ``step`` to ``scope``'s value atomically (no other writer in between, in any process or replica;
+        ``step`` may run more than once, so it must be a pure function of its argument) and return the stamp and
+        value it made (None: removed, or there was none).
+
+        Raises:
+            OSError, StateUnavailable: the store cannot be read or written; whatever ``step`` raises.
+        """
+        ...
+
+
+def decoded(data: bytes | None, scope: str) -> Memory | None:
+    """The memory of ``scope`` in a stored value ``data`` (None: no value).
+
+    Raises:
+        ValueError: it is not a memory, or it holds the memory of another scope (a file edited or copied by hand:
+            never taken for, nor written over by, this one's).
+    """
+    if data is None:
+        return None
+    memory = Memory.decode(data)
+    if memory.scope != scope:
+        raise ValueError(f"it holds the memory of {memory.scope!r}, not of {scope!r}")
+    return memory
+
+
+def save(store: MemoryStore, memory: Memory, loaded: set[str]) -> Stamp | None:
+    """Write ``memory`` to ``store``, first merging into it what is stored there now (:meth:`Memory.merge`:
+    records stored meanwhile taken in, those of ``loaded``, the ids read before, that are gone forgotten). Returns
+    the written value's stamp and sets ``loaded`` to the ids written; None when it was not written (logged: among
+    others, a value that cannot be read or holds another scope's memory is never written over).
+
+    Raises:
+        StateUnavailable: the shared state backend does not answer (nothing written).
+    """
+    records = dict(memory.records)
+    merged = memory
+
+    def step(current: bytes | None) -> bytes:
+        nonlocal merged
+        merged = Memory(memory.scope, records.values())
+        if (stored := decoded(current, memory.scope)) is not None:
+            merged.merge(stored, loaded)
+        return merged.encode()
+
+    try:
+        stamp, _ = store.update(memory.scope, step)
+    except (OSError, ValueError) as exc:
+        log.warning("cannot write %s: %s", store.where(memory.scope), exc)
+        return None
+    memory.records = merged.records
+    loaded.clear()
+    loaded.update(memory.records)
+    return stamp
+
+
 class MemoryFiles:
-    """The memory files under ``root`` (``STATE/memory``), one per scope."""
+    """The memories as files under ``root`` (``STATE/memory``), one per scope, written atomically (a new file
+    renamed into place) under the folder's lock (:meth:`locked`)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
 
     def path(self, scope: str) -> Path:
-        return self.root / (hashlib.blake2b(scope.encode(), digest_size=12).hexdigest() + ".json")
+        return self.root / (scope_key(scope) + ".json")
+
+    def where(self, scope: str) -> str:
+        return f"the memory file {self.path(scope)}"
 
     def read(self, path: Path, scope: str | None = None) -> Memory | None:
         """The memory in ``path``; None when it does not exist.
 
         Raises:
             OSError: it cannot be read; ValueError: it is not a memory file, or (``scope`` given) it holds the
-                memory of another scope (a file edited or copied by hand: never taken for, nor written over by,
-                this one's).
+                memory of another scope.
         """
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        memory = Memory.decode(data)
-        if scope is not None and memory.scope != scope:
-            raise ValueError(f"it holds the memory of {memory.scope!r}, not of {scope!r}")
-        return memory
+        return Memory.decode(data) if scope is None else decoded(data, scope)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the memory folder's lock (made when missing), so that one process at a time reads and rewrites a
         memory file: a record forgotten from the command line cannot be written back by a save that read the file
-        before. Blocks; take it off the event loop.
+        before.
 
         Raises:
             OSError: the folder cannot be made or locked.
@@ -140,7 +227,8 @@ class MemoryFiles:
 
     @staticmethod
     def stamp(path: Path) -> Stamp | None:
-        """``path``'s :data:`Stamp`; None when it does not exist.
+        """``path``'s identity (inode, modification time in ns, size: a write, always a new file renamed into
+        place, or a removal changes it); None when it does not exist.
 
         Raises:
             OSError: it cannot be examined.
@@ -151,28 +239,71 @@ class MemoryFiles:
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def save(self, memory: Memory, loaded: set[str]) -> Stamp | None:
-        """Write ``memory``, first taking in the records another process stored in its file since and dropping
-        those of ``loaded`` (the ids read from the file before) that are gone from it (forgotten). Returns the
-        written file's stamp; None when it was not written (logged: among others, a file that cannot be read or
-        holds another scope's memory is never written over)."""
-        path = self.path(memory.scope)
-        try:
-            with self.locked():
-                disk = self.read(path, memory.scope)
-                on_disk = disk.records if disk is not None else {}
-                for rid in loaded - on_disk.keys():
-                    memory.forget(rid)
-                for rid, record in on_disk.items():
-                    memory.records.setdefault(rid, record)
-                atomic_write(path, memory.encode())
-                stamp = self.stamp(path)
-        except (OSError, ValueError) as exc:
-            log.warning("cannot write the memory file %s: %s", path, exc)
+    def look(self, scope: str, known: Stamp | None | tuple[()]) -> tuple[Stamp | None, bytes | None] | None:
+        path = self.path(scope)
+        stamp = self.stamp(path)
+        if stamp == known:
             return None
-        loaded.clear()
-        loaded.update(memory.records)
-        return stamp
+        try:
+            return stamp, path.read_bytes()
+        except FileNotFoundError:
+            return None, None
+
+    def update(self, scope: str, step: Step) -> tuple[Stamp | None, bytes | None]:
+        path = self.path(scope)
+        with self.locked():
+            try:
+                current: bytes | None = path.read_bytes()
+            except FileNotFoundError:
+                current = None
+            new = step(current)
+            if new is None:
+                path.unlink(missing_ok=True)
+            elif new != current:
+                atomic_write(path, new)
+            return self.stamp(path), new
+
+    def save(self, memory: Memory, loaded: set[str]) -> Stamp | None:
+        """:func:`save` to these files."""
+        return save(self, memory, loaded)
+
+
+class MemoryKV:
+    """The memories in a namespace of the state backend (``memory``; on Redis the keys
+    ``proxyvisor:memory:<hash of the scope>``, shared by every replica), each kept ``ttl_s`` after its last write.
+    A value's stamp is a digest of it."""
+
+    def __init__(self, kv: KV, ttl_s: float, where: str) -> None:
+        self.kv = kv
+        self.ttl_s = ttl_s
+        self._where = where
+
+    def where(self, scope: str) -> str:
+        return f"the memory {scope_key(scope)} in {self._where}"
+
+    @staticmethod
+    def _stamp(value: bytes | None) -> Stamp | None:
+        return None if value is None else hashlib.blake2b(value, digest_size=16).digest()
+
+    def look(self, scope: str, known: Stamp | None | tuple[()]) -> tuple[Stamp | None, bytes | None] | None:
+        value = self.kv.get(scope_key(scope))
+        stamp = self._stamp(value)
+        return None if stamp == known else (stamp, value)
+
+    def update(self, scope: str, step: Step) -> tuple[Stamp | None, bytes | None]:
+        value = self.kv.update(scope_key(scope), step, self.ttl_s)
+        return self._stamp(value), value
+
+
+def memory_store(settings: LearningConfig, root: Path | None, backend: StateBackend | None) -> MemoryStore | None:
+    """Where learning keeps the memories: in ``backend`` when it is Redis (shared by the replicas), else in files
+    under the state directory ``root``; None when there is no state directory. (Whether learning is on is
+    :class:`Learning`'s business: ``proxyvisor memory`` reads the store either way.)"""
+    if root is None:
+        return None
+    if backend is not None and backend.name == REDIS:
+        return MemoryKV(backend.kv(NAMESPACE), settings.retention_days * 86_400, backend.describe())
+    return MemoryFiles(root / FOLDER)
 
 
 @dataclass
@@ -246,65 +377,69 @@ def material_of(turn: _Turn, session: str, mutating_tools: frozenset[str]) -> di
 
 
 class Learning:
-    """Learning for every session of a proxy (module docstring): ``settings`` (``[supervisor.learning]``), the
-    state directory's memory folder ``root`` (None: no state directory, nothing learnt), ``clock`` (Unix time)."""
+    """Learning for every session of a proxy (module docstring): ``settings`` (``[supervisor.learning]``), where
+    the memories are kept (``store``, :func:`memory_store`; None: nothing learnt), ``clock`` (Unix time)."""
 
-    def __init__(self, settings: LearningConfig, root: Path | None, mutating_tools: frozenset[str] = frozenset(),
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: LearningConfig, store: MemoryStore | None,
+                 mutating_tools: frozenset[str] = frozenset(), clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
-        self.files = MemoryFiles(root) if root is not None and settings.enabled else None
+        self.store = store if settings.enabled else None
         self.mutating_tools = mutating_tools
         self.clock = clock
         self.default_scope: str | None = None
         """The scope of a session whose client names no working directory (``wrap`` sets its own)."""
         self.memories: dict[str, Memory | None] = {}
-        """Each scope's memory as read (None: its file cannot be read, or holds another scope's memory)."""
+        """Each scope's memory as read (None: its stored value cannot be read, or holds another scope's memory)."""
         self.loaded: dict[str, set[str]] = {}
-        """Each scope's record ids its file held when last read or written."""
+        """Each scope's record ids the store held when last read or written."""
         self.stamps: dict[str, Stamp | None] = {}
-        """Each scope's file stamp when last read or written (absent: never looked at)."""
+        """Each scope's stored stamp when last read or written (absent: never looked at)."""
         self.forgotten: dict[str, dict[str, float]] = {}
-        """Each scope's records found forgotten in its file, with when: a session that began before may not
+        """Each scope's records found forgotten in the store, with when: a session that began before may not
         store them again (its transcript still holds what they were distilled from); a later one may."""
+        self._outage = Outage(log, "memories", "learning goes on with the memories this process holds",
+                              "the memories are shared again")
 
     @property
     def on(self) -> bool:
-        return self.files is not None
+        return self.store is not None
 
     def memory(self, scope: str) -> Memory | None:
-        """The memory of ``scope`` as read so far, read here when it was not yet (None: its file cannot be read)."""
+        """The memory of ``scope`` as read so far, read here when it was not yet (None: it cannot be read)."""
         if scope not in self.memories:
-            assert self.files is not None
-            path = self.files.path(scope)
-            try:
-                stamp = self.files.stamp(path)
-                self._take(scope, stamp, self.files.read(path, scope))
-            except (OSError, ValueError) as exc:
-                self._unreadable(scope, exc)
+            self._look(scope)
         return self.memories[scope]
 
-    async def _current(self, scope: str) -> Memory | None:
-        """The memory of ``scope`` as its file now holds it: the file is examined off the event loop and read again
-        only when it changed since this proxy last read or wrote it (a ``proxyvisor memory forget``, another
-        proxy's save): records gone from it are forgotten here too, records another process added are taken in.
-        None: the file cannot be read (learning is off for the scope until it can)."""
-        assert self.files is not None
-        path, before = self.files.path(scope), self.stamps.get(scope, ())
+    def _look(self, scope: str) -> None:
+        """Read ``scope``'s stored memory when it changed since this proxy last read or wrote it (blocking), and
+        take it in (:meth:`_take`)."""
+        assert self.store is not None
+        before = self.stamps.get(scope, ())
         try:
-            stamp = await trio.to_thread.run_sync(self.files.stamp, path)
-            if stamp == before:
-                return self.memories[scope]
-            disk = await trio.to_thread.run_sync(self.files.read, path, scope)
+            found = self.store.look(scope, before)
+            disk = decoded(found[1], scope) if found is not None else None
+        except StateUnavailable as exc:
+            self._outage.failed(exc)
+            self.memories.setdefault(scope, Memory(scope))
+            return
         except (OSError, ValueError) as exc:
             if self.stamps.get(scope, ()) == before:
                 self._unreadable(scope, exc)
-            return self.memories.get(scope)
-        if self.stamps.get(scope, ()) == before:  # else a save or another read took the file in meanwhile
-            self._take(scope, stamp, disk)
-        return self.memories[scope]
+            return
+        self._outage.up()
+        if found is not None and self.stamps.get(scope, ()) == before:  # else a save took the store in meanwhile
+            self._take(scope, found[0], disk)
+
+    async def _current(self, scope: str) -> Memory | None:
+        """The memory of ``scope`` as the store now holds it, examined off the event loop (:meth:`_look`): a
+        ``proxyvisor memory forget`` or another process's save since this proxy last read or wrote it is taken in
+        (records gone from it are forgotten here too, records another process added are taken in). None: it cannot
+        be read (learning is off for the scope until it can)."""
+        await trio.to_thread.run_sync(self._look, scope)
+        return self.memories.get(scope)
 
     def _take(self, scope: str, stamp: Stamp | None, disk: Memory | None) -> None:
-        """Take in ``disk``, the memory read from ``scope``'s file whose stamp was ``stamp`` (None: no file)."""
+        """Take in ``disk``, the memory read from the store whose stamp was ``stamp`` (None: none stored)."""
         self.stamps[scope] = stamp
         memory = self.memories.get(scope)
         if memory is None:
@@ -314,12 +449,11 @@ class Learning:
             self._merge(memory, disk or Memory(scope))
 
     def _unreadable(self, scope: str, exc: Exception) -> None:
-        """Turn learning off for ``scope``, whose file cannot be read; warned once, until it can be again."""
-        assert self.files is not None
+        """Turn learning off for ``scope``, whose stored memory cannot be read; warned once, until it can be."""
+        assert self.store is not None
         if self.memories.get(scope, Memory(scope)) is not None:
-            log.warning("the memory file %s cannot be read (%s); learning is off for %s and the file is left as it "
-                        "is (`proxyvisor memory forget --all --scope %s` removes it)", self.files.path(scope), exc,
-                        scope, scope)
+            log.warning("%s cannot be read (%s); learning is off for %s and it is left as it is (`proxyvisor memory "
+                        "forget --all --scope %s` removes it)", self.store.where(scope), exc, scope, scope)
         self.memories[scope] = None
         self.stamps.pop(scope, None)
 
@@ -477,35 +611,43 @@ class Learning:
         return stored
 
     def _snapshot(self, memory: Memory) -> tuple[Memory, set[str]]:
-        """``memory`` bounded, and a copy of it to save with the ids read from its file (``MemoryFiles.save``
-        changes both), so the event loop may go on changing ``memory`` while the copy is written."""
+        """``memory`` bounded, and a copy of it to save with the ids read from the store (:func:`save` changes
+        both), so the event loop may go on changing ``memory`` while the copy is written."""
         s = self.settings
         memory.bound(s.max_records, s.max_bytes, s.retention_days * 86_400, self.clock())
         return Memory(memory.scope, memory.records.values()), set(self.loaded.setdefault(memory.scope, set()))
 
-    def _merge(self, memory: Memory, written: Memory) -> None:
-        """Take into ``memory`` what its save found on disk (``written``, the copy as saved): records another
-        process stored, and the loss of those forgotten there since they were read."""
+    def _merge(self, memory: Memory, stored: Memory) -> None:
+        """Take into ``memory`` what the store holds (``stored``: read, or the copy as saved) by
+        :meth:`Memory.merge`; the records it finds forgotten are noted with when (:attr:`forgotten`)."""
         loaded = self.loaded.setdefault(memory.scope, set())
         forgotten = self.forgotten.setdefault(memory.scope, {})
-        for rid in loaded - written.records.keys():
-            if memory.forget(rid):  # (one the bounds dropped here is gone already: not forgotten by anyone)
-                forgotten[rid] = self.clock()
-        for rid, record in written.records.items():
-            memory.records.setdefault(rid, record)
+        for rid in memory.merge(stored, loaded):  # (one the bounds dropped here is gone already: not forgotten)
+            forgotten[rid] = self.clock()
         loaded.clear()
-        loaded.update(written.records)
+        loaded.update(stored.records)
 
     def _save(self, memory: Memory) -> None:
-        assert self.files is not None
+        assert self.store is not None
         copy, loaded = self._snapshot(memory)
-        self._written(memory, copy, self.files.save(copy, loaded))
+        self._written(memory, copy, self._stored(copy, loaded))
 
     async def _saved(self, memory: Memory) -> None:
-        """:meth:`_save` with the file work off the event loop."""
-        assert self.files is not None
+        """:meth:`_save` with the store's work off the event loop."""
+        assert self.store is not None
         copy, loaded = self._snapshot(memory)
-        self._written(memory, copy, await trio.to_thread.run_sync(self.files.save, copy, loaded))
+        self._written(memory, copy, await trio.to_thread.run_sync(self._stored, copy, loaded))
+
+    def _stored(self, copy: Memory, loaded: set[str]) -> Stamp | None:
+        """:func:`save` of ``copy``; the store being unavailable is warned once per outage (not written)."""
+        assert self.store is not None
+        try:
+            stamp = save(self.store, copy, loaded)
+        except StateUnavailable as exc:
+            self._outage.failed(exc)
+            return None
+        self._outage.up()
+        return stamp
 
     def _written(self, memory: Memory, copy: Memory, stamp: Stamp | None) -> None:
         """After ``copy`` of ``memory`` was saved as ``stamp`` (None: it was not written)."""

@@ -68,7 +68,7 @@ from . import telemetry
 from .authorizing import Authorizer
 from .breakers import Dispatch, breakers_for
 from .gating import Gating, eligible
-from .learning import FOLDER as MEMORY_FOLDER, Learning
+from .learning import Learning, memory_store
 from .supervise import Exchange, ModelCallTime, ModelUse, Supervisor
 from .closing import close
 from .sse import EventTooLarge, SSEParser, at_event_end, feed_cost, last_event_start
@@ -190,8 +190,8 @@ class Pipeline:
                                           self.telemetry, backend) \
             if config.supervisor.enabled and config.model_routing.enabled and delegate else None
         self.authorizer = Authorizer(config.supervisor.authorizer)
-        self.learning = Learning(config.supervisor.learning, store.root / MEMORY_FOLDER
-                                 if store is not None and config.supervisor.enabled else None,
+        self.learning = Learning(config.supervisor.learning, memory_store(
+            config.supervisor.learning, store.root if store is not None and self.supervised else None, backend),
                                  self.supervisor.mutating_tools)
         if self.learning.on:
             self.sessions.on_end = self._end_learning
