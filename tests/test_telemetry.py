@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import trio
 
-from proxyvisor.config import Config, UpstreamConfig, parse
+from proxyvisor.config import Config, TelemetryConfig, UpstreamConfig, parse
 from proxyvisor.proxy import telemetry
 from proxyvisor.proxy.pipeline import _timed
 from proxyvisor.proxy.supervise import ModelUse
@@ -129,6 +129,16 @@ async def test_a_receiver_that_is_down_costs_the_requests_nothing(
     assert max(took[1:]) < 0.5, took
     failures = [r for r in caplog.records if "exporting spans" in r.getMessage()]
     assert len(failures) == 1 and failures[0].levelno == logging.WARNING, [r.getMessage() for r in failures]
+
+
+def test_closing_with_the_receiver_down_takes_about_a_second_not_its_retries() -> None:
+    """The exporter retries a refused export after 1, 2 and 4 s: the shutdown stops waiting for it after CLOSE_S."""
+    tracing = telemetry.Tracing(TelemetryConfig(otlp_endpoint=f"http://127.0.0.1:{_free_port()}"))
+    tracing.tracer.start_span("queued").end()
+    started = time.perf_counter()
+    tracing.close()
+    took = time.perf_counter() - started
+    assert telemetry.CLOSE_S - 0.2 < took < telemetry.CLOSE_S + 1.5, took
 
 
 # ---- a real OTLP receiver ----------------------------------------------------------------------------------

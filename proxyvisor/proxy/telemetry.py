@@ -27,12 +27,14 @@ What one supervised request exports (:meth:`Tracing.request`, called where its l
 The span ids are chosen before the spans are made (the request's before it goes upstream, a child's before it
 starts), so the spans are made when the ledger record is complete, with those ids (:class:`_Planned`) and their
 recorded times. Export is asynchronous (``BatchSpanProcessor``: a bounded queue and a worker thread), so it never
-blocks or fails a request; an export failure is logged once until an export succeeds again.
+blocks or fails a request; an export failure is logged once until an export succeeds again. The shutdown waits at
+most :data:`CLOSE_S` for what is still queued.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -51,6 +53,8 @@ if TYPE_CHECKING:  # imported at run time only when tracing is on
 log = logging.getLogger("proxyvisor.telemetry")
 
 TRACES_PATH = "/v1/traces"
+CLOSE_S = 1.0
+"""Seconds :meth:`Tracing.close` gives the export of what is queued before it drops it."""
 ERROR_STATUSES = frozenset({"failed", "refused", "invalid"})
 """Delegation statuses whose span has the error status."""
 _EVENTS = (("signals", "proxyvisor.detector"), ("steer", "proxyvisor.steer"), ("condensed", "proxyvisor.condense"),
@@ -206,6 +210,7 @@ class Tracing:
             def __init__(self) -> None:
                 self.inner = OTLPSpanExporter(endpoint=url)
                 self.failing = False
+                self.closed = threading.Event()
 
             def export(self, spans: Sequence[Any]) -> SpanExportResult:
                 try:
@@ -222,7 +227,9 @@ class Tracing:
                 return result
 
             def shutdown(self) -> None:
-                self.inner.shutdown()  # type: ignore[no-untyped-call]
+                if not self.closed.is_set():  # (Tracing.close may have done it already)
+                    self.closed.set()
+                    self.inner.shutdown()  # type: ignore[no-untyped-call]
 
             def force_flush(self, timeout_millis: int = 30000) -> bool:
                 return bool(self.inner.force_flush(timeout_millis))
@@ -232,12 +239,20 @@ class Tracing:
         self.ids = Planned()
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({SERVICE_NAME: config.service_name}), id_generator=self.ids)
-        self.provider.add_span_processor(BatchSpanProcessor(Reported()))
+        self.exporter = Reported()
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer: Tracer = self.provider.get_tracer("proxyvisor", __version__)
 
     def close(self) -> None:
-        """Export what is queued (bounded by the exporter's timeout) and stop the export thread."""
-        self.provider.shutdown()
+        """Export what is queued and stop the export thread, within :data:`CLOSE_S`: past it the exporter is shut
+        down, which ends its retries (a receiver that is down held a proxy's shutdown some 7 s, retrying after 1,
+        2 and 4 s) and drops what was not exported."""
+        deadline = threading.Timer(CLOSE_S, self.exporter.shutdown)
+        deadline.start()
+        try:
+            self.provider.shutdown()
+        finally:
+            deadline.cancel()
 
     def _start(self, name: str, kind: str, context: SpanContext, parent: SpanContext | None, start_ns: int,
                attrs: dict[str, Any], remote: bool = False) -> Span:
