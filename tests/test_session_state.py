@@ -23,6 +23,8 @@ from proxyvisor.store import Store
 
 from test_recite_prefix import RECITED, Agent, Model, report
 
+LOOP_NOTE = b'signal=\\"loop\\"'
+
 
 async def _turns(agent: Agent, plan_at: int, count: int) -> None:
     for _ in range(count):
@@ -52,6 +54,28 @@ async def test_a_restart_keeps_the_notes_the_plan_and_the_upstream_prefix(tmp_pa
     for i in range(1, len(prompts)):
         assert shared_prefix(prompts[i - 1], prompts[i]) == sum(map(len, prompts[i - 1])), f"request {i} breaks it"
     assert bodies[-1].count(RECITED) == 2 and b"Live plan (0/2 done)" in bodies[-1]
+
+
+async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_path: Path) -> None:
+    """Each proxy reads the version of a session it already knows on its event loop (a diskcache store is local):
+    a newer state the other proxy stored is still found and used, so a session alternating between them sees one
+    detector state and notes that stay where they were, as with one proxy."""
+    script = ScriptedUpstream()
+    async with running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+                       model=Model()) as a, \
+            running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+                    model=Model()) as b:
+        agent = Agent(a, BY_NAME["chat"], False)
+        for turn in range(6):
+            agent.proxy = (a, b)[turn % 2]
+            agent.n += 1
+            await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
+                {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
+            agent.history[-1]["content"] = "a.txt b.txt"
+    bodies = agent.bodies()
+    # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing.
+    assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across proxies"
+    agent.assert_prefix_stable()
 
 
 def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() -> None:

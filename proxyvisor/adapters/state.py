@@ -90,6 +90,12 @@ class KV(Protocol):
     backend cannot serve them. ``ttl_s``: seconds until the key expires (None: never; a store that has no natural
     end passes one)."""
 
+    local: bool
+    """Whether the namespace is this machine's files (a diskcache folder): a small :meth:`get` of a store already
+    opened takes microseconds and never waits on a network or a lock (SQLite's readers do not wait for its
+    writers), so trio code may make it on the event loop rather than pay a worker thread's round trip, which costs
+    more than the read. Everything else still goes to a worker thread (a write may wait for SQLite's lock)."""
+
     def get(self, key: str) -> bytes | None: ...
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...
@@ -150,6 +156,8 @@ class StateBackend(Protocol):
 class DiskKV(LazyCache):
     """A namespace in a diskcache folder (module docstring), opened on the first call that needs it; reading an
     absent folder creates nothing."""
+
+    local = True
 
     def get(self, key: str) -> bytes | None:
         if not self.exists():
@@ -253,6 +261,8 @@ def _ms(ttl_s: float | None) -> int | None:
 
 class RedisKV:
     """A namespace as the keys ``proxyvisor:<namespace>:*`` of the backend's Redis (module docstring)."""
+
+    local = False
 
     def __init__(self, backend: RedisBackend, namespace: str) -> None:
         self.backend = backend

@@ -168,10 +168,19 @@ class SessionStates:
     async def load(self, session: Session) -> None:
         """Replace ``session.supervision`` with the stored state when one newer than the session's own is stored
         (another process saved it, or this process has none yet). A state that cannot be read is logged and left
-        alone; the backend failing changes nothing (warned once per outage). Cancellation propagates."""
+        alone; the backend failing changes nothing (warned once per outage). Cancellation propagates.
+
+        On a local store (:attr:`~proxyvisor.adapters.state.KV.local`) that this process already read or wrote
+        for the session, the version is read on the event loop, and a worker thread reads the state only when
+        another process stored a newer one: most requests find their own last save and cost one small read."""
         try:
-            found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
-                                                  limiter=self._limiter)
+            if session.state_version and self.kv.local:
+                version = self.kv.get(session.id + ":v")
+                found = None if version is None or version == session.state_version else \
+                    await trio.to_thread.run_sync(self._read, session.id, limiter=self._limiter)
+            else:
+                found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
+                                                      limiter=self._limiter)
         except StateUnavailable as exc:
             self._outage.failed(exc)
             return
@@ -183,6 +192,11 @@ class SessionStates:
         version = self.kv.get(session_id + ":v")
         if version is None or version == known:
             return None
+        return self._read(session_id)
+
+    def _read(self, session_id: str) -> tuple[SessionSupervision, bytes] | None:
+        """The stored state of the session and its version; None when there is none, or none this proxyvisor can
+        use (logged)."""
         value = self.kv.get(session_id)
         if value is None:
             return None
