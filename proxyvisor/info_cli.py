@@ -292,9 +292,10 @@ def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: b
 
 
 def _latest(config: Config) -> tuple[Any, str | None]:
+    from .adapters.replicas import shared_ledgers
     from .store import Store
 
-    store = Store(config.state_dir())
+    store = Store(config.state_dir(), shared_ledgers(config))  # on Redis, every replica's lines
     sessions = store.sessions()
     return store, sessions[-1] if sessions else None
 

@@ -29,7 +29,7 @@ import tempfile
 import urllib.parse
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -148,15 +148,36 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+class SharedLedgers(Protocol):
+    """The ledgers every replica writes to (``proxyvisor.adapters.replicas.RedisShare``), as the readers of a
+    :class:`Store` see them. Every call blocks; none raises: a backend that does not answer reads as holding
+    nothing, and the readers fall back to the local files."""
+
+    def lines(self, session_id: str) -> list[bytes] | None:
+        """The session's ledger lines (JSON objects), oldest first; None: none shared."""
+        ...
+
+    def recent(self) -> dict[str, float]:
+        """The sessions with shared lines, each with the wall time of its last line."""
+        ...
+
+    def known(self, session_id: str) -> bool:
+        """Whether the session has shared lines."""
+        ...
+
+
 class Store:
     """The state directory. Nothing is created until the first write.
 
     ``unrecorded``: records :meth:`append_ledger` could not write, in this process. ``ledger_off``: why the ledger
-    is not written at all (set when the proxy starts and finds it unusable), or None.
+    is not written at all (set when the proxy starts and finds it unusable), or None. ``shared``: the ledgers the
+    replicas on one Redis share (None: each process's files only); the readers (:meth:`read_ledger`,
+    :meth:`recent`, :meth:`known`) then read them too.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shared: SharedLedgers | None = None) -> None:
         self.root = Path(root)
+        self.shared = shared
         self.unrecorded = 0
         self.ledger_off: str | None = None
         self._failing: set[int | str] = set()
@@ -207,7 +228,9 @@ class Store:
 
     def read_ledger(self, session_id: str) -> list[dict[str, Any]]:
         """All complete records of a session's ledger (none when it has none); an incomplete or corrupt line is
-        skipped, and how many were is logged (a warning naming the file).
+        skipped, and how many were is logged (a warning naming the file). With :attr:`shared` ledgers, the shared
+        lines (every replica's) when they are more than the local file's (a Redis that was down missed some lines
+        this process wrote to its file).
 
         Raises:
             LedgerError: the ledger exists but cannot be read, or holds lines and not one record; the message
@@ -217,30 +240,58 @@ class Store:
         try:
             lines = path.read_bytes().splitlines()
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            lines = []
         except OSError as exc:
             raise LedgerError(f"cannot read the ledger {path}: {exc.strerror or exc}") from None
-        out = []
-        for line in lines:
+        if self.shared is not None and (shared := self.shared.lines(session_id)) is not None \
+                and len(shared) > len(lines):
+            return _records(shared, f"the shared ledger of {session_id}")
+        return _records(lines, str(path))
+
+    def recent(self) -> list[tuple[str, float]]:
+        """The sessions with a ledger, each with the wall time of its last line (the file's modification time, or
+        the shared index's when later), most recent first. Blocks on one stat per ledger file: off the event loop."""
+        seen = dict(self.shared.recent()) if self.shared is not None else {}
+        folder = self.root / "ledger"
+        for path in folder.glob("*.jsonl") if folder.is_dir() else ():
             try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
+                mtime = path.stat().st_mtime
+            except OSError:
                 continue
-            if isinstance(record, dict):
-                out.append(record)
-        if (skipped := len(lines) - len(out)) and not out:
-            raise LedgerError(f"the ledger {path} holds no record: not one of its {len(lines):,} "
-                              f"line{'s' if len(lines) > 1 else ''} is a JSON object (not a ledger, or corrupt)")
-        if skipped:
-            log.warning("ledger %s: %d of %d lines skipped (not a JSON object: a torn or corrupt line)", path,
-                        skipped, len(lines))
-        return out
+            if mtime > seen.get(path.stem, 0.0):
+                seen[path.stem] = mtime
+        return sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
 
     def sessions(self) -> list[str]:
-        folder = self.root / "ledger"
-        if not folder.is_dir():
-            return []
-        return sorted((p.stem for p in folder.glob("*.jsonl")), key=lambda s: (folder / f"{s}.jsonl").stat().st_mtime)
+        """The sessions with a ledger, the most recently active last (:meth:`recent`)."""
+        return [sid for sid, _wall in reversed(self.recent())]
+
+    def known(self, session_id: str) -> bool:
+        """Whether the session has a ledger, here or shared. Blocks: off the event loop.
+
+        Raises:
+            ValueError: an invalid session id.
+        """
+        return self.ledger_path(session_id).exists() or (self.shared is not None and self.shared.known(session_id))
+
+
+def _records(lines: list[bytes], where: str) -> list[dict[str, Any]]:
+    """The JSON objects of ledger ``lines`` read from ``where`` (module docstring, :meth:`Store.read_ledger`)."""
+    out = []
+    for line in lines:
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    if (skipped := len(lines) - len(out)) and not out:
+        raise LedgerError(f"the ledger {where} holds no record: not one of its {len(lines):,} "
+                          f"line{'s' if len(lines) > 1 else ''} is a JSON object (not a ledger, or corrupt)")
+    if skipped:
+        log.warning("ledger %s: %d of %d lines skipped (not a JSON object: a torn or corrupt line)", where,
+                    skipped, len(lines))
+    return out
 
 
 def _append(fd: int, data: bytes) -> None:

@@ -5,7 +5,9 @@ the sessions of clients that send no id. On a real ``redis-server`` (skipped out
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,12 @@ from proxyvisor.proxy.service import running
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 
+from helpers import http_client, request_body
 from redis_support import redis_server
 from test_learning import RULE_TEXT, Agent, Model, session_one
+
+ADMIN = "admin-token-0123456789"
+ADMIN_HEADER = "x-proxyvisor-admin"
 
 
 @pytest.fixture
@@ -84,3 +90,75 @@ async def test_memories_are_shared_and_a_forget_on_one_replica_holds_on_the_othe
         assert main(["memory", "forget", "--all", *cli]) == 0
         assert main(["memory", "list", *cli]) == 0
         assert capsys.readouterr().out.splitlines()[-1].startswith("no memory for")
+
+
+async def test_a_session_alternating_over_two_replicas_shows_all_its_requests_on_either(
+        tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url}, proxy={"admin_token": ADMIN})
+    script = ScriptedUpstream()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script}) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
+        replicas = (a, b)
+        for n in range(6):
+            script.queue({"text": f"answer {n}"})
+            async with http_client(replicas[n % 2].url) as client:
+                reply = await client.post("/s/alt/v1/chat/completions", json=request_body("chat"))
+            assert reply.status_code == 200
+        async with http_client(b.url) as client:  # a session only replica a served
+            script.queue({"text": "only on a"})
+            assert (await client.post(f"{a.url}/s/only-a/v1/chat/completions",
+                                      json=request_body("chat"))).status_code == 200
+        for proxy in replicas:
+            async with http_client(proxy.url) as client:
+                info = (await client.get("/proxyvisor/sessions/alt/info")).json()
+                assert info["requests"] == 6, "every replica's lines"
+                assert (await client.get("/proxyvisor/sessions/only-a/info")).json()["requests"] == 1
+                listed = (await client.get("/proxyvisor/sessions", headers={ADMIN_HEADER: ADMIN})).json()
+                assert {"alt", "only-a"} <= {s["id"] for s in listed["sessions"]}
+                web = (await client.get("/proxyvisor/ui/api/sessions/alt")).json()
+                assert web["info"]["requests"] == 6
+                assert len([step for step in web["timeline"] if not step["local"]]) == 6
+                rows = (await client.get("/proxyvisor/ui/api/sessions", headers={ADMIN_HEADER: ADMIN})).json()
+                assert {r["id"]: r["requests"] for r in rows["sessions"]}["alt"] == 6
+                body = request_body("chat")
+                body["messages"].append({"role": "user", "content": "/info"})
+                answer = (await client.post("/s/alt/v1/chat/completions", json=body)).json()
+                text = answer["choices"][0]["message"]["content"]
+                assert re.search(r"\| model requests +\| 6\b", text), text
+        # Each replica's own file holds the lines it wrote (the append-only record), no more.
+        local = [len((tmp_path / name / "ledger" / "alt.jsonl").read_bytes().splitlines()) for name in "ab"]
+        assert local == [4, 4], "3 requests and 1 /info each"
+
+        # The command line, with no proxy answering at its address, reads the shared ledger too.
+        cli = _config_file(tmp_path / "cli.toml", tmp_path / "elsewhere", redis_url)
+        capsys.readouterr()
+        assert main(["info", "--config", str(cli), "--json", "--url", "http://127.0.0.1:9", "alt"]) == 0
+        assert orjson.loads(capsys.readouterr().out)["requests"] == 6
+
+        raw = redis.Redis.from_url(redis_url)
+        assert 0 < raw.pttl(f"{REDIS_PREFIX}ledger:alt") <= config.state.session_ttl_s * 1000
+        assert 0 < raw.pttl(f"{REDIS_PREFIX}ledger-index") <= config.state.session_ttl_s * 1000
+        raw.close()
+
+
+async def test_with_redis_down_ledger_lines_go_to_the_file_and_are_counted_unshared(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server(tmp_path / "redis"))
+        config = Config().with_overrides(state={"backend": "redis", "url": url})
+        async with running(config, port=0, store=Store(tmp_path / "a"),
+                           scripted={"scripted": ScriptedUpstream()}) as proxy:
+            async with http_client(proxy.url) as client:
+                assert (await client.post("/s/down/v1/chat/completions", json=request_body("chat"))).status_code \
+                    == 200
+                stack.close()  # Redis stops
+                for _ in range(2):
+                    assert (await client.post("/s/down/v1/chat/completions",
+                                              json=request_body("chat"))).status_code == 200
+                info = (await client.get("/proxyvisor/sessions/down/info")).json()
+    assert info["requests"] == 3, "the local file, which has every line"
+    assert info["live"]["unshared"] == 2
+    assert len((tmp_path / "a" / "ledger" / "down.jsonl").read_bytes().splitlines()) == 3
+    warned = [r for r in caplog.records if r.getMessage().startswith("shared ledgers:")]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "Traceback" not in caplog.text

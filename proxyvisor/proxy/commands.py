@@ -32,10 +32,10 @@ API verbatim, and is stripped here).
 Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
 
 - ``GET /proxyvisor/sessions``: ``{"sessions": [{"id", "last_activity" (ISO 8601, UTC), "in_memory"}]}``, most
-  recent first: the sessions with a ledger and those in memory;
+  recent first: the sessions with a ledger (on Redis, every replica's: the shared index) and those in memory;
 - ``GET /proxyvisor/sessions/{id}/info``: :func:`proxyvisor.proxy.info.summarize` of the session's ledger plus
   ``session`` and ``live`` (the in-memory counters, None when the session is not in memory; ``unrecorded``: its
-  requests whose ledger line could not be written; ``learning``: its project memory,
+  requests whose ledger line could not be written; ``unshared``: its lines not written to the shared ledger; ``learning``: its project memory,
   ``proxyvisor.proxy.learning.SessionLearning.info``, when it has a scope); a ledger that exists but cannot be read is a 500 naming the
   file (so is ``/info``, in the request's format);
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
@@ -197,7 +197,7 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
     out: dict[str, Any] = {"requests": session.requests, "errors": session.errors,
                            "input_tokens": session.input_tokens, "output_tokens": session.output_tokens,
                            "overhead_ms": round(session.overhead_ms, 3), "formats": sorted(session.formats),
-                           "unrecorded": session.unrecorded,
+                           "unrecorded": session.unrecorded, "unshared": session.unshared,
                            "idle_s": round(max(0.0, clock - session.last_seen), 3)}
     state = session.supervision
     if isinstance(state, SessionSupervision):
@@ -253,24 +253,26 @@ def _iso(wall: float) -> str:
     return datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="milliseconds")
 
 
-def _ledger_mtime(store: Store | None, session_id: str) -> float | None:
-    try:
-        return store.ledger_path(session_id).stat().st_mtime if store is not None else None
-    except (OSError, ValueError):
-        return None
+async def recent(store: Store | None) -> list[tuple[str, float]]:
+    """The sessions with a ledger, each with the wall time of its last line, most recent first
+    (:meth:`~proxyvisor.store.Store.recent`: the shared index and the local files), read off the event loop."""
+    return await trio.to_thread.run_sync(store.recent) if store is not None else []
 
 
-def sessions_json(table: SessionTable, store: Store | None, clock: float) -> dict[str, Any]:
-    """``GET /proxyvisor/sessions`` (module docstring)."""
+async def _known(store: Store | None, session_id: str) -> bool:
+    """Whether the session has a ledger, here or shared (off the event loop)."""
+    return store is not None and await trio.to_thread.run_sync(store.known, session_id)
+
+
+def sessions_json(table: SessionTable, ledgers: list[tuple[str, float]], clock: float) -> dict[str, Any]:
+    """``GET /proxyvisor/sessions`` (module docstring) of the sessions with a ledger (:func:`recent`) and those in
+    ``table``."""
     wall_now = time.time()
-    seen: dict[str, float] = {}
-    for session_id in store.sessions() if store is not None else ():
-        if (mtime := _ledger_mtime(store, session_id)) is not None:
-            seen[session_id] = mtime
+    seen = dict(ledgers)
     in_memory = set()
     for session in table.all():
         in_memory.add(session.id)
-        # Its ledger's mtime when it has one (written with each request): derived from the clocks, the value would
+        # Its ledger's time when it has one (written with each request): derived from the clocks, the value would
         # move by the time between two samples from one listing to the next.
         seen.setdefault(session.id, wall_now - (clock - session.last_seen))
     ordered = sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
@@ -295,11 +297,11 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
                           + ("send [proxy] admin_token in the x-proxyvisor-admin header" if admin is False else
                              "set [proxy] admin_token in the proxy's configuration and send it in x-proxyvisor-admin")
                           + "; a session's own /proxyvisor/sessions/ID/info and /plan need only its id")
-        return Response(200, list(_JSON), orjson.dumps(sessions_json(table, store, clock)))
+        return Response(200, list(_JSON), orjson.dumps(sessions_json(table, await recent(store), clock)))
     if not SESSION_ID.match(session_id):
         return _error(400, "invalid session id: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
     session = table.get(session_id)
-    if session is None and _ledger_mtime(store, session_id) is None:
+    if session is None and not await _known(store, session_id):
         return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
     if what == "info":
         try:

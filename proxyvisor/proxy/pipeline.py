@@ -42,7 +42,8 @@ import trio
 
 from ..adapters.health_store import NAMESPACE as HEALTH
 from ..adapters.results import ClaimStore
-from ..adapters.state import DiskBackend, StateBackend
+from ..adapters.replicas import RedisShare
+from ..adapters.state import DiskBackend, RedisBackend, StateBackend
 from ..config import Config, UpstreamConfig
 from ..schema import json_kind
 from ..detectors.selfreport import strip
@@ -59,6 +60,7 @@ from .sessions import InvalidSession, Session, SessionTable, identify, split_pre
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SessionStates
+from .sharing import Sharing
 from . import commands, estimate, web
 from .web import WebView
 from .info import agent_of, ledger_fields, model_name
@@ -183,6 +185,12 @@ class Pipeline:
         self.states = SessionStates(backend.kv(SESSIONS), config.state.session_ttl_s) \
             if backend is not None and states and self.supervised else None
         """The sessions' stored supervision state (``proxyvisor.proxy.session_state``); None: memory only."""
+        self.sharing: Sharing | None = None
+        """What the replicas on one Redis share besides (``proxyvisor.proxy.sharing``); None: not on Redis."""
+        if isinstance(backend, RedisBackend) and store is not None and self.supervised:
+            share = RedisShare(backend, config.state.session_ttl_s, config.state.session_idle_s)
+            store.shared = share  # every reader of the ledgers reads the replicas' lines
+            self.sharing = Sharing(share)
         self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
@@ -693,12 +701,21 @@ class Pipeline:
 
     async def _persist(self, session: Session | None) -> None:
         """Store the session's supervision state (``proxyvisor.proxy.session_state``) once the request's answer
-        is through, before the client has all of it (so its next request, on any replica, finds it). A request cut
+        is through, before the client has all of it (so its next request, on any replica, finds it), with the
+        ledger lines and conversation links to share (``proxyvisor.proxy.sharing``). A request cut
         off before that leaves the state as it was before it: the client's retry makes the same changes again. A
         backend that hangs costs a request at most its timeouts (``proxyvisor.adapters.state``); the state then
         stays in memory."""
-        if self.states is not None and session is not None:
+        if session is None:
+            return
+        if self.states is not None and self.sharing is not None:
+            async with trio.open_nursery() as both:  # two worker threads, two round trips at once
+                both.start_soon(self.states.save, session)
+                both.start_soon(self.sharing.flush)
+        elif self.states is not None:
             await self.states.save(session)
+        elif self.sharing is not None:
+            await self.sharing.flush()
 
     def _delivered(self, session: Session, fmt: WireFormat, body: dict[str, Any] | None,
                    turn: AssistantTurn | None) -> None:
@@ -770,6 +787,10 @@ class Pipeline:
             self.web.feed.publish(session.id, record)
         else:
             session.unrecorded += 1
+        if self.sharing is not None:
+            self.sharing.line(session, record)
+            if self.background is not None:  # sent now also on the paths that do not persist (errors, commands)
+                self.background.start_soon(self.sharing.flush)
 
     def _trace(self, record: dict[str, Any], session: Session, request: Request, exchange: Exchange | None,
                response_model: str | None) -> None:

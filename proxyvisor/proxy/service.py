@@ -162,4 +162,6 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             with trio.CancelScope(shield=True):
                 for relay in relays.values():
                     await relay.aclose()
+                if pipeline.sharing is not None:  # what is queued, and no send in flight as the backend closes
+                    await pipeline.sharing.flush()
             pipeline.close()

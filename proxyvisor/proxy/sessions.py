@@ -286,6 +286,9 @@ class Session:
     overhead_ms: float = 0.0
     unrecorded: int = 0
     """Requests of the session whose ledger line could not be written (``proxyvisor.store.Store.append_ledger``)."""
+    unshared: int = 0
+    """Ledger lines of the session written to this replica's file but not to the shared ledger (Redis down;
+    ``proxyvisor.proxy.sharing``)."""
     formats: set[str] = field(default_factory=set)
     identified: str = ""
     """Where the id of the session's latest request came from (:func:`identify`'s source; ``hash``: from the

@@ -51,7 +51,7 @@ from ..adapters.state import StateBackend
 from ..adapters.overview import health_json, routing_json
 from ..config import Config
 from ..store import SESSION_ID, LedgerError, Store, StoreUnusable
-from .commands import live, plan_json, sessions_json, thread_for
+from .commands import live, plan_json, recent, sessions_json, thread_for
 from .formats import CHAT
 from .info import info_object, session_row, timeline_entry
 from .server import Headers, Response
@@ -184,9 +184,9 @@ class WebView:
         self.store = store
         self.clock = clock
         self.feed = LedgerFeed()
-        self._summed: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
-        """The listing's rows by session, with the size and mtime of the ledger they were summed from: the latest
-        listing's sessions only."""
+        self._summed: dict[str, tuple[float, dict[str, Any]]] = {}
+        """The listing's rows by session, with the wall time of the ledger's last line they were summed from: the
+        latest listing's sessions only."""
         c = config.model_routing.cooldown
         self.health = HealthStore(backend.kv(HEALTH), Cooldown(c.default_seconds, c.maximum_seconds)) \
             if store is not None and backend is not None else None
@@ -218,28 +218,25 @@ class WebView:
             return self.feed.stream(session_id)
         return await self._session(session_id)
 
-    def _row(self, session_id: str, store: Store) -> dict[str, Any]:
+    def _row(self, session_id: str, store: Store, version: float) -> dict[str, Any]:
         """The listing's row of a session with a ledger (:func:`~proxyvisor.proxy.info.session_row`), summed again
-        only when its ledger changed since the last listing (a page that follows every session asks often).
+        only when its ledger's last line (``version``: its wall time, :func:`~.commands.recent`) changed since the
+        last listing (a page that follows every session asks often).
 
         Raises:
             LedgerError: the ledger exists but cannot be read."""
-        try:
-            stat = store.ledger_path(session_id).stat()
-            version = (stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            version = None
         kept = self._summed.get(session_id)
-        if kept is not None and version is not None and kept[0] == version:
+        if kept is not None and kept[0] == version:
             return kept[1]
         row = session_row(session_id, store.read_ledger(session_id))
-        if version is not None:
-            self._summed[session_id] = (version, row)
+        self._summed[session_id] = (version, row)
         return row
 
     async def _sessions(self) -> Response:
         clock = self.clock()
-        listed = sessions_json(self.sessions, self.store, clock)["sessions"]
+        ledgers = await recent(self.store)
+        versions = dict(ledgers)
+        listed = sessions_json(self.sessions, ledgers, clock)["sessions"]
         counters = {sid: live(self.sessions.get(sid), clock) for sid in
                     (s["id"] for s in listed[:LISTED] if s["in_memory"])}
         store = self.store
@@ -248,7 +245,8 @@ class WebView:
             out, summed = [], {}
             for s in listed[:LISTED]:
                 try:
-                    base = self._row(s["id"], store) if store is not None else session_row(s["id"], [])
+                    base = self._row(s["id"], store, versions[s["id"]]) \
+                        if store is not None and s["id"] in versions else session_row(s["id"], [])
                 except LedgerError as exc:
                     out.append({"id": s["id"], "error": str(exc), "last_activity": s["last_activity"],
                                 "in_memory": s["in_memory"]})
@@ -272,7 +270,7 @@ class WebView:
 
         def read() -> dict[str, Any] | None:
             lines = store.read_ledger(session_id) if store is not None else []
-            if not lines and session is None and (store is None or not store.ledger_path(session_id).exists()):
+            if not lines and session is None and (store is None or not store.known(session_id)):
                 return None  # the file is looked for only when no line was read (off the event loop)
             shown = lines[-TIMELINE:]
             first = len(lines) - len(shown) + 1
