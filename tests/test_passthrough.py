@@ -51,6 +51,20 @@ async def test_disabled_supervision_is_byte_identical_and_writes_nothing(
     assert files_under(state_dir, isolated_env) == []
 
 
+async def test_a_body_of_megabytes_goes_upstream_byte_identical(start_proxy, scripted_server) -> None:
+    """A body that arrives in many reads goes upstream as the pieces it was read in (never joined whole, a copy
+    of the whole the relay does without): the upstream gets the client's bytes exactly."""
+    upstream = scripted_server.script
+    body = odd_body("chat", False).rstrip()[:-1] + b', "x_pad": "' + b"ab\\u00e9 \\n" * 400_000 + b'"}\n'
+    assert len(body) > 4_000_000
+    async with start_proxy(supervised=False, upstream_url=scripted_server.url) as rp:
+        upstream.queue(TOOL_STEP)
+        reply, received = await raw_stream(rp.url, "chat", body)
+        assert reply.status_code == 200
+        assert upstream.requests[-1][1] == body
+        assert received == upstream.responses[-1]
+
+
 @pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "disabled"])
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_unknown_fields_and_tool_types_reach_the_upstream(fmt: str, supervised: bool, start_proxy) -> None:

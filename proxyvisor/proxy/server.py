@@ -51,12 +51,13 @@ def reason(status: int) -> bytes:
 
 @dataclass
 class Request:
-    """A complete request. Header names are lowercase bytes, as h11 gives them; ``body`` is the whole body."""
+    """A complete request. Header names are lowercase bytes, as h11 gives them; ``content`` is the body as it was
+    read: whole, or its pieces in order (a large body arrives in several reads). :attr:`body` is the whole body."""
 
     method: str
     target: str
     headers: Headers
-    body: bytes = b""
+    content: bytes | tuple[bytes, ...] = b""
     received_at: float = 0.0
     """``time.perf_counter()`` when the request head was parsed (s)."""
     too_large: bool = False
@@ -65,6 +66,14 @@ class Request:
     """The body did not arrive whole within the server's total deadline (``Limits.body_deadline_s``); ``body``
     is empty."""
     peer: str = ""
+
+    @property
+    def body(self) -> bytes:
+        """The whole body: the pieces of :attr:`content` joined on first use (a copy of the whole, which a body
+        relayed as it came never pays: the pieces go upstream one after another)."""
+        if isinstance(self.content, tuple):
+            self.content = b"".join(self.content)
+        return self.content
 
     @property
     def path(self) -> str:
@@ -319,7 +328,7 @@ class Connection:
                     if size > self.limits.max_body_bytes:
                         request.too_large = True
                         return True
-                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
+                    parts.append(event.data)  # bytes or bytearray (h11's copy): not joined here
                 elif isinstance(event, h11.EndOfMessage):
                     break
                 else:
@@ -329,7 +338,7 @@ class Connection:
             return False
         finally:
             self.read_size = _READ_SIZE
-        request.body = b"".join(parts)
+        request.content = tuple(parts)
         return True
 
     async def _respond(self, request: Request) -> None:
