@@ -80,6 +80,8 @@ class Agent:
         self.history: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
                                               {"role": "user", "content": GOAL}]
         self.n = 0
+        self.prefix = "/s/prefix"
+        """The session path prefix the agent sends its requests under ("": none, a client that sends no id)."""
         self.rewrites: set[int] = set()
         """Upstream request numbers (0-based) before which the agent rewrote its history."""
 
@@ -94,7 +96,7 @@ class Agent:
         self.upstream.queue(*steps)
         body = self.fmt.request_from_chat(orjson.loads(orjson.dumps(self.history)), "m", self.stream, (BASH,))
         async with httpx.AsyncClient(timeout=30) as client:
-            response = await client.post(f"{self.proxy.url}/s/prefix{self.fmt.path}", json=body)
+            response = await client.post(f"{self.proxy.url}{self.prefix}{self.fmt.path}", json=body)
         assert response.status_code == 200, response.text
         if self.stream:
             got = self.fmt.assemble([(e.event, e.data) for e in SSEParser().feed(response.content)])

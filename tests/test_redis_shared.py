@@ -17,8 +17,9 @@ import trio
 
 from proxyvisor.adapters.state import REDIS_PREFIX
 from proxyvisor.cli import main
-from proxyvisor.config import Config
+from proxyvisor.config import Config, GateConfig
 from proxyvisor.learning.memory import RULE
+from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.learning import FOLDER, project_root, scope_key
 from proxyvisor.proxy.service import running
 from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -27,6 +28,8 @@ from proxyvisor.store import Store
 from helpers import http_client, request_body
 from redis_support import redis_server
 from test_learning import RULE_TEXT, Agent, Model, session_one
+from test_recite_prefix import Agent as PrefixAgent, report
+from test_redis import LOOP_NOTE
 
 ADMIN = "admin-token-0123456789"
 ADMIN_HEADER = "x-proxyvisor-admin"
@@ -162,3 +165,31 @@ async def test_with_redis_down_ledger_lines_go_to_the_file_and_are_counted_unsha
     warned = [r for r in caplog.records if r.getMessage().startswith("shared ledgers:")]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert "Traceback" not in caplog.text
+
+
+async def test_a_client_without_a_session_id_alternating_over_two_replicas_keeps_one_session(
+        tmp_path: Path, redis_url: str) -> None:
+    """What tests/test_redis.py checks for a session with an id, for one known only by its history: one detector
+    state (the loop note at its first and second firing, then back-off), one session in every listing."""
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url}, proxy={"admin_token": ADMIN},
+                                     supervisor={"gate": GateConfig(enabled=False)})
+    script = ScriptedUpstream()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script}) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
+        agent = PrefixAgent(a, BY_NAME["chat"], False)
+        agent.prefix = ""
+        for turn in range(6):
+            agent.proxy = (a, b)[turn % 2]
+            agent.n += 1
+            await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
+                {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
+            agent.history[-1]["content"] = "a.txt b.txt"
+        bodies = agent.bodies()
+        assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state"
+        agent.assert_prefix_stable()
+        for proxy in (a, b):
+            async with http_client(proxy.url) as client:
+                listed = (await client.get("/proxyvisor/sessions", headers={ADMIN_HEADER: ADMIN})).json()
+                (session,) = [s["id"] for s in listed["sessions"]]
+                assert session.startswith("h-")
+                assert (await client.get(f"/proxyvisor/sessions/{session}/info")).json()["requests"] == 6

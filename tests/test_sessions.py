@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES
-from proxyvisor.proxy.sessions import SESSION_ID, InvalidSession, SessionTable, identify, split_prefix
+from proxyvisor.proxy.sessions import SESSION_ID, Conversations, InvalidSession, SessionTable, identify, split_prefix
 from proxyvisor.store import Store
 
 from helpers import raw_stream, request_body
@@ -257,3 +257,21 @@ async def test_proxy_counts_requests_per_session(proxy) -> None:
     sessions = proxy.pipeline.sessions
     assert sessions.get("one").requests == 2 and sessions.get("two").requests == 1
     assert sessions.get("one").formats == {"chat"}
+
+
+def test_a_replica_takes_in_the_links_another_recorded_and_asks_nothing_for_a_history_it_knows() -> None:
+    one, two = Conversations(3600, 64), Conversations(3600, 64)
+    shared: dict[bytes, str] = {}
+    one.on_keep = two.on_keep = lambda key, session: shared.__setitem__(key, session or "")
+    first = request_body("chat")
+    session = one.session_for(CHAT, first, 0.0)
+    assert one.wanted(CHAT, first, 1.0) == [], "its last item is known here: nothing to ask"
+    one.answered(CHAT, first, session, "Looking.", ["call_1"], 1.0)
+    later = {**first, "messages": first["messages"] + [
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}]}
+    keys = two.wanted(CHAT, later, 2.0)
+    assert keys and len(keys) <= 3 * 4
+    two.learn({k: shared[k] for k in keys if k in shared}, 2.0)
+    assert two.session_for(CHAT, later, 2.0) == session, "the other replica's session, not a new one"

@@ -56,7 +56,7 @@ from .relay import HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .bodies import BodyCache
-from .sessions import InvalidSession, Session, SessionTable, identify, split_prefix
+from .sessions import InvalidSession, Session, SessionTable, explicit_id, identify, split_prefix
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SessionStates
@@ -191,6 +191,7 @@ class Pipeline:
             share = RedisShare(backend, config.state.session_ttl_s, config.state.session_idle_s)
             store.shared = share  # every reader of the ledgers reads the replicas' lines
             self.sharing = Sharing(share)
+            self.sessions.conversations.on_keep = self.sharing.link
         self.routes = routes or SupervisorRoutes(config.supervisor.model)
         # Both gates (seed 000): with either off, nothing of delegation exists, so nothing can be spent or written.
         self.telemetry = telemetry.tracing(config.telemetry) if self.supervised else None
@@ -355,6 +356,8 @@ class Pipeline:
         if not isinstance(body, dict):
             return error(fmt, 400, f"request body must be a JSON object, got {json_kind(body)}")
         try:
+            if self.sharing is not None and explicit_id(path_session, request.header, fmt, body) is None:
+                await self._shared_links(fmt, body)
             session_id, source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
                                           self.clock())
         except InvalidSession as exc:
@@ -376,6 +379,15 @@ class Pipeline:
                 return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
             return await self._translate(request, fmt, upstream, body, session, exchange)
         return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+
+    async def _shared_links(self, fmt: WireFormat, body: dict[str, Any]) -> None:
+        """A request of a client that sends no session id: the conversation links the other replicas recorded for
+        its latest history items, taken into this replica's table (one ``MGET``, and none when this replica knows
+        the request's last item), so the request continues the session whichever replica served the one before."""
+        assert self.sharing is not None
+        conversations = self.sessions.conversations
+        if keys := conversations.wanted(fmt, body, self.clock()):
+            conversations.learn(await self.sharing.lookup(keys), self.clock())
 
     def _counted(self, path_session: str | None) -> Session | None:
         """With supervision off, the in-memory session that counts a request under a session prefix (None

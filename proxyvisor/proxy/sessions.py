@@ -84,6 +84,19 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
     Raises:
         InvalidSession: ``x-proxyvisor-session`` holds an invalid id.
     """
+    explicit = explicit_id(path_session, header, fmt, body)
+    if explicit is not None:
+        return explicit
+    return (conversations or Conversations(0.0, 1)).session_for(fmt, body, now), "hash"
+
+
+def explicit_id(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any]) -> tuple[str, str] | None:
+    """:func:`identify`'s answer when the request names its session (the path, a header, the body: module
+    docstring, 1-4); None when only its conversation can tell (5).
+
+    Raises:
+        InvalidSession: ``x-proxyvisor-session`` holds an invalid id.
+    """
     if path_session:
         return path_session, "path"
     for name in _HEADERS:
@@ -99,7 +112,7 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
     hint = fmt.session_hint(body)
     if hint:
         return (hint if SESSION_ID.match(hint) else _hashed("b", hint)), "body"
-    return (conversations or Conversations(0.0, 1)).session_for(fmt, body, now), "hash"
+    return None
 
 
 class Conversations:
@@ -128,25 +141,53 @@ class Conversations:
         self._ends: OrderedDict[bytes, tuple[str | None, float]] = OrderedDict()
         """Link -> (session, last used); session None: an answer key delivered to two sessions."""
         self._started = 0
+        self.on_keep: Callable[[bytes, str | None], None] | None = None
+        """Called with each link recorded here (not those :meth:`learn` takes in): replicas share them
+        (``proxyvisor.proxy.sharing``)."""
 
-    def session_for(self, fmt: WireFormat, body: dict[str, Any], now: float) -> str:
-        """The session id of the request ``body`` in ``fmt``, and its history's end recorded for it."""
+    def _steps(self, fmt: WireFormat, body: dict[str, Any]) -> tuple[bytes, list[Any], Callable[[int], _Step]]:
         seed = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
             "utf-8", "surrogatepass")]), digest_size=16).digest()
         items = fmt.history(body)
-        steps = _chain(fmt, items, seed)
-        session = None
+        return seed, items, _chain(fmt, items, seed)
+
+    def _search(self, items: list[Any], steps: Callable[[int], _Step], now: float) -> tuple[str | None, int]:
+        """(the session of the live link nearest the end of the history, the index of its item); (None, the index
+        of the last conversing item's predecessor) when none is."""
         for index in range(len(items) - 1, -1, -1):  # the links nearest the end first
             step = steps(index)
             if not step.conversing:
-                break  # only system messages from here back
+                return None, index  # only system messages from here back
             for key in (step.link, *step.keys):
                 kept = self._ends.get(key)
                 if kept is not None and kept[0] is not None and now - kept[1] <= self.idle_s:
-                    session = kept[0]
-                    break
-            if session is not None:
-                break
+                    return kept[0], index
+        return None, -1
+
+    def wanted(self, fmt: WireFormat, body: dict[str, Any], now: float) -> list[bytes]:
+        """The links of the request ``body`` worth asking the other replicas about: those of the history items
+        nearer its end than the nearest link known here (at most the last :data:`SHARED_ITEMS` items); none when
+        the request's last item is known here."""
+        _seed, items, steps = self._steps(fmt, body)
+        _session, found = self._search(items, steps, now)
+        keys: list[bytes] = []
+        for index in range(max(found + 1, len(items) - SHARED_ITEMS), len(items)):
+            step = steps(index)
+            if step.conversing:
+                keys += (step.link, *step.keys)
+        return keys
+
+    def learn(self, links: dict[bytes, str], now: float) -> None:
+        """Take in ``links`` the other replicas recorded (key to session, ``""``: ambiguous), as used ``now``."""
+        for key, session in links.items():
+            self._ends[key] = (session or None, now)
+            self._ends.move_to_end(key)
+        self._bound()
+
+    def session_for(self, fmt: WireFormat, body: dict[str, Any], now: float) -> str:
+        """The session id of the request ``body`` in ``fmt``, and its history's end recorded for it."""
+        seed, items, steps = self._steps(fmt, body)
+        session, _index = self._search(items, steps, now)
         last = steps(len(items) - 1) if items else None
         if session is None:
             # Unique, not the history's hash: the same first request made again after idle_s (a harness run
@@ -176,11 +217,19 @@ class Conversations:
     def _keep(self, key: bytes, session: str | None, now: float) -> None:
         self._ends[key] = (session, now)
         self._ends.move_to_end(key)
+        self._bound()
+        if self.on_keep is not None:
+            self.on_keep(key, session)
+
+    def _bound(self) -> None:
         while len(self._ends) > self.max_ends:
             self._ends.popitem(last=False)
 
 
 _CALLS_PER_ANSWER = 4
+SHARED_ITEMS = 32
+"""History items, from the end, whose links :meth:`Conversations.wanted` asks the other replicas about: a
+request adds a few items to the one before it, which some replica recorded."""
 
 
 def _call_key(call_id: str) -> bytes:

@@ -41,10 +41,10 @@ class Sharing:
         """Queue ``record``, the session's ledger line just written to its file (not changed after)."""
         self.pending.append((session, record, time.time()))
 
-    def link(self, keys: dict[bytes, str]) -> None:
-        """Queue conversation links (``proxyvisor.proxy.sessions.Conversations``): key to session, ``""``:
-        ambiguous."""
-        self.links.update(keys)
+    def link(self, key: bytes, session: str | None) -> None:
+        """Queue a conversation link (``proxyvisor.proxy.sessions.Conversations.on_keep``) of ``session`` (None:
+        ambiguous)."""
+        self.links[key] = session or ""
 
     async def flush(self) -> None:
         """Send what is queued (module docstring). Never raises but for cancellation (the send, once started in
