@@ -7,6 +7,7 @@ Usage (from the repository root, in the project's environment)::
     python bench/load.py --quick             # a CI-size run of about 30 s (no LiteLLM arm unless --litellm)
     python bench/load.py --sessions 50 --duration 120 --compare-duration 30 --no-litellm
     python bench/load.py --replicas 2 --redis    # and an arm of 2 replicas on one Redis, sessions alternating
+    python bench/load.py --replicas 2 --redis --no-session-id    # the same, clients sending no session id
 
 Processes: the scripted upstream (auto mode: it calls a tool after a prompt and answers text after a tool
 result, streaming with ``--chunk-delay-ms`` between events) runs in its own process; ``python -m proxyvisor
@@ -80,6 +81,8 @@ from proxyvisor.proxy.sse import SSEParser
 SECTION = "Load and soak (issue 7)"
 REDIS_SECTION = "Replicas on Redis (issue 15)"
 """Where a run with ``--redis`` writes its figures (its arms are not the plain run's)."""
+ANONYMOUS_SECTION = "Replicas on Redis, clients without a session id (issue 15)"
+"""Where a run with ``--redis --no-session-id`` writes its figures."""
 FORMATS = ("chat", "messages", "responses")
 TARGET_RSS_GROWTH = 0.10
 SOAK_S = 120.0
@@ -211,6 +214,8 @@ class Settings:
     tool_output_kb: float
     system: str
     tools: tuple[ToolSpec, ...]
+    named: bool = True
+    """Whether the sessions send their id (``x-proxyvisor-session``); else proxyvisor knows them by their history."""
 
 
 async def agent(index: int, base_urls: list[str], arm: str, settings: Settings, deadline: float, t0: float,
@@ -222,7 +227,9 @@ async def agent(index: int, base_urls: list[str], arm: str, settings: Settings, 
     stream = (index // 3) % 2 == 0
     session = f"load-{index:04d}"
     headers = {"content-type": "application/json", "authorization": "Bearer " + API_KEY.decode(),
-               "x-api-key": API_KEY.decode(), "anthropic-version": "2023-06-01", "x-proxyvisor-session": session}
+               "x-api-key": API_KEY.decode(), "anthropic-version": "2023-06-01"}
+    if settings.named:
+        headers["x-proxyvisor-session"] = session
     task = 0
 
     def fresh() -> list[dict[str, Any]]:
@@ -725,9 +732,13 @@ def redis_figures(url: str) -> str:
     try:
         info = client.info()
         sessions = sum(1 for _ in client.scan_iter(match="proxyvisor:sessions:*:v", count=1000))
+        shared = sum(client.xlen(key) for key in client.scan_iter(match="proxyvisor:ledger:*", count=1000,
+                                                                   _type="stream"))
+        links = sum(1 for _ in client.scan_iter(match="proxyvisor:links:*", count=1000))
         return (f"Redis {info.get('redis_version')}: {info.get('used_memory', 0) / 1e6:.1f} MB used "
                 f"({info.get('used_memory_dataset', 0) / 1e6:.1f} MB of data) with {client.dbsize()} keys, "
-                f"{sessions} sessions' states, at the end of the arm")
+                f"{sessions} sessions' states, {shared} shared ledger lines, {links} conversation links, at the "
+                f"end of the arm")
     finally:
         client.close()
 
@@ -759,6 +770,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--litellm", action="store_true", help="include the LiteLLM arm in a --quick run")
     p.add_argument("--replicas", type=int, default=1,
                    help="with --redis: replicas of the proxyvisor-redis arm, sessions round-robin over them (1)")
+    p.add_argument("--no-session-id", dest="session_id", action="store_false",
+                   help="the sessions send no session id: proxyvisor knows each by its history (with --redis: the "
+                        "replicas share the conversation links); written to its own section")
     p.add_argument("--redis", action="store_true",
                    help="add the proxyvisor-redis arm: --replicas serve processes on one redis-server")
     add_arm_options(p)
@@ -780,7 +794,7 @@ def setup_text(args: argparse.Namespace, settings: Settings, arms: list[Arm], li
                                              settings.tools)
     arms_text = ", ".join(f"{a.name} {a.duration_s:g} s (warm-up {a.warmup_s:g} s)" for a in arms)
     return (f"Setup: {args.sessions} concurrent agent sessions (the three formats in turn, every other one "
-            f"streaming; tool rounds with {args.tool_output_kb:g} KB results on average; think time "
+            f"streaming; {'each sending its session id' if settings.named else 'sending no session id'}; tool rounds with {args.tool_output_kb:g} KB results on average; think time "
             f"{args.think_ms} ms; histories growing to {args.max_messages} messages, then compacted; "
             f"{len(orjson.dumps(base)) // 1024} KB of system prompt and tool schemas in every request). Scripted "
             f"upstream in its own process: a model delay of {args.model_delay_ms} ms before each answer (taken "
@@ -824,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = loadavg()
     rng = random.Random(7)
     settings = Settings(args.sessions, args.think_s, args.model_delay_s, args.max_messages, args.tool_output_kb,
-                        "You are a coding agent. " + prose(rng, 1200), agent_tools(rng))
+                        "You are a coding agent. " + prose(rng, 1200), agent_tools(rng), named=args.session_id)
     tls = ssl.create_default_context()  # one for all the clients: the URLs are plain HTTP anyway
     notes: list[str] = []
     with workspace("proxyvisor-load-") as (work, procs):
@@ -895,7 +909,8 @@ def main(argv: list[str] | None = None) -> int:
                         big_event_text(arms, big_alone, args.big_event, big_peak_mb, big_pings))
         print_report(text)
         if not args.no_write:
-            write_section(REDIS_SECTION if args.redis else SECTION, text, args.results)
+            write_section(SECTION if not args.redis else REDIS_SECTION if args.session_id else ANONYMOUS_SECTION,
+                          text, args.results)
             print(f"wrote {args.results}")
         return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
 
