@@ -13,6 +13,8 @@ import orjson
 import pytest
 
 from proxyvisor.config import Config
+from proxyvisor.detectors.checks import PASSED
+from proxyvisor.detectors.receipts import Receipt
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.service import running
@@ -76,6 +78,22 @@ async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_p
     # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing.
     assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across proxies"
     agent.assert_prefix_stable()
+
+
+def test_a_state_of_slotted_dataclasses_round_trips_and_names_their_classes() -> None:
+    """Receipts (dataclasses with slots, hundreds in a long turn) are pickled as their fields' values and come
+    back equal; the state's format names every proxyvisor class it holds."""
+    state = SessionSupervision()
+    thread = state.thread(b"key", frozenset())
+    receipts = {f"call_{i}": Receipt("Bash", b"c%d" % i, ("src/a.py",), b"r", i % 2 == 0, "", f"pytest -k {i}",
+                                     b"i", b"o", PASSED, f"{i} passed") for i in range(300)}
+    thread.tracker.reader.turn_receipts = receipts
+    value = encode(state, os.urandom(16))
+    back, _ = decode(value)
+    assert back.threads[b"key"].tracker.reader.turn_receipts == receipts
+    header = orjson.loads(value[20:20 + int.from_bytes(value[16:20], "big")])
+    assert {"proxyvisor.detectors.receipts:Receipt", "proxyvisor.proxy.supervise:Thread",
+            "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
 
 
 def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() -> None:
