@@ -48,7 +48,7 @@ class Sharing:
 
     async def flush(self) -> None:
         """Send what is queued (module docstring). Never raises but for cancellation (the send, once started in
-        its thread, completes)."""
+        its thread, completes): a send that fails for any reason counts its lines unshared."""
         async with self._lock:
             if not self.pending and not self.links:
                 return
@@ -57,10 +57,11 @@ class Sharing:
             lines = [(s.id, record, wall) for s, record, wall in pending]
             try:
                 await trio.to_thread.run_sync(self._send, lines, links)
-            except StateUnavailable as exc:
+            except Exception as exc:  # noqa: BLE001 - it runs in the background too: it must not stop the proxy
                 for session, _record, _wall in pending:
                     session.unshared += 1
-                self._outage.failed(exc)
+                self._outage.failed(exc if isinstance(exc, StateUnavailable) else StateUnavailable(
+                    f"{self.share.backend.describe()}: {type(exc).__name__}"))
                 return
             self._outage.up()
 
