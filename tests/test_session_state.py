@@ -12,13 +12,15 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.config import Config
 from proxyvisor.detectors.checks import PASSED
 from proxyvisor.detectors.receipts import Receipt
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.service import running
-from proxyvisor.proxy.session_state import _source_digest, decode, encode
+from proxyvisor.proxy.session_state import NAMESPACE, SETTINGS, SessionStates, _source_digest, decode, encode
+from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import SessionSupervision
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
@@ -80,20 +82,40 @@ async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_p
     agent.assert_prefix_stable()
 
 
+def _receipts_state(count: int) -> SessionSupervision:
+    """A state whose one thread holds ``count`` receipts in its current turn."""
+    state = SessionSupervision()
+    state.thread(b"key", frozenset()).tracker.reader.turn_receipts = {
+        f"call_{i}": Receipt("Bash", b"c%d" % i, ("src/a.py",), b"r", i % 2 == 0, "", f"pytest -k {i}", b"i", b"o",
+                             PASSED, f"{i} passed") for i in range(count)}
+    return state
+
+
 def test_a_state_of_slotted_dataclasses_round_trips_and_names_their_classes() -> None:
     """Receipts (dataclasses with slots, hundreds in a long turn) are pickled as their fields' values and come
     back equal; the state's format names every proxyvisor class it holds."""
-    state = SessionSupervision()
-    thread = state.thread(b"key", frozenset())
-    receipts = {f"call_{i}": Receipt("Bash", b"c%d" % i, ("src/a.py",), b"r", i % 2 == 0, "", f"pytest -k {i}",
-                                     b"i", b"o", PASSED, f"{i} passed") for i in range(300)}
-    thread.tracker.reader.turn_receipts = receipts
+    state = _receipts_state(300)
     value = encode(state, os.urandom(16))
     back, _ = decode(value)
-    assert back.threads[b"key"].tracker.reader.turn_receipts == receipts
+    assert back.threads[b"key"].tracker.reader.turn_receipts == state.threads[b"key"].tracker.reader.turn_receipts
     header = orjson.loads(value[20:20 + int.from_bytes(value[16:20], "big")])
     assert {"proxyvisor.detectors.receipts:Receipt", "proxyvisor.proxy.supervise:Thread",
             "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
+
+
+async def test_a_large_state_is_a_row_of_the_database_and_another_process_reads_it(tmp_path: Path) -> None:
+    """A state over diskcache's 32 KB file threshold (a long turn's receipts) is stored in the database, not as a
+    file made and removed on every save; another process (another store on the folder) reads it back."""
+    backend = DiskBackend(tmp_path)
+    session = Session("s", 0.0, 0.0, supervision=_receipts_state(600))
+    await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).save(session)
+    assert len(encode(session.supervision, session.state_version)) > 32 * 1024
+    assert sorted(p.name for p in (tmp_path / NAMESPACE).iterdir() if not p.name.startswith("cache.db")) == []
+    other = Session("s", 0.0, 0.0)
+    await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).load(other)
+    assert other.state_version == session.state_version
+    assert other.supervision is not None and other.supervision.threads[b"key"].tracker.reader.turn_receipts == \
+        session.supervision.threads[b"key"].tracker.reader.turn_receipts
 
 
 def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() -> None:

@@ -59,7 +59,7 @@ from .bodies import BodyCache
 from .sessions import InvalidSession, Session, SessionTable, explicit_id, identify, split_prefix
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
-from .session_state import NAMESPACE as SESSIONS, SessionStates
+from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates
 from .sharing import Sharing
 from . import commands, estimate, web
 from .web import WebView
@@ -182,7 +182,7 @@ class Pipeline:
         condense, delegate, states = check_state(config, store, backend)
         self.supervisor = Supervisor(config.supervisor, request_condenser(
             config.supervisor, store.root if store is not None and condense else None, backend))
-        self.states = SessionStates(backend.kv(SESSIONS), config.state.session_ttl_s) \
+        self.states = SessionStates(backend.kv(SESSIONS, **SESSION_SETTINGS), config.state.session_ttl_s) \
             if backend is not None and states and self.supervised else None
         """The sessions' stored supervision state (``proxyvisor.proxy.session_state``); None: memory only."""
         self.sharing: Sharing | None = None
