@@ -271,6 +271,7 @@ def test_a_replica_takes_in_the_links_another_recorded_and_asks_nothing_for_a_hi
         {"role": "assistant", "content": "Looking.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}]}
+    assert one.wanted(CHAT, later, 2.0) == [], "the answer the client got was delivered here: nothing to ask"
     keys = two.wanted(CHAT, later, 2.0)
     assert keys and len(keys) <= 3 * 4
     two.learn({k: shared[k] for k in keys if k in shared}, 2.0)

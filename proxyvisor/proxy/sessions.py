@@ -166,16 +166,16 @@ class Conversations:
 
     def wanted(self, fmt: WireFormat, body: dict[str, Any], now: float) -> list[bytes]:
         """The links of the request ``body`` worth asking the other replicas about: those of the history items
-        nearer its end than the nearest link known here (at most the last :data:`SHARED_ITEMS` items); none when
-        the request's last item is known here."""
+        nearer its end than the nearest link known here (at most the last :data:`SHARED_ITEMS` items). None when a
+        link is known here and no answer follows it in the history: the latest answer the client got was
+        delivered here (or is known here), so this replica served the request before and no other one can know a
+        nearer link."""
         _seed, items, steps = self._steps(fmt, body)
-        _session, found = self._search(items, steps, now)
-        keys: list[bytes] = []
-        for index in range(max(found + 1, len(items) - SHARED_ITEMS), len(items)):
-            step = steps(index)
-            if step.conversing:
-                keys += (step.link, *step.keys)
-        return keys
+        session, found = self._search(items, steps, now)
+        later = [steps(index) for index in range(max(found + 1, len(items) - SHARED_ITEMS), len(items))]
+        if session is not None and not any(step.keys for step in later):
+            return []
+        return [key for step in later if step.conversing for key in (step.link, *step.keys)]
 
     def learn(self, links: dict[bytes, str], now: float) -> None:
         """Take in ``links`` the other replicas recorded (key to session, ``""``: ambiguous), as used ``now``."""
