@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from .. import wirejson
 from ..detectors.receipts import command_text, writes
 from .prohibitions import Standing, content_words, forbidden_words
 from .verdict import json_object
@@ -178,7 +179,7 @@ def concerned(rules: Sequence[Standing], calls: Sequence[Call]) -> list[Call]:
 
 
 def _dump(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    return wirejson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def _clip(text: str, chars: int) -> str:
@@ -347,7 +348,7 @@ def context_key(sources: Sources) -> bytes:
     completed actions and the tool definitions. Any change gives another key."""
     material = [list(sources.users), [(r.text, r.turn) for r in sources.rules], sources.role,
                 [(a.name, a.arguments, a.ok) for a in sources.actions[-MAX_ACTIONS:]], dict(sources.tools)]
-    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS, default=str)).digest()
+    return hashlib.sha256(wirejson.dumps(material, orjson.OPT_SORT_KEYS, str)).digest()
 
 
 class DenialCache:
@@ -363,8 +364,8 @@ class DenialCache:
 
     @staticmethod
     def key(context: bytes, call: Call) -> bytes:
-        return hashlib.sha256(context + orjson.dumps([call.name, call.arguments], option=orjson.OPT_SORT_KEYS,
-                                                     default=str)).digest()
+        return hashlib.sha256(context + wirejson.dumps([call.name, call.arguments], orjson.OPT_SORT_KEYS,
+                                                       str)).digest()
 
     def get(self, context: bytes, call: Call) -> Denial | None:
         return self._denials.get(self.key(context, call))

@@ -56,6 +56,7 @@ from xml.sax.saxutils import escape
 
 import orjson
 
+from .. import wirejson
 from ..condense.ranges import RangeError, lines_in, parse_ranges, runs
 from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
 from ..detectors import checks
@@ -237,7 +238,7 @@ def evidence(actions: Sequence[Action]) -> Evidence:
 
 
 def _arguments(use: ToolUse) -> str:
-    text = orjson.dumps(use.arguments, option=orjson.OPT_SORT_KEYS).decode() if use.arguments else ""
+    text = wirejson.dumps(use.arguments, option=orjson.OPT_SORT_KEYS).decode() if use.arguments else ""
     return clip_chars(" ".join(text.split()), ARG_CHARS)
 
 

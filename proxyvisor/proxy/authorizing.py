@@ -47,6 +47,7 @@ from typing import Any
 import orjson
 import trio
 
+from .. import wirejson
 from ..condense.text import count_tokens
 from ..config import AuthorizerConfig
 from ..gate import authorize as rules
@@ -311,10 +312,10 @@ class Authorizing:
             if len(denials) < len(turn.tool_calls):
                 self.part_blocked(response, denials)
                 kept = self.fmt.without_calls(response, denials)
-                return UpstreamReply(reply.status, reply.headers, orjson.dumps(kept), reply.upstream_s, decoded=kept)
+                return UpstreamReply(reply.status, reply.headers, wirejson.dumps(kept), reply.upstream_s, decoded=kept)
             if rounds >= ROUNDS:
                 ended = self.fmt.render(AssistantTurn(self._stopped()), str(response.get("model") or ""))
-                return UpstreamReply(reply.status, _JSON, orjson.dumps(ended), reply.upstream_s, decoded=ended)
+                return UpstreamReply(reply.status, _JSON, wirejson.dumps(ended), reply.upstream_s, decoded=ended)
             continued = await self._carry_on(self.blocked_items(response, denials))
             if continued is None:
                 return reply

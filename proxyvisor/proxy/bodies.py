@@ -6,12 +6,12 @@ ends in its bytes and its parsed items. A body that starts with such a body's by
 history item, and ends with the same bytes after the history (the tools, the settings), is parsed from the new
 bytes only: the earlier items are the very same objects, and only the new items and the part after the history
 are read. Anything else (a first request, a rewritten history, a body in another shape) is parsed whole, as
-``orjson.loads`` does, and the same errors come out.
+``wirejson.loads`` does (integers of any size exact), and the same errors come out.
 
 The items are :class:`~proxyvisor.proxy.formats.base.Item`: dicts that are never changed in place once parsed
 (whoever edits one puts a copy in its place), so what is derived from an item is kept on it: its
 :class:`~proxyvisor.transcript.Message`, its links in the session chain, its serialised bytes. :func:`dumps` writes
-the upstream body from those pieces, byte for byte what ``orjson.dumps`` writes for the same body.
+the upstream body from those pieces, byte for byte what ``wirejson.dumps`` writes for the same body.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from .. import wirejson
 from .formats.base import ByIdentity, Item, derived
 
 HEAD = 512
@@ -35,16 +36,16 @@ BODIES_PER_HEAD = 4
 """Bodies kept per :data:`HEAD` (threads of one agent that share a system prompt)."""
 _SPARE_KEY = "\x00" + os.urandom(8).hex()
 """A key no client can guess: the stand-in for the history's key when the bytes after the history are parsed."""
-_SPARE = orjson.dumps(_SPARE_KEY)
+_SPARE = wirejson.dumps(_SPARE_KEY)
 
 
 def piece(item: Any) -> bytes:
-    """``orjson.dumps(item)`` for a history item, kept on an :class:`Item`. Raises TypeError as ``orjson.dumps``
+    """``wirejson.dumps(item)`` for a history item, kept on an :class:`Item`. Raises TypeError as ``orjson.dumps``
     does for the whole body (written two levels down, as in a body, so an item nested too deep fails alike)."""
     kept = derived(item)
     out: bytes | None = kept.get("piece") if kept is not None else None
     if out is None:
-        out = orjson.dumps([[item]])[2:-2]
+        out = wirejson.dumps([[item]])[2:-2]
         if kept is not None:
             kept["piece"] = out
     return out
@@ -81,7 +82,7 @@ class BodyCache:
         """Requests parsed from their new bytes only (for the benchmarks)."""
 
     def loads(self, field: str, format_name: str, raw: bytes) -> Any:
-        """``orjson.loads(raw)``, with history items (the list under ``field``) as :class:`Item`, and the body kept
+        """``wirejson.loads(raw)``, with history items (the list under ``field``) as :class:`Item`, and the body kept
         for the requests that extend it. Raises ``orjson.JSONDecodeError`` as ``orjson.loads`` does."""
         key = hashlib.blake2b(format_name.encode() + b"\x00" + raw[:HEAD], digest_size=16).digest()
         known = self._bodies.get(key, [])
@@ -95,7 +96,7 @@ class BodyCache:
                 self._keep(key, known, extended[1])
                 self.reused += 1
                 return extended[0]
-        body = orjson.loads(raw)
+        body = wirejson.loads(raw)
         if isinstance(body, dict) and isinstance(body.get(field), list):
             items = body[field] = [Item(i) if type(i) is dict else i for i in body[field]]
             located = _locate(raw, body, field, list(items))  # its own list: the body's is edited
@@ -131,7 +132,7 @@ def _extend(seen: _Body, raw: bytes) -> tuple[dict[str, Any], _Body] | None:
         return None
     middle = raw[seen.end:cut]
     try:
-        added = orjson.loads(b"[0" + middle + b"]" if seen.items else b"[" + middle + b"]")
+        added = wirejson.loads(b"[0" + middle + b"]" if seen.items else b"[" + middle + b"]")
     except orjson.JSONDecodeError:
         return None
     if seen.items:
@@ -153,7 +154,7 @@ def _locate(raw: bytes, body: dict[str, Any], field: str, items: list[Any]) -> _
     at = keys.index(field)
     after = keys[at + 1:]
     if after:
-        mark = orjson.dumps(after[0])
+        mark = wirejson.dumps(after[0])
         found = len(raw)
         for _ in range(3):  # the key's name may also appear after it, inside the values that follow
             found = raw.rfind(mark, 0, found)
@@ -185,8 +186,8 @@ def _check(seen: _Body) -> bool:
     if raw[seen.tail:seen.tail + 1] != b"]" or raw[seen.end:seen.tail].strip():
         return False
     try:
-        before = orjson.loads(raw[:seen.tail] + (b",0]}" if seen.items else b"0]}"))
-        rest = orjson.loads(b"{" + _SPARE + b":[" + raw[seen.tail:])
+        before = wirejson.loads(raw[:seen.tail] + (b",0]}" if seen.items else b"0]}"))
+        rest = wirejson.loads(b"{" + _SPARE + b":[" + raw[seen.tail:])
     except orjson.JSONDecodeError:
         return False
     history = before.get(seen.field) if isinstance(before, dict) else None
@@ -200,7 +201,7 @@ def _check(seen: _Body) -> bool:
 
 
 def dumps(body: Any, field: str) -> bytes:
-    """``orjson.dumps(body)``, byte for byte, with the items of the history ``field`` written from their kept pieces
+    """``wirejson.dumps(body)``, byte for byte, with the items of the history ``field`` written from their kept pieces
     (:func:`piece`). Raises TypeError as ``orjson.dumps`` does for what it cannot write."""
     return b"".join(chunks(body, field))
 
@@ -211,13 +212,13 @@ def chunks(body: Any, field: str) -> tuple[bytes, ...]:
     writing a body costs about what is new in it. Raises TypeError as ``orjson.dumps`` does."""
     history = body.get(field) if type(body) is dict else None
     if type(history) is not list or any(type(key) is not str for key in body):
-        return (orjson.dumps(body),)
+        return (wirejson.dumps(body),)
     out: list[bytes] = []
     part = [b"{"]
     for index, (key, value) in enumerate(body.items()):
         if index:
             part.append(b",")
-        part.append(orjson.dumps(key))
+        part.append(wirejson.dumps(key))
         if key != field:
             part += (b":", _VALUES.get(value, _value) if type(value) in (list, dict) else _value(value))
             continue
@@ -231,7 +232,7 @@ def chunks(body: Any, field: str) -> tuple[bytes, ...]:
 
 
 def _value(value: Any) -> bytes:
-    return orjson.dumps([value])[1:-1]  # one level down, as in the body
+    return wirejson.dumps([value])[1:-1]  # one level down, as in the body
 
 
 _VALUES = ByIdentity()

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 
+from .. import wirejson
 from ..condense.baseline import command_key, passed
 from ..condense.protocol import TaskContext
 from ..condense.text import split_lines
@@ -294,7 +294,7 @@ def _green(result: ToolResult, scan: _Scan, position: int) -> tuple[str, str] | 
 def _arguments(arguments: dict[str, Any]) -> str:
     if set(arguments) == {"raw"} and isinstance(arguments["raw"], str):
         return arguments["raw"]  # not JSON: kept as the model wrote it (formats.base.args_of)
-    return orjson.dumps(arguments).decode()
+    return wirejson.dumps(arguments).decode()
 
 
 def _context(parts: tuple[str, str], messages: Sequence[Message], last: int, request: str) -> TaskContext:

@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import orjson
 
+from .. import wirejson
 from .formats import AssistantTurn, Usage, WireFormat
 
 log = logging.getLogger("proxyvisor.estimate")
@@ -85,17 +85,17 @@ def input_tokens(fmt: WireFormat, body: dict[str, Any]) -> int:
         parts.append(fmt.fingerprint_parts(body)[0])
     for message in messages:
         parts.append(message.text)
-        parts += [use.name + orjson.dumps(use.arguments).decode() for use in message.tool_uses]
+        parts += [use.name + wirejson.dumps(use.arguments).decode() for use in message.tool_uses]
         parts += [out.text for out in message.tool_outputs]
     tools = body.get("tools")
     if tools:
-        parts.append(orjson.dumps(tools).decode())
+        parts.append(wirejson.dumps(tools).decode())
     return count("\n".join(parts)) + _PER_MESSAGE * len(messages)
 
 
 def output_tokens(turn: AssistantTurn) -> int:
     """Estimated output tokens of an answer: its text and its tool calls' names and arguments."""
-    calls = [call.name + orjson.dumps(call.arguments).decode() for call in turn.tool_calls]
+    calls = [call.name + wirejson.dumps(call.arguments).decode() for call in turn.tool_calls]
     return count("\n".join([turn.text, *calls]))
 
 

@@ -59,6 +59,7 @@ from typing import Any
 import orjson
 import trio
 
+from .. import wirejson
 from ..condense.text import count_tokens
 from ..config import GateConfig
 from ..detectors.selfreport import outcome as report_outcome
@@ -151,7 +152,7 @@ class Gating:
             if not isinstance(response, dict) or self._calls_tools(response):
                 return reply
             # The judge strips the held answer for the continuation: it gets a copy, the delivered answer stays.
-            items = await self.judged(functools.partial(orjson.loads, reply.body))
+            items = await self.judged(functools.partial(wirejson.loads, reply.body))
             if items is None:
                 return self._noticed(reply)
             continued = await self.carry_on(items)
@@ -168,7 +169,7 @@ class Gating:
             return reply
         response = reply.json()  # read once already: valid JSON
         self.fmt.append_text(response, self.notice)
-        return dataclasses.replace(reply, body=orjson.dumps(response), decoded=response)
+        return dataclasses.replace(reply, body=wirejson.dumps(response), decoded=response)
 
     def _waited(self) -> float:
         cont = self.exchange.continuation

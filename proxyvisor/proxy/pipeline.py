@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 import trio
 
+from .. import wirejson
 from ..adapters.health_store import NAMESPACE as HEALTH
 from ..adapters.results import ClaimStore
 from ..adapters.replicas import RedisShare
@@ -350,7 +351,7 @@ class Pipeline:
         try:
             # Supervised, a body that extends an earlier one is read from its new bytes only.
             body = self.bodies.loads(fmt.history_field, fmt.name, request.body) if self.supervised \
-                else orjson.loads(request.body)
+                else wirejson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             return error(fmt, 400, _not_json(request.body, exc))
         if not isinstance(body, dict):
@@ -426,7 +427,7 @@ class Pipeline:
             target = self._target(request, path)
 
             async def send(new: dict[str, Any]) -> UpstreamReply:
-                return await relay.send("POST", target, headers, orjson.dumps(new))
+                return await relay.send("POST", target, headers, wirejson.dumps(new))
 
         breakers = self.breakers
         if breakers is None or upstream.name not in breakers.upstreams:
@@ -537,7 +538,7 @@ class Pipeline:
                 reply: UpstreamReply = await self.translator.send(fmt, target, body, request.headers)
                 return reply
             return await self._relayed(request, fmt, path, target.name,
-                                       content if content is not None else orjson.dumps(body))
+                                       content if content is not None else wirejson.dumps(body))
 
         model = body.get("model")
         dispatch = Dispatch()

@@ -26,9 +26,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import h11
-import orjson
 import trio
 
+from .. import wirejson
 from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
 from . import limits
@@ -91,7 +91,7 @@ class UpstreamReply:
         """
         if self.decoded is None:
             assert isinstance(self.body, bytes)
-            self.decoded = orjson.loads(self.body)
+            self.decoded = wirejson.loads(self.body)
         return self.decoded
 
 

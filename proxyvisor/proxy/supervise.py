@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from .. import wirejson
 from ..config import SupervisorConfig
 from ..supervisor_model import ModelAnswer, ModelCall
 from ..detectors.detectors import HistoryTracker
@@ -460,7 +461,7 @@ class Exchange:
                 log.exception("a supervision step failed; forwarding the request without it")
 
     def upstream_body(self) -> bytes:
-        """The upstream request body as JSON bytes, as ``orjson.dumps`` writes it (the history's items written once
+        """The upstream request body as JSON bytes, as ``wirejson.dumps`` writes it (the history's items written once
         and kept, ``proxyvisor.proxy.bodies``).
 
         Raises:
@@ -522,4 +523,4 @@ class Exchange:
         self._finish(bodies)
         if not bodies:
             return reply
-        return UpstreamReply(reply.status, reply.headers, orjson.dumps(response), reply.upstream_s, decoded=response)
+        return UpstreamReply(reply.status, reply.headers, wirejson.dumps(response), reply.upstream_s, decoded=response)

@@ -48,6 +48,7 @@ import openai
 import orjson
 import trio
 
+from .. import wirejson
 from ..adapters import litellm_bridge
 from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
@@ -204,7 +205,7 @@ class Translator:
         stream = body.get("stream") is True
         # A copy: litellm may edit what it is handed, and a supervised body's history items are shared with the
         # session's later requests (proxyvisor.proxy.bodies).
-        kwargs = orjson.loads(orjson.dumps({k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}))
+        kwargs = wirejson.loads(wirejson.dumps({k: v for k, v in body.items() if k in _CLIENTS[fmt.name].fields}))
         kwargs.update(model=route.prefix + model, stream=stream, api_key=key,
                       api_base=relay.base + ("/v1" if route.v1 else ""),
                       max_retries=0, num_retries=0, drop_params=True)
@@ -222,7 +223,7 @@ class Translator:
         waited = time.perf_counter() - started
         if stream:
             return UpstreamReply(200, list(_SSE), TranslatedStream(fmt, result, upstream, key), waited)
-        return UpstreamReply(200, list(_JSON), orjson.dumps(_plain(result)), waited)
+        return UpstreamReply(200, list(_JSON), wirejson.dumps(_plain(result)), waited)
 
     async def _invoke(self, route: _Route, target: str, model: str, kwargs: dict[str, Any]) -> Any:
         """The litellm call; runs on the litellm thread."""
@@ -299,7 +300,7 @@ class ToolCallSplitter:
             return line
         body = line[5:].strip()
         try:
-            chunk = orjson.loads(body)
+            chunk = wirejson.loads(body)
         except orjson.JSONDecodeError:
             return line
         changed = False
@@ -314,7 +315,7 @@ class ToolCallSplitter:
                         changed = True
         if not changed:
             return line
-        return b"data: " + orjson.dumps(chunk) + line[len(line.rstrip(b"\r\n")):]
+        return b"data: " + wirejson.dumps(chunk) + line[len(line.rstrip(b"\r\n")):]
 
     def _index(self, choice: Any, index: int, call_id: Any) -> int:
         key = (choice if isinstance(choice, int) else 0, index)
@@ -441,7 +442,7 @@ def _frame(client: _Client, item: Any, sequence: int) -> bytes:
     data = _plain(item)
     if client.numbered:
         data["sequence_number"] = sequence
-    return sse(orjson.dumps(data), data.get("type") if client.named else None)
+    return sse(wirejson.dumps(data), data.get("type") if client.named else None)
 
 
 def _failure(fmt: WireFormat, upstream: str, exc: Exception, key: str) -> UpstreamReply:

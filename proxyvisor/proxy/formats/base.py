@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from ... import wirejson
 from . import largejson
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
@@ -183,7 +184,7 @@ def args_of(arguments: Any) -> dict[str, Any]:
     if not arguments:
         return {}
     try:
-        value = orjson.loads(arguments)
+        value = wirejson.loads(arguments)
     except orjson.JSONDecodeError:
         return {"raw": arguments}
     return value if isinstance(value, dict) else {"raw": arguments}
@@ -326,7 +327,7 @@ def sse(data: bytes | str, event: str | None = None) -> bytes:
 
 
 def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj)
+    return wirejson.dumps(obj)
 
 
 def sse_json(obj: Any, event: str | None = None, large: bool = False) -> list[bytes]:
@@ -347,7 +348,7 @@ def event_object(data: str) -> dict[str, Any] | None:
     if not data.startswith("{"):
         return None
     try:
-        obj: dict[str, Any] = orjson.loads(data) if len(data) < largejson.SLICE else largejson.loads(data)
+        obj: dict[str, Any] = wirejson.loads(data) if len(data) < largejson.SLICE else largejson.loads(data)
     except orjson.JSONDecodeError:
         return None
     return obj
@@ -369,7 +370,7 @@ def words(text: str) -> list[str]:
 def split_json(arguments: dict[str, Any] | str) -> list[str]:
     """The tool arguments as JSON (an object, or the JSON text a call carries, kept as it is), in two fragments, as
     providers stream them."""
-    text = arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+    text = arguments if isinstance(arguments, str) else wirejson.dumps(arguments).decode()
     mid = len(text) // 2
     return [text[:mid], text[mid:]] if mid else [text]
 
@@ -470,7 +471,7 @@ class WireFormat:
         history (tools, system prompt, settings; keys sorted), then each history item as the body serialises it.
         Two requests share a cache prefix as far as their pieces agree (:func:`shared_prefix`)."""
         rest = {k: v for k, v in body.items() if k != self.history_field}
-        return [orjson.dumps(rest, option=orjson.OPT_SORT_KEYS), *map(orjson.dumps, self.history(body))]
+        return [wirejson.dumps(rest, option=orjson.OPT_SORT_KEYS), *map(wirejson.dumps, self.history(body))]
 
     def message(self, item: Any) -> Message:
         """One history item as a format-neutral :class:`~.transcript.Message` (unknown shapes: role ``other``);

@@ -6,7 +6,6 @@ import secrets
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-import orjson
 
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside,
                    chat_text, dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text,
@@ -501,7 +500,7 @@ def _call_body(call: ToolCall) -> dict[str, Any]:
         return {k: v for k, v in call.item.items() if k not in ("id", "index")}
     if call.kind == "custom":
         return {"type": "custom", "custom": {"name": call.name, "input": input_of(call.arguments)}}
-    return {"type": "function", "function": {"name": call.name, "arguments": orjson.dumps(call.arguments).decode()}}
+    return {"type": "function", "function": {"name": call.name, "arguments": dumps(call.arguments).decode()}}
 
 
 def _call_id() -> str:

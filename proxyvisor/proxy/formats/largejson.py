@@ -5,7 +5,7 @@ second or more on a loaded machine): run in a worker thread it still stops the e
 session, for that long. A big event is big because of a few long string values (a delta's text, a tool call's
 arguments, an image's base64), so :func:`loads` cuts those out: the rest of the text, with a placeholder in place
 of each long string, is parsed at once (it is small), and each long string is decoded in slices of
-:data:`SLICE` characters, the lock free for others between them. The result equals ``orjson.loads`` of the whole
+:data:`SLICE` characters, the lock free for others between them. The result equals ``wirejson.loads`` of the whole
 text (the same object, the same errors); the only step on the whole text that remains is joining each long
 string's decoded slices (one copy). :func:`dumps` writes such an object back the same way, as pieces that join
 to ``orjson.dumps`` of it. Pure: no I/O, no clock.
@@ -18,6 +18,8 @@ import secrets
 from typing import Any
 
 import orjson
+
+from ... import wirejson
 
 LONG = 16 * 1024
 """A string literal of at least this many characters is decoded in slices."""
@@ -38,7 +40,7 @@ def loads(text: str) -> Any:
     """
     longs = _long_literals(text)
     if not longs:
-        return orjson.loads(text)
+        return wirejson.loads(text)
     nonce = "\x00" + secrets.token_hex(8) + ":"
     parts: list[str] = []
     pos = 0
@@ -46,7 +48,7 @@ def loads(text: str) -> Any:
         parts += [text[pos:start - 1], orjson.dumps(f"{nonce}{n}").decode()]
         pos = end + 1
     parts.append(text[pos:])
-    skeleton = orjson.loads("".join(parts))
+    skeleton = wirejson.loads("".join(parts))
     values = [_decode(text, start, end) for start, end in longs]
     return _fill(skeleton, nonce, values)
 
@@ -150,7 +152,7 @@ def dumps(value: Any) -> list[bytes]:
     """
     nonce = "\x00" + secrets.token_hex(8) + ":"
     longs: list[str] = []
-    encoded = orjson.dumps(_cut(value, nonce, longs))
+    encoded = wirejson.dumps(_cut(value, nonce, longs))
     if not longs:
         return [encoded]
     out: list[bytes] = []

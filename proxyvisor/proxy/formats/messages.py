@@ -265,7 +265,7 @@ class MessagesFormat(WireFormat):
     def schema_answer(self, response: dict[str, Any], name: str) -> str:
         turn = self.parse_response(response)
         call = next((c for c in turn.tool_calls if c.name == name), None)
-        return orjson.dumps(call.arguments).decode() if call is not None else turn.text
+        return dumps(call.arguments).decode() if call is not None else turn.text
 
     def append_text(self, response: dict[str, Any], text: str) -> None:
         content = response.get("content")

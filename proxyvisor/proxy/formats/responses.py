@@ -7,7 +7,6 @@ import secrets
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-import orjson
 
 from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
                    dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
@@ -246,7 +245,7 @@ class ResponsesFormat(WireFormat):
             if custom:
                 item["input"] = input_of(call.arguments)
             else:
-                item["arguments"] = orjson.dumps(call.arguments).decode()
+                item["arguments"] = dumps(call.arguments).decode()
             output.append(item)
         return output
 

@@ -1,0 +1,75 @@
+"""JSON for what passes between the agent and its model: orjson, with integers of any size kept exactly.
+
+orjson reads an integer outside the 64-bit range as a float (``12345678901234567890123`` becomes
+``1.2345678901234568e+22``) and refuses to write one. A body, reply or event that is read and written again would
+reach the other side changed. :func:`loads` reads text that may hold such an integer with the standard library's
+``json``, which keeps integers exact, and :func:`dumps` writes with it when orjson refuses one; everything else is
+orjson's, so the fast path costs one byte-translation scan more. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+"""Every digit to ``0``, every other byte to a space: a run of digits becomes a run of ``0`` for a plain search."""
+_RUN = b"0" * 19
+"""The shortest run of digits that can be an integer orjson cannot hold (below -2**63 has 19 digits)."""
+_WIDE = re.compile(rb"[\[:,][ \t\n\r]*-?[0-9]{19}")
+"""A number of 19 digits or more where a JSON value starts (the run may also be text inside a string: the slow path
+is then taken for nothing, but it reads the same values)."""
+_LOW, _HIGH = -(2**63), 2**64 - 1
+"""The integers orjson reads and writes."""
+
+
+def loads(data: bytes | str) -> Any:
+    """``orjson.loads(data)``, except that an integer beyond 64 bits is the exact ``int``, not a float.
+
+    Raises:
+        orjson.JSONDecodeError: ``data`` is not JSON, exactly as ``orjson.loads`` raises it.
+    """
+    value = orjson.loads(data)
+    raw = data.encode() if isinstance(data, str) else data
+    if _RUN not in raw.translate(_DIGITS) or _WIDE.search(raw) is None:
+        return value
+    try:  # orjson accepted it, so it is JSON the standard library reads alike, only with exact integers
+        return json.loads(raw)
+    except RecursionError:  # nesting deeper than the standard library goes (orjson allows 1024 levels)
+        return value
+
+
+def dumps(value: Any, option: int = 0, default: Callable[[Any], Any] | None = None) -> bytes:
+    """``orjson.dumps(value, default, option)``; a value holding an integer beyond 64 bits, which orjson refuses, is
+    written compact by the standard library (keys sorted with ``orjson.OPT_SORT_KEYS``), the integer exact.
+
+    Raises:
+        orjson.JSONEncodeError: ``value`` cannot be written, as ``orjson.dumps`` raises it.
+    """
+    try:
+        return orjson.dumps(value, default, option)
+    except orjson.JSONEncodeError as exc:
+        if not _wide(value, 0):
+            raise
+        try:
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=default,
+                              sort_keys=bool(option & orjson.OPT_SORT_KEYS)).encode()
+        except (TypeError, ValueError, RecursionError):  # something else orjson refused, as it said
+            raise exc from None
+
+
+def _wide(value: Any, depth: int) -> bool:
+    """Whether ``value`` holds an int orjson cannot write (within orjson's 1024 levels of nesting)."""
+    if type(value) is int or isinstance(value, int) and not isinstance(value, bool):
+        return not _LOW <= value <= _HIGH
+    if depth > 1024:
+        return False
+    if isinstance(value, dict):
+        return any(_wide(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_wide(v, depth + 1) for v in value)
+    return False
