@@ -36,6 +36,18 @@ class BenchError(Exception):
     pass
 
 
+MISSED_TARGET = 3
+"""The exit status of a benchmark that ran to its end with right results but missed a timing target: .ci/run
+reports it and goes on (a shared runner's timings vary). Any other non-zero status (a crash, wrong results) fails
+the run."""
+
+
+def exit_status(timings_met: bool, results_right: bool = True) -> int:
+    """A benchmark's exit status: 1 when a result was wrong (failed requests, a changed answer), else
+    :data:`MISSED_TARGET` when a timing target was missed, else 0."""
+    return 1 if not results_right else 0 if timings_met else MISSED_TARGET
+
+
 WORDS = ("the file path command output tool agent returns string list integer optional default when run shell "
          "working directory timeout lines pattern glob search replace edit write read notebook cell task todo "
          "status pending completed description example must should never always use instead of prefer — café "

@@ -40,6 +40,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import exit_status  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import SupervisorConfig  # noqa: E402
 from proxyvisor.detectors.detectors import HistoryTracker  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> int:
             f"{len(history)} messages, one request per round, state updated incrementally "
             "(`bench/detectors.py`).", "", "Command: `python bench/detectors.py --write`", "",
             *lines, "", verdict]))
-    return 0 if ratio <= 1.5 else 1
+    return exit_status(ratio <= 1.5)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (API_KEY, MODEL, ROOT, BenchError, add_arm_options, command_line, cpu_time, exit_on_stdin_eof,
+                          exit_status,
                           litellm_venv, loadavg, parse_sized, pct, prose, sized_parser, spawn_role, start_litellm, start_redis,
                           wait_litellm, workspace)
 from bench.results import write_section
@@ -493,7 +494,7 @@ def markdown(arms: list[Arm], rows: list[Row], command: str, setup: str, notes: 
                          f"{m.fds_after} |")
     lines += ["", "CPU of the other processes, as a share of one core: " + "; ".join(
         f"{arm.name} arm: " + ", ".join(f"{k} {v:.0%}" for k, v in arm.machine.items()) for arm in arms) + "."]
-    lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in verdicts(arms, errors)]
+    lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text, _ in verdicts(arms, errors)]
     notes = notes + [("The arms run one after another (a soak cannot be interleaved): other work on the machine "
                       "during one arm shows as added latency, or as negative added latency; the overhead header is "
                       "proxyvisor's own time, measured inside the process."),
@@ -515,7 +516,8 @@ def error_kinds(arm: Arm) -> dict[str, int]:
     return kinds
 
 
-def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[bool, str]]:
+def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[bool, str, bool]]:
+    """(met, what, whether it is a timing or memory target rather than the results being right) per target."""
     out = []
     for arm in arms:
         if not arm.name.startswith("proxyvisor"):
@@ -523,23 +525,23 @@ def verdicts(arms: list[Arm], errors: dict[str, dict[str, int]]) -> list[tuple[b
         n = len(arm.samples)
         failed = sum(errors[arm.name].values())
         detail = ", ".join(f"{count}x {kind}" for kind, count in sorted(errors[arm.name].items())) or "none"
-        out.append((failed == 0, f"{arm.name}: {failed} errors in {n} requests (target 0; {detail})"))
+        out.append((failed == 0, f"{arm.name}: {failed} errors in {n} requests (target 0; {detail})", False))
         m = process_of(arm)
         if m is not None and arm.duration_s >= SOAK_S:
             out.append((m.growth < TARGET_RSS_GROWTH, (f"{arm.name}: RSS growth after warm-up {m.growth:+.1%} "
-                                                       f"(target < {TARGET_RSS_GROWTH:.0%})")))
+                                                       f"(target < {TARGET_RSS_GROWTH:.0%})"), True))
         if arm.big is not None:
             figures = big_event_p90(arm)
             if arm.big.error:
-                out.append((False, f"proxyvisor: the big event failed: {arm.big.error}"))
+                out.append((False, f"proxyvisor: the big event failed: {arm.big.error}", False))
             elif figures is not None:
                 added = figures[0] - figures[1]
                 out.append((added < TARGET_BIG_EVENT_P90_MS,
                             f"proxyvisor: other sessions' added p90 while the big event relayed {added:+.1f} ms "
-                            f"(target < {TARGET_BIG_EVENT_P90_MS:g} ms)"))
+                            f"(target < {TARGET_BIG_EVENT_P90_MS:g} ms)", True))
         if arm.ledger_lines is not None:
             out.append((arm.ledger_lines == n, (f"{arm.name}: {arm.ledger_lines} ledger lines for {n} requests "
-                                                "(every request accounted for)")))
+                                                "(every request accounted for)"), False))
     return out
 
 
@@ -912,7 +914,9 @@ def main(argv: list[str] | None = None) -> int:
             write_section(SECTION if not args.redis else REDIS_SECTION if args.session_id else ANONYMOUS_SECTION,
                           text, args.results)
             print(f"wrote {args.results}")
-        return 0 if all(ok for ok, _ in verdicts(arms, errors)) else 1
+        judged = verdicts(arms, errors)
+        return exit_status(all(ok for ok, _, timing in judged if timing),
+                           all(ok for ok, _, timing in judged if not timing))
 
 
 if __name__ == "__main__":

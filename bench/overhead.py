@@ -71,7 +71,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (API_KEY, MODEL, BenchError, add_arm_options, command_line, cpu_time,  # noqa: E402
-                          exit_on_stdin_eof, litellm_venv, loadavg, parse_sized, pct, prose, sized_parser,
+                          exit_on_stdin_eof, exit_status, litellm_venv, loadavg, parse_sized, pct, prose, sized_parser,
                           spawn_role, start_litellm, wait_litellm, workspace)
 from bench.histories import FORMATS, MARKER, TOOL_ROUND, History  # noqa: E402
 from bench.results import write_section  # noqa: E402
@@ -773,8 +773,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{loadavg()} after (other work on the machine inflates latency, barely CPU/req).")
             write_section(SECTION, markdown(rows, args.concurrency, command, notes, setup), args.results)
             print(f"wrote {args.results}")
+        right = not any(arm.errors for arm in arms if arm.name in ("proxyvisor", "supervised"))
+        met = all(ok for ok, _ in verdicts(rows))
         if args.no_sweep:
-            return 0
+            return exit_status(met, right)
         swept = time.monotonic()
         results: dict[tuple[str, float], tuple[int, dict[str, SweepCell]]] = {}
         print(f"size sweep: {', '.join(f'{m:g} MB' for m in args.sizes)} histories in "
@@ -801,7 +803,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"1-minute load average {loadavg()} after.")
             write_section(SWEEP_SECTION, sweep_markdown(sweep_table, rows, command, setup), args.results)
             print(f"wrote {args.results}")
-        return 0
+        right = right and not any(cell.errors for _, cells in results.values() for name, cell in cells.items()
+                                  if name in ("proxyvisor", "supervised"))
+        return exit_status(met and all(ok for ok, _ in sweep_verdicts(sweep_table, rows)), right)
 
 if __name__ == "__main__":
     sys.exit(main())

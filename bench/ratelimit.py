@@ -17,7 +17,7 @@ this run, one after the other, each with a fresh upstream:
 
 For each arm: the requests the limited upstream received during the window, and the share of the agents' requests
 made during the window that got a 200. Figures go to bench/RESULTS.md (section "Rate limits") unless ``--no-write``.
-Exits 1 when the breakers miss their targets: through proxyvisor, after the agents' first burst (the first 0.5 s),
+Exits 3 (``bench.common.MISSED_TARGET``) when the breakers miss their targets: through proxyvisor, after the agents' first burst (the first 0.5 s),
 at most one request per second of the window reaches the limited upstream (the recovery probes), against the
 direct arm's every retry; with the fallback, at least 90% of the agents' requests are answered.
 """
@@ -36,6 +36,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import MISSED_TARGET  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.server import Limits, Request, Response, bound_port, open_listeners, serve_listeners
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ratelimit: missed a target: {later} requests after the first burst through proxyvisor (at most "
               f"{math.ceil(args.window_s)}, direct {direct_later}), {share:.0%} answered with a fallback (at "
               "least 90%)", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(MISSED_TARGET)
 
 
 if __name__ == "__main__":

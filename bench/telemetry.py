@@ -27,7 +27,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import command_line, free_port, loadavg, pct  # noqa: E402
+from bench.common import command_line, exit_status, free_port, loadavg, pct  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from proxyvisor.config import Config  # noqa: E402
 from proxyvisor.proxy.service import running  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                       "bench/telemetry.py). Tracing off imports nothing and does nothing: bench/overhead.py's "
                       "supervised arm is the figure for it.\n\n"
                       f"Command: `{command_line('bench/telemetry.py', argv)}`\n\n{table}\n\n{summary}.\n")
-    return 0
+    return exit_status(added <= TARGET_MS)
 
 
 if __name__ == "__main__":
