@@ -7,6 +7,7 @@ Each wire format turns one item of its history (a Chat or Anthropic message, a R
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -44,6 +45,27 @@ class Message:
     text: str = ""
     tool_uses: tuple[ToolUse, ...] = ()
     tool_outputs: tuple[ToolOutput, ...] = ()
+
+
+_CONTEXT = re.compile(r"<(system-reminder|environment_context)>.*?</\1>", re.DOTALL)
+"""A context block an agent harness puts into a user message: Claude Code's ``<system-reminder>`` (beside the
+user's words, or alone in a message of its own) and Codex's ``<environment_context>`` (a user message of its own:
+working directory, shell, date, sandbox)."""
+_OPENERS = ("<system-reminder>", "<environment_context>")
+
+
+def own_words(text: str) -> str:
+    """What the user wrote in a user message's ``text``: without the harness's context blocks (:data:`_CONTEXT`),
+    trimmed. Empty for a message that is only such context (or empty)."""
+    if not any(opener in text for opener in _OPENERS):
+        return text.strip()
+    return _CONTEXT.sub("", text).strip()
+
+
+def harness_context(text: str) -> bool:
+    """Whether a user message's ``text`` is only harness context (:func:`own_words`): such a message is not a
+    user turn, and its text is not the user's request. A message with no text at all (an image alone) is not."""
+    return any(opener in text for opener in _OPENERS) and not own_words(text)
 
 
 _SAMPLE = 256

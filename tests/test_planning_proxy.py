@@ -22,7 +22,7 @@ from proxyvisor.detectors.selfreport import SelfReport
 from proxyvisor.gate.recite import CONSTRAINTS
 from proxyvisor.gate.plan import COMPLETED, IN_PROGRESS, PLANNER_INSTRUCTIONS, planner_input
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec, WireFormat
-from proxyvisor.proxy.planning import clear, goal_text, reconcile
+from proxyvisor.proxy.planning import clear, reconcile
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.sse import SSEParser
@@ -259,12 +259,6 @@ async def test_the_goal_is_recited_once_the_history_was_rewritten(tmp_path: Path
         assert "pay-attention" not in agent.tail(seventh)
         assert json.dumps(seventh).count("pay-attention") == 2  # the old one is still in the kept history
         assert agent.thread().planning.goal == "Rename the module instead."
-
-
-def test_claude_code_reminders_are_not_part_of_the_goal() -> None:
-    text = "<system-reminder>\nToday's date is 2026-11-30.\n</system-reminder>\nlist the files here"
-    assert goal_text(text) == "list the files here"
-    assert goal_text("  plain request \n") == "plain request"
 
 
 async def test_recitation_off_and_planning_off(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from ..transcript import Message, ToolOutput, ToolUse
+from ..transcript import Message, ToolOutput, ToolUse, harness_context
 from . import checks
 from .checks import words
 
@@ -342,7 +342,9 @@ class RoundReader:
     the model's answer it complains about was not recorded (no assistant item since the previous user message or
     the last tool round), the client dropped it, and an implied round without tool calls stands in for it. Every
     other user message is a genuine :class:`UserTurn`. A re-prompt neither resets the detectors' windows nor moves
-    the turn's start (the verify-gate's digest window, the plan's turn).
+    the turn's start (the verify-gate's digest window, the plan's turn). A user message that is only harness
+    context (:func:`~proxyvisor.transcript.harness_context`: Codex's environment, a Claude Code reminder alone) is
+    not read at all: it neither starts a turn nor ends a round.
     """
 
     def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
@@ -377,7 +379,7 @@ class RoundReader:
                     self._open.missing.discard(result.call_id)
                 if not self._open.missing:
                     out += self._close(schemas)
-        elif role == "user":
+        elif role == "user" and not harness_context(message.text):
             if self._open is not None:
                 out += self._close(schemas)
             previous = self._last_prompt if not self._tool_rounds_since_prompt else None

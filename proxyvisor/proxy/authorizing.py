@@ -54,6 +54,7 @@ from ..gate import authorize as rules
 from ..gate import digest
 from ..rules import ADVISE
 from ..supervisor_model import ModelAnswer, ModelCall
+from ..transcript import own_words
 from .closing import close
 from .continuation import Continuation, Job, of_turn, rewritable
 from .formats import AssistantTurn, WireFormat
@@ -96,15 +97,13 @@ class Authorizer:
 
 def _sources(exchange: Exchange) -> rules.Sources:
     """The judge's sources for ``exchange`` (``gate.authorize`` module docstring)."""
-    from .planning import goal_text
-
     ex = exchange
     planning = ex.thread.planning
     positions = [i for i in ex.thread.tracker.user_turns if i < len(ex.items)]
     # The latest user turn is numbered planning.turns; the ones before it count down (planning's numbering).
     first = planning.turns - len(positions) + 1
     messages = [ex.fmt.message(i) for i in ex.items]
-    users = tuple((first + n, goal_text(messages[i].text)) for n, i in enumerate(positions))
+    users = tuple((first + n, own_words(messages[i].text)) for n, i in enumerate(positions))
     actions = tuple(rules.Completed(a.use.name, a.use.arguments,
                                     None if a.output is None else not a.receipt.error)
                     for a in digest.turn_actions(messages, ex.schemas)

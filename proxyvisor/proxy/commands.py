@@ -66,7 +66,7 @@ from .formats import CHAT, AssistantTurn, WireFormat
 from .formats.base import derived, has_non_text
 from .info import info_object, render_text
 from .learning import SessionLearning
-from .planning import goal_text
+from ..transcript import own_words
 from .server import Headers, Response
 from .sessions import Session, SessionTable
 from .supervise import SessionSupervision, Thread, thread_key
@@ -79,7 +79,7 @@ _PATH = re.compile(r"^/proxyvisor/sessions(?:/([^/]*)/(info|plan))?$")
 
 def _command(text: str) -> str | None:
     """The command ``text`` (a user message's text) asks: the whole of its first line (module docstring)."""
-    first = goal_text(text).partition("\n")[0].strip()
+    first = own_words(text).partition("\n")[0].strip()
     return first if first in COMMANDS else None
 
 

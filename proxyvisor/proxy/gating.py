@@ -73,6 +73,7 @@ from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCT
                             ReadRequest, parse, refutation_input, refute)
 from ..rules import HOLD_ANSWER
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
+from ..transcript import own_words
 from . import planning
 from .continuation import Job, Resend, of_turn, rewritable
 from .relay import UpstreamError, UpstreamReply
@@ -289,8 +290,8 @@ class Gating:
         ex = self.exchange
         start = turn.turn_start
         # What the user wrote, without the harness's <system-reminder> blocks (Claude Code adds them).
-        task = planning.goal_text(ex.parts[1])
-        request = planning.goal_text(self.fmt.message(ex.items[start]).text) \
+        task = own_words(ex.parts[1])
+        request = own_words(self.fmt.message(ex.items[start]).text) \
             if start is not None and start < len(ex.items) else task
         plan = ex.thread.plan
         document = digest.build(request, turn.finals, actions, instructions=ex.parts[0],

@@ -61,7 +61,8 @@ from ..learning.memory import Candidate, Memory
 from ..learning.pack import SIGNAL, Pack, assemble
 from ..store import atomic_write, private_dir
 from ..supervisor_model import ModelCall, ReportedFailure
-from .planning import add_note, append_note, goal_text
+from ..transcript import own_words
+from .planning import add_note, append_note
 
 if TYPE_CHECKING:
     from .sessions import Session
@@ -358,7 +359,7 @@ def _turn(exchange: Exchange) -> _Turn:
 def material_of(turn: _Turn, session: str, mutating_tools: frozenset[str]) -> distill.Material:
     """What a distill reads of a request's ``turn`` (the agent's history, the continued turn's items, its report)."""
     fmt, thread, items = turn.fmt, turn.thread, turn.items
-    turns = tuple((n, goal_text(fmt.message(items[i]).text))
+    turns = tuple((n, own_words(fmt.message(items[i]).text))
                   for n, i in enumerate(thread.tracker.user_turns, 1) if i < len(items))
     start = thread.tracker.turn_start
     turn_items = (items[start + 1:] if start is not None else items) + turn.extra

@@ -58,7 +58,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,7 +74,7 @@ from ..gate.prohibitions import Standing, standing
 from ..gate.recite import recite
 from ..gate.verdict import Malformed
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
-from ..transcript import Tail
+from ..transcript import Tail, own_words
 from .formats import WireFormat
 
 if TYPE_CHECKING:
@@ -83,7 +82,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("proxyvisor.plan")
 
-_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 RECITE = "recite"
 """The ``signal`` of a recitation among a thread's notes (``proxyvisor.proxy.supervise.Note``)."""
 RECITE_AFTER = 32
@@ -120,11 +118,6 @@ class PlanningState:
     phase_start: int | None = None
     broken: frozenset[tuple[int, Assumption]] = frozenset()
     compacted: bool = False
-
-
-def goal_text(text: str) -> str:
-    """A user message's text as a goal: without ``<system-reminder>`` blocks, trimmed."""
-    return _REMINDER.sub("", text).strip() if "<system-reminder>" in text else text.strip()
 
 
 class PlanTurn:
@@ -205,7 +198,7 @@ class Planner:
         start = thread.tracker.turn_start
         if start == planning.turn and not update.rebuilt:
             return
-        text = goal_text(fmt.message(items[start]).text) if start is not None and start < len(items) else None
+        text = own_words(fmt.message(items[start]).text) if start is not None and start < len(items) else None
         turns = thread.tracker.user_turns
         if update.rebuilt:
             planning.phase_start = None  # positions in the rewritten history mean something else
@@ -217,7 +210,7 @@ class Planner:
                 return
         if start is None or text is None:
             return
-        new = [(n, goal_text(fmt.message(items[i]).text)) for n, i in
+        new = [(n, own_words(fmt.message(items[i]).text)) for n, i in
                enumerate(turns[planning.folded:], planning.turns + 1) if i < len(items)]
         planning.folded = len(turns)
         planning.rules = standing(new, planning.rules)

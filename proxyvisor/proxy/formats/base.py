@@ -410,7 +410,10 @@ class WireFormat:
         return None
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
-        """(system prompt, first user message) as text, for the hash fallback of session identity."""
+        """(system prompt, first user message) as text, for the hash fallback of session identity and the key of
+        a conversation's thread. The first user message is the first that is not only harness context
+        (:func:`~proxyvisor.transcript.harness_context`), after the context messages before it, joined by
+        newlines: Codex's environment alone is the same for every conversation in a directory."""
         raise NotImplementedError
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:

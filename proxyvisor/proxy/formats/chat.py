@@ -13,7 +13,8 @@ from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolS
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
-from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
+                           harness_context)
 
 
 class ChatFormat(WireFormat):
@@ -40,7 +41,7 @@ class ChatFormat(WireFormat):
         return user if isinstance(user, str) and user else None
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
-        system, first_user = "", ""
+        system, users = "", []
         for message in as_list(body.get("messages")):
             if not isinstance(message, dict):
                 continue
@@ -48,9 +49,10 @@ class ChatFormat(WireFormat):
             if role in ("system", "developer") and not system:
                 system = chat_text(message.get("content"))
             elif role == "user":
-                first_user = chat_text(message.get("content"))
-                break
-        return system, first_user
+                users.append(chat_text(message.get("content")))
+                if not harness_context(users[-1]):
+                    break
+        return system, "\n".join(users)
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         """The ``function`` tools and the ``custom`` (freeform) ones of ``tools``."""

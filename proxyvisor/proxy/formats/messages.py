@@ -12,7 +12,8 @@ import orjson
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of,
                    arguments_of, as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text,
                    interleave, interleave_runs, split_json, sse, with_field, words)
-from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
+                           harness_context)
 
 
 EMPTIED = "…"
@@ -55,12 +56,13 @@ class MessagesFormat(WireFormat):
         return user_id
 
     def fingerprint_parts(self, body: dict[str, Any]) -> tuple[str, str]:
-        first_user = ""
+        users = []
         for message in as_list(body.get("messages")):
             if isinstance(message, dict) and message.get("role") == "user":
-                first_user = chat_text(message.get("content"))
-                break
-        return chat_text(body.get("system")), first_user
+                users.append(chat_text(message.get("content")))
+                if not harness_context(users[-1]):
+                    break
+        return chat_text(body.get("system")), "\n".join(users)
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         """Every named tool of ``tools``: a client tool (``input_schema``; Anthropic's ``custom`` type) is a

@@ -14,7 +14,8 @@ from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, 
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
-from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse
+from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
+                           harness_context)
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 _HEAD_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress"})
@@ -152,7 +153,7 @@ class ResponsesFormat(WireFormat):
         items = body.get("input")
         if isinstance(items, str):
             return system, items
-        first_user = ""
+        users = []
         for item in as_list(items):
             if not isinstance(item, dict):
                 continue
@@ -160,9 +161,10 @@ class ResponsesFormat(WireFormat):
             if role in ("system", "developer") and not system:
                 system = chat_text(item.get("content"))
             elif role == "user":
-                first_user = chat_text(item.get("content"))
-                break
-        return system, first_user
+                users.append(chat_text(item.get("content")))
+                if not harness_context(users[-1]):
+                    break
+        return system, "\n".join(users)
 
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         """The top-level ``tools`` and those of every ``additional_tools`` input item (Codex with its default
