@@ -173,3 +173,26 @@ def test_a_long_request_is_read_at_its_start_and_end_in_bounded_time() -> None:
     assert time.process_time() - started < 1
     # A fence opened at the start and closed in the part left out does not hide the closing rule.
     assert prohibitions(f"```\n{paste}\n```\n{rule}") == (rule,)
+
+
+@pytest.mark.parametrize("line", [
+    "WARNING: do not retry the request with the same idempotency key",
+    "[ERROR] never call close() twice",
+    "error: do not use --force on a protected branch",
+    "DEBUG do not cache this response",
+    "2026-12-04 20:06:45 worker-3: do not retry, giving up",
+    "[20:06:45] never mind, reconnected",
+    "Dec  4 20:06:45 host app[12]: do not retry",
+    "src/app.py:12: do not edit generated code",
+    'File "x.py", line 3, in main: never reached',
+])
+def test_a_log_line_is_no_prohibition_in_a_short_or_a_long_message(line: str) -> None:
+    assert in_force(line) == []
+    assert in_force(f"Here is what it printed:\n{line}\nWhat happened?") == []
+    assert in_force(f"{line}\nDo not push.") == [(1, "Do not push.")]  # the user's own line still counts
+
+
+@pytest.mark.parametrize("text", ["Information: do not push.", "INFOrmally, do not push.", "Errors aside, never push.",
+                                  "May the tests pass; never push."])
+def test_words_that_only_look_like_a_log_prefix_keep_their_rule(text: str) -> None:
+    assert len(in_force(text)) == 1

@@ -23,8 +23,9 @@ verification prohibition persists until you explicitly change it"):
     ``hands off``, ``stay out of``. Such a rule forbids what editing tools and writing commands do: its words
     (:func:`forbidden_words`) include the change actions (edit, modify, change, write, touch).
 - Skipped: lines inside code fences, blockquotes (``>``), box-drawing UI lines (U+2500-U+257F), ``NN:`` excerpts
-  (a line number and a colon, as tools print file lines), questions (ending in ``?``) and quote-led units (they
-  quote someone else's words).
+  (a line number and a colon, as tools print file lines), log lines (:data:`_LOG`: a level such as ``WARNING:``,
+  ``[error]`` or ``INFO``, a timestamp, or a ``path:line`` first: a program's words pasted, in a message of any
+  length), questions (ending in ``?``) and quote-led units (they quote someone else's words).
 - A marker inside a quoted span (straight ``"..."`` or typographic double quotes, backticks) is someone else's
   words, not the user's rule: ``The README says "do not edit generated files".`` states no prohibition.
 - At most :data:`MAX_ITEMS` (8) items of at most :data:`MAX_CHARS` (200) characters each, first ones kept,
@@ -94,6 +95,15 @@ _SENTENCE = re.compile(r"(?<=[.!;])\s+")
 _CLAUSE = re.compile(r"[,:]\s*|\s+but\s+", re.IGNORECASE)
 _BOX = re.compile("[\u2500-\u257f]")
 _EXCERPT = re.compile(r"^\s*\d+\s*:")
+_LOG = re.compile(
+    r"\[?(?:(?i:trace|debug|info|notice|warn|warning|error|err|critical|fatal|severe|panic)(?:\]|:)"
+    r"|(?:TRACE|DEBUG|INFO|NOTICE|WARN|WARNING|ERROR|ERR|CRITICAL|FATAL|SEVERE|PANIC)\b)"
+    r"|\[?\d{4}-\d\d-\d\d[T ]\d\d:\d\d|\[?\d\d:\d\d:\d\d"
+    r"|\[?(?i:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]* +\d{1,2},? +(?:\d{4} +)?\d\d:\d\d"
+    r"|(?:[\w.~-]*/)*[\w.-]+\.[A-Za-z]\w*:\d+|File \"[^\"]+\", line \d+")
+"""The start of a log line (a stripped line, matched at its start): a level (``WARNING:``, ``[error]``, ``ERROR``
+in capitals), a timestamp (``2026-12-04 20:06:45``, ``20:06:45``, ``Dec  4 20:06``) or a source position
+(``src/app.py:12``, ``File "x.py", line 3``)."""
 _QUOTES = "\"'\u201c\u2018`"
 _QUOTED = re.compile('"[^"]*"|\u201c[^\u201d]*\u201d|`[^`]*`')
 """Quoted spans within a unit; single quotes are left alone, being apostrophes as often as quotes."""
@@ -149,7 +159,8 @@ def units(request: str) -> Iterator[str]:
         if stripped.startswith(("```", "~~~")):
             fenced = not fenced
             continue
-        if fenced or stripped.startswith(">") or _BOX.search(stripped) or _EXCERPT.match(stripped):
+        if fenced or stripped.startswith(">") or _BOX.search(stripped) or _EXCERPT.match(stripped) \
+                or _LOG.match(stripped):
             continue
         for unit in _SENTENCE.split(stripped):
             unit = unit.strip()
