@@ -199,17 +199,14 @@ class Tools:
         return {"written": str(self.config_path), **shown}
 
     async def pool_health(self) -> dict[str, Any]:
-        from .adapters.health import Cooldown
-        from .adapters.health_store import NAMESPACE as HEALTH, HealthStore
+        from .adapters.health_store import routing_health
         from .adapters.overview import health_json
         from .adapters.state import backend_of
 
         config = self.config()
-        cooldown = config.model_routing.cooldown
 
         def report() -> dict[str, Any]:
-            store = HealthStore(backend_of(config).kv(HEALTH), Cooldown(cooldown.default_seconds,
-                                                                         cooldown.maximum_seconds))
+            store = routing_health(backend_of(config), config.model_routing.cooldown)
             try:
                 return health_json(store.all(), time.time())
             finally:

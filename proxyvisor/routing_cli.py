@@ -553,12 +553,10 @@ def _names_a_pool(name: str, recorded: list[str], config: Config, registry: Regi
 
 
 def _health(args: argparse.Namespace, config: Config) -> int:
-    from .adapters.health import Cooldown
-    from .adapters.health_store import NAMESPACE as HEALTH, HealthStore
+    from .adapters.health_store import routing_health
     from .adapters.state import backend_of
 
-    c = config.model_routing.cooldown
-    store = HealthStore(backend_of(config).kv(HEALTH), Cooldown(c.default_seconds, c.maximum_seconds))
+    store = routing_health(backend_of(config), config.model_routing.cooldown)
     name: str | None = args.name
     done = "cleared" if args.action == "clear" else "shown"
     if name is not None and not name.strip():

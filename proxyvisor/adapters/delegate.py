@@ -46,8 +46,8 @@ from .dead_letters import DeadLetterStore
 from .descriptors import STRUCTURED_OUTPUT, DescriptorError, Registry, TargetError, registry_for
 from .failures import CAPACITY, INVALID, KNOWN_FAILED, UNAVAILABLE, Failure
 from .graph import ROOT, may_delegate
-from .health import Admission, Cooldown, fleet_wait
-from .health_store import NAMESPACE as HEALTH, HealthStore
+from .health import Admission, fleet_wait
+from .health_store import routing_health
 from .state import DiskBackend, StateBackend, backend_of
 from .results import ClaimStore, ToolResult, child_traceparent, claim_check, evidence, shape, trace_id_of
 from .retry import RetryPolicy, next_start
@@ -101,10 +101,9 @@ class Delegator:
         self.registry = registry if registry is not None else registry_for(self.routing.adapters_dir)
         self.clocks = clocks or self.routing.children
         root = Path(state_dir) if state_dir is not None else config.state_dir()
-        cooldown = Cooldown(self.routing.cooldown.default_seconds, self.routing.cooldown.maximum_seconds)
         if backend is None:
             backend = DiskBackend(root) if state_dir is not None else backend_of(config)
-        self.health = HealthStore(backend.kv(HEALTH), cooldown)
+        self.health = routing_health(backend, self.routing.cooldown)
         self.claims = ClaimStore(backend.kv(ClaimStore.NAMESPACE), self.routing.children.claim_retention_s)
         self.dead_letters = DeadLetterStore(root / "dead_letters", self.clocks.dead_letter_retention_s,
                                             self.clocks.dead_letters_kept)

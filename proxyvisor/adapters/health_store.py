@@ -18,14 +18,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import trio
 
 from .failures import Failure
 from .health import HEALTHY, Admission, Cooldown, PoolHealth, admit, named, release, settle
-from .state import KV, Outage, StateUnavailable
+from .state import KV, Outage, StateBackend, StateUnavailable
+
+if TYPE_CHECKING:
+    from ..config import CooldownConfig
 
 log = logging.getLogger("proxyvisor.health")
 T = TypeVar("T")
@@ -42,6 +45,13 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(PoolHealth))
 
 def _encode(health: PoolHealth) -> bytes:
     return orjson.dumps({k: v for k, v in dataclasses.asdict(health).items() if k != "pool"})
+
+
+def routing_health(backend: StateBackend, cooldown: CooldownConfig) -> HealthStore:
+    """The pool health of model routing's children in ``backend`` (the ``health`` namespace), under
+    ``[model_routing.cooldown]``'s rules: what delegation writes and ``proxyvisor health``, the web view and the MCP
+    server read. Close it after use."""
+    return HealthStore(backend.kv(NAMESPACE), Cooldown(cooldown.default_seconds, cooldown.maximum_seconds))
 
 
 class HealthStore:

@@ -45,8 +45,7 @@ import orjson
 import trio
 
 from ..adapters.descriptors import registry_for
-from ..adapters.health import Cooldown
-from ..adapters.health_store import NAMESPACE as HEALTH, HealthStore
+from ..adapters.health_store import HealthStore, routing_health
 from ..adapters.state import StateBackend
 from ..adapters.overview import health_json, routing_json
 from ..config import Config
@@ -187,8 +186,7 @@ class WebView:
         self._summed: dict[str, tuple[float, dict[str, Any]]] = {}
         """The listing's rows by session, with the wall time of the ledger's last line they were summed from: the
         latest listing's sessions only."""
-        c = config.model_routing.cooldown
-        self.health = HealthStore(backend.kv(HEALTH), Cooldown(c.default_seconds, c.maximum_seconds)) \
+        self.health: HealthStore | None = routing_health(backend, config.model_routing.cooldown) \
             if store is not None and backend is not None else None
 
     def close(self) -> None:
