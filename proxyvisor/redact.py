@@ -97,6 +97,24 @@ def holds_secret(text: str, known: Iterable[str] = ()) -> bool:
     return any(k and k in text for k in known) or any(next(shape.matches(text), None) for shape in SHAPES)
 
 
+CUT_MARGIN = 1_000
+"""Characters past a cut that are redacted or checked with what is kept (:func:`past_cut`)."""
+
+
+def past_cut(text: str, limit: int) -> str:
+    """What of ``text`` to redact or check when only its first ``limit`` characters are kept: those and
+    :data:`CUT_MARGIN` more, so a secret the cut runs through is seen whole (cut in two, a key may no longer look
+    like one, and its kept half would go out)."""
+    return text[:limit + CUT_MARGIN]
+
+
+def redact_cut(text: str, limit: int, known: Iterable[str] = (), mark: str = "") -> str:
+    """``text`` redacted (:func:`redact`, over :func:`past_cut`) and then cut to at most ``limit`` characters,
+    ``mark`` ending a text that was cut (within the ``limit``)."""
+    out = redact(past_cut(text, limit), known)
+    return out if len(out) <= limit else out[:limit - len(mark)] + mark
+
+
 def redact(text: str, known: Iterable[str] = ()) -> str:
     """``text`` with every ``known`` credential and every secret-looking value (:data:`SHAPES`) replaced by
     ``[redacted]``; the rest of it as it was."""

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from proxyvisor.adapters.failures import summary
-from proxyvisor.redact import REDACTED, holds_secret, redact
+from proxyvisor.redact import CUT_MARGIN, REDACTED, holds_secret, past_cut, redact, redact_cut
 
 # (text, the secret in it); the fixtures are made-up values of each shape.
 LEAKS = [
@@ -105,3 +105,13 @@ def test_the_time_grows_with_the_length_only(text: str) -> None:
     holds_secret(text)
     redact(text)
     assert time.process_time() - started < 3, "about 0.3 s per MB; a quadratic pattern takes minutes"
+
+
+def test_a_secret_the_cut_runs_through_is_redacted_whole_and_the_cut_marked() -> None:
+    key = "sk-proj-" + "a1B2c3D4" * 6
+    text = "x" * 290 + " " + key + " and more words after it"
+    cut = redact_cut(text, 300, mark="…")
+    assert cut == "x" * 290 + " " + REDACTED[:8] + "…" and key[:8] not in cut
+    assert redact_cut("short " + key, 300) == "short " + REDACTED
+    assert redact_cut("short hunter", 300, known=["hunter"]) == "short " + REDACTED
+    assert past_cut(text, 10) == text[:10 + CUT_MARGIN]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..redact import redact
+from ..redact import redact, redact_cut
 from .cache import LazyCache
 
 PROMPT_CHARS = 100_000
@@ -35,9 +35,8 @@ class DeadLetterStore(LazyCache):
         """Store a dead letter of ``role`` for ``prompt`` with the fields of ``record`` (route, attempts,
         failure, reason...), secrets redacted (module docstring); returns its id (``dl_`` + 20 hex digits). The oldest beyond ``kept`` are removed."""
         letter_id = _PREFIX + secrets.token_hex(10)
-        # Redacted a little past the cut, so a secret the cut runs through is redacted whole first.
         letter = {"id": letter_id, "created_at": time.time(), "role": role,
-                  "prompt": redact(prompt[:PROMPT_CHARS + 1_000])[:PROMPT_CHARS], "prompt_chars": len(prompt),
+                  "prompt": redact_cut(prompt, PROMPT_CHARS), "prompt_chars": len(prompt),
                   **_redacted(record)}
         with self._lock:
             db = self._db()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timezone
 from email.utils import parsedate_to_datetime
 
-from ..redact import redact
+from ..redact import redact_cut
 
 CAPACITY, AUTH, UNAVAILABLE, TIMEOUT, PROVIDER, INVALID = (
     "capacity", "auth", "unavailable", "timeout", "provider", "invalid")
@@ -76,8 +76,7 @@ _QUOTA = ("insufficient_quota", "check your plan and billing", "credit balance i
 
 def summary(message: str) -> str:
     """``message`` on one line, secret-looking values redacted (``proxyvisor.redact``), cut to 300 characters."""
-    text = redact(" ".join(str(message).split())[:4 * _MESSAGE_LIMIT])  # past the cut: a secret it cuts goes whole
-    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
+    return redact_cut(" ".join(str(message).split()), _MESSAGE_LIMIT, mark="…")
 
 
 RETRY_AFTER_CAP_S = 86_400

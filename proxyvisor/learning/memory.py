@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..redact import holds_secret
+from ..redact import holds_secret, past_cut
 
 RULE, ORIENTATION, EXPERIENCE = "rule", "orientation", "experience"
 KINDS = (RULE, ORIENTATION, EXPERIENCE)
@@ -46,9 +46,6 @@ READ_CHARS = 8_000
 """Characters of a user's text (a turn, a task, a candidate record) learning reads at all. A human instruction is
 not megabytes: past them is a pasted log or file, and reading it whole on every distill and recall would cost
 seconds of CPU for nothing learnt. What a record keeps comes from them, so a secret past them cannot reach one."""
-_CHECKED = MAX_TEXT + 200
-"""Characters of a clipped candidate checked for secrets: what the record keeps and a margin past the cut, so a
-secret the cut runs through is found whole."""
 
 
 def _flat(text: str) -> str:
@@ -129,7 +126,7 @@ class Memory:
         if not text or candidate.kind not in KINDS or (candidate.kind == EXPERIENCE and label not in LABELS):
             return None
         secrets = list(secrets)
-        if any(holds_secret(_flat(t)[:_CHECKED], secrets) for t in (candidate.text, candidate.source)):
+        if any(holds_secret(past_cut(_flat(t), MAX_TEXT), secrets) for t in (candidate.text, candidate.source)):
             return None
         key = record_id(candidate.kind, text, label)
         old = self.records.get(key)
