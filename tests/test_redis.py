@@ -106,6 +106,24 @@ def test_one_probe_lease_across_the_fleet(redis_url: str) -> None:
             b.close()
 
 
+def test_every_pools_health_is_read_in_one_round_trip(redis_url: str) -> None:
+    backend = RedisBackend(redis_url)
+    store = HealthStore(backend.kv("health"), Cooldown())
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        for n in range(20):
+            store.settle_sync(f"p{n:02d}", 1000.0, Failure("capacity", True, "known_failed", retry_after_s=5))
+        assert backend.kv("health").get_many(["pool:p00", "absent"])[1] is None
+        raw.config_resetstat()
+        pools = store.all()
+        stats = raw.info("commandstats")
+        assert [p.pool for p in pools] == [f"p{n:02d}" for n in range(20)] and pools[0].state == COOLING_DOWN
+        assert "cmdstat_get" not in stats and stats["cmdstat_mget"]["calls"] == 1
+    finally:
+        raw.close()
+        backend.close()
+
+
 def test_an_unreachable_redis_is_a_clear_startup_error(tmp_path: Path) -> None:
     port = free_port()
     with pytest.raises(StateUnavailable, match=f"cannot reach Redis at redis://127.0.0.1:{port}/0"):

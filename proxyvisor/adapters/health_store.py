@@ -90,7 +90,8 @@ class HealthStore:
         Raises:
             StoreUnusable: the store cannot be used (:meth:`~.state.KV.keys`); StateUnavailable: Redis is down.
         """
-        return [self._load(k[len(_PREFIX):], self.kv.get(k)) for k in self.kv.keys(_PREFIX)]
+        keys = self.kv.keys(_PREFIX)
+        return [self._load(k[len(_PREFIX):], v) for k, v in zip(keys, self.kv.get_many(keys))]
 
     def _update(self, pool: str, step: Callable[[PoolHealth], PoolHealth]) -> PoolHealth:
         """``step`` applied to the pool's health in one atomic read-modify-write; the new health."""

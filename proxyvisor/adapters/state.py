@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,6 +98,10 @@ class KV(Protocol):
 
     def get(self, key: str) -> bytes | None: ...
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys``, in their order (None: absent), read in one step (one Redis round trip)."""
+        ...
+
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...
 
     def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
@@ -166,6 +170,12 @@ class DiskKV(LazyCache):
         if isinstance(value, str):  # a condense decision stored before this interface (JSON text): still the same
             return value.encode()
         return value if isinstance(value, bytes) else None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys or not self.exists():
+            return [None] * len(keys)
+        values = self._call(lambda db: [db.get(key) for key in keys])
+        return [v.encode() if isinstance(v, str) else v if isinstance(v, bytes) else None for v in values]
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self._call(lambda db: db.set(key, value, expire=ttl_s))
@@ -271,6 +281,12 @@ class RedisKV:
     def get(self, key: str) -> bytes | None:
         value = self.backend.call(lambda r: r.get(self.prefix + key))
         return value if isinstance(value, bytes) else None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = self.backend.call(lambda r: r.mget([self.prefix + key for key in keys]))
+        return [v if isinstance(v, bytes) else None for v in values]
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self.backend.call(lambda r: r.set(self.prefix + key, value, px=_ms(ttl_s)))
