@@ -126,15 +126,26 @@ def register(commands: Any, common: Callable[[argparse.ArgumentParser], None], f
         parser.set_defaults(handler=functools.partial(_run, name, handler))
 
 
-def _url_arg(value: str) -> str:
-    """``--url``: an ``http(s)://HOST[:PORT]`` address (a trailing ``/`` allowed), else ArgumentTypeError."""
+def proxy_origin(value: str, session_path: bool = False) -> str | None:
+    """The proxy's ``http(s)://HOST[:PORT]`` that ``value`` names, or None when it names none: another scheme, no
+    host, a port that is no number in 0-65535, a user or password (a proxy is asked without credentials, and they
+    would be echoed in messages), a query or fragment, or a path other than ``/``; with ``session_path``, any path
+    (``PROXYVISOR_URL`` is the session's base, ``http://HOST:PORT/s/SESSION``)."""
     try:
         url = urllib.parse.urlsplit(value)
         url.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
     except ValueError:
-        url = None
-    if url is None or url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/") \
-            or url.query or url.fragment or url.username is not None:
+        return None
+    if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment \
+            or url.username is not None or not session_path and url.path not in ("", "/"):
+        return None
+    return f"{url.scheme}://{url.netloc}"
+
+
+def _url_arg(value: str) -> str:
+    """``--url``: an ``http(s)://HOST[:PORT]`` address (a trailing ``/`` allowed; :func:`proxy_origin`), else
+    ArgumentTypeError."""
+    if proxy_origin(value) is None:
         raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT] or https://HOST[:PORT], got {value!r}")
     return value
 

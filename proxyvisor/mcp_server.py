@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -62,14 +61,12 @@ def _wrapped() -> tuple[str | None, str | None]:
     """``(the proxy's http(s)://HOST:PORT, the session)`` that ``proxyvisor wrap`` and ``batch`` give the agent they
     run in ``PROXYVISOR_URL`` (``http://127.0.0.1:PORT/s/SESSION``) and ``PROXYVISOR_SESSION``; None for what is
     unset or malformed (logged)."""
+    from .info_cli import proxy_origin
+
     url, session = os.environ.get("PROXYVISOR_URL", ""), os.environ.get("PROXYVISOR_SESSION", "")
-    origin = None
-    if url:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme in ("http", "https") and parts.netloc:
-            origin = f"{parts.scheme}://{parts.netloc}"
-        else:
-            log.warning("PROXYVISOR_URL is no http(s) URL: ignored")
+    origin = proxy_origin(url, session_path=True) if url else None
+    if url and origin is None:
+        log.warning("PROXYVISOR_URL is no http(s)://HOST[:PORT] URL without a user or password: ignored")
     if session and not SESSION_ID.match(session):
         log.warning("PROXYVISOR_SESSION is no session id: ignored")
         session = ""

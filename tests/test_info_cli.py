@@ -164,3 +164,19 @@ def test_a_url_with_a_port_and_a_trailing_slash_is_accepted() -> None:
 
     for url in ("http://127.0.0.1:8377", "https://proxy.example/", "http://[::1]:8377"):
         assert _url_arg(url) == url
+
+
+def test_one_check_for_the_proxys_address_in_url_and_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxyvisor.info_cli import proxy_origin
+    from proxyvisor.mcp_server import _wrapped
+
+    assert proxy_origin("http://127.0.0.1:8377/") == "http://127.0.0.1:8377"
+    assert proxy_origin("http://127.0.0.1:8377/s/abc") is None
+    assert proxy_origin("http://127.0.0.1:8377/s/abc", session_path=True) == "http://127.0.0.1:8377"
+    for bad in ("http://user:secret@127.0.0.1:8377/s/abc", "http://127.0.0.1:99999/s/abc", "ftp://host/s/abc",
+                "http:///s/abc", "http://127.0.0.1:8377/s/abc?x=1"):
+        assert proxy_origin(bad, session_path=True) is None, bad
+        monkeypatch.setenv("PROXYVISOR_URL", bad)
+        assert _wrapped()[0] is None, bad
+    monkeypatch.setenv("PROXYVISOR_URL", "http://127.0.0.1:8377/s/abc")
+    assert _wrapped()[0] == "http://127.0.0.1:8377"
