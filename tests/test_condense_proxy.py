@@ -21,7 +21,8 @@ from proxyvisor.proxy.condense_engine import ToolResult, prepare_items
 from proxyvisor.condense.protocol import TaskContext, build_messages
 from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import CondenseConfig, Config, GateConfig, ModelConfig
-from proxyvisor.proxy.condensing import can_read_back
+from proxyvisor.proxy.condensing import _scanned, can_read_back
+from proxyvisor.proxy.formats.base import Item
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES, ToolSpec, WireFormat
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sse import SSEParser
@@ -371,3 +372,28 @@ async def test_the_scripted_upstream_prefers_a_queued_condense_answer(tmp_path: 
     assert json.loads(CHAT.parse_response(queued).text) == {"results": [{"id": "r1", "verdict": "keep"}]}
     assert json.loads(CHAT.parse_response(policy).text) == {"results": []}
     assert CHAT.parse_response(turn).text == "a turn" and len(upstream.condenser_requests) == 2
+
+
+def test_a_scan_goes_on_from_the_last_request_and_a_branch_reads_its_history_again() -> None:
+    """Condensing's scan of a history goes on from the one kept on the last request's last item; a request that
+    branches off an earlier item (a retried round answered differently) finds no scan that matches there and
+    reads its history whole, so it sees its own calls and results, not the other branch's."""
+    def call(n: int) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"c{n}", "type": "function", "function": {"name": "Bash",
+                                                                    "arguments": f'{{"command":"make t{n}"}}'}}]},
+                {"role": "tool", "tool_call_id": f"c{n}", "content": f"line {n}\n" * 200}]
+
+    start = [{"role": "system", "content": "s"}, {"role": "user", "content": "fix it"}, *call(1)]
+    first = [Item(m) for m in start]
+    extended = first + [Item(m) for m in call(2)]
+    branch = first + [Item(m) for m in call(3)]
+
+    def seen(scan: Any) -> tuple[Any, ...]:
+        return (scan.index, sorted(scan.uses), dict(scan.ids), [r[:2] for r in scan.results], scan.commands)
+
+    kept = _scanned(CHAT, first)
+    assert _scanned(CHAT, extended) is kept
+    assert seen(kept) == seen(_scanned(CHAT, [Item(m) for m in start + call(2)]))
+    assert seen(_scanned(CHAT, branch)) == seen(_scanned(CHAT, [Item(m) for m in start + call(3)]))
+    assert seen(_scanned(CHAT, extended)) == seen(_scanned(CHAT, [Item(m) for m in start + call(2)]))

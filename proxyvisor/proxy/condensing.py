@@ -213,7 +213,11 @@ class _Scan:
 
 def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
     """:class:`_Scan` of ``items``, going on from the scan kept on the last item an earlier request of the same
-    body lineage had (:class:`~.formats.base.Item`), so a request reads only its new items."""
+    body lineage had (:class:`~.formats.base.Item`), so a request reads only its new items.
+
+    The kept scan goes on in place (copying it cost as much as reading the history): the items it was kept on
+    before no longer match it (its :attr:`~_Scan.index` moves on, and is -1 while it is read), so a request that
+    branches off at one of them reads its history again, whole."""
     start, done = len(items), None
     while start:
         kept = derived(items[start - 1])
@@ -222,9 +226,8 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
             done = found
             break
         start -= 1
-    scan = _Scan(start, done.last, done.request, dict(done.uses), Counter(done.ids), list(done.runs),
-                 {key: list(places) for key, places in done.commands.items()}, done.repeated,
-                 list(done.results)) if done is not None else _Scan(0)
+    scan = done if done is not None else _Scan(0)
+    scan.index = -1  # an exception below leaves no scan that claims items it holds only part of
     for index in range(start, len(items)):
         message = fmt.message(items[index])
         if message.role == "assistant":
