@@ -159,9 +159,13 @@ async def test_with_redis_down_ledger_lines_go_to_the_file_and_are_counted_unsha
                     assert (await client.post("/s/down/v1/chat/completions",
                                               json=request_body("chat"))).status_code == 200
                 info = (await client.get("/proxyvisor/sessions/down/info")).json()
+                body = request_body("chat")
+                body["messages"].append({"role": "user", "content": "/info"})
+                text = (await client.post("/s/down/v1/chat/completions", json=body)).json()
     assert info["requests"] == 3, "the local file, which has every line"
     assert info["live"]["unshared"] == 2
-    assert len((tmp_path / "a" / "ledger" / "down.jsonl").read_bytes().splitlines()) == 3
+    assert "| not shared " in text["choices"][0]["message"]["content"]
+    assert len((tmp_path / "a" / "ledger" / "down.jsonl").read_bytes().splitlines()) == 4, "3 requests, 1 /info"
     warned = [r for r in caplog.records if r.getMessage().startswith("shared ledgers:")]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert "Traceback" not in caplog.text

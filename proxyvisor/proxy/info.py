@@ -622,6 +622,11 @@ def render_text(info: Mapping[str, Any]) -> str:
         rows.append(("not in the ledger", f"{unrecorded:,} request{'' if unrecorded == 1 else 's'} (the ledger "
                                           "could not be written: see the proxyvisor log); the counts above miss "
                                           f"{'it' if unrecorded == 1 else 'them'}"))
+    unshared = (info.get("live") or {}).get("unshared")
+    if unshared:
+        rows.append(("not shared", f"{unshared:,} ledger line{'' if unshared == 1 else 's'} of this replica did "
+                                   "not reach Redis (see the proxyvisor log): other replicas' counts miss "
+                                   f"{'it' if unshared == 1 else 'them'}"))
     width = max(len(name) for name, _ in rows)
     head = "proxyvisor /info" + (f" · session {info['session']}" if info.get("session") else "")
     lines = [f"**{head}**", "", f"| {'counter'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
