@@ -8,7 +8,8 @@ A ledger line is written whole or not at all: with a single ``write`` on a file 
 concurrent writers never interleave; a write the disk cuts short (full, over quota) is truncated back, and a line
 always starts after a newline, so a torn last line (a power cut) stays a line of its own, which
 :meth:`Store.read_ledger` skips. Nothing here ever receives request headers, so credentials cannot reach the
-ledger.
+ledger. With replicas on Redis, each line also goes to the session's shared ledger
+(``proxyvisor.adapters.replicas``), which the readers here read too (:class:`SharedLedgers`).
 
 Every store in the state directory is optional: the ledger, the condense decisions and spill files, the
 sessions' supervision state, and delegation's pool health, claim checks and dead letters (the condense decisions,

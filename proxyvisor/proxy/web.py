@@ -25,7 +25,8 @@ Endpoints (JSON; errors in the OpenAI error shape, as ``/proxyvisor/sessions``):
   ``resync`` when the listener fell
   behind and missed some, and a comment every :data:`KEEPALIVE_S` seconds. An event says what changed; the page
   then reads the endpoints above again, so what it shows always comes from the ledgers: after a restart of the
-  proxy it shows the same, rebuilt from the state directory.
+  proxy it shows the same, rebuilt from the state directory (on Redis, from every replica's lines; the events
+  announce only the lines of the replica the page is connected to).
 
 Every answer carries ``cache-control: no-store`` and ``x-content-type-options: nosniff``; the page is served with a
 content security policy that allows only its own script and style (no inline script, no other origin).
