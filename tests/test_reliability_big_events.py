@@ -7,6 +7,9 @@ What each test pins is listed in ``docs/reliability.md``.
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
 import time
 
 import orjson
@@ -17,13 +20,15 @@ from proxyvisor.detectors.selfreport import Stripper, strip
 from proxyvisor.proxy import limits
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn
 from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.service import map_big_blocks
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 
-from helpers import (FORMATS, MODEL, assert_ends_with_error_event, assert_error_shape, raw_stream, request_body,
-                     serve_handler, sse_events)
+from helpers import (FORMATS, MODEL, assert_ends_with_error_event, assert_error_shape, http_client, path_of, raw_stream,
+                     request_body, serve_handler, sse_events)
 
 ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
+map_big_blocks()  # the allocator settings serve and wrap run with, made before any test starts a thread
 _SSE = [(b"content-type", b"text/event-stream")]
 LIMIT = 64 * 1024
 BIG_WORD = "x" * (2 * LIMIT)
@@ -245,3 +250,95 @@ def test_large_json_reads_and_writes_as_orjson_does(monkeypatch: pytest.MonkeyPa
             except orjson.JSONDecodeError:
                 got = orjson.JSONDecodeError
             assert got == want
+
+
+_REPORT = ' <sup>{"state": "done", "focus": "f", "next": null, "carry": []}</sup>'
+
+
+class HugeEventUpstream:
+    """Streams a turn whose second word is ``size`` bytes of text ending in a newline, so that one delta event
+    (and, in Responses, each event that repeats the whole text) is that big and is rewritten by the stripper (it
+    holds the newline back), followed by a self-report. The stream is rendered before any request (it takes a
+    while), and goes out 1 MiB at a time, as a network delivers it. ``full`` is the turn's text."""
+
+    def __init__(self, fmt: str, size: int) -> None:
+        self.full = "Here: " + "y" * size + "\n" + _REPORT
+        marker = "BIGWORD"  # (the marker, not the text, is rendered: rendering cuts a text into words)
+        events = BY_NAME[fmt].render_stream(AssistantTurn(f"Here: {marker}{_REPORT}"), MODEL,
+                                            request_body(fmt, stream=True))
+        self.data = b"".join(events).replace(marker.encode(), b"y" * size + b"\\n")
+
+    async def __call__(self, request: Request) -> Response:
+        async def play():
+            for start in range(0, len(self.data), 1024 * 1024):
+                yield self.data[start:start + 1024 * 1024]
+                await trio.sleep(0)
+
+        return Response(200, _SSE, play())
+
+
+@ALL_FORMATS
+async def test_the_event_loop_runs_between_the_bounded_steps_of_a_big_events_work(
+        fmt: str, start_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 32 MB event relayed through a supervised proxy, with the interpreter's switch interval made longer than the
+    whole relay: a worker thread then keeps the interpreter lock until it lets go of it, so the event loop (which
+    serves every other session) runs only where the work on the event stops on its own. That work goes a bounded
+    step at a time and lets the loop go first between steps: the CPU time worker threads spend between two turns of
+    the loop stays a few ms (one whole-event step, a join, a decode, a copy, took 16 to 21 ms of it at this size, and
+    five times as much at 100 MB), and so does the loop's own. CPU time, not wall time: a loaded machine that stops
+    the process for a while does not count. The client gets the text without its report."""
+    upstream = HugeEventUpstream(fmt, 32 * 1024 * 1024)
+    started: dict[int, float] = {}  # worker threads (trio keeps them between calls): CPU time when first seen
+    real_run_sync = trio.to_thread.run_sync
+
+    async def recorded(fn, *args, **kwargs):
+        def run(*inner):
+            started.setdefault(threading.get_ident(), time.thread_time())
+            return fn(*inner)
+        return await real_run_sync(run, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", recorded)
+
+    def worker_cpu(before: dict[int, float]) -> dict[int, float]:
+        now = {}
+        for ident in started:
+            try:
+                now[ident] = time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except OSError:  # a thread that ended: it no longer runs
+                now[ident] = before.get(ident, started[ident])
+        return now
+
+    worst_worker = worst_loop = 0.0
+    done = trio.Event()
+
+    async def heartbeat() -> None:
+        nonlocal worst_worker, worst_loop
+        worker = worker_cpu({})
+        while not done.is_set():
+            loop = time.thread_time()
+            await trio.sleep(0.001)
+            now = worker_cpu(worker)
+            worst_worker = max(worst_worker, sum(cpu - worker.get(i, started[i]) for i, cpu in now.items()))
+            worst_loop = max(worst_loop, time.thread_time() - loop)
+            worker = now
+
+    interval = sys.getswitchinterval()
+    async with serve_handler(upstream) as url, start_proxy(upstream_url=url) as rp, trio.open_nursery() as nursery:
+        sys.setswitchinterval(5.0)
+        gc.disable()  # a collection of this test process's objects holds the lock for long: not the event's work
+        try:
+            nursery.start_soon(heartbeat)
+            with trio.fail_after(120):  # guards a hang only
+                async with http_client() as client, client.stream(
+                        "POST", rp.url + "/s/huge" + path_of(fmt), json=request_body(fmt, stream=True)) as reply:
+                    chunks = [chunk async for chunk in reply.aiter_raw()]  # (joined after: 160 MB in Responses)
+            done.set()
+        finally:
+            gc.enable()
+            sys.setswitchinterval(interval)
+    assert reply.status_code == 200
+    data = b"".join(chunks)
+    turn = BY_NAME[fmt].assemble([(e.event, e.data) for e in sse_events(data)])
+    assert turn.text == strip(upstream.full)[0] and b"<sup>" not in data
+    assert worst_worker < 0.01, f"worker threads held the event loop for {worst_worker * 1000:.1f} ms of CPU at once"
+    assert worst_loop < 0.03, f"the event loop spent {worst_loop * 1000:.1f} ms of CPU in one turn"

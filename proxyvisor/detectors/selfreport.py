@@ -40,6 +40,8 @@ from typing import Any
 
 import orjson
 
+from .. import bigtext
+
 STATES = ("exploring", "progressing", "blocked", "need_input", "done")
 _ALIASES = {"need-input": "need_input", "needinput": "need_input"}
 _WORDS = {**{s: s for s in STATES}, **_ALIASES}
@@ -198,11 +200,11 @@ def strip(text: str) -> tuple[str, list[str]]:
 
     The result equals what :class:`Stripper` emits for the same text split anywhere.
     """
-    if OPEN not in text:
+    if not bigtext.contains(text, OPEN):
         return text, []
     stripper = Stripper()
-    clean = stripper.feed(text) + stripper.finish()
-    return clean, stripper.bodies
+    clean, rest = stripper.feed(text), stripper.finish()
+    return bigtext.concat([clean, rest]) if rest else clean, stripper.bodies
 
 
 def _held_prefix(text: str) -> int:
@@ -241,6 +243,16 @@ class Stripper:
         return len(self._buf) + len(self._space) + len(self._token[0] if self._token else "") + len(self._after)
 
     def feed(self, piece: str) -> str:
+        """The text safe to show now that ``piece`` came. A piece longer than :data:`~proxyvisor.bigtext.SLICE`
+        is fed a slice at a time (the result is the same however the text is split), so no step copies or
+        searches all of it; when it all went out unchanged it is returned itself, not a copy."""
+        if len(piece) <= bigtext.SLICE:
+            return self._feed(piece)
+        held, removed = self.held, len(self.bodies)
+        out = bigtext.concat(self._feed(part) for part in bigtext.slices(piece))
+        return piece if held == self.held == 0 and len(self.bodies) == removed else out
+
+    def _feed(self, piece: str) -> str:
         if not piece:
             return ""
         if not self._buf and OPEN[0] not in piece:

@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 import trio
 
-from .. import wirejson
+from .. import bigtext, wirejson
 from ..adapters.health_store import NAMESPACE as HEALTH
 from ..adapters.results import ClaimStore
 from ..adapters.replicas import RedisShare
@@ -51,7 +51,6 @@ from ..detectors.selfreport import strip
 from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
-from .formats import largejson
 from .formats.base import event_object
 from .relay import HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
@@ -898,5 +897,5 @@ def _answer(fmt: WireFormat, events: list[tuple[str | None, str]],
 
 
 def _event_usage(fmt: WireFormat, name: str | None, data: str) -> Usage | None:
-    obj = event_object(data) if largejson.contains(data, '"usage"') else None
+    obj = event_object(data) if bigtext.contains(data, '"usage"') else None
     return fmt.stream_usage(name, obj) if obj is not None else None

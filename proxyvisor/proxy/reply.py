@@ -17,12 +17,15 @@ however it stops, so a client going away closes the chain down to the upstream c
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import trio
+import trio.testing
 
+from .. import bigtext
 from ..transcript import StreamEditor
 from .closing import close
 from .relay import UpstreamError
@@ -63,19 +66,54 @@ class ReplyStream:
 OFF_LOOP_BYTES = 1024 * 1024
 """Work on this many bytes of one batch or more runs in a worker thread (:func:`off_loop`)."""
 
+RUN_S = 0.002
+"""How long a worker thread works on (a step at a time) before it lets the event loop go first."""
+YIELD_S = 0.005
+"""Longest a worker thread then waits for the event loop to have nothing to run."""
+
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, run in a worker thread when it handles ``size`` bytes or more (:data:`OFF_LOOP_BYTES`).
 
-    Scanning and editing one big event takes long (a 100 MB one a second or more): in a thread, the event loop,
-    which serves every session, gets the interpreter back between its steps and waits at most for the longest
-    single step, which the scanner (:func:`~.sse.decode`) and the formats (:mod:`~.formats.largejson`) keep to a
-    slice of the event; joining a long string once is the one step on the whole event that remains. ``fn`` must
-    touch only state of its own stream.
+    Scanning and editing one big event takes long (a 100 MB one half a second or more of CPU): in a thread, the
+    event loop, which serves every session, gets the interpreter back between its steps and waits at most for the
+    longest single step, which the scanner (:func:`~.sse.decode`), the formats (:mod:`~.formats.largejson`) and
+    the stripper keep to a slice of the event (:mod:`proxyvisor.bigtext`). Between steps the thread also lets the
+    loop go first (:func:`_loop_first`): with the lock shared turn by turn (the switch interval), a busy loop's
+    tasks wait for the thread's every turn while the event relays. A stream cancelled meanwhile (its client went
+    away) stops the thread's work at its next pause. ``fn`` must touch only state of its own stream.
     """
     if size < OFF_LOOP_BYTES:
         return fn(*args)
-    return await trio.to_thread.run_sync(functools.partial(fn, *args))
+    return await trio.to_thread.run_sync(functools.partial(_yielding, fn, *args))
+
+
+def _yielding(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, where a pause between two of its steps (:data:`proxyvisor.bigtext.PAUSE`)
+    lets the loop go first (:func:`_loop_first`) once the thread has worked :data:`RUN_S` since it last did. (The
+    thread runs in a copy of the caller's context: the setting stays in it.)"""
+    since = time.perf_counter()
+
+    def pause() -> None:
+        nonlocal since
+        if time.perf_counter() - since >= RUN_S:
+            _loop_first()
+            since = time.perf_counter()
+
+    bigtext.PAUSE.set(pause)
+    return fn(*args)
+
+
+def _loop_first() -> None:
+    """From a worker thread: wait until the event loop has no task to run and no socket ready, for at most
+    :data:`YIELD_S` once it takes this request (a loop that is never idle still lets the thread go on, a step per
+    turn of the loop)."""
+    trio.from_thread.run(_idle)
+
+
+async def _idle() -> None:
+    with trio.move_on_after(YIELD_S):
+        await trio.testing.wait_all_tasks_blocked()
 
 
 def size(items: Sequence[Item]) -> int:
@@ -113,27 +151,26 @@ def pieces(items: list[Item]) -> list[bytes]:
     return out
 
 
-def writes(items: list[Item]) -> list[bytes]:
+def writes(items: list[Item]) -> Iterator[bytes]:
     """The bytes of ``items`` as writes of at most :data:`OFF_LOOP_BYTES` bytes: small pieces joined, a big one cut
     in slices (each write to the client, copied once by h11, stays short, and the loop serves others between
-    them)."""
+    them). Lazily: a write is cut or joined only when the one before it went out."""
     limit = OFF_LOOP_BYTES
-    out: list[bytes] = []
     run: list[bytes] = []
     held = 0
     for piece in pieces(items):
         if held and held + len(piece) > limit:
-            out.append(b"".join(run))
+            yield b"".join(run)
             run, held = [], 0
         if len(piece) > limit:
-            out += [piece[i:i + limit] for i in range(0, len(piece), limit)]
+            for start in range(0, len(piece), limit):
+                yield piece[start:start + limit]
             continue
         if piece:
             run.append(piece)
             held += len(piece)
     if held:
-        out.append(b"".join(run))
-    return out
+        yield b"".join(run)
 
 
 class Blocks(ReplyStream):

@@ -14,9 +14,11 @@ came (to send on unchanged) beside the event they hold (to read), both from one 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..bigtext import concat
 from . import limits
 
 
@@ -185,7 +187,8 @@ class SSEScanner:
             raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
         event = None
         if self._has_data:
-            event = Event(self._event, self._data[0] if len(self._data) == 1 else "\n".join(self._data))
+            data = self._data[0] if len(self._data) == 1 else concat(_lines(self._data))
+            event = Event(self._event, data)
         self._raw, self._size = [], 0
         self._event, self._data, self._has_data = None, [], False
         return Block(raw, event)
@@ -238,8 +241,9 @@ def events(blocks: list[Block]) -> list[Event]:
 
 def decode(parts: list[Any], skip: int = 0) -> str:
     """The text of the bytes-like ``parts`` joined, less their first ``skip`` bytes: UTF-8, an invalid sequence
-    read as U+FFFD. Big input is decoded :data:`DECODE_SLICE` bytes at a time, so no single step (which holds
-    Python's interpreter lock) covers all of it; only joining the text is one step."""
+    read as U+FFFD. Big input is decoded :data:`DECODE_SLICE` bytes at a time and the text built a slice at a time
+    (:func:`~proxyvisor.bigtext.concat`), so no single step (which holds Python's interpreter lock) covers all of
+    it."""
     views = []
     for part in parts:
         view = memoryview(part)
@@ -247,10 +251,24 @@ def decode(parts: list[Any], skip: int = 0) -> str:
         skip = max(0, skip - len(view))
     if len(views) == 1 and len(views[0]) <= DECODE_SLICE:
         return str(views[0], "utf-8", "replace")
+    return concat(_decoded(views))
+
+
+def _decoded(views: list[memoryview]) -> Iterator[str]:
+    """The text of ``views`` (as :func:`decode` reads them), :data:`DECODE_SLICE` bytes at a time."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    text = [decoder.decode(view[i:i + DECODE_SLICE]) for view in views for i in range(0, len(view), DECODE_SLICE)]
-    text.append(decoder.decode(b"", final=True))
-    return "".join(text)
+    for view in views:
+        for start in range(0, len(view), DECODE_SLICE):
+            yield decoder.decode(view[start:start + DECODE_SLICE])
+    yield decoder.decode(b"", final=True)
+
+
+def _lines(data: list[str]) -> Iterator[str]:
+    """The data lines of one event with the ``\\n`` that joins them between each two."""
+    for n, line in enumerate(data):
+        if n:
+            yield "\n"
+        yield line
 
 
 DECODE_SLICE = 1024 * 1024

@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 
+from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside,
                    chat_text, dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text,
                    interleave, interleave_runs, edited, leading_system, split_json, sse, sse_json, with_field, words)
@@ -314,6 +315,12 @@ class ChatFormat(WireFormat):
         return _ChatSplice(hold, stop)
 
 
+def _done(data: str) -> bool:
+    """Whether an event's data is Chat's ``[DONE]`` (whitespace around it allowed): looked at only when short, so a
+    big event is not copied to find out."""
+    return len(data) <= 64 and data.strip() == "[DONE]"
+
+
 class _ChatStream:
     """Chat stream rewriting: ``choices[].delta.content`` of each choice through its filter; what a filter still
     holds at the choice's ``finish_reason`` rides in that same chunk (a chunk may carry content and a finish)."""
@@ -327,7 +334,7 @@ class _ChatStream:
     def event(self, name: str | None, data: str) -> list[bytes] | None:
         obj = event_object(data)
         if obj is None:
-            if data.strip() == "[DONE]":
+            if _done(data):
                 tail = self.close()
                 return tail + [sse(data)] if tail else None
             return None
@@ -401,10 +408,11 @@ class _ChatSplice:
             if self.final is not None:
                 self.final.append(data)
             return []
-        if self.stop and data.strip() == "[DONE]":
+        if self.stop and _done(data):
             self.stopped = True
             return []
-        obj = event_object(data) if self.stop or '"tool_calls"' in data or '"content"' in data else None
+        obj = event_object(data) if self.stop or bigtext.contains(data, '"tool_calls"') or bigtext.contains(
+            data, '"content"') else None
         if obj is None:
             return None
         self.head.update({k: obj[k] for k in ("id", "object", "created", "model") if k in obj})

@@ -6,8 +6,8 @@ session, for that long. A big event is big because of a few long string values (
 arguments, an image's base64), so :func:`loads` cuts those out: the rest of the text, with a placeholder in place
 of each long string, is parsed at once (it is small), and each long string is decoded in slices of
 :data:`SLICE` characters, the lock free for others between them. The result equals ``wirejson.loads`` of the whole
-text (the same object, the same errors); the only step on the whole text that remains is joining each long
-string's decoded slices (one copy). :func:`dumps` writes such an object back the same way, as pieces that join
+text (the same object, the same errors); each long string's decoded slices are joined a slice at a time too
+(:func:`~proxyvisor.bigtext.concat`). :func:`dumps` writes such an object back the same way, as pieces that join
 to ``orjson.dumps`` of it. Pure: no I/O, no clock.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from ... import wirejson
+from ...bigtext import concat, pause
 
 LONG = 16 * 1024
 """A string literal of at least this many characters is decoded in slices."""
@@ -82,6 +83,7 @@ def _literal_end(text: str, pos: int) -> int:
     matched by :data:`_BODY` instead (slower per character, but not per quote)."""
     n = len(text)
     while pos < n:
+        pause()
         stop = min(pos + SLICE, n)
         for _ in range(_DENSE):
             quote = text.find('"', pos, stop)
@@ -115,9 +117,9 @@ def _decode(text: str, start: int, end: int) -> str:
     Raises:
         orjson.JSONDecodeError: the literal is not a valid JSON string.
     """
-    pieces: list[str] = []
-    pos = start
-    while pos < end:
+    cuts = [start]
+    while cuts[-1] < end:
+        pos = cuts[-1]
         cut = min(pos + SLICE, end)
         if cut < end:
             # Back to a backslash with no other within an escape's length before it: an escape starts there and
@@ -127,9 +129,11 @@ def _decode(text: str, start: int, end: int) -> str:
                 if cut - pos <= SLICE // 2:
                     whole: str = orjson.loads('"' + text[start:end] + '"')
                     return whole
-        pieces.append(orjson.loads('"' + text[pos:cut] + '"'))
-        pos = cut
-    return pieces[0] if len(pieces) == 1 else "".join(pieces)
+        cuts.append(cut)
+    if len(cuts) == 2:
+        one: str = orjson.loads('"' + text[start:end] + '"')
+        return one
+    return concat(orjson.loads('"' + text[pos:cut] + '"') for pos, cut in zip(cuts, cuts[1:]))
 
 
 def _fill(value: Any, nonce: str, values: list[str]) -> Any:
@@ -161,7 +165,9 @@ def dumps(value: Any) -> list[bytes]:
         mark = orjson.dumps(f"{nonce}{n}")
         at = encoded.index(mark, pos)
         out += [encoded[pos:at], b'"']
-        out += [orjson.dumps(text[i:i + SLICE])[1:-1] for i in range(0, len(text), SLICE)]
+        for i in range(0, len(text), SLICE):
+            out.append(orjson.dumps(text[i:i + SLICE])[1:-1])
+            pause()
         out.append(b'"')
         pos = at + len(mark)
     out.append(encoded[pos:])
@@ -182,8 +188,3 @@ def _cut(value: Any, nonce: str, longs: list[str]) -> Any:
         return [_cut(v, nonce, longs) for v in value]
     return value
 
-
-def contains(text: str, needle: str) -> bool:
-    """``needle in text``, searched a slice of :data:`SLICE` characters at a time."""
-    reach = SLICE + len(needle) - 1
-    return any(text.find(needle, i, i + reach) >= 0 for i in range(0, max(len(text), 1), SLICE))

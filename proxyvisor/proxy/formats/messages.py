@@ -9,9 +9,11 @@ from typing import Any
 
 import orjson
 
+from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of,
                    arguments_of, as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text,
-                   interleave, interleave_runs, split_json, sse, with_field, words)
+                   interleave, interleave_runs, split_json, sse, sse_json, with_field, words)
+from . import largejson
 from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
                            harness_context)
 
@@ -422,8 +424,8 @@ class _MessagesStream:
     def _text(self, block: _TextBlock, out: str, force: bool = False) -> list[bytes]:
         index = block.index - self.shift
         if not block.sent:
-            block.pending += out
-            if not (force or block.pending.strip()):
+            block.pending = bigtext.concat([block.pending, out]) if block.pending else out
+            if not (force or bigtext.has_text(block.pending)):
                 return []
             block.sent = True
             self.sent += 1
@@ -433,12 +435,13 @@ class _MessagesStream:
         else:
             events = []
         if out:
-            events.append(self._send({"type": "content_block_delta", "index": index,
-                                      "delta": {"type": "text_delta", "text": out}}))
+            events += sse_json({"type": "content_block_delta", "index": index,
+                                "delta": {"type": "text_delta", "text": out}}, "content_block_delta",
+                               large=len(out) >= largejson.SLICE)
         return events
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
-        if '"index"' not in data:
+        if not bigtext.contains(data, '"index"'):
             if self.shift and not self.sent and '"message_delta"' in data:
                 self.sent = 1
                 return [self._send({"type": "content_block_start", "index": 0,
@@ -456,14 +459,14 @@ class _MessagesStream:
             initial = text if isinstance(text := start.get("text"), str) else ""
             obj["content_block"]["text"] = ""
             self.block = block = _TextBlock(index, obj, self.new_filter())
-            block.visible = bool(initial.strip())
+            block.visible = bigtext.has_text(initial)
             return self._text(block, block.filter.feed(initial))
         if block is not None and index == block.index:
             delta = obj.get("delta")
             if (kind == "content_block_delta" and isinstance(delta, dict) and delta.get("type") == "text_delta"
                     and isinstance(delta.get("text"), str)):
                 text = delta["text"]
-                block.visible = block.visible or bool(text.strip())
+                block.visible = block.visible or bigtext.has_text(text)
                 out = block.filter.feed(text)
                 if block.sent and out == text and not self.shift:
                     return None
@@ -520,7 +523,7 @@ class _MessagesSplice:
         if self.stopped:
             self.final.append((name, data))
             return []
-        if '"index"' not in data:  # message_start, message_delta, message_stop, ping, error
+        if not bigtext.contains(data, '"index"'):  # message_start, message_delta, message_stop, ping, error
             if self.stop and not self.calling and ('"message_delta"' in data or '"message_stop"' in data):
                 self.stopped = True
                 self.final.append((name, data))
