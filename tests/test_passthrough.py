@@ -52,8 +52,7 @@ async def test_disabled_supervision_is_byte_identical_and_writes_nothing(
 
 
 async def test_a_body_of_megabytes_goes_upstream_byte_identical(start_proxy, scripted_server) -> None:
-    """A body that arrives in many reads goes upstream as the pieces it was read in (never joined whole, a copy
-    of the whole the relay does without): the upstream gets the client's bytes exactly."""
+    """A body that arrives in many reads goes upstream as the client sent it, byte for byte."""
     upstream = scripted_server.script
     body = odd_body("chat", False).rstrip()[:-1] + b', "x_pad": "' + b"ab\\u00e9 \\n" * 400_000 + b'"}\n'
     assert len(body) > 4_000_000

@@ -195,7 +195,7 @@ class ConnectionPool:
         propagate. On any error or cancellation the connection is closed and the error propagates.
         """
         head = [(b"host", self.host_header), *headers]
-        pieces = body if isinstance(body, tuple) else (body,)
+        pieces = (body,) if isinstance(body, bytes) else body
         size = sum(map(len, pieces))
         if size or method in _BODY_METHODS:
             head.append((b"content-length", b"%d" % size))

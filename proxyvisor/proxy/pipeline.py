@@ -334,7 +334,7 @@ class Pipeline:
         try:
             reply = await relay.send(request.method, self._target(request, path),
                                      upstream_headers(request.headers, relay.api_key, _key_header(fmt_name)),
-                                     request.content)
+                                     request.body)
         except UpstreamError as exc:
             return error(fmt, exc.status, exc.message)
         assert isinstance(reply.body, bytes)
@@ -472,7 +472,7 @@ class Pipeline:
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
-        content: bytes | tuple[bytes, ...] = request.content
+        content: bytes | tuple[bytes, ...] = request.body
         if exchange is not None:
             try:
                 content = exchange.upstream_chunks()

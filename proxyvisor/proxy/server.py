@@ -51,13 +51,12 @@ def reason(status: int) -> bytes:
 
 @dataclass
 class Request:
-    """A complete request. Header names are lowercase bytes, as h11 gives them; ``content`` is the body as it was
-    read: whole, or its pieces in order (a large body arrives in several reads). :attr:`body` is the whole body."""
+    """A complete request. Header names are lowercase bytes, as h11 gives them; ``body`` is the whole body."""
 
     method: str
     target: str
     headers: Headers
-    content: bytes | tuple[bytes, ...] = b""
+    body: bytes = b""
     received_at: float = 0.0
     """``time.perf_counter()`` when the request head was parsed (s)."""
     too_large: bool = False
@@ -66,14 +65,6 @@ class Request:
     """The body did not arrive whole within the server's total deadline (``Limits.body_deadline_s``); ``body``
     is empty."""
     peer: str = ""
-
-    @property
-    def body(self) -> bytes:
-        """The whole body: the pieces of :attr:`content` joined on first use (a copy of the whole, which a body
-        relayed as it came never pays: the pieces go upstream one after another)."""
-        if isinstance(self.content, tuple):
-            self.content = b"".join(self.content)
-        return self.content
 
     @property
     def path(self) -> str:
@@ -328,7 +319,7 @@ class Connection:
                     if size > self.limits.max_body_bytes:
                         request.too_large = True
                         return True
-                    parts.append(event.data)  # bytes or bytearray (h11's copy): not joined here
+                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
                 elif isinstance(event, h11.EndOfMessage):
                     break
                 else:
@@ -338,7 +329,7 @@ class Connection:
             return False
         finally:
             self.read_size = _READ_SIZE
-        request.content = tuple(parts)
+        request.body = b"".join(parts)
         return True
 
     async def _respond(self, request: Request) -> None:
