@@ -29,7 +29,7 @@
   no request, so it stores the free records only.
 - **Credit**: at a judged turn end, the records the self-report names in ``memories`` move by the gate's label.
 
-With ``[supervisor.learning] enabled = false`` or supervision off, nothing here runs: no file is read or written.
+With ``[supervisor.learning] enabled = false`` or supervision off, nothing here runs: no memory is read or written.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ class SessionLearning:
     started: float = 0.0
     """When the session began (the proxy's clock)."""
     opened: bool = False
-    """Whether the session's first request looked at the scope's file (:meth:`Learning._open`)."""
+    """Whether the session's first request looked at the scope's stored memory (:meth:`Learning._open`)."""
     memory: Memory | None = None
     """The scope's memory, once read."""
     pack: Pack | None = None
@@ -466,10 +466,10 @@ class Learning:
         return state
 
     def begin(self, session: Session, exchange: Exchange, background: trio.Nursery | None) -> None:
-        """Before ``exchange`` goes upstream: on the session's first, add the step that looks at the scope's file
-        and recalls (:meth:`_open`); later, distill the pending material when its history was rewritten or another
-        thread began (a compaction; the distill call, when one is worth it, in ``background``), and add the recall
-        step when the thread has no memory note in place."""
+        """Before ``exchange`` goes upstream: on the session's first, add the step that looks at the scope's stored
+        memory and recalls (:meth:`_open`); later, distill the pending material when its history was rewritten or
+        another thread began (a compaction; the distill call, when one is worth it, in ``background``), and add the
+        recall step when the thread has no memory note in place."""
         if not self.on or not exchange.tools:
             return
         state = self._state(session, exchange)
@@ -492,7 +492,7 @@ class Learning:
         exchange.steps.append(functools.partial(self._recall, state, memory))
 
     async def _open(self, state: SessionLearning, exchange: Exchange) -> None:
-        """A session's first request: its scope's memory as the file now holds it (:meth:`_current`), recalled."""
+        """A session's first request: its scope's memory as the store now holds it (:meth:`_current`), recalled."""
         assert state.scope is not None
         if (memory := await self._current(state.scope)) is not None:
             state.memory = memory
