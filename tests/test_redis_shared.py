@@ -197,3 +197,22 @@ async def test_a_client_without_a_session_id_alternating_over_two_replicas_keeps
                 (session,) = [s["id"] for s in listed["sessions"]]
                 assert session.startswith("h-")
                 assert (await client.get(f"/proxyvisor/sessions/{session}/info")).json()["requests"] == 6
+
+
+async def test_with_redis_down_learning_goes_on_from_the_memories_it_holds(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server(tmp_path / "redis"))
+        config = Config().with_overrides(state={"backend": "redis", "url": url})
+        async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": ScriptedUpstream()},
+                           model=Model()) as proxy:
+            await session_one(proxy, project, f"{RULE_TEXT} Add a flag.", "one")
+            stack.close()  # Redis stops
+            two = await session_one(proxy, project, "Add a --quiet flag.", "two")
+            assert RULE_TEXT in two.first_tail(), "recalled from the memory this process holds"
+            await session_one(proxy, project, "Add a --verbose flag.", "three")
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memories:")]
+    assert len(warned) == 1, warned
+    assert "Traceback" not in caplog.text

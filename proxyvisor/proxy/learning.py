@@ -76,6 +76,8 @@ NAMESPACE = "memory"
 Stamp = tuple[int, int, int] | bytes
 """A stored memory's identity: a file's (:meth:`MemoryFiles.stamp`), a digest of a value (:class:`MemoryKV`). A
 write or a removal changes it."""
+Fetched = tuple[Stamp | None, Memory | None] | Exception | None
+"""What :meth:`Learning._fetch` found: a stored memory with its stamp, nothing new (None), or why it failed."""
 _CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:Primary working directory|Working directory):[ \t]*(/[^\n]*?)"
                   r"[ \t]*$", re.MULTILINE)
 _SAFE_ROLES = ("tool", "user")
@@ -408,36 +410,42 @@ class Learning:
     def memory(self, scope: str) -> Memory | None:
         """The memory of ``scope`` as read so far, read here when it was not yet (None: it cannot be read)."""
         if scope not in self.memories:
-            self._look(scope)
+            self._settle(scope, (), self._fetch(scope, ()))
         return self.memories[scope]
 
-    def _look(self, scope: str) -> None:
-        """Read ``scope``'s stored memory when it changed since this proxy last read or wrote it (blocking), and
-        take it in (:meth:`_take`)."""
-        assert self.store is not None
+    async def _current(self, scope: str) -> Memory | None:
+        """The memory of ``scope`` as the store now holds it, read off the event loop when it changed since this
+        proxy last read or wrote it (a ``proxyvisor memory forget``, another process's save) and taken in on the
+        loop (:meth:`_settle`): records gone from it are forgotten here too, records another process added are
+        taken in. None: it cannot be read (learning is off for the scope until it can)."""
         before = self.stamps.get(scope, ())
+        self._settle(scope, before, await trio.to_thread.run_sync(self._fetch, scope, before))
+        return self.memories.get(scope)
+
+    def _fetch(self, scope: str, before: Stamp | None | tuple[()]) -> Fetched:
+        """``scope``'s stored stamp and memory, or None when its stamp is still ``before``, or why it cannot be
+        read. Blocks; touches nothing of this object but the store (it runs in a worker thread)."""
+        assert self.store is not None
         try:
             found = self.store.look(scope, before)
-            disk = decoded(found[1], scope) if found is not None else None
-        except StateUnavailable as exc:
-            self._outage.failed(exc)
+            return None if found is None else (found[0], decoded(found[1], scope))
+        except (OSError, ValueError, StateUnavailable) as exc:
+            return exc
+
+    def _settle(self, scope: str, before: Stamp | None | tuple[()], fetched: Fetched) -> None:
+        """Take in what :meth:`_fetch` found for ``scope`` when its stamp was ``before``, unless a save or another
+        read took the store in meanwhile. The backend unavailable: the memory held goes on (warned once)."""
+        if isinstance(fetched, StateUnavailable):
+            self._outage.failed(fetched)
             self.memories.setdefault(scope, Memory(scope))
             return
-        except (OSError, ValueError) as exc:
+        if isinstance(fetched, Exception):
             if self.stamps.get(scope, ()) == before:
-                self._unreadable(scope, exc)
+                self._unreadable(scope, fetched)
             return
         self._outage.up()
-        if found is not None and self.stamps.get(scope, ()) == before:  # else a save took the store in meanwhile
-            self._take(scope, found[0], disk)
-
-    async def _current(self, scope: str) -> Memory | None:
-        """The memory of ``scope`` as the store now holds it, examined off the event loop (:meth:`_look`): a
-        ``proxyvisor memory forget`` or another process's save since this proxy last read or wrote it is taken in
-        (records gone from it are forgotten here too, records another process added are taken in). None: it cannot
-        be read (learning is off for the scope until it can)."""
-        await trio.to_thread.run_sync(self._look, scope)
-        return self.memories.get(scope)
+        if fetched is not None and self.stamps.get(scope, ()) == before:
+            self._take(scope, *fetched)
 
     def _take(self, scope: str, stamp: Stamp | None, disk: Memory | None) -> None:
         """Take in ``disk``, the memory read from the store whose stamp was ``stamp`` (None: none stored)."""
@@ -631,27 +639,31 @@ class Learning:
     def _save(self, memory: Memory) -> None:
         assert self.store is not None
         copy, loaded = self._snapshot(memory)
-        self._written(memory, copy, self._stored(copy, loaded))
+        self._written(memory, copy, self._stored(self.store, copy, loaded))
 
     async def _saved(self, memory: Memory) -> None:
         """:meth:`_save` with the store's work off the event loop."""
         assert self.store is not None
         copy, loaded = self._snapshot(memory)
-        self._written(memory, copy, await trio.to_thread.run_sync(self._stored, copy, loaded))
+        self._written(memory, copy, await trio.to_thread.run_sync(self._stored, self.store, copy, loaded))
 
-    def _stored(self, copy: Memory, loaded: set[str]) -> Stamp | None:
-        """:func:`save` of ``copy``; the store being unavailable is warned once per outage (not written)."""
-        assert self.store is not None
+    @staticmethod
+    def _stored(store: MemoryStore, copy: Memory, loaded: set[str]) -> Stamp | StateUnavailable | None:
+        """:func:`save` of ``copy`` (it may run in a worker thread: it touches only its arguments); the backend
+        being unavailable is returned."""
         try:
-            stamp = save(self.store, copy, loaded)
+            return save(store, copy, loaded)
         except StateUnavailable as exc:
-            self._outage.failed(exc)
-            return None
-        self._outage.up()
-        return stamp
+            return exc
 
-    def _written(self, memory: Memory, copy: Memory, stamp: Stamp | None) -> None:
-        """After ``copy`` of ``memory`` was saved as ``stamp`` (None: it was not written)."""
+    def _written(self, memory: Memory, copy: Memory, stamp: Stamp | StateUnavailable | None) -> None:
+        """After ``copy`` of ``memory`` was saved as ``stamp`` (None: it was not written; the backend unavailable:
+        warned once per outage)."""
+        if isinstance(stamp, StateUnavailable):
+            self._outage.failed(stamp)
+            return
+        if stamp is not None:
+            self._outage.up()
         if stamp is not None and self.memories.get(memory.scope) is memory:
             self.stamps[memory.scope] = stamp
             self._merge(memory, copy)
