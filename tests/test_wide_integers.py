@@ -11,10 +11,14 @@ import orjson
 import pytest
 
 from proxyvisor import wirejson
+from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn
 from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.service import running
+from proxyvisor.store import Store
 
 from helpers import FORMATS, MODEL, raw_stream, request_body, serve_handler, sse_events
+from test_gate_proxy import Verifier
 
 BIG = 12345678901234567890123
 NEGATIVE = -9223372036854775809  # one below orjson's range
@@ -70,13 +74,18 @@ class WideUpstream:
         return Response(200, [(b"content-type", b"text/event-stream")], "".join(events).encode())
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("fmt", FORMATS)
-async def test_wide_integers_pass_supervision_exactly(fmt: str, stream: bool, start_proxy) -> None:
+async def test_wide_integers_pass_supervision_exactly(fmt: str, stream: bool, gate: bool, tmp_path) -> None:
     upstream = WideUpstream(fmt)
     body = request_body(fmt, stream, x_wide=[BIG, NEGATIVE, TOP])
     history = BY_NAME[fmt].history_field
-    async with serve_handler(upstream) as url, start_proxy(upstream_url=url) as rp:
+    verifier = Verifier()
+    async with serve_handler(upstream) as url, running(
+            Config(upstreams=(UpstreamConfig(name="wide", url=url),)).with_overrides(
+                supervisor={"gate": GateConfig(enabled=gate, hold="answer")}),
+            port=0, store=Store(tmp_path / "state"), model=verifier) as rp:
         for turn in range(2):  # the second request extends the first: read from its new bytes only
             reply, received = await raw_stream(rp.url, fmt, json.dumps(body).encode(),
                                                headers={"x-proxyvisor-session": "wide"})
@@ -90,5 +99,6 @@ async def test_wide_integers_pass_supervision_exactly(fmt: str, stream: bool, st
             wide = [answer["x_wide"] for answer in answers if "x_wide" in answer]  # an event rebuilt has none
             assert wide and all(value == [BIG, NEGATIVE, TOP] for value in wide)
             assert "<sup>" not in received.decode()  # supervision did rewrite the answer
+            assert bool(verifier.calls) == gate  # the gated answer was held, judged and written again
             body[history] += [{"role": "assistant", "content": "Here are the files."},
                               {"role": "user", "content": "And now?", "x_wide": [TOP, BIG]}]
