@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxyvisor.detectors.detectors import RECOVERY, HistoryTracker
+from proxyvisor.proxy.condensing import _scanned
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES
 from proxyvisor.transcript import harness_context, own_words
 
@@ -66,6 +67,7 @@ def test_a_reminder_alone_neither_starts_a_turn_nor_resets_the_detectors() -> No
     tracker.update(history, CHAT.message, {})
     assert tracker.user_turns == [1] and tracker.turn_start == 1
     assert RECOVERY in signals_at(history)[len(history) - 2]  # the failure history was kept across the reminder
+    assert _scanned(CHAT, history).request == "Fix the bug."  # the condenser's current request is the user's
     # A message with the user's words beside a reminder is a turn, as before.
     history[4] = {"role": "user", "content": REMINDER + "\nTry another approach."}
     tracker = HistoryTracker()

@@ -43,7 +43,7 @@ from ..config import SupervisorConfig
 from .formats import ToolSpec, WireFormat
 from .formats.base import derived
 from .formats.freeform import SHELL_TOOLS, runs_commands, split
-from ..transcript import Message, ToolOutput, ToolUse
+from ..transcript import Message, ToolOutput, ToolUse, harness_context
 
 log = logging.getLogger("proxyvisor.condense")
 
@@ -232,7 +232,7 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
         message = fmt.message(items[index])
         if message.role == "assistant":
             scan.last = index
-        elif message.role == "user" and message.text:
+        elif message.role == "user" and message.text and not harness_context(message.text):
             scan.request = message.text
         for use in message.tool_uses:
             scan.repeated = scan.repeated or use.id in scan.uses or use.id in scan.ids  # a call after its result
