@@ -186,7 +186,8 @@ class Pipeline:
             if backend is not None and states and self.supervised else None
         """The sessions' stored supervision state (``proxyvisor.proxy.session_state``); None: memory only."""
         self.sharing: Sharing | None = None
-        """What the replicas on one Redis share besides (``proxyvisor.proxy.sharing``); None: not on Redis."""
+        """What the replicas on one Redis share besides the key-value state: ledger lines, conversation links
+        (``proxyvisor.proxy.sharing``); None: not on Redis."""
         if isinstance(backend, RedisBackend) and store is not None and self.supervised:
             share = RedisShare(backend, config.state.session_ttl_s, config.state.session_idle_s)
             store.shared = share  # every reader of the ledgers reads the replicas' lines
@@ -382,8 +383,9 @@ class Pipeline:
 
     async def _shared_links(self, fmt: WireFormat, body: dict[str, Any]) -> None:
         """A request of a client that sends no session id: the conversation links the other replicas recorded for
-        its latest history items, taken into this replica's table (one ``MGET``, and none when this replica knows
-        the request's last item), so the request continues the session whichever replica served the one before."""
+        its latest history items, taken into this replica's table (one ``MGET``; none when the latest answer in
+        the history was delivered here), so the request continues the session whichever replica served the one
+        before."""
         assert self.sharing is not None
         conversations = self.sessions.conversations
         if keys := conversations.wanted(fmt, body, self.clock()):
