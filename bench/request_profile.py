@@ -1,6 +1,8 @@
 """Where a supervised request spends its time, stage by stage, as its history grows: CPU per request of each step
 of the request side (parse, session lookup, supervision's reading of the history, condensing, serialising, the
-ledger), for one synthetic agent session (``bench/histories.py``) of a given size and format.
+ledger), of the reply side (supervision's stages, the verify-gate check, the answer's accounting) and of the
+session state's load and save, for one synthetic agent session (``bench/histories.py``) of a given size and format.
+The session state's write runs in a worker thread whose CPU is not counted (``save (loop only)``).
 
 Usage (from the repository root)::
 
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig
     from proxyvisor.detectors.detectors import HistoryTracker
-    from proxyvisor.proxy import commands, pipeline, supervise
+    from proxyvisor.proxy import commands, pipeline, session_state, supervise
     from proxyvisor.proxy.condensing import RequestCondenser
     from proxyvisor.proxy.server import Limits, Request, bound_port, open_listeners, serve_listeners
     from proxyvisor.proxy.service import running
@@ -105,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     timed(supervise.Exchange, "upstream_chunks" if hasattr(supervise.Exchange, "upstream_chunks") else "upstream_body",
           "serialise the upstream body")
     timed(pipeline.Pipeline, "_account", "ledger line")
+    # The reply side and the work after the answer (still before the client has all of it).
+    timed(supervise.Exchange, "reply", "reply: supervision's stages")
+    timed_async(pipeline.Pipeline, "_gated", "reply: verify-gate check")
+    timed(pipeline.Pipeline, "_respond", "reply: parse, usage, ledger line")
+    timed_async(session_state.SessionStates, "load", "session state: load")
+    timed_async(session_state.SessionStates, "save", "session state: save (loop only)")
+    timed(session_state, "encode", "  save: pickle")
 
     async def measure(fmt: str, size_mb: float) -> tuple[int, list[float]]:
         listeners = await open_listeners("127.0.0.1", 0)
