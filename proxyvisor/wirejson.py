@@ -53,7 +53,7 @@ def dumps(value: Any, option: int = 0, default: Callable[[Any], Any] | None = No
     try:
         return orjson.dumps(value, default, option)
     except orjson.JSONEncodeError as exc:
-        if not _wide(value, 0):
+        if not _wide(value):
             raise
         try:
             return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=default,
@@ -62,14 +62,17 @@ def dumps(value: Any, option: int = 0, default: Callable[[Any], Any] | None = No
             raise exc from None
 
 
-def _wide(value: Any, depth: int) -> bool:
-    """Whether ``value`` holds an int orjson cannot write (within orjson's 1024 levels of nesting)."""
-    if type(value) is int or isinstance(value, int) and not isinstance(value, bool):
-        return not _LOW <= value <= _HIGH
-    if depth > 1024:
-        return False
-    if isinstance(value, dict):
-        return any(_wide(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_wide(v, depth + 1) for v in value)
+def _wide(value: Any) -> bool:
+    """Whether ``value`` holds an int orjson cannot write. Walked with a stack, not recursion: orjson writes 1024
+    levels of nesting, more than Python's recursion limit allows a recursive walk."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not _LOW <= item <= _HIGH:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
     return False
