@@ -509,11 +509,13 @@ def _authorizer_config(tmp_path: Path, steps: list[dict[str, Any]], mark: str) -
     return config
 
 
-def _check_blocked(ws: Workspace, session: str, turn: int) -> None:
+def _check_blocked(ws: Workspace, session: str) -> None:
+    """The prohibition of the agent's first user turn blocked its one test command (Codex's environment context
+    before it is no user turn)."""
     assert not (ws.work / _RAN).exists(), "the blocked command ran"
     records = ws.ledger(session)
     decisions = [d for r in records for d in (r.get("authorizer") or {}).get("decisions", [])]
-    assert [(d["decision"], d["by"], d["source"]) for d in decisions] == [("block", "confirmed", f"user:{turn}")], decisions
+    assert [(d["decision"], d["by"], d["source"]) for d in decisions] == [("block", "confirmed", "user:1")], decisions
     assert decisions[0]["quote"] == "Do not run the tests."
     assert summarize(records)["authorizer"]["blocked"] == 1
 
@@ -536,7 +538,7 @@ def test_claude_code_never_runs_a_command_the_user_prohibited(tmp_path: Path) ->
     assert run.returncode == 0, run
     result = json.loads(run.stdout)
     assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, final), result
-    _check_blocked(ws, session, 1)
+    _check_blocked(ws, session)
 
 
 def test_claude_code_never_writes_a_file_when_the_user_says_read_only(tmp_path: Path) -> None:
@@ -589,7 +591,7 @@ def test_codex_never_runs_a_command_the_user_prohibited(tmp_path: Path) -> None:
     assert [i for i in items if i["type"] == "command_execution"] == [], items
     assert [i["text"] for i in items if i["type"] == "agent_message"][-1] == final, items
     assert events[-1]["type"] == "turn.completed", events[-1]
-    _check_blocked(ws, session, 2)  # Codex's first user message is its environment context
+    _check_blocked(ws, session)
 
 
 # --- rate limits ---------------------------------------------------------------------------------------------
