@@ -15,12 +15,12 @@ import orjson
 import redis
 import trio
 
-from proxyvisor.adapters.state import REDIS_PREFIX
+from proxyvisor.adapters.state import REDIS_PREFIX, backend_of
 from proxyvisor.cli import main
-from proxyvisor.config import Config, GateConfig
-from proxyvisor.learning.memory import RULE
+from proxyvisor.config import Config, GateConfig, load
+from proxyvisor.learning.memory import RULE, Candidate, Memory
 from proxyvisor.proxy.formats import BY_NAME
-from proxyvisor.proxy.learning import FOLDER, project_root, scope_key
+from proxyvisor.proxy.learning import FOLDER, decoded, memory_store, project_root, save, scope_key
 from proxyvisor.proxy.service import running
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
@@ -216,3 +216,33 @@ async def test_with_redis_down_learning_goes_on_from_the_memories_it_holds(
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memories:")]
     assert len(warned) == 1, warned
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["redis", "diskcache"])
+def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_memory_before(
+        tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    scope = project_root(str(project))
+    config_path = tmp_path / "proxyvisor.toml"
+    config_path.write_text(f'[state]\ndir = "{tmp_path / "state"}"\nbackend = "{backend}"\nurl = "{redis_url}"\n')
+    config = load(str(config_path))
+    state = backend_of(config)
+    try:
+        store = memory_store(config.supervisor.learning, config.state_dir(), state)
+        assert store is not None
+        memory, loaded = Memory(scope), set[str]()
+        old = memory.add(Candidate(RULE, RULE_TEXT, RULE_TEXT), 1.0, "one")
+        assert old is not None and save(store, memory, loaded) is not None and loaded == {old.id}
+
+        assert main(["memory", "forget", "--all", "--config", str(config_path), "--scope", str(project)]) == 0
+        assert "forgot 1 record(s)" in capsys.readouterr().out
+
+        new = memory.add(Candidate(RULE, "Never push to main.", "Never push to main."), 2.0, "two")
+        assert new is not None and save(store, memory, loaded) is not None
+        found = store.look(scope, ())
+        stored = decoded(found[1] if found else None, scope)
+        assert stored is not None and set(stored.records) == {new.id}, "the forgotten record stays forgotten"
+        assert set(memory.records) == {new.id}, "and the proxy's own copy lets it go too"
+    finally:
+        state.close()

@@ -170,8 +170,8 @@ def save(store: MemoryStore, memory: Memory, loaded: set[str]) -> Stamp | None:
     def step(current: bytes | None) -> bytes:
         nonlocal merged
         merged = Memory(memory.scope, records.values())
-        if (stored := decoded(current, memory.scope)) is not None:
-            merged.merge(stored, loaded)
+        # Nothing stored (a `forget --all` meanwhile) is an empty memory: the records read before are gone.
+        merged.merge(decoded(current, memory.scope) or Memory(memory.scope), loaded)
         return merged.encode()
 
     try:
