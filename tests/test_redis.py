@@ -137,6 +137,15 @@ def test_an_unreachable_redis_is_a_clear_startup_error(tmp_path: Path) -> None:
     assert b"Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("password", ["hunter2/x", "hunter2#x", "hunter2?x"])
+def test_a_password_that_breaks_the_url_is_never_echoed(tmp_path: Path, password: str) -> None:
+    # A reserved character not percent-encoded ends the URL's authority inside the password: the rest is read as
+    # a port, and the parser's message quotes it.
+    with pytest.raises(StateUnavailable) as raised:
+        open_backend("redis", f"redis://:{password}@127.0.0.1:{free_port()}/0", tmp_path)
+    assert "not a Redis URL" in str(raised.value) and "hunter2" not in str(raised.value)
+
+
 def test_a_hung_redis_costs_one_timeout_then_calls_fail_at_once_until_it_answers(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Redis that hangs (stopped, not gone: its socket accepts and never answers) would make every call wait out

@@ -365,8 +365,10 @@ class RedisBackend:
             self._cas = self.client.register_script(_CAS)
         except self._errors as exc:
             raise StateUnavailable(f"cannot reach Redis at {self.where}: {_reason(exc)}") from None
-        except ValueError as exc:  # an URL redis-py cannot read
-            raise StateUnavailable(f"[state] url is not a Redis URL ({exc})") from None
+        except ValueError:  # an URL redis-py cannot read; its message may quote a piece of the password
+            raise StateUnavailable("[state] url is not a Redis URL: use redis://[:PASSWORD@]HOST:PORT/DB, rediss:// "
+                                   "or unix://PATH, with a password's reserved characters (/ # ? @ :) "
+                                   "percent-encoded") from None
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)``; raises :class:`StateUnavailable` for any Redis or connection error.
