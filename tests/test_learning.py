@@ -498,7 +498,9 @@ async def test_an_idle_session_evicted_mid_turn_keeps_its_rule(tmp_path: Path) -
         other = Agent(proxy, "other", tmp_path / "elsewhere", "Hello.")
         await other.turn({"text": "Hi. " + report("done")})
         assert proxy.pipeline.sessions.get("idle") is None
-        memory = memory_of(state, tmp_path)
+        with trio.fail_after(10):  # saved in the background (the eviction happened in the other's request)
+            while (memory := memory_of(state, tmp_path)) is None:
+                await trio.sleep(0.02)
         assert memory is not None and [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]
 
 

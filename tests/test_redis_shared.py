@@ -5,7 +5,10 @@ the sessions of clients that send no id. On a real ``redis-server`` (skipped out
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,6 +18,7 @@ import orjson
 import redis
 import trio
 
+from proxyvisor.adapters import state as backends
 from proxyvisor.adapters.state import REDIS_PREFIX, backend_of
 from proxyvisor.cli import main
 from proxyvisor.config import Config, GateConfig, load
@@ -246,3 +250,29 @@ def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_me
         assert set(memory.records) == {new.id}, "and the proxy's own copy lets it go too"
     finally:
         state.close()
+
+
+async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle session is ended (its learning's last distill and save) by the request that evicts it: the save
+    goes to Redis in the background, not on the event loop, so a Redis that hangs stalls no request."""
+    monkeypatch.setattr(backends, "_TIMEOUT_S", 2.0)
+    project = tmp_path / "project"
+    project.mkdir()
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
+    raw = redis.Redis.from_url(redis_url)
+    pid = raw.info()["process_id"]
+    raw.close()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "one", project, "Add a flag.")
+        await agent.turn(agent.call("pytest -q", "3 passed in 0.05s"))  # no turn end: material left to distill
+        await trio.sleep(0.2)  # the request's background saves done
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sessions = proxy.pipeline.sessions
+            started = time.monotonic()
+            assert [s.id for s in sessions.evict(proxy.pipeline.clock() + 10 * sessions.idle_s)] == ["one"]
+            assert time.monotonic() - started < 0.5, "the save waits for Redis off the event loop"
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -549,15 +549,16 @@ class Learning:
         self._distill(session.id, state, memory, material, exchange.model if background is not None else None,
                       secrets, background, exchange.record)
 
-    def end(self, session: Session) -> None:
-        """At session end: the free records of the material not yet distilled (no model call: no request)."""
+    def end(self, session: Session, background: trio.Nursery | None = None) -> None:
+        """At session end: the free records of the material not yet distilled (no model call: no request), saved
+        in ``background`` (None: here, blocking; when the proxy stops)."""
         state = session.learning
         if not self.on or not isinstance(state, SessionLearning) or state.scope is None or state.pending is None:
             return
         memory = self.memory(state.scope)
         pending, state.pending = state.pending, None
         if memory is not None:
-            self._distill(session.id, state, memory, pending(), None, [])
+            self._distill(session.id, state, memory, pending(), None, [], background)
 
     def _distill(self, sid: str, state: SessionLearning, memory: Memory, material: distill.Material,
                  model: ModelCall | None, secrets: list[str], background: trio.Nursery | None = None,

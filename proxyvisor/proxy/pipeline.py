@@ -217,6 +217,7 @@ class Pipeline:
     def close(self) -> None:
         """End the sessions' learning (``proxyvisor.proxy.learning``) and release what the pipeline holds open
         (the delegation state stores)."""
+        self.background = None  # cancelled by now: the sessions' last saves are made here, one after the other
         for session in self.sessions.all():
             self._end_learning(session)
         if self.delegation is not None:
@@ -230,10 +231,11 @@ class Pipeline:
             self.backend.close()
 
     def _end_learning(self, session: Session) -> None:
-        """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill.
-        A failure is logged, never raised."""
+        """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill,
+        saved in the background (an eviction happens on the event loop, in a request). A failure is logged, never
+        raised."""
         try:
-            self.learning.end(session)
+            self.learning.end(session, self.background)
         except Exception:  # noqa: BLE001 - learning must never cost a request or the shutdown
             log.exception("distilling the end of session %s failed", session.id)
 
