@@ -30,7 +30,7 @@ from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 
 from helpers import http_client, request_body
-from redis_support import redis_server
+from redis_support import free_port, redis_server
 from test_learning import RULE_TEXT, Agent, Model, session_one
 from test_recite_prefix import Agent as PrefixAgent, report
 from test_redis import LOOP_NOTE
@@ -276,3 +276,21 @@ async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
             assert time.monotonic() - started < 0.5, "the save waits for Redis off the event loop"
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+def test_proxyvisor_info_with_redis_down_sums_this_machines_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Without a proxy, ``proxyvisor info`` reads the shared ledgers from Redis; a Redis that does not answer leaves
+    it the local files (said on stderr, without the password), as it does a running proxy's readers."""
+    state_dir = tmp_path / "state"
+    Store(state_dir).append_ledger("s1", {"time": "2026-01-01T00:00:00.000+00:00", "format": "chat", "status": 200,
+                                          "input_tokens": 7, "output_tokens": 3})
+    config = tmp_path / "proxyvisor.toml"
+    config.write_text(f'[state]\ndir = "{state_dir}"\nbackend = "redis"\n'
+                      f'url = "redis://:hunter2@127.0.0.1:{free_port()}/0"\n')
+    capsys.readouterr()
+    assert main(["info", "--json", "--config", str(config), "--url", f"http://127.0.0.1:{free_port()}"]) == 0
+    out, err = capsys.readouterr()
+    assert orjson.loads(out)["session"] == "s1" and orjson.loads(out)["requests"] == 1
+    said = err + caplog.text
+    assert "cannot reach Redis at redis://127.0.0.1:" in said and "hunter2" not in said and "Traceback" not in said

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..config import Config
-from .state import REDIS, REDIS_PREFIX, Outage, RedisBackend, StateUnavailable, backend_of
+from .state import REDIS, REDIS_PREFIX, Outage, RedisBackend, StateUnavailable
 
 log = logging.getLogger("proxyvisor.state")
 
@@ -113,13 +113,14 @@ class RedisShare:
 
 def shared_ledgers(config: Config) -> RedisShare | None:
     """The shared ledgers of ``config`` for a command that reads them without a proxy (``proxyvisor info``): None
-    unless ``[state] backend = "redis"``. Its connection lives as long as the process.
-
-    Raises:
-        ConfigError: the Redis cannot be reached (naming its address, never the password).
-    """
+    unless ``[state] backend = "redis"``, or when that Redis cannot be reached (warned, naming its address, never
+    the password: the command reads this machine's ledger files, as a proxy's readers do in an outage). Its
+    connection lives as long as the process."""
     if config.state.backend != REDIS:
         return None
-    backend = backend_of(config)
-    assert isinstance(backend, RedisBackend)
+    try:
+        backend = RedisBackend(config.state.url)
+    except StateUnavailable as exc:
+        log.warning("shared ledgers: %s; reading this machine's ledger files only", exc)
+        return None
     return RedisShare(backend, config.state.session_ttl_s, config.state.session_idle_s)
