@@ -15,10 +15,12 @@ from contextvars import ContextVar
 SLICE = 1024 * 1024
 """Characters handled per step."""
 
-MMAP_THRESHOLD = 2 * SLICE
+MMAP_THRESHOLD = SLICE // 4
 """The allocation size, in bytes, from which the process's allocator should map memory of its own for each block
 (glibc's ``M_MMAP_THRESHOLD``; the proxy sets it: ``proxyvisor.proxy.service.tune_runtime``). :func:`concat` relies
-on it: a mapped block grows by remapping its pages, never by a copy."""
+on it: a mapped block grows by remapping its pages, never by a copy. Below a slice, so that the slices are mapped
+too: freed, they go back to the system instead of leaving big free regions in the heap, where the allocator would
+place a growing text and copy it whole once it outgrows one."""
 
 PAUSE: ContextVar[Callable[[], None] | None] = ContextVar("bigtext_pause", default=None)
 """Called between two steps of the work on one big text, when set (the reply path sets it in its worker thread,
@@ -39,8 +41,7 @@ def concat(parts: Iterable[str]) -> str:
     Why it is bounded: CPython appends to a string in place when nothing else refers to it (``text += part`` on a
     local), growing its block with ``realloc``. A block of :data:`MMAP_THRESHOLD` bytes or more is mapped on its own
     (when the process set that threshold), and ``realloc`` grows a mapped block by remapping its pages: each step
-    copies one slice. So the text is first joined up to that size (a copy of at most twice a slice), then appended
-    to. A part of a wider character kind than the text so far (an emoji after ASCII text) makes one whole copy at
+    copies one slice. So the text is first joined up to that size (a copy of about a slice), then appended to. A part of a wider character kind than the text so far (an emoji after ASCII text) makes one whole copy at
     that point (at most two per text: 1 to 2 to 4 bytes a character).
     """
     head: list[str] | None = []
