@@ -19,7 +19,8 @@ import redis
 import trio
 
 from proxyvisor.adapters import state as backends
-from proxyvisor.adapters.state import REDIS_PREFIX, backend_of
+from proxyvisor.adapters.replicas import RedisShare
+from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, backend_of
 from proxyvisor.cli import main
 from proxyvisor.config import Config, GateConfig, load
 from proxyvisor.learning.memory import RULE, Candidate, Memory
@@ -294,3 +295,18 @@ def test_proxyvisor_info_with_redis_down_sums_this_machines_ledger(
     assert orjson.loads(out)["session"] == "s1" and orjson.loads(out)["requests"] == 1
     said = err + caplog.text
     assert "cannot reach Redis at redis://127.0.0.1:" in said and "hunter2" not in said and "Traceback" not in said
+
+
+def test_the_session_index_never_goes_back_when_replicas_send_out_of_order(redis_url: str) -> None:
+    """Two replicas' sends of one session's lines can reach Redis in either order (a flush waits for the one before
+    it, clocks differ by some ms): the index keeps the latest line's time, which the listing and the web view's
+    cached rows go by."""
+    backend = RedisBackend(redis_url)
+    try:
+        share = RedisShare(backend, 86_400.0, 3_600.0)
+        now = time.time()
+        share.write([("s1", b'{"n":2}', now)], {})
+        share.write([("s1", b'{"n":1}', now - 0.5)], {})
+        assert share.recent() == {"s1": pytest.approx(now, abs=0.01)}
+    finally:
+        backend.close()

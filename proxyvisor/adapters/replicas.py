@@ -7,8 +7,9 @@ Keys (all under ``proxyvisor:``, each with a time to live refreshed by every wri
 - ``ledger:<session>``: a Redis stream, one entry per ledger line (field ``l``: the line's JSON), the latest
   :data:`LEDGER_LINES` kept (``XADD ... MAXLEN ~``), expiring ``ttl_s`` after the session's last line. A stream
   rather than a list: appends from any replica are ordered by Redis and trimmed in the same command.
-- ``ledger-index``: a sorted set of sessions by the wall time of their last line, so listing the sessions reads one
-  key instead of every ledger; members older than ``ttl_s`` are dropped as lines are added.
+- ``ledger-index``: a sorted set of sessions by the wall time of their last line (``ZADD GT``: a send that reaches
+  Redis after a later line's never moves it back), so listing the sessions reads one key instead of every ledger;
+  members older than ``ttl_s`` are dropped as lines are added.
 - ``links:<hex>``: which session a conversation link (``proxyvisor.proxy.sessions.Conversations``) belongs to
   (empty: to two sessions, so to none), expiring ``link_ttl_s`` after it was last written.
 
@@ -65,7 +66,7 @@ class RedisShare:
             for session in latest:
                 pipe.pexpire(_LEDGER + session, self.ttl_ms)
             if latest:
-                pipe.zadd(_INDEX, latest)
+                pipe.zadd(_INDEX, latest, gt=True)  # another replica's send of a later line may come first
                 pipe.zremrangebyscore(_INDEX, "-inf", time.time() - self.ttl_s)
                 pipe.pexpire(_INDEX, self.ttl_ms)
             for key, session in links.items():
