@@ -421,7 +421,10 @@ class _MessagesStream:
     def _send(self, obj: dict[str, Any]) -> bytes:
         return sse(dumps(obj), obj.get("type"))
 
-    def _text(self, block: _TextBlock, out: str, force: bool = False) -> list[bytes]:
+    def _text(self, block: _TextBlock, out: str, force: bool = False,
+              delta_event: dict[str, Any] | None = None) -> list[bytes]:
+        """The events that show ``out`` of ``block``; ``delta_event`` is the upstream's ``text_delta`` event that
+        ``out`` came from, written again with ``out`` as its text so that its other fields reach the client."""
         index = block.index - self.shift
         if not block.sent:
             block.pending = bigtext.concat([block.pending, out]) if block.pending else out
@@ -435,9 +438,13 @@ class _MessagesStream:
         else:
             events = []
         if out:
-            events += sse_json({"type": "content_block_delta", "index": index,
-                                "delta": {"type": "text_delta", "text": out}}, "content_block_delta",
-                               large=len(out) >= largejson.SLICE)
+            if delta_event is None:
+                delta_event = {"type": "content_block_delta", "index": index,
+                               "delta": {"type": "text_delta", "text": out}}
+            else:
+                delta_event["index"] = index
+                delta_event["delta"]["text"] = out
+            events += sse_json(delta_event, "content_block_delta", large=len(out) >= largejson.SLICE)
         return events
 
     def event(self, name: str | None, data: str) -> list[bytes] | None:
@@ -470,7 +477,7 @@ class _MessagesStream:
                 out = block.filter.feed(text)
                 if block.sent and out == text and not self.shift:
                     return None
-                return self._text(block, out)
+                return self._text(block, out, delta_event=obj)
             if kind == "content_block_stop":
                 self.block = None
                 events = self._text(block, block.filter.finish())
