@@ -143,6 +143,25 @@ def test_only_the_tail_is_read() -> None:
     assert summary("1 failed in 0.1s\n" + "x\n" * 1000) is None
 
 
+@pytest.mark.parametrize(("line", "shown"), [
+    ("\x1b[32m===== 3 passed in 0.12s =====\x1b[0m", "3 passed in 0.12s"),
+    ("[INFO] BUILD SUCCESS ---", "BUILD SUCCESS"),
+    ("  >> done ___", "done"),
+    ("\u2003-- ok --\u00a0", "ok"),  # any Unicode whitespace is decoration
+    ("a ->", "a ->"),  # ">" leads, "<" trails: neither is decoration on the other side
+    ("==<", "<"),  # a trailing run is decoration only after a character that is none
+    (">.<", "<"),
+    ("<<", ""),
+])
+def test_a_line_is_shown_without_its_colours_decoration_and_log_level(line: str, shown: str) -> None:
+    assert last_line(line) == shown
+
+
+def test_a_count_glued_to_trailing_decoration_is_read() -> None:
+    found = summary("collected 12 items\n12 passed___")
+    assert found is not None and (found.outcome, found.line) == (PASSED, "12 passed")
+
+
 # ---- commands --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [
