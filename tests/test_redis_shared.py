@@ -310,3 +310,27 @@ def test_the_session_index_never_goes_back_when_replicas_send_out_of_order(redis
         assert share.recent() == {"s1": pytest.approx(now, abs=0.01)}
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "diskcache"])
+def test_records_the_bounds_drop_stay_dropped_in_the_stored_memory(tmp_path: Path, redis_url: str,
+                                                                    backend: str) -> None:
+    """A save merges in what another process stored meanwhile, but not the records this process read and then
+    dropped by the bounds: else the stored memory (on Redis one key) grew past max_records and max_bytes."""
+    config = Config().with_overrides(state={"backend": backend, "url": redis_url, "dir": str(tmp_path / "state")})
+    state = backend_of(config)
+    try:
+        store = memory_store(config.supervisor.learning, config.state_dir(), state)
+        assert store is not None
+        scope = project_root(str(tmp_path))
+        memory, loaded = Memory(scope), set[str]()
+        for n in range(3):
+            memory.add(Candidate(RULE, f"Always run check number {n}.", f"user turn {n}"), float(n), "one")
+        assert save(store, memory, loaded) is not None and len(loaded) == 3
+        assert memory.bound(2, 1 << 20, 86_400.0, 3.0) == 1
+        assert save(store, memory, loaded) is not None
+        found = store.look(scope, ())
+        stored = decoded(found[1] if found else None, scope)
+        assert stored is not None and len(stored.records) == 2 and set(memory.records) == set(stored.records)
+    finally:
+        state.close()

@@ -167,15 +167,18 @@ class Memory:
 
     def merge(self, stored: Memory, loaded: Iterable[str]) -> list[str]:
         """Take in what the stored copy of this memory holds now (``stored``: written meanwhile by another process
-        or replica): its records this memory lacks, and the loss of those of ``loaded`` (the ids the store held
-        when this memory last read or wrote it) that are gone from it (forgotten there). Records of this memory
-        the store never held stay. Returns the ids removed here.
+        or replica): its records that are not among ``loaded`` (the ids the store held when this memory last read
+        or wrote it: one of those this memory lacks was dropped here, by the bounds, and stays dropped), and the
+        loss of those of ``loaded`` that are gone from it (forgotten there). Records of this memory the store
+        never held stay. Returns the ids removed here.
 
         This is the one merge rule: a save applies it to the stored value before writing over it, and a process
         applies it to the memory it holds after reading or writing the store."""
+        loaded = set(loaded)
         gone = [rid for rid in loaded if rid not in stored.records and self.forget(rid)]
         for rid, record in stored.records.items():
-            self.records.setdefault(rid, record)
+            if rid not in loaded:
+                self.records.setdefault(rid, record)
         return gone
 
     def forget(self, rid: str) -> bool:
