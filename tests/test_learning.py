@@ -504,6 +504,20 @@ async def test_an_idle_session_evicted_mid_turn_keeps_its_rule(tmp_path: Path) -
         assert memory is not None and [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]
 
 
+async def test_a_session_evicted_as_the_proxy_stops_keeps_its_rule(tmp_path: Path) -> None:
+    """The save of an evicted session's last distill goes on in the background: a proxy stopping right after
+    still makes it."""
+    state = tmp_path / "state"
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        agent = Agent(proxy, "idle", tmp_path, f"{RULE_TEXT} Add a flag.")
+        await agent.turn(agent.call("ls", "app.py"))
+        sessions = proxy.pipeline.sessions
+        assert [s.id for s in sessions.evict(proxy.pipeline.clock() + 10 * sessions.idle_s)] == ["idle"]
+    memory = memory_of(state, tmp_path)
+    assert memory is not None and [r.text for r in memory.records.values() if r.kind == RULE] == [RULE_TEXT]
+
+
 async def test_a_request_ending_with_a_system_message_gets_the_memory_before_it_and_keeps_it_there(
         tmp_path: Path) -> None:
     """Claude Code's first request ends with a system message of its own (its agent types): the memory goes

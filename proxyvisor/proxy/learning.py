@@ -643,10 +643,12 @@ class Learning:
         self._written(memory, copy, self._stored(self.store, copy, loaded))
 
     async def _saved(self, memory: Memory) -> None:
-        """:meth:`_save` with the store's work off the event loop."""
+        """:meth:`_save` with the store's work off the event loop; made even when the proxy stops meanwhile (its
+        background work cancelled): it takes at most the store's timeouts."""
         assert self.store is not None
         copy, loaded = self._snapshot(memory)
-        self._written(memory, copy, await trio.to_thread.run_sync(self._stored, self.store, copy, loaded))
+        with trio.CancelScope(shield=True):
+            self._written(memory, copy, await trio.to_thread.run_sync(self._stored, self.store, copy, loaded))
 
     @staticmethod
     def _stored(store: MemoryStore, copy: Memory, loaded: set[str]) -> Stamp | StateUnavailable | None:
