@@ -334,3 +334,35 @@ def test_records_the_bounds_drop_stay_dropped_in_the_stored_memory(tmp_path: Pat
         assert stored is not None and len(stored.records) == 2 and set(memory.records) == set(stored.records)
     finally:
         state.close()
+
+
+async def test_a_stock_answer_delivered_to_sessions_on_two_replicas_identifies_neither(
+        tmp_path: Path, redis_url: str) -> None:
+    """Two clients without an id, each served by its own replica, get the same answer text ("Done."): as on one
+    replica, that answer identifies neither session, whichever replica serves each client's next request."""
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url}, proxy={"admin_token": ADMIN},
+                                     supervisor={"gate": GateConfig(enabled=False)})
+    script = ScriptedUpstream()
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script}) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
+        async def sessions() -> dict[str, int]:
+            async with http_client(a.url) as client:
+                listed = (await client.get("/proxyvisor/sessions", headers={ADMIN_HEADER: ADMIN})).json()
+                return {s["id"]: (await client.get(f"/proxyvisor/sessions/{s['id']}/info")).json()["requests"]
+                        for s in listed["sessions"]}
+
+        for first, then in ((a, b), (b, a)):  # the second replica to deliver the answer serves the next request,
+            x, y = PrefixAgent(first, BY_NAME["chat"], False), PrefixAgent(then, BY_NAME["chat"], False)
+            x.prefix = y.prefix = ""  # then the first
+            x.history[1]["content"] += f" ({first.url})"
+            y.history[1]["content"] = f"Write the changelog for the 2.0 release ({first.url})."
+            before = await sessions()
+            await x.turn({"text": "Done."})
+            (sx,) = set(await sessions()) - set(before)
+            await y.turn({"text": "Done."})
+            (sy,) = set(await sessions()) - set(before) - {sx}
+            x.proxy = then
+            x.history.append({"role": "user", "content": "Now the tests, please."})
+            await x.turn({"text": "Added."})
+            found = await sessions()
+            assert (found[sx], found[sy]) == (2, 1), "x's next request is x's, not y's"

@@ -11,7 +11,9 @@ Keys (all under ``proxyvisor:``, each with a time to live refreshed by every wri
   Redis after a later line's never moves it back), so listing the sessions reads one key instead of every ledger;
   members older than ``ttl_s`` are dropped as lines are added.
 - ``links:<hex>``: which session a conversation link (``proxyvisor.proxy.sessions.Conversations``) belongs to
-  (empty: to two sessions, so to none), expiring ``link_ttl_s`` after it was last written.
+  (empty: to two sessions, so to none), expiring ``link_ttl_s`` after it was last written. A link written for a
+  session while it belongs to another one becomes empty (:data:`_SET_LINKS`): two replicas that each delivered the
+  same answer text to a session of their own learn it when they ask, as one replica knows it at once.
 
 :meth:`RedisShare.write` sends what a batch of requests adds in one pipeline (one round trip). Every call blocks
 (redis-py's synchronous client, as the rest of the backend): trio code runs it in a worker thread. Writes raise
@@ -38,6 +40,20 @@ requests than a session makes; the local JSONL ledger keeps them all."""
 _LEDGER = REDIS_PREFIX + "ledger:"
 _INDEX = REDIS_PREFIX + "ledger-index"
 _LINKS = REDIS_PREFIX + "links:"
+_SET_LINKS = """
+local session, current
+for i, key in ipairs(KEYS) do
+  session = ARGV[i + 1]
+  if session ~= '' then
+    current = redis.call('GET', key)
+    if current and current ~= session then session = '' end
+  end
+  redis.call('SET', key, session, 'PX', ARGV[1])
+end
+return #KEYS
+"""
+"""Set each link ``KEYS[i]`` to its session ``ARGV[i + 1]`` for ``ARGV[1]`` ms, or to ``''`` (ambiguous) when it is
+stored for another session (:meth:`~proxyvisor.proxy.sessions.Conversations.answered`'s rule, fleet-wide)."""
 
 
 class RedisShare:
@@ -48,11 +64,13 @@ class RedisShare:
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.ttl_s = ttl_s
         self.link_ttl_ms = max(1, round(link_ttl_s * 1000))
+        self._set_links = backend.client.register_script(_SET_LINKS)
         self._outage = Outage(log, "reading shared ledgers", "each replica reads its own ledger files until it answers")
 
     def write(self, lines: Iterable[tuple[str, bytes, float]], links: dict[bytes, str]) -> None:
         """Append ``lines`` (session, the line's JSON, its wall time) to their sessions' streams, move the sessions
-        in the index, and set ``links`` (key to session; ``""``: ambiguous): one pipeline.
+        in the index, and set ``links`` (key to session; ``""``: ambiguous, as is a link stored for another
+        session): one pipeline.
 
         Raises:
             StateUnavailable: Redis does not answer (what was not sent is not written).
@@ -69,8 +87,9 @@ class RedisShare:
                 pipe.zadd(_INDEX, latest, gt=True)  # another replica's send of a later line may come first
                 pipe.zremrangebyscore(_INDEX, "-inf", time.time() - self.ttl_s)
                 pipe.pexpire(_INDEX, self.ttl_ms)
-            for key, session in links.items():
-                pipe.set(_LINKS + key.hex(), session, px=self.link_ttl_ms)
+            if links:
+                self._set_links(keys=[_LINKS + key.hex() for key in links], args=[self.link_ttl_ms, *links.values()],
+                                client=pipe)
             pipe.execute()
 
         self.backend.call(send)

@@ -169,13 +169,22 @@ class Conversations:
         nearer its end than the nearest link known here (at most the last :data:`SHARED_ITEMS` items). None when a
         link is known here and no answer follows it in the history: the latest answer the client got was
         delivered here (or is known here), so this replica served the request before and no other one can know a
-        nearer link."""
+        nearer link. A link known here that is only an answer's text digest counts as none: another replica may
+        have delivered the same text (a stock "Done.") to a session of its own, which makes it no one's."""
         _seed, items, steps = self._steps(fmt, body)
         session, found = self._search(items, steps, now)
+        if session is not None and self._text_only(fmt, items[found], steps(found), now):
+            found = -1
         later = [steps(index) for index in range(max(found + 1, len(items) - SHARED_ITEMS), len(items))]
         if session is not None and not any(step.keys for step in later):
             return []
         return [key for step in later if step.conversing for key in (step.link, *step.keys)]
+
+    def _text_only(self, fmt: WireFormat, item: Any, step: _Step, now: float) -> bool:
+        """Whether the one live link of history item ``item`` (at ``step``) known here is its text digest."""
+        live = [key for key in (step.link, *step.keys)
+                if (kept := self._ends.get(key)) is not None and kept[0] is not None and now - kept[1] <= self.idle_s]
+        return len(live) == 1 and live == step.keys[-1:] and live[0] == _text_key(fmt.message(item).text)
 
     def learn(self, links: dict[bytes, str], now: float) -> None:
         """Take in ``links`` the other replicas recorded (key to session, ``""``: ambiguous), as used ``now``."""
