@@ -29,6 +29,7 @@ from proxyvisor.adapters.health import COOLING_DOWN, Cooldown
 from proxyvisor.adapters.health_store import HealthStore
 from proxyvisor.adapters import state
 from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, StateUnavailable, open_backend
+from proxyvisor.cli import main
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.service import running
@@ -302,7 +303,8 @@ async def test_a_gate_turn_begun_on_one_replica_goes_on_on_the_other(tmp_path: P
         assert len(agent.bodies()) == 4, "no second continuation: the turn's budget was spent on replica a"
 
 
-async def test_plan_on_another_replica_shows_the_plan_made_on_the_first(tmp_path: Path, redis_url: str) -> None:
+async def test_plan_on_another_replica_shows_the_plan_made_on_the_first(
+        tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
     script = ScriptedUpstream()
     async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script},
@@ -312,6 +314,15 @@ async def test_plan_on_another_replica_shows_the_plan_made_on_the_first(tmp_path
         await agent.turn(agent.step("Reading. " + report()))
         await agent.turn(agent.step("Planning. " + report(plan="request")))
         await agent.turn(agent.step("Split under way. " + report()))  # the planner is called on this request
+        async with http_client(b.url) as client:  # b does not hold the session: it reads the stored state
+            for shown in ((await client.get("/proxyvisor/sessions/prefix/plan")).json(),
+                          (await client.get("/proxyvisor/ui/api/sessions/prefix")).json()["plan"]):
+                assert shown["plan"] is not None and "Split the parser" in shown["text"], shown
+                assert "live only in the memory" not in shown["text"]
+        assert b.pipeline.sessions.get("prefix") is None, "a reader does not take the session in"
+        capsys.readouterr()
+        assert await trio.to_thread.run_sync(main, ["plan", "--json", "--url", b.url, "prefix"]) == 0
+        assert "Split the parser" in orjson.loads(capsys.readouterr().out)["text"]
         body = BY_NAME["chat"].request_from_chat(agent.history + [{"role": "user", "content": "/plan"}], "m", False)
         async with http_client(b.url) as client:
             reply = await client.post("/s/prefix/v1/chat/completions", json=body)

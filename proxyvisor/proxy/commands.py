@@ -39,7 +39,8 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   ``proxyvisor.proxy.learning.SessionLearning.info``, when it has a scope); a ledger that exists but cannot be read is a 500 naming the
   file (so is ``/info``, in the request's format);
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
-  [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``.
+  [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``; of a
+  session this process does not hold, from its stored state (on Redis: as the replica that served it left it).
 
 An unknown session is a 404, an invalid id (``proxyvisor.store.SESSION_ID``) a 400.
 
@@ -68,6 +69,7 @@ from .info import info_object, render_text
 from .learning import SessionLearning
 from ..transcript import own_words
 from .server import Headers, Response
+from .session_state import SessionStates
 from .sessions import Session, SessionTable
 from .supervise import SessionSupervision, Thread, thread_key
 
@@ -190,6 +192,15 @@ def plan_json(session_id: str, session: Session | None, thread: Thread | None) -
             "carry": carry, "text": "\n".join(lines)}
 
 
+async def session_plan(session_id: str, session: Session | None, states: SessionStates | None) -> dict[str, Any]:
+    """The ``/plan`` object (:func:`plan_json`) of session ``session_id``: from ``session`` when this process
+    holds it (None: it does not), else from the state stored by the process that served it last (``states``; None:
+    no state is stored)."""
+    if session is None and states is not None and (stored := await states.stored(session_id)) is not None:
+        session = Session(session_id, 0.0, 0.0, supervision=stored)  # read only, never put in the table
+    return plan_json(session_id, session, thread_for(session))
+
+
 def live(session: Session | None, clock: float) -> dict[str, Any] | None:
     """The in-memory counters of ``session`` (None when it is not in memory); ``clock`` is the table's now."""
     if session is None:
@@ -281,9 +292,10 @@ def sessions_json(table: SessionTable, ledgers: list[tuple[str, float]], clock: 
 
 
 async def endpoint(method: str, path: str, table: SessionTable, store: Store | None, clock: float,
-                   admin: bool | None) -> Response:
+                   admin: bool | None, states: SessionStates | None = None) -> Response:
     """Answer a request for ``/proxyvisor/sessions...`` (module docstring); ``clock`` is the table's now; ``admin``
-    whether the request carries the admin token (None: no admin token is configured)."""
+    whether the request carries the admin token (None: no admin token is configured); ``states`` the sessions'
+    stored supervision states (None: none are stored)."""
     match = _PATH.match(path)
     if match is None:
         return _error(404, f"no such endpoint: {path}. Use GET /proxyvisor/sessions, "
@@ -309,5 +321,5 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
         except LedgerError as exc:
             return _error(500, str(exc))
     else:
-        body = plan_json(session_id, session, thread_for(session))
+        body = await session_plan(session_id, session, states)
     return Response(200, list(_JSON), orjson.dumps(body))

@@ -206,7 +206,8 @@ class Pipeline:
         if self.learning.on:
             self.sessions.on_end = self._end_learning
         self.breakers = breakers_for(config, backend if store is not None else None)
-        self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock, backend)
+        self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock, backend,
+                           self.states)
         self.background: trio.Nursery | None = None
         """A nursery for work that outlives one step of a response stream (``proxyvisor.proxy.continuation``);
         set by ``proxyvisor.proxy.service.running``."""
@@ -309,7 +310,7 @@ class Pipeline:
         admin = self.config.proxy.admin_token
         if path.startswith("/proxyvisor/sessions"):
             return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock(),
-                                           request.header_is(ADMIN_HEADER, admin) if admin else None)
+                                           request.header_is(ADMIN_HEADER, admin) if admin else None, self.states)
         if path.startswith(web.API):
             return await self.web.api(request.method, path, request.header_is(ADMIN_HEADER, admin) if admin else None)
         return error(fmt, 404, f"no such endpoint: {request.method} {path}. proxyvisor serves POST "

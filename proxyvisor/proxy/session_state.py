@@ -230,6 +230,18 @@ class SessionStates:
         if found is not None:
             session.supervision, session.state_version = found
 
+    async def stored(self, session_id: str) -> SessionSupervision | None:
+        """The stored supervision state of session ``session_id``, for a reader of a session this process does not
+        hold (its ``/plan`` on a replica that did not serve it); None when none is stored, none this proxyvisor can
+        use (logged) or the backend fails (warned once per outage)."""
+        try:
+            found = await trio.to_thread.run_sync(self._read, session_id, limiter=self._limiter)
+        except StateUnavailable as exc:
+            self._outage.failed(exc)
+            return None
+        self._outage.up()
+        return found[0] if found is not None else None
+
     def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes] | None:
         version = self.kv.get(session_id + ":v")
         if version is None or version == known:

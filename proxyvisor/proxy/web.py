@@ -51,10 +51,11 @@ from ..adapters.state import StateBackend
 from ..adapters.overview import health_json, routing_json
 from ..config import Config
 from ..store import SESSION_ID, LedgerError, Store, StoreUnusable
-from .commands import live, plan_json, recent, sessions_json, thread_for
+from .commands import live, recent, session_plan, sessions_json
 from .formats import CHAT
 from .info import info_object, session_row, timeline_entry
 from .server import Headers, Response
+from .session_state import SessionStates
 from .sessions import SessionTable
 
 PAGE = "/proxyvisor/ui"
@@ -174,12 +175,14 @@ class LedgerFeed:
 
 class WebView:
     """The JSON endpoints and event streams of the web view (module docstring) over one proxy's session table,
-    state directory (``store``; None: nothing recorded), state backend (``backend``: pool health) and
-    configuration; ``clock`` is the session table's."""
+    state directory (``store``; None: nothing recorded), state backend (``backend``: pool health), sessions'
+    stored supervision states (``states``: the plan of a session another replica serves) and configuration;
+    ``clock`` is the session table's."""
 
     def __init__(self, config: Config, sessions: SessionTable, store: Store | None, clock: Callable[[], float],
-                 backend: StateBackend | None = None) -> None:
+                 backend: StateBackend | None = None, states: SessionStates | None = None) -> None:
         self.config = config
+        self.states = states
         self.sessions = sessions
         self.store = store
         self.clock = clock
@@ -284,7 +287,7 @@ class WebView:
             return _error(500, str(exc))
         if body is None:
             return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")
-        body["plan"] = plan_json(session_id, session, thread_for(session))
+        body["plan"] = await session_plan(session_id, session, self.states)
         return _json(200, body)
 
     async def _overview(self) -> Response:

@@ -148,22 +148,11 @@ class Usage:
     estimated: bool = False
     """Whether proxyvisor counted some of them itself (``proxyvisor.proxy.estimate``)."""
 
-    def __post_init__(self) -> None:
-        # A count is what the upstream said only when it can be one: anything else (a string, a float, an integer
-        # past 64 bits) is not reported, never a value the ledger, the costs or a trace could fail on.
-        self.input_tokens = _count(self.input_tokens)
-        self.output_tokens = _count(self.output_tokens)
-
     def add(self, other: Usage) -> None:
         if other.input_tokens is not None:
             self.input_tokens = other.input_tokens
         if other.output_tokens is not None:
             self.output_tokens = other.output_tokens
-
-
-def _count(value: object) -> int | None:
-    """``value`` if it is a token count (an int from 0 to 2**63 - 1, not a bool), else ``None``."""
-    return value if type(value) is int and 0 <= value < 2**63 else None
 
 
 @dataclass(frozen=True)

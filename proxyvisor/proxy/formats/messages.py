@@ -602,9 +602,9 @@ class _MessagesSplice:
 
 
 def _input(u: dict[str, Any]) -> int | None:
-    """The prompt's tokens, the cached ones included; ``None`` when ``input_tokens`` or a cache count is no count."""
-    counts = [u.get("input_tokens"), u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0]
-    return sum(c for c in counts if type(c) is int) if all(type(c) is int for c in counts) else None
+    if u.get("input_tokens") is None:
+        return None
+    return int(u["input_tokens"]) + int(u.get("cache_read_input_tokens") or 0) + int(u.get("cache_creation_input_tokens") or 0)
 
 
 def _tool_id() -> str:
