@@ -287,12 +287,12 @@ _FRESH = "PROXYVISOR_TEST_FRESH_PROCESS"
 @pytest.mark.parametrize("fmt", ["chat", "messages"])
 async def test_the_event_loop_runs_between_the_bounded_steps_of_a_big_events_work(
         fmt: str, start_proxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A 32 MB event relayed through a supervised proxy, with the interpreter's switch interval made longer than the
+    """A 64 MB event relayed through a supervised proxy, with the interpreter's switch interval made longer than the
     whole relay: a worker thread then keeps the interpreter lock until it lets go of it, so the event loop (which
     serves every other session) runs only where the work on the event stops on its own. That work goes a bounded
     step at a time and lets the loop go first between steps: the CPU time worker threads spend between two turns of
-    the loop stays a few ms (one whole-event step, a join, a decode, a copy, took 16 to 21 ms of it at this size, and
-    five times as much at 100 MB), and so does the loop's own. CPU time, not wall time: a loaded machine that stops
+    the loop stays a few ms (one whole-event step, a join, a decode, a copy, took 22 to 24 ms of it), and so does
+    the loop's own. CPU time, not wall time: a loaded machine that stops
     the process for a while does not count. The client gets the text without its report.
 
     It runs in a process of its own, as a proxy starts: in one whose heap earlier tests left with big free regions,
@@ -305,7 +305,7 @@ async def test_the_event_loop_runs_between_the_bounded_steps_of_a_big_events_wor
                              text=True, timeout=300)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
         return
-    upstream = HugeEventUpstream(fmt, 32 * 1024 * 1024)
+    upstream = HugeEventUpstream(fmt, 64 * 1024 * 1024)
     started: dict[int, float] = {}  # worker threads (trio keeps them between calls): CPU time when first seen
     real_run_sync = trio.to_thread.run_sync
 
@@ -349,7 +349,7 @@ async def test_the_event_loop_runs_between_the_bounded_steps_of_a_big_events_wor
             with trio.fail_after(120):  # guards a hang only
                 async with http_client() as client, client.stream(
                         "POST", rp.url + "/s/huge" + path_of(fmt), json=request_body(fmt, stream=True)) as reply:
-                    chunks = [chunk async for chunk in reply.aiter_raw()]  # (joined after: 160 MB in Responses)
+                    chunks = [chunk async for chunk in reply.aiter_raw()]  # (joined after: not a step of the proxy)
             done.set()
         finally:
             gc.enable()
@@ -358,5 +358,5 @@ async def test_the_event_loop_runs_between_the_bounded_steps_of_a_big_events_wor
     data = b"".join(chunks)
     turn = BY_NAME[fmt].assemble([(e.event, e.data) for e in sse_events(data)])
     assert turn.text == strip(upstream.full)[0] and b"<sup>" not in data
-    assert worst_worker < 0.01, f"worker threads held the event loop for {worst_worker * 1000:.1f} ms of CPU at once"
+    assert worst_worker < 0.016, f"worker threads held the event loop for {worst_worker * 1000:.1f} ms of CPU at once"
     assert worst_loop < 0.03, f"the event loop spent {worst_loop * 1000:.1f} ms of CPU in one turn"
