@@ -26,6 +26,8 @@ _WIDE = re.compile(rb"[\[:,][ \t\n\r]*-?[0-9]{19}")
 is then taken for nothing, but it reads the same values)."""
 _LOW, _HIGH = -(2**63), 2**64 - 1
 """The integers orjson reads and writes."""
+_TOO_DEEP = "Recursion limit reached"
+"""orjson's refusal of a value nested over 255 levels, which it reads up to 1024."""
 
 
 def loads(data: bytes | str) -> Any:
@@ -45,8 +47,9 @@ def loads(data: bytes | str) -> Any:
 
 
 def dumps(value: Any, option: int = 0, default: Callable[[Any], Any] | None = None) -> bytes:
-    """``orjson.dumps(value, default, option)``; a value holding an integer beyond 64 bits, which orjson refuses, is
-    written compact by the standard library (keys sorted with ``orjson.OPT_SORT_KEYS``), the integer exact.
+    """``orjson.dumps(value, default, option)``; a value orjson refuses because it holds an integer beyond 64 bits
+    or is nested deeper than orjson writes (it reads deeper than it writes) is written compact by the standard
+    library (keys sorted with ``orjson.OPT_SORT_KEYS``), the integer exact.
 
     Raises:
         orjson.JSONEncodeError: ``value`` cannot be written, as ``orjson.dumps`` raises it.
@@ -54,7 +57,7 @@ def dumps(value: Any, option: int = 0, default: Callable[[Any], Any] | None = No
     try:
         return orjson.dumps(value, default, option)
     except orjson.JSONEncodeError as exc:
-        if not _wide(value):
+        if str(exc) != _TOO_DEEP and not _wide(value):
             raise
         try:
             return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=default,

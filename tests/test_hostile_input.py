@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxyvisor.scripted.upstream import ScriptedUpstream
-from proxyvisor.config import Config, UpstreamConfig
+from proxyvisor.config import Config, GateConfig, UpstreamConfig
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
 from proxyvisor.proxy.pipeline import Pipeline
 from proxyvisor.proxy.relay import UpstreamReply
@@ -228,8 +228,8 @@ def nested(body: dict[str, Any], where: list[Any], depth: int) -> bytes:
 @ALL_FORMATS
 async def test_deeply_nested_json_is_answered_never_a_500(fmt: str, supervised: bool, start_proxy,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    """orjson reads 1,024 levels but writes 255: a body between the two goes up as received (unsupervised), a
-    deeper one gets a 400 in the client's format."""
+    """orjson reads 1,024 levels but writes 255: a body between the two is written by the standard library (or goes
+    up as received, unsupervised, past its recursion limit), a deeper one gets a 400 in the client's format."""
     content = {"chat": ["messages", 1, "content"], "messages": ["messages", 0, "content"],
                "responses": ["input", 0, "content"]}[fmt]
     async with start_proxy(supervised=supervised) as rp:
@@ -245,6 +245,50 @@ async def test_deeply_nested_json_is_answered_never_a_500(fmt: str, supervised: 
                     assert reply.status_code == 200, (depth, data[:300])
                     assert rp.scripted["scripted"].requests[-1][1].count(b"[[[") > 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class DeepReplyUpstream:
+    """Answers in the request's format with text ending in a self-report (supervision must rewrite the answer) and
+    a field nested ``depth`` lists deep beside it, in the JSON answer or in every stream event."""
+
+    REPORT = '<sup>{"state": "done", "focus": "answered", "carry": []}</sup>'
+
+    def __init__(self, fmt: str, depth: int) -> None:
+        self.fmt, self.depth = BY_NAME[fmt], depth
+
+    def _deepened(self, data: str) -> str:
+        deep = "[" * self.depth + '"deep"' + "]" * self.depth
+        return data[:-1] + f', "x_deep": {deep}}}' if data.startswith("{") else data
+
+    async def __call__(self, request: Request) -> Response:
+        body = orjson.loads(request.body)
+        turn = AssistantTurn("All done. " + self.REPORT)
+        if not body.get("stream"):
+            answer = self._deepened(orjson.dumps(self.fmt.render(turn, MODEL)).decode())
+            return Response(200, [(b"content-type", b"application/json")], answer.encode())
+        events = [(f"event: {e.event}\n" if e.event else "") + f"data: {self._deepened(e.data)}\n\n"
+                  for e in sse_events(b"".join(self.fmt.render_stream(turn, MODEL, body)))]
+        return Response(200, [(b"content-type", b"text/event-stream")], "".join(events).encode())
+
+
+@ALL_FORMATS
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
+async def test_a_deeply_nested_answer_reaches_the_agent_whole(fmt: str, stream: bool, gate: bool,
+                                                              tmp_path: Path) -> None:
+    """orjson reads an answer nested up to 1,024 levels but writes only 255: an answer supervision rewrote (its
+    self-report stripped) is written again at any depth it could read, never a 500 or an empty stream."""
+    depth = 600
+    async with serve_handler(DeepReplyUpstream(fmt, depth)) as url:
+        config = Config(upstreams=(UpstreamConfig(name="deep", url=url),)).with_overrides(
+            supervisor={"gate": GateConfig(enabled=gate)})
+        async with running(config, port=0, store=Store(tmp_path / "state")) as rp:
+            with trio.fail_after(20):
+                reply, data = await raw_stream(rp.url + "/s/deep", fmt,
+                                               orjson.dumps(request_body(fmt, stream=stream)))
+    assert reply.status_code == 200
+    assert b"<sup>" not in data and b"done." in data
+    assert data.count(b"[" * depth + b'"deep"') >= 1
 
 
 def many_tool_calls(fmt: str, n: int) -> dict[str, Any]:

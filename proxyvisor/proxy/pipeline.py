@@ -481,7 +481,7 @@ class Pipeline:
         if exchange is not None:
             try:
                 content = exchange.upstream_chunks()
-            except TypeError as exc:  # orjson writes 255 levels of nesting, reads 1024: go up as received
+            except TypeError as exc:  # nested past what wirejson writes (it reads 1024 levels): go up as received
                 log.warning("cannot serialise the supervised body of session %s (%s); forwarding it unsupervised",
                             session.id if session else "-", exc)
                 exchange = None

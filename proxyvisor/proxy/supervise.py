@@ -465,8 +465,8 @@ class Exchange:
         and kept, ``proxyvisor.proxy.bodies``).
 
         Raises:
-            TypeError: (``orjson.JSONEncodeError``) the body nests deeper than orjson writes (255 levels; it reads
-                1,024); the pipeline then forwards the client's own bytes, unsupervised.
+            TypeError: (``orjson.JSONEncodeError``) the body nests deeper than ``wirejson.dumps`` writes (about 990
+                levels; it reads 1,024); the pipeline then forwards the client's own bytes, unsupervised.
         """
         return b"".join(self.upstream_chunks())
 
