@@ -281,6 +281,9 @@ def test_the_scope_comes_from_the_config_the_client_or_the_default(tmp_path: Pat
     (repo / "src").mkdir()
     assert scope_of((f"<environment_context>\n  <cwd>{repo / 'src'}</cwd>", ""), "", None) == str(repo.resolve())
     assert scope_of(("env:\nPrimary working directory: /remote/app\n", ""), "", None) == "/remote/app"
+    assert scope_of(("<env>\n - Primary working directory: /remote/app\n - Is a git repository: true\n", ""), "",
+                    None) == "/remote/app"
+    assert scope_of(("- Working directory persists between calls: /not/this\n", ""), "", None) is None
     assert scope_of(("no env here", "hi"), "", str(tmp_path)) == str(tmp_path.resolve())
     assert scope_of((f"<cwd>{repo}</cwd>", ""), str(tmp_path), None) == str(tmp_path.resolve())
     assert scope_of(("no env here", "hi"), "", None) is None

@@ -78,8 +78,10 @@ Stamp = tuple[int, int, int] | bytes
 write or a removal changes it."""
 Fetched = tuple[Stamp | None, Memory | None] | Exception | None
 """What :meth:`Learning._fetch` found: a stored memory with its stamp, nothing new (None), or why it failed."""
-_CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:Primary working directory|Working directory):[ \t]*(/[^\n]*?)"
-                  r"[ \t]*$", re.MULTILINE)
+_CWD = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>|^[ \t]*(?:[-*][ \t]+)?(?:Primary working directory|Working directory):"
+                  r"[ \t]*(/[^\n]*?)[ \t]*$", re.MULTILINE)
+"""Where a harness names the folder it works in: Codex's ``<cwd>``, a line of Claude Code's environment section
+(a list item, `` - Primary working directory: /path``, in its recent versions)."""
 _SAFE_ROLES = ("tool", "user")
 
 
