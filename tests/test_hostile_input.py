@@ -450,3 +450,19 @@ async def test_upstream_sse_split_at_random_points_over_real_sockets(fmt: str, s
     turn = BY_NAME[fmt].assemble([(e.event, e.data) for e in sse_events(data)])
     assert (turn.text, turn.tool_calls) == (TURN.text, TURN.tool_calls)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@ALL_FORMATS
+async def test_an_answer_supervision_cannot_read_is_delivered_as_it_came_with_a_warning(
+        fmt: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    upstream = DeepReplyUpstream(fmt, 2000)  # orjson reads 1,024 levels
+    async with serve_handler(upstream) as url:
+        config = Config(upstreams=(UpstreamConfig(name="deep", url=url),)).with_overrides(
+            supervisor={"gate": GateConfig(enabled=False)})
+        async with running(config, port=0, store=Store(tmp_path / "state")) as rp:
+            with trio.fail_after(20):
+                reply, data = await raw_stream(rp.url + "/s/deep", fmt,
+                                               orjson.dumps(request_body(fmt, stream=False)))
+    assert reply.status_code == 200
+    assert data.count(b"[" * 2000 + b'"deep"') == 1 and b"<sup>" in data
+    assert any("not JSON proxyvisor reads" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

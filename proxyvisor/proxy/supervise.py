@@ -508,7 +508,11 @@ class Exchange:
                                  reply.upstream_s)
         try:
             response = reply.json()
-        except orjson.JSONDecodeError:
+        except orjson.JSONDecodeError as exc:
+            # Delivered as it came: the agent's answer is never lost to supervision, but its self-report (if it
+            # has one) reaches the agent, and the operator should know why.
+            log.warning("an answer in %s is not JSON proxyvisor reads (%s): delivered as it came, unsupervised",
+                        self.fmt.name, exc)
             return reply
         if not isinstance(response, dict):
             return reply
