@@ -21,6 +21,7 @@ session states, pool health and claim checks are namespaces of the state backend
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import re
@@ -155,7 +156,8 @@ class SharedLedgers(Protocol):
     nothing, and the readers fall back to the local files."""
 
     def lines(self, session_id: str) -> list[bytes] | None:
-        """The session's ledger lines (JSON objects), oldest first; None: none shared."""
+        """The session's shared ledger lines (JSON objects), oldest first (none: none shared); None: the backend
+        does not answer."""
         ...
 
     def recent(self) -> dict[str, float]:
@@ -182,6 +184,8 @@ class Store:
         self.unrecorded = 0
         self.ledger_off: str | None = None
         self._failing: set[int | str] = set()
+        self._writer = os.urandom(6).hex()
+        self._written = itertools.count(1)
 
     def ledger_path(self, session_id: str) -> Path:
         if not SESSION_ID.match(session_id):
@@ -190,7 +194,8 @@ class Store:
 
     def append_ledger(self, session_id: str, record: dict[str, Any]) -> bool:
         """Append ``record`` to the session's ledger as one whole line, or nothing (module docstring); creates the
-        file 0600. Returns whether it was written.
+        file 0600. Returns whether it was written. Adds to ``record`` its ``line_id``, unique across processes
+        (this store's random id and a count), by which a reader knows the line in the shared ledgers too.
 
         A record not written (the disk full, the folder unusable, :attr:`ledger_off`) is counted in
         :attr:`unrecorded`. The first failure of each kind (errno) is logged as a warning, the next ones only
@@ -203,6 +208,7 @@ class Store:
         if self.ledger_off is not None:
             self.unrecorded += 1
             return False
+        record["line_id"] = f"{self._writer}:{next(self._written)}"
         line = orjson.dumps(record) + b"\n"
         try:
             private_dir(self.root)  # tightened when it exists: the ledger folder's parents are not walked
@@ -228,10 +234,20 @@ class Store:
         return True
 
     def read_ledger(self, session_id: str) -> list[dict[str, Any]]:
-        """All complete records of a session's ledger (none when it has none); an incomplete or corrupt line is
-        skipped, and how many were is logged (a warning naming the file). With :attr:`shared` ledgers, the shared
-        lines (every replica's) when they are more than the local file's (a Redis that was down missed some lines
-        this process wrote to its file).
+        """The records of :meth:`ledger`.
+
+        Raises:
+            LedgerError: as :meth:`ledger`.
+        """
+        return self.ledger(session_id)[0]
+
+    def ledger(self, session_id: str) -> tuple[list[dict[str, Any]], bool]:
+        """(all complete records of a session's ledger, whether they are this process's file alone though the
+        ledgers are :attr:`shared`: the shared ledgers do not answer). No records when it has none; an incomplete
+        or corrupt line is skipped, and how many were is logged (a warning naming the file). With :attr:`shared`
+        ledgers: the shared lines (every replica's) and the local lines they lack (written while Redis was down),
+        in time order; a line is known in both by its ``line_id`` (a line written before there was one: by its
+        JSON).
 
         Raises:
             LedgerError: the ledger exists but cannot be read, or holds lines and not one record; the message
@@ -244,10 +260,17 @@ class Store:
             lines = []
         except OSError as exc:
             raise LedgerError(f"cannot read the ledger {path}: {exc.strerror or exc}") from None
-        if self.shared is not None and (shared := self.shared.lines(session_id)) is not None \
-                and len(shared) > len(lines):
-            return _records(shared, f"the shared ledger of {session_id}")
-        return _records(lines, str(path))
+        records = _records(lines, str(path))
+        if self.shared is None:
+            return records, False
+        shared = self.shared.lines(session_id)
+        if shared is None:
+            return records, True
+        merged = _records(shared, f"the shared ledger of {session_id}")
+        known = {_identity(record) for record in merged}
+        if missing := [record for record in records if _identity(record) not in known]:
+            merged = sorted(merged + missing, key=lambda r: r["time"] if isinstance(r.get("time"), str) else "")
+        return merged, False
 
     def recent(self) -> list[tuple[str, float]]:
         """The sessions with a ledger, each with the wall time of its last line (the file's modification time, or
@@ -274,6 +297,12 @@ class Store:
             ValueError: an invalid session id.
         """
         return self.ledger_path(session_id).exists() or (self.shared is not None and self.shared.known(session_id))
+
+
+def _identity(record: dict[str, Any]) -> str | bytes:
+    """What tells a ledger line from every other (:meth:`Store.ledger`)."""
+    found = record.get("line_id")
+    return found if isinstance(found, str) else orjson.dumps(record)
 
 
 def _records(lines: list[bytes], where: str) -> list[dict[str, Any]]:

@@ -38,14 +38,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def redis_server(folder: Path) -> Iterator[str]:
-    """A ``redis-server`` on a free loopback port with its files in ``folder``; yields its URL. Stopped (and waited
-    for) at the end."""
+def redis_server(folder: Path, port: int | None = None, persist: bool = False) -> Iterator[str]:
+    """A ``redis-server`` on ``port`` (default: a free one) of loopback with its files in ``folder``; yields its
+    URL. Stopped (and waited for) at the end. ``persist``: with an append-only file in ``folder``, so a server
+    started again on that folder has the data of the one before (a Redis that went away and came back)."""
     binary = redis_server_path()
     folder.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     log = folder / "redis.log"
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "yes" if persist else "no",
                              "--dir", str(folder), "--logfile", str(log)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -10,6 +10,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -174,6 +175,52 @@ async def test_with_redis_down_ledger_lines_go_to_the_file_and_are_counted_unsha
     warned = [r for r in caplog.records if r.getMessage().startswith("shared ledgers:")]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert "Traceback" not in caplog.text
+
+
+async def test_after_an_outage_info_merges_the_shared_ledger_with_this_replicas_lines_written_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "_DOWN_S", 0.3)  # how long a Redis found down is left alone before a retry
+    port = free_port()
+    script = ScriptedUpstream()
+
+    async def send(proxy: Any, n: int) -> None:
+        script.queue({"text": f"answer {n}"})
+        async with http_client(proxy.url) as client:
+            assert (await client.post("/s/gap/v1/chat/completions", json=request_body("chat"))).status_code == 200
+
+    async def info(proxy: Any) -> dict[str, Any]:
+        async with http_client(proxy.url) as client:
+            found: dict[str, Any] = (await client.get("/proxyvisor/sessions/gap/info")).json()
+            body = request_body("chat")
+            body["messages"].append({"role": "user", "content": "/info"})
+            found["text"] = (await client.post("/s/gap/v1/chat/completions", json=body)).json()[
+                "choices"][0]["message"]["content"]
+        return found
+
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server(tmp_path / "redis", port, persist=True))
+        config = Config().with_overrides(state={"backend": "redis", "url": url})
+        async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script}) as a, \
+                running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
+            await send(a, 1)
+            await send(b, 2)
+            stack.close()  # Redis goes away
+            await send(a, 3)
+            await send(a, 4)
+            down = await info(a)
+            assert down["requests"] == 3 and down["only_this_replica"], "a's own file: 1, 3 and 4"
+            assert "this replica's ledger lines only" in down["text"]
+            stack.enter_context(redis_server(tmp_path / "redis", port, persist=True))  # back, with its data
+            await trio.sleep(0.4)
+            await send(b, 5)
+            after_a, after_b = await info(a), await info(b)
+            stack.close()
+    assert not after_a["only_this_replica"] and "this replica's ledger lines only" not in after_a["text"]
+    assert after_a["requests"] == 5, "the shared lines (1, 2, 5) and a's lines written during the outage (3, 4)"
+    assert after_b["requests"] == 3, "b never saw a's lines of the outage: they are in a's file only"
+    lines = a.pipeline.store.read_ledger("gap")
+    assert [line["time"] for line in lines] == sorted(line["time"] for line in lines), "in time order"
+    assert len({line["line_id"] for line in lines}) == len(lines), "each line once"
 
 
 async def test_a_client_without_a_session_id_alternating_over_two_replicas_keeps_one_session(

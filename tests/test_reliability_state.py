@@ -72,7 +72,7 @@ def test_a_torn_last_line_is_skipped_and_the_next_record_starts_on_its_own_line(
     with open(store.ledger_path("s1"), "ab") as f:
         f.write(b'{"n": 2, "torn')  # a power cut in the middle of a write
     assert store.append_ledger("s1", {"n": 3})
-    assert store.read_ledger("s1") == [{"n": 1}, {"n": 3}]
+    assert [line["n"] for line in store.read_ledger("s1")] == [1, 3]
 
 
 async def test_requests_the_ledger_misses_are_counted_in_info_and_in_the_exit_summary(

@@ -106,9 +106,10 @@ class RedisShare:
         return {k: v.decode() for k, v in zip(keys, values) if isinstance(v, bytes)}
 
     def lines(self, session_id: str) -> list[bytes] | None:
-        """The session's shared ledger lines, oldest first; None when it has none or Redis does not answer."""
+        """The session's shared ledger lines, oldest first (none when it has none); None when Redis does not
+        answer."""
         entries = self._read(lambda r: r.xrange(_LEDGER + session_id))
-        if not entries:
+        if entries is None:
             return None
         return [fields[b"l"] for _id, fields in entries if b"l" in fields]
 

@@ -11,6 +11,7 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``usage_estimated``: true when proxyvisor counted them itself, the answer having reported none
   (``proxyvisor.proxy.estimate``);
 - ``scripted``: true when the answer came from the built-in scripted model (its tokens are never priced);
+- ``line_id``: the line's identity across replicas (``proxyvisor.store.Store.append_ledger``), not summed;
 - ``overhead_ms``: the proxy overhead of the request (ms): the wall time proxyvisor itself added before the reply's
   headers, that is the request's time less the time waiting for the upstream and for supervisor model calls;
 - ``local``: ``"/info"`` or ``"/plan"``: answered by proxyvisor itself (``proxyvisor.proxy.commands``), no model
@@ -378,10 +379,13 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     }
 
 
-def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str, Any] | None) -> dict[str, Any]:
-    """What ``/info`` answers for ``session``: ``{"session", **summarize(lines), "live"}``, where ``live`` is the
-    proxy's in-memory counters (``proxyvisor.proxy.commands.live``) or None (not in memory, or read offline)."""
-    return {"session": session, **summarize(lines), "live": live}
+def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str, Any] | None,
+                only_here: bool = False) -> dict[str, Any]:
+    """What ``/info`` answers for ``session``: ``{"session", **summarize(lines), "live", "only_this_replica"}``,
+    where ``live`` is the proxy's in-memory counters (``proxyvisor.proxy.commands.live``) or None (not in memory,
+    or read offline), and ``only_this_replica`` (``only_here``) says that ``lines`` are this replica's own though
+    the replicas share their ledgers (Redis does not answer: the other replicas' lines are missing)."""
+    return {"session": session, **summarize(lines), "live": live, "only_this_replica": only_here}
 
 
 def _str(value: Any) -> str | None:
@@ -627,6 +631,9 @@ def render_text(info: Mapping[str, Any]) -> str:
         rows.append(("not shared", f"{unshared:,} ledger line{'' if unshared == 1 else 's'} of this replica did "
                                    "not reach Redis (see the proxyvisor log): other replicas' counts miss "
                                    f"{'it' if unshared == 1 else 'them'}"))
+    if info.get("only_this_replica"):
+        rows.append(("replicas", "Redis does not answer: these counts are this replica's ledger lines only, the "
+                                 "other replicas' requests are missing"))
     width = max(len(name) for name, _ in rows)
     head = "proxyvisor /info" + (f" · session {info['session']}" if info.get("session") else "")
     lines = [f"**{head}**", "", f"| {'counter'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]

@@ -271,13 +271,13 @@ class WebView:
         store = self.store
 
         def read() -> dict[str, Any] | None:
-            lines = store.read_ledger(session_id) if store is not None else []
+            lines, only_here = store.ledger(session_id) if store is not None else ([], False)
             if not lines and session is None and (store is None or not store.known(session_id)):
                 return None  # the file is looked for only when no line was read (off the event loop)
             shown = lines[-TIMELINE:]
             first = len(lines) - len(shown) + 1
             return {"session": session_id, "in_memory": session is not None,
-                    "info": info_object(session_id, lines, counters),
+                    "info": info_object(session_id, lines, counters, only_here),
                     "timeline": [timeline_entry(first + i, line) for i, line in enumerate(shown)],
                     "omitted": first - 1}
 
