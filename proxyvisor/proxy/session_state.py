@@ -263,10 +263,11 @@ class SessionStates:
     async def save(self, session: Session) -> None:
         """Store ``session.supervision`` (nothing when it has none) under a new version. Pickled on the event loop,
         where the state changes, and written there too when the store is local (one SQLite transaction of two
-        rows, about 60 us of CPU: handing it to a worker thread cost the loop about 0.2 ms, and the thread as much
-        again), else in a worker thread (Redis: a network round trip). A state that cannot be pickled or stored is
-        logged (the session goes on from memory). Cancellation propagates (a worker thread's write may still
-        complete)."""
+        rows, about 60 us of CPU, where handing it to a worker thread cost the loop 0.15-0.2 ms besides the write;
+        the loop also waits while another process on the same folder holds SQLite's write lock, which its
+        transactions take for as long), else in a worker thread (Redis: a network round trip). A state that
+        cannot be pickled or stored is logged (the session goes on from memory). Cancellation propagates (a
+        worker thread's write may still complete)."""
         state = session.supervision
         if state is None:
             return
