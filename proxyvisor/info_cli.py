@@ -249,6 +249,7 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
         Refused: the proxy refused or knows no such session, or no proxy answers and no ledger holds the session
             (or it cannot be read).
     """
+    from .adapters.state import REDIS
     from .proxy.info import info_object
     from .store import LedgerError
 
@@ -259,14 +260,18 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
     store, latest = _latest(config)
     session = session or latest
     try:
-        lines = store.read_ledger(session) if session else []
+        lines, only_here = store.ledger(session) if session else ([], False)
     except LedgerError as exc:
         raise Refused(str(exc)) from None
     if not lines:
         where = f"no ledger for session {session!r}" if session else "no session ledgers"
         raise Refused(f"no proxy answers at {url}, and {where} in {store.root}")
     assert session is not None  # its ledger's lines were read
-    return info_object(session, lines, None), f"no proxy answers at {url}; summing the ledger in {store.root}"
+    only_here = only_here or (config.state.backend == REDIS and store.shared is None)
+    return info_object(session, lines, None, only_here), (
+        f"no proxy answers at {url}; summing the ledger in {store.root}"
+        + (" (this host's lines only: Redis does not answer, the other replicas' lines are missing)"
+           if only_here else ""))
 
 
 def session_plan(config: Config, session: str | None = None, url: str | None = None,

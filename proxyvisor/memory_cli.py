@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     import msgspec
     import orjson
 
-    from .adapters.state import StateUnavailable, backend_of
+    from .adapters.state import COMMAND_TIMEOUT_S, StateUnavailable, open_backend
     from .proxy.learning import decoded, memory_store, project_root
 
     if args.action != "forget" and args.all or args.action == "list" and args.id \
@@ -103,8 +103,9 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         print("proxyvisor memory forget: give an ID or --all, not both", file=sys.stderr)
         return 2
     scope = project_root(args.scope or config.supervisor.learning.scope or os.getcwd())
-    backend = backend_of(config)
-    try:
+    backend = None
+    try:  # a Redis that does not answer is no configuration error: the memory cannot be read now (exit 1)
+        backend = open_backend(config.state.backend, config.state.url, config.state_dir(), COMMAND_TIMEOUT_S)
         store = memory_store(config.supervisor.learning, config.state_dir(), backend)
         assert store is not None  # a state directory is given
         if args.action == "forget":
@@ -119,7 +120,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         print(f"proxyvisor memory: {exc}", file=sys.stderr)
         return 1
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     if args.action == "list":
         return _list(memory, scope, args.json)
     record = memory.records.get(args.id) if memory is not None else None

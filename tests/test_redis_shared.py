@@ -344,6 +344,35 @@ def test_proxyvisor_info_with_redis_down_sums_this_machines_ledger(
     assert "cannot reach Redis at redis://127.0.0.1:" in said and "hunter2" not in said and "Traceback" not in said
 
 
+def test_the_command_line_with_a_hung_redis_answers_quickly_info_from_this_hosts_ledger_memory_refused(
+        tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Redis that hangs (stopped: its socket accepts and never answers): ``proxyvisor info`` sums this machine's
+    ledger and says it is this host's lines only; ``proxyvisor memory`` says Redis does not answer (exit 1, not a
+    configuration error); each within a few seconds (a proxy's timeout is 5 s per call)."""
+    state_dir = tmp_path / "state"
+    Store(state_dir).append_ledger("s1", {"time": "2026-01-01T00:00:00.000+00:00", "format": "chat", "status": 200,
+                                          "input_tokens": 7, "output_tokens": 3})
+    config = str(_config_file(tmp_path / "proxyvisor.toml", state_dir, redis_url))
+    pid = redis.Redis.from_url(redis_url).info()["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        started = time.monotonic()
+        assert main(["info", "--json", "--config", config, "--url", f"http://127.0.0.1:{free_port()}"]) == 0
+        took_info = time.monotonic() - started
+        out, err = capsys.readouterr()
+        started = time.monotonic()
+        assert main(["memory", "list", "--config", config, "--scope", str(tmp_path)]) == 1
+        took_memory = time.monotonic() - started
+        _, refused = capsys.readouterr()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert orjson.loads(out)["requests"] == 1 and orjson.loads(out)["only_this_replica"]
+    assert "this host's lines only" in err
+    assert refused.startswith("proxyvisor memory: cannot reach Redis at ") and "configuration" not in refused
+    assert took_info < 3 and took_memory < 3, (took_info, took_memory)
+
+
 def test_the_session_index_never_goes_back_when_replicas_send_out_of_order(redis_url: str) -> None:
     """Two replicas' sends of one session's lines can reach Redis in either order (a flush waits for the one before
     it, clocks differ by some ms): the index keeps the latest line's time, which the listing and the web view's

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..config import Config
-from .state import REDIS, REDIS_PREFIX, Outage, RedisBackend, StateUnavailable
+from .state import COMMAND_TIMEOUT_S, REDIS, REDIS_PREFIX, Outage, RedisBackend, StateUnavailable
 
 log = logging.getLogger("proxyvisor.state")
 
@@ -140,7 +140,7 @@ def shared_ledgers(config: Config) -> RedisShare | None:
     if config.state.backend != REDIS:
         return None
     try:
-        backend = RedisBackend(config.state.url)
+        backend = RedisBackend(config.state.url, COMMAND_TIMEOUT_S)
     except StateUnavailable as exc:
         log.warning("shared ledgers: %s; reading this machine's ledger files only", exc)
         return None

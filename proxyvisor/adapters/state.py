@@ -50,6 +50,9 @@ _DOWN_S = 5.0
 """Seconds after a failed call during which every call fails at once (:meth:`RedisBackend.call`)."""
 _PROBE_TIMEOUT_S = 0.5
 """Seconds the ping that ends a down period may take."""
+COMMAND_TIMEOUT_S = 1.0
+"""Seconds a Redis connection or command of a command line may take (someone waits for its answer; a proxy waits
+:data:`_TIMEOUT_S`)."""
 
 
 class StateUnavailable(Exception):
@@ -339,7 +342,8 @@ def _glob(text: str) -> str:
 
 class RedisBackend:
     """Namespaces in the Redis at ``url`` (``redis://[:password@]host:port/db``, ``rediss://`` for TLS,
-    ``unix://``). One connection pool for the process, safe across worker threads.
+    ``unix://``). One connection pool for the process, safe across worker threads. A connection or command may
+    take ``timeout_s`` seconds (None: :data:`_TIMEOUT_S`) before Redis counts as unavailable.
 
     Raises (constructor):
         StateUnavailable: Redis cannot be reached or refuses the connection (the message names the address,
@@ -348,16 +352,17 @@ class RedisBackend:
 
     name = REDIS
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout_s: float | None = None) -> None:
         import redis  # only with this backend: the embedded default never imports it
 
+        timeout_s = timeout_s or _TIMEOUT_S
         self._errors = (redis.RedisError, OSError)
         self.where = redacted(url)
         self._warned = threading.Event()
         self._down_until = 0.0  # time.monotonic() until which calls fail at once; 0: up
         self._probing = threading.Lock()
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S,
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                                health_check_interval=30)
             self._probe = redis.Redis.from_url(url, socket_timeout=_PROBE_TIMEOUT_S,
                                                socket_connect_timeout=_PROBE_TIMEOUT_S)
@@ -428,8 +433,9 @@ def redacted(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
-def open_backend(backend: str, url: str, root: Path) -> StateBackend:
-    """The backend named ``backend`` (:data:`BACKENDS`): diskcache under ``root``, or Redis at ``url``.
+def open_backend(backend: str, url: str, root: Path, timeout_s: float | None = None) -> StateBackend:
+    """The backend named ``backend`` (:data:`BACKENDS`): diskcache under ``root``, or Redis at ``url`` (its calls'
+    ``timeout_s``: :class:`RedisBackend`).
 
     Raises:
         StateUnavailable: Redis cannot be reached.
@@ -438,7 +444,7 @@ def open_backend(backend: str, url: str, root: Path) -> StateBackend:
     if backend == DISKCACHE:
         return DiskBackend(root)
     if backend == REDIS:
-        return RedisBackend(url)
+        return RedisBackend(url, timeout_s)
     raise ValueError(f"unknown state backend {backend!r}: use one of {', '.join(BACKENDS)}")
 
 
