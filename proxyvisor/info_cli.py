@@ -101,8 +101,9 @@ _PLAN_HELP = textwrap.dedent("""\
     tests", then "you can run the tests now"); then the retained critical knowledge: the carry items
     of the latest self-report.
 
-    A plan lives in the memory of the proxy that serves the session, so this needs that proxy running:
-    without one it says so and exits 1. --json prints the object that
+    A plan is read from a running proxy: the one that serves the session or, with [state]
+    backend = "redis", any replica (it reads the session's stored state); without one it says so
+    and exits 1. --json prints the object that
     GET /proxyvisor/sessions/SESSION/plan returns: session, plan (phases and status, or null),
     prohibitions (list of {turn, text}), carry (list of strings), text (what is shown without --json).
     """)
