@@ -156,11 +156,15 @@ def test_the_upstream_body_is_written_as_orjson_writes_it(fmt_name: str) -> None
     # which holds the note, made anew for each request).
     assert len(sent[0]) > 4 and all(a is b for a, b in zip(sent[0][2:-2], sent[-1][2:-2]))
     deep: Any = []
-    for _ in range(260):
+    for _ in range(260):  # deeper than orjson writes: the standard library writes it
         deep = [deep]
     for value in ({"messages": [{"x": deep}]}, {"messages": [1], "x": deep}):
         with pytest.raises(TypeError):
             orjson.dumps(value)
+        assert json.loads(dumps(value, "messages")) == value
+    for _ in range(1100 - 260):  # deeper than either writes
+        deep = [deep]
+    for value in ({"messages": [{"x": deep}]}, {"messages": [1], "x": deep}):
         with pytest.raises(TypeError):
             dumps(value, "messages")
     assert dumps({"messages": "text", "a": 1}, "messages") == orjson.dumps({"messages": "text", "a": 1})
