@@ -321,7 +321,7 @@ async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
             sessions = proxy.pipeline.sessions
             started = time.monotonic()
             assert [s.id for s in sessions.evict(proxy.pipeline.clock() + 10 * sessions.idle_s)] == ["one"]
-            assert time.monotonic() - started < 0.5, "the save waits for Redis off the event loop"
+            assert time.monotonic() - started < 2.0, "the save waits for Redis off the event loop"
         finally:
             os.kill(pid, signal.SIGCONT)
 
