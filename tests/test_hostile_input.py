@@ -271,6 +271,17 @@ class DeepReplyUpstream:
         return Response(200, [(b"content-type", b"text/event-stream")], "".join(events).encode())
 
 
+async def deep_answer(fmt: str, depth: int, stream: bool, gate: bool, tmp_path: Path) -> tuple[int, bytes]:
+    """The status and body a supervised agent gets when its model answers with a field ``depth`` lists deep."""
+    async with serve_handler(DeepReplyUpstream(fmt, depth)) as url:
+        config = Config(upstreams=(UpstreamConfig(name="deep", url=url),)).with_overrides(
+            supervisor={"gate": GateConfig(enabled=gate)})
+        async with running(config, port=0, store=Store(tmp_path / "state")) as rp:
+            with trio.fail_after(20):
+                reply, data = await raw_stream(rp.url + "/s/deep", fmt, orjson.dumps(request_body(fmt, stream=stream)))
+    return reply.status_code, data
+
+
 @ALL_FORMATS
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
@@ -278,17 +289,10 @@ async def test_a_deeply_nested_answer_reaches_the_agent_whole(fmt: str, stream: 
                                                               tmp_path: Path) -> None:
     """orjson reads an answer nested up to 1,024 levels but writes only 255: an answer supervision rewrote (its
     self-report stripped) is written again at any depth it could read, never a 500 or an empty stream."""
-    depth = 600
-    async with serve_handler(DeepReplyUpstream(fmt, depth)) as url:
-        config = Config(upstreams=(UpstreamConfig(name="deep", url=url),)).with_overrides(
-            supervisor={"gate": GateConfig(enabled=gate)})
-        async with running(config, port=0, store=Store(tmp_path / "state")) as rp:
-            with trio.fail_after(20):
-                reply, data = await raw_stream(rp.url + "/s/deep", fmt,
-                                               orjson.dumps(request_body(fmt, stream=stream)))
-    assert reply.status_code == 200
+    status, data = await deep_answer(fmt, 600, stream, gate, tmp_path)
+    assert status == 200
     assert b"<sup>" not in data and b"done." in data
-    assert data.count(b"[" * depth + b'"deep"') >= 1
+    assert data.count(b"[" * 600 + b'"deep"') >= 1
 
 
 def many_tool_calls(fmt: str, n: int) -> dict[str, Any]:
@@ -455,14 +459,7 @@ async def test_upstream_sse_split_at_random_points_over_real_sockets(fmt: str, s
 @ALL_FORMATS
 async def test_an_answer_supervision_cannot_read_is_delivered_as_it_came_with_a_warning(
         fmt: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    upstream = DeepReplyUpstream(fmt, 2000)  # orjson reads 1,024 levels
-    async with serve_handler(upstream) as url:
-        config = Config(upstreams=(UpstreamConfig(name="deep", url=url),)).with_overrides(
-            supervisor={"gate": GateConfig(enabled=False)})
-        async with running(config, port=0, store=Store(tmp_path / "state")) as rp:
-            with trio.fail_after(20):
-                reply, data = await raw_stream(rp.url + "/s/deep", fmt,
-                                               orjson.dumps(request_body(fmt, stream=False)))
-    assert reply.status_code == 200
+    status, data = await deep_answer(fmt, 2000, False, False, tmp_path)  # orjson reads 1,024 levels
+    assert status == 200
     assert data.count(b"[" * 2000 + b'"deep"') == 1 and b"<sup>" in data
     assert any("not JSON proxyvisor reads" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
