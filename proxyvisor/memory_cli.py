@@ -42,7 +42,8 @@ _HELP = textwrap.dedent("""\
       show ID           one record in full: source, when it was stored and last seen (UTC), the
                         session that stored it, how many sessions it was recalled to and how many
                         times a status line named it as used
-      forget ID         remove one record
+      forget ID         remove one record (a rule: with the experience and orientation records
+                        quoting its words, so that no model is told them again)
       forget --all      remove the scope's whole memory (also one that cannot be read)
 
     The scope is --scope DIR, else [supervisor.learning] scope, else the current folder.
@@ -173,9 +174,10 @@ def _forget(store: MemoryStore, scope: str, rid: str | None) -> int:
         if rid is None:
             said.append(f"forgot {len(memory.records)} record(s) of {scope}")
             return None
-        if not memory.forget(rid):
+        gone = memory.forget(rid)
+        if not gone:
             raise _Refused(f"proxyvisor memory: no record {rid} in the memory of {scope}")
-        said.append(f"forgot {rid}")
+        said.append(f"forgot {rid}" + (f" and the record(s) quoting it: {' '.join(gone[1:])}" if gone[1:] else ""))
         return memory.encode()
 
     try:

@@ -709,6 +709,49 @@ async def test_a_running_session_does_not_store_again_a_rule_forgotten_since_it_
         await settled(state, tmp_path, lambda m: rule in m.records)
 
 
+def test_forgetting_a_rule_forgets_the_records_quoting_it_whatever_their_case_and_spacing() -> None:
+    memory = Memory("/p")
+    rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "s0")
+    quoting = memory.add(Candidate(EXPERIENCE, "Please list files.  ALWAYS use uv,\n never PIP.", "session s0",
+                                   VERIFIED), 1.0, "s0")
+    fact = memory.add(Candidate(ORIENTATION, "tests run with pytest -q", "action #1"), 1.0, "s0")
+    other = memory.add(Candidate(RULE, "From now on, always use uv, never pip.", "user turn 3"), 1.0, "s0")
+    assert rule is not None and quoting is not None and fact is not None and other is not None
+    proxy, loaded = Memory("/p", memory.records.values()), set(memory.records)  # a proxy that read it before
+    assert memory.forget(rule.id) == [rule.id, quoting.id]
+    assert set(memory.records) == {fact.id, other.id}, "another rule is the user's own, forgotten on its own"
+    assert memory.forget(rule.id) == []
+    # The proxy distils the rule's words into a new experience, then takes in the store's forget.
+    new = proxy.add(Candidate(EXPERIENCE, "Again: always use uv, never pip. Add a flag.", "session s1", UNKNOWN),
+                    2.0, "s1")
+    assert new is not None
+    assert sorted(proxy.merge(memory, loaded)) == sorted([rule.id, quoting.id, new.id])
+    assert set(proxy.records) == {fact.id, other.id}
+
+
+async def test_a_forgotten_rule_reaches_no_later_session_through_an_experience_quoting_it(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    common = ["--state-dir", str(state), "--scope", str(tmp_path)]
+
+    def spoken(text: str) -> bool:
+        return "use uv" in text.lower()
+
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": ScriptedUpstream()},
+                       model=Model()) as proxy:
+        await session_one(proxy, tmp_path, f"Please list files. {RULE_TEXT}", "one")
+        memory = await settled(state, tmp_path, lambda m: {r.kind for r in m.records.values()} >= {RULE, EXPERIENCE})
+        (rule,) = [r.id for r in memory.records.values() if r.kind == RULE]
+        (quoting,) = [r.id for r in memory.records.values() if r.kind == EXPERIENCE]
+        two = await session_one(proxy, tmp_path, "Add a flag.", "two")  # it reads the memory before the forget
+        assert spoken(two.first_tail())
+        assert main(["memory", "forget", rule, *common]) == 0
+        three = await session_one(proxy, tmp_path, "Add another flag.", "three")  # it ends a turn: the proxy saves
+        assert MEMORY_NOTE in three.first_tail() and not spoken(three.first_tail())
+        saved = await settled(state, tmp_path, lambda m: any("another flag" in r.text for r in m.records.values()))
+        assert rule not in saved.records and quoting not in saved.records
+        assert not any(spoken(r.text) for r in saved.records.values()), "the proxy wrote no quote of it back"
+
+
 def test_tool_output_pasted_into_a_user_turn_makes_no_rule() -> None:
     """A clause after a colon counts only after a few plain words: a test failure or an error line the user pasted
     is not their instruction."""

@@ -24,7 +24,7 @@ from proxyvisor.adapters.replicas import RedisShare
 from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, backend_of
 from proxyvisor.cli import main
 from proxyvisor.config import Config, GateConfig, load
-from proxyvisor.learning.memory import RULE, Candidate, Memory
+from proxyvisor.learning.memory import EXPERIENCE, RULE, VERIFIED, Candidate, Memory
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.learning import FOLDER, decoded, memory_store, project_root, save, scope_key
 from proxyvisor.proxy.service import running
@@ -83,11 +83,12 @@ async def test_memories_are_shared_and_a_forget_on_one_replica_holds_on_the_othe
         listed = capsys.readouterr().out
         rule = next(r for r in orjson.loads(listed)["records"] if r["kind"] == RULE)["id"]
         assert main(["memory", "forget", rule, *cli]) == 0
-        assert capsys.readouterr().out == f"forgot {rule}\n"
+        assert capsys.readouterr().out.startswith(f"forgot {rule}")
 
         three = Agent(b, "three", project, "Add a third flag.")
         await three.turn(three.call("ls", "app.py"))
-        assert rule not in three.first_tail(), "a forget is seen by a session starting on a replica"
+        assert rule not in three.first_tail() and RULE_TEXT not in three.first_tail(), \
+            "a forget is seen by a session starting on a replica, and no experience quotes the rule to it"
         four = await session_one(a, project, "Add a fourth flag.", "four")  # a judged turn end: replica a saves
         assert rule not in four.first_tail()
         with trio.fail_after(10):
@@ -296,6 +297,38 @@ def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_me
         stored = decoded(found[1] if found else None, scope)
         assert stored is not None and set(stored.records) == {new.id}, "the forgotten record stays forgotten"
         assert set(memory.records) == {new.id}, "and the proxy's own copy lets it go too"
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "diskcache"])
+def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and_a_proxys_save_keeps_them_out(
+        tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    scope = project_root(str(project))
+    config_path = tmp_path / "proxyvisor.toml"
+    config_path.write_text(f'[state]\ndir = "{tmp_path / "state"}"\nbackend = "{backend}"\nurl = "{redis_url}"\n')
+    config = load(str(config_path))
+    state = backend_of(config)
+    try:
+        store = memory_store(config.supervisor.learning, config.state_dir(), state)
+        assert store is not None
+        memory, loaded = Memory(scope), set[str]()
+        rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "one")
+        task = memory.add(Candidate(EXPERIENCE, f"Please list files. {RULE_TEXT.upper()}", "session one",
+                                    VERIFIED), 1.0, "one")
+        assert rule is not None and task is not None and save(store, memory, loaded) is not None
+
+        assert main(["memory", "forget", rule.id, "--config", str(config_path), "--scope", str(project)]) == 0
+        assert capsys.readouterr().out == f"forgot {rule.id} and the record(s) quoting it: {task.id}\n"
+
+        # The proxy read the memory before the forget, and distils the rule's words again before it saves.
+        again = memory.add(Candidate(EXPERIENCE, f"{RULE_TEXT} Add a flag.", "session one", VERIFIED), 2.0, "one")
+        assert again is not None and save(store, memory, loaded) is not None
+        found = store.look(scope, ())
+        stored = decoded(found[1] if found else None, scope)
+        assert stored is not None and stored.records == memory.records == {}, "no quote of the rule written back"
     finally:
         state.close()
 

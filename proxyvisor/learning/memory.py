@@ -87,8 +87,12 @@ class Candidate:
     label: str = ""
 
 
+def _key(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
 def record_id(kind: str, text: str, label: str = "") -> str:
-    digest = hashlib.blake2b(f"{kind}\0{' '.join(text.lower().split())}\0{label}".encode(), digest_size=4)
+    digest = hashlib.blake2b(f"{kind}\0{_key(text)}\0{label}".encode(), digest_size=4)
     return "M" + digest.hexdigest()
 
 
@@ -169,21 +173,35 @@ class Memory:
         """Take in what the stored copy of this memory holds now (``stored``: written meanwhile by another process
         or replica): its records that are not among ``loaded`` (the ids the store held when this memory last read
         or wrote it: one of those this memory lacks was dropped here, by the bounds, and stays dropped), and the
-        loss of those of ``loaded`` that are gone from it (forgotten there). Records of this memory the store
-        never held stay. Returns the ids removed here.
+        loss of those of ``loaded`` that are gone from it (forgotten there, by :meth:`forget`: with a rule, the records
+        here that quote it go too, also those the store never held). Other records of this memory the store never
+        held stay. Returns the ids removed here.
 
         This is the one merge rule: a save applies it to the stored value before writing over it, and a process
         applies it to the memory it holds after reading or writing the store."""
         loaded = set(loaded)
-        gone = [rid for rid in loaded if rid not in stored.records and self.forget(rid)]
+        gone = [removed for rid in loaded if rid not in stored.records for removed in self.forget(rid)]
         for rid, record in stored.records.items():
             if rid not in loaded:
                 self.records.setdefault(rid, record)
         return gone
 
-    def forget(self, rid: str) -> bool:
-        """Remove record ``rid``; whether it was there."""
-        return self.records.pop(rid, None) is not None
+    def forget(self, rid: str) -> list[str]:
+        """Remove record ``rid`` and, when it is a rule, every orientation or experience record whose text quotes
+        it (compared as :func:`record_id` does: case and whitespace aside), so that the forgotten words reach no
+        model through another record (an experience quotes the task, which may have stated the rule). Another
+        rule that quotes it stays: it is the user's own instruction, listed and forgotten on its own. Returns the
+        ids removed (none: ``rid`` was not there)."""
+        record = self.records.pop(rid, None)
+        if record is None:
+            return []
+        gone = [rid]
+        if record.kind == RULE:
+            words = _key(record.text)
+            gone += [r.id for r in self.records.values() if r.kind != RULE and words in _key(r.text)]
+            for other in gone[1:]:
+                del self.records[other]
+        return gone
 
     def bound(self, max_records: int, max_bytes: int, retention_s: float, now: float) -> int:
         """Apply retention and the bounds (module docstring); returns the records removed."""
