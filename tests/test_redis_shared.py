@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from typing import Any
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -271,12 +271,11 @@ async def test_with_redis_down_learning_goes_on_from_the_memories_it_holds(
     assert "Traceback" not in caplog.text
 
 
-@pytest.mark.parametrize("backend", ["redis", "diskcache"])
-def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_memory_before(
-        tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+@contextmanager
+def memory_on(tmp_path: Path, redis_url: str, backend: str) -> Iterator[tuple[Path, Path, Any]]:
+    """A project folder, a config file naming ``backend`` and the memory store it opens (closed after)."""
     project = tmp_path / "project"
     project.mkdir()
-    scope = project_root(str(project))
     config_path = tmp_path / "proxyvisor.toml"
     config_path.write_text(f'[state]\ndir = "{tmp_path / "state"}"\nbackend = "{backend}"\nurl = "{redis_url}"\n')
     config = load(str(config_path))
@@ -284,6 +283,16 @@ def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_me
     try:
         store = memory_store(config.supervisor.learning, config.state_dir(), state)
         assert store is not None
+        yield project, config_path, store
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "diskcache"])
+def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_memory_before(
+        tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store):
+        scope = project_root(str(project))
         memory, loaded = Memory(scope), set[str]()
         old = memory.add(Candidate(RULE, RULE_TEXT, RULE_TEXT), 1.0, "one")
         assert old is not None and save(store, memory, loaded) is not None and loaded == {old.id}
@@ -297,23 +306,13 @@ def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_me
         stored = decoded(found[1] if found else None, scope)
         assert stored is not None and set(stored.records) == {new.id}, "the forgotten record stays forgotten"
         assert set(memory.records) == {new.id}, "and the proxy's own copy lets it go too"
-    finally:
-        state.close()
 
 
 @pytest.mark.parametrize("backend", ["redis", "diskcache"])
 def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and_a_proxys_save_keeps_them_out(
         tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
-    project = tmp_path / "project"
-    project.mkdir()
-    scope = project_root(str(project))
-    config_path = tmp_path / "proxyvisor.toml"
-    config_path.write_text(f'[state]\ndir = "{tmp_path / "state"}"\nbackend = "{backend}"\nurl = "{redis_url}"\n')
-    config = load(str(config_path))
-    state = backend_of(config)
-    try:
-        store = memory_store(config.supervisor.learning, config.state_dir(), state)
-        assert store is not None
+    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store):
+        scope = project_root(str(project))
         memory, loaded = Memory(scope), set[str]()
         rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "one")
         task = memory.add(Candidate(EXPERIENCE, f"Please list files. {RULE_TEXT.upper()}", "session one",
@@ -329,8 +328,6 @@ def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and
         found = store.look(scope, ())
         stored = decoded(found[1] if found else None, scope)
         assert stored is not None and stored.records == memory.records == {}, "no quote of the rule written back"
-    finally:
-        state.close()
 
 
 async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
