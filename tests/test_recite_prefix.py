@@ -108,6 +108,16 @@ class Agent:
                                                                                    else {})})
         self.history += [{"role": "tool", "tool_call_id": c["id"], "content": f"output of {c['id']}"} for c in calls]
 
+    async def list_again(self, proxies: tuple[Any, ...], turns: int = 6) -> None:
+        """``turns`` requests, each through the next of ``proxies`` in turn, in which the model runs ``ls`` again
+        and gets the same listing: a loop, once it has gone on long enough."""
+        for turn in range(turns):
+            self.proxy = proxies[turn % len(proxies)]
+            self.n += 1
+            await self.turn({"text": "Listing again. " + report(), "tool_calls": [
+                {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{self.n}"}]})
+            self.history[-1]["content"] = "a.txt b.txt"
+
     def rewrite(self, keep: int) -> None:
         """Prune the history to its first two items and its last ``keep`` (a compaction)."""
         self.history = self.history[:2] + self.history[-keep:]

@@ -225,18 +225,9 @@ async def test_two_replicas_on_one_redis_serve_one_session_as_one(tmp_path: Path
             replicas = [SimpleNamespace(url=u, scripted={"scripted": script}) for u in urls]
             agent = Agent(replicas[0], BY_NAME["chat"], False)
 
-            async def same_call() -> None:
-                """The agent runs ``ls`` again and gets the same listing: a loop, once it has gone on long enough."""
-                agent.n += 1
-                await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
-                    {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
-                agent.history[-1]["content"] = "a.txt b.txt"
-
             # Alternating replicas: the loop detector counts across both (its state is one), the note lands once
             # and stays where it was, and each upstream request extends the one before.
-            for turn in range(6):
-                agent.proxy = replicas[turn % 2]
-                await same_call()
+            await agent.list_again(tuple(replicas))
             bodies = agent.bodies()
             # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing, then back-off.
             assert [b.count(LOOP_NOTE) for b in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across replicas"
@@ -259,13 +250,10 @@ async def test_two_replicas_on_one_redis_serve_one_session_as_one(tmp_path: Path
             del script.requests[others:]  # other sessions' requests: the agent's prefix check reads its own only
 
             # kill -9 of replica a mid-session: b goes on with the session as it was.
-            agent.proxy = replicas[0]
-            await same_call()
+            await agent.list_again((replicas[0],), turns=1)
             procs[0].send_signal(signal.SIGKILL)
             procs[0].wait(10)
-            agent.proxy = replicas[1]
-            for _ in range(2):
-                await same_call()
+            await agent.list_again((replicas[1],), turns=2)
             agent.assert_prefix_stable()
             assert agent.bodies()[-1].count(LOOP_NOTE) >= 1 and agent.bodies()[-1].count(RECITED) == 1
             # Every request has its ledger line, in the state directory of the replica that served it.

@@ -34,7 +34,7 @@ from proxyvisor.store import Store
 from helpers import http_client, request_body
 from redis_support import free_port, redis_server
 from test_learning import RULE_TEXT, Agent, Model, session_one
-from test_recite_prefix import Agent as PrefixAgent, report
+from test_recite_prefix import Agent as PrefixAgent
 from test_redis import LOOP_NOTE
 
 ADMIN = "admin-token-0123456789"
@@ -235,12 +235,7 @@ async def test_a_client_without_a_session_id_alternating_over_two_replicas_keeps
             running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
         agent = PrefixAgent(a, BY_NAME["chat"], False)
         agent.prefix = ""
-        for turn in range(6):
-            agent.proxy = (a, b)[turn % 2]
-            agent.n += 1
-            await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
-                {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
-            agent.history[-1]["content"] = "a.txt b.txt"
+        await agent.list_again((a, b))
         bodies = agent.bodies()
         assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state"
         agent.assert_prefix_stable()

@@ -70,12 +70,7 @@ async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_p
             running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
                     model=Model()) as b:
         agent = Agent(a, BY_NAME["chat"], False)
-        for turn in range(6):
-            agent.proxy = (a, b)[turn % 2]
-            agent.n += 1
-            await agent.turn({"text": "Listing again. " + report(), "tool_calls": [
-                {"name": "Bash", "arguments": {"command": "ls"}, "id": f"call_{agent.n}"}]})
-            agent.history[-1]["content"] = "a.txt b.txt"
+        await agent.list_again((a, b))
     bodies = agent.bodies()
     # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing.
     assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across proxies"
