@@ -160,6 +160,13 @@ class StateBackend(Protocol):
     def close(self) -> None: ...
 
 
+def _as_bytes(value: Any) -> bytes | None:
+    """A value read from diskcache as :class:`KV` returns it (None: absent or not a value of this interface)."""
+    if isinstance(value, str):  # a condense decision stored before this interface (JSON text): still the same
+        return value.encode()
+    return value if isinstance(value, bytes) else None
+
+
 class DiskKV(LazyCache):
     """A namespace in a diskcache folder (module docstring), opened on the first call that needs it; reading an
     absent folder creates nothing."""
@@ -169,16 +176,12 @@ class DiskKV(LazyCache):
     def get(self, key: str) -> bytes | None:
         if not self.exists():
             return None
-        value = self._call(lambda db: db.get(key))
-        if isinstance(value, str):  # a condense decision stored before this interface (JSON text): still the same
-            return value.encode()
-        return value if isinstance(value, bytes) else None
+        return _as_bytes(self._call(lambda db: db.get(key)))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys or not self.exists():
             return [None] * len(keys)
-        values = self._call(lambda db: [db.get(key) for key in keys])
-        return [v.encode() if isinstance(v, str) else v if isinstance(v, bytes) else None for v in values]
+        return [_as_bytes(v) for v in self._call(lambda db: [db.get(key) for key in keys])]
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self._call(lambda db: db.set(key, value, expire=ttl_s))
