@@ -361,7 +361,6 @@ class RedisBackend:
         timeout_s = timeout_s or _TIMEOUT_S
         self._errors = (redis.RedisError, OSError)
         self.where = redacted(url)
-        self._warned = threading.Event()
         self._down_until = 0.0  # time.monotonic() until which calls fail at once; 0: up
         self._probing = threading.Lock()
         try:
