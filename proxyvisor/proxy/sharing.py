@@ -54,9 +54,8 @@ class Sharing:
                 return
             pending, self.pending = self.pending, []
             links, self.links = self.links, {}
-            lines = [(s.id, record, wall) for s, record, wall in pending]
             try:
-                await trio.to_thread.run_sync(self._send, lines, links)
+                await trio.to_thread.run_sync(self._send, pending, links)
             except Exception as exc:  # noqa: BLE001 - it runs in the background too: it must not stop the proxy
                 for session, _record, _wall in pending:
                     session.unshared += 1
@@ -65,9 +64,9 @@ class Sharing:
                 return
             self._outage.up()
 
-    def _send(self, lines: list[tuple[str, dict[str, Any], float]], links: dict[bytes, str]) -> None:
+    def _send(self, pending: list[tuple[Session, dict[str, Any], float]], links: dict[bytes, str]) -> None:
         # Serialised here, off the event loop: a line can be some KB.
-        self.share.write([(sid, orjson.dumps(record), wall) for sid, record, wall in lines], links)
+        self.share.write([(s.id, orjson.dumps(record), wall) for s, record, wall in pending], links)
 
     async def lookup(self, keys: list[bytes]) -> dict[bytes, str]:
         """The stored sessions of the conversation links ``keys`` (one ``MGET`` in a worker thread); empty when
