@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from .. import wirejson
 from ..condense.baseline import command_key, passed
 from ..condense.protocol import TaskContext
