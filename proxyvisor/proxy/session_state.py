@@ -217,9 +217,8 @@ class SessionStates:
         another process stored a newer one: most requests find their own last save and cost one small read."""
         try:
             if session.state_version and self.kv.local:
-                version = self.kv.get(session.id + ":v")
-                found = None if version is None or version == session.state_version else \
-                    await trio.to_thread.run_sync(self._read, session.id, limiter=self._limiter)
+                found = await trio.to_thread.run_sync(self._read, session.id, limiter=self._limiter) \
+                    if self._newer(session.id, session.state_version) else None
             else:
                 found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
                                                       limiter=self._limiter)
@@ -243,10 +242,12 @@ class SessionStates:
         return found[0] if found is not None else None
 
     def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes] | None:
+        return self._read(session_id) if self._newer(session_id, known) else None
+
+    def _newer(self, session_id: str, known: bytes) -> bool:
+        """Whether the store holds a version of the session's state other than ``known`` (this process's own)."""
         version = self.kv.get(session_id + ":v")
-        if version is None or version == known:
-            return None
-        return self._read(session_id)
+        return version is not None and version != known
 
     def _read(self, session_id: str) -> tuple[SessionSupervision, bytes] | None:
         """The stored state of the session and its version; None when there is none, or none this proxyvisor can
