@@ -2,7 +2,8 @@
 of the request side (parse, session lookup, supervision's reading of the history, condensing, serialising, the
 ledger), of the reply side (supervision's stages, the verify-gate check, the answer's accounting) and of the
 session state's load and save, for one synthetic agent session (``bench/histories.py``) of a given size and format.
-The session state's write runs in a worker thread whose CPU is not counted (``save (loop only)``).
+``save (loop only)`` is the CPU on the event loop, which on this local store includes the write (a Redis
+write would run in a worker thread, not counted).
 
 Usage (from the repository root)::
 
