@@ -20,12 +20,13 @@ from typing import Any
 import orjson
 
 from ... import wirejson
+from ... import bigtext
 from ...bigtext import concat, pause
 
 LONG = 16 * 1024
 """A string literal of at least this many characters is decoded in slices."""
-SLICE = 1024 * 1024
-"""Characters of a long string decoded per step."""
+SLICE = bigtext.SLICE
+"""Characters of a long string decoded per step: :mod:`proxyvisor.bigtext`'s step."""
 MAX_LITERALS = 20_000
 """Past this many string literals the text is parsed whole: a text of many small strings gains nothing from
 being cut, and scanning them one by one in Python would cost more than the parse."""
