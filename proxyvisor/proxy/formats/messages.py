@@ -428,7 +428,7 @@ class _MessagesStream:
         index = block.index - self.shift
         if not block.sent:
             block.pending = bigtext.concat([block.pending, out]) if block.pending else out
-            if not (force or bigtext.has_text(block.pending)):
+            if not (force or bigtext.has_text(out)):  # what was pending is whitespace: only ``out`` is new
                 return []
             block.sent = True
             self.sent += 1
