@@ -35,6 +35,7 @@ Rules (seed 003 "Self-report"; ``reference/in-session-supervisor-mechanics.md`` 
 from __future__ import annotations
 
 import re
+from itertools import chain
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,12 +246,19 @@ class Stripper:
     def feed(self, piece: str) -> str:
         """The text safe to show now that ``piece`` came. A piece longer than :data:`~proxyvisor.bigtext.SLICE`
         is fed a slice at a time (the result is the same however the text is split), so no step copies or
-        searches all of it; when it all went out unchanged it is returned itself, not a copy."""
+        searches all of it; as long as what goes out is ``piece`` as it came, nothing is built, and when it all
+        went out unchanged it is returned itself, not a copy."""
         if len(piece) <= bigtext.SLICE:
             return self._feed(piece)
-        held, removed = self.held, len(self.bodies)
-        out = bigtext.concat(self._feed(part) for part in bigtext.slices(piece))
-        return piece if held == self.held == 0 and len(self.bodies) == removed else out
+        parts = bigtext.slices(piece)
+        went = 0  # what went out so far is piece[:went]
+        for part in parts:
+            out = self._feed(part)
+            if not piece.startswith(out, went):
+                return bigtext.concat(chain(bigtext.slices(piece, went), [out], map(self._feed, parts)))
+            went += len(out)
+            bigtext.pause()
+        return piece if went == len(piece) else bigtext.concat(bigtext.slices(piece, went))
 
     def _feed(self, piece: str) -> str:
         if not piece:
