@@ -758,3 +758,26 @@ def test_tool_output_pasted_into_a_user_turn_makes_no_rule() -> None:
     assert distill.durable("We switched tooling: always use pip, never uv.")
     assert not distill.durable("FAILED tests/test_x.py::test_y - AssertionError: always returns None")
     assert not distill.durable("Error: always-on feature flag missing; never mind.")
+
+
+async def test_a_session_going_on_at_another_proxy_keeps_its_memory_note_and_recalls_nothing_again(
+        tmp_path: Path) -> None:
+    """Two proxies on one state directory (or replicas on Redis) serve one session: the memory note recalled on
+    its first request stays where it was on the other proxy, which recalls nothing a second time."""
+    state = tmp_path / "state"
+    memory = Memory(str(tmp_path.resolve()))
+    memory.add(Candidate(RULE, RULE_TEXT, "user turn 1 of session s0"), 1.0, "s0")
+    MemoryFiles(state / FOLDER).save(memory, set())
+    script = ScriptedUpstream()
+    async with running(Config(), port=0, store=Store(state), scripted={"scripted": script}, model=Model()) as a, \
+            running(Config(), port=0, store=Store(state), scripted={"scripted": script}, model=Model()) as b:
+        agent = Agent(a, "moving", tmp_path, "Refactor the parser.")
+        for n in range(4):
+            agent.proxy = (a, b)[n // 2]
+            await agent.turn(agent.call(f"ls {n}", "x"))
+    assert all(body.count(RULE_TEXT.encode()) == 1 for body in agent.sent)
+    prompts = [agent.fmt.prompt(orjson.loads(body)) for body in agent.sent]
+    for before, after in zip(prompts, prompts[1:]):
+        assert shared_prefix(before, after) == sum(map(len, before))
+    recalled = [line.get("learning", {}).get("recalled") for line in Store(state).read_ledger("moving")]
+    assert sum(bool(r) for r in recalled) == 1, recalled

@@ -502,11 +502,14 @@ class Learning:
         exchange.steps.append(functools.partial(self._recall, state, memory))
 
     async def _open(self, state: SessionLearning, exchange: Exchange) -> None:
-        """A session's first request: its scope's memory as the store now holds it (:meth:`_current`), recalled."""
+        """A session's first request here: its scope's memory as the store now holds it (:meth:`_current`),
+        recalled unless the thread already carries the memory note (the session began on another replica, or
+        before a restart: its note stays where it was, not recalled a second time)."""
         assert state.scope is not None
         if (memory := await self._current(state.scope)) is not None:
             state.memory = memory
-            await self._recall(state, memory, exchange)
+            if not any(n.signal == SIGNAL for n in exchange.thread.notes):
+                await self._recall(state, memory, exchange)
 
     async def _recall(self, state: SessionLearning, memory: Memory, exchange: Exchange) -> None:
         tail = exchange.anchor
