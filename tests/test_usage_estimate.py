@@ -129,3 +129,63 @@ async def test_the_scripted_models_zero_usage_reaches_the_client_and_the_ledger_
     assert estimated["usage_estimated"] is True and estimated["scripted"] is True
     assert estimated["output_tokens"] == reference(ANSWER) and estimated["input_tokens"] > 0
     assert (reported["input_tokens"], reported["output_tokens"]) == (70, 9) and "usage_estimated" not in reported
+
+
+class CountingEncoding:
+    """o200k_base, counting the characters it is asked to encode."""
+
+    def __init__(self) -> None:
+        self.inner = tiktoken.get_encoding("o200k_base")
+        self.encoded = 0
+
+    def encode(self, text: str, **options: Any) -> list[int]:
+        self.encoded += len(text)
+        return self.inner.encode(text, **options)
+
+
+def test_a_grown_history_encodes_only_its_new_messages_and_counts_like_the_whole(monkeypatch) -> None:
+    import random
+
+    from proxyvisor.proxy import estimate
+
+    encoding = CountingEncoding()
+    monkeypatch.setattr(estimate, "_encoding", lambda: encoding)
+    monkeypatch.setattr(estimate, "_counts", {})
+    words = random.Random(5).choices(["fn", "main()", "error:", "the", "test", "passed", "src/lib.rs:12", "{", "}"],
+                                     k=60_000)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": AIDER_SYSTEM}]
+    for n in range(20):  # about 175,000 characters: encoded whole at first
+        messages.append({"role": "user" if n % 2 == 0 else "assistant",
+                         "content": " ".join(words[n * 1500:(n + 1) * 1500])})
+    fmt = BY_NAME["chat"]
+    first = estimate.input_tokens(fmt, {"model": MODEL, "messages": messages[:-1]})
+    history_chars = encoding.encoded
+    grown = estimate.input_tokens(fmt, {"model": MODEL, "messages": messages})
+    assert encoding.encoded - history_chars == len(messages[-1]["content"])  # the new message only
+    texts = [m["content"] for m in messages]
+    whole = reference("\n".join(texts)) + 3 * len(texts)
+    assert abs(grown - whole) <= whole * 0.01 and grown > first
+
+
+def test_an_estimate_encodes_at_most_its_limit_and_counts_the_rest_at_that_rate(monkeypatch) -> None:
+    from proxyvisor.proxy import estimate
+
+    encoding = CountingEncoding()
+    monkeypatch.setattr(estimate, "_encoding", lambda: encoding)
+    monkeypatch.setattr(estimate, "_counts", {})
+    parts = [f"line {n}: " + "word " * 2_000 for n in range(60)]  # 600,000 characters
+    tokens = estimate.count_parts(parts)
+    assert encoding.encoded <= estimate.EXACT_CHARS
+    assert abs(tokens - reference("\n".join(parts))) <= reference("\n".join(parts)) * 0.02
+    estimate.count_parts(parts)  # the parts encoded are remembered, the rest encoded now, up to the limit
+    assert estimate.EXACT_CHARS < encoding.encoded <= 2 * estimate.EXACT_CHARS
+
+
+def test_the_remembered_counts_are_bounded(monkeypatch) -> None:
+    from proxyvisor.proxy import estimate
+
+    monkeypatch.setattr(estimate, "_counts", {})
+    monkeypatch.setattr(estimate, "REMEMBERED", 8)
+    estimate.count_parts([f"part {n}" for n in range(20)])
+    assert len(estimate._counts) == 8
+    assert (hash("part 19"), len("part 19")) in estimate._counts and (hash("part 0"), 6) not in estimate._counts

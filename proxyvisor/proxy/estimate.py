@@ -11,8 +11,11 @@ counts the tokens itself (``Pipeline._account`` writes ``usage_estimated: true``
 
 The encoding is ``o200k_base`` (OpenAI's current models; other providers' tokenizers differ by some percent),
 read from the copy bundled with litellm so nothing is downloaded, else ``cl100k_base``, else 4 characters a
-token. Texts beyond :data:`EXACT_CHARS` are counted on their start and scaled, so an estimate costs at most a few
-milliseconds on the event loop.
+token. An estimate encodes at most :data:`EXACT_CHARS` characters (a few milliseconds on the event loop): a longer
+text is counted on its start and scaled. A history's parts (each message's text, tool call, tool result) are
+counted once per process and remembered by their hash (:data:`REMEMBERED` of them), so a session's next request,
+whose history only grew, encodes its new messages only; the history's parts not encoded within the limit are
+counted at the rate of those that were.
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ from .formats import AssistantTurn, Usage, WireFormat
 log = logging.getLogger("proxyvisor.estimate")
 
 EXACT_CHARS = 200_000
-"""Characters counted exactly per estimate; the rest is counted at the same tokens-per-character rate."""
+"""Characters encoded per estimate at most; the rest is counted at the same tokens-per-character rate."""
+REMEMBERED = 1 << 16
+"""Parts whose count is remembered (the oldest forgotten first): a few MB, some hundred sessions' histories."""
+_counts: dict[tuple[int, int], int] = {}
+"""Tokens of each part counted, by the part's hash and length."""
 _PER_MESSAGE = 3
 _ENCODINGS = ("o200k_base", "cl100k_base")
 
@@ -67,14 +74,38 @@ def warm() -> None:
         threading.Thread(target=_encoding, name="proxyvisor-tiktoken", daemon=True).start()
 
 
-def count(text: str) -> int:
-    """Tokens in ``text`` (see the module docstring for the encoding and the cut beyond :data:`EXACT_CHARS`)."""
+def count(text: str, limit: int = EXACT_CHARS) -> int:
+    """Tokens in ``text``: its first ``limit`` characters encoded (module docstring), the rest at their rate."""
     if not text:
         return 0
-    head = text[:EXACT_CHARS]
+    head = text[:max(1, limit)]
     encoding = _encoding()
     tokens = len(encoding.encode(head, disallowed_special=())) if encoding is not None else (len(head) + 3) // 4
     return tokens if len(text) == len(head) else round(tokens * len(text) / len(head))
+
+
+def count_parts(parts: list[str]) -> int:
+    """Tokens in ``parts`` joined by newlines (a newline a token): each part's count remembered (module docstring),
+    at most :data:`EXACT_CHARS` characters encoded; parts past that are counted at the rate of the others."""
+    budget = EXACT_CHARS
+    tokens = counted = uncounted = 0
+    for part in parts:
+        key = (hash(part), len(part))
+        found = _counts.get(key)
+        if found is None:
+            if budget <= 0:
+                uncounted += len(part)
+                continue
+            found = count(part, budget)
+            budget -= len(part)
+            if len(_counts) >= REMEMBERED:
+                del _counts[next(iter(_counts))]
+            _counts[key] = found
+        tokens += found
+        counted += len(part)
+    if uncounted:
+        tokens += round(uncounted * tokens / counted) if tokens else (uncounted + 3) // 4
+    return tokens + max(0, len(parts) - 1)
 
 
 def input_tokens(fmt: WireFormat, body: dict[str, Any]) -> int:
@@ -90,7 +121,7 @@ def input_tokens(fmt: WireFormat, body: dict[str, Any]) -> int:
     tools = body.get("tools")
     if tools:
         parts.append(wirejson.dumps(tools).decode())
-    return count("\n".join(parts)) + _PER_MESSAGE * len(messages)
+    return count_parts(parts) + _PER_MESSAGE * len(messages)
 
 
 def output_tokens(turn: AssistantTurn) -> int:
