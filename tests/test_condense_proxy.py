@@ -21,7 +21,7 @@ from proxyvisor.proxy.condense_engine import ToolResult, prepare_items
 from proxyvisor.condense.protocol import TaskContext, build_messages
 from proxyvisor.condense.text import count_tokens
 from proxyvisor.config import CondenseConfig, Config, GateConfig, ModelConfig
-from proxyvisor.proxy.condensing import _scanned, can_read_back
+from proxyvisor.proxy.condensing import RequestCondenser, _scanned, can_read_back, request_condenser
 from proxyvisor.proxy.formats.base import Item
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES, ToolSpec, WireFormat
 from proxyvisor.proxy.service import running
@@ -390,10 +390,38 @@ def test_a_scan_goes_on_from_the_last_request_and_a_branch_reads_its_history_aga
     branch = first + [Item(m) for m in call(3)]
 
     def seen(scan: Any) -> tuple[Any, ...]:
-        return (scan.index, sorted(scan.uses), dict(scan.ids), [r[:2] for r in scan.results], scan.commands)
+        return (scan.index, sorted(scan.uses), dict(scan.ids), [r[:2] for r in scan.results], scan.commands,
+                [r.call_id for r in scan.found])
 
     kept = _scanned(CHAT, first)
     assert _scanned(CHAT, extended) is kept
     assert seen(kept) == seen(_scanned(CHAT, [Item(m) for m in start + call(2)]))
     assert seen(_scanned(CHAT, branch)) == seen(_scanned(CHAT, [Item(m) for m in start + call(3)]))
     assert seen(_scanned(CHAT, extended)) == seen(_scanned(CHAT, [Item(m) for m in start + call(2)]))
+
+
+def test_candidates_read_from_the_new_items_are_those_of_a_whole_read(tmp_path: Path) -> None:
+    """Collecting goes on from the last request's scan; at every request of a growing history its latest and
+    earlier results are those a read of the whole history gives, also once a later call reuses an earlier
+    result's call id (that result then has no candidate any more, and the scan is read one result at a time)."""
+    condenser = request_condenser(NO_GATE.supervisor, tmp_path)
+    assert isinstance(condenser, RequestCondenser)
+    rounds = [[{"role": "assistant", "content": f"step {n}", "tool_calls": [call(f"c{n % 4 if n >= 6 else n}", "bash",
+                                                                                command=f"make t{n % 3}")]},
+               {"role": "tool", "tool_call_id": f"c{n % 4 if n >= 6 else n}", "content": build_log(300 + n, error_at=n)}]
+              for n in range(9)]
+    history: list[Any] = [Item(m) for m in TRAJECTORY[:2]]
+
+    def candidates(items: list[Any]) -> tuple[Any, ...]:
+        pending = condenser.collect(CHAT, items, [BASH], CHAT.fingerprint_parts({"messages": items}))
+        assert pending is not None
+        return pending.latest, pending.earlier, pending.context
+
+    for n, messages in enumerate(rounds):
+        history = history + [Item(m) for m in messages]
+        latest, earlier, context = candidates(history)
+        assert (latest, earlier, context) == candidates([dict(item) for item in history])
+        if n == 5:
+            assert ([r.call_id for r in latest], [r.call_id for r in earlier]) == (["c5"], ["c0", "c1", "c2", "c3", "c4"])
+        if n == 6:  # c2 answered twice: neither result is a candidate
+            assert ([r.call_id for r in latest], [r.call_id for r in earlier]) == ([], ["c0", "c1", "c3", "c4", "c5"])

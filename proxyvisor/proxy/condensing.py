@@ -129,21 +129,21 @@ class RequestCondenser:
         if not self.engine.active or not can_read_back(tools):
             return None
         seen = _scanned(fmt, items)
-        last, uses, ids = seen.last, seen.uses, seen.ids
-        latest: list[ToolResult] = []
-        earlier: list[ToolResult] = []
-        for index, position, out, use, result in seen.results:
-            if ids[out.call_id] > 1:
-                continue
-            if uses.get(out.call_id) is not use:  # a call of that id came after the result: name it after that
-                result = _result(out, uses.get(out.call_id))
-            if index > last:
-                latest.append(dataclasses.replace(result, green=_green(result, seen, position)))
-            else:
-                earlier.append(result)
+        # The latest round's results are those after the last assistant item: the scan's results from ``split`` on.
+        split = len(seen.results)
+        while split and seen.results[split - 1][0] > seen.last:
+            split -= 1
+        latest = [dataclasses.replace(result, green=_green(result, seen, position))
+                  for _index, position, out, use, read in seen.results[split:]
+                  if (result := _usable(seen, out, use, read)) is not None]
+        if seen.repeated:
+            earlier = [result for _index, _position, out, use, read in seen.results[:split]
+                       if (result := _usable(seen, out, use, read)) is not None]
+        else:  # every result stands as it was read (:func:`_usable`): one slice, not a pass over the history
+            earlier = seen.found[:split]
         if not latest and not earlier:
             return None
-        return Pending(latest, earlier, _context(parts, _Messages(fmt, items), last, seen.request))
+        return Pending(latest, earlier, _context(parts, _Messages(fmt, items), seen.last, seen.request))
 
     async def apply(self, session: str, fmt: WireFormat, body: dict[str, Any], pending: Pending,
                     condenser: ModelCall | None) -> CondenseRecord:
@@ -208,6 +208,19 @@ class _Scan:
     """A call id was used twice (two calls, two results, a call after its result): ``commands`` may then pair an
     output with the wrong call, and the runs are read one by one instead."""
     results: list[tuple[int, int, ToolOutput, ToolUse | None, ToolResult]] = field(default_factory=list)
+    found: list[ToolResult] = field(default_factory=list)
+    """The :class:`ToolResult` of each of :attr:`results`, in the same order (the earlier ones are one slice)."""
+
+
+def _usable(scan: _Scan, out: ToolOutput, use: ToolUse | None, result: ToolResult) -> ToolResult | None:
+    """The result to condense for ``out`` (read as ``result``, answering ``use``) given the whole history of
+    ``scan``: None when its call id has several results, named after a call of its id that came after it. Both
+    cases set :attr:`_Scan.repeated`: without it, ``result`` itself."""
+    if scan.ids[out.call_id] > 1:
+        return None
+    if scan.uses.get(out.call_id) is not use:  # a call of that id came after the result: name it after that
+        return _result(out, scan.uses.get(out.call_id))
+    return result
 
 
 def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
@@ -247,7 +260,9 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
                 scan.commands.setdefault(key, []).append(len(scan.runs) - 1)
             # A short text has no decision to find: at most 4 tokens per character.
             if len(out.text) * 4 > MIN_THRESHOLD:
-                scan.results.append((index, len(scan.runs) - 1, out, called, _result(out, called)))
+                result = _result(out, called)
+                scan.results.append((index, len(scan.runs) - 1, out, called, result))
+                scan.found.append(result)
     scan.index = len(items)
     if items and (kept := derived(items[-1])) is not None:
         kept["scan"] = scan
