@@ -15,15 +15,17 @@ import pytest
 from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.config import Config
 from proxyvisor.detectors.checks import PASSED
-from proxyvisor.detectors.receipts import Receipt
+from proxyvisor.detectors.receipts import Receipt, RoundReader
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.service import running
-from proxyvisor.proxy.session_state import NAMESPACE, SETTINGS, SessionStates, _source_digest, decode, encode
+from proxyvisor.proxy.session_state import (_CHUNKS, CHUNK, NAMESPACE, SETTINGS, SessionStates, _source_digest, decode,
+                                            encode)
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import SessionSupervision
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
+from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
 from test_recite_prefix import RECITED, Agent, Model, report
 
@@ -86,38 +88,100 @@ def _receipts_state(count: int) -> SessionSupervision:
     return state
 
 
-def test_a_state_of_slotted_dataclasses_round_trips_and_names_their_classes() -> None:
-    """Receipts (dataclasses with slots, hundreds in a long turn) are pickled as their fields' values and come
-    back equal; the state's format names every proxyvisor class it holds."""
-    state = _receipts_state(300)
-    value = encode(state, os.urandom(16))
-    back, _ = decode(value)
-    assert back.threads[b"key"].tracker.reader.turn_receipts == state.threads[b"key"].tracker.reader.turn_receipts
-    header = orjson.loads(value[20:20 + int.from_bytes(value[16:20], "big")])
-    assert {"proxyvisor.detectors.receipts:Receipt", "proxyvisor.proxy.supervise:Thread",
-            "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
+def _receipts(state: SessionSupervision) -> dict[str, Receipt]:
+    return state.threads[b"key"].tracker.reader.turn_receipts
 
 
-async def test_a_large_state_is_a_row_of_the_database_and_another_process_reads_it(tmp_path: Path) -> None:
-    """A state over diskcache's 32 KB file threshold (a long turn's receipts) is stored in the database, not as a
-    file made and removed on every save; another process (another store on the folder) reads it back."""
+def _stored(backend: DiskBackend) -> dict[str, bytes]:
+    kv = backend.kv(NAMESPACE, **SETTINGS)
+    return {key: value for key in kv.keys() if (value := kv.get(key)) is not None}
+
+
+async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp_path: Path) -> None:
+    """A turn's receipts (dataclasses with slots, hundreds in a long turn) are stored in chunks of CHUNK, each
+    written once: the state itself stays the size of a chunk or so however long the turn, a save writes only what
+    is new, and another process (another store on the folder) reads every receipt back equal and in order. The
+    state's format names every proxyvisor class it holds, the chunks' too."""
     backend = DiskBackend(tmp_path)
+    states = SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60)
     session = Session("s", 0.0, 0.0, supervision=_receipts_state(600))
-    await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).save(session)
-    assert len(encode(session.supervision, session.state_version)) > 32 * 1024
-    assert sorted(p.name for p in (tmp_path / NAMESPACE).iterdir() if not p.name.startswith("cache.db")) == []
+    await states.save(session)
+    assert session.supervision is not None
+    stored = _stored(backend)
+    chunks = {key for key in stored if key.startswith("s:r:")}
+    assert len(chunks) == 600 // CHUNK and len(stored["s"]) < 4 * 1024
+    header = orjson.loads(stored["s"][20:20 + int.from_bytes(stored["s"][16:20], "big")])
+    assert {"proxyvisor.detectors.receipts:Receipt", "proxyvisor.detectors.receipts:RoundReader",
+            "proxyvisor.proxy.supervise:Thread", "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
+    receipts = _receipts(session.supervision)
+    extra = {f"more_{i}": receipts["call_1"] for i in range(CHUNK)}
+    receipts.update(list(extra.items())[:1])
+    _, unstored = encode(session.supervision, os.urandom(16))
+    assert unstored == [], "one more receipt: no chunk to write"
+    receipts.update(extra)
+    await states.save(session)
+    last = _CHUNKS[session.supervision.threads[b"key"].tracker.reader].chunks[-1]
+    assert set(_stored(backend)) - set(stored) == {f"s:r:{last.digest.hex()}"}, "the chunk it filled, alone"
     other = Session("s", 0.0, 0.0)
     await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).load(other)
-    assert other.state_version == session.state_version
-    assert other.supervision is not None and other.supervision.threads[b"key"].tracker.reader.turn_receipts == \
-        session.supervision.threads[b"key"].tracker.reader.turn_receipts
+    assert other.state_version == session.state_version and other.supervision is not None
+    assert list(_receipts(other.supervision).items()) == list(receipts.items())
+    # Read back whole: its next save writes no chunk again.
+    assert encode(other.supervision, os.urandom(16))[1] == []
+    assert sorted(p.name for p in (tmp_path / NAMESPACE).iterdir() if not p.name.startswith("cache.db")) == [], \
+        "every key a row of the database (over diskcache's 32 KB file threshold or not)"
+
+
+async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt(tmp_path: Path) -> None:
+    """A call id used again in a turn gives the reader a new dict (``RoundReader.turn_receipts``), cut into
+    chunks afresh: the restored turn has the new receipt. A chunk that is gone (expired) or not a chunk (forged:
+    it may not build anything but proxyvisor's objects) leaves only its receipts out; they are computed again
+    when read."""
+    backend = DiskBackend(tmp_path)
+    kv = backend.kv(NAMESPACE, **SETTINGS)
+    states = SessionStates(kv, 60)
+    session = Session("s", 0.0, 0.0, supervision=_receipts_state(3 * CHUNK))
+    assert session.supervision is not None
+    await states.save(session)
+    reader = session.supervision.threads[b"key"].tracker.reader
+    replaced = dict(reader.turn_receipts)
+    replaced["call_0"] = replaced["call_1"]
+    reader.turn_receipts = replaced
+    await states.save(session)
+    other = Session("s", 0.0, 0.0)
+    await SessionStates(kv, 60).load(other)
+    assert other.supervision is not None and _receipts(other.supervision) == replaced
+    first, second = (c.digest.hex() for c in _CHUNKS[reader].chunks[:2])
+    kv.delete(f"s:r:{first}")
+    kv.set(f"s:r:{second}", pickle.dumps(os.system), 60)
+    lost = Session("s", 0.0, 0.0)
+    await SessionStates(kv, 60).load(lost)
+    assert lost.supervision is not None
+    assert _receipts(lost.supervision) == dict(list(replaced.items())[2 * CHUNK:])
+
+
+def test_a_round_reader_replaces_its_turns_dict_when_a_call_id_comes_again() -> None:
+    """The contract the stored chunks rely on: a turn's dict only gains calls at its end, or is a new dict."""
+    reader = RoundReader()
+    call = [ToolUse("call_0", "Bash", {"command": "ls"})]
+    reader.feed(0, Message("user", "Fix it."), {})
+    reader.feed(1, Message("assistant", "", tool_uses=tuple(call)), {})
+    reader.feed(2, Message("tool", "", tool_outputs=(ToolOutput("call_0", "a.py"),)), {})
+    first = reader.turn_receipts
+    reader.feed(3, Message("assistant", "", tool_uses=(ToolUse("call_1", "Bash", {"command": "ls -a"}),)), {})
+    reader.feed(4, Message("tool", "", tool_outputs=(ToolOutput("call_1", "a.py .git"),)), {})
+    assert reader.turn_receipts is first and list(first) == ["call_0", "call_1"]
+    reader.feed(5, Message("assistant", "", tool_uses=tuple(call)), {})
+    reader.feed(6, Message("tool", "", tool_outputs=(ToolOutput("call_0", "b.py"),)), {})
+    assert reader.turn_receipts is not first and list(first) == ["call_0", "call_1"]
+    assert reader.turn_receipts["call_0"].result_key != first["call_0"].result_key
 
 
 def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() -> None:
     state = SessionSupervision()
     state.notes["loop"] += 2
     version = os.urandom(16)
-    back, got = decode(encode(state, version))
+    back, got = decode(encode(state, version)[0])
     assert got == version and back.notes == state.notes and isinstance(back, SessionSupervision)
 
     class Evil:

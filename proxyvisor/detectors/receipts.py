@@ -359,7 +359,10 @@ class RoundReader:
         self._tool_rounds_since_prompt = 0
         self.turn_receipts: dict[str, Receipt] = {}
         """The receipts of the current user turn's calls, by call id (the verify-gate reads them instead of
-        computing them again); emptied at each genuine user turn."""
+        computing them again); a new dict at each genuine user turn. A dict only ever gains calls, at its end: a
+        call id used again (a client numbering each round's calls from 0) makes a new dict with that call's new
+        receipt, so a reader that kept what it saw of this dict (the session state's stored chunks) knows it by
+        identity and length."""
 
     def feed(self, index: int, message: Message, schemas: Mapping[str, Mapping[str, Any]]) -> list[Round | UserTurn]:
         """The rounds and user turns completed by ``message`` (at history position ``index``)."""
@@ -406,6 +409,8 @@ class RoundReader:
         self._answered = False
         receipts = tuple(receipt(u, open_round.outputs.get(u.id), schemas.get(u.name), self.mutating_tools)
                          for u in open_round.uses)
+        if any(u.id in self.turn_receipts for u in open_round.uses):
+            self.turn_receipts = dict(self.turn_receipts)
         self.turn_receipts.update((u.id, r) for u, r in zip(open_round.uses, receipts))
         return [Round(open_round.index, receipts)]
 

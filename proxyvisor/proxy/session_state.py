@@ -9,12 +9,21 @@ bookkeeping; and its counters), not its request records, which are each process'
 after the session's last write:
 
 - ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled;
-- ``<session>:v``: the version alone.
+- ``<session>:v``: the version alone;
+- ``<session>:r:<digest>``: a chunk of :data:`CHUNK` receipts of a thread's current turn
+  (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
+  again: about 0.5 ms each), named by a digest of its content. A turn's receipts grow with the turn (hundreds in a
+  long agent turn, most of a state's size): each full chunk is written once, with the save that filled it, and the
+  state holds the keys of its chunks and the receipts past the last full one. A chunk that expired before the
+  state referring to it (a turn longer than the time to live) or cannot be read leaves its receipts out of the
+  restored turn: they are computed again when read, from the same history.
 
-:meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state only
-when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save` writes both in
-one step (a Redis transaction in a worker thread, a SQLite transaction on the event loop) once the request's answer
-is through (notes, plan, self-report, gate turn), before the client has all of it. Two replicas serving one session's requests at the same moment: the later save wins.
+:meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state (and
+its chunks) only when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save`
+writes the state, its version and the chunks this process has not stored yet in one step (a Redis transaction in
+a worker thread, a SQLite transaction on the event loop) once the request's answer is through (notes, plan,
+self-report, gate turn), before the client has all of it. Two replicas serving one session's requests at the same
+moment: the later save wins (the chunks are named by their content: either's are the same or both kept).
 
 Pickle, because the state is a graph of the cores' own objects (trackers, policies, state machines), but read
 back only through :class:`_Unpickler`, which builds nothing but proxyvisor's own classes and a few containers: a
@@ -36,11 +45,13 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import logging
 import operator
 import os
 import pickle
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +61,7 @@ import orjson
 import trio
 
 from ..adapters.state import KV, Outage, StateUnavailable
+from ..detectors.receipts import Receipt, RoundReader
 from .sessions import Session
 from .supervise import SessionSupervision
 
@@ -63,6 +75,8 @@ making a file and removing the last one on every save: about ten times the CPU o
 _VERSION = 16
 _CONTAINERS = {("collections", "OrderedDict"), ("collections", "deque"), ("collections", "Counter"),
                ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray")}
+CHUNK = 16
+"""Receipts per stored chunk (module docstring): a state carries fewer inline, a turn's chunks are written once."""
 _WRITERS = 4
 """Worker threads writing or reading session states at once (one per session would open a diskcache connection
 per thread under a burst)."""
@@ -91,6 +105,21 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
     def __init__(self) -> None:
         super().__init__()
         self.classes: set[str] = set()
+        self.unstored: list[_Chunk] = []
+        """The receipt chunks the state refers to that this process has not stored yet (:func:`encode`)."""
+        self[RoundReader] = self._reader
+
+    def _reader(self, reader: RoundReader) -> tuple[Any, ...]:
+        """A thread's round reader as the default pickler reduces it, its turn's receipts replaced by
+        :class:`_StoredReceipts`."""
+        self.classes.add(f"{RoundReader.__module__}:{RoundReader.__qualname__}")
+        chunks, rest = _chunked(reader)
+        for chunk in chunks:
+            self.classes.update(chunk.classes)
+            if chunk.value is not None:
+                self.unstored.append(chunk)
+        stored = _StoredReceipts(tuple(c.digest for c in chunks), rest)
+        return copyreg.__newobj__, (RoundReader,), {**vars(reader), "turn_receipts": stored}  # type: ignore[attr-defined]
 
     def __missing__(self, kind: type) -> Callable[[Any], Any]:
         if issubclass(kind, type):
@@ -124,6 +153,74 @@ def _fields_reduction(kind: type) -> Callable[[Any], Any] | None:
     if len(names) == 1:
         return lambda obj: (copyreg.__newobj__, (kind,), (read(obj),))  # type: ignore[attr-defined]
     return lambda obj: (copyreg.__newobj__, (kind,), read(obj))  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StoredReceipts:
+    """A turn's receipts in a stored state (module docstring): the digests of its full chunks, in order, then the
+    receipts past them, by call id."""
+
+    chunks: tuple[bytes, ...]
+    rest: tuple[tuple[str, Receipt], ...]
+
+
+@dataclasses.dataclass(slots=True)
+class _Chunk:
+    """:data:`CHUNK` receipts of a turn (``receipts`` of the calls ``ids``), the digest naming their key, their
+    pickle (None once stored, or read from the store) and the proxyvisor classes it holds."""
+
+    ids: tuple[str, ...]
+    receipts: tuple[Receipt, ...]
+    digest: bytes
+    value: bytes | None
+    classes: frozenset[str]
+
+
+@dataclasses.dataclass(slots=True)
+class _Chunks:
+    """The full chunks of a reader's current turn (``receipts``, the dict they were cut from), in order."""
+
+    receipts: dict[str, Receipt]
+    chunks: list[_Chunk]
+
+
+_CHUNKS: weakref.WeakKeyDictionary[RoundReader, _Chunks] = weakref.WeakKeyDictionary()
+"""Each round reader's chunks this process cut, pickled, stored or read, so a save pickles only its new receipts."""
+_RECEIPT_CLASSES = frozenset({f"{Receipt.__module__}:{Receipt.__qualname__}"})
+"""The proxyvisor classes of a chunk read from the store: its receipts."""
+
+
+def _chunk_key(session_id: str, digest: bytes) -> str:
+    return f"{session_id}:r:{digest.hex()}"
+
+
+def _chunked(reader: RoundReader) -> tuple[list[_Chunk], tuple[tuple[str, Receipt], ...]]:
+    """The full chunks of ``reader``'s turn receipts and the receipts past them. The chunks already cut from the
+    same dict are kept: it only gains calls, at its end (``RoundReader.turn_receipts``), so only the receipts past
+    them are read (from the end: a turn's hundreds of receipts are not touched again)."""
+    receipts = reader.turn_receipts
+    known = _CHUNKS.get(reader)
+    if known is None or known.receipts is not receipts or len(receipts) < len(known.chunks) * CHUNK:
+        known = _CHUNKS[reader] = _Chunks(receipts, [])
+    rest = tuple(itertools.islice(reversed(receipts.items()), len(receipts) - len(known.chunks) * CHUNK))[::-1]
+    full = len(rest) // CHUNK
+    for n in range(full):
+        ids, values = zip(*rest[n * CHUNK:(n + 1) * CHUNK])
+        value, classes = _pickled((ids, values))
+        known.chunks.append(_Chunk(ids, values, hashlib.blake2b(value, digest_size=16).digest(), value,
+                                   frozenset(classes)))
+    return list(known.chunks), rest[full * CHUNK:]
+
+
+def _pickled(obj: Any, reductions: _Reductions | None = None) -> tuple[bytes, set[str]]:
+    """``obj`` pickled with ``reductions`` (by default a table of its own), and the proxyvisor classes it
+    holds."""
+    reductions = reductions if reductions is not None else _Reductions()
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = reductions
+    pickler.dump(obj)
+    return out.getvalue(), reductions.classes
 
 
 @functools.cache
@@ -162,23 +259,30 @@ def _module_digest(module: str) -> bytes:
         raise ValueError(f"no source for {module}: {exc}") from None
 
 
-def encode(state: SessionSupervision, version: bytes) -> bytes:
-    """``version``, the state's format and ``state`` as the value of a session's key.
+def encode(state: SessionSupervision, version: bytes) -> tuple[bytes, list[_Chunk]]:
+    """``version``, the state's format and ``state`` as the value of a session's key, and the receipt chunks it
+    refers to that this process has not stored yet (each to go under ``<session>:r:<digest>``, its ``value``;
+    :func:`mark_stored` once written). The format names the classes of the chunks too.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``state`` holds an object pickle cannot write.
     """
-    out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = reductions = _Reductions()
-    pickler.dump(state)
-    names = tuple(sorted(reductions.classes))
+    reductions = _Reductions()
+    pickled, classes = _pickled(state, reductions)
+    names = tuple(sorted(classes))
     header = orjson.dumps({"classes": names, "digest": _source_digest(names).hex()})
-    return version + len(header).to_bytes(4, "big") + header + out.getvalue()
+    return version + len(header).to_bytes(4, "big") + header + pickled, reductions.unstored
+
+
+def mark_stored(chunks: list[_Chunk]) -> None:
+    """Note that ``chunks`` (from :func:`encode`) are in the store: later saves do not write them again."""
+    for chunk in chunks:
+        chunk.value = None
 
 
 def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
-    """(the state, its version) of a session key's ``value``.
+    """(the state, its version) of a session key's ``value``. Its threads' turn receipts are still
+    :class:`_StoredReceipts` (:func:`restore` reads them).
 
     Raises:
         ValueError: ``value`` is not a session state, or one whose classes differ from this proxyvisor's.
@@ -195,6 +299,52 @@ def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
     if not isinstance(state, SessionSupervision):
         raise ValueError("not a session state")
     return state, value[:_VERSION]
+
+
+def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str]], list[bytes | None]]) -> None:
+    """Put back the turn receipts of ``state`` (session ``session_id``'s, from :func:`decode`): its chunks' values
+    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was. A chunk absent or
+    unreadable leaves its receipts out (module docstring).
+
+    Raises:
+        ValueError: ``state`` is not as :func:`encode` writes one (its threads, their receipts).
+    """
+    try:
+        readers = [t.tracker.reader for t in state.threads.values()]
+    except AttributeError:
+        raise ValueError("not a session state: a thread without a round reader") from None
+    held: list[Any] = [r.turn_receipts for r in readers]
+    digests = [d for h in held if isinstance(h, _StoredReceipts) for d in h.chunks]
+    values = dict(zip(digests, read([_chunk_key(session_id, d) for d in digests]))) if digests else {}
+    for reader, stored in zip(readers, held):
+        if not isinstance(stored, _StoredReceipts):
+            continue
+        chunks = [_chunk(d, values.get(d)) for d in stored.chunks]
+        receipts: dict[str, Receipt] = {}
+        for chunk in chunks:
+            if chunk is not None:
+                receipts.update(zip(chunk.ids, chunk.receipts))
+        try:
+            receipts.update(stored.rest)
+        except (TypeError, ValueError):
+            raise ValueError("not a session state: its receipts are not by call id") from None
+        if None not in chunks:  # whole: a later save writes only its new chunks
+            _CHUNKS[reader] = _Chunks(receipts, [c for c in chunks if c is not None])
+        reader.turn_receipts = receipts
+
+
+def _chunk(digest: bytes, value: bytes | None) -> _Chunk | None:
+    """The stored chunk named ``digest``, read as ``value``; None when absent or not a chunk of receipts."""
+    if value is None or hashlib.blake2b(value, digest_size=16).digest() != digest:
+        return None
+    try:
+        ids, receipts = _Unpickler(io.BytesIO(value)).load()
+    except Exception:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
+        return None
+    if not (isinstance(ids, tuple) and isinstance(receipts, tuple) and len(ids) == len(receipts) == CHUNK
+            and all(isinstance(i, str) for i in ids) and all(isinstance(r, Receipt) for r in receipts)):
+        return None
+    return _Chunk(ids, receipts, digest, None, _RECEIPT_CLASSES)
 
 
 class SessionStates:
@@ -256,10 +406,12 @@ class SessionStates:
         if value is None:
             return None
         try:
-            return decode(value)
+            state, version = decode(value)
+            restore(state, session_id, self.kv.get_many)
         except ValueError as exc:
             log.warning("session %s: its stored supervision state is not used (%s)", session_id, exc)
             return None
+        return state, version
 
     async def save(self, session: Session) -> None:
         """Store ``session.supervision`` (nothing when it has none) under a new version. Pickled on the event loop,
@@ -274,7 +426,7 @@ class SessionStates:
             return
         version = os.urandom(_VERSION)
         try:
-            value = encode(state, version)
+            value, chunks = encode(state, version)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             log.warning("session %s: its supervision state cannot be stored (%s: %s)", session.id,
                         type(exc).__name__, exc)
@@ -282,9 +434,9 @@ class SessionStates:
         known, session.state_version = session.state_version, version
         try:
             if self.kv.local:
-                self._save(session.id, value, version)
+                self._save(session.id, value, version, chunks)
             else:
-                await trio.to_thread.run_sync(self._save, session.id, value, version, limiter=self._limiter)
+                await trio.to_thread.run_sync(self._save, session.id, value, version, chunks, limiter=self._limiter)
         except StateUnavailable as exc:
             # Not stored: keep the version the store holds, lest the next load take it for another process's newer
             # state and replace this process's with it.
@@ -292,10 +444,12 @@ class SessionStates:
                 session.state_version = known
             self._outage.failed(exc)
             return
+        mark_stored(chunks)
         self._outage.up()
 
-    def _save(self, session_id: str, value: bytes, version: bytes) -> None:
-        self.kv.set_many({session_id: value, session_id + ":v": version}, self.ttl_s)
+    def _save(self, session_id: str, value: bytes, version: bytes, chunks: list[_Chunk]) -> None:
+        items = {_chunk_key(session_id, c.digest): c.value for c in chunks if c.value is not None}
+        self.kv.set_many({**items, session_id: value, session_id + ":v": version}, self.ttl_s)
 
     def close(self) -> None:
         self.kv.close()
