@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from pathlib import Path
 
 import orjson
@@ -158,6 +159,26 @@ async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt
     await SessionStates(kv, 60).load(lost)
     assert lost.supervision is not None
     assert _receipts(lost.supervision) == dict(list(replaced.items())[2 * CHUNK:])
+
+
+def test_a_value_rewritten_in_its_row_reads_as_diskcache_wrote_it(tmp_path: Path) -> None:
+    """``DiskKV.set_many`` rewrites a key's row in place (the session state's every save) as diskcache's ``set``
+    would: diskcache reads the value, its new time to live holds, another store on the folder sees it; a new key,
+    or a key whose value was a file of its own (over diskcache's threshold), goes through diskcache, which removes
+    the file."""
+    kv = DiskBackend(tmp_path).kv("t")
+    big = os.urandom(64 * 1024)
+    kv.set_many({"a": b"1", "b": big}, 60)
+    assert [p for p in (tmp_path / "t").rglob("*.val")], "over 32 KB: a file of its own"
+    kv.set_many({"a": b"2", "b": b"small", "c": b"3"}, 0.2)
+    assert kv.get_many(["a", "b", "c"]) == [b"2", b"small", b"3"]
+    assert not [p for p in (tmp_path / "t").rglob("*.val")], "the file went with its value"
+    other = DiskBackend(tmp_path).kv("t")
+    assert other.get("a") == b"2" and other.keys() == ["a", "b", "c"]
+    time.sleep(0.3)
+    assert kv.get_many(["a", "b", "c"]) == [None, None, None], "each key with its new time to live"
+    kv.set_many({"a": b"4"}, 60)
+    assert other.get("a") == b"4"
 
 
 def test_a_round_reader_replaces_its_turns_dict_when_a_call_id_comes_again() -> None:
