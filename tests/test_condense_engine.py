@@ -262,3 +262,39 @@ def test_a_decision_stored_as_text_by_an_earlier_proxyvisor_is_still_found(tmp_p
     old.set("k", json.dumps(dataclasses.asdict(decision)))  # how decisions were kept before the state backend
     old.close()
     assert DecisionCache(DiskKV(tmp_path / "cache")).get("k") == decision
+
+
+class CountingCache(DecisionCache):
+    """A decision cache that counts its reads and fails the next ``fail`` of them."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(DiskKV(path))
+        self.reads: list[str] = []
+        self.fail = 0
+
+    def get(self, key: str) -> Decision | None:
+        self.reads.append(key)
+        if self.fail:
+            self.fail -= 1
+            raise OSError("disk gone")
+        return super().get(key)
+
+
+async def test_a_recall_of_a_grown_history_reads_only_its_new_results(tmp_path: Path) -> None:
+    cache = CountingCache(tmp_path / "cache")
+    engine = CondenseEngine(CondenseConfig(deterministic_kinds=()), Scripted(), spill=SpillStore(tmp_path / "spill"),
+                            cache=cache)
+    a, b, c = (ToolResult(f"call_{n}", "bash", build_log(marker=n)) for n in "abc")
+    await engine.run_round("s1", [a], CONTEXT)
+    narrowed = (await engine.recall("s1", [a]))["call_a"]
+    assert narrowed.text is not None
+    cache.reads.clear()
+    # b was never decided here (an earlier proxy's history): read once from the cache, then known.
+    assert await engine.recall("s1", [a, b]) == {"call_a": narrowed} and len(cache.reads) == 1
+    cache.fail = 1  # c's read fails: it is absent now, and read again next time
+    assert await engine.recall("s1", [a, b, c]) == {"call_a": narrowed} and len(cache.reads) == 2
+    assert await engine.recall("s1", [a, b, c]) == {"call_a": narrowed} and len(cache.reads) == 3
+    # Equal results (a history parsed again) find the same without a read; a rewritten one is read again.
+    again = [ToolResult(r.call_id, r.tool, r.text) for r in (a, b, c)]
+    assert await engine.recall("s1", again) == {"call_a": narrowed} and len(cache.reads) == 3
+    assert await engine.recall("s1", [a, c]) == {"call_a": narrowed} and len(cache.reads) == 3  # all in memory

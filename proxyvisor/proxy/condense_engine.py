@@ -52,6 +52,8 @@ MIN_THRESHOLD = 512
 """The threshold's floor in tokens (seed 003): smaller results are never worth a model call."""
 _TOKEN_MEMO = 16_384
 _DECISION_MEMO = 65_536
+_RECALLED = 256
+"""Threads whose last recall :meth:`CondenseEngine.recall` keeps, to go on from it."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,9 @@ class CondenseEngine:
         self._known: OrderedDict[str, Decision | None] = OrderedDict()
         # The same by (session, call id, text): what :meth:`recall` reads first, with no hashing of the text.
         self._texts: OrderedDict[tuple[str, str, str], Decision | None] = OrderedDict()
+        # The last recall of each thread (a session and the call id of its first result): the results it read and
+        # what it found. The next request of the thread sends them again first, then the round that was latest.
+        self._recalled: OrderedDict[tuple[str, str], tuple[list[ToolResult], dict[str, Decision]]] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -208,11 +213,20 @@ class CondenseEngine:
         """The decisions already made for ``results`` (by call id), for re-applying them byte-identically;
         a result without one (it went upstream whole, or was never large enough) is absent. Makes no decision and
         calls no model; never raises for a cache problem (the result is then absent: it stays whole)."""
-        if not self.active or self.cache is None:
+        if not self.active or self.cache is None or not results:
             return {}
+        results = list(results)
+        thread = (session, results[0].call_id)
+        read, found = self._recalled.pop(thread, ([], {}))
+        # Results equal to those the thread's last recall read find the same: a decision, once settled, is never
+        # replaced, and one never made for an earlier result is never made later (only a latest round's are). So
+        # only the results after them are read, when the history only grew; otherwise all of them, again.
+        if len(read) <= len(results) and results[:len(read)] == read:
+            found, start = dict(found), len(read)
+        else:
+            found, start = {}, 0
         # Tokens never exceed 4 per character (UTF-8 bytes): shorter results cannot have had a decision.
-        large = [r for r in results if len(r.text) * 4 > MIN_THRESHOLD]
-        found: dict[str, Decision] = {}
+        large = [r for r in results[start:] if len(r.text) * 4 > MIN_THRESHOLD]
         unknown = []
         with self._lock:
             for result in large:
@@ -225,6 +239,13 @@ class CondenseEngine:
                     found[result.call_id] = decision
         if unknown:
             found.update(await trio.to_thread.run_sync(self._recall, session, unknown))
+            with self._lock:  # a result the cache failed to read is read again next time: nothing is kept
+                read_all = all((session, r.call_id, r.text) in self._texts for r in unknown)
+            if not read_all:
+                return found
+        self._recalled[thread] = (results, dict(found))
+        while len(self._recalled) > _RECALLED:
+            self._recalled.popitem(last=False)
         return found
 
     def _recall(self, session: str, results: list[ToolResult]) -> dict[str, Decision]:
