@@ -320,6 +320,31 @@ def test_replace_tool_results_changes_only_the_named_texts(fmt_name: str) -> Non
         BIG_A)
 
 
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_replacing_in_a_growing_history_reads_its_new_items_and_writes_what_a_whole_read_writes(
+        fmt_name: str) -> None:
+    fmt = BY_NAME[fmt_name]
+    whole = request(fmt, TRAJECTORY)
+    shared = [Item(i) for i in fmt.history(whole)]  # as the body cache hands them to the requests that repeat them
+
+    def replaced(history: list[Any], texts: dict[str, str]) -> tuple[set[str], bytes]:
+        body = {**whole, fmt.history_field: history}
+        done = fmt.replace_tool_results(body, texts)
+        return done, orjson.dumps(body)
+
+    texts = {"call_a": "narrowed a"}
+    for n in range(1, len(shared) + 1):
+        if n > len(shared) // 2:
+            texts["call_c"] = "narrowed c"  # a decision made on a later request
+        plain = orjson.loads(orjson.dumps(shared[:n]))  # read whole: no Item to keep anything on
+        assert replaced(shared[:n], texts) == replaced(plain, texts)
+    # Only the last item keeps where the results are (the earlier ones gave it up as the history grew).
+    assert [n for n, i in enumerate(shared) if "results_at" in i.derived] == [len(shared) - 1]
+    # A history whose start changed (an item in place of another, the rest shared) is read whole.
+    rewritten = [Item({**dict(i), "x": 1}) if n == 0 else i for n, i in enumerate(shared)]
+    assert replaced(rewritten, texts) == replaced(orjson.loads(orjson.dumps(rewritten)), texts)
+
+
 async def test_replay_shows_per_round_what_was_condensed(tmp_path: Path) -> None:
     rounds = await replay(NO_GATE, TRAJECTORY, RESPONSES, True, store=Store(tmp_path), model=Scripted())
     assert all(r.matches for r in rounds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -509,15 +510,8 @@ class WireFormat:
         is left alone. Returns the call ids replaced."""
         done: set[str] = set()
         items = self.history(body)
-        for index, item in enumerate(items):
-            kept = derived(item)
-            if kept is not None:  # the call ids of an Item's results are kept: most items have none to replace
-                ids = kept.get("result_ids")
-                if ids is None:
-                    ids = kept["result_ids"] = frozenset(
-                        call_id for _, _, call_id in self.result_slots(item) if isinstance(call_id, str))
-                if not ids or texts.keys().isdisjoint(ids):
-                    continue
+        for index in self._holding(items, texts.keys()):
+            item = items[index]
             wanted = tuple((call_id, texts[call_id]) for holder, key, call_id in self.result_slots(item)
                            if isinstance(call_id, str) and call_id in texts and not has_non_text(holder.get(key)))
             if not wanted:
@@ -525,6 +519,37 @@ class WireFormat:
             done.update(call_id for call_id, _ in wanted)
             items[index] = edited(item, ("condensed", wanted), self._with_results, item, dict(wanted))
         return done
+
+    def _holding(self, items: list[Any], ids: AbstractSet[str]) -> list[int]:
+        """The positions in history ``items`` of the items holding a tool result whose call id is among ``ids``
+        (ascending). Where the results are is kept on the history's last :class:`Item` for the next request, which
+        sends the same items first: only its items after them are read (the history only grew), the others found
+        by their call ids. A history whose first items are not those (equal) is read whole."""
+        start, where = 0, dict[str, list[int]]()
+        for back in range(len(items) - 1, -1, -1):
+            kept = derived(items[back])
+            if kept is not None and "results_at" in kept:
+                read, found = kept.pop("results_at")  # moved on to this history's last item
+                if len(read) <= len(items) and items[:len(read)] == read:  # equal items hold the same results
+                    start, where = len(read), found
+                break
+        out = sorted({at for call_id in ids for at in where.get(call_id, ())})
+        for index in range(start, len(items)):
+            item = items[index]
+            kept = derived(item)
+            held = kept.get("result_ids") if kept is not None else None
+            if held is None:
+                held = frozenset(call_id for _, _, call_id in self.result_slots(item) if isinstance(call_id, str))
+                if kept is not None:
+                    kept["result_ids"] = held
+            for call_id in held:
+                where.setdefault(call_id, []).append(index)
+            if held and not ids.isdisjoint(held):
+                out.append(index)
+        last = next((item for item in reversed(items) if type(item) is Item), None)
+        if last is not None:
+            last.derived["results_at"] = (list(items), where)
+        return out
 
     result_part_type: ClassVar[str]
     """The ``type`` of a text part in a tool result's content (what :func:`retext` writes)."""
