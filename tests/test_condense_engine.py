@@ -12,7 +12,7 @@ import trio
 
 from proxyvisor.adapters.state import DiskKV
 from proxyvisor.condense.adaptive import AdaptiveThreshold, AdaptiveThresholds
-from proxyvisor.proxy.condense_decisions import Decision, DecisionCache
+from proxyvisor.proxy.condense_decisions import Decision, DecisionCache, decision_key
 from proxyvisor.proxy.condense_engine import CondenseEngine, ToolResult, effective_threshold
 from proxyvisor.condense.protocol import TaskContext
 from proxyvisor.proxy.spill import SpillStore
@@ -298,3 +298,16 @@ async def test_a_recall_of_a_grown_history_reads_only_its_new_results(tmp_path: 
     again = [ToolResult(r.call_id, r.tool, r.text) for r in (a, b, c)]
     assert await engine.recall("s1", again) == {"call_a": narrowed} and len(cache.reads) == 3
     assert await engine.recall("s1", [a, c]) == {"call_a": narrowed} and len(cache.reads) == 3  # all in memory
+
+
+async def test_a_result_too_small_to_pass_the_threshold_is_neither_counted_nor_looked_up(tmp_path: Path) -> None:
+    cache = CountingCache(tmp_path / "cache")
+    engine = CondenseEngine(CondenseConfig(tokens_threshold=5000), Scripted(), spill=SpillStore(tmp_path / "spill"),
+                            cache=cache)
+    small = ToolResult("call_s", "bash", "résumé " * 500)  # 4,500 UTF-8 bytes: at most 4,500 tokens
+    big = ToolResult("call_b", "bash", BIG)
+    report = await engine.run_round("s1", [small, big], CONTEXT)
+    assert set(report.decisions) == {"call_b"} and decision_key("s1", "call_s", small.text) not in cache.reads
+    reads = len(cache.reads)
+    assert await engine.recall("s1", [small, big]) == {"call_b": report.decisions["call_b"]}
+    assert len(cache.reads) == reads  # both known from the round: no worker thread

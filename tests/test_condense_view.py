@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from proxyvisor.condense.signals import diagnostic_lines, focus_terms, is_diagnostic
 from proxyvisor.condense.text import (body_of, clip_chars, clip_tokens, count_tokens, line_count, newline_of,
-                                      split_lines, visible)
+                                      split_lines, tokens_may_exceed, visible)
 from proxyvisor.condense.view import allocate, build_view
 
 _ROW = re.compile(r"^ *(\d+)\| (.*)$")
@@ -168,3 +168,12 @@ def test_the_round_budget_is_shared_by_size_with_a_floor() -> None:
     assert allocate([30_000, 10_000], 32_000) == [24_000, 8_000]
     shares = allocate([100_000] + [600] * 3, 32_000)
     assert shares[1:] == [256, 256, 256] and shares[0] > 31_000  # the floor can push the sum above the budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec="utf-8")) | st.text(st.characters(max_codepoint=127)), st.integers(0, 64))
+def test_a_text_said_to_stay_within_a_token_limit_does(text: str, limit: int) -> None:
+    if not tokens_may_exceed(text, limit):
+        assert count_tokens(text) <= limit
+    assert not tokens_may_exceed("x" * 600, 600) and tokens_may_exceed("x" * 601, 600)
+    assert not tokens_may_exceed("é" * 300, 600) and tokens_may_exceed("é" * 301, 600)  # two bytes each

@@ -87,6 +87,18 @@ def count_tokens(text: str) -> int:
     return len(_encoding().encode_ordinary(text)) if text else 0
 
 
+def tokens_may_exceed(text: str, limit: int) -> bool:
+    """False when ``text`` surely has at most ``limit`` tokens (:func:`count_tokens`), found without counting: a
+    token covers at least one UTF-8 byte, and a character takes one byte in an ASCII string (a constant-time
+    check), at most four in any other (otherwise its bytes are counted, only when that can decide it)."""
+    chars = len(text)
+    if chars > limit:
+        return True
+    if text.isascii() or chars * 4 <= limit:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
 def count_each(texts: list[str]) -> list[int]:
     """:func:`count_tokens` of each text."""
     encode = _encoding().encode_ordinary

@@ -43,7 +43,7 @@ from ..condense.protocol import AnswerError, Item, TaskContext, Verdict, build_m
 from ..condense.reconstruct import Baseline, Narrowed, condense, narrow
 from ..condense.signals import focus_terms
 from .spill import SpillStore
-from ..condense.text import count_tokens, line_count, split_lines
+from ..condense.text import count_tokens, line_count, split_lines, tokens_may_exceed
 from ..condense.view import MAX_CANDIDATES, allocate, build_view
 
 log = logging.getLogger("proxyvisor.condense")
@@ -164,8 +164,7 @@ class CondenseEngine:
         # The lowest threshold this session could ever use: a result above it that went upstream whole must
         # stay whole, so its "below the threshold" decision is recorded too (only when adaptive).
         floor = max(MIN_THRESHOLD, -(-baseline // 2)) if state else threshold
-        # A text has at most as many tokens as UTF-8 bytes, and at most 4 bytes per character.
-        large = [r for r in results if len(r.text) * 4 > floor]
+        large = [r for r in results if tokens_may_exceed(r.text, floor)]
         keys = {r.call_id: decision_key(session, r.call_id, r.text) for r in large}
         known, counts = await trio.to_thread.run_sync(self._lookup, large, keys) if large else ({}, {})
         pending: list[tuple[ToolResult, int]] = []
@@ -201,12 +200,13 @@ class CondenseEngine:
             settled = await trio.to_thread.run_sync(self._settle, {keys[c]: d for c, d in fresh.items()})
             report.decisions.update({c: settled[keys[c]] for c in fresh})
         if self.cache is not None:
-            # What the cache now holds for each result read or decided here (None: nothing): the next request,
-            # which repeats them, recalls them from memory, with no worker thread (a recall from before, a
-            # rewritten history's, no longer holds).
+            # What the cache now holds for each result read or decided here (None: nothing, or a result too small
+            # to be read, which has none): the next request, which repeats them, recalls them from memory, with no
+            # worker thread (a recall from before, a rewritten history's, no longer holds).
             with self._lock:
-                for result in large:
-                    self._memo(session, result, report.decisions.get(result.call_id))
+                for result in results:
+                    if tokens_may_exceed(result.text, MIN_THRESHOLD):  # those recall reads (``large`` among them)
+                        self._memo(session, result, report.decisions.get(result.call_id))
         return report
 
     async def recall(self, session: str, results: Sequence[ToolResult]) -> dict[str, Decision]:
@@ -225,8 +225,8 @@ class CondenseEngine:
             found, start = dict(found), len(read)
         else:
             found, start = {}, 0
-        # Tokens never exceed 4 per character (UTF-8 bytes): shorter results cannot have had a decision.
-        large = [r for r in results[start:] if len(r.text) * 4 > MIN_THRESHOLD]
+        # Shorter results cannot have had a decision.
+        large = [r for r in results[start:] if tokens_may_exceed(r.text, MIN_THRESHOLD)]
         unknown = []
         with self._lock:
             for result in large:

@@ -32,7 +32,7 @@ from typing import Any
 from .. import wirejson
 from ..condense.baseline import command_key, passed
 from ..condense.protocol import TaskContext
-from ..condense.text import split_lines
+from ..condense.text import split_lines, tokens_may_exceed
 from ..adapters.state import DiskBackend, StateBackend
 from .condense_decisions import Decision, DecisionCache
 from .condense_engine import MIN_THRESHOLD, CondenseEngine, ToolResult
@@ -258,8 +258,8 @@ def _scanned(fmt: WireFormat, items: list[Any]) -> _Scan:
             called = scan.uses.get(out.call_id)
             if called is not None and (key := command_key(_arguments(called.arguments))):
                 scan.commands.setdefault(key, []).append(len(scan.runs) - 1)
-            # A short text has no decision to find: at most 4 tokens per character.
-            if len(out.text) * 4 > MIN_THRESHOLD:
+            # A short text has no decision to find.
+            if tokens_may_exceed(out.text, MIN_THRESHOLD):
                 result = _result(out, called)
                 scan.results.append((index, len(scan.runs) - 1, out, called, result))
                 scan.found.append(result)
