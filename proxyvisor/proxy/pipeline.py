@@ -338,7 +338,7 @@ class Pipeline:
         try:
             reply = await relay.send(request.method, self._target(request, path),
                                      upstream_headers(request.headers, relay.api_key, _key_header(fmt_name)),
-                                     request.body)
+                                     request.content)
         except UpstreamError as exc:
             return error(fmt, exc.status, exc.message)
         assert isinstance(reply.body, bytes)
@@ -477,7 +477,7 @@ class Pipeline:
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
-        content: bytes | tuple[bytes, ...] = request.body
+        content = request.content  # as it arrived: an unsupervised body goes up without a copy
         if exchange is not None:
             try:
                 content = exchange.upstream_chunks()

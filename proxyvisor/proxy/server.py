@@ -51,12 +51,14 @@ def reason(status: int) -> bytes:
 
 @dataclass
 class Request:
-    """A complete request. Header names are lowercase bytes, as h11 gives them; ``body`` is the whole body."""
+    """A complete request. Header names are lowercase bytes, as h11 gives them; the body is :attr:`body`."""
 
     method: str
     target: str
     headers: Headers
-    body: bytes = b""
+    content: bytes | tuple[bytes, ...] = b""
+    """The body, or the pieces it arrived in, in order (what the server's reads brought): the byte relay sends the
+    pieces as they are, so a body it only forwards is never copied; :attr:`body` joins them, once."""
     received_at: float = 0.0
     """``time.perf_counter()`` when the request head was parsed (s)."""
     too_large: bool = False
@@ -65,6 +67,13 @@ class Request:
     """The body did not arrive whole within the server's total deadline (``Limits.body_deadline_s``); ``body``
     is empty."""
     peer: str = ""
+
+    @property
+    def body(self) -> bytes:
+        """The whole body."""
+        if not isinstance(self.content, bytes):
+            self.content = b"".join(self.content)
+        return self.content
 
     @property
     def path(self) -> str:
@@ -134,6 +143,8 @@ class Connection:
         """The client is gone for sure: a reset, or a write that failed."""
         self._probing: trio.Event | None = None
         """Set while :meth:`_tell_apart` writes its interim response; other writes wait for it."""
+        self._unread: bytes | bytearray | None = None
+        """Set when a request's body was read around h11 (:meth:`_read_body`): what was read past that body."""
         self.read_size = _READ_SIZE
         """Bytes the reader asks for at once (more while a large body arrives: :meth:`_read_body`)."""
 
@@ -203,13 +214,16 @@ class Connection:
             await trio.sleep(delay)
             delay *= 2
 
-    async def _receive(self) -> None:
+    async def _take(self) -> bytes | bytearray:
+        """What the reader read next; empty at the client's EOF."""
         try:
-            data = await self._inbox.receive()
+            return await self._inbox.receive()
         except trio.EndOfChannel:
-            data = b""
+            return b""
+
+    async def _receive(self) -> None:
         # h11 takes any bytes-like object; its annotation says bytes
-        self.conn.receive_data(data)  # type: ignore[arg-type]
+        self.conn.receive_data(await self._take())  # type: ignore[arg-type]
 
     async def _next_event(self, timeout: float) -> object:
         event = self.conn.next_event()
@@ -269,11 +283,28 @@ class Connection:
                 if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is h11.MUST_CLOSE:
                     return
                 try:
-                    self.conn.start_next_cycle()
+                    self._next_cycle()
                 except h11.LocalProtocolError:
                     return
         except _ClientGone:
             return
+
+    def _next_cycle(self) -> None:
+        """Make the connection ready for its next request, once the response is complete.
+
+        Raises:
+            h11.LocalProtocolError: the response is not complete.
+        """
+        if self._unread is None:
+            self.conn.start_next_cycle()
+            return
+        # h11 did not see the request's body (_read_body): a fresh state, with what was read past the body.
+        if self.conn.our_state is not h11.DONE:
+            raise h11.LocalProtocolError("the response is not complete")
+        self.conn = h11.Connection(h11.SERVER)
+        if self._unread:  # (empty data would tell h11 the client's EOF)
+            self.conn.receive_data(self._unread)  # type: ignore[arg-type]  # any bytes-like object
+        self._unread = None
 
     async def _bad_request(self, exc: Exception) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -288,14 +319,24 @@ class Connection:
             pass
 
     async def _read_body(self, request: Request) -> bool:
-        """Read the body of ``request`` into it; False when the connection is to be closed without an answer."""
+        """Read the body of ``request`` into it; False when the connection is to be closed without an answer.
+
+        A body framed by its ``content-length`` goes through h11 only as far as h11 holds it already (what came
+        with the head); the rest is kept as the socket's reads bring it (``Request.content``), never given to h11,
+        which would copy each byte twice more before the pieces were joined (for a body of megabytes those copies
+        and the fresh memory they fill cost more than the reads). h11 then still awaits that body: the connection's
+        next request starts on a fresh h11 state (:meth:`_next_cycle`).
+        """
         declared = request.header("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+        length = int(declared) if declared is not None and declared.isdigit() else None
+        if length is not None and length > self.limits.max_body_bytes:
             request.too_large = True
             return True
-        parts: list[bytes] = []
+        if request.header("transfer-encoding") is not None:
+            length = None  # chunked: h11 reads it whole
+        parts: list[bytes | bytearray] = []  # both join and write alike (h11's Data holds either, too)
         size = 0
-        if declared is not None and declared.isdigit() and int(declared) > _BODY_READ_SIZE:
+        if length is not None and length > _BODY_READ_SIZE:
             self.read_size = _BODY_READ_SIZE
         try:
             if self.conn.they_are_waiting_for_100_continue:
@@ -306,20 +347,33 @@ class Connection:
             # of its own: a scope costs about 10 us, and most bodies arrive with their head, needing no wait.
             deadline = trio.current_time() + self.limits.body_deadline_s
             while True:
-                try:
-                    event = await self._next_event(min(self.limits.body_timeout_s,
-                                                       max(0.0, deadline - trio.current_time())))
-                except trio.TooSlowError:
-                    if trio.current_time() < deadline:
-                        return False  # a stall between two reads: the client is not sending
-                    request.too_slow = True
-                    return True
-                if isinstance(event, h11.Data):
+                event = self.conn.next_event()
+                if event is h11.NEED_DATA:
+                    try:
+                        with trio.fail_after(min(self.limits.body_timeout_s,
+                                                 max(0.0, deadline - trio.current_time()))):
+                            data = await self._take()
+                    except trio.TooSlowError:
+                        if trio.current_time() < deadline:
+                            return False  # a stall between two reads: the client is not sending
+                        request.too_slow = True
+                        return True
+                    if length is None or not data:  # chunked, or the client's EOF (which h11 judges)
+                        self.conn.receive_data(data)  # type: ignore[arg-type]  # any bytes-like object
+                        continue
+                    if len(data) > length - size:  # the next request's start came too (pipelined)
+                        self._unread, data = data[length - size:], data[:length - size]
+                    parts.append(data)
+                    size += len(data)
+                    if size == length:
+                        self._unread = self._unread or b""
+                        break
+                elif isinstance(event, h11.Data):
                     size += len(event.data)
                     if size > self.limits.max_body_bytes:
                         request.too_large = True
                         return True
-                    parts.append(event.data)  # bytes or bytearray: the join below copies either way
+                    parts.append(event.data)
                 elif isinstance(event, h11.EndOfMessage):
                     break
                 else:
@@ -329,7 +383,7 @@ class Connection:
             return False
         finally:
             self.read_size = _READ_SIZE
-        request.body = b"".join(parts)
+        request.content = tuple(parts)  # type: ignore[arg-type]  # bytes-like pieces (see parts)
         return True
 
     async def _respond(self, request: Request) -> None:
