@@ -32,12 +32,12 @@ log = logging.getLogger("proxyvisor.server")
 
 Headers = list[tuple[bytes, bytes]]
 _READ_SIZE = 65536
-_BODY_READ_SIZE = 256 * 1024
-"""Bytes read at once while a body declared larger than this arrives: each read is a hand-over between two tasks and
-an h11 step, which for a body of megabytes cost more than its bytes (a 4 MB body through the relay: about half the
-time with 256 KB reads)."""
 """Bytes per socket read. Not larger: h11 bounds an incomplete request head (``max_incomplete_event_size``) only
 between reads, so a bigger read could take in an oversized head whole."""
+_BODY_READ_SIZE = 256 * 1024
+"""Bytes read at once while a body declared larger than this arrives: each read is a hand-over between two tasks,
+which for a body of megabytes cost more than its bytes (a 4 MB body through the relay: about half the time with
+256 KB reads)."""
 
 
 @functools.cache
