@@ -181,12 +181,12 @@ class DiskKV(LazyCache):
     local = True
 
     def get(self, key: str) -> bytes | None:
-        if not self.exists():
+        if self._absent():
             return None
         return _as_bytes(self._call(lambda db: db.get(key)))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if not keys or not self.exists():
+        if not keys or self._absent():
             return [None] * len(keys)
         return [_as_bytes(v) for v in self._call(lambda db: [db.get(key) for key in keys])]
 
@@ -229,7 +229,7 @@ class DiskKV(LazyCache):
         return result
 
     def delete(self, key: str) -> None:
-        if self.exists():
+        if not self._absent():
             self._call(lambda db: db.delete(key))
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -237,6 +237,12 @@ class DiskKV(LazyCache):
             return []
         return sorted(k for k in self._call(lambda db: list(db.iterkeys()))
                       if isinstance(k, str) and k.startswith(prefix))
+
+    def _absent(self) -> bool:
+        """Whether the folder was never made (nothing to read), looked up on disk until the store is open: an open
+        store's folder was there (a session state's load reads a key on every request, where the look-up cost a
+        third of the read)."""
+        return self._cache is None and not self.exists()
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
         try:
