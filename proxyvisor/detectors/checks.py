@@ -31,7 +31,9 @@ Pure functions; no I/O.
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections.abc import Callable
+from itertools import accumulate
 from dataclasses import dataclass
 
 PASSED, FAILED, NONE = "passed", "failed", "none"
@@ -210,6 +212,9 @@ def _clean(line: str) -> str:
     """``line`` without ANSI codes, its leading and trailing decoration (:data:`_LEADING`, :data:`_TRAILING`) and a
     log level prefix. String methods, not one regex substitution: the regex tried the trailing run at every
     character of the line (most of a long output's summary cost)."""
+    plain = line.strip()
+    if plain and plain[0] not in _LEADING and plain[-1] not in _TRAILING and plain[0] != "[" and "\x1b" not in line:
+        return plain  # most lines: nothing around them but whitespace
     if "\x1b" in line:
         line = _ANSI.sub("", line)
     head = line
@@ -249,18 +254,34 @@ _ROWS = re.compile("|".join(_scoped(row[1]) for row in SUMMARIES))
 is no summary line, found with one match (most lines of an output are none) instead of one search per row."""
 
 
+_ROW_AT = re.compile("\n(?=" + _ROWS.pattern + ")", re.M)
+"""In lines joined by newlines, with one before the first: the newline before each line :data:`_ROWS` matches.
+The look-ahead may run on past the line's end, so it finds at least those lines (and is checked line by line)."""
+
+
+def _candidates(lines: list[str]) -> list[int]:
+    """The positions in ``lines`` (cleaned lines) of those that may be summary lines, descending: every line
+    :data:`_ROWS` matches or :data:`_COUNT` finds a count in, and maybe a few more (each goes to
+    :func:`_classify`). Two searches over the lines joined, instead of two per line: a match in one line is
+    a match in the joined text (where ``\\s`` may also run on over a newline into the next line, and so find more)."""
+    text = "\n" + "\n".join(lines)
+    starts = list(accumulate((len(line) + 1 for line in lines), initial=0))
+    found = {bisect_right(starts, m.start()) - 1 for m in _ROW_AT.finditer(text)}
+    found.update(bisect_right(starts, m.start()) - 1 for m in _COUNT.finditer(text))
+    return sorted(found, reverse=True)
+
+
 def _classify(line: str, linters: bool = True) -> tuple[str, str | None] | None:
     """(outcome, unit kind) of one cleaned line, or None when it is no summary line; ``linters``: read the
     :data:`LINTERS` rows too."""
-    if not _ROWS.match(line) and not _COUNT.search(line):
-        return None
-    for runner, pattern, rule, unit in SUMMARIES:
-        if runner in LINTERS and not linters:
-            continue
-        match = pattern.search(line)
-        if match:
-            outcome = rule(match)
-            return (outcome, unit) if outcome else None
+    if _ROWS.match(line):  # some row's pattern matches (each is anchored at the start): the first one decides
+        for runner, pattern, rule, unit in SUMMARIES:
+            if runner in LINTERS and not linters:
+                continue
+            match = pattern.match(line)
+            if match:
+                outcome = rule(match)
+                return (outcome, unit) if outcome else None
     outcome = _counts(line)
     return (outcome, "counts") if outcome else None
 
@@ -274,7 +295,8 @@ def summary(output: str, check_command: bool = False) -> Summary | None:
     ``check_command``: the output is a check command's (:func:`is_check_command`), whose linter lines count."""
     tail = output[-TAIL_CHARS:].splitlines()[-TAIL_LINES:]
     lines = [_clean(line) for line in tail]
-    for n in range(len(lines) - 1, -1, -1):
+    candidates = _candidates(lines)  # any other line is no summary line
+    for place, n in enumerate(candidates):
         found = _classify(lines[n], check_command)
         if found is None:
             continue
@@ -285,7 +307,7 @@ def summary(output: str, check_command: bool = False) -> Summary | None:
                 continue
             unit = None
         if unit is not None and unit != "counts":
-            for k in range(n - 1, -1, -1):
+            for k in candidates[place + 1:]:
                 other = _classify(lines[k], check_command)
                 if other is not None and other[1] == unit and other[0] == FAILED:
                     return Summary(FAILED, _clip(lines[k]))
