@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import orjson
@@ -45,6 +45,9 @@ class Message:
     text: str = ""
     tool_uses: tuple[ToolUse, ...] = ()
     tool_outputs: tuple[ToolOutput, ...] = ()
+    _fingerprint: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    """Its :func:`fingerprint`, once computed (a message is read once per history item and kept on it, and each
+    request asks for the fingerprints of a few items it has seen before)."""
 
 
 _CONTEXT = re.compile(r"<(system-reminder|environment_context)>.*?</\1>", re.DOTALL)
@@ -88,14 +91,18 @@ def fingerprint(message: Message) -> bytes:
 
     It covers the role, ids and names, lengths and the first and last 256 characters of each text, so its cost
     does not grow with a tool output's size. Used to notice that a history was rewritten (compaction, edits) and
-    to check that a note's anchor is still in place.
+    to check that a note's anchor is still in place. Computed once per message (kept on it).
     """
+    if message._fingerprint is not None:
+        return message._fingerprint
     parts: list[Any] = [message.role, len(message.text), _sample(message.text)]
     for use in message.tool_uses:
         parts += [use.id, use.name]
     for out in message.tool_outputs:
         parts += [out.call_id, len(out.text), _sample(out.text), out.is_error]
-    return hashlib.blake2b(orjson.dumps(parts), digest_size=16).digest()
+    digest = hashlib.blake2b(orjson.dumps(parts), digest_size=16).digest()
+    object.__setattr__(message, "_fingerprint", digest)  # frozen: the one field set after construction, once
+    return digest
 
 
 class TextFilter(Protocol):
