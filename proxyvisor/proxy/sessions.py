@@ -23,6 +23,7 @@ body is used as it is when it matches :data:`SESSION_ID`, and hashed otherwise (
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import OrderedDict
@@ -146,8 +147,7 @@ class Conversations:
         (``proxyvisor.proxy.sharing``)."""
 
     def _steps(self, fmt: WireFormat, body: dict[str, Any]) -> tuple[bytes, list[Any], Callable[[int], _Step]]:
-        seed = hashlib.blake2b(b"\x00".join([fmt.name.encode(), fmt.fingerprint_parts(body)[0].encode(
-            "utf-8", "surrogatepass")]), digest_size=16).digest()
+        seed = _seed(fmt.name, fmt.fingerprint_parts(body)[0])
         items = fmt.history(body)
         return seed, items, _chain(fmt, items, seed)
 
@@ -233,6 +233,15 @@ class Conversations:
     def _bound(self) -> None:
         while len(self._ends) > self.max_ends:
             self._ends.popitem(last=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _seed(format_name: str, system: str) -> bytes:
+    """The start of the hash chain of a history in format ``format_name`` under system prompt ``system``. Kept for
+    the prompts seen last: a session's requests repeat the same prompt, most often the very same string object
+    (whose hash Python keeps), so finding it costs far less than hashing it again."""
+    return hashlib.blake2b(b"\x00".join([format_name.encode(), system.encode("utf-8", "surrogatepass")]),
+                           digest_size=16).digest()
 
 
 _CALLS_PER_ANSWER = 4

@@ -29,6 +29,7 @@ session id), so state is kept per thread, keyed by a hash of the system prompt a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import Counter, OrderedDict, deque
@@ -240,7 +241,14 @@ class SessionSupervision:
 def thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
     """The key of the :class:`Thread` a request in ``fmt`` belongs to in :attr:`SessionSupervision.threads`;
     ``parts`` is ``fmt.fingerprint_parts(body)`` (its system prompt and first user message)."""
-    return hashlib.blake2b(orjson.dumps([fmt.name, *parts]), digest_size=16).digest()
+    return _thread_key(fmt.name, *parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _thread_key(format_name: str, system: str, first: str) -> bytes:
+    """:func:`thread_key`, kept for the threads seen last: a thread's requests repeat the same strings, most often
+    the very same objects (whose hashes Python keeps), so finding them costs far less than hashing them again."""
+    return hashlib.blake2b(orjson.dumps([format_name, system, first]), digest_size=16).digest()
 
 
 def _anchored(fmt: WireFormat, items: list[Any], index: int, anchor: bytes) -> bool:
