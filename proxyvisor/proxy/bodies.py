@@ -17,6 +17,7 @@ the upstream body from those pieces, byte for byte what ``wirejson.dumps`` write
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -246,18 +247,19 @@ SEGMENT = 64
 
 def _runs(items: list[Any]) -> list[bytes]:
     """The history ``items`` serialised (comma-separated), in runs of :data:`SEGMENT` items: each run after the
-    first starts with its comma. A full run is kept on its first item when that is an :class:`Item`, with the items
-    it was made of, and used again while they are the very same objects (items are never changed in place)."""
+    first starts with its comma. A run is kept on its first item when that is an :class:`Item`, with the items it
+    was made of, and used again while they are the very same objects (items are never changed in place); a run
+    that was the history's last, shorter one and has since grown writes only its new items."""
     out = []
     for start in range(0, len(items), SEGMENT):
         run = items[start:start + SEGMENT]
-        kept = derived(run[0]) if len(run) == SEGMENT else None
-        ids = tuple(map(id, run))
+        kept = derived(run[0])
         joined = kept.get(("run", start > 0)) if kept is not None else None
-        if joined is None or joined[1] != ids:
-            # The run's items are held with it, so no other object can have their ids meanwhile.
-            joined = (run, ids, (b"," if start else b"") + b",".join(map(piece, run)))
-            if kept is not None:
-                kept[("run", start > 0)] = joined
-        out.append(joined[2])
+        if joined is None or len(joined[0]) > len(run) or not all(map(operator.is_, joined[0], run)):
+            joined = (run, (b"," if start else b"") + b",".join(map(piece, run)))
+        elif len(joined[0]) < len(run):  # the history's last run, grown since: only its new items are written
+            joined = (run, joined[1] + b"," + b",".join(map(piece, run[len(joined[0]):])))
+        if kept is not None:
+            kept[("run", start > 0)] = joined
+        out.append(joined[1])
     return out
