@@ -72,6 +72,8 @@ def test_the_key_value_contract_on_redis(redis_url: str) -> None:
         assert kv.update("n", lambda _v: None, 60) is None and kv.get("n") is None
         kv.set("b:1", b"x", 60)
         assert kv.keys("b:") == ["b:1"] and sorted(kv.keys()) == ["a", "b:1"]
+        kv.set_many({"c": b"3"}, 60, delete=["b:1"])
+        assert kv.get_many(["c", "b:1"]) == [b"3", None], "set and removed in one step"
         raw = redis.Redis.from_url(redis_url)
         keys = raw.keys("*")
         assert keys and all(k.startswith(REDIS_PREFIX.encode() + b"t:") for k in keys)

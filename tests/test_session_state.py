@@ -89,6 +89,12 @@ def _receipts_state(count: int) -> SessionSupervision:
     return state
 
 
+def _receipts_state_turn(state: SessionSupervision, count: int, prefix: str) -> None:
+    """A new turn in ``state``'s thread (a new dict) with ``count`` receipts."""
+    receipts = _receipts(state)
+    state.threads[b"key"].tracker.reader.turn_receipts = {f"{prefix}{i}": receipts["call_1"] for i in range(count)}
+
+
 def _receipts(state: SessionSupervision) -> dict[str, Receipt]:
     return state.threads[b"key"].tracker.reader.turn_receipts
 
@@ -117,8 +123,7 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     receipts = _receipts(session.supervision)
     extra = {f"more_{i}": receipts["call_1"] for i in range(CHUNK)}
     receipts.update(list(extra.items())[:1])
-    _, unstored = encode(session.supervision, os.urandom(16))
-    assert unstored == [], "one more receipt: no chunk to write"
+    assert encode(session.supervision, os.urandom(16)).unstored == [], "one more receipt: no chunk to write"
     receipts.update(extra)
     await states.save(session)
     last = _CHUNKS[session.supervision.threads[b"key"].tracker.reader].chunks[-1]
@@ -128,9 +133,13 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     assert other.state_version == session.state_version and other.supervision is not None
     assert list(_receipts(other.supervision).items()) == list(receipts.items())
     # Read back whole: its next save writes no chunk again.
-    assert encode(other.supervision, os.urandom(16))[1] == []
+    assert encode(other.supervision, os.urandom(16)).unstored == []
     assert sorted(p.name for p in (tmp_path / NAMESPACE).iterdir() if not p.name.startswith("cache.db")) == [], \
         "every key a row of the database (over diskcache's 32 KB file threshold or not)"
+    # A new user turn: the next save (here by the process that loaded it) removes the ended turn's chunks.
+    _receipts_state_turn(other.supervision, 2 * CHUNK + 1, "next_")
+    await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).save(other)
+    assert len([key for key in _stored(backend) if key.startswith("s:r:")]) == 2
 
 
 async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt(tmp_path: Path) -> None:
@@ -165,7 +174,7 @@ def test_a_value_rewritten_in_its_row_reads_as_diskcache_wrote_it(tmp_path: Path
     """``DiskKV.set_many`` rewrites a key's row in place (the session state's every save) as diskcache's ``set``
     would: diskcache reads the value, its new time to live holds, another store on the folder sees it; a new key,
     or a key whose value was a file of its own (over diskcache's threshold), goes through diskcache, which removes
-    the file."""
+    the file; the keys it is told to remove go in the same step."""
     kv = DiskBackend(tmp_path).kv("t")
     big = os.urandom(64 * 1024)
     kv.set_many({"a": b"1", "b": big}, 60)
@@ -177,8 +186,9 @@ def test_a_value_rewritten_in_its_row_reads_as_diskcache_wrote_it(tmp_path: Path
     assert other.get("a") == b"2" and other.keys() == ["a", "b", "c"]
     time.sleep(0.3)
     assert kv.get_many(["a", "b", "c"]) == [None, None, None], "each key with its new time to live"
-    kv.set_many({"a": b"4"}, 60)
-    assert other.get("a") == b"4"
+    kv.set_many({"a": b"4", "d": b"5"}, 60)
+    kv.set_many({"a": b"6"}, 60, delete=["d"])
+    assert other.get_many(["a", "d"]) == [b"6", None] and "d" not in other.keys()
 
 
 def test_a_round_reader_replaces_its_turns_dict_when_a_call_id_comes_again() -> None:
@@ -202,7 +212,7 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
     state = SessionSupervision()
     state.notes["loop"] += 2
     version = os.urandom(16)
-    back, got = decode(encode(state, version)[0])
+    back, got = decode(encode(state, version).value)
     assert got == version and back.notes == state.notes and isinstance(back, SessionSupervision)
 
     class Evil:

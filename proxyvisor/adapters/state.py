@@ -107,8 +107,9 @@ class KV(Protocol):
 
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None: ...
 
-    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
-        """Set every key of ``items`` in one step: a reader sees all of them or none."""
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None, delete: Sequence[str] = ()) -> None:
+        """Set every key of ``items`` and remove the keys ``delete`` in one step: a reader sees all of it or
+        none."""
         ...
 
     def add(self, key: str, value: bytes, ttl_s: float | None) -> bool:
@@ -193,7 +194,7 @@ class DiskKV(LazyCache):
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self._call(lambda db: db.set(key, value, expire=ttl_s))
 
-    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None, delete: Sequence[str] = ()) -> None:
         """One SQLite transaction. A key that holds a value in the database is rewritten by one ``UPDATE`` of its
         row (:data:`_REWRITE`), the others by diskcache's ``set`` (a new key, or one whose value is a file of its
         own), which also drops a few expired keys: a session state's save, two rows rewritten on every request,
@@ -206,6 +207,8 @@ class DiskKV(LazyCache):
                     if len(value) >= db.disk.min_file_size or db._con.execute(
                             _REWRITE, (now, expire, now, value, key)).rowcount != 1:
                         db.set(key, value, expire=ttl_s)
+                for key in delete:
+                    db.delete(key)
 
         self._call(transact)
 
@@ -318,11 +321,13 @@ class RedisKV:
     def set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         self.backend.call(lambda r: r.set(self.prefix + key, value, px=_ms(ttl_s)))
 
-    def set_many(self, items: dict[str, bytes], ttl_s: float | None) -> None:
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None, delete: Sequence[str] = ()) -> None:
         def transaction(r: Any) -> None:
             pipe = r.pipeline(transaction=True)
             for key, value in items.items():
                 pipe.set(self.prefix + key, value, px=_ms(ttl_s))
+            if delete:
+                pipe.delete(*[self.prefix + key for key in delete])
             pipe.execute()
 
         self.backend.call(transaction)

@@ -14,9 +14,11 @@ after the session's last write:
   (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
   again: about 0.5 ms each), named by a digest of its content. A turn's receipts grow with the turn (hundreds in a
   long agent turn, most of a state's size): each full chunk is written once, with the save that filled it, and the
-  state holds the keys of its chunks and the receipts past the last full one. A chunk that expired before the
-  state referring to it (a turn longer than the time to live) or cannot be read leaves its receipts out of the
-  restored turn: they are computed again when read, from the same history.
+  state holds the keys of its chunks and the receipts past the last full one. A save removes the chunks the
+  state this process last saved or loaded referred to and the new one does not (a turn that ended, a history
+  rewritten); those another process wrote and no state of this process referred to expire. A chunk that expired
+  before the state referring to it (a turn longer than the time to live) or cannot be read leaves its receipts out
+  of the restored turn: they are computed again when read, from the same history.
 
 :meth:`SessionStates.load`, before a request is supervised, reads the version (a few bytes) and reads the state (and
 its chunks) only when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save`
@@ -107,6 +109,8 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
         self.classes: set[str] = set()
         self.unstored: list[_Chunk] = []
         """The receipt chunks the state refers to that this process has not stored yet (:func:`encode`)."""
+        self.chunks: set[bytes] = set()
+        """The digests of every receipt chunk the state refers to."""
         self[RoundReader] = self._reader
 
     def _reader(self, reader: RoundReader) -> tuple[Any, ...]:
@@ -116,6 +120,7 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
         chunks, rest = _chunked(reader)
         for chunk in chunks:
             self.classes.update(chunk.classes)
+            self.chunks.add(chunk.digest)
             if chunk.value is not None:
                 self.unstored.append(chunk)
         stored = _StoredReceipts(tuple(c.digest for c in chunks), rest)
@@ -259,10 +264,20 @@ def _module_digest(module: str) -> bytes:
         raise ValueError(f"no source for {module}: {exc}") from None
 
 
-def encode(state: SessionSupervision, version: bytes) -> tuple[bytes, list[_Chunk]]:
-    """``version``, the state's format and ``state`` as the value of a session's key, and the receipt chunks it
-    refers to that this process has not stored yet (each to go under ``<session>:r:<digest>``, its ``value``;
-    :func:`mark_stored` once written). The format names the classes of the chunks too.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Encoded:
+    """A state as :func:`encode` writes it: the ``value`` of the session's key, the receipt chunks it refers to
+    that this process has not stored yet (``unstored``, each to go under ``<session>:r:<digest>``, its ``value``;
+    :func:`mark_stored` once written) and the digests of all it refers to (``chunks``)."""
+
+    value: bytes
+    unstored: list[_Chunk]
+    chunks: frozenset[bytes]
+
+
+def encode(state: SessionSupervision, version: bytes) -> Encoded:
+    """``version``, the state's format and ``state`` as a session's key and its receipt chunks. The format names
+    the classes of the chunks too.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``state`` holds an object pickle cannot write.
@@ -271,7 +286,8 @@ def encode(state: SessionSupervision, version: bytes) -> tuple[bytes, list[_Chun
     pickled, classes = _pickled(state, reductions)
     names = tuple(sorted(classes))
     header = orjson.dumps({"classes": names, "digest": _source_digest(names).hex()})
-    return version + len(header).to_bytes(4, "big") + header + pickled, reductions.unstored
+    return Encoded(version + len(header).to_bytes(4, "big") + header + pickled, reductions.unstored,
+                   frozenset(reductions.chunks))
 
 
 def mark_stored(chunks: list[_Chunk]) -> None:
@@ -301,10 +317,11 @@ def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
     return state, value[:_VERSION]
 
 
-def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str]], list[bytes | None]]) -> None:
+def restore(state: SessionSupervision, session_id: str,
+            read: Callable[[list[str]], list[bytes | None]]) -> frozenset[bytes]:
     """Put back the turn receipts of ``state`` (session ``session_id``'s, from :func:`decode`): its chunks' values
-    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was. A chunk absent or
-    unreadable leaves its receipts out (module docstring).
+    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was; the digests of the
+    chunks it refers to. A chunk absent or unreadable leaves its receipts out (module docstring).
 
     Raises:
         ValueError: ``state`` is not as :func:`encode` writes one (its threads, their receipts).
@@ -331,6 +348,7 @@ def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str
         if None not in chunks:  # whole: a later save writes only its new chunks
             _CHUNKS[reader] = _Chunks(receipts, [c for c in chunks if c is not None])
         reader.turn_receipts = receipts
+    return frozenset(digests)
 
 
 def _chunk(digest: bytes, value: bytes | None) -> _Chunk | None:
@@ -377,7 +395,7 @@ class SessionStates:
             return
         self._outage.up()
         if found is not None:
-            session.supervision, session.state_version = found
+            session.supervision, session.state_version, session.state_chunks = found
 
     async def stored(self, session_id: str) -> SessionSupervision | None:
         """The stored supervision state of session ``session_id``, for a reader of a session this process does not
@@ -391,7 +409,7 @@ class SessionStates:
         self._outage.up()
         return found[0] if found is not None else None
 
-    def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes] | None:
+    def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
         return self._read(session_id) if self._newer(session_id, known) else None
 
     def _newer(self, session_id: str, known: bytes) -> bool:
@@ -399,19 +417,19 @@ class SessionStates:
         version = self.kv.get(session_id + ":v")
         return version is not None and version != known
 
-    def _read(self, session_id: str) -> tuple[SessionSupervision, bytes] | None:
-        """The stored state of the session and its version; None when there is none, or none this proxyvisor can
-        use (logged)."""
+    def _read(self, session_id: str) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
+        """The stored state of the session, its version and the digests of its chunks; None when there is none, or
+        none this proxyvisor can use (logged)."""
         value = self.kv.get(session_id)
         if value is None:
             return None
         try:
             state, version = decode(value)
-            restore(state, session_id, self.kv.get_many)
+            chunks = restore(state, session_id, self.kv.get_many)
         except ValueError as exc:
             log.warning("session %s: its stored supervision state is not used (%s)", session_id, exc)
             return None
-        return state, version
+        return state, version, chunks
 
     async def save(self, session: Session) -> None:
         """Store ``session.supervision`` (nothing when it has none) under a new version. Pickled on the event loop,
@@ -426,7 +444,7 @@ class SessionStates:
             return
         version = os.urandom(_VERSION)
         try:
-            value, chunks = encode(state, version)
+            encoded = encode(state, version)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             log.warning("session %s: its supervision state cannot be stored (%s: %s)", session.id,
                         type(exc).__name__, exc)
@@ -434,9 +452,10 @@ class SessionStates:
         known, session.state_version = session.state_version, version
         try:
             if self.kv.local:
-                self._save(session.id, value, version, chunks)
+                self._save(session.id, encoded, version, session.state_chunks)
             else:
-                await trio.to_thread.run_sync(self._save, session.id, value, version, chunks, limiter=self._limiter)
+                await trio.to_thread.run_sync(self._save, session.id, encoded, version, session.state_chunks,
+                                              limiter=self._limiter)
         except StateUnavailable as exc:
             # Not stored: keep the version the store holds, lest the next load take it for another process's newer
             # state and replace this process's with it.
@@ -444,12 +463,17 @@ class SessionStates:
                 session.state_version = known
             self._outage.failed(exc)
             return
-        mark_stored(chunks)
+        mark_stored(encoded.unstored)
+        if session.state_version == version:
+            session.state_chunks = encoded.chunks
         self._outage.up()
 
-    def _save(self, session_id: str, value: bytes, version: bytes, chunks: list[_Chunk]) -> None:
-        items = {_chunk_key(session_id, c.digest): c.value for c in chunks if c.value is not None}
-        self.kv.set_many({**items, session_id: value, session_id + ":v": version}, self.ttl_s)
+    def _save(self, session_id: str, encoded: Encoded, version: bytes, before: frozenset[bytes]) -> None:
+        """Write ``encoded`` under a new ``version``, removing the chunks of ``before`` (what the state this process
+        last saved or loaded referred to) that it does not refer to."""
+        items = {_chunk_key(session_id, c.digest): c.value for c in encoded.unstored if c.value is not None}
+        self.kv.set_many({**items, session_id: encoded.value, session_id + ":v": version}, self.ttl_s,
+                         delete=[_chunk_key(session_id, d) for d in before - encoded.chunks])
 
     def close(self) -> None:
         self.kv.close()

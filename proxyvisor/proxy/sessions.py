@@ -367,6 +367,8 @@ class Session:
     state_version: bytes = b""
     """The version of :attr:`supervision` this process last loaded or saved (``proxyvisor.proxy.session_state``);
     empty: none yet."""
+    state_chunks: frozenset[bytes] = frozenset()
+    """The receipt chunks (their digests) that version refers to: a later save removes those it no longer does."""
 
 
 class SessionTable:
