@@ -71,10 +71,12 @@ _SHELL_WRITE = re.compile(
 _EXIT = re.compile(
     r"(?=[<er])(?:<returncode>\s*(-?\d+)\s*</returncode>|\bexit(?:ed)?(?: with)?(?: status| code)\s*[:=]?\s*(-?\d+)"
     r"|\breturn ?code\s*[:=]?\s*(-?\d+)|\bexit_code[\"']?\s*[:=]\s*(-?\d+))", re.I)
-_ERROR_MARKERS = re.compile(
+# Error markers, in two patterns the engine can skip through in C: phrases anywhere (each starts with a literal;
+# "error(s)" at a word start), and, found by the newline before them, line starts.
+_ERROR_PHRASES = re.compile(
     r"Traceback \(most recent call last\)|<tool_use_error>|command not found|No such file or directory|"
-    r"Permission denied|\berror\(s\)|^(?:error|fatal|Error|ERROR|FATAL)\b[^\n]{0,40}?:|^\w*(?:Error|Exception): ",
-    re.M)
+    r"Permission denied|error(?<!\werror)\(s\)")
+_ERROR_LINES = re.compile(r"\n(?:(?:error|fatal|Error|ERROR|FATAL)\b[^\n]{0,40}?:|\w*(?:Error|Exception): )")
 _TAG_LINE = re.compile(r"^\s*</?[A-Za-z_][\w-]*>\s*$|^\s*Error:?\s*$", re.M)
 _NEAR_EMPTY = 40
 _EDGE = 400  # characters of an output's head and tail that exit statuses and error markers are read from
@@ -179,6 +181,11 @@ def mutation_level(name: str, arguments: Mapping[str, Any], schema: Mapping[str,
     return NONE
 
 
+def _error_marker(text: str) -> bool:
+    """Whether ``text`` holds an error marker (module docstring, "Error")."""
+    return _ERROR_PHRASES.search(text) is not None or _ERROR_LINES.search("\n" + text) is not None
+
+
 def _exit_status(edges: str) -> int | None:
     for match in _EXIT.finditer(edges):
         return int(next(g for g in match.groups() if g is not None))
@@ -193,7 +200,7 @@ def _found_nothing(output: ToolOutput, status: int | None) -> bool:
     if len(output.text) > _EDGE:
         return False
     rest = _TAG_LINE.sub("", _EXIT.sub("", output.text))
-    return len(rest.strip()) <= _NEAR_EMPTY and not _ERROR_MARKERS.search(rest)
+    return len(rest.strip()) <= _NEAR_EMPTY and not _error_marker(rest)
 
 
 def failed(output: ToolOutput | None, command: str | None = None) -> bool:
@@ -213,7 +220,7 @@ def failed(output: ToolOutput | None, command: str | None = None) -> bool:
         return status != 0
     if output.is_error is False:
         return False
-    return _ERROR_MARKERS.search(edges) is not None
+    return _error_marker(edges)
 
 
 @dataclass(frozen=True, slots=True)
