@@ -157,6 +157,7 @@ async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt
     replaced = dict(reader.turn_receipts)
     replaced["call_0"] = replaced["call_1"]
     reader.turn_receipts = replaced
+    assert len(encode(session.supervision, os.urandom(16)).unstored) == 1, "the chunks after the first: as stored"
     await states.save(session)
     other = Session("s", 0.0, 0.0)
     await SessionStates(kv, 60).load(other)

@@ -202,18 +202,22 @@ def _chunk_key(session_id: str, digest: bytes) -> str:
 def _chunked(reader: RoundReader) -> tuple[list[_Chunk], tuple[tuple[str, Receipt], ...]]:
     """The full chunks of ``reader``'s turn receipts and the receipts past them. The chunks already cut from the
     same dict are kept: it only gains calls, at its end (``RoundReader.turn_receipts``), so only the receipts past
-    them are read (from the end: a turn's hundreds of receipts are not touched again)."""
+    them are read (from the end: a turn's hundreds of receipts are not touched again). A new dict is cut afresh;
+    its chunks the same as stored ones of the dict it replaced (a call id used again past them) are not written
+    again."""
     receipts = reader.turn_receipts
     known = _CHUNKS.get(reader)
+    stored: set[bytes] = set()
     if known is None or known.receipts is not receipts or len(receipts) < len(known.chunks) * CHUNK:
+        stored = {c.digest for c in known.chunks if c.value is None} if known is not None else stored
         known = _CHUNKS[reader] = _Chunks(receipts, [])
     rest = tuple(itertools.islice(reversed(receipts.items()), len(receipts) - len(known.chunks) * CHUNK))[::-1]
     full = len(rest) // CHUNK
     for n in range(full):
         ids, values = zip(*rest[n * CHUNK:(n + 1) * CHUNK])
         value, classes = _pickled((ids, values))
-        known.chunks.append(_Chunk(ids, values, hashlib.blake2b(value, digest_size=16).digest(), value,
-                                   frozenset(classes)))
+        digest = hashlib.blake2b(value, digest_size=16).digest()
+        known.chunks.append(_Chunk(ids, values, digest, None if digest in stored else value, frozenset(classes)))
     return list(known.chunks), rest[full * CHUNK:]
 
 
