@@ -9,6 +9,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -20,6 +21,8 @@ from proxyvisor.detectors.receipts import Receipt, RoundReader
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.formats.base import shared_prefix
 from proxyvisor.proxy.service import running
+from proxyvisor.gate import digest
+from proxyvisor.proxy import session_state
 from proxyvisor.proxy.session_state import (_CHUNKS, CHUNK, NAMESPACE, SETTINGS, SessionStates, _source_digest, decode,
                                             encode)
 from proxyvisor.proxy.sessions import Session
@@ -28,7 +31,7 @@ from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
-from test_recite_prefix import RECITED, Agent, Model, report
+from test_recite_prefix import RECITED, Agent, Model, report, verdict
 
 LOOP_NOTE = b'signal=\\"loop\\"'
 
@@ -78,6 +81,38 @@ async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_p
     # What one proxy does (tests/test_steer.py): a note at the loop's first and second firing.
     assert [body.count(LOOP_NOTE) for body in bodies] == [0, 0, 0, 1, 2, 2], "one detector state across proxies"
     agent.assert_prefix_stable()
+
+
+async def test_a_turns_receipts_reach_the_gate_on_another_proxy_through_their_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With chunks of 2 receipts: a turn's tool rounds on proxy a, its stop on proxy b (one state directory): the
+    verify-gate on b is given the receipt of every call of the turn, those proxy a stored in chunks included (none
+    computed again)."""
+    monkeypatch.setattr(session_state, "CHUNK", 2)
+    given: list[list[str]] = []
+    turn_actions = digest.turn_actions
+
+    def spy(messages: Any, schemas: Any = None, mutating_tools: frozenset[str] = frozenset(),
+            known: dict[str, Receipt] | None = None) -> list[digest.Action]:
+        given.append(sorted(known or {}))
+        return turn_actions(messages, schemas, mutating_tools, known)
+
+    monkeypatch.setattr(digest, "turn_actions", spy)
+    model = Model()
+    model.verdicts = [verdict(False)]
+    script = ScriptedUpstream()
+    async with running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+                       model=model) as a, \
+            running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+                    model=model) as b:
+        agent = Agent(a, BY_NAME["chat"], False)
+        for _ in range(5):
+            await agent.turn(agent.step("Reading. " + report()))
+        assert [k for k in DiskBackend(tmp_path / "state").kv(NAMESPACE).keys() if ":r:" in k], "stored in chunks"
+        agent.proxy = b
+        await agent.turn({"text": "Done: the parser is split. " + report("done")})
+    assert model.purposes == ["verify"]
+    assert given[-1] == [f"call_{i}" for i in range(1, 6)]
 
 
 def _receipts_state(count: int) -> SessionSupervision:
