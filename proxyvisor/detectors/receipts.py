@@ -187,6 +187,10 @@ def _error_marker(text: str) -> bool:
 
 
 def _exit_status(edges: str) -> int | None:
+    # Every branch of _EXIT holds "exit" or "return"; in ASCII text, where re.I and lower() agree, a text without
+    # either has no exit status (most outputs: two scans in C instead of the pattern tried at each position).
+    if edges.isascii() and "exit" not in (lowered := edges.lower()) and "return" not in lowered:
+        return None
     for match in _EXIT.finditer(edges):
         return int(next(g for g in match.groups() if g is not None))
     return None
