@@ -80,9 +80,10 @@ def derived(item: Any) -> dict[Hashable, Any] | None:
 
 
 def edited(item: Any, key: Hashable, make: Callable[..., dict[str, Any]], *args: Any) -> Any:
-    """``make(*args)``: a copy of history item ``item`` with an edit, to put in its place. For an :class:`Item`,
-    made once per ``key`` (what the edit depends on) and kept on it, as an :class:`Item` too: a later request making
-    the same edit gets the same copy, and with it what was derived from the copy (its serialised bytes)."""
+    """``make(*args)``: a copy of history item ``item`` with an edit, to put in its place (or an item to put right
+    after it: :func:`notes_after`). For an :class:`Item`, made once per ``key`` (what the edit depends on) and kept
+    on it, as an :class:`Item` too: a later request making the same edit gets the same copy, and with it what was
+    derived from the copy (its serialised bytes)."""
     kept = derived(item)
     if kept is None:
         return make(*args)
@@ -220,6 +221,14 @@ def as_list(value: Any) -> list[Any]:
 def arguments_of(value: Any) -> dict[str, Any]:
     """Tool-call arguments as an object, whatever the JSON value (:func:`args_of`, total)."""
     return args_of(value) if isinstance(value, (dict, str)) else {}
+
+
+def notes_after(items: list[Any], notes: list[tuple[int, str]],
+                make: Callable[[str], dict[str, Any]]) -> list[tuple[int, Any]]:
+    """For :func:`interleave`: each note ``(index, text)`` as the history item ``make(text)``, kept on
+    ``items[index]``, the item it follows (:func:`edited`), so a later request that places the same note after the
+    same item sends the same object, its bytes written once."""
+    return [(index, edited(items[index], ("note", text), make, text)) for index, text in notes]
 
 
 def interleave(items: list[Any], notes: list[tuple[int, Any]]) -> list[Any]:

@@ -10,7 +10,8 @@ from typing import Any
 from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside,
                    chat_text, dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text,
-                   interleave, interleave_runs, edited, leading_system, split_json, sse, sse_json, with_field, words)
+                   interleave, interleave_runs, edited, leading_system, notes_after, split_json, sse, sse_json,
+                   with_field, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
@@ -172,7 +173,7 @@ class ChatFormat(WireFormat):
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:
-            body["messages"] = interleave(body["messages"], [(i, {"role": "user", "content": t}) for i, t in notes])
+            body["messages"] = interleave(body["messages"], notes_after(body["messages"], notes, self.user_item))
 
     def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
         if isinstance(item, dict) and item.get("role") in ("tool", "function"):

@@ -12,7 +12,7 @@ import orjson
 from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of,
                    arguments_of, as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text,
-                   interleave, interleave_runs, split_json, sse, sse_json, with_field, words)
+                   interleave, interleave_runs, notes_after, split_json, sse, sse_json, with_field, words)
 from . import largejson
 from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
                            harness_context)
@@ -218,22 +218,16 @@ class MessagesFormat(WireFormat):
         messages = body["messages"]
         separate = []
         for index, text in notes:
-            item, block = messages[index], {"type": "text", "text": text}
+            item = messages[index]
             if isinstance(item, dict) and item.get("role") == "user":
                 # Appended to the user message itself: text after tool_result blocks is allowed, and a second
                 # user message in a row would be merged into it by the API anyway. A copy: the agent's own message
                 # (which supervision reads as "the history as sent") stays as the agent sent it.
-                content = item.get("content")
-                if isinstance(content, list):
-                    content = [*content, block]
-                else:
-                    content = [{"type": "text", "text": content}, block] if isinstance(content, str) and content \
-                        else [block]
-                messages[index] = {**item, "content": content}
+                messages[index] = edited(item, ("noted", text), _noted, item, text)
             else:
-                separate.append((index, {"role": "user", "content": [block]}))
+                separate.append((index, text))
         if separate:
-            body["messages"] = interleave(messages, separate)
+            body["messages"] = interleave(messages, notes_after(messages, separate, _note))
 
     def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
         if isinstance(item, dict) and item.get("role") == "user":
@@ -368,6 +362,20 @@ class MessagesFormat(WireFormat):
 
     def stream_splice(self, hold: Callable[[str], bool], stop: bool = False) -> StreamSplice:
         return _MessagesSplice(hold, stop)
+
+
+def _note(text: str) -> dict[str, Any]:
+    """A user-side note as a message of its own."""
+    return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+
+def _noted(item: dict[str, Any], text: str) -> dict[str, Any]:
+    """A copy of user message ``item`` with a note appended as a text block."""
+    content, block = item.get("content"), {"type": "text", "text": text}
+    if isinstance(content, list):
+        return {**item, "content": [*content, block]}
+    return {**item, "content": [{"type": "text", "text": content}, block] if isinstance(content, str) and content
+            else [block]}
 
 
 def _use(call: ToolCall) -> dict[str, Any]:

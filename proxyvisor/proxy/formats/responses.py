@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
                    dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   edited, leading_system, split_json, sse, sse_json, words)
+                   edited, leading_system, notes_after, split_json, sse, sse_json, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
@@ -67,6 +67,11 @@ def call_of(item: Any) -> ToolCall | None:
 
 def _call_id(item: Any) -> str:
     return str(item.get("call_id") or item.get("id") or "") if isinstance(item, dict) else ""
+
+
+def _note(text: str) -> dict[str, Any]:
+    """A user-side note as an input item."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
 def _is_result(item: Any) -> bool:
@@ -357,9 +362,8 @@ class ResponsesFormat(WireFormat):
 
     def insert_notes(self, body: dict[str, Any], notes: list[tuple[int, str]]) -> None:
         if notes:
-            body["input"] = interleave(self.history(body), [
-                (i, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})
-                for i, t in notes])
+            items = self.history(body)
+            body["input"] = interleave(items, notes_after(items, notes, _note))
 
     def result_slots(self, item: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
         if _is_result(item):
