@@ -4,9 +4,9 @@ byte-stable for provider prompt caches), the same gate turn, the same plan.
 
 What is kept: a session's :class:`~proxyvisor.proxy.supervise.SessionSupervision` (its threads: detector state,
 steer policy, notes and recitations, re-inserted delegations and grafts, the gate turn, the plan and its
-bookkeeping; and its counters), not its request records, which are each process's own. Two keys per session in the
-``sessions`` namespace (``proxyvisor.adapters.state``), both with a time to live of ``[state] session_ttl_s``
-after the session's last write:
+bookkeeping; and its counters), not its request records, which are each process's own. Keys per session in the
+``sessions`` namespace (``proxyvisor.adapters.state``), each with a time to live of ``[state] session_ttl_s``
+after it was last written:
 
 - ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled;
 - ``<session>:v``: the version alone;
@@ -14,7 +14,7 @@ after the session's last write:
   (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
   again: about 0.5 ms each), named by a digest of its content. A turn's receipts grow with the turn (hundreds in a
   long agent turn, most of a state's size): each full chunk is written once, with the save that filled it, and the
-  state holds the keys of its chunks and the receipts past the last full one. A save removes the chunks the
+  state holds the digests of its chunks and the receipts past the last full one. A save removes the chunks the
   state this process last saved or loaded referred to and the new one does not (a turn that ended, a history
   rewritten); those another process wrote and no state of this process referred to expire. A chunk that expired
   before the state referring to it (a turn longer than the time to live) or cannot be read leaves its receipts out
@@ -101,8 +101,9 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
 
     A dataclass with slots is reduced to its fields' values read by one ``attrgetter``, which its own
     ``__setstate__`` takes on loading as ever; ``dataclasses``' ``__getstate__`` reads them field by field in
-    Python, which cost most of a large state's pickling (hundreds of receipts in a long turn). Any other class is
-    reduced as the default pickler would (``copyreg``'s table, then ``__reduce_ex__``)."""
+    Python, which cost most of a large state's pickling (hundreds of receipts in a long turn). A round reader's
+    turn receipts are replaced by their chunks (module docstring; :meth:`_reader`). Any other class is reduced as
+    the default pickler would (``copyreg``'s table, then ``__reduce_ex__``)."""
 
     def __init__(self) -> None:
         super().__init__()
