@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
+from redis_support import redis_server
 from test_recite_prefix import RECITED, Agent, Model, report, verdict
 
 LOOP_NOTE = b'signal=\\"loop\\"'
@@ -83,11 +85,19 @@ async def test_two_proxies_on_one_state_directory_serve_one_session_as_one(tmp_p
     agent.assert_prefix_stable()
 
 
+@pytest.mark.parametrize("backend", ["diskcache", "redis"])
 async def test_a_turns_receipts_reach_the_gate_on_another_proxy_through_their_chunks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With chunks of 2 receipts: a turn's tool rounds on proxy a, its stop on proxy b (one state directory): the
-    verify-gate on b is given the receipt of every call of the turn, those proxy a stored in chunks included (none
-    computed again)."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """With chunks of 2 receipts: a turn's tool rounds on proxy a, its stop on proxy b (one state directory, or
+    one Redis): the verify-gate on b is given the receipt of every call of the turn, those proxy a stored in chunks
+    included (none computed again)."""
+    with ExitStack() as stack:
+        config = Config() if backend == "diskcache" else Config().with_overrides(
+            state={"backend": "redis", "url": stack.enter_context(redis_server(tmp_path / "redis"))})
+        await _gate_on_another_proxy(tmp_path, monkeypatch, config)
+
+
+async def _gate_on_another_proxy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Config) -> None:
     monkeypatch.setattr(session_state, "CHUNK", 2)
     given: list[list[str]] = []
     turn_actions = digest.turn_actions
@@ -101,14 +111,14 @@ async def test_a_turns_receipts_reach_the_gate_on_another_proxy_through_their_ch
     model = Model()
     model.verdicts = [verdict(False)]
     script = ScriptedUpstream()
-    async with running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+    async with running(config, port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
                        model=model) as a, \
-            running(Config(), port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
+            running(config, port=0, store=Store(tmp_path / "state"), scripted={"scripted": script},
                     model=model) as b:
         agent = Agent(a, BY_NAME["chat"], False)
         for _ in range(5):
             await agent.turn(agent.step("Reading. " + report()))
-        assert [k for k in DiskBackend(tmp_path / "state").kv(NAMESPACE).keys() if ":r:" in k], "stored in chunks"
+        assert a.pipeline.states is not None and [k for k in a.pipeline.states.kv.keys() if ":r:" in k], "chunks"
         agent.proxy = b
         await agent.turn({"text": "Done: the parser is split. " + report("done")})
     assert model.purposes == ["verify"]
