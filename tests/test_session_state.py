@@ -10,6 +10,7 @@ import pickle
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -164,7 +165,8 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     assert len(chunks) == 600 // CHUNK and len(stored["s"]) < 4 * 1024
     header = orjson.loads(stored["s"][20:20 + int.from_bytes(stored["s"][16:20], "big")])
     assert {"proxyvisor.detectors.receipts:Receipt", "proxyvisor.detectors.receipts:RoundReader",
-            "proxyvisor.proxy.supervise:Thread", "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
+            "proxyvisor.proxy.supervise:Thread",
+            "proxyvisor.detectors.detectors:HistoryTracker"} <= set(header["classes"])
     receipts = _receipts(session.supervision)
     extra = {f"more_{i}": receipts["call_1"] for i in range(CHUNK)}
     receipts.update(list(extra.items())[:1])
@@ -185,6 +187,36 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     _receipts_state_turn(other.supervision, 2 * CHUNK + 1, "next_")
     await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).save(other)
     assert len([key for key in _stored(backend) if key.startswith("s:r:")]) == 2
+
+
+async def test_a_session_back_from_another_process_reads_only_the_chunks_it_lacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks are named by their content: of a newer state another process stored, a process that holds the session
+    reads only the chunks it does not have (a session going back and forth between replicas reads what the other
+    one added, not the whole turn again)."""
+    backend = DiskBackend(tmp_path)
+    mine = backend.kv(NAMESPACE, **SETTINGS)
+    read: list[list[str]] = []
+    get_many = mine.get_many
+
+    def spy(keys: Sequence[str]) -> list[bytes | None]:
+        read.append(list(keys))
+        return get_many(keys)
+
+    monkeypatch.setattr(mine, "get_many", spy)
+    other, here = SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60), SessionStates(mine, 60)
+    theirs = Session("s", 0.0, 0.0, supervision=_receipts_state(3 * CHUNK))
+    await other.save(theirs)
+    session = Session("s", 0.0, 0.0)
+    await here.load(session)
+    assert [len(keys) for keys in read] == [3]
+    assert theirs.supervision is not None
+    receipts = _receipts(theirs.supervision)
+    receipts.update({f"more_{i}": receipts["call_1"] for i in range(CHUNK)})
+    await other.save(theirs)
+    await here.load(session)
+    assert [len(keys) for keys in read] == [3, 1], "the chunk the other process added, alone"
+    assert session.supervision is not None and list(_receipts(session.supervision).items()) == list(receipts.items())
 
 
 async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt(tmp_path: Path) -> None:

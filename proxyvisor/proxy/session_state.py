@@ -125,7 +125,8 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
             if chunk.value is not None:
                 self.unstored.append(chunk)
         stored = _StoredReceipts(tuple(c.digest for c in chunks), rest)
-        return copyreg.__newobj__, (RoundReader,), {**vars(reader), "turn_receipts": stored}  # type: ignore[attr-defined]
+        state = {**vars(reader), "turn_receipts": stored}
+        return copyreg.__newobj__, (RoundReader,), state  # type: ignore[attr-defined]
 
     def __missing__(self, kind: type) -> Callable[[Any], Any]:
         if issubclass(kind, type):
@@ -322,10 +323,12 @@ def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
     return state, value[:_VERSION]
 
 
-def restore(state: SessionSupervision, session_id: str,
-            read: Callable[[list[str]], list[bytes | None]]) -> frozenset[bytes]:
+def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str]], list[bytes | None]],
+            held: SessionSupervision | None = None) -> frozenset[bytes]:
     """Put back the turn receipts of ``state`` (session ``session_id``'s, from :func:`decode`): its chunks' values
-    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was; the digests of the
+    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was, but for the chunks
+    this process already has in ``held`` (the session's state it replaces: chunks are named by their content, so a
+    session going back and forth between replicas reads only the chunks the other one added); the digests of the
     chunks it refers to. A chunk absent or unreadable leaves its receipts out (module docstring).
 
     Raises:
@@ -335,13 +338,15 @@ def restore(state: SessionSupervision, session_id: str,
         readers = [t.tracker.reader for t in state.threads.values()]
     except AttributeError:
         raise ValueError("not a session state: a thread without a round reader") from None
-    held: list[Any] = [r.turn_receipts for r in readers]
-    digests = [d for h in held if isinstance(h, _StoredReceipts) for d in h.chunks]
-    values = dict(zip(digests, read([_chunk_key(session_id, d) for d in digests]))) if digests else {}
-    for reader, stored in zip(readers, held):
+    found: list[Any] = [r.turn_receipts for r in readers]
+    digests = [d for h in found if isinstance(h, _StoredReceipts) for d in h.chunks]
+    known = _known(held) if digests and held is not None else {}
+    missing = [d for d in digests if d not in known]
+    values = dict(zip(missing, read([_chunk_key(session_id, d) for d in missing]))) if missing else {}
+    for reader, stored in zip(readers, found):
         if not isinstance(stored, _StoredReceipts):
             continue
-        chunks = [_chunk(d, values.get(d)) for d in stored.chunks]
+        chunks = [known.get(d) or _chunk(d, values.get(d)) for d in stored.chunks]
         receipts: dict[str, Receipt] = {}
         for chunk in chunks:
             if chunk is not None:
@@ -354,6 +359,16 @@ def restore(state: SessionSupervision, session_id: str,
             _CHUNKS[reader] = _Chunks(receipts, [c for c in chunks if c is not None])
         reader.turn_receipts = receipts
     return frozenset(digests)
+
+
+def _known(state: SessionSupervision) -> dict[bytes, _Chunk]:
+    """The chunks this process cut or read for the threads of ``state``, by digest."""
+    known: dict[bytes, _Chunk] = {}
+    for thread in list(state.threads.values()):
+        chunks = _CHUNKS.get(thread.tracker.reader)
+        if chunks is not None:
+            known.update((c.digest, c) for c in list(chunks.chunks))
+    return known
 
 
 def _chunk(digest: bytes, value: bytes | None) -> _Chunk | None:
@@ -390,11 +405,12 @@ class SessionStates:
         another process stored a newer one: most requests find their own last save and cost one small read."""
         try:
             if session.state_version and self.kv.local:
-                found = await trio.to_thread.run_sync(self._read, session.id, limiter=self._limiter) \
+                found = await trio.to_thread.run_sync(self._read, session.id, session.supervision,
+                                                      limiter=self._limiter) \
                     if self._newer(session.id, session.state_version) else None
             else:
                 found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
-                                                      limiter=self._limiter)
+                                                      session.supervision, limiter=self._limiter)
         except StateUnavailable as exc:
             self._outage.failed(exc)
             return
@@ -414,23 +430,26 @@ class SessionStates:
         self._outage.up()
         return found[0] if found is not None else None
 
-    def _load(self, session_id: str, known: bytes) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
-        return self._read(session_id) if self._newer(session_id, known) else None
+    def _load(self, session_id: str, known: bytes,
+              held: SessionSupervision | None) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
+        return self._read(session_id, held) if self._newer(session_id, known) else None
 
     def _newer(self, session_id: str, known: bytes) -> bool:
         """Whether the store holds a version of the session's state other than ``known`` (this process's own)."""
         version = self.kv.get(session_id + ":v")
         return version is not None and version != known
 
-    def _read(self, session_id: str) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
-        """The stored state of the session, its version and the digests of its chunks; None when there is none, or
-        none this proxyvisor can use (logged)."""
+    def _read(self, session_id: str,
+              held: SessionSupervision | None = None) -> tuple[SessionSupervision, bytes, frozenset[bytes]] | None:
+        """The stored state of the session, its version and the digests of its chunks (those of ``held``, the
+        session's state this process holds, not read again: :func:`restore`); None when there is none, or none this
+        proxyvisor can use (logged)."""
         value = self.kv.get(session_id)
         if value is None:
             return None
         try:
             state, version = decode(value)
-            chunks = restore(state, session_id, self.kv.get_many)
+            chunks = restore(state, session_id, self.kv.get_many, held)
         except ValueError as exc:
             log.warning("session %s: its stored supervision state is not used (%s)", session_id, exc)
             return None
