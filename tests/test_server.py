@@ -99,7 +99,7 @@ async def read_response(stream: trio.SocketStream, client: h11.Connection) -> tu
 async def test_a_body_that_arrives_over_several_reads_is_whole_and_the_next_request_is_answered() -> None:
     """The server takes a body's later reads past h11 (server.Connection._read_body): sizes from one byte past
     the head to several reads of the largest size, with the next request's head in the body's last write
-    (pipelined) or sent after the answer."""
+    (pipelined) or sent after the answer, and a head, body and next request in one write."""
     seen: list[bytes] = []
 
     async def echo(request: Request) -> Response:
@@ -127,8 +127,17 @@ async def test_a_body_that_arrives_over_several_reads_is_whole_and_the_next_requ
                     client.send(h11.EndOfMessage())
                     assert await read_response(stream, client) == (200, expected)
                     client.start_next_cycle()
+            # All in one write: the head, a body past what h11 is given at once, and the next request.
+            body = rng.randbytes(100_000)
+            await stream.send_all(b"POST /all HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                                  b"GET /next HTTP/1.1\r\nhost: x\r\n\r\n" % (len(body), body))
+            for expected in (body, b""):
+                client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+                client.send(h11.EndOfMessage())
+                assert await read_response(stream, client) == (200, expected)
+                client.start_next_cycle()
         await stream.aclose()
-    assert [len(b) for b in seen] == [1, 70_000, 0, 900_000]
+    assert [len(b) for b in seen] == [1, 70_000, 0, 900_000, 100_000, 0]
 
 
 async def test_a_client_that_stops_mid_body_gets_a_400() -> None:
