@@ -4,9 +4,11 @@ inspection-command table, check commands, searches and harness re-prompts."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proxyvisor.detectors.checks import (FAILED, PASSED, is_check_command, is_inspection, is_search, last_line,
-                                         summary, runner_missing, piped_check)
+from proxyvisor.detectors.checks import (FAILED, PASSED, _candidates, _classify, _clean, is_check_command,
+                                         is_inspection, is_search, last_line, summary, runner_missing, piped_check)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
 from proxyvisor.transcript import ToolOutput, ToolUse
 
@@ -321,3 +323,24 @@ def test_a_piped_check_without_a_summary_told_nothing() -> None:
     assert (shown.check, shown.summary, shown.error) == (FAILED, "fail 1", True)
     plain = receipt(ToolUse("c", "Bash", {"command": "npm test"}), ToolOutput("c", tail), schema)
     assert plain.check == PASSED  # its own exit status says it passed
+
+
+FRAGMENTS = [line for line, _ in SUMMARY_LINES] + [
+    "build 3", "passed the check", "ERROR:", "foo: OK", "", "   12  pending items", "5 passed__", "3", "tests run",
+    "Ran 2 tests in 0.01s", "OK", "ok  example.com/pkg  0.01s", "--- FAIL: TestX", "\x1b[31m2 failed\x1b[0m", "[INFO] ",
+    "== ", " ==", "nox > Session lint was successful"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=3).map("".join), max_size=8),
+       st.booleans())
+def test_the_lines_searched_for_a_summary_hold_every_summary_line(lines: list[str], linters: bool) -> None:
+    """summary() classifies only the lines its two searches over the joined lines find: those hold every line that
+    classifies as a summary line, however the lines run into each other."""
+    cleaned = [_clean(line) for line in lines]
+    assert {n for n, line in enumerate(cleaned) if _classify(line, linters) is not None} <= set(_candidates(cleaned))
+
+
+def test_a_count_and_a_count_word_on_two_lines_are_no_summary() -> None:
+    assert summary("build 3\npassed the check\n") is None
+    assert summary("build 3\n5 passed in 0.1s\n").outcome == PASSED

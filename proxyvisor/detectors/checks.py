@@ -33,8 +33,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from collections.abc import Callable
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 PASSED, FAILED, NONE = "passed", "failed", "none"
 """Check outcomes: a check that passed, one that failed, no check."""
