@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from proxyvisor.detectors.detectors import (ALTERNATION, LOOP, MONOLOGUE, NO_PRO
 from proxyvisor.detectors.receipts import (DECLARED, GUESSED, NONE, Round, UserTurn, failed, is_runner,
                                            mutation_level, read_rounds, result_digest, targets)
 from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES, ToolSpec
-from proxyvisor.transcript import ToolOutput
+from proxyvisor.transcript import Message, ToolOutput, fingerprint
 
 BASH = {"type": "object", "properties": {"command": {"type": "string"}}}
 _ids = itertools.count()
@@ -417,3 +419,15 @@ def test_anthropic_is_error_and_text_beside_tool_results() -> None:
         {"type": "text", "text": "<system-reminder>x</system-reminder>"}]})
     assert message.role == "tool" and message.text == "<system-reminder>x</system-reminder>"
     assert message.tool_outputs == (ToolOutput("t1", "boom", True, True),)
+
+
+def test_a_fingerprint_is_kept_on_its_message_and_changes_nothing_else() -> None:
+    message = Message("tool", "", (), (ToolOutput("c1", "x" * 1000),))
+    first = fingerprint(message)
+    assert fingerprint(message) is first  # kept on the message, not computed again
+    twin = Message("tool", "", (), (ToolOutput("c1", "x" * 1000),))
+    assert (twin, hash(twin), repr(twin)) == (message, hash(message), repr(message)) and fingerprint(twin) == first
+    loaded = pickle.loads(pickle.dumps(message))
+    assert loaded == message and fingerprint(loaded) == first
+    edited = dataclasses.replace(message, tool_outputs=(ToolOutput("c1", "x" * 999 + "y"),))
+    assert fingerprint(edited) != first
