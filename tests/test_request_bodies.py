@@ -172,11 +172,11 @@ def test_the_upstream_body_is_written_as_orjson_writes_it(fmt_name: str) -> None
     assert dumps({"messages": "text", "a": 1}, "messages") == orjson.dumps({"messages": "text", "a": 1})
 
 
-def test_a_history_whose_last_run_grows_shrinks_or_changes_is_written_as_orjson_writes_it() -> None:
+def test_a_history_that_grows_shrinks_or_changes_is_written_as_orjson_writes_it() -> None:
     items = [Item({"role": "user", "content": f"message {n}"}) for n in range(200)]
     other = Item({"role": "user", "content": "another"})
     for history in (items[:70], items[:90], items[:128], items[:130], items[:66], items[:70],
-                    items[:67] + [other] + items[68:80], items[:80]):
+                    items[:67] + [other] + items[68:80], items[:80], items[:3] + [other] + items[4:80]):
         body = {"model": "m", "messages": history}
         assert b"".join(chunks(body, "messages")) == orjson.dumps(body)
 
