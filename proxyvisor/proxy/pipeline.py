@@ -30,6 +30,7 @@ client's format and logs the reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -185,6 +186,13 @@ class Pipeline:
         self.states = SessionStates(backend.kv(SESSIONS, **SESSION_SETTINGS), config.state.session_ttl_s) \
             if backend is not None and states and self.supervised else None
         """The sessions' stored supervision state (``proxyvisor.proxy.session_state``); None: memory only."""
+        self.save_after = self.states is not None and self.states.kv.local
+        """Whether a request's session state is stored after the client has the whole answer (its response's
+        ``after`` step) rather than before: when the store is this machine's (no replica reads it before the
+        client's next request; this process reads it only for a session it does not hold, and after
+        :meth:`settle`)."""
+        self._unsaved: dict[str, Session] = {}
+        """The sessions whose state waits for the end of a response to be stored, by id (:meth:`_persisted`)."""
         self.sharing: Sharing | None = None
         """What the replicas on one Redis share besides the key-value state: ledger lines, conversation links
         (``proxyvisor.proxy.sharing``); None: not on Redis."""
@@ -308,6 +316,8 @@ class Pipeline:
                 return bad
             return await self.delegation.endpoint(request)
         admin = self.config.proxy.admin_token
+        if path.startswith(("/proxyvisor/sessions", web.API)):
+            await self.settle()  # they read a stored state of a session no longer in memory (its plan)
         if path.startswith("/proxyvisor/sessions"):
             return await commands.endpoint(request.method, path, self.sessions, self.store, self.clock(),
                                            request.header_is(ADMIN_HEADER, admin) if admin else None, self.states)
@@ -372,6 +382,7 @@ class Pipeline:
             assert session is not None  # touched above
             session.identified = source
             if self.states is not None:  # the session as the replica that served it last left it (/plan too)
+                await self.settle(session.id)  # an answer of its whose state is not stored yet (another connection)
                 await self.states.load(session)
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
@@ -499,10 +510,7 @@ class Pipeline:
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
-        response = self._respond(request, fmt, reply, body, session, exchange)
-        if not reply.streaming:  # a stream's state is saved as it ends (_stream)
-            await self._persist(session)
-        return response
+        return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
@@ -521,10 +529,7 @@ class Pipeline:
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
-        response = self._respond(request, fmt, reply, body, session, exchange)
-        if not reply.streaming:  # a stream's state is saved as it ends (_stream)
-            await self._persist(session)
-        return response
+        return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
 
     async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: str, body: dict[str, Any],
                         content: bytes | tuple[bytes, ...] | None, exchange: Exchange | None) -> UpstreamReply:
@@ -713,18 +718,47 @@ class Pipeline:
                               usage, overhead, message, exchange, response_model=telemetry.response_model(
                                   event_object(events[0][1])) if self.telemetry is not None and events else None)
                 self._delivered(session, fmt, body, shown)
-                with trio.CancelScope(shield=True):  # before the stream's end reaches the client
-                    await self._persist(session)
+                if self.save_after:
+                    self._unsaved[session.id] = session  # stored after the stream's end (_persisted)
+                else:
+                    with trio.CancelScope(shield=True):  # before the stream's end reaches the client
+                        await self._persist(session)
 
-    async def _persist(self, session: Session | None) -> None:
-        """Store the session's supervision state (``proxyvisor.proxy.session_state``) once the request's answer
-        is through, before the client has all of it (so its next request, on any replica, finds it), with the
-        ledger lines and conversation links to share (``proxyvisor.proxy.sharing``). A request cut
-        off before that leaves the state as it was before it: the client's retry makes the same changes again. A
-        backend that hangs costs a request at most its timeouts (``proxyvisor.adapters.state``); the state then
-        stays in memory."""
+    async def _persisted(self, response: Response, session: Session | None) -> Response:
+        """``response``, the answer of a request of ``session``, with its state stored as :meth:`_persist` says:
+        a JSON answer's now, or, with :attr:`save_after`, once the client has the whole answer (``response.after``:
+        :meth:`settle`); a stream's as it ends (:meth:`_stream`), and then in its ``after`` step too."""
         if session is None:
+            return response
+        if self.save_after:
+            if isinstance(response.body, bytes):
+                self._unsaved[session.id] = session
+            response.after = functools.partial(self.settle, session.id)
+        elif isinstance(response.body, bytes):
+            await self._persist(session)
+        return response
+
+    async def settle(self, session_id: str | None = None) -> None:
+        """Store the states waiting for the end of a response (:attr:`save_after`): session ``session_id``'s, or
+        every one. Awaited by each response's ``after`` step, before this process reads a stored state (a
+        request's :meth:`SessionStates.load`, the session endpoints and the web view) and as the proxy stops, so
+        that nothing in this process reads a state older than the one it holds."""
+        if not self._unsaved:
             return
+        if session_id is None:
+            sessions, self._unsaved = list(self._unsaved.values()), {}
+        else:
+            sessions = [found] if (found := self._unsaved.pop(session_id, None)) is not None else []
+        for session in sessions:
+            await self._persist(session)
+
+    async def _persist(self, session: Session) -> None:
+        """Store the session's supervision state (``proxyvisor.proxy.session_state``) once the request's answer
+        is through, with the ledger lines and conversation links to share (``proxyvisor.proxy.sharing``): before
+        the client has all of it, so its next request, on any replica, finds it; or, with :attr:`save_after` (a
+        local store, nothing shared), right after (:meth:`_persisted`). A request cut off before its answer leaves
+        the state as it was before it: the client's retry makes the same changes again. A backend that hangs
+        costs a request at most its timeouts (``proxyvisor.adapters.state``); the state then stays in memory."""
         if self.states is not None and self.sharing is not None:
             async with trio.open_nursery() as both:  # two worker threads, two round trips at once
                 both.start_soon(self.states.save, session)

@@ -9,7 +9,9 @@ is cancelled when the client disconnects before the response is complete, so an 
 cancelled too. A client that only closes its sending side after its request (``shutdown(SHUT_WR)``, a
 half-close) has not disconnected: it gets its response (see :meth:`Connection._tell_apart`). A streaming :class:`Response` body is an async iterator of bytes; it is sent with chunked transfer
 encoding (or the ``content-length`` the handler set) as each chunk arrives, and closed (``aclose``) whatever
-happens.
+happens. A :class:`Response`'s ``after`` step runs once the response is done with (its last byte written, or the
+client gone), before the connection reads its next request: work the client need not wait for (Starlette's
+background task, on the connection's own task).
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class Response:
     status: int
     headers: Headers = field(default_factory=list)
     body: bytes | AsyncIterator[bytes] = b""
+    after: Callable[[], Awaitable[None]] | None = None
+    """Awaited once the response is done with: its last byte handed to the socket (a stream's body closed), or its
+    sending given up (the client left, the server stopping), and before the connection reads its next request. It
+    runs shielded from cancellation for at most :data:`AFTER_S` seconds; an exception in it is logged (its type and
+    message, no traceback) and changes nothing the client gets."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -116,6 +123,11 @@ class Limits:
     """Seconds between two reads of a request body; past it the connection is closed without an answer."""
     body_deadline_s: float = 300.0
     """Seconds for a whole request body; past it the handler gets the request with ``too_slow`` set."""
+
+
+AFTER_S = 5.0
+"""Seconds a response's ``after`` step may take: it is shielded from the connection's cancellation (it runs when
+the client left or the server stops too), so a step that hung would hold the connection and the server's stop."""
 
 
 class _ClientGone(Exception):
@@ -415,6 +427,13 @@ class Connection:
 
     async def _run_handler(self, request: Request) -> None:
         response = await self.handler(request)
+        try:
+            await self._write(request, response)
+        finally:
+            if response.after is not None:
+                await _after(response.after)
+
+    async def _write(self, request: Request, response: Response) -> None:
         body = response.body
         headers = list(response.headers)
         if request.too_large or request.too_slow:  # the rest of its body may still come: no next request
@@ -438,6 +457,17 @@ class Connection:
             await self._send(h11.EndOfMessage())
         finally:
             await close(body)
+
+
+async def _after(step: Callable[[], Awaitable[None]]) -> None:
+    """Run a response's ``after`` step (:attr:`Response.after`)."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + AFTER_S) as scope:
+        try:
+            await step()
+        except Exception as exc:  # noqa: BLE001 - the response is out: a failure after it is only reported
+            log.error("the step after a response failed (%s: %s)", type(exc).__name__, exc)
+    if scope.cancelled_caught:
+        log.error("the step after a response was given up after %g s", AFTER_S)
 
 
 async def serve_listeners(

@@ -192,4 +192,5 @@ async def running(config: Config, port: int | None = None, store: Store | None =
                     await relay.aclose()
                 if pipeline.sharing is not None:  # what is queued, and no send in flight as the backend closes
                     await pipeline.sharing.flush()
+                await pipeline.settle()  # the session states whose save waits for the end of a response
             pipeline.close()

@@ -24,8 +24,14 @@ after it was last written:
 its chunks) only when another process wrote a newer one since this process last saw it; :meth:`SessionStates.save`
 writes the state, its version and the chunks this process has not stored yet in one step (a Redis transaction in
 a worker thread, a SQLite transaction on the event loop) once the request's answer is through (notes, plan,
-self-report, gate turn), before the client has all of it. Two replicas serving one session's requests at the same
-moment: the later save wins (the chunks are named by their content: either's are the same or both kept).
+self-report, gate turn). On Redis that is before the client has all of the answer, so its next request, on any
+replica, finds the state. On the local store it is right after the client has it (the response's ``after`` step,
+``proxyvisor.proxy.pipeline``; off the client's latency): this process holds the state in memory and reads the store
+only for a session it does not hold, after storing every state still waiting. So a process killed in that instant (a
+fraction of a millisecond) restarts the session from its state before the last answer, and a second process on the
+same state directory serving the session's very next request in that instant goes on from that state too. Two
+replicas serving one session's requests at the same moment: the later save wins (the chunks are named by their
+content: either's are the same or both kept).
 
 Pickle, because the state is a graph of the cores' own objects (trackers, policies, state machines), but read
 back only through :class:`_Unpickler`, which builds nothing but proxyvisor's own classes and a few containers: a
