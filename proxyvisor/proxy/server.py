@@ -370,15 +370,18 @@ class Connection:
             while True:
                 event = self.conn.next_event()
                 if event is h11.NEED_DATA:
-                    try:
-                        with trio.fail_after(min(self.limits.body_timeout_s,
-                                                 max(0.0, deadline - trio.current_time()))):
-                            data = await self._take()
-                    except trio.TooSlowError:
-                        if trio.current_time() < deadline:
-                            return False  # a stall between two reads: the client is not sending
-                        request.too_slow = True
-                        return True
+                    if self._pending:  # what the last read brought past h11's feed: nothing to wait for
+                        data = await self._take()
+                    else:
+                        try:
+                            with trio.fail_after(min(self.limits.body_timeout_s,
+                                                     max(0.0, deadline - trio.current_time()))):
+                                data = await self._take()
+                        except trio.TooSlowError:
+                            if trio.current_time() < deadline:
+                                return False  # a stall between two reads: the client is not sending
+                            request.too_slow = True
+                            return True
                     if length is None or not data:  # chunked, or the client's EOF (which h11 judges)
                         self._feed(data)
                         continue
