@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     timed(supervise.Exchange, "upstream_chunks" if hasattr(supervise.Exchange, "upstream_chunks") else "upstream_body",
           "serialise the upstream body")
     timed(pipeline.Pipeline, "_account", "ledger line")
-    # The reply side and the work after the answer (still before the client has all of it).
+    # The reply side and the work after the answer (on this local store the state's save runs once the client has
+    # the whole answer: the server's Response.after step, counted here all the same).
     timed(supervise.Exchange, "reply", "reply: supervision's stages")
     timed_async(pipeline.Pipeline, "_gated", "reply: verify-gate check")
     timed(pipeline.Pipeline, "_respond", "reply: parse, usage, ledger line")
