@@ -235,11 +235,12 @@ class Conversations:
             self._ends.popitem(last=False)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def _seed(format_name: str, system: str) -> bytes:
     """The start of the hash chain of a history in format ``format_name`` under system prompt ``system``. Kept for
     the prompts seen last: a session's requests repeat the same prompt, most often the very same string object
-    (whose hash Python keeps), so finding it costs far less than hashing it again."""
+    (whose hash Python keeps), so finding it costs far less than hashing it again. The prompts are kept alive
+    with it: at most 32."""
     return hashlib.blake2b(b"\x00".join([format_name.encode(), system.encode("utf-8", "surrogatepass")]),
                            digest_size=16).digest()
 

@@ -244,10 +244,11 @@ def thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
     return _thread_key(fmt.name, *parts)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def _thread_key(format_name: str, system: str, first: str) -> bytes:
     """:func:`thread_key`, kept for the threads seen last: a thread's requests repeat the same strings, most often
-    the very same objects (whose hashes Python keeps), so finding them costs far less than hashing them again."""
+    the very same objects (whose hashes Python keeps), so finding them costs far less than hashing them again.
+    The strings are kept alive with it: at most 32 pairs (a first user message may be a big paste)."""
     return hashlib.blake2b(orjson.dumps([format_name, system, first]), digest_size=16).digest()
 
 
