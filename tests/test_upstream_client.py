@@ -3,6 +3,7 @@ and body pieces forwarded as they arrive."""
 
 from __future__ import annotations
 
+import random
 import ssl
 
 import pytest
@@ -10,6 +11,8 @@ import trio
 import trustme
 
 from proxyvisor.config import UpstreamConfig
+from proxyvisor.proxy.client import Connection as UpstreamConnection
+from proxyvisor.proxy.client import ConnectionPool
 from proxyvisor.proxy.relay import HttpRelay, UpstreamError
 from proxyvisor.proxy.server import Connection, Limits, Request, Response, bound_port, open_listeners
 
@@ -164,3 +167,61 @@ async def test_an_upstream_answering_before_reading_a_large_body_has_its_answer_
         finally:
             await relay.aclose()
             nursery.cancel_scope.cancel()
+
+
+class RecordedStream(trio.abc.Stream):
+    """A stream that keeps what each ``send_all`` was given."""
+
+    def __init__(self, inner: trio.SocketStream) -> None:
+        self.inner, self.writes, self.socket = inner, list[bytes](), inner.socket
+
+    async def send_all(self, data: bytes) -> None:
+        self.writes.append(data)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_body_that_arrived_in_many_small_reads_goes_up_in_few_writes_and_a_large_piece_uncopied() -> None:
+    """The server keeps a body as its reads brought it, a few KB each over a real network: the upstream gets it in
+    writes of up to 256 KB, not one per read, and a piece that large goes as it is."""
+    seen: list[bytes] = []
+
+    async def handler(request: Request) -> Response:
+        seen.append(request.body)
+        return Response(200, JSON, b"{}")
+
+    class RecordingPool(ConnectionPool):
+        async def _connect(self) -> UpstreamConnection:
+            conn = await super()._connect()
+            assert isinstance(conn.stream, trio.SocketStream)
+            conn.stream = recorded = RecordedStream(conn.stream)
+            streams.append(recorded)
+            return conn
+
+    rng = random.Random(7)
+    small = tuple(rng.randbytes(1000) for _ in range(4000))
+    large = rng.randbytes(600_000)
+    streams: list[RecordedStream] = []
+    async with serve_handler(handler) as url:
+        pool = RecordingPool(url, 5)
+        try:
+            for body, most_writes in ((small[:200], 1), (small[:300] + (large,) + small[300:], 4_600_000 // 262_144 + 3)):
+                with trio.fail_after(20):
+                    conn, head = await pool.request(b"POST", b"/", JSON, body)
+                    assert head.status_code == 200 and await conn.next_piece(5) == (b"{}", True)
+                    await pool.release(conn, True)
+                (stream,) = streams
+                assert seen[-1] == b"".join(body)
+                assert 0 < len(stream.writes) <= most_writes, len(stream.writes)
+                assert large not in body or any(write is large for write in stream.writes)
+                stream.writes.clear()
+        finally:
+            await pool.aclose()

@@ -30,12 +30,33 @@ log = logging.getLogger("proxyvisor.upstream")
 _READ_SIZE = 256 * 1024
 """Bytes asked of the socket per read: a 77 KB body in one or two reads, not five."""
 _JOINED_BODY = 256 * 1024
-"""Request bodies up to this many bytes go out in one write with their head; larger ones piece by piece after it
-(bench/overhead.py: a copy of a few MB costs more than the extra writes, one of 79 KB less)."""
+"""Bytes a request goes out in per write: consecutive pieces (the head, then the body's) are joined while together
+they are at most this, so a body up to it goes in one write with its head, and a body that arrived in many small
+reads (over a real network, a few KB each) in writes of this size, not one per read; a piece this large goes alone,
+as it is (bench/overhead.py: a copy of a few MB costs more than the extra writes, one of 79 KB less, and each write
+of a few KB costs more than its copy)."""
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 # How a connection the upstream closed shows itself: a reset or a broken pipe, or h11 seeing the end of the
 # stream where a response should start.
 _DROPPED = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError)
+
+
+def _writes(pieces: list[bytes]) -> list[bytes]:
+    """``pieces`` as the writes that send them: runs of consecutive pieces joined while together at most
+    :data:`_JOINED_BODY` bytes, a piece that large alone and as it is (not copied); empty pieces dropped."""
+    writes: list[bytes] = []
+    run: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        if run and size + len(piece) > _JOINED_BODY:
+            writes.append(run[0] if len(run) == 1 else b"".join(run))
+            run, size = [], 0
+        if piece:
+            run.append(piece)
+            size += len(piece)
+    if run:
+        writes.append(run[0] if len(run) == 1 else b"".join(run))
+    return writes
 
 
 class ConnectTimeout(Exception):
@@ -186,7 +207,7 @@ class ConnectionPool:
     async def request(self, method: bytes, target: bytes, headers: Headers,
                       body: bytes | tuple[bytes, ...]) -> tuple[Connection, h11.Response]:
         """Send a request and wait for the response head. ``body`` is the body, or its pieces in order; a body up
-        to :data:`_JOINED_BODY` bytes goes in one write with the head, a larger one piece by piece after it.
+        to :data:`_JOINED_BODY` bytes goes in one write with the head, a larger one in writes of about that size.
 
         Returns the connection, positioned at the response body (read it with :meth:`Connection.next_piece`,
         then hand it back with :meth:`release`), and the head. A reused connection that breaks before any byte
@@ -218,22 +239,15 @@ class ConnectionPool:
     @staticmethod
     async def _exchange(conn: Connection, request: h11.Request, pieces: tuple[bytes, ...]) -> h11.Response:
         conn.received = 0
-        head = conn.h11.send(request) or b""
-        # h11 hands content-length body data back as the same objects: above a size where a copy costs more than
-        # more writes (each wakes the upstream once more), the body is not joined to the head.
-        out: list[bytes] = []
+        # h11 hands content-length body data back as the same objects: a large piece goes up without a copy.
+        out = [conn.h11.send(request) or b""]
         for piece in pieces:
             if piece:
                 out += conn.h11.send_with_data_passthrough(h11.Data(data=piece)) or []
         out.append(conn.h11.send(h11.EndOfMessage()) or b"")  # nothing, for a content-length body
         try:
-            if sum(map(len, out)) > _JOINED_BODY:
-                await conn.stream.send_all(head)
-                for data in out:
-                    if data:
-                        await conn.stream.send_all(data)
-            else:
-                await conn.stream.send_all(b"".join([head, *out]))  # one copy, not two
+            for data in _writes(out):
+                await conn.stream.send_all(data)
         except trio.BrokenResourceError as exc:
             # An upstream may answer early (a 413, say) and close before reading the whole body: relay that
             # answer if there is one, as httpx does, rather than a bare "connection reset".

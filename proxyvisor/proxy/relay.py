@@ -211,7 +211,8 @@ class HttpRelay:
 
     async def send(self, method: str, target: str, headers: Headers, body: bytes | tuple[bytes, ...]) -> UpstreamReply:
         """Send one request and return the reply (SSE bodies as a live :class:`RelayedStream`). ``body`` is the
-        request body, or its pieces in order (written one after another, never joined).
+        request body, or its pieces in order (a large piece written as it is, small ones joined into writes of up to
+        256 KB: :func:`proxyvisor.proxy.client._writes`).
 
         ``target`` is the path and query as the client sent them, without any session prefix. Cancellation
         closes the upstream connection.
