@@ -69,7 +69,7 @@ class History:
 
     def body(self, n: int) -> bytes:
         """The request of this session with ``n`` small rounds more than the first one (bytes, JSON)."""
-        while len(self.grown) < n:
+        while len(self.grown) < 2 * n:  # two items a round
             self.grown += self._round(large=False)
         items = b"[" + b",".join(self.items + self.grown[:2 * n]) + b"]"
         return self._wrap(items)
