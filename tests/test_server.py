@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import h11
+import pytest
 import trio
 
 from proxyvisor.proxy.server import Request, Response
@@ -80,7 +81,7 @@ async def test_requests_on_one_connection_are_answered_in_order_pipelined_or_not
 
 
 async def read_response(stream: trio.SocketStream, client: h11.Connection) -> tuple[int, bytes]:
-    """The next response on ``stream`` as (status, body), read with ``client``'s h11 state."""
+    """The next response on ``stream`` as (status, body), read with ``client``'s h11 state, past any 1xx."""
     status, body = 0, b""
     while True:
         event = client.next_event()
@@ -88,6 +89,8 @@ async def read_response(stream: trio.SocketStream, client: h11.Connection) -> tu
             client.receive_data(await stream.receive_some(65536))
         elif isinstance(event, h11.Response):
             status = event.status_code
+        elif isinstance(event, h11.InformationalResponse):
+            pass
         elif isinstance(event, h11.Data):
             body += event.data
         elif isinstance(event, h11.EndOfMessage):
@@ -157,3 +160,63 @@ async def test_a_client_that_stops_mid_body_gets_a_400() -> None:
             status, body = await read_response(stream, client)
         assert status == 400 and b"malformed HTTP request" in body
         await stream.aclose()
+
+
+def _post(target: bytes, length: int, *extra: bytes, version: bytes = b"1.1") -> bytes:
+    return b"POST %s HTTP/%s\r\nhost: x\r\n%scontent-length: %d\r\n\r\n" % (target, version, b"".join(extra), length)
+
+
+_NEXT = b"GET /next HTTP/1.1\r\nhost: x\r\n\r\n"
+_MALFORMED = b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error"}}'
+_CHUNKED = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+_BIG = b"abcdefghij" * 30_000
+"""Over a read's feed to h11 (64 KB) and a read (256 KB)."""
+
+
+@pytest.mark.parametrize(("writes", "answers", "closed"), [
+    ([_post(b"/a", 5), b"hel", b"lo" + _NEXT], [b"/a hello", b"/next "], False),
+    ([_post(b"/a", 5), b"hel", b"loNOT A REQUEST\r\n\r\n"], [b"/a hello", _MALFORMED], True),
+    ([_post(b"/a", 5), b"hel", b"lo" + _post(b"/b", 3), b"ab", b"c" + _NEXT], [b"/a hello", b"/b abc", b"/next "],
+     False),
+    ([_post(b"/a", 5, b"expect: 100-continue\r\n"), b"he", b"llo" + _NEXT], [b"/a hello", b"/next "], False),
+    ([_post(b"/a", 5, version=b"1.0"), b"he", b"llo"], [b"/a hello"], True),
+    ([_post(b"/a", 5, b"connection: close\r\n"), b"he", b"llo"], [b"/a hello"], True),
+    ([_post(b"/a", 0) + _NEXT], [b"/a ", b"/next "], False),
+    ([_CHUNKED, b"3\r\nhel\r\n", b"2\r\nlo\r\n0\r\n\r\n" + _NEXT], [b"/c hello", b"/next "], False),
+    ([_CHUNKED + b"".join(b"3e8\r\n%s\r\n" % _BIG[i:i + 1000] for i in range(0, len(_BIG), 1000)) + b"0\r\n\r\n"
+      + _NEXT], [b"/c " + _BIG, b"/next "], False),
+    ([_post(b"/a", 7) + b"a" * 7 + _post(b"/big", len(_BIG)) + _BIG + _NEXT], [b"/a aaaaaaa", b"/big " + _BIG,
+                                                                             b"/next "], False),
+    ([_post(b"/big", len(_BIG), b"expect: 100-continue\r\n"), _BIG + _NEXT], [b"/big " + _BIG, b"/next "], False),
+    ([b"".join(_post(b"/%d" % i, 3) + b"abc" for i in range(4000))], [b"/%d abc" % i for i in range(4000)], False),
+], ids=["past-the-declared-length", "garbage-after-it", "two-bodies-past-h11", "100-continue", "http-1.0",
+        "connection-close", "content-length-0", "chunked", "chunked-one-write", "one-write-over-a-feed",
+        "100-continue-large", "4000-pipelined"])
+async def test_a_body_read_past_h11_leaves_the_connection_where_h11_would(
+        writes: list[bytes], answers: list[bytes], closed: bool) -> None:
+    """What comes after a body (framed by content-length or chunked, read past h11 or through it) is the next
+    request, answered in turn, or a 400; the connection closes when HTTP says so. The client half-closes after its
+    last write: it still gets every answer."""
+
+    async def echo(request: Request) -> Response:
+        return Response(200, [], request.target.encode() + b" " + request.body)
+
+    async with serve_handler(echo) as url:
+        stream = await connect(url)
+        client = h11.Connection(h11.CLIENT)
+        got: list[bytes] = []
+        with trio.fail_after(20):
+            for data in writes:
+                await stream.send_all(data)
+                await trio.sleep(0.02)  # each write its own read
+            await stream.send_eof()
+            for _ in answers:
+                client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+                client.send(h11.EndOfMessage())
+                got.append((await read_response(stream, client))[1])
+                if client.our_state is h11.MUST_CLOSE:
+                    break
+                client.start_next_cycle()
+            assert await stream.receive_some(1) == b"" if closed else client.our_state is h11.IDLE
+        await stream.aclose()
+    assert got == answers
