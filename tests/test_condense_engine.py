@@ -311,3 +311,27 @@ async def test_a_result_too_small_to_pass_the_threshold_is_neither_counted_nor_l
     reads = len(cache.reads)
     assert await engine.recall("s1", [small, big]) == {"call_b": report.decisions["call_b"]}
     assert len(cache.reads) == reads  # both known from the round: no worker thread
+
+
+async def test_the_recalls_kept_to_go_on_from_hold_a_bounded_amount_of_text(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each thread's last recall keeps its results (their texts: a history's tool outputs); hundreds of threads of
+    4 MB histories must not keep their outputs alive past a bound of characters, the oldest thread's forgotten
+    first, and a thread forgotten is read again, finding the same."""
+    from proxyvisor.proxy import condense_engine
+
+    monkeypatch.setattr(condense_engine, "_RECALLED_CHARS", 300_000)
+    cache = CountingCache(tmp_path / "cache")
+    engine = CondenseEngine(CondenseConfig(deterministic_kinds=()), Scripted(), spill=SpillStore(tmp_path / "spill"),
+                            cache=cache)
+    threads = [[ToolResult(f"call_{n}_{k}", "bash", build_log(marker=f"{n}.{k}")) for k in range(2)]
+               for n in range(12)]
+    await engine.run_round("s0", threads[0][:1], CONTEXT)
+    first = await engine.recall("s0", threads[0])
+    assert "call_0_0" in first
+    for n, results in enumerate(threads[1:], 1):
+        await engine.recall(f"s{n}", results)
+    held = [r for kept in engine._recalled.values() for r in kept[0]]
+    assert sum(len(r.text) for r in held) <= 300_000 and threads[-1][0] in held and threads[0][0] not in held
+    cache.reads.clear()
+    assert await engine.recall("s0", threads[0]) == first and cache.reads == []  # the memo of texts has them

@@ -54,6 +54,10 @@ _TOKEN_MEMO = 16_384
 _DECISION_MEMO = 65_536
 _RECALLED = 256
 """Threads whose last recall :meth:`CondenseEngine.recall` keeps, to go on from it."""
+_RECALLED_CHARS = 64 * 1024 * 1024
+"""Characters of results those recalls hold at most, together (the oldest forgotten first): a thread's results are
+its history's tool outputs, kept alive with it, so without this bound the recalls of threads whose bodies
+``proxyvisor.proxy.bodies`` no longer keeps would hold up to :data:`_RECALLED` whole histories' outputs."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +139,13 @@ class CondenseEngine:
         self._known: OrderedDict[str, Decision | None] = OrderedDict()
         # The same by (session, call id, text): what :meth:`recall` reads first, with no hashing of the text.
         self._texts: OrderedDict[tuple[str, str, str], Decision | None] = OrderedDict()
-        # The last recall of each thread (a session and the call id of its first result): the results it read and
-        # what it found. The next request of the thread sends them again first, then the round that was latest.
-        self._recalled: OrderedDict[tuple[str, str], tuple[list[ToolResult], dict[str, Decision]]] = OrderedDict()
+        # The last recall of each thread (a session and the call id of its first result): the results it read, what
+        # it found and the characters of their texts. The next request of the thread sends them again first, then
+        # the round that was latest.
+        self._recalled: OrderedDict[tuple[str, str], tuple[list[ToolResult], dict[str, Decision], int]] = \
+            OrderedDict()
+        self._recalled_chars = 0
+        """The characters of the results :attr:`_recalled` holds (at most :data:`_RECALLED_CHARS`)."""
         self._lock = threading.Lock()
 
     @property
@@ -217,14 +225,15 @@ class CondenseEngine:
             return {}
         results = list(results)
         thread = (session, results[0].call_id)
-        read, found = self._recalled.pop(thread, ([], {}))
+        read, found, chars = self._recalled.pop(thread, ([], {}, 0))
+        self._recalled_chars -= chars
         # Results equal to those the thread's last recall read find the same: a decision, once settled, is never
         # replaced, and one never made for an earlier result is never made later (only a latest round's are). So
         # only the results after them are read, when the history only grew; otherwise all of them, again.
         if len(read) <= len(results) and results[:len(read)] == read:
             found, start = dict(found), len(read)
         else:
-            found, start = {}, 0
+            found, start, chars = {}, 0, 0
         # Shorter results cannot have had a decision.
         large = [r for r in results[start:] if tokens_may_exceed(r.text, MIN_THRESHOLD)]
         unknown = []
@@ -243,9 +252,11 @@ class CondenseEngine:
                 read_all = all((session, r.call_id, r.text) in self._texts for r in unknown)
             if not read_all:
                 return found
-        self._recalled[thread] = (results, dict(found))
-        while len(self._recalled) > _RECALLED:
-            self._recalled.popitem(last=False)
+        chars += sum(len(r.text) for r in results[start:])
+        self._recalled[thread] = (results, dict(found), chars)
+        self._recalled_chars += chars
+        while len(self._recalled) > _RECALLED or self._recalled_chars > _RECALLED_CHARS:
+            self._recalled_chars -= self._recalled.popitem(last=False)[1][2]
         return found
 
     def _recall(self, session: str, results: list[ToolResult]) -> dict[str, Decision]:
