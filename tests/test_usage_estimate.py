@@ -189,3 +189,15 @@ def test_the_remembered_counts_are_bounded(monkeypatch) -> None:
     estimate.count_parts([f"part {n}" for n in range(20)])
     assert len(estimate._counts) == 8
     assert (hash("part 19"), len("part 19")) in estimate._counts and (hash("part 0"), 6) not in estimate._counts
+
+
+def test_a_part_encoded_only_in_part_is_not_remembered_as_its_count(monkeypatch) -> None:
+    """A part past what is left of the limit is counted on its start and scaled: that is no count to remember,
+    or every later estimate of a history holding it would carry the scaled figure instead of converging."""
+    from proxyvisor.proxy import estimate
+
+    monkeypatch.setattr(estimate, "_counts", {})
+    first = "word " * (estimate.EXACT_CHARS // 5 - 1)  # leaves 5 characters of the limit
+    second = "fn main() { return 0; }\n" * 2_000
+    estimate.count_parts([first, second])
+    assert estimate.count_parts([second]) == estimate.count(second)

@@ -97,10 +97,11 @@ def count_parts(parts: list[str]) -> int:
                 uncounted += len(part)
                 continue
             found = count(part, budget)
+            if budget >= len(part):  # encoded whole: a count to remember (a part cut short was only scaled)
+                if len(_counts) >= REMEMBERED:
+                    del _counts[next(iter(_counts))]
+                _counts[key] = found
             budget -= len(part)
-            if len(_counts) >= REMEMBERED:
-                del _counts[next(iter(_counts))]
-            _counts[key] = found
         tokens += found
         counted += len(part)
     if uncounted:
