@@ -269,6 +269,27 @@ def test_a_value_rewritten_in_its_row_reads_as_diskcache_wrote_it(tmp_path: Path
     assert other.get_many(["a", "d"]) == [b"6", None] and "d" not in other.keys()
 
 
+def test_a_row_rewritten_in_place_is_the_row_diskcache_writes(tmp_path: Path) -> None:
+    """``DiskKV.set_many`` writes diskcache's table itself, on its private connection (pinned in pyproject.toml):
+    the row it rewrites, and the store's count and size, are what diskcache's own ``set`` leaves, column by column
+    but for the times."""
+    import diskcache
+
+    kv = DiskBackend(tmp_path).kv("t", **SETTINGS)
+    kv.set_many({"a": b"1", "b": b"x"}, 60)
+    kv.set_many({"a": b"2"}, None)  # the row rewritten by the UPDATE
+    reference = diskcache.Cache(str(tmp_path / "reference"), **SETTINGS)
+    for key, value, expire in (("a", b"1", 60), ("b", b"x", 60), ("a", b"2", None)):
+        reference.set(key, value, expire=expire)
+    rows = ("SELECT key, raw, expire_time IS NULL, access_count, tag, size, mode, filename, value FROM Cache"
+            " ORDER BY key")
+    settings = "SELECT key, value FROM Settings WHERE key IN ('count', 'size') ORDER BY key"
+    ours = kv._db()._con
+    assert ours.execute(rows).fetchall() == reference._con.execute(rows).fetchall()
+    assert ours.execute(settings).fetchall() == reference._con.execute(settings).fetchall()
+    reference.close()
+
+
 def test_a_round_reader_replaces_its_turns_dict_when_a_call_id_comes_again() -> None:
     """The contract the stored chunks rely on: a turn's dict only gains calls at its end, or is a new dict."""
     reader = RoundReader()
