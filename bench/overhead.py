@@ -638,8 +638,9 @@ async def serve_upstream() -> None:
 
 async def serve_proxy(upstream_port: int, supervised: bool, state_dir: str) -> None:
     from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig
-    from proxyvisor.proxy.service import running
+    from proxyvisor.proxy.service import running, tune_runtime
 
+    tune_runtime()  # the collector, switch interval and allocator settings `serve` runs with
     config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{upstream_port}"),),
                     state=StateConfig(dir=state_dir), supervisor=SupervisorConfig(enabled=supervised),
                     source="bench/overhead.py")
