@@ -330,3 +330,26 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
     # A state whose classes' source differs from this proxyvisor's (another version wrote it) is not used.
     with pytest.raises(ValueError, match="classes differ"):
         decode(forged(pickle.dumps(SessionSupervision()), digest="00" * 16))
+
+
+async def test_a_store_whose_database_fails_is_unavailable_and_costs_no_save_or_request(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SQLite's own errors (a database file damaged, a disk full or failing) are the store being unavailable, as an
+    unwritable folder is: the session state's save is warned about and the session goes on from memory, rather
+    than the error reaching the response's ``after`` step, or, through a waiting save, the next request."""
+    from proxyvisor.adapters.state import StateUnavailable
+    from proxyvisor.proxy.sessions import Session
+
+    kv = DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS)
+    kv.set_many({"a": b"1"}, 60)
+    kv.close()
+    (tmp_path / NAMESPACE / "cache.db").write_bytes(b"not a database, " * 4096)
+    with pytest.raises(StateUnavailable, match="cannot be used"):
+        kv.get("a")
+    with pytest.raises(StateUnavailable):
+        kv.set_many({"a": b"2"}, 60)
+    states = SessionStates(kv, 60)
+    session = Session("s1", 0.0, 0.0)
+    session.supervision = SessionSupervision()
+    await states.save(session)  # warned, not raised
+    assert session.state_version == b"" and "session states" in caplog.text

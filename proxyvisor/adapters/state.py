@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import sqlite3
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import diskcache
 
 from ..config import Config, ConfigError
 from ..store import unusable
@@ -248,10 +251,13 @@ class DiskKV(LazyCache):
         return self._cache is None and not self.exists()
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
+        # SQLite's own errors (a damaged database file, a disk full or failing) and diskcache's lock timeout are
+        # the folder being unusable too: callers degrade on StateUnavailable alone.
         try:
             return fn(self._db())
-        except OSError as exc:
-            raise StateUnavailable(f"the state folder {self.root} cannot be used: {exc.strerror or exc}") from None
+        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise StateUnavailable(f"the state folder {self.root} cannot be used: {reason}") from None
 
 
 class DiskBackend:
