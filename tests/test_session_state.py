@@ -353,3 +353,21 @@ async def test_a_store_whose_database_fails_is_unavailable_and_costs_no_save_or_
     session.supervision = SessionSupervision()
     await states.save(session)  # warned, not raised
     assert session.state_version == b"" and "session states" in caplog.text
+
+
+async def test_a_state_whose_classes_have_no_source_is_not_stored_and_raises_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The state's format is a digest of its classes' source: a proxyvisor installed without the source of a
+    module (bytecode only) cannot write it, and that is a state that cannot be stored (logged), not an error out
+    of the save (which runs in a response's after step, or in the session's next request)."""
+    from proxyvisor.proxy.sessions import Session
+
+    def no_source(names: tuple[str, ...]) -> bytes:
+        raise ValueError("no source for proxyvisor.detectors.receipts: no source file")
+
+    monkeypatch.setattr(session_state, "_source_digest", no_source)
+    states = SessionStates(DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS), 60)
+    session = Session("s1", 0.0, 0.0)
+    session.supervision = SessionSupervision()
+    await states.save(session)
+    assert session.state_version == b"" and "cannot be stored (ValueError: no source" in caplog.text

@@ -293,6 +293,7 @@ def encode(state: SessionSupervision, version: bytes) -> Encoded:
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``state`` holds an object pickle cannot write.
+        ValueError: a class it holds has no source here to name the format by (:func:`_source_digest`).
     """
     reductions = _Reductions()
     pickled, classes = _pickled(state, reductions)
@@ -475,7 +476,7 @@ class SessionStates:
         version = os.urandom(_VERSION)
         try:
             encoded = encode(state, version)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
             log.warning("session %s: its supervision state cannot be stored (%s: %s)", session.id,
                         type(exc).__name__, exc)
             return
