@@ -7,7 +7,8 @@ Layout under the state directory (``Config.state_dir()``), folders 0700 and file
 A ledger line is written whole or not at all: with a single ``write`` on a file opened with ``O_APPEND``, so
 concurrent writers never interleave; a write the disk cuts short (full, over quota) is truncated back, and a line
 always starts after a newline, so a torn last line (a power cut) stays a line of its own, which
-:meth:`Store.read_ledger` skips. Nothing here ever receives request headers, so credentials cannot reach the
+:meth:`Store.read_ledger` skips. The files of the sessions written last stay open (:meth:`Store.append_ledger`);
+each line still goes to the file at the session's path, whatever was done to it meanwhile (deleted, moved aside). Nothing here ever receives request headers, so credentials cannot reach the
 ledger. With replicas on Redis, each line also goes to the session's shared ledger
 (``proxyvisor.adapters.replicas``), which the readers here read too (:class:`SharedLedgers`).
 
@@ -29,7 +30,8 @@ import sqlite3
 import stat
 import tempfile
 import urllib.parse
-from contextlib import closing
+from collections import OrderedDict
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -186,6 +188,7 @@ class Store:
         self._failing: set[int | str] = set()
         self._writer = os.urandom(6).hex()
         self._written = itertools.count(1)
+        self._open: OrderedDict[str, _Kept] = OrderedDict()
 
     def ledger_path(self, session_id: str) -> Path:
         if not SESSION_ID.match(session_id):
@@ -194,8 +197,14 @@ class Store:
 
     def append_ledger(self, session_id: str, record: dict[str, Any]) -> bool:
         """Append ``record`` to the session's ledger as one whole line, or nothing (module docstring); creates the
-        file 0600. Returns whether it was written. Adds to ``record`` its ``line_id``, unique across processes
-        (this store's random id and a count), by which a reader knows the line in the shared ledgers too.
+        file 0600, and the folders 0700 (or tightens them) as it opens the file. Returns whether it was written.
+        Adds to ``record`` its ``line_id``, unique across processes (this store's random id and a count), by which
+        a reader knows the line in the shared ledgers too.
+
+        The files of the last :data:`KEPT_FILES` sessions written stay open until :meth:`close`, so a line costs a
+        ``stat`` of its path and a ``write``; the file is opened again (and the folders made or tightened again)
+        when the path no longer names it (deleted, moved aside, replaced), and after a line that could not be
+        written. One thread at a time (the proxy writes from its event loop).
 
         A record not written (the disk full, the folder unusable, :attr:`ledger_off`) is counted in
         :attr:`unrecorded`. The first failure of each kind (errno) is logged as a warning, the next ones only
@@ -204,21 +213,17 @@ class Store:
         Raises:
             ValueError: an invalid session id.
         """
-        path = self.ledger_path(session_id)
+        kept = self._open.get(session_id)  # its id was checked as it was opened
+        path = kept.path if kept is not None else self.ledger_path(session_id)
         if self.ledger_off is not None:
             self.unrecorded += 1
             return False
         record["line_id"] = f"{self._writer}:{next(self._written)}"
         line = orjson.dumps(record) + b"\n"
         try:
-            private_dir(self.root)  # tightened when it exists: the ledger folder's parents are not walked
-            private_dir(path.parent)
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                _append_whole(fd, line)
-            finally:
-                os.close(fd)
+            self._kept(session_id, path, kept).append(line)
         except OSError as exc:
+            self._release(session_id)  # the next line opens the file again, the folders checked again
             self.unrecorded += 1
             kind = exc.errno if exc.errno is not None else type(exc).__name__
             if kind not in self._failing:
@@ -232,6 +237,47 @@ class Store:
             log.warning("ledger: writing again (%s); requests of this process not recorded: %d", path,
                         self.unrecorded)
         return True
+
+    def _kept(self, session_id: str, path: Path, kept: _Kept | None) -> _Kept:
+        """The open ledger file of ``session_id``, the file ``path`` names now: ``kept``, the one open, when it is
+        still that file, else the file opened (the least recently written one closed beyond :data:`KEPT_FILES`).
+
+        Raises:
+            OSError: the path cannot be read, or the file cannot be opened.
+        """
+        if kept is not None:
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == kept.identity:
+                self._open.move_to_end(session_id)
+                kept.size = now.st_size
+                return kept
+            self._release(session_id)
+        private_dir(self.root)  # tightened when it exists: the ledger folder's parents are not walked
+        private_dir(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            opened = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._open[session_id] = kept = _Kept(path, fd, (opened.st_dev, opened.st_ino), opened.st_size)
+        while len(self._open) > KEPT_FILES:
+            _close(self._open.popitem(last=False)[1].fd)
+        return kept
+
+    def _release(self, session_id: str) -> None:
+        """Close the ledger file of ``session_id`` kept open, if one is."""
+        kept = self._open.pop(session_id, None)
+        if kept is not None:
+            _close(kept.fd)
+
+    def close(self) -> None:
+        """Close the ledger files kept open. The store stays usable: the next line opens its file again."""
+        while self._open:
+            _close(self._open.popitem()[1].fd)
 
     def read_ledger(self, session_id: str) -> list[dict[str, Any]]:
         """The records of :meth:`ledger`.
@@ -343,9 +389,40 @@ def _append(fd: int, data: bytes) -> None:
         raise
 
 
-def _append_whole(fd: int, line: bytes) -> None:
-    """Append ``line`` to the ledger ``fd`` on a line of its own: after a newline when the file does not end
-    with one (a torn last line, left by a power cut), so the torn line is skipped on reading and never glued to
-    this one."""
-    end = os.fstat(fd).st_size
-    _append(fd, line if end == 0 or os.pread(fd, 1, end - 1) == b"\n" else b"\n" + line)
+KEPT_FILES = 32
+"""Ledger files a :class:`Store` keeps open: those of the sessions written last."""
+
+
+class _Kept:
+    """A ledger file kept open: its path, its descriptor (``O_APPEND``), its identity (device, inode) and its size
+    when last seen, and where its last line written here ended (-1: none yet)."""
+
+    __slots__ = ("path", "fd", "identity", "size", "end")
+
+    def __init__(self, path: Path, fd: int, identity: tuple[int, int], size: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.identity = identity
+        self.size = size
+        self.end = -1
+
+    def append(self, line: bytes) -> None:
+        """Append ``line`` on a line of its own: after a newline when the file does not end with one (a torn last
+        line, left by a power cut), so the torn line is skipped on reading and never glued to this one. A file
+        that ends where this one's last line ended (nobody wrote to it since) is known to end with a newline.
+
+        Raises:
+            OSError: as :func:`_append`.
+        """
+        size = self.size
+        whole = size == 0 or size == self.end or os.pread(self.fd, 1, size - 1) == b"\n"
+        data = line if whole else b"\n" + line
+        _append(self.fd, data)
+        self.end = size + len(data)
+
+
+def _close(fd: int) -> None:
+    """Close a ledger file kept open; what it wrote was written when its ``write`` returned, so an error closing
+    it (a network file system's late one) loses nothing this store could still save."""
+    with suppress(OSError):
+        os.close(fd)

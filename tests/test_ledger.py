@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from datetime import datetime
 
 import pytest
 
-from proxyvisor.store import LedgerError, Store
+from proxyvisor.store import KEPT_FILES, LedgerError, Store
 
 from helpers import TEXT_STEP, TOOL_STEP, closed_port, files_under, raw_stream, request_body
 
@@ -108,6 +109,72 @@ def test_existing_loose_folders_are_tightened(tmp_path) -> None:
     os.chmod(root / "ledger", 0o777)
     Store(root).append_ledger("x", {})
     assert mode(root) == 0o700 and mode(root / "ledger") == 0o700
+
+
+def open_ledgers(store: Store) -> list[str]:
+    """The ledger files this process has open (their paths, one per descriptor)."""
+    folder = str(store.root / "ledger")
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith(folder + "/"):
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to list the open files")
+def test_the_last_sessions_files_stay_open_bounded_and_close_closes_them(tmp_path) -> None:
+    store = Store(tmp_path / "state")
+    for n in range(KEPT_FILES + 5):
+        assert store.append_ledger(f"s{n}", {"n": n})
+    assert store.append_ledger("s1", {"n": 1})  # closed as the least recent: opened again
+    kept = open_ledgers(store)
+    assert len(kept) == KEPT_FILES and str(store.ledger_path("s1")) in kept
+    assert str(store.ledger_path("s0")) not in kept
+    store.close()
+    assert open_ledgers(store) == []
+    assert store.append_ledger("s1", {"n": 2})  # still usable
+    assert [r["n"] for r in store.read_ledger("s1")] == [1, 1, 2]
+    store.close()
+
+
+def test_each_line_goes_to_the_file_the_path_names_now(tmp_path) -> None:
+    store = Store(tmp_path / "state")
+    assert store.append_ledger("s1", {"n": 1})
+    path = store.ledger_path("s1")
+    path.unlink()  # deleted while its file is open here: the next line makes it again
+    assert store.append_ledger("s1", {"n": 2})
+    assert [r["n"] for r in store.read_ledger("s1")] == [2] and mode(path) == 0o600
+    aside = tmp_path / "aside.jsonl"
+    path.rename(aside)  # moved aside: it keeps what it had
+    assert store.append_ledger("s1", {"n": 3})
+    assert [r["n"] for r in store.read_ledger("s1")] == [3]
+    assert aside.read_bytes().count(b"\n") == 1
+    path.write_bytes(b'{"n": 0}\n')  # replaced by another file
+    assert store.append_ledger("s1", {"n": 4})
+    assert [r["n"] for r in store.read_ledger("s1")] == [0, 4]
+    shutil.rmtree(store.root)  # the whole state folder gone: made again, private
+    assert store.append_ledger("s1", {"n": 5})
+    assert [r["n"] for r in store.read_ledger("s1")] == [5]
+    assert mode(store.root) == 0o700 and mode(path.parent) == 0o700 and mode(path) == 0o600
+    store.close()
+
+
+def test_a_folder_that_became_a_file_is_a_line_not_recorded_and_the_ledger_resumes(tmp_path) -> None:
+    store = Store(tmp_path / "state")
+    assert store.append_ledger("s1", {"n": 1})
+    folder = store.root / "ledger"
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")
+    assert not store.append_ledger("s1", {"n": 2})
+    assert store.unrecorded == 1
+    folder.unlink()
+    assert store.append_ledger("s1", {"n": 3})
+    assert [r["n"] for r in store.read_ledger("s1")] == [3]
+    store.close()
 
 
 @pytest.mark.parametrize("bad", ["../escape", "a/b", ".x"])

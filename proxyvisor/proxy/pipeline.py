@@ -225,7 +225,7 @@ class Pipeline:
 
     def close(self) -> None:
         """End the sessions' learning (``proxyvisor.proxy.learning``) and release what the pipeline holds open
-        (the delegation state stores)."""
+        (the delegation state stores, the ledger files kept open)."""
         self.background = None  # cancelled by now: the sessions' last saves are made here, one after the other
         for session in self.sessions.all():
             self._end_learning(session)
@@ -238,6 +238,8 @@ class Pipeline:
             self.telemetry.close()
         if self.backend is not None:
             self.backend.close()
+        if self.store is not None:
+            self.store.close()
 
     def _end_learning(self, session: Session) -> None:
         """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill,
