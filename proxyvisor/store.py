@@ -201,7 +201,8 @@ class Store:
         Adds to ``record`` its ``line_id``, unique across processes (this store's random id and a count), by which
         a reader knows the line in the shared ledgers too.
 
-        The files of the last :data:`KEPT_FILES` sessions written stay open until :meth:`close`, so a line costs a
+        The files of the last :data:`KEPT_FILES` sessions written stay open until :meth:`release` or :meth:`close`,
+        so a line costs a
         ``stat`` of its path and a ``write``; the file is opened again (and the folders made or tightened again)
         when the path no longer names it (deleted, moved aside, replaced), and after a line that could not be
         written. One thread at a time (the proxy writes from its event loop).
@@ -223,7 +224,7 @@ class Store:
         try:
             self._kept(session_id, path, kept).append(line)
         except OSError as exc:
-            self._release(session_id)  # the next line opens the file again, the folders checked again
+            self.release(session_id)  # the next line opens the file again, the folders checked again
             self.unrecorded += 1
             kind = exc.errno if exc.errno is not None else type(exc).__name__
             if kind not in self._failing:
@@ -254,7 +255,7 @@ class Store:
                 self._open.move_to_end(session_id)
                 kept.size = now.st_size
                 return kept
-            self._release(session_id)
+            self.release(session_id)
         private_dir(self.root)  # tightened when it exists: the ledger folder's parents are not walked
         private_dir(path.parent)
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -268,8 +269,9 @@ class Store:
             _close(self._open.popitem(last=False)[1].fd)
         return kept
 
-    def _release(self, session_id: str) -> None:
-        """Close the ledger file of ``session_id`` kept open, if one is."""
+    def release(self, session_id: str) -> None:
+        """Close the ledger file of ``session_id`` kept open, if one is (the session ended: its file, deleted
+        meanwhile, is not held)."""
         kept = self._open.pop(session_id, None)
         if kept is not None:
             _close(kept.fd)

@@ -141,6 +141,21 @@ def test_the_last_sessions_files_stay_open_bounded_and_close_closes_them(tmp_pat
     store.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to list the open files")
+async def test_a_session_that_ends_and_a_proxy_that_stops_close_their_ledger_files(start_proxy) -> None:
+    async with start_proxy([TEXT_STEP, TEXT_STEP]) as rp:
+        store = rp.pipeline.store
+        for sid in ("one", "two"):
+            reply, _ = await raw_stream(rp.url + f"/s/{sid}", "chat", request_body("chat"))
+            assert reply.status_code == 200
+        assert sorted(open_ledgers(store)) == [str(store.ledger_path("one")), str(store.ledger_path("two"))]
+        pipeline = rp.pipeline
+        pipeline.sessions.touch("two", pipeline.clock() + 1e9)  # "one" idle past session_idle_s: evicted
+        assert open_ledgers(store) == [str(store.ledger_path("two"))]
+    assert open_ledgers(store) == []
+    assert [r["status"] for r in store.read_ledger("two")] == [200]
+
+
 def test_each_line_goes_to_the_file_the_path_names_now(tmp_path) -> None:
     store = Store(tmp_path / "state")
     assert store.append_ledger("s1", {"n": 1})

@@ -211,8 +211,7 @@ class Pipeline:
         self.learning = Learning(config.supervisor.learning, memory_store(
             config.supervisor.learning, store.root if store is not None and self.supervised else None, backend),
                                  self.supervisor.mutating_tools)
-        if self.learning.on:
-            self.sessions.on_end = self._end_learning
+        self.sessions.on_end = self._ended
         self.breakers = breakers_for(config, backend if store is not None else None)
         self.web = WebView(config, self.sessions, store if self.supervised else None, self.clock, backend,
                            self.states)
@@ -240,6 +239,14 @@ class Pipeline:
             self.backend.close()
         if self.store is not None:
             self.store.close()
+
+    def _ended(self, session: Session) -> None:
+        """The session left the session table (idle, or the oldest beyond its bound): its ledger file closed, its
+        learning ended."""
+        if self.store is not None:
+            self.store.release(session.id)
+        if self.learning.on:
+            self._end_learning(session)
 
     def _end_learning(self, session: Session) -> None:
         """The session ended (evicted, ``wrap``'s agent exited, the proxy stopping): its learning's last distill,
