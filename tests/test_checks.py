@@ -3,11 +3,13 @@ inspection-command table, check commands, searches and harness re-prompts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.detectors.checks import (FAILED, PASSED, _candidates, _classify, _clean, is_check_command,
+from proxyvisor.detectors.checks import (_COUNT, FAILED, PASSED, _candidates, _classify, _clean, is_check_command,
                                          is_inspection, is_search, last_line, summary, runner_missing, piped_check)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
 from proxyvisor.transcript import ToolOutput, ToolUse
@@ -339,6 +341,22 @@ def test_the_lines_searched_for_a_summary_hold_every_summary_line(lines: list[st
     classifies as a summary line, however the lines run into each other."""
     cleaned = [_clean(line) for line in lines]
     assert {n for n, line in enumerate(cleaned) if _classify(line, linters) is not None} <= set(_candidates(cleaned))
+
+
+COUNT_WORDS = ("failed failing failures errors errored passed passing passes ok succeeded skipped skips pending xfailed "
+               "xpassed deselected warnings todo broken flaky ignored measured filtered_out rerun total examples runs "
+               "assertions tests_completed tests_run tests specs suites").split()
+
+
+@pytest.mark.parametrize("word", [w.replace("_", " ") for w in COUNT_WORDS])
+def test_a_count_word_is_read_in_every_case_form_of_its_first_letter(word: str) -> None:
+    """Every character re.I equates with a count word's first letter (the long s, the dotted and dotless i, the
+    Kelvin sign...) starts that word, and no other character does."""
+    for code in [*range(0x250), 0x130, 0x131, 0x17F, 0x212A]:
+        first = chr(code)
+        found = _COUNT.search(f"3 {first}{word[1:]}")
+        same = re.fullmatch(re.escape(word[0]), first, re.I) is not None
+        assert (found is not None and found.group(2) == first + word[1:]) == same, (word, hex(code))
 
 
 def test_a_count_and_a_count_word_on_two_lines_are_no_summary() -> None:
