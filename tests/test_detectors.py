@@ -354,6 +354,22 @@ def test_result_digest_masks_volatile_fields_but_not_counts() -> None:
     assert result_digest("processed 45/100") != result_digest("processed 46/100")
 
 
+@pytest.mark.parametrize(("one", "other", "same"), [
+    ("0x7f3a2b", "0x11", True),  # a field at the very start of the text
+    ("12:00:01 5ms 0xab", "13:14:15 7ms 0xcd", True),  # fields one character apart
+    ("took 5ms", "took 6ms", True),
+    ("a0x7f", "a0x11", False),  # after a letter, a digit or an underscore a field does not start
+    ("_12:00:01", "_13:14:15", False),
+    ("id9f3a2b1c", "id9f3a2b1d", False),
+    ("\u00e90x7f", "\u00e90x11", True),  # any other character may precede one
+    ("x\n2025-12-01 04:48", "x\n2025-12-02 05:00", True),
+    ("deadbeef-dead-beef-dead-beefdeadbeef", "cafebabe-cafe-babe-cafe-babecafebabe", True),
+])
+def test_result_digest_masks_fields_where_they_start(one: str, other: str, same: bool) -> None:
+    assert (result_digest(one) == result_digest(other)) is same
+    assert (result_digest(f"[{one}]") == result_digest(f"[{other}]")) is same
+
+
 # ---- incremental updates and rebuilds -------------------------------------------------------------------------
 
 def test_incremental_updates_equal_one_batch() -> None:
