@@ -115,6 +115,22 @@ async def test_a_body_that_trickles_past_the_deadline_gets_408_in_the_clients_fo
         assert rp.scripted["scripted"].requests == []
 
 
+@MODES
+async def test_the_time_a_client_takes_to_send_its_body_is_not_proxy_overhead(supervised: bool, start_proxy) -> None:
+    """A body sent in two writes 0.6 s apart: the answer's overhead header (the ledger's figure too) counts from the
+    body's last byte, so the client's pause, time proxyvisor did not add, is not in it."""
+    body = orjson.dumps(request_body("chat"))
+    async with start_proxy(supervised=supervised) as rp:
+        stream = await connect(rp.port)
+        await stream.send_all(head("chat", len(body), ("connection", "close")) + body[:10])
+        await trio.sleep(0.6)
+        await stream.send_all(body[10:])
+        events = await responses_until_eof(stream)
+        status, _ = final(events)
+        headers = dict(next(e for e in events if isinstance(e, h11.Response)).headers)
+        assert status == 200 and float(headers[b"x-proxyvisor-overhead-ms"]) < 300
+
+
 def keep_alive_only(fmt: str):
     """An upstream that sends the first event of a ``fmt`` stream, then only `: ping` comments, forever."""
     first = BY_NAME[fmt].render_stream(AssistantTurn("hello"), MODEL, request_body(fmt, stream=True))[0]

@@ -271,7 +271,7 @@ class Pipeline:
         if not any(name == OVERHEAD_HEADER for name, _ in response.headers):
             # An answer proxyvisor made itself (an error, health) spent all its time here. A new list: the
             # headers may be a shared constant.
-            response.headers = response.headers + [(OVERHEAD_HEADER, _ms(time.perf_counter() - request.received_at))]
+            response.headers = response.headers + [(OVERHEAD_HEADER, _ms(request.since_body))]
         return response
 
     async def _route(self, request: Request) -> Response:
@@ -429,7 +429,7 @@ class Pipeline:
         except LedgerError as exc:
             status, failure = 500, str(exc)
             response = error(fmt, status, f"proxyvisor {command}: {exc}")
-        self._account(session, fmt, body, request, status, Usage(0, 0), time.perf_counter() - request.received_at,
+        self._account(session, fmt, body, request, status, Usage(0, 0), request.since_body,
                       failure, local=command)
         return response
 
@@ -605,7 +605,7 @@ class Pipeline:
     def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                  session: Session | None, exchange: Exchange | None = None) -> Response:
         waited = reply.upstream_s + (exchange.record.model.time_s if exchange is not None else 0.0)
-        overhead = max(0.0, time.perf_counter() - request.received_at - waited)
+        overhead = max(0.0, request.since_body - waited)
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
         if not reply.streaming:
             assert isinstance(reply.body, bytes)

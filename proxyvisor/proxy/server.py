@@ -65,6 +65,9 @@ class Request:
     pieces as they are, so a body it only forwards is never copied; :attr:`body` joins them, once."""
     received_at: float = 0.0
     """``time.perf_counter()`` when the request head was parsed (s)."""
+    body_at: float = 0.0
+    """``time.perf_counter()`` when the body was read whole, or refused (s); 0 for a request the server did not
+    read (one made in process)."""
     too_large: bool = False
     """The body exceeded the server's limit and was not read; ``body`` is empty."""
     too_slow: bool = False
@@ -78,6 +81,12 @@ class Request:
         if not isinstance(self.content, bytes):
             self.content = b"".join(self.content)
         return self.content
+
+    @property
+    def since_body(self) -> float:
+        """Seconds since the body was whole (since the head for a request made in process). The proxy overhead is
+        counted from there: the time a client takes to send its body is not time proxyvisor added."""
+        return time.perf_counter() - max(self.received_at, self.body_at)
 
     @property
     def path(self) -> str:
@@ -304,6 +313,7 @@ class Connection:
                                   list(event.headers), received_at=time.perf_counter(), peer=self.peer)
                 if not await self._read_body(request):
                     return
+                request.body_at = time.perf_counter()
                 await self._respond(request)
                 if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is h11.MUST_CLOSE:
                     return
