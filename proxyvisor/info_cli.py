@@ -40,8 +40,9 @@ _INFO_FALLBACK = """\
   ledger is written as it works, so no --url is needed for it either).
 """
 _PLAN_FALLBACK = """\
-  When no proxy answers there, plan exits 1: a plan lives only in the memory of the proxy that
-  serves the session, never in the state directory.
+  When no proxy answers there, plan exits 1: a plan is asked of the proxy that serves the session
+  (the proxy keeps it in the state directory's sessions/ store across restarts; this command does
+  not read that store).
 """
 _SESSION = """\
 SESSION:
@@ -278,9 +279,9 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
 def session_plan(config: Config, session: str | None = None, url: str | None = None,
                  url_option: str = "--url") -> tuple[dict[str, Any] | None, str | None, str]:
     """``(the /plan object, its session, "")`` of ``session`` (default: the most recently active one) from the
-    proxy at ``url`` (:func:`proxy_url`); ``(None, the session or None, why)`` when no proxy answers, for a plan lives
-    only in the memory of the proxy that serves the session (``why`` names ``url_option`` as the way to give an
-    address). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
+    proxy at ``url`` (:func:`proxy_url`); ``(None, the session or None, why)`` when no proxy answers, for a plan is
+    asked of the proxy that serves the session, which alone reads its stored copy (``why`` names ``url_option`` as
+    the way to give an address). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
 
     Raises:
         Refused: the proxy refused or knows no such session.
@@ -290,9 +291,9 @@ def session_plan(config: Config, session: str | None = None, url: str | None = N
     if plan is not None:
         return plan, session, ""
     session = session or _latest(config)[1]
-    return None, session, (f"no proxy answers at {url}: a plan lives only in the memory of the proxy that serves "
-                           f"the session{f' ({session})' if session else ''}. Start it, or give its address with "
-                           f"{url_option}.")
+    return None, session, (f"no proxy answers at {url}: a plan is asked of the proxy that serves the session"
+                           f"{f' ({session})' if session else ''} (it keeps the plan across restarts). Start it, or "
+                           f"give its address with {url_option}.")
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:

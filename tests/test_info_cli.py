@@ -121,7 +121,7 @@ async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys
     assert code == 1 and out == "" and "no ledger for session 'third'" in err
 
     code, out, err = await cli(capsys, "plan", "--url", url, "--state-dir", str(state))
-    assert code == 1 and out == "" and "a plan lives only in the memory of the proxy" in err and "(second)" in err
+    assert code == 1 and out == "" and "a plan is asked of the proxy that serves the session" in err and "(second)" in err
     assert err.startswith(f"proxyvisor plan: no proxy answers at {url}")  # worded as info words it
     code, out, _ = await cli(capsys, "plan", "--url", url, "--state-dir", str(state), "--json")
     assert code == 1 and json.loads(out)["plan"] is None

@@ -109,7 +109,7 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
         error, info, _ = await call(client, "session_info")
         assert not error and (info["session"], info["requests"], info["live"]) == (SESSION, 2, None)
         error, _, text = await call(client, "session_plan")
-        assert error and "a plan lives only in the memory of the proxy that serves the session" in text
+        assert error and "a plan is asked of the proxy that serves the session" in text
         assert f"({SESSION})" in text
 
     async with server(config, state_dir) as client:  # no wrap: the most recently active session
