@@ -290,6 +290,18 @@ def test_huge_arguments_are_digested_without_trouble() -> None:
     ("Traceback (most recent call last):\n  File x\nNameError: y", False, False),  # explicit success
     ("line\n" * 5000 + "Traceback (most recent call last):", None, True),  # the tail is read
     ("Traceback (most recent call last)" .join(["x" * 1000] * 2), None, False),  # the middle is not
+    ("\u2713 caf\u00e9 built\nExit code 0\nerror: noted", None, False),  # non-ASCII text: its status is read
+    ("\u2713 caf\u00e9 built\nexit code 3", None, True),
+    ("\u2713 caf\u00e9 built\nRETURN CODE = 2", None, True),
+    ("\u2713 EX\u0130T CODE 6", None, True),  # re.I reads the dotted and the dotless i as an i
+    ("caf\u00e9 ex\u0131t code 7", None, True),
+    ("caf\u00e9 EX\u0130T CODE 0\nerror: noted", None, False),
+    ("\u2713 caf\u00e9 built", None, False),
+    ("run<returncode>3</returncode>", None, True),  # a returncode tag anywhere
+    ("preexit code 1\nreexited with code 1\nnoreturn code 1", None, False),  # "exit", "return": at a word's start
+    ('{"exit_code": 2}', None, True),
+    ("EXIT_CODE=0\nerror: noted", None, False),
+    ("Exited With Status: 4", None, True),
 ])
 def test_error_status(output: str, is_error: bool | None, expected: bool) -> None:
     assert failed(ToolOutput("c", output, is_error)) is expected

@@ -66,12 +66,16 @@ _SHELL_WRITE = re.compile(
     r"(?:pip3?|uv\s+pip|npm|pnpm|yarn|apt(?:-get)?|brew|cargo|go)\s+(?:install|add|i|uninstall|remove)|"
     r"make\s+install)(?=\s|$|;)"
     r"|(?<![0-9&>])>>?\s*(?!&|/dev/null)[^\s&|;>]", re.M)
-# The look-ahead names the branches' first characters, so a position that starts none of them is given up after one
-# test instead of four branches (a third of the cost; the engine still tries every position: a pattern that starts
-# with a look-ahead gets no first-character scan in C).
+# The branches are "<returncode>...", and "exit..." or "return..." at a word's start (any case). The pattern takes
+# their first character first, from a case-exact class (under re.I the engine would not use it), so the engine skips
+# in C to the next "<", "e" or "r" instead of trying every position; each branch then starts with its second
+# character's case-exact class, which the engine tests before entering the branch (most "e"s and "r"s of prose go
+# no further), and says with look-behinds which first character it took and that a word starts there.
 _EXIT = re.compile(
-    r"(?=[<er])(?:<returncode>\s*(-?\d+)\s*</returncode>|\bexit(?:ed)?(?: with)?(?: status| code)\s*[:=]?\s*(-?\d+)"
-    r"|\breturn ?code\s*[:=]?\s*(-?\d+)|\bexit_code[\"']?\s*[:=]\s*(-?\d+))", re.I)
+    r"(?-i:[<eErR])(?:(?-i:[rR])(?<=<.)eturncode>\s*(-?\d+)\s*</returncode>"
+    r"|(?-i:[xX])(?<=e.)(?<!\w..)it(?:ed)?(?: with)?(?: status| code)\s*[:=]?\s*(-?\d+)"
+    r"|(?-i:[eE])(?<=r.)(?<!\w..)turn ?code\s*[:=]?\s*(-?\d+)"
+    r"|(?-i:[xX])(?<=e.)(?<!\w..)it_code[\"']?\s*[:=]\s*(-?\d+))", re.I)
 # Error markers, in two patterns the engine can skip through in C: phrases anywhere (each starts with a literal;
 # "error(s)" at a word start), and, found by the newline before them, line starts.
 _ERROR_PHRASES = re.compile(
