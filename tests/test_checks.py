@@ -103,9 +103,19 @@ def test_a_runner_summary_line_says_passed_or_failed(line: str, outcome: str) ->
     "All checks passed!",  # a linter's line, from a command that is no linter
     "Found 3 errors.",
     "everything works",
+    "3 passed and more", "3 passed band 1 failed", "3 passed, and_ 1 failed",
 ])
 def test_lines_that_are_no_runner_summary(line: str) -> None:
     assert summary(f"output\n{line}\n") is None
+
+
+@pytest.mark.parametrize(("line", "outcome"), [
+    ("3 passed AND 1 failed", FAILED), ("(3 passed), 1 skipped | 0 failed;", PASSED), ("3 passed, and", PASSED),
+    ("3 passed\t\u2003in 0.2s", PASSED), ("and 3 passed", PASSED),
+])
+def test_a_count_line_is_counts_timings_and_separators_only(line: str, outcome: str) -> None:
+    found = summary(f"output\n{line}\n")
+    assert found is not None and found.outcome == outcome
 
 
 @pytest.mark.parametrize(("line", "outcome"), [

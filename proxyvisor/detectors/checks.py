@@ -111,7 +111,9 @@ _FAIL_WORDS = ("fail", "error", "broken")
 _PASS_WORDS = ("pass", "ok", "succeeded")
 _TOTAL_WORDS = ("total", "example", "run", "test", "spec", "suite", "completed")
 _TIMING = re.compile(r"\(\s*[\d:.]+\s*\w*\s*\)|\bin\s+[\d.]+\s*\w*|\b[\d.]+\s*m?s\b", re.I)
-_SEPARATORS = re.compile(r"\band\b|[\s,;|()]+", re.I)
+_SEPARATED = re.compile(r"(?:\band\b|[\s,;|()])*", re.I)
+"""Nothing but separators (the word "and", whitespace, commas, semicolons, bars, parentheses). Matched whole, it
+gives up at a line's first other character (removing the separators and looking at what was left read it all)."""
 _LABEL = re.compile(r"^(?:[^:\d][^:]{0,39}:\s*|(?:test files|test suites|tests?)\s{2,})", re.I)
 """A count line's label: up to a colon ("Tests:", "test result:"), or vitest's column labels ("Test Files  ")."""
 
@@ -136,8 +138,7 @@ def _counts(line: str) -> str | None:
     found = _COUNT.findall(line)
     if not found:
         return None
-    rest = _SEPARATORS.sub("", _TIMING.sub(" ", _COUNT.sub(" ", _LABEL.sub("", line))))
-    if rest:
+    if not _SEPARATED.fullmatch(_TIMING.sub(" ", _COUNT.sub(" ", _LABEL.sub("", line)))):
         return None
     failed = passed = total = False
     fail_word = False
