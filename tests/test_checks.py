@@ -369,6 +369,12 @@ def test_a_count_word_is_read_in_every_case_form_of_its_first_letter(word: str) 
         assert (found is not None and found.group(2) == first + word[1:]) == same, (word, hex(code))
 
 
+def test_the_candidate_lines_are_numbered_from_the_first() -> None:
+    assert _candidates(["3 passed", "a", "", "FAILED (errors=1)", "b 2 failed, 1 passed", "ok"]) == [4, 3, 0]
+    assert _candidates(["x"] * 300 + ["BUILD SUCCESS", "1 passed"]) == [301, 300]
+    assert _candidates(["nothing", "here"]) == []
+
+
 def test_a_count_and_a_count_word_on_two_lines_are_no_summary() -> None:
     assert summary("build 3\npassed the check\n") is None
     assert summary("build 3\n5 passed in 0.1s\n").outcome == PASSED

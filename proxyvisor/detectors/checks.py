@@ -31,10 +31,8 @@ Pure functions; no I/O.
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import accumulate
 
 PASSED, FAILED, NONE = "passed", "failed", "none"
 """Check outcomes: a check that passed, one that failed, no check."""
@@ -282,10 +280,21 @@ def _candidates(lines: list[str]) -> list[int]:
     :func:`_classify`). Two searches over the lines joined, instead of two per line: a match in one line is
     a match in the joined text (where ``\\s`` may also run on over a newline into the next line, and so find more)."""
     text = "\n" + "\n".join(lines)
-    starts = list(accumulate((len(line) + 1 for line in lines), initial=0))
-    found = {bisect_right(starts, m.start()) - 1 for m in _ROW_AT.finditer(text)}
-    found.update(bisect_right(starts, m.start()) - 1 for m in _COUNT.finditer(text))
+    found = set(_line_numbers(text, _ROW_AT.finditer(text)))
+    found.update(_line_numbers(text, _COUNT.finditer(text)))
     return sorted(found, reverse=True)
+
+
+def _line_numbers(text: str, matches: Iterable[re.Match[str]]) -> Iterator[int]:
+    """The line (0 for the first, after the newline ``text`` starts with) each of ``matches`` (in ``text``, in order)
+    starts in: the newlines up to its first character, counted on from the previous match's (a few matches in
+    most outputs: no table of every line's start)."""
+    line, counted = -1, 0
+    for match in matches:
+        start = match.start() + 1
+        line += text.count("\n", counted, start)
+        counted = start
+        yield line
 
 
 def _classify(line: str, linters: bool = True) -> tuple[str, str | None] | None:
