@@ -224,7 +224,8 @@ def failed(output: ToolOutput | None, command: str | None = None) -> bool:
     text = output.text
     edges = text if len(text) <= 2 * _EDGE else text[:_EDGE] + "\n" + text[-_EDGE:]
     status = _exit_status(edges)
-    if command is not None and checks.is_search(command) and _found_nothing(output, status):
+    # The output first: it rules out most results at once, where telling a search reads the whole command.
+    if command is not None and _found_nothing(output, status) and checks.is_search(command):
         return False
     if output.is_error:
         return True
