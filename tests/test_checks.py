@@ -104,6 +104,7 @@ def test_a_runner_summary_line_says_passed_or_failed(line: str, outcome: str) ->
     "Found 3 errors.",
     "everything works",
     "3 passed and more", "3 passed band 1 failed", "3 passed, and_ 1 failed",
+    "   12  examples of prose", "3 xfailed, 2 xpassed in 0.1s", "4 tests, 2 todo",
 ])
 def test_lines_that_are_no_runner_summary(line: str) -> None:
     assert summary(f"output\n{line}\n") is None

@@ -108,6 +108,7 @@ the pattern's cost). Within a group the words keep their order, so the same word
 _FAIL_WORDS = ("fail", "error", "broken")
 _PASS_WORDS = ("pass", "ok", "succeeded")
 _TOTAL_WORDS = ("total", "example", "run", "test", "spec", "suite", "completed")
+_OUTCOME_WORDS = _FAIL_WORDS + _PASS_WORDS
 _TIMING = re.compile(r"\(\s*[\d:.]+\s*\w*\s*\)|\bin\s+[\d.]+\s*\w*|\b[\d.]+\s*m?s\b", re.I)
 _SEPARATED = re.compile(r"(?:\band\b|[\s,;|()])*", re.I)
 """Nothing but separators (the word "and", whitespace, commas, semicolons, bars, parentheses). Matched whole, it
@@ -133,17 +134,17 @@ class Summary:
 def _counts(line: str) -> str | None:
     """The outcome of a count line ("1 failed, 2 passed in 0.3s", "Tests: 1 failed, 3 total", "5 examples, 0
     failures"), None when the line is not one or counts neither passes nor failures."""
-    found = _COUNT.findall(line)
-    if not found:
+    # Not pytest's xfailed / xpassed: expected outcomes, neither a pass nor a failure.
+    found = [(number, word.lower()) for number, word in _COUNT.findall(line) if word[0] not in "xX"]
+    # Only a count of failures or passes gives an outcome (below): a line without one (a line number before prose
+    # that starts with "example" or "todo") is none, whatever else is on it, and need not be read further.
+    if not any(w in word for _, word in found for w in _OUTCOME_WORDS):
         return None
     if not _SEPARATED.fullmatch(_TIMING.sub(" ", _COUNT.sub(" ", _LABEL.sub("", line)))):
         return None
     failed = passed = total = False
     fail_word = False
     for number, word in found:
-        word = word.lower()
-        if word.startswith("x"):  # pytest's xfailed / xpassed: expected outcomes, neither a pass nor a failure
-            continue
         if any(w in word for w in _FAIL_WORDS):
             fail_word = True
             failed = failed or int(number) > 0
