@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.detectors.checks import (_COUNT, FAILED, PASSED, _candidates, _classify, _clean, is_check_command,
+from proxyvisor.detectors.checks import (_COUNT, FAILED, PASSED, Summary, _candidates, _classify, _clean, is_check_command,
                                          is_inspection, is_search, last_line, summary, runner_missing, piped_check)
 from proxyvisor.detectors.receipts import failed, is_reprompt, receipt
 from proxyvisor.transcript import ToolOutput, ToolUse
@@ -368,6 +368,17 @@ def test_a_count_word_is_read_in_every_case_form_of_its_first_letter(word: str) 
         found = _COUNT.search(f"3 {first}{word[1:]}")
         same = re.fullmatch(re.escape(word[0]), first, re.I) is not None
         assert (found is not None and found.group(2) == first + word[1:]) == same, (word, hex(code))
+
+
+def test_a_count_of_thousands_of_digits_is_read() -> None:
+    """int() refuses more than 4,300 digits: such a count in an output's tail is read all the same."""
+    assert summary("x\n" + "1" * 5000 + " passed\n") == Summary(PASSED, "1" * 299 + "\u2026")
+    assert summary("x\n" + "0" * 5000 + " failed, 1 passed\n").outcome == PASSED
+    assert summary("x\nFound " + "0" * 5000 + " errors\n", True).outcome == PASSED
+    assert summary("x\n\u0660\u0661 failed\n").outcome == FAILED  # digits of any script
+    assert summary("x\n\u0660\u0660 failed, 1 passed\n").outcome == PASSED
+    use = ToolUse("c", "Bash", {"command": "pytest -q"})
+    assert receipt(use, ToolOutput("c", "9" * 5000 + " failed in 1s"), None).check == FAILED
 
 
 def test_the_candidate_lines_are_numbered_from_the_first() -> None:

@@ -31,6 +31,7 @@ Pure functions; no I/O.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -131,6 +132,12 @@ class Summary:
     line: str
 
 
+def _above_zero(number: str) -> bool:
+    """Whether ``number`` (decimal digits, of any script) is above zero. Read digit by digit: int() refuses a number
+    of more than 4,300 digits, which an output can show."""
+    return any(unicodedata.decimal(digit) for digit in number)
+
+
 def _counts(line: str) -> str | None:
     """The outcome of a count line ("1 failed, 2 passed in 0.3s", "Tests: 1 failed, 3 total", "5 examples, 0
     failures"), None when the line is not one or counts neither passes nor failures."""
@@ -147,11 +154,11 @@ def _counts(line: str) -> str | None:
     for number, word in found:
         if any(w in word for w in _FAIL_WORDS):
             fail_word = True
-            failed = failed or int(number) > 0
+            failed = failed or _above_zero(number)
         elif any(w in word for w in _PASS_WORDS):
-            passed = passed or int(number) > 0
+            passed = passed or _above_zero(number)
         elif any(w in word for w in _TOTAL_WORDS):
-            total = total or int(number) > 0
+            total = total or _above_zero(number)
     if failed:
         return FAILED
     if passed or (total and fail_word):
@@ -173,7 +180,7 @@ def _by_group(failing: str) -> Rule:
 
 
 def _nonzero(match: re.Match[str]) -> str:
-    return FAILED if any(int(g) for g in match.groups() if g and g.isdigit()) else PASSED
+    return FAILED if any(_above_zero(g) for g in match.groups() if g and g.isdigit()) else PASSED
 
 
 SUMMARIES: tuple[tuple[str, re.Pattern[str], Rule, str | None], ...] = (
