@@ -69,6 +69,7 @@ class ProxyConfig(Table, frozen=True):
     request_body_deadline_s: Seconds = 300.0
     keepalive_timeout_s: Seconds = 75.0
     max_stream_s: Amount = 3600.0  # 0 = no limit
+    shutdown_grace_s: Amount = 10.0  # 0 = end streams at once
 
 
 class UpstreamConfig(Table, frozen=True):

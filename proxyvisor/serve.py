@@ -69,11 +69,23 @@ async def _serve(config: Config) -> None:
                   "proxyvisor: [telemetry] otlp_endpoint is set, but with supervision off nothing is traced",
                   file=sys.stderr, flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                print("proxyvisor: shutting down", file=sys.stderr)
-                for notice in stop_notices(proxy):
-                    print(notice, file=sys.stderr)
-                return
+            await anext(signals)
+            grace = config.proxy.shutdown_grace_s
+            busy = proxy.stopping.responding
+            print(f"proxyvisor: shutting down: not accepting connections; requests in flight: {busy}, given up to "
+                  f"{grace:g} s to finish ([proxy] shutdown_grace_s; signal again to stop at once)",
+                  file=sys.stderr, flush=True)
+            async with trio.open_nursery() as nursery:
+                async def stop_at_once() -> None:
+                    await anext(signals)
+                    print("proxyvisor: stopping at once", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(stop_at_once)
+                await proxy.drain(grace)
+                nursery.cancel_scope.cancel()
+            for notice in stop_notices(proxy):
+                print(notice, file=sys.stderr)
 
 
 def serve(config: Config) -> int:

@@ -177,6 +177,9 @@ class Pipeline:
         self.clock = clock
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.bodies = BodyCache()
+        self.stopped = False
+        """The proxy's shutdown grace ran out (``RunningProxy.drain``): each stream still relaying ends at its next
+        piece with the format's error event, and what is cut is recorded as cut by the proxy's stop."""
         if backend is None and store is not None:
             backend = DiskBackend(store.root)
         self.backend = backend
@@ -667,8 +670,10 @@ class Pipeline:
             async for chunk in chunks:
                 # Checked per piece, not with a cancel scope per wait (which cost ~10 us a piece): a stream kept
                 # alive by pings ends at the first piece past the deadline, and a silent one at idle_timeout_s.
-                if trio.current_time() > deadline:
-                    failure = UpstreamError(504, f"stream exceeded {limit:g} s ([proxy] max_stream_s)")
+                if trio.current_time() > deadline or self.stopped:
+                    failure = UpstreamError(503, "the proxy stopped before the stream ended "
+                                                 "([proxy] shutdown_grace_s)") if self.stopped else \
+                        UpstreamError(504, f"stream exceeded {limit:g} s ([proxy] max_stream_s)")
                     await close(chunks)  # the upstream's connection is closed, not left to the collector
                     break
                 if parser is not None:
@@ -712,7 +717,8 @@ class Pipeline:
             ended = True
         finally:
             if session is not None:
-                message = failure.message if failure else None if ended else "client disconnected mid-stream"
+                message = failure.message if failure else None if ended else \
+                    "the proxy stopped mid-stream" if self.stopped else "client disconnected mid-stream"
                 turn, shown = None, None
                 # Unsupervised, nothing of the stream was read: there is no answer to estimate or record.
                 if reply.status < 400 and self.supervised:

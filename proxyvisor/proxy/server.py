@@ -139,6 +139,35 @@ AFTER_S = 5.0
 the client left or the server stops too), so a step that hung would hold the connection and the server's stop."""
 
 
+class Stopping:
+    """A server's drain, shared by its connections: once :meth:`begin` is called the server accepts no connection,
+    closes the connections waiting for their next request, answers a request that arrives anyway with
+    ``connection: close``, and closes each connection once its response is done."""
+
+    def __init__(self) -> None:
+        self.begun = trio.Event()
+        self.responding = 0
+        """Responses in flight (a handler running or its response being written)."""
+        self._quiet = trio.Event()
+        self.idle: set[Connection] = set()
+
+    def begin(self) -> None:
+        self.begun.set()
+        for connection in list(self.idle):
+            connection.close_idle()
+        if not self.responding:
+            self._quiet.set()
+
+    async def quiet(self) -> None:
+        """Return once the drain has begun and no response is in flight."""
+        await self._quiet.wait()
+
+    def response_done(self) -> None:
+        self.responding -= 1
+        if not self.responding and self.begun.is_set():
+            self._quiet.set()
+
+
 class _ClientGone(Exception):
     pass
 
@@ -150,8 +179,10 @@ class AbortConnection(Exception):
 class Connection:
     """One client connection: reads requests, runs the handler, writes responses, until either side closes."""
 
-    def __init__(self, stream: trio.abc.Stream, handler: Handler, limits: Limits, peer: str = "") -> None:
+    def __init__(self, stream: trio.abc.Stream, handler: Handler, limits: Limits, peer: str = "",
+                 stopping: Stopping | None = None) -> None:
         self.stream = stream
+        self.stopping = stopping or Stopping()
         self.handler = handler
         self.limits = limits
         self.peer = peer
@@ -237,6 +268,11 @@ class Connection:
             await trio.sleep(delay)
             delay *= 2
 
+    def close_idle(self) -> None:
+        """The server drains while this connection waits for a request: close it (its serving task ends)."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
     async def _take(self) -> Bytes:
         """The client's next bytes that h11 has not been given: those pending, else the reader's next read; empty at
         the client's EOF."""
@@ -300,6 +336,13 @@ class Connection:
             while True:
                 timeout = self.limits.header_timeout_s if first else self.limits.keepalive_timeout_s
                 first = False
+                stopping = self.stopping
+                if stopping.begun.is_set():
+                    return
+                # Idle while nothing of the next request has arrived: a drain closes the connection then.
+                idle = not self._pending and not self.conn.trailing_data[0]
+                if idle:
+                    stopping.idle.add(self)
                 try:
                     event = await self._next_event(timeout)
                 except trio.TooSlowError:
@@ -307,6 +350,9 @@ class Connection:
                 except h11.RemoteProtocolError as exc:
                     await self._bad_request(exc)
                     return
+                finally:
+                    if idle:
+                        stopping.idle.discard(self)
                 if isinstance(event, h11.ConnectionClosed) or not isinstance(event, h11.Request):
                     return
                 request = Request(event.method.decode("ascii", "replace"), event.target.decode("latin-1"),
@@ -421,6 +467,7 @@ class Connection:
 
     async def _respond(self, request: Request) -> None:
         gone = False
+        self.stopping.responding += 1
         with trio.CancelScope() as scope:
             # Clients do not send while awaiting a response (no pipelining in practice): the reader sees only an EOF
             # or a reset, and tells them apart (_tell_apart).
@@ -435,6 +482,7 @@ class Connection:
                 gone = True
             finally:
                 self._handling = None
+                self.stopping.response_done()
         if gone or self._gone:
             raise _ClientGone()
 
@@ -449,7 +497,8 @@ class Connection:
     async def _write(self, request: Request, response: Response) -> None:
         body = response.body
         headers = list(response.headers)
-        if request.too_large or request.too_slow:  # the rest of its body may still come: no next request
+        # The rest of its body may still come, or the server drains: no next request.
+        if request.too_large or request.too_slow or self.stopping.begun.is_set():
             headers.append((b"connection", b"close"))
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):
@@ -484,9 +533,12 @@ async def _after(step: Callable[[], Awaitable[None]]) -> None:
 
 
 async def serve_listeners(
-        listeners: list[trio.SocketListener], handler: Handler, limits: Limits,
+        listeners: list[trio.SocketListener], handler: Handler, limits: Limits, stopping: Stopping | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Accept connections on ``listeners`` forever; each connection runs in its own task of one nursery."""
+    """Accept connections on ``listeners``, each connection in its own task of one nursery, until ``stopping``
+    begins (:class:`Stopping`; without one, forever); then close the listeners (a load balancer moves on at once)
+    and return once every connection is done."""
+    stopping = stopping or Stopping()
 
     async def handle(stream: trio.SocketStream) -> None:
         try:
@@ -494,11 +546,19 @@ async def serve_listeners(
         except OSError:
             peer = ""
         try:
-            await Connection(stream, handler, limits, peer).serve()
+            await Connection(stream, handler, limits, peer, stopping).serve()
         except Exception:  # noqa: BLE001 - one broken connection must never take the server down
             log.exception("connection from %s failed", peer)
 
-    await trio.serve_listeners(handle, listeners, task_status=task_status)
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as accepting:
+            await accepting.start(functools.partial(trio.serve_listeners, handle, listeners,
+                                                    handler_nursery=connections))
+            task_status.started(listeners)
+            await stopping.begun.wait()
+            accepting.cancel_scope.cancel()
+        for listener in listeners:
+            await listener.aclose()
 
 
 class CannotListen(OSError):

@@ -28,7 +28,7 @@ from ..store import Store
 from .pipeline import Pipeline
 from .relay import HttpRelay
 from .session_model import SUPPLIED, SupervisorRoutes
-from .server import Limits, bound_port, open_listeners, serve_listeners
+from .server import Limits, Stopping, bound_port, open_listeners, serve_listeners
 
 
 @dataclass
@@ -40,11 +40,33 @@ class RunningProxy:
     pipeline: Pipeline
     scripted: dict[str, ScriptedUpstream] = field(default_factory=dict)
     scripted_urls: dict[str, str] = field(default_factory=dict)
+    stopping: Stopping = field(default_factory=Stopping)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop the way a rolling upgrade needs (``serve`` on SIGTERM): accept no connection (the listener is
+        closed), close idle keep-alive connections, and let the responses in flight finish for up to ``grace_s``
+        seconds; then end each stream still relaying at its next piece with its format's error event
+        (:attr:`Pipeline.stopped`), waiting :data:`CUT_S` more for them. What still runs after that is cut when the
+        :func:`running` block exits. Cancelled (a second signal), it returns at once, the pipeline marked stopped."""
+        self.stopping.begin()
+        try:
+            with trio.move_on_after(grace_s):
+                await self.stopping.quiet()
+            self.pipeline.stopped = True
+            with trio.move_on_after(CUT_S):
+                await self.stopping.quiet()
+        finally:
+            self.pipeline.stopped = True
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+CUT_S = 0.5
+"""Seconds :meth:`RunningProxy.drain` waits, after the grace, for streams to end with their error event: a stream
+sees the stop at its upstream's next piece (a token stream sends several a second)."""
 
 
 def upstream_keys(config: Config, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
@@ -182,9 +204,10 @@ async def running(config: Config, port: int | None = None, store: Store | None =
         pipeline.background = nursery
         host = config.proxy.host
         listeners = await open_listeners(host, config.proxy.port if port is None else port)
-        await nursery.start(serve_listeners, listeners, pipeline, limits)
+        stopping = Stopping()
+        await nursery.start(serve_listeners, listeners, pipeline, limits, stopping)
         try:
-            yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls)
+            yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls, stopping)
         finally:
             nursery.cancel_scope.cancel()
             with trio.CancelScope(shield=True):

@@ -1,0 +1,136 @@
+"""Graceful shutdown of a real ``proxyvisor serve``: after SIGTERM it accepts no connection and closes idle
+keep-alive ones, lets a stream in flight finish within ``[proxy] shutdown_grace_s``, and ends one that outlasts
+the grace with the format's error event and a ledger line that says the proxy stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from helpers import request_body
+from test_reliability_crash import start_serve
+
+CHUNK_DELAY_MS = 10.0
+"""Between two events of the scripted upstream's stream: a step of N words streams for about N * 10 ms."""
+
+
+def _serve(tmp_path: Path, words: int, grace_s: float, idle: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """A proxy whose stream answers ``words`` words, after a short answer to the ``idle`` connection's request."""
+    script = tmp_path / "script.jsonl"
+    steps = [{"text": "done"}] * idle + [{"text": "word " * words}]
+    script.write_text("".join(json.dumps(step) + "\n" for step in steps))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[proxy]\nshutdown_grace_s = {grace_s}\n\n[state]\ndir = "{tmp_path / "state"}"\n\n'
+                      f'[upstreams.scripted]\nchunk_delay_ms = {CHUNK_DELAY_MS}\nscript = "{script}"\n')
+    return start_serve(config, tmp_path / "serve.log")
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _stream_until_sigterm(proc: subprocess.Popen[bytes], url: str) -> tuple[list[str], float, socket.socket]:
+    """Open an idle keep-alive connection (one answered request), start a stream, SIGTERM the proxy at its first
+    event, and check new connections are refused and the idle one is closed; (the stream's lines to its end, the
+    time of the signal, the idle connection)."""
+    idle = socket.create_connection(_address(url), timeout=5)
+    body = orjson.dumps(request_body("messages"))
+    idle.sendall(b"POST /s/idle/v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += idle.recv(65536)
+    with httpx.Client(base_url=url, timeout=15, trust_env=False) as client, \
+            client.stream("POST", "/s/drain/v1/messages", json=request_body("messages", stream=True)) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        first = [next(lines)]
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        refused = False
+        while not refused and time.monotonic() < signalled + 2:
+            try:
+                socket.create_connection(_address(url), timeout=1).close()
+                time.sleep(0.02)
+            except ConnectionRefusedError:
+                refused = True
+        assert refused, "the proxy still accepts connections 2 s after SIGTERM"
+        rest = list(lines)
+    return first + rest, signalled, idle
+
+
+def _idle_closed(idle: socket.socket) -> None:
+    idle.settimeout(3)
+    with idle:
+        data = b""
+        while chunk := idle.recv(65536):
+            data += chunk
+        assert b"HTTP/1.1" not in data  # closed: nothing more, no second response
+
+
+def _ledger_line(tmp_path: Path, session: str) -> dict[str, Any]:
+    lines = (tmp_path / "state" / "ledger" / f"{session}.jsonl").read_bytes().splitlines()
+    assert len(lines) == 1
+    line: dict[str, Any] = orjson.loads(lines[0])
+    return line
+
+
+def test_a_stream_in_flight_at_sigterm_completes_within_the_grace(tmp_path: Path) -> None:
+    proc, url = _serve(tmp_path, words=100, grace_s=5)
+    try:
+        lines, signalled, idle = _stream_until_sigterm(proc, url)
+        _idle_closed(idle)
+        assert proc.wait(6) == 0
+    finally:
+        proc.kill()
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[-1] == "message_stop" and "error" not in events
+    assert sum(line.count("word") for line in lines if line.startswith("data: ")) == 100
+    line = _ledger_line(tmp_path, "drain")
+    assert line["status"] == 200 and not line.get("error"), line
+
+
+def test_a_stream_outlasting_the_grace_ends_with_the_error_event(tmp_path: Path) -> None:
+    proc, url = _serve(tmp_path, words=1000, grace_s=0.5)
+    try:
+        lines, signalled, idle = _stream_until_sigterm(proc, url)
+        _idle_closed(idle)
+        proc.wait(max(0.0, signalled + 0.5 + 1 - time.monotonic()))
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, "the proxy did not exit within grace + 1 s"
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[-1] == "error" and "message_stop" not in events
+    assert "the proxy stopped" in lines[-1] or "the proxy stopped" in "\n".join(lines[-3:])
+    line = _ledger_line(tmp_path, "drain")
+    assert line["status"] == 503 and "the proxy stopped" in line["error"], line
+    assert "client disconnected" not in (tmp_path / "serve.log").read_text()
+
+
+def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
+    proc, url = _serve(tmp_path, words=1000, grace_s=30, idle=False)
+    try:
+        with httpx.Client(base_url=url, timeout=15, trust_env=False) as client, \
+                client.stream("POST", "/s/drain/v1/messages", json=request_body("messages", stream=True)) as reply:
+            lines = reply.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert proc.poll() is None  # draining: the stream goes on
+            proc.send_signal(signal.SIGINT)
+            signalled = time.monotonic()
+            assert proc.wait(5) == 0
+            assert time.monotonic() - signalled < 1
+    finally:
+        proc.kill()
+    assert "stopping at once" in (tmp_path / "serve.log").read_text()
+    assert "the proxy stopped" in _ledger_line(tmp_path, "drain")["error"]
