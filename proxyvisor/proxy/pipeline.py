@@ -81,8 +81,10 @@ log = logging.getLogger("proxyvisor.pipeline")
 
 _JSON: Headers = [(b"content-type", b"application/json")]
 OVERHEAD_HEADER = b"x-proxyvisor-overhead-ms"
-_CANCELLED = "cancelled before the answer: the client left (or proxyvisor stopped)"
-"""The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request")."""
+_CANCELLED = "cancelled before the answer: the client left"
+"""The ledger's error for a request cut off while upstream; its status is 499 (nginx's "client closed request").
+One the proxy's stop cut off (:attr:`Pipeline.stopped`) is recorded with :data:`_STOPPED` and status 503."""
+_STOPPED = "cancelled before the answer: the proxy stopped ([proxy] shutdown_grace_s)"
 AUTH_HEADER = "x-proxyvisor-auth"
 ADMIN_HEADER = "x-proxyvisor-admin"
 _HEAD = 4096
@@ -517,12 +519,18 @@ class Pipeline:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED, exchange)
+            self._account_cut(session, fmt, body, request, exchange)
             raise
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
                 exchange, await self._continued(exchange, reply))))
         return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
+
+    def _account_cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
+                     exchange: Exchange | None) -> None:
+        """Record a request cut off while upstream: by the client's leaving, or by the proxy's stop."""
+        self._account(session, fmt, body, request, 503 if self.stopped else 499, Usage(), 0.0,
+                      _STOPPED if self.stopped else _CANCELLED, exchange)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
@@ -536,7 +544,7 @@ class Pipeline:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            self._account(session, fmt, body, request, 499, Usage(), 0.0, _CANCELLED, exchange)
+            self._account_cut(session, fmt, body, request, exchange)
             raise
         if exchange is not None:
             reply = exchange.reply(await self._authorized(exchange, await self._gated(
