@@ -71,7 +71,7 @@ async def _serve(config: Config) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             await anext(signals)
             grace = config.proxy.shutdown_grace_s
-            busy = proxy.stopping.responding
+            busy = proxy.stopping.in_flight
             print(f"proxyvisor: shutting down: not accepting connections; requests in flight: {busy}, given up to "
                   f"{grace:g} s to finish ([proxy] shutdown_grace_s; signal again to stop at once)",
                   file=sys.stderr, flush=True)

@@ -146,8 +146,8 @@ class Stopping:
 
     def __init__(self) -> None:
         self.begun = trio.Event()
-        self.responding = 0
-        """Responses in flight (a handler running or its response being written)."""
+        self.in_flight = 0
+        """Requests in flight: from their head's arrival to their response's end."""
         self._quiet = trio.Event()
         self.idle: set[Connection] = set()
 
@@ -155,16 +155,16 @@ class Stopping:
         self.begun.set()
         for connection in list(self.idle):
             connection.close_idle()
-        if not self.responding:
+        if not self.in_flight:
             self._quiet.set()
 
     async def quiet(self) -> None:
-        """Return once the drain has begun and no response is in flight."""
+        """Return once the drain has begun and no request is in flight."""
         await self._quiet.wait()
 
-    def response_done(self) -> None:
-        self.responding -= 1
-        if not self.responding and self.begun.is_set():
+    def request_done(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight and self.begun.is_set():
             self._quiet.set()
 
 
@@ -357,10 +357,14 @@ class Connection:
                     return
                 request = Request(event.method.decode("ascii", "replace"), event.target.decode("latin-1"),
                                   list(event.headers), received_at=time.perf_counter(), peer=self.peer)
-                if not await self._read_body(request):
-                    return
-                request.body_at = time.perf_counter()
-                await self._respond(request)
+                stopping.in_flight += 1
+                try:
+                    if not await self._read_body(request):
+                        return
+                    request.body_at = time.perf_counter()
+                    await self._respond(request)
+                finally:
+                    stopping.request_done()
                 if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is h11.MUST_CLOSE:
                     return
                 try:
@@ -467,7 +471,6 @@ class Connection:
 
     async def _respond(self, request: Request) -> None:
         gone = False
-        self.stopping.responding += 1
         with trio.CancelScope() as scope:
             # Clients do not send while awaiting a response (no pipelining in practice): the reader sees only an EOF
             # or a reset, and tells them apart (_tell_apart).
@@ -482,7 +485,6 @@ class Connection:
                 gone = True
             finally:
                 self._handling = None
-                self.stopping.response_done()
         if gone or self._gone:
             raise _ClientGone()
 
