@@ -9,13 +9,64 @@ import h11
 import pytest
 import trio
 
-from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.server import Limits, Request, Response, Stopping, bound_port, open_listeners, serve_listeners
 
 from helpers import serve_handler
 
 
 async def connect(url: str) -> trio.SocketStream:
     return await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+
+
+async def read_to_end(stream: trio.SocketStream) -> bytes:
+    data = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    return data
+
+
+async def test_a_drain_refuses_connections_closes_idle_ones_and_ends_the_one_in_flight_after_its_answer() -> None:
+    started, release = trio.Event(), trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.path == "/slow":
+            started.set()
+            await release.wait()
+        return Response(200, [], b"ok")
+
+    stopping = Stopping()
+    listeners = await open_listeners("127.0.0.1", 0)
+    port = bound_port(listeners)
+    # serve_listeners returns by itself once its connections are done: the nursery closes without a cancel.
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_listeners, listeners, handler, Limits(), stopping)
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            await idle.send_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"ok"):
+                answer += await idle.receive_some(65536)
+            busy = await trio.open_tcp_stream("127.0.0.1", port)
+            await busy.send_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+            with trio.fail_after(10):
+                await started.wait()
+
+            stopping.begin()
+            assert await read_to_end(idle) == b""  # the idle keep-alive connection is closed, with no answer
+            with trio.fail_after(5):  # the serving task closes its listeners at its next turn
+                while True:
+                    try:
+                        await (await trio.open_tcp_stream("127.0.0.1", port)).aclose()
+                    except OSError:
+                        break
+                    await trio.sleep(0.01)
+            release.set()
+            answer = await read_to_end(busy)
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok")
+            assert b"\r\nconnection: close\r\n" in answer.lower()
+            with trio.fail_after(10):
+                await stopping.quiet()
 
 
 async def test_a_client_hanging_up_cancels_a_handler_that_has_not_answered_yet() -> None:
