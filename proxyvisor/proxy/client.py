@@ -24,11 +24,11 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from .server import READ_SIZE
+
 Headers = list[tuple[bytes, bytes]]
 log = logging.getLogger("proxyvisor.upstream")
 
-_READ_SIZE = 256 * 1024
-"""Bytes asked of the socket per read: a 77 KB body in one or two reads, not five."""
 _JOINED_BODY = 256 * 1024
 """Bytes a request goes out in per write: consecutive pieces (the head, then the body's) are joined while together
 they are at most this, so a body up to it goes in one write with its head, and a body that arrived in many small
@@ -89,7 +89,7 @@ class Connection:
         self.received = 0
 
     async def _receive(self) -> None:
-        data = await self.stream.receive_some(_READ_SIZE)
+        data = await self.stream.receive_some(READ_SIZE)
         self.received += len(data)
         # h11 takes any bytes-like object; its annotation says bytes
         self.h11.receive_data(data)  # type: ignore[arg-type]
