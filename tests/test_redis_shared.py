@@ -267,8 +267,9 @@ async def test_with_redis_down_learning_goes_on_from_the_memories_it_holds(
 
 
 @contextmanager
-def memory_on(tmp_path: Path, redis_url: str, backend: str) -> Iterator[tuple[Path, Path, Any]]:
-    """A project folder, a config file naming ``backend`` and the memory store it opens (closed after)."""
+def memory_on(tmp_path: Path, redis_url: str, backend: str) -> Iterator[tuple[Path, Path, Any, Memory]]:
+    """A project folder, a config file naming ``backend``, the memory store it opens (closed after) and a proxy's
+    memory of the project, empty."""
     project = tmp_path / "project"
     project.mkdir()
     config_path = tmp_path / "proxyvisor.toml"
@@ -278,17 +279,22 @@ def memory_on(tmp_path: Path, redis_url: str, backend: str) -> Iterator[tuple[Pa
     try:
         store = memory_store(config.supervisor.learning, config.state_dir(), state)
         assert store is not None
-        yield project, config_path, store
+        yield project, config_path, store, Memory(project_root(str(project)))
     finally:
         state.close()
+
+
+def stored(store: Any, scope: str) -> Memory | None:
+    """The memory of ``scope`` as ``store`` holds it now (None: none)."""
+    found = store.look(scope, ())
+    return decoded(found[1] if found else None, scope)
 
 
 @pytest.mark.parametrize("backend", ["redis", "diskcache"])
 def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_memory_before(
         tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store):
-        scope = project_root(str(project))
-        memory, loaded = Memory(scope), set[str]()
+    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store, memory):
+        loaded = set[str]()
         old = memory.add(Candidate(RULE, RULE_TEXT, RULE_TEXT), 1.0, "one")
         assert old is not None and save(store, memory, loaded) is not None and loaded == {old.id}
 
@@ -297,18 +303,16 @@ def test_a_forget_all_is_not_undone_by_the_next_save_of_a_proxy_that_read_the_me
 
         new = memory.add(Candidate(RULE, "Never push to main.", "Never push to main."), 2.0, "two")
         assert new is not None and save(store, memory, loaded) is not None
-        found = store.look(scope, ())
-        stored = decoded(found[1] if found else None, scope)
-        assert stored is not None and set(stored.records) == {new.id}, "the forgotten record stays forgotten"
+        kept = stored(store, memory.scope)
+        assert kept is not None and set(kept.records) == {new.id}, "the forgotten record stays forgotten"
         assert set(memory.records) == {new.id}, "and the proxy's own copy lets it go too"
 
 
 @pytest.mark.parametrize("backend", ["redis", "diskcache"])
 def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and_a_proxys_save_keeps_them_out(
         tmp_path: Path, redis_url: str, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store):
-        scope = project_root(str(project))
-        memory, loaded = Memory(scope), set[str]()
+    with memory_on(tmp_path, redis_url, backend) as (project, config_path, store, memory):
+        loaded = set[str]()
         rule = memory.add(Candidate(RULE, RULE_TEXT, "user turn 1"), 1.0, "one")
         task = memory.add(Candidate(EXPERIENCE, f"Please list files. {RULE_TEXT.upper()}", "session one",
                                     VERIFIED), 1.0, "one")
@@ -320,9 +324,8 @@ def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and
         # The proxy read the memory before the forget, and distils the rule's words again before it saves.
         again = memory.add(Candidate(EXPERIENCE, f"{RULE_TEXT} Add a flag.", "session one", VERIFIED), 2.0, "one")
         assert again is not None and save(store, memory, loaded) is not None
-        found = store.look(scope, ())
-        stored = decoded(found[1] if found else None, scope)
-        assert stored is not None and stored.records == memory.records == {}, "no quote of the rule written back"
+        kept = stored(store, memory.scope)
+        assert kept is not None and kept.records == memory.records == {}, "no quote of the rule written back"
 
 
 async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
@@ -430,9 +433,8 @@ def test_records_the_bounds_drop_stay_dropped_in_the_stored_memory(tmp_path: Pat
         assert save(store, memory, loaded) is not None and len(loaded) == 3
         assert memory.bound(2, 1 << 20, 86_400.0, 3.0) == 1
         assert save(store, memory, loaded) is not None
-        found = store.look(scope, ())
-        stored = decoded(found[1] if found else None, scope)
-        assert stored is not None and len(stored.records) == 2 and set(memory.records) == set(stored.records)
+        kept = stored(store, scope)
+        assert kept is not None and len(kept.records) == 2 and set(memory.records) == set(kept.records)
     finally:
         state.close()
 
