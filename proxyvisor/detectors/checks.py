@@ -235,23 +235,20 @@ def _clean(line: str) -> str:
         return plain  # most lines: nothing around them but whitespace
     if "\x1b" in line:
         line = _ANSI.sub("", line)
-    head = line
-    while True:
-        stripped = head.lstrip().lstrip(_LEADING)
-        if len(stripped) == len(head):
-            break
-        head = stripped
-    body = head
-    while True:
-        stripped = body.rstrip().rstrip(_TRAILING)
-        if len(stripped) == len(body):
-            break
-        body = stripped
+    head = _until_fixed(line, lambda text: text.lstrip().lstrip(_LEADING))
+    body = _until_fixed(head, lambda text: text.rstrip().rstrip(_TRAILING))
     if not body and len(head) < len(line) and _trailing(line[len(line) - len(head) - 1]):
         body = head  # a trailing run is decoration only after a character that is none ("==<" keeps its "<")
     if body.startswith("["):
         body = _LEVEL.sub("", body)
     return body.strip()
+
+
+def _until_fixed(text: str, strip: Callable[[str], str]) -> str:
+    """``text`` with ``strip`` applied until it removes nothing (whitespace and decoration may alternate)."""
+    while len(stripped := strip(text)) < len(text):
+        text = stripped
+    return text
 
 
 def _trailing(char: str) -> bool:
