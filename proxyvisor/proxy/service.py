@@ -52,11 +52,10 @@ class RunningProxy:
         try:
             with trio.move_on_after(grace_s):
                 await self.stopping.quiet()
+        finally:  # cancelled too: what the block's exit cuts is recorded as cut by the stop
             self.pipeline.stopped = True
-            with trio.move_on_after(CUT_S):
-                await self.stopping.quiet()
-        finally:
-            self.pipeline.stopped = True
+        with trio.move_on_after(CUT_S):
+            await self.stopping.quiet()
 
     @property
     def url(self) -> str:
