@@ -336,11 +336,11 @@ class Connection:
 
     async def _serve_requests(self) -> None:
         first = True
+        stopping = self.stopping
         try:
             while True:
                 timeout = self.limits.header_timeout_s if first else self.limits.keepalive_timeout_s
                 first = False
-                stopping = self.stopping
                 if stopping.begun.is_set():
                     return
                 # Idle while nothing of the next request has arrived: a drain closes the connection then.
