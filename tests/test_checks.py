@@ -250,7 +250,7 @@ def test_a_receipt_carries_the_check_and_its_summary_line() -> None:
     assert (piped.check, piped.summary, piped.error) == (FAILED, "1 failed, 1 passed in 0.05s", True)
     view = receipt(ToolUse("c", "Bash", {"command": "cat pytest.log"}), ToolOutput("c", "1 failed in 0.1s"), schema)
     assert (view.check, view.error) == ("none", False)
-    quiet = receipt(ToolUse("c", "Bash", {"command": "pytest -q -q"}), ToolOutput("c", "....  [100%]"), schema)
+    quiet = receipt(ToolUse("c", "Bash", {"command": "pytest -q -q"}), ToolOutput("c", "....  [100%]", False), schema)
     assert (quiet.check, quiet.summary) == (PASSED, "")
     missing = receipt(ToolUse("c", "Bash", {"command": "pytest"}),
                       ToolOutput("c", "<returncode>127</returncode>\n<output>\nbash: pytest: command not found\n"
@@ -390,3 +390,37 @@ def test_the_candidate_lines_are_numbered_from_the_first() -> None:
 def test_a_count_and_a_count_word_on_two_lines_are_no_summary() -> None:
     assert summary("build 3\npassed the check\n") is None
     assert summary("build 3\n5 passed in 0.1s\n").outcome == PASSED
+
+
+NODE_SPEC_FAIL = """\u25b6 calc
+  \u2714 adds (0.5ms)
+  \u2716 subtracts (1.1ms)
+    AssertionError [ERR_ASSERTION]: Expected values to be strictly equal:
+
+    1 !== 2
+
+\u2139 tests 2
+\u2139 suites 1
+\u2139 pass 1
+\u2139 fail 1
+\u2139 duration_ms 48.2
+"""
+
+
+@pytest.mark.parametrize(("command", "output"), [
+    ("node --test", NODE_SPEC_FAIL),
+    ("dotnet test", "Failed!  - Failed:     1, Passed:     1, Skipped:     0, Total:     2, Duration: 12 ms"),
+    ("python -m pytest -q", "Segmentation fault (core dumped)"),
+    ("python -m pytest -q", ""),
+])
+def test_a_check_without_a_summary_whose_success_nothing_told_is_no_passed_check(command: str, output: str) -> None:
+    """A client that sends a command's bare output (no exit status, no error flag: opencode's Chat tool results)
+    tells nothing about a run whose summary is not recognised, or that printed none: it is no check, not a pass.
+    Told by an exit status or the client's flag, the same output is a check."""
+    schema = {"type": "object", "properties": {"command": {"type": "string"}}}
+    bare = receipt(ToolUse("c", "Bash", {"command": command}), ToolOutput("c", output), schema)
+    assert bare.check != PASSED
+    told = receipt(ToolUse("c", "Bash", {"command": command}), ToolOutput("c", output + "\nExit code 1"), schema)
+    assert told.check == FAILED
+    flagged = receipt(ToolUse("c", "Bash", {"command": command}), ToolOutput("c", output, True), schema)
+    assert flagged.check == FAILED

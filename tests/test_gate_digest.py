@@ -149,7 +149,8 @@ def edited() -> Turn:
          "passed"),  # piped: its summary line says it passed (without one a pipe hides the outcome)
     (done_despite_failing_test().bash("cd repo && git diff | grep parse", "+ return 4"), True, "failed"),
     (Turn().bash("pytest -q", "13 passed").call("Edit", {"file_path": "a"}, "updated"), True, None),  # stale
-    (Turn().call("Edit", {"file_path": "a"}, "Error: no match", is_error=True).bash("pytest", "ok"), False, "passed"),
+    (Turn().call("Edit", {"file_path": "a"}, "Error: no match", is_error=True).bash("pytest", "ok", is_error=False),
+     False, "passed"),
     # A run piped through tail exits 0: its summary line says it failed.
     (edited().bash("pytest 2>&1 | tail -3", PIPED_FAILURE), True, "failed"),
     # The latest check wins, whichever way.

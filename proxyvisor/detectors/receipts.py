@@ -19,7 +19,10 @@ of one assistant turn (a parallel batch is one round) with their results, or a t
   command (tests, a build, a linter) or prints a runner summary is a check; it ``passed`` unless it failed (above),
   and its receipt quotes the latest runner summary line of its output. A check command whose runner could not
   start (:func:`~.checks.runner_missing`) is no check, nor is one that writes into a pipe and shows no runner summary
-  (:func:`~.checks.piped_check`: the exit status is the pipe's). Every other call is no check.
+  (:func:`~.checks.piped_check`: the exit status is the pipe's), nor is one that shows no runner summary and whose
+  success was never told (no exit status in its output and no ``is_error: false``: a client such as opencode sends
+  the bare output, where a crash or a runner whose summary is not recognised looks like a quiet success). Every
+  other call is no check.
 - **Mutation**, strongest signal first: a tool named in ``[supervisor.detectors] mutating_tools`` (declared); a
   **runner** (its schema's ``command``/``cmd`` property is a free-form string, or, with no schema, the call passes
   one) is judged by its command text only: an intent word or a shell write (``sed -i``, ``>`` redirection, ``rm``,
@@ -221,8 +224,7 @@ def failed(output: ToolOutput | None, command: str | None = None) -> bool:
     failure)."""
     if output is None:
         return True
-    text = output.text
-    edges = text if len(text) <= 2 * _EDGE else text[:_EDGE] + "\n" + text[-_EDGE:]
+    edges = _edges(output.text)
     status = _exit_status(edges)
     # The output first: it rules out most results at once, where telling a search reads the whole command.
     if command is not None and _found_nothing(output, status) and checks.is_search(command):
@@ -234,6 +236,16 @@ def failed(output: ToolOutput | None, command: str | None = None) -> bool:
     if output.is_error is False:
         return False
     return _error_marker(edges)
+
+
+def _edges(text: str) -> str:
+    """The head and tail of an output, where exit statuses and error markers are read (:data:`_EDGE`)."""
+    return text if len(text) <= 2 * _EDGE else text[:_EDGE] + "\n" + text[-_EDGE:]
+
+
+def _told_success(output: ToolOutput) -> bool:
+    """Whether a tool result says its command succeeded: the client's ``is_error: false``, or exit status 0."""
+    return output.is_error is False or _exit_status(_edges(output.text)) == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,10 +290,11 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
         check_command = checks.is_check_command(command)
         found = checks.summary(output.text, check_command) if output is not None else None
         # A check that writes into a pipe and shows no runner summary told nothing (the pipe's status is its last
-        # command's); nor did one whose runner could not start.
+        # command's); nor did one whose runner could not start, nor one whose success no status or flag told.
         if found is not None or (check_command and not (error and output is not None
                                                           and checks.runner_missing(output.text))
-                                 and (error or not checks.piped_check(command))):
+                                 and (error or (not checks.piped_check(command) and output is not None
+                                                and _told_success(output)))):
             error = error or (found is not None and found.outcome == checks.FAILED)
             check = checks.FAILED if error else checks.PASSED
             line = found.line if found else checks.last_line(output.text) if error and output is not None else ""
