@@ -124,7 +124,7 @@ def map_big_blocks() -> None:
     block grows by remapping its pages. glibc's default threshold moves up to 32 MiB as mapped blocks are freed, and a
     heap (a worker thread's own arena's, or one where freed slices left big free regions) serves big blocks from its
     free space; there, a growing block that runs into another is copied whole: 15 ms on 30 MB, a step that holds the
-    interpreter lock (and the event loop). Mapping the 1 MiB slices too costs a big event about 10% more CPU. One
+    interpreter lock (and the event loop). Mapping the slices too costs a big event about 10% more CPU. One
     arena costs nothing a proxy notices: the interpreter lock already lets one thread allocate at a time. Where the
     C library is not glibc, this does nothing.
     """

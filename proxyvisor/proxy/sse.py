@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..bigtext import concat
+from ..bigtext import SLICE, concat
 from . import limits
 
 
@@ -271,7 +271,8 @@ def _lines(data: list[str]) -> Iterator[str]:
         yield line
 
 
-DECODE_SLICE = 1024 * 1024
+DECODE_SLICE = SLICE
+"""Bytes decoded per step: a step makes a text of at most as many characters (:data:`proxyvisor.bigtext.SLICE`)."""
 
 
 def last_event_start(chunk: bytes) -> int:
