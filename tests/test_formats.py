@@ -86,6 +86,24 @@ async def test_error_bodies_have_each_apis_shape(fmt: str, scripted_server) -> N
             assert err.type == error_types(status)[0]
 
 
+# Each status proxyvisor answers with itself (its own refusals, a failed upstream, a stream it ends) -> the type
+# Anthropic's API sends with that status (its errors page: invalid_request_error for a 4xx it does not name; a 503
+# is an api_error, overloaded_error is 529's alone).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                    409: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+                    426: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 501: "api_error",
+                    502: "api_error", 503: "api_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+@pytest.mark.parametrize("status", _ANTHROPIC_TYPES)
+def test_messages_errors_carry_the_type_anthropic_sends_with_their_status(status: int) -> None:
+    f = fmt_of("messages")
+    assert orjson.loads(f.error_body(status, "x"))["error"]["type"] == _ANTHROPIC_TYPES[status]
+    (name, event), = json_events(f.stream_error(status, "x"))
+    assert name == "error" and event["error"]["type"] == _ANTHROPIC_TYPES[status]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_stream_error_event_makes_the_sdk_raise(fmt: str) -> None:
     f = fmt_of(fmt)

@@ -19,21 +19,22 @@ from ... import wirejson
 from . import largejson
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
-# status -> (OpenAI error type, Anthropic error type); the types each API documents for that status.
+# status -> (OpenAI error type, Anthropic error type); the types each API documents for that status. Anthropic's
+# errors page names 400, 401, 403, 404, 413, 429, 500, 504 and 529 (overloaded_error is 529's alone) and uses
+# invalid_request_error for any other 4xx; its other 5xx are api_error.
 _ERROR_TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request_error"),
     401: ("authentication_error", "authentication_error"),
     403: ("permission_error", "permission_error"),
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
-    408: ("timeout_error", "timeout_error"),
+    408: ("timeout_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "invalid_request_error"),
     422: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
     502: ("server_error", "api_error"),
-    503: ("server_error", "overloaded_error"),
     504: ("timeout_error", "timeout_error"),
     529: ("server_error", "overloaded_error"),
 }
