@@ -21,11 +21,11 @@ about 130."""
 
 MMAP_THRESHOLD = 256 * 1024
 """The allocation size, in bytes, from which the process's allocator should map memory of its own for each block
-(glibc's ``M_MMAP_THRESHOLD``; the proxy sets it: ``proxyvisor.proxy.service.tune_runtime``). :func:`concat` relies
-on it: a mapped block grows by remapping its pages, never by a copy. A slice of :data:`SLICE` characters is a block
-over it (the string's header comes on top), so that the slices are mapped too: freed, they go back to the system
-instead of leaving big free regions in the heap, where the allocator would place a growing text and copy it whole
-once it outgrows one."""
+(glibc's ``M_MMAP_THRESHOLD``) while big texts are built (the proxy sets it around that work:
+``proxyvisor.proxy.allocator.big_blocks_mapped``). :func:`concat` relies on it: a mapped block grows by remapping
+its pages, never by a copy. A slice of :data:`SLICE` characters is a block over it (the string's header comes on
+top), so that the slices are mapped too: freed, they go back to the system instead of leaving big free regions in
+the heap, where the allocator would place a growing text and copy it whole once it outgrows one."""
 
 PAUSE: ContextVar[Callable[[], None] | None] = ContextVar("bigtext_pause", default=None)
 """Called between two steps of the work on one big text, when set (the reply path sets it in its worker thread,

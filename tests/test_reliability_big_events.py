@@ -23,7 +23,7 @@ from proxyvisor.detectors.selfreport import Stripper, strip
 from proxyvisor.proxy import limits
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn
 from proxyvisor.proxy.server import Request, Response
-from proxyvisor.proxy.service import map_big_blocks
+from proxyvisor.proxy import allocator
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 
@@ -31,7 +31,7 @@ from helpers import (FORMATS, MODEL, assert_ends_with_error_event, assert_error_
                      request_body, serve_handler, sse_events)
 
 ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
-map_big_blocks()  # the allocator settings serve and wrap run with, made before any test starts a thread
+allocator.tune()  # the allocator settings serve and wrap run with, made before any test starts a thread
 _SSE = [(b"content-type", b"text/event-stream")]
 LIMIT = 64 * 1024
 BIG_WORD = "x" * (2 * LIMIT)

@@ -27,6 +27,7 @@ import trio.testing
 
 from .. import bigtext
 from ..transcript import StreamEditor
+from .allocator import big_blocks_mapped
 from .closing import close
 from .relay import UpstreamError
 from .sse import Block, EventTooLarge, SSEScanner, feed_cost
@@ -90,7 +91,8 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 def _yielding(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a worker thread, where a pause between two of its steps (:data:`proxyvisor.bigtext.PAUSE`)
-    lets the loop go first (:func:`_loop_first`) once the thread has worked :data:`RUN_S` since it last did. (The
+    lets the loop go first (:func:`_loop_first`) once the thread has worked :data:`RUN_S` since it last did, with big
+    blocks mapped (:func:`.allocator.big_blocks_mapped`: the big texts it builds grow without being copied). (The
     thread runs in a copy of the caller's context: the setting stays in it.)"""
     since = time.perf_counter()
 
@@ -101,7 +103,8 @@ def _yielding(fn: Callable[..., T], *args: Any) -> T:
             since = time.perf_counter()
 
     bigtext.PAUSE.set(pause)
-    return fn(*args)
+    with big_blocks_mapped():
+        return fn(*args)
 
 
 def _loop_first() -> None:

@@ -38,10 +38,11 @@ Bytes = bytes | bytearray | memoryview
 READ_SIZE = MMAP_THRESHOLD - 1024
 """Bytes per socket read, the upstream client's too: each read is a hand-over between two tasks, which costs more
 than the bytes of a body of a few hundred KB (a 79 KB request in one read instead of two: about 4% less CPU; a 4 MB
-body: about half the time with 256 KB reads as with 64 KB ones). Just under the allocator's mapping threshold that
-``serve`` and ``wrap`` set (:data:`proxyvisor.bigtext.MMAP_THRESHOLD`): a read's buffer is allocated at this size
-before the bytes arrive, and one at the threshold would be a fresh mapping whose pages fault in on every read (the
-relay's CPU per MB of body 1.41 -> 0.90 ms, per 79 KB request 0.83 -> 0.78 ms: bench/overhead.py)."""
+body: about half the time with 256 KB reads as with 64 KB ones). Just under the allocator's mapping threshold while
+big texts are built (:data:`proxyvisor.bigtext.MMAP_THRESHOLD`, ``allocator.big_blocks_mapped``): a read's buffer is
+allocated at this size before the bytes arrive, and one at the threshold would then be a fresh mapping whose pages
+fault in on every read (the relay's CPU per MB of body 1.41 -> 0.90 ms, per 79 KB request 0.83 -> 0.78 ms, with
+that threshold always set: bench/overhead.py)."""
 _FEED_SIZE = 65536
 """The most bytes h11 is given at once (what a read brought past it waits in ``Connection._pending``). Not more:
 h11 bounds an incomplete request head (``max_incomplete_event_size``) only between two feeds, so a bigger one could

@@ -6,7 +6,6 @@ and the benchmarks, so they all exercise the same code.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import os
@@ -17,7 +16,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .. import bigtext
 from ..adapters.state import backend_of
 from ..adapters import litellm_bridge
 from ..scripted.upstream import ScriptedUpstream, load_script
@@ -25,6 +23,7 @@ from ..supervisor_model import LITELLM, ModelCall, configured_model
 from ..config import Config, ConfigError
 from ..rules import FORMATS
 from ..store import Store
+from . import allocator
 from .pipeline import Pipeline
 from .relay import HttpRelay
 from .session_model import SUPPLIED, SupervisorRoutes
@@ -92,8 +91,8 @@ SWITCH_INTERVAL_S = 0.0002
 
 
 def tune_runtime() -> None:
-    """Tune the interpreter for a long-lived proxy process (``serve``, ``wrap``): the collector and the thread
-    switch interval.
+    """Tune the interpreter for a long-lived proxy process (``serve``, ``wrap``): the collector, the thread
+    switch interval and the C allocator (:mod:`.allocator`).
 
     Why the collector: under 200 concurrent sessions the default thresholds cost about 11% of the proxy's CPU and
     gen-2 pauses of up to 121 ms; (50000, 20, 20) cut the overhead header's p99 from 74 to 30 ms (bench/load.py).
@@ -108,32 +107,7 @@ def tune_runtime() -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    map_big_blocks()
-
-
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
-"""glibc's ``mallopt`` parameter numbers (``malloc.h``)."""
-
-
-def map_big_blocks() -> None:
-    """Have the allocator map each block of :data:`proxyvisor.bigtext.MMAP_THRESHOLD` bytes or more on its own, with
-    one arena for every thread. Call it before threads start: a thread keeps the arena it got.
-
-    Why: a big event's text is built by appending to it in place (:func:`proxyvisor.bigtext.concat`), and a mapped
-    block grows by remapping its pages. glibc's default threshold moves up to 32 MiB as mapped blocks are freed, and a
-    heap (a worker thread's own arena's, or one where freed slices left big free regions) serves big blocks from its
-    free space; there, a growing block that runs into another is copied whole: 15 ms on 30 MB, a step that holds the
-    interpreter lock (and the event loop). Mapping the slices too costs a big event about 10% more CPU. One
-    arena costs nothing a proxy notices: the interpreter lock already lets one thread allocate at a time. Where the
-    C library is not glibc, this does nothing.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, bigtext.MMAP_THRESHOLD)
-        libc.mallopt(_M_ARENA_MAX, 1)
-    except (OSError, AttributeError):  # no mallopt: another C library, with its own allocator
-        pass
+    allocator.tune()
 
 
 def limits_of(config: Config) -> Limits:
