@@ -293,6 +293,40 @@ def test_offered_tools_go_into_the_clients_default_namespace_and_its_own_item_is
     assert [t["name"] for t in top["tools"]] == ["a", "reviewer"] and top["input"][0]["tools"] == []
 
 
+def test_tools_of_additional_tools_items_read_from_a_grown_historys_new_items_are_those_of_a_whole_read() -> None:
+    """A history that only grew is read from its new items on (what was read is kept on its last item); a random
+    run of growing, rewritten, retried and edited histories, parsed as the proxy parses them (the earlier items the
+    very same objects), gives at every step the tools of a whole read of a plain copy."""
+    import random
+
+    from proxyvisor.proxy.bodies import BodyCache
+
+    rng, cache = random.Random(12), BodyCache()
+    history: list[dict[str, Any]] = list(codex_request()["input"])
+    for step in range(600):
+        roll = rng.random()
+        if roll < 0.1 and len(history) > 4:  # compaction: the middle dropped
+            history = history[:1] + history[len(history) // 2:]
+        elif roll < 0.15 and len(history) > 2:  # an item edited in place
+            at = rng.randrange(len(history))
+            history[at] = {**history[at], "id": f"edited_{step}"}
+        elif roll < 0.2:  # a retry: nothing new
+            pass
+        elif roll < 0.3:  # more tools declared
+            history.append({"type": "additional_tools", "id": f"at_{step}",
+                            "tools": [{"type": "function", "name": f"t{step}_{n}"} for n in range(rng.randrange(3))]})
+        else:
+            history += [{"type": "function_call", "call_id": f"c{step}", "name": "exec", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": f"c{step}", "output": "ok"}]
+        body = {"model": "m", "input": history}
+        parsed = cache.loads("input", "responses", orjson.dumps(body))
+        if rng.random() < 0.1:
+            RESPONSES.add_tools(parsed, [ToolSpec(f"added_{step}")])
+        for _ in range(rng.randrange(1, 3)):  # asked once or twice per request
+            assert RESPONSES.tools(parsed) == RESPONSES.tools(orjson.loads(orjson.dumps(parsed)))
+    assert cache.reused > 300
+
+
 # ---- through the proxy -----------------------------------------------------------------------------------------------
 async def post(url: str, body: dict[str, Any]) -> tuple[AssistantTurn, bytes]:
     async with http_client() as client:

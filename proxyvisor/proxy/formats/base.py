@@ -94,6 +94,30 @@ def edited(item: Any, key: Hashable, make: Callable[..., dict[str, Any]], *args:
     return copy
 
 
+def resumed(items: list[Any], key: str) -> tuple[int, Any]:
+    """Where a scan of history ``items`` goes on from the one an earlier request's history kept under ``key``
+    (:func:`keep_scan`): (how many of the first items it read, what it kept), when this history starts with the
+    same items (the history only grew: the earlier items are the very same objects, ``proxyvisor.proxy.bodies``);
+    else (0, None), to read it whole. What was kept is taken off the item it was on: the scan keeps it again on its
+    own history's last item."""
+    for back in range(len(items) - 1, -1, -1):
+        kept = derived(items[back])
+        if kept is not None and key in kept:
+            read, state = kept.pop(key)
+            if len(read) <= len(items) and items[:len(read)] == read:  # equal items give the same reading
+                return len(read), state
+            break
+    return 0, None
+
+
+def keep_scan(items: list[Any], key: str, state: Any) -> None:
+    """Keep ``state``, a scan's reading of all of history ``items``, on its last :class:`Item` for the next
+    request's :func:`resumed` (nothing when it has none: that history is read whole next time)."""
+    last = next((item for item in reversed(items) if type(item) is Item), None)
+    if last is not None:
+        last.derived[key] = (list(items), state)
+
+
 def with_field(item: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     """A copy of ``item`` with ``value`` under ``key`` (an :func:`edited` ``make``)."""
     return {**item, key: value}
@@ -535,14 +559,8 @@ class WireFormat:
         (ascending). Where the results are is kept on the history's last :class:`Item` for the next request, which
         sends the same items first: only its items after them are read (the history only grew), the others found
         by their call ids. A history whose first items are not those (equal) is read whole."""
-        start, where = 0, dict[str, list[int]]()
-        for back in range(len(items) - 1, -1, -1):
-            kept = derived(items[back])
-            if kept is not None and "results_at" in kept:
-                read, found = kept.pop("results_at")  # moved on to this history's last item
-                if len(read) <= len(items) and items[:len(read)] == read:  # equal items hold the same results
-                    start, where = len(read), found
-                break
+        start, found = resumed(items, "results_at")
+        where: dict[str, list[int]] = found if found is not None else {}
         out = sorted({at for call_id in ids for at in where.get(call_id, ())})
         for index in range(start, len(items)):
             item = items[index]
@@ -556,9 +574,7 @@ class WireFormat:
                 where.setdefault(call_id, []).append(index)
             if held and not ids.isdisjoint(held):
                 out.append(index)
-        last = next((item for item in reversed(items) if type(item) is Item), None)
-        if last is not None:
-            last.derived["results_at"] = (list(items), where)
+        keep_scan(items, "results_at", where)
         return out
 
     result_part_type: ClassVar[str]

@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
                    dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   edited, leading_system, notes_after, split_json, sse, sse_json, words)
+                   edited, keep_scan, leading_system, notes_after, resumed, split_json, sse, sse_json, words)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
@@ -123,6 +123,18 @@ def _specs(declared: list[Any], namespace: str | None) -> list[ToolSpec]:
     return out
 
 
+def _additional_tools(items: list[Any]) -> list[Any]:
+    """The tools declared by the ``additional_tools`` items of history ``items``, in order; a history that only grew
+    since the last request is read from its new items on (:func:`~.base.resumed`)."""
+    start, found = resumed(items, "additional_tools")
+    tools: list[Any] = found if found is not None else []
+    for item in items[start:]:
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            tools += as_list(item.get("tools"))
+    keep_scan(items, "additional_tools", tools)
+    return tools
+
+
 class ResponsesFormat(WireFormat):
     name = "responses"
     path = "/v1/responses"
@@ -174,10 +186,8 @@ class ResponsesFormat(WireFormat):
     def tools(self, body: dict[str, Any]) -> list[ToolSpec]:
         """The top-level ``tools`` and those of every ``additional_tools`` input item (Codex with its default
         model declares its tools there), namespaces opened (:func:`_specs`)."""
-        declared = as_list(body.get("tools")) + [
-            tool for item in as_list(body.get("input"))
-            if isinstance(item, dict) and item.get("type") == "additional_tools" for tool in as_list(item.get("tools"))]
-        return _specs(declared, None)
+        items = body.get("input")
+        return _specs(as_list(body.get("tools")) + (_additional_tools(items) if isinstance(items, list) else []), None)
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         items = body.get("input")
