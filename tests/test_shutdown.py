@@ -9,27 +9,33 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-from helpers import request_body
+from helpers import FORMATS, assert_ends_with_error_event, json_events, path_of, request_body
 from test_reliability_crash import start_serve
 
 CHUNK_DELAY_MS = 10.0
 """Between two events of the scripted upstream's stream: a step of N words streams for about N * 10 ms."""
 
 
-def _serve(tmp_path: Path, words: int, grace_s: float, idle: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-    """A proxy whose stream answers ``words`` words, after a short answer to the ``idle`` connection's request."""
+def _config(tmp_path: Path, steps: list[dict[str, Any]], grace_s: float = 10) -> Path:
+    """A configuration whose scripted upstream plays ``steps`` (events ``CHUNK_DELAY_MS`` apart)."""
     script = tmp_path / "script.jsonl"
-    steps = [{"text": "done"}] * idle + [{"text": "word " * words}]
     script.write_text("".join(json.dumps(step) + "\n" for step in steps))
     config = tmp_path / "config.toml"
     config.write_text(f'[proxy]\nshutdown_grace_s = {grace_s}\n\n[state]\ndir = "{tmp_path / "state"}"\n\n'
                       f'[upstreams.scripted]\nchunk_delay_ms = {CHUNK_DELAY_MS}\nscript = "{script}"\n')
+    return config
+
+
+def _serve(tmp_path: Path, words: int, grace_s: float, idle: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """A proxy whose stream answers ``words`` words, after a short answer to the ``idle`` connection's request."""
+    config = _config(tmp_path, [{"text": "done"}] * idle + [{"text": "word " * words}], grace_s)
     return start_serve(config, tmp_path / "serve.log")
 
 
@@ -134,3 +140,35 @@ def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
         proc.kill()
     assert "stopping at once" in (tmp_path / "serve.log").read_text()
     assert "the proxy stopped" in _ledger_line(tmp_path, "drain")["error"]
+
+
+def test_streams_whose_upstream_sends_nothing_end_with_the_error_event_when_the_grace_ends(tmp_path: Path) -> None:
+    grace_s = 0.5
+    config = _config(tmp_path, [{"fault": {"stall_after_events": 2}}] * len(FORMATS), grace_s)
+    proc, url = start_serve(config, tmp_path / "serve.log")
+    data: dict[str, bytes] = {}
+    try:
+        with httpx.Client(base_url=url, timeout=15, trust_env=False) as client, ExitStack() as streams:
+            replies = {fmt: streams.enter_context(client.stream(
+                "POST", f"/s/silent-{fmt}{path_of(fmt)}", json=request_body(fmt, stream=True))) for fmt in FORMATS}
+            chunks = {fmt: reply.iter_raw() for fmt, reply in replies.items()}
+            for fmt in FORMATS:
+                data[fmt] = next(chunks[fmt])  # the stream has begun; its upstream then sends nothing
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            for fmt in FORMATS:
+                data[fmt] += b"".join(chunks[fmt])
+            ended = time.monotonic() - signalled
+        assert proc.wait(5) == 0
+    finally:
+        proc.kill()
+    # Cut with no event at grace + CUT_S (0.5 s) before: each now ends at the grace's end, whatever its upstream.
+    assert ended < grace_s + 2, ended
+    for fmt in FORMATS:
+        assert_ends_with_error_event(fmt, data[fmt])
+        error = json_events(data[fmt])[-1][1]
+        assert "the proxy stopped" in data[fmt].decode(), (fmt, error)
+        line = _ledger_line(tmp_path, f"silent-{fmt}")
+        assert line["status"] == 503 and "the proxy stopped" in line["error"], line
+    assert json_events(data["messages"])[-1][1]["error"]["type"] == "api_error"  # a 503: not overloaded_error (529)
+

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Awaitable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import h11
@@ -27,6 +29,7 @@ import trio
 from .server import READ_SIZE
 
 Headers = list[tuple[bytes, bytes]]
+T = TypeVar("T")
 log = logging.getLogger("proxyvisor.upstream")
 
 _JOINED_BODY = 256 * 1024
@@ -72,6 +75,35 @@ def tls_context() -> ssl.SSLContext:
     return context
 
 
+class Cut:
+    """Ends waits for an upstream's next piece at once, those under way and those to come: the proxy's stop, once
+    its shutdown grace is over, so a stream whose upstream sends nothing ends then rather than at its idle timeout.
+
+    A wait runs through :meth:`during` with the cancel scope of its idle timeout (``trio.fail_after``: the wait
+    raises ``trio.TooSlowError`` when the scope is cancelled); :meth:`cut` cancels the scopes of the waits under
+    way, and of every one after it; :attr:`done` tells a wait that ended so from a timeout."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._scopes: set[trio.CancelScope] = set()
+
+    async def during(self, scope: trio.CancelScope, wait: Awaitable[T]) -> T:
+        """Await ``wait``, whose scope is ``scope``, with the scope cancelled at :meth:`cut`."""
+        if self.done:
+            scope.cancel()
+        self._scopes.add(scope)
+        try:
+            return await wait
+        finally:
+            self._scopes.discard(scope)
+
+    def cut(self) -> None:
+        self.done = True
+        for scope in self._scopes:
+            scope.cancel()
+        self._scopes.clear()
+
+
 class Connection:
     """One upstream connection and its h11 state; :meth:`next_piece` reads a response body as it arrives.
 
@@ -110,12 +142,13 @@ class Connection:
             if not isinstance(event, h11.InformationalResponse):
                 raise h11.RemoteProtocolError(f"expected a response, got {type(event).__name__}")
 
-    async def next_piece(self, timeout_s: float) -> tuple[bytes, bool]:
+    async def next_piece(self, timeout_s: float, cut: Cut | None = None) -> tuple[bytes, bool]:
         """(body bytes, whether the body is complete): waits for at least one byte or the end, then also takes
         what has already arrived, without waiting for more.
 
         Raises:
-            trio.TooSlowError: a wait for the socket lasted ``timeout_s`` seconds.
+            trio.TooSlowError: a wait for the socket lasted ``timeout_s`` seconds, or ``cut`` ended it
+                (``cut.done``).
             h11.RemoteProtocolError: the body was cut short.
         """
         parts: list[bytes] = []
@@ -126,8 +159,8 @@ class Connection:
                     return b"".join(parts), False
                 # Only a wait for the socket gets a deadline: a cancel scope costs about 10 us, and a piece that
                 # arrived with the head (most whole bodies) needs none.
-                with trio.fail_after(timeout_s):
-                    await self._receive()
+                with trio.fail_after(timeout_s) as scope:
+                    await (self._receive() if cut is None else cut.during(scope, self._receive()))
             elif isinstance(event, h11.Data):
                 parts.append(event.data)
             elif isinstance(event, h11.EndOfMessage):

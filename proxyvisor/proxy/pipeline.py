@@ -53,7 +53,7 @@ from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats.base import event_object
-from .relay import HttpRelay, UpstreamError, UpstreamReply, upstream_headers
+from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .bodies import BodyCache
@@ -180,8 +180,7 @@ class Pipeline:
         self.sessions = SessionTable(config.state.session_idle_s, config.state.max_sessions)
         self.bodies = BodyCache()
         self.stopped = False
-        """The proxy's shutdown grace ran out (``RunningProxy.drain``): each stream still relaying ends at its next
-        piece with the format's error event, and what is cut is recorded as cut by the proxy's stop."""
+        """The proxy stops (:meth:`stop`)."""
         if backend is None and store is not None:
             backend = DiskBackend(store.root)
         self.backend = backend
@@ -226,6 +225,14 @@ class Pipeline:
         self.started = time.time()
         if self.supervised:
             estimate.warm()
+
+    def stop(self) -> None:
+        """The proxy stops (its shutdown grace ran out: ``RunningProxy.drain``): each stream still relaying ends
+        with the format's error event and status 503 at its next piece, or at once when it waits for its upstream's
+        next piece; what is cut before its end is recorded as cut by the proxy's stop, not as a client that left."""
+        self.stopped = True
+        for relay in self.relays.values():
+            relay.cut.cut()
 
     def close(self) -> None:
         """End the sessions' learning (``proxyvisor.proxy.learning``) and release what the pipeline holds open
@@ -679,8 +686,7 @@ class Pipeline:
                 # Checked per piece, not with a cancel scope per wait (which cost ~10 us a piece): a stream kept
                 # alive by pings ends at the first piece past the deadline, and a silent one at idle_timeout_s.
                 if trio.current_time() > deadline or self.stopped:
-                    failure = UpstreamError(503, "the proxy stopped before the stream ended "
-                                                 "([proxy] shutdown_grace_s)") if self.stopped else \
+                    failure = UpstreamError(503, STOPPED_MID_STREAM) if self.stopped else \
                         UpstreamError(504, f"stream exceeded {limit:g} s ([proxy] max_stream_s)")
                     await close(chunks)  # the upstream's connection is closed, not left to the collector
                     break

@@ -32,7 +32,7 @@ from .. import wirejson
 from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
 from . import limits
-from .client import Connection, ConnectionPool, ConnectTimeout
+from .client import Connection, ConnectionPool, ConnectTimeout, Cut
 from .codings import UndecodableBody, decode
 
 Headers = list[tuple[bytes, bytes]]
@@ -95,17 +95,31 @@ class UpstreamReply:
         return self.decoded
 
 
+STOPPED_MID_STREAM = "the proxy stopped before the stream ended ([proxy] shutdown_grace_s)"
+"""The error a stream still relaying when the proxy's shutdown grace is over ends with (status 503)."""
+
+
+def stopped_or_idle(cut: Cut, idle_timeout_s: float) -> UpstreamError:
+    """The failure of an upstream stream whose wait for its next piece ended: the proxy's stop (``cut``), or its
+    idle timeout."""
+    if cut.done:
+        return UpstreamError(503, STOPPED_MID_STREAM)
+    return UpstreamError(504, f"upstream sent nothing for {idle_timeout_s:g} s mid-stream")
+
+
 @dataclass
 class RelayedStream:
     """An upstream SSE body. Iterate it once; afterwards ``error`` is None or the failure that cut it short.
 
     Each item is what one read brought (several upstream chunks when they arrived together), yielded at once.
-    The connection goes back to the pool when the body ended cleanly, and is closed otherwise.
+    The connection goes back to the pool when the body ended cleanly, and is closed otherwise. A wait for the next
+    piece ends at ``cut`` (:class:`~.client.Cut`).
     """
 
     conn: Connection
     pool: ConnectionPool
     idle_timeout_s: float
+    cut: Cut
     error: UpstreamError | None = None
     last_chunk: bytes = b""
     wait_s: float = 0.0
@@ -118,9 +132,9 @@ class RelayedStream:
             while not self._complete:
                 started = time.perf_counter()
                 try:
-                    chunk, self._complete = await self.conn.next_piece(self.idle_timeout_s)
+                    chunk, self._complete = await self.conn.next_piece(self.idle_timeout_s, self.cut)
                 except trio.TooSlowError:
-                    self.error = UpstreamError(504, f"upstream sent nothing for {self.idle_timeout_s:g} s mid-stream")
+                    self.error = stopped_or_idle(self.cut, self.idle_timeout_s)
                     return
                 except _BROKEN as exc:
                     self.error = UpstreamError(502, f"upstream stream broke: {_describe(exc)}")
@@ -200,6 +214,8 @@ class HttpRelay:
         """The upstream URL's path, put before each request's target (``/openai`` in ``https://h/openai/v1``)."""
         self.pool = ConnectionPool(self.base, upstream.connect_timeout_s, max_idle=256,
                                    idle_expiry_s=upstream.keepalive_timeout_s, ssl_context=ssl_context)
+        self.cut = Cut()
+        """Ends the waits of this relay's streams (:class:`RelayedStream`) when the proxy stops."""
 
     async def expire_idle(self) -> None:
         """Close idle upstream connections as they expire (``keepalive_timeout_s``); runs until cancelled, in the
@@ -242,7 +258,8 @@ class HttpRelay:
         headers_out = reply_headers(head.headers.raw_items(), status)
         ctype = next((v for k, v in head.headers if k == b"content-type"), b"")
         if ctype.startswith(b"text/event-stream") and status < 400:
-            return UpstreamReply(status, headers_out, RelayedStream(conn, self.pool, self.upstream.idle_timeout_s),
+            return UpstreamReply(status, headers_out, RelayedStream(conn, self.pool, self.upstream.idle_timeout_s,
+                                                                     self.cut),
                                  time.perf_counter() - started)
         parts: list[bytes] = []
         size, complete = 0, False

@@ -44,15 +44,15 @@ class RunningProxy:
     async def drain(self, grace_s: float) -> None:
         """Stop the way a rolling upgrade needs (``serve`` on SIGTERM): accept no connection (the listener is
         closed), close idle keep-alive connections, and let the responses in flight finish for up to ``grace_s``
-        seconds; then end each stream still relaying at its next piece with its format's error event
-        (:attr:`Pipeline.stopped`), waiting :data:`CUT_S` more for them. What still runs after that is cut when the
-        :func:`running` block exits. Cancelled (a second signal), it returns at once, the pipeline marked stopped."""
+        seconds; then end each stream still relaying with its format's error event (:meth:`Pipeline.stop`),
+        waiting :data:`CUT_S` more for them. What still runs after that is cut when the :func:`running` block exits.
+        Cancelled (a second signal), it returns at once, the pipeline stopped."""
         self.stopping.begin()
         try:
             with trio.move_on_after(grace_s):
                 await self.stopping.quiet()
         finally:  # cancelled too: what the block's exit cuts is recorded as cut by the stop
-            self.pipeline.stopped = True
+            self.pipeline.stop()
         with trio.move_on_after(CUT_S):
             await self.stopping.quiet()
 
@@ -63,8 +63,9 @@ class RunningProxy:
 
 
 CUT_S = 0.5
-"""Seconds :meth:`RunningProxy.drain` waits, after the grace, for streams to end with their error event: a stream
-sees the stop at its upstream's next piece (a token stream sends several a second)."""
+"""Seconds :meth:`RunningProxy.drain` waits, after the grace, for streams to end with their error event: one
+waiting for its upstream's next piece ends at once, one sending at its next piece; one held while proxyvisor works
+(the verify-gate awaiting its verdict) sees the stop only at its next keep-alive, and is cut when this runs out."""
 
 
 def upstream_keys(config: Config, env: Mapping[str, str] | None = None) -> dict[str, str | None]:

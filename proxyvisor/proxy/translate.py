@@ -53,7 +53,8 @@ from ..adapters import litellm_bridge
 from ..adapters.failures import retry_after_header
 from ..config import UpstreamConfig
 from .formats import WireFormat, sse
-from .relay import Headers, HttpRelay, UpstreamError, UpstreamReply
+from .client import Cut
+from .relay import Headers, HttpRelay, UpstreamError, UpstreamReply, stopped_or_idle
 
 log = logging.getLogger("proxyvisor.translate")
 
@@ -222,7 +223,7 @@ class Translator:
             return _failure(fmt, upstream.name, exc, key)
         waited = time.perf_counter() - started
         if stream:
-            return UpstreamReply(200, list(_SSE), TranslatedStream(fmt, result, upstream, key), waited)
+            return UpstreamReply(200, list(_SSE), TranslatedStream(fmt, result, upstream, key, relay.cut), waited)
         return UpstreamReply(200, list(_JSON), wirejson.dumps(_plain(result)), waited)
 
     async def _invoke(self, route: _Route, target: str, model: str, kwargs: dict[str, Any]) -> Any:
@@ -372,13 +373,14 @@ class TranslatedStream:
     """litellm's stream re-framed as SSE bytes in the client's format. Iterate once.
 
     Afterwards ``error`` is None or the failure that cut the stream short (the pipeline then sends the format's
-    error event); ``last_chunk`` is the last bytes sent.
+    error event); ``last_chunk`` is the last bytes sent. A wait for the next item ends at ``cut`` (its relay's).
     """
 
     fmt: WireFormat
     source: Any
     upstream: UpstreamConfig
     key: str
+    cut: Cut
     error: UpstreamError | None = None
     last_chunk: bytes = b""
 
@@ -390,13 +392,12 @@ class TranslatedStream:
         try:
             while True:
                 try:
-                    with trio.fail_after(self.upstream.idle_timeout_s):
-                        item = await items.__anext__()
+                    with trio.fail_after(self.upstream.idle_timeout_s) as scope:
+                        item = await self.cut.during(scope, items.__anext__())
                 except StopAsyncIteration:
                     break
                 except trio.TooSlowError:
-                    self.error = UpstreamError(504, f"upstream sent nothing for {self.upstream.idle_timeout_s:g} s "
-                                                    "mid-stream")
+                    self.error = stopped_or_idle(self.cut, self.upstream.idle_timeout_s)
                     return
                 except Exception as exc:  # a broken stream ends with the format's error event
                     if finished:
