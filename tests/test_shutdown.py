@@ -5,11 +5,14 @@ the grace with the format's error event and a ledger line that says the proxy st
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
+import textwrap
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +175,44 @@ def test_streams_whose_upstream_sends_nothing_end_with_the_error_event_when_the_
         assert line["status"] == 503 and "the proxy stopped" in line["error"], line
     assert json_events(data["messages"])[-1][1]["error"]["type"] == "api_error"  # a 503: not overloaded_error (529)
 
+
+def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path) -> None:
+    """The wrapped agent ends while a stream of its (here a child it left running) still relays: wrap's proxy stops
+    with it and cuts the stream; the ledger says so, not that the client left."""
+    config = _config(tmp_path, [{"text": "word " * 1000}])
+    started = tmp_path / "started"
+    holder = textwrap.dedent(f"""
+        import os, sys, urllib.request, json
+        body = json.dumps({request_body("messages", stream=True)!r}).encode()
+        request = urllib.request.Request(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages", body,
+                                         {{"content-type": "application/json"}})
+        with urllib.request.urlopen(request, timeout=15) as reply:
+            reply.readline()
+            open({str(started)!r}, "w").close()
+            try:
+                reply.read()
+            except Exception:
+                pass
+    """)
+    agent = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {holder!r}], start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open({str(tmp_path / "holder.pid")!r}, "w").write(str(child.pid))
+        deadline = time.monotonic() + 15
+        while not os.path.exists({str(started)!r}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-m", "proxyvisor", "wrap", "--config", str(config), "--session",
+                               "cut", "--quiet", "--", sys.executable, "-c", agent], capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        pid = tmp_path / "holder.pid"
+        if pid.exists():
+            with suppress(ProcessLookupError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert done.returncode == 0, done.stderr
+    assert started.exists(), "the agent's stream did not start"
+    line = _ledger_line(tmp_path, "cut")
+    assert "the proxy stopped" in line["error"] and "client" not in line["error"], line

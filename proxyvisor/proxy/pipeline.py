@@ -227,9 +227,10 @@ class Pipeline:
             estimate.warm()
 
     def stop(self) -> None:
-        """The proxy stops (its shutdown grace ran out: ``RunningProxy.drain``): each stream still relaying ends
-        with the format's error event and status 503 at its next piece, or at once when it waits for its upstream's
-        next piece; what is cut before its end is recorded as cut by the proxy's stop, not as a client that left."""
+        """The proxy stops (its shutdown grace ran out: ``RunningProxy.drain``; or the ``running`` block exits, as
+        ``wrap``'s does when its agent ends): each stream still relaying ends with the format's error event and
+        status 503 at its next piece, or at once when it waits for its upstream's next piece; what is cut before its
+        end is recorded as cut by the proxy's stop, not as a client that left."""
         self.stopped = True
         for relay in self.relays.values():
             relay.cut.cut()

@@ -45,14 +45,12 @@ class RunningProxy:
         """Stop the way a rolling upgrade needs (``serve`` on SIGTERM): accept no connection (the listener is
         closed), close idle keep-alive connections, and let the responses in flight finish for up to ``grace_s``
         seconds; then end each stream still relaying with its format's error event (:meth:`Pipeline.stop`),
-        waiting :data:`CUT_S` more for them. What still runs after that is cut when the :func:`running` block exits.
-        Cancelled (a second signal), it returns at once, the pipeline stopped."""
+        waiting :data:`CUT_S` more for them. What still runs after that is cut when the :func:`running` block exits,
+        which stops the pipeline too. Cancelled (a second signal), it returns at once."""
         self.stopping.begin()
-        try:
-            with trio.move_on_after(grace_s):
-                await self.stopping.quiet()
-        finally:  # cancelled too: what the block's exit cuts is recorded as cut by the stop
-            self.pipeline.stop()
+        with trio.move_on_after(grace_s):
+            await self.stopping.quiet()
+        self.pipeline.stop()
         with trio.move_on_after(CUT_S):
             await self.stopping.quiet()
 
@@ -183,6 +181,7 @@ async def running(config: Config, port: int | None = None, store: Store | None =
         try:
             yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls, stopping)
         finally:
+            pipeline.stop()  # what is cut now is cut by the proxy's stop (wrap's agent ended), not by its client
             nursery.cancel_scope.cancel()
             with trio.CancelScope(shield=True):
                 for relay in relays.values():
