@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import orjson
 import pytest
 
-from proxyvisor.proxy.formats import CHAT, MESSAGES, RESPONSES
-from proxyvisor.proxy.sessions import SESSION_ID, Conversations, InvalidSession, SessionTable, identify, split_prefix
+from proxyvisor.proxy.bodies import BodyCache
+from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES
+from proxyvisor.proxy.sessions import (SESSION_ID, Conversations, InvalidSession, SessionTable, _history_keys,
+                                       _item_keys, identify, split_prefix)
 from proxyvisor.store import Store
 
 from helpers import raw_stream, request_body
@@ -276,3 +281,36 @@ def test_a_replica_takes_in_the_links_another_recorded_and_asks_nothing_for_a_hi
     assert keys and len(keys) <= 3 * 4
     two.learn({k: shared[k] for k in keys if k in shared}, 2.0)
     assert two.session_for(CHAT, later, 2.0) == session, "the other replica's session, not a new one"
+
+
+@pytest.mark.parametrize("fmt_name", ["chat", "messages", "responses"])
+def test_the_answer_keys_of_a_grown_history_read_from_its_new_items_are_those_of_a_whole_read(fmt_name: str) -> None:
+    """Whether an answer's text is already in the history is looked up in the keys of all its items, kept from one
+    request to the next (a history that only grew is read from its new items on): a random run of growing,
+    compacted, edited and retried histories, parsed as the proxy parses them, gives at every step the keys of a
+    whole read of a plain copy."""
+    fmt, rng, cache = BY_NAME[fmt_name], random.Random(5), BodyCache()
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "You code."}, {"role": "user", "content": "Go."}]
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.1 and len(chat) > 6:
+            chat = chat[:2] + chat[len(chat) // 2:]
+        elif roll < 0.15 and len(chat) > 3:
+            at = rng.randrange(2, len(chat))
+            chat[at] = {**chat[at], "content": f"edited {step}"} if chat[at]["role"] != "tool" else chat[at]
+        elif roll >= 0.2:
+            text = rng.choice(["Done.", "Looking.", f"Step {step}."])
+            chat += [{"role": "assistant", "content": text, "tool_calls": [
+                {"id": f"c{step}", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": f"c{step}", "content": "ok"}]
+        body = fmt.request_from_chat(orjson.loads(orjson.dumps(chat)), "m", False, ())
+        parsed = cache.loads(fmt.history_field, fmt.name, orjson.dumps(body))
+        items = fmt.history(parsed)
+        if rng.random() < 0.2 and len(items) > 3:  # an item put in the history's middle, as a steer note is
+            note = fmt.request_from_chat([{"role": "assistant", "content": f"Note {step}."}], "m", False, ())
+            items.insert(rng.randrange(1, len(items)), fmt.history(note)[0])
+        plain = orjson.loads(orjson.dumps(parsed))
+        want = {key for item in fmt.history(plain) for key in _item_keys(fmt, item)}
+        for _ in range(rng.randrange(1, 3)):
+            assert _history_keys(fmt, fmt.history(parsed)) == want
+    assert cache.reused > 200

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..store import SESSION_ID
 from .formats import WireFormat
-from .formats.base import derived
+from .formats.base import derived, keep_scan, resumed
 from ..transcript import Message, fingerprint
 
 if TYPE_CHECKING:  # supervision imports this module
@@ -213,8 +213,7 @@ class Conversations:
         got it (self-report stripped) and the ids of its tool calls (the first :data:`_CALLS_PER_ANSWER` kept;
         one is enough to recognise the answer in a later history)."""
         keys = [_call_key(i) for i in dict.fromkeys(call_ids) if i][:_CALLS_PER_ANSWER]
-        if (key := _text_key(text)) is not None and not any(
-                key in _item_keys(fmt, item) for item in fmt.history(body)):
+        if (key := _text_key(text)) is not None and key not in _history_keys(fmt, fmt.history(body)):
             keys.append(key)
         for key in keys:
             kept = self._ends.get(key)
@@ -327,6 +326,17 @@ def _item_keys(fmt: WireFormat, item: Any) -> list[bytes]:
         keys = _answer_keys(fmt.message(item))
         if kept is not None:
             kept["answer_keys"] = keys
+    return keys
+
+
+def _history_keys(fmt: WireFormat, items: list[Any]) -> set[bytes]:
+    """The :func:`_item_keys` of all of history ``items``; a history that only grew since the last request is read
+    from its new items on (:func:`~.formats.base.resumed`)."""
+    start, found = resumed(items, "history_keys")
+    keys: set[bytes] = found if found is not None else set()
+    for item in items[start:]:
+        keys.update(_item_keys(fmt, item))
+    keep_scan(items, "history_keys", keys)
     return keys
 
 
