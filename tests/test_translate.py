@@ -229,6 +229,26 @@ async def test_stall_mid_stream_longer_than_idle_timeout_ends_with_error_event(c
     assert_ends_with_error_event(client, data)
 
 
+@pytest.mark.parametrize("client", sorted(BY_CLIENT))
+async def test_a_stalled_translated_stream_ends_with_the_error_event_when_the_proxys_grace_ends(
+        client: str, tmp_path: Path) -> None:
+    async with translating(BY_CLIENT[client], tmp_path) as rp:
+        rp.scripted["s"].queue({"fault": {"stall_after_events": 6, "stall_s": 30}})
+        got: list[bytes] = []
+
+        async def read() -> None:
+            got.append((await raw_stream(rp.url, client, request_body(client, stream=True)))[1])
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                while not rp.scripted["s"].requests:  # the stream is on its way, then stalls for 30 s
+                    await trio.sleep(0.01)
+                await rp.drain(0.3)
+    assert_ends_with_error_event(client, got[0])
+    assert "the proxy stopped before the stream ended" in got[0].decode()
+
+
 async def test_configured_key_replaces_the_clients_and_never_reaches_errors_or_logs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("PV_TEST_UPSTREAM_KEY", SECRET)
