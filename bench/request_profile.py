@@ -10,6 +10,7 @@ Usage (from the repository root)::
     python bench/request_profile.py                       # chat, messages and responses at 4 MB, 30 requests
     python bench/request_profile.py --sizes 0.1,1,4 --formats chat
     python bench/request_profile.py --checkout /tmp/old   # the same stages in another checkout of proxyvisor
+    python bench/request_profile.py --threads 8           # one session of 8 threads (sub-agents), round robin
 
 Everything runs in this process: the proxy (supervision on, its defaults) and the scripted upstream on loopback
 sockets, the requests handed straight to the proxy's handler (no client socket: the body's trip in is not
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="4", help="history sizes in MB, comma-separated (default 4)")
     p.add_argument("--formats", default="chat,messages,responses", help="formats, comma-separated")
     p.add_argument("--count", type=int, default=30, help="requests measured per size and format (default 30)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of the session (sub-agents: histories of their own), its requests going round them "
+                        "(default 1)")
     p.add_argument("--checkout", type=Path, help="import proxyvisor from this checkout instead of this one")
     return p.parse_args(argv)
 
@@ -125,29 +129,34 @@ def main(argv: list[str] | None = None) -> int:
                             state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-profile-")),
                             supervisor=SupervisorConfig(enabled=True), source="bench/request_profile.py")
             async with running(config, port=0) as proxy:
-                history = History(fmt, int(size_mb * 1024 * 1024))
-                headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench")]
+                # Each thread's history its own (another system prompt), all of one session (by its header).
+                histories = [History(fmt, int(size_mb * 1024 * 1024), seed=11 + t) for t in range(args.threads)]
+                headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench"),
+                           (b"x-proxyvisor-session", b"bench")]
                 overheads = []
-                for n in range(args.count + 5):
-                    if n == 5:  # the first requests read the history whole (the session's start), not counted
+                warm = 5 * args.threads  # the first requests read the histories whole (the session's start)
+                for n in range(args.count + warm):
+                    if n == warm:
                         spent.clear()
-                    body = history.body(n)
+                    history = histories[n % args.threads]
+                    body = history.body(n // args.threads)
                     response = await proxy.pipeline(Request("POST", history.path, headers, body,
                                                             time.perf_counter()))
                     if not isinstance(response.body, bytes):
                         async for _ in response.body:
                             pass
-                    if n >= 5:
+                    if n >= warm:
                         overheads.append(float(dict(response.headers)[b"x-proxyvisor-overhead-ms"]))
                 nursery.cancel_scope.cancel()
-        return len(history.body(0)), overheads
+        return len(histories[0].body(0)), overheads
 
     where = args.checkout or ROOT
     print(f"proxyvisor from {where}")
     for size in [float(x) for x in args.sizes.split(",")]:
         for fmt in args.formats.split(","):
             first, overheads = trio.run(measure, fmt, size)
-            print(f"{fmt}, {first / 1024:.0f} KB history, {args.count} requests (CPU ms per request):")
+            print(f"{fmt}, {first / 1024:.0f} KB history, {args.threads} thread(s), {args.count} requests "
+                  "(CPU ms per request):")
             for label, seconds in spent.items():
                 print(f"  {label:34s} {seconds / args.count * 1000:8.3f}")
             print(f"  {'overhead p50 (header, wall ms)':34s} {statistics.median(overheads):8.3f}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 from collections.abc import Sequence
@@ -139,6 +140,7 @@ def _receipts_state_turn(state: SessionSupervision, count: int, prefix: str) -> 
     """A new turn in ``state``'s thread (a new dict) with ``count`` receipts."""
     receipts = _receipts(state)
     state.threads[b"key"].tracker.reader.turn_receipts = {f"{prefix}{i}": receipts["call_1"] for i in range(count)}
+    session_state.changed(state.threads[b"key"])
 
 
 def _receipts(state: SessionSupervision) -> dict[str, Receipt]:
@@ -170,8 +172,10 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     receipts = _receipts(session.supervision)
     extra = {f"more_{i}": receipts["call_1"] for i in range(CHUNK)}
     receipts.update(list(extra.items())[:1])
+    session_state.changed(session.supervision.threads[b"key"])  # as the pipeline notes a request's thread
     assert encode(session.supervision, os.urandom(16)).unstored == [], "one more receipt: no chunk to write"
     receipts.update(extra)
+    session_state.changed(session.supervision.threads[b"key"])
     await states.save(session)
     last = _CHUNKS[session.supervision.threads[b"key"].tracker.reader].chunks[-1]
     assert set(_stored(backend)) - set(stored) == {f"s:r:{last.digest.hex()}"}, "the chunk it filled, alone"
@@ -213,6 +217,7 @@ async def test_a_session_back_from_another_process_reads_only_the_chunks_it_lack
     assert theirs.supervision is not None
     receipts = _receipts(theirs.supervision)
     receipts.update({f"more_{i}": receipts["call_1"] for i in range(CHUNK)})
+    session_state.changed(theirs.supervision.threads[b"key"])
     await other.save(theirs)
     await here.load(session)
     assert [len(keys) for keys in read] == [3, 1], "the chunk the other process added, alone"
@@ -234,6 +239,7 @@ async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt
     replaced = dict(reader.turn_receipts)
     replaced["call_0"] = replaced["call_1"]
     reader.turn_receipts = replaced
+    session_state.changed(session.supervision.threads[b"key"])
     assert len(encode(session.supervision, os.urandom(16)).unstored) == 1, "the chunks after the first: as stored"
     await states.save(session)
     other = Session("s", 0.0, 0.0)
@@ -325,6 +331,12 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
 
     with pytest.raises(ValueError, match="may not hold"):
         decode(forged(pickle.dumps(Evil())))
+    # Each thread is a pickle of its own inside the state, read back the same way.
+    for thread, match in [(pickle.dumps(Evil()), "may not hold"), (pickle.dumps(Counter()), "not one")]:
+        holder = SessionSupervision()
+        holder.threads = session_state._StoredThreads((b"key",), (thread,))  # type: ignore[assignment]
+        with pytest.raises(ValueError, match=match):
+            decode(forged(pickle.dumps(holder)))
     with pytest.raises(ValueError):
         decode(b"short")
     # A state whose classes' source differs from this proxyvisor's (another version wrote it) is not used.

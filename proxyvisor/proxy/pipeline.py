@@ -60,7 +60,7 @@ from .bodies import BodyCache
 from .sessions import InvalidSession, Session, SessionTable, explicit_id, identify, split_prefix
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
-from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates
+from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates, changed
 from .sharing import Sharing
 from . import commands, estimate, web
 from .web import WebView
@@ -492,6 +492,7 @@ class Pipeline:
             send, upstream, secrets, translated = sender
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
             exchange = self.supervisor.begin(session, fmt, body, model, route)
+            changed(exchange.thread)  # taken: a save before this request is over pickles it again
             exchange.secrets = secrets
             self.learning.begin(session, exchange, self.background)
             if exchange.model is not None:
@@ -821,9 +822,11 @@ class Pipeline:
         supervision did (``proxyvisor.proxy.info.ledger_fields``), or, for ``local``, the command proxyvisor
         answered itself (``proxyvisor.proxy.commands``; not counted as a model request). With tracing on, the
         same record makes the request's spans (``proxyvisor.proxy.telemetry``; ``response_model``: the model the
-        answer names)."""
+        answer names). The request is over: its thread is noted :func:`~proxyvisor.proxy.session_state.changed`."""
         if session is None:
             return
+        if exchange is not None:
+            changed(exchange.thread)
         if local is None:
             session.requests += 1
             session.formats.add(fmt.name)

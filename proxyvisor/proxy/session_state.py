@@ -8,7 +8,10 @@ bookkeeping; and its counters), not its request records, which are each process'
 ``sessions`` namespace (``proxyvisor.adapters.state``), each with a time to live of ``[state] session_ttl_s``
 after it was last written:
 
-- ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled;
+- ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled, each of its
+  threads pickled on its own inside it. A request changes one thread (a sub-agent's history is a thread of its
+  own): a save pickles again only the threads :func:`changed` since this process last pickled them (the request's,
+  as the pipeline notes it) and reuses the others' pickles, so it costs what changed, not the whole state;
 - ``<session>:v``: the version alone;
 - ``<session>:r:<digest>``: a chunk of :data:`CHUNK` receipts of a thread's current turn
   (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
@@ -60,6 +63,7 @@ import os
 import pickle
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,9 +73,10 @@ import orjson
 import trio
 
 from ..adapters.state import KV, Outage, StateUnavailable
+from ..detectors.detectors import HistoryTracker
 from ..detectors.receipts import Receipt, RoundReader
 from .sessions import Session
-from .supervise import SessionSupervision
+from .supervise import SessionSupervision, Thread
 
 log = logging.getLogger("proxyvisor.sessions")
 
@@ -103,7 +108,9 @@ class _Unpickler(pickle.Unpickler):
 
 class _Reductions(dict[type, Callable[[Any], Any]]):
     """A pickler's dispatch table: each class's reduction, looked up on the class's first object (builtin
-    containers and atoms never come here), noting the proxyvisor classes met (:attr:`classes`).
+    containers and atoms never come here), noting the proxyvisor classes met (:attr:`classes`). It starts with the
+    reductions of the other classes this process met (:data:`_PLAIN`: ``deque``, ``Counter``...), which have
+    nothing to note: a state is pickled in pieces (:meth:`_supervision`), each with a table of its own.
 
     A dataclass with slots is reduced to its fields' values read by one ``attrgetter``, which its own
     ``__setstate__`` takes on loading as ever; ``dataclasses``' ``__getstate__`` reads them field by field in
@@ -112,43 +119,64 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
     the default pickler would (``copyreg``'s table, then ``__reduce_ex__``)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(_PLAIN)
         self.classes: set[str] = set()
-        self.unstored: list[_Chunk] = []
-        """The receipt chunks the state refers to that this process has not stored yet (:func:`encode`)."""
-        self.chunks: set[bytes] = set()
-        """The digests of every receipt chunk the state refers to."""
+        self.chunks: list[_Chunk] = []
+        """The receipt chunks the pickled object refers to."""
         self[RoundReader] = self._reader
+        self[SessionSupervision] = self._supervision
 
     def _reader(self, reader: RoundReader) -> tuple[Any, ...]:
         """A thread's round reader as the default pickler reduces it, its turn's receipts replaced by
         :class:`_StoredReceipts`."""
-        self.classes.add(f"{RoundReader.__module__}:{RoundReader.__qualname__}")
+        self.classes.add(_name(RoundReader))
         chunks, rest = _chunked(reader)
         for chunk in chunks:
             self.classes.update(chunk.classes)
-            self.chunks.add(chunk.digest)
-            if chunk.value is not None:
-                self.unstored.append(chunk)
+        self.chunks += chunks
         stored = _StoredReceipts(tuple(c.digest for c in chunks), rest)
         state = {**vars(reader), "turn_receipts": stored}
         return copyreg.__newobj__, (RoundReader,), state  # type: ignore[attr-defined]
 
+    def _supervision(self, state: SessionSupervision) -> tuple[Any, ...]:
+        """A session's state as its ``__getstate__`` has it, its threads replaced by :class:`_StoredThreads`: each
+        pickled on its own (:func:`_thread_pickled`), so that a save pickles again only the threads that changed."""
+        self.classes.add(_name(SessionSupervision))
+        threads = [_thread_pickled(thread) for thread in state.threads.values()]
+        for thread in threads:
+            self.classes.update(thread.classes)
+            self.chunks += thread.chunks
+        stored = _StoredThreads(tuple(state.threads), tuple(t.value for t in threads))
+        fields = {**state.__getstate__(), "threads": stored}
+        return copyreg.__newobj__, (SessionSupervision,), fields  # type: ignore[attr-defined]
+
     def __missing__(self, kind: type) -> Callable[[Any], Any]:
-        if issubclass(kind, type):
-            raise KeyError(kind)  # a class (of a metaclass: an enum's): the pickler names it, as without a table
-        if kind.__module__.startswith("proxyvisor."):
-            self.classes.add(f"{kind.__module__}:{kind.__qualname__}")
-        reduction = _FOUND.get(kind)
-        if reduction is None:
-            reduction = _FOUND[kind] = copyreg.dispatch_table.get(kind) or _fields_reduction(kind) \
+        found = _FOUND.get(kind)
+        if found is None:
+            if issubclass(kind, type):
+                raise KeyError(kind)  # a class (of a metaclass: an enum's): the pickler names it, as without a table
+            reduction = copyreg.dispatch_table.get(kind) or _fields_reduction(kind) \
                 or operator.methodcaller("__reduce_ex__", pickle.HIGHEST_PROTOCOL)
+            found = _FOUND[kind] = reduction, _name(kind) if kind.__module__.startswith("proxyvisor.") else None
+            if found[1] is None:
+                _PLAIN[kind] = reduction
+        reduction, name = found
+        if name is not None:
+            self.classes.add(name)
         self[kind] = reduction
         return reduction
 
 
-_FOUND: dict[type, Callable[[Any], Any]] = {}
-"""The reduction of each class :class:`_Reductions` met, found once per process."""
+_FOUND: dict[type, tuple[Callable[[Any], Any], str | None]] = {}
+"""The reduction of each class :class:`_Reductions` met, found once per process, and its name when it is
+proxyvisor's (:func:`_name`)."""
+_PLAIN: dict[type, Callable[[Any], Any]] = {}
+"""The reductions of :data:`_FOUND` of classes not proxyvisor's."""
+
+
+def _name(kind: type) -> str:
+    """How a stored state's format names proxyvisor class ``kind`` (:func:`_source_digest`)."""
+    return f"{kind.__module__}:{kind.__qualname__}"
 
 
 def _fields_reduction(kind: type) -> Callable[[Any], Any] | None:
@@ -177,6 +205,49 @@ class _StoredReceipts:
     rest: tuple[tuple[str, Receipt], ...]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StoredThreads:
+    """A session's threads in a stored state: their keys and each one's pickle, in order."""
+
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pickled:
+    """A thread as a save pickled it: the pickle, the proxyvisor classes it holds and the receipt chunks it
+    refers to (each one's ``value`` None once stored)."""
+
+    value: bytes
+    classes: frozenset[str]
+    chunks: tuple[_Chunk, ...]
+
+
+_PICKLED: weakref.WeakKeyDictionary[HistoryTracker, _Pickled] = weakref.WeakKeyDictionary()
+"""Each thread's pickle as this process's last save made it, by the thread's tracker (one per thread, never
+replaced; a thread, a dataclass, has no hash), until :func:`changed` drops it."""
+
+
+def changed(thread: Thread) -> None:
+    """Note that ``thread`` may have changed since a save last pickled it: the next save pickles it again. A save
+    reuses the pickle of every thread not so noted. The pipeline notes a request's thread when the request takes
+    it and once the request is over (its answer's ledger line), so a save made meanwhile (another request's, in
+    the same session) does not keep the thread as that save found it; whatever else changes a thread notes it
+    too."""
+    _PICKLED.pop(thread.tracker, None)
+
+
+def _thread_pickled(thread: Thread) -> _Pickled:
+    """``thread`` pickled (:func:`_pickled`), or its pickle kept from the last save, when not :func:`changed`
+    since."""
+    found = _PICKLED.get(thread.tracker)
+    if found is None:
+        reductions = _Reductions()
+        value, classes = _pickled(thread, reductions)
+        found = _PICKLED[thread.tracker] = _Pickled(value, frozenset(classes), tuple(reductions.chunks))
+    return found
+
+
 @dataclasses.dataclass(slots=True)
 class _Chunk:
     """:data:`CHUNK` receipts of a turn (``receipts`` of the calls ``ids``), the digest naming their key, their
@@ -199,7 +270,7 @@ class _Chunks:
 
 _CHUNKS: weakref.WeakKeyDictionary[RoundReader, _Chunks] = weakref.WeakKeyDictionary()
 """Each round reader's chunks this process cut, pickled, stored or read, so a save pickles only its new receipts."""
-_RECEIPT_CLASSES = frozenset({f"{Receipt.__module__}:{Receipt.__qualname__}"})
+_RECEIPT_CLASSES = frozenset({_name(Receipt)})
 """The proxyvisor classes of a chunk read from the store: its receipts."""
 
 
@@ -299,8 +370,9 @@ def encode(state: SessionSupervision, version: bytes) -> Encoded:
     pickled, classes = _pickled(state, reductions)
     names = tuple(sorted(classes))
     header = orjson.dumps({"classes": names, "digest": _source_digest(names).hex()})
-    return Encoded(version + len(header).to_bytes(4, "big") + header + pickled, reductions.unstored,
-                   frozenset(reductions.chunks))
+    return Encoded(version + len(header).to_bytes(4, "big") + header + pickled,
+                   [c for c in reductions.chunks if c.value is not None],
+                   frozenset(c.digest for c in reductions.chunks))
 
 
 def mark_stored(chunks: list[_Chunk]) -> None:
@@ -323,10 +395,15 @@ def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
         if _source_digest(names).hex() != header["digest"]:
             raise ValueError("written by a proxyvisor whose classes differ")
         state = _Unpickler(io.BytesIO(value[_VERSION + 4 + size:])).load()
+        stored = state.threads if isinstance(state, SessionSupervision) else None
+        if not isinstance(stored, _StoredThreads) or len(stored.keys) != len(stored.values):
+            raise ValueError("not a session state")
+        threads = [_Unpickler(io.BytesIO(v)).load() for v in stored.values]
     except Exception as exc:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
         raise ValueError(f"not a session state of this proxyvisor ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, SessionSupervision):
-        raise ValueError("not a session state")
+    if not all(isinstance(k, bytes) for k in stored.keys) or not all(isinstance(t, Thread) for t in threads):
+        raise ValueError("not a session state: a thread that is not one")
+    state.threads = OrderedDict(zip(stored.keys, threads))
     return state, value[:_VERSION]
 
 
