@@ -25,12 +25,12 @@ rebuilds it when the history was rewritten.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..transcript import Message, fingerprint
-from .receipts import DECLARED, Round, RoundReader, UserTurn
+from .receipts import DECLARED, ReceiptCache, Round, RoundReader, UserTurn
 
 LOOP_ROUNDS = 3
 NO_PROGRESS_ROUNDS = 5
@@ -167,14 +167,21 @@ class HistoryTracker:
     the history was rewritten (compaction, an edit) and the state is rebuilt from scratch. An edit strictly
     between those two anchors goes unnoticed (checking every item would make each request cost O(history)); the
     state then reflects the history as it was first seen.
+
+    A rebuild reads the whole history again, but its receipts come from :attr:`cache` (by content), so it computes
+    only those of calls not seen before; and :meth:`updating` does it a step at a time, so a shell can let other
+    work run in between.
     """
 
-    def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
+    def __init__(self, mutating_tools: frozenset[str] = frozenset(), cache: ReceiptCache | None = None) -> None:
         self.mutating_tools = mutating_tools
+        self.cache = cache if cache is not None else ReceiptCache(mutating_tools)
+        """The thread's receipts by content, kept across rebuilds (this process's only: it pickles empty); one
+        given must be of the same ``mutating_tools``."""
         self._reset()
 
     def _reset(self) -> None:
-        self.reader = RoundReader(self.mutating_tools)
+        self.reader = RoundReader(self.mutating_tools, self.cache)
         self.detectors = Detectors()
         self.fed = 0
         self.turn_start: int | None = None
@@ -192,30 +199,60 @@ class HistoryTracker:
         return (fingerprint(message_of(items[0])) != self._first
                 or fingerprint(message_of(items[self.fed - 1])) != self._last)
 
+    def from_start(self, items: Sequence[Any], message_of: Callable[[Any], Message]) -> bool:
+        """Whether :meth:`update` would read ``items`` from the start: the thread's first history, or a rewritten
+        one (class docstring). Costs two :func:`fingerprint` look-ups."""
+        return not self.fed or self._rewritten(items, message_of)
+
     def update(self, items: Sequence[Any], message_of: Callable[[Any], Message],
                schemas: Mapping[str, Mapping[str, Any]]) -> Update:
         """Feed the new part of ``items`` (one request's history, raw format items normalised by
         ``message_of``); ``schemas`` are the request's tool argument schemas by tool name."""
-        update = Update()
-        if self._rewritten(items, message_of):
-            self._reset()
-            update.rebuilt = True
-        for index in range(self.fed, len(items)):
-            message = message_of(items[index])
-            if index == 0:
-                self._first = fingerprint(message)
-            if index == len(items) - 1:
-                self._last = fingerprint(message)
-            for event in self.reader.feed(index, message, schemas):
-                update.last = event
-                if isinstance(event, UserTurn):
-                    self.detectors.user_turn()
-                    self.turn_start = event.index
-                    self.user_turns.append(event.index)
-                    continue
-                update.rounds.append(event)
-                signals = self.detectors.observe(event)
-                if signals:
-                    update.firings.append(Firing(event.index, signals))
-        self.fed = len(items)
+        steps = self.updating(items, message_of, schemas)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                update: Update = done.value
+                return update
+
+    def updating(self, items: Sequence[Any], message_of: Callable[[Any], Message],
+                 schemas: Mapping[str, Mapping[str, Any]]) -> Generator[None, None, Update]:
+        """:meth:`update` as a generator that returns its :class:`Update`. A history read from the start
+        (:meth:`from_start`) is read into a fresh state, one item per step (it yields after each), which replaces
+        this tracker's only once the last item is read: an update of this tracker made meanwhile is replaced
+        whole, never mixed with it, and a reading abandoned part way changes nothing. A history that goes on is
+        fed at once (no steps: it adds an item or two)."""
+        if not self.from_start(items, message_of):
+            update = Update()
+            for index in range(self.fed, len(items)):
+                self._feed(items, index, message_of(items[index]), schemas, update)
+            self.fed = len(items)
+            return update
+        fresh = HistoryTracker(self.mutating_tools, self.cache)
+        update = Update(rebuilt=bool(self.fed))
+        for index in range(len(items)):
+            fresh._feed(items, index, message_of(items[index]), schemas, update)
+            yield
+        fresh.fed = len(items)
+        vars(self).update(vars(fresh))
         return update
+
+    def _feed(self, items: Sequence[Any], index: int, message: Message, schemas: Mapping[str, Mapping[str, Any]],
+              update: Update) -> None:
+        """Feed history item ``index`` of ``items`` (``message``), adding what it completed to ``update``."""
+        if index == 0:
+            self._first = fingerprint(message)
+        if index == len(items) - 1:
+            self._last = fingerprint(message)
+        for event in self.reader.feed(index, message, schemas):
+            update.last = event
+            if isinstance(event, UserTurn):
+                self.detectors.user_turn()
+                self.turn_start = event.index
+                self.user_turns.append(event.index)
+                continue
+            update.rounds.append(event)
+            signals = self.detectors.observe(event)
+            if signals:
+                update.firings.append(Firing(event.index, signals))

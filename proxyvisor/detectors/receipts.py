@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,6 +305,49 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
                    identity, observation, check, line)
 
 
+CACHED = 1024
+"""Receipts a :class:`ReceiptCache` keeps (a few hundred bytes each)."""
+
+
+class ReceiptCache:
+    """Receipts by content, so a history read again from its start (rewritten: compaction, an edit, a summary in
+    front) computes only the receipts of calls it has not seen before.
+
+    A receipt is a pure function of the call's tool name and arguments, its result's text and error flag (or the
+    result's absence), whether the tool is a runner (the only thing its schema decides) and the mutating tools: the
+    key is a digest of all of them but the last, which is fixed per cache (``mutating_tools``). Digesting a result
+    reads its whole text once, in C; computing its receipt masks and scans it in Python, several times the cost.
+    Keeps the :data:`CACHED` receipts used last. Pickles as an empty cache: it is this process's memory, never part
+    of a stored session state."""
+
+    def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
+        self.mutating_tools = mutating_tools
+        self._found: OrderedDict[bytes, Receipt] = OrderedDict()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ReceiptCache, (self.mutating_tools,)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def receipt(self, use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] | None) -> Receipt:
+        """:func:`receipt` of the call, the one computed before for the same content if this cache kept it."""
+        head = digest(use.name, use.arguments, is_runner(schema, use.arguments),
+                      "absent" if output is None else output.is_error)
+        hasher = hashlib.blake2b(head, digest_size=16)
+        if output is not None:
+            hasher.update(output.text.encode("utf-8", "surrogatepass"))
+        key = hasher.digest()
+        found = self._found.get(key)
+        if found is not None:
+            self._found.move_to_end(key)
+            return found
+        found = self._found[key] = receipt(use, output, schema, self.mutating_tools)
+        if len(self._found) > CACHED:
+            self._found.popitem(last=False)
+        return found
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     """One model decision. ``index`` is the history position where it starts (its first assistant item, or the
@@ -383,8 +427,11 @@ class RoundReader:
     not read at all: it neither starts a turn nor ends a round.
     """
 
-    def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
+    def __init__(self, mutating_tools: frozenset[str] = frozenset(), cache: ReceiptCache | None = None) -> None:
         self.mutating_tools = mutating_tools
+        self.cache = cache if cache is not None else ReceiptCache(mutating_tools)
+        """Where receipts come from: a tracker passes its own, kept across the readers of a thread's rewrites
+        (its ``mutating_tools`` must be this reader's)."""
         self._open: _OpenRound | None = None
         self._last_prompt: str | None = None
         self._answered = True
@@ -440,7 +487,7 @@ class RoundReader:
             return [Round(open_round.index, text_key=digest("".join(open_round.text)))]
         self._tool_rounds_since_prompt += 1
         self._answered = False
-        receipts = tuple(receipt(u, open_round.outputs.get(u.id), schemas.get(u.name), self.mutating_tools)
+        receipts = tuple(self.cache.receipt(u, open_round.outputs.get(u.id), schemas.get(u.name))
                          for u in open_round.uses)
         if any(u.id in self.turn_receipts for u in open_round.uses):
             self.turn_receipts = dict(self.turn_receipts)

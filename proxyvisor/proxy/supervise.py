@@ -32,17 +32,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+import trio
 
 from .. import wirejson
 from ..config import SupervisorConfig
 from ..supervisor_model import ModelAnswer, ModelCall
-from ..detectors.detectors import HistoryTracker
+from ..detectors.detectors import HistoryTracker, Update
 from ..detectors.receipts import Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
@@ -56,7 +58,7 @@ from ..transcript import Tail, fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .relay import UpstreamReply
 from .sessions import Session
-from .reply import Edited, blocks
+from .reply import RUN_S, Edited, blocks
 
 if TYPE_CHECKING:  # the stages that hang on an exchange import this module
     from .continuation import Continuation
@@ -269,23 +271,54 @@ class Supervisor:
         """The supervisor model call of a request :meth:`begin` is given none for (None: no model calls)."""
         self.planner = Planner(config.plan, self.mutating_tools)
 
-    def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
-              route: dict[str, str] | None = None) -> Exchange:
-        """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
-        the upstream body (notes, then the instruction). ``model`` is the request's supervisor model call (else
-        the supervisor's own) and ``route`` its label (``{"route", "model"}``, ``proxyvisor.proxy.session_model``).
-        Never raises on odd histories: unknown items are ignored."""
+    def _thread(self, session: Session, fmt: WireFormat, parts: tuple[str, str]) -> tuple[SessionSupervision, Thread]:
+        """The session's supervision state (made on its first request) and the thread of a request whose
+        ``fmt.fingerprint_parts`` are ``parts``."""
         if session.supervision is None:
             session.supervision = SessionSupervision()
         state: SessionSupervision = session.supervision
+        return state, state.thread(thread_key(fmt, parts), self.mutating_tools)
+
+    async def catch_up(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Update | None:
+        """When the thread of ``body`` (a parsed request in ``fmt``) reads its history from the start (its first
+        request here, or a rewritten history: compaction, an edit), read it in steps on the event loop, which
+        runs other tasks after each :data:`~.reply.RUN_S` of work (``HistoryTracker.updating``); returns the
+        :class:`Update` it made, for :meth:`begin` (with no checkpoint in between). None when the history goes
+        on from what the thread read (:meth:`begin` reads its new items at once). Cancelled part way, the
+        thread's state is as before."""
+        _state, thread = self._thread(session, fmt, fmt.fingerprint_parts(body))
+        items = fmt.history(body)
+        if not thread.tracker.from_start(items, fmt.message):
+            return None
+        steps = thread.tracker.updating(items, fmt.message, {t.name: t.schema for t in fmt.tools(body)})
+        since = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                update: Update = done.value
+                return update
+            if time.perf_counter() - since >= RUN_S:
+                await trio.lowlevel.checkpoint()
+                since = time.perf_counter()
+
+    def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
+              route: dict[str, str] | None = None, update: Update | None = None) -> Exchange:
+        """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
+        the upstream body (notes, then the instruction). ``model`` is the request's supervisor model call (else
+        the supervisor's own) and ``route`` its label (``{"route", "model"}``, ``proxyvisor.proxy.session_model``);
+        ``update``, what :meth:`catch_up` read of the same body just before (else, or when the thread was dropped
+        meanwhile, the history is read here).
+        Never raises on odd histories: unknown items are ignored."""
         # Read once: the thread key, the detectors, condensing and delegation all use them.
         parts = fmt.fingerprint_parts(body)
         tools = fmt.tools(body)
-        thread = state.thread(thread_key(fmt, parts), self.mutating_tools)
+        state, thread = self._thread(session, fmt, parts)
         items = fmt.history(body)
         sent = list(items)  # the agent's history: the insertions below go into this same list
         schemas = {t.name: t.schema for t in tools}
-        update = thread.tracker.update(items, fmt.message, schemas)
+        if update is None or thread.tracker.from_start(items, fmt.message):  # (a thread dropped meanwhile: afresh)
+            update = thread.tracker.update(items, fmt.message, schemas)
         record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
         for firing in update.firings:
             state.signals.update(firing.signals)
