@@ -176,8 +176,8 @@ class HistoryTracker:
     def __init__(self, mutating_tools: frozenset[str] = frozenset(), cache: ReceiptCache | None = None) -> None:
         self.mutating_tools = mutating_tools
         self.cache = cache if cache is not None else ReceiptCache(mutating_tools)
-        """The thread's receipts by content, kept across rebuilds (this process's only: it pickles empty); one
-        given must be of the same ``mutating_tools``."""
+        """Receipts by content, kept across rebuilds (this process's only: it pickles empty); one given (shared with
+        other trackers) must be of the same ``mutating_tools``."""
         self._reset()
 
     def _reset(self) -> None:

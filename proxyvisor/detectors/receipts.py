@@ -305,7 +305,7 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
                    identity, observation, check, line)
 
 
-CACHED = 1024
+CACHED = 2048
 """Receipts a :class:`ReceiptCache` keeps (a few hundred bytes each)."""
 
 

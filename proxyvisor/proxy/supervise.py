@@ -45,7 +45,7 @@ from .. import wirejson
 from ..config import SupervisorConfig
 from ..supervisor_model import ModelAnswer, ModelCall
 from ..detectors.detectors import HistoryTracker, Update
-from ..detectors.receipts import Round, UserTurn
+from ..detectors.receipts import ReceiptCache, Round, UserTurn
 from ..detectors.selfreport import INSTRUCTION, ReportOutcome, Stripper, outcome, strip
 from ..detectors.steer import SteerPolicy, note_text
 from ..gate.plan import Plan
@@ -226,6 +226,10 @@ class SessionSupervision:
     reports: Counter[str] = field(default_factory=Counter)
     signals: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
+    receipts: ReceiptCache | None = None
+    """The receipts of the session's calls by content, shared by its threads: a compacted history whose first user
+    message is now a summary is another thread, whose first reading still finds the receipts of the calls it kept
+    (this process's only: it pickles empty)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """What a stored session state holds (``proxyvisor.proxy.session_state``): everything but the request
@@ -233,7 +237,11 @@ class SessionSupervision:
         return {**self.__dict__, "records": deque(maxlen=RECORDS)}
 
     def thread(self, key: bytes, mutating_tools: frozenset[str]) -> Thread:
-        thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools))
+        """The thread ``key`` (made when new), now the most recently used; its tracker takes receipts from
+        :attr:`receipts`."""
+        if self.receipts is None or self.receipts.mutating_tools != mutating_tools:
+            self.receipts = ReceiptCache(mutating_tools)
+        thread = self.threads.pop(key, None) or Thread(HistoryTracker(mutating_tools, self.receipts))
         self.threads[key] = thread
         while len(self.threads) > THREADS:
             self.threads.popitem(last=False)

@@ -1,0 +1,259 @@
+"""A rewritten history (compaction, an edit, a summary in front, a dropped middle): the detectors' state and
+outputs are those of a full recompute, whatever the receipts reused by content, and reading it does not hold the
+event loop for more than a few ms at a time."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from proxyvisor.config import SupervisorConfig
+from proxyvisor.detectors import receipts
+from proxyvisor.detectors.detectors import HistoryTracker, Update
+from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
+from proxyvisor.proxy.sessions import Session
+from proxyvisor.proxy.supervise import Supervisor
+
+History = list[dict[str, Any]]
+RUNNER = {"type": "object", "properties": {"command": {"type": "string"}}}
+NOT_RUNNER = {"type": "object", "properties": {"command": {"type": "string", "enum": ["ls", "make test"]}}}
+COMMANDS = ["ls", "cat status", "make test", "pytest -q", "sed -i s/a/b/ x.py", "grep -r foo .", "deploy now"]
+OUTPUTS = ["running", "running", "done at 12:00:01", "done at 12:00:07", "Exit code 1\nboom", "Exit code 1\nbang",
+           "3 failed, 2 passed in 0.4s", "5 passed in 0.3s", "", "Traceback (most recent call last):\nX",
+           "Exit code 0\nok"]
+TEXTS = ["Checking.", "Checking.", "Let me look.", "I will try again."]
+
+
+class Agent:
+    """A random agent session in Chat messages: tool rounds (parallel ones, repeated calls and outputs, failures,
+    missing results, call ids numbered again from 0), turns without tool calls, genuine user turns, re-prompts."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.ids = 0
+
+    def _id(self) -> str:
+        if self.rng.random() < 0.1:
+            self.ids = 0  # a client numbering each round's calls from 0
+        self.ids += 1
+        return f"call_{self.ids}"
+
+    def step(self) -> History:
+        rng = self.rng
+        kind = rng.random()
+        if kind < 0.08:
+            return [{"role": "user", "content": rng.choice(["Go on.", "Now fix the tests.", "Try another way."])}]
+        if kind < 0.12:
+            return [{"role": "user", "content": "Please always provide EXACTLY ONE action."}]
+        if kind < 0.2:
+            return [{"role": "assistant", "content": rng.choice(TEXTS)}]
+        calls = [(self._id(), rng.choice(["Bash", "Bash", "Read", "Edit", "Deploy"]), rng.choice(COMMANDS))
+                 for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        out: History = [{"role": "assistant", "content": rng.choice([None, *TEXTS]), "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": name, "arguments": json.dumps(
+                {"command": command} if name == "Bash" else {"file_path": command.split()[-1], "command": command})}}
+            for i, name, command in calls]}]
+        for i, _name, _command in calls:
+            if rng.random() < 0.05:
+                continue  # a result that never came
+            result: dict[str, Any] = {"role": "tool", "tool_call_id": i, "content": rng.choice(OUTPUTS)}
+            if rng.random() < 0.2:
+                result["is_error"] = rng.choice([True, False])
+            out.append(result)
+        return out
+
+
+def _summary(rng: random.Random) -> dict[str, Any]:
+    return {"role": "user", "content": f"Summary of the conversation so far ({rng.randint(0, 9)}): tests were run."}
+
+
+def _cut(rng: random.Random, history: History) -> int:
+    return rng.randint(1, max(1, len(history) - 1))
+
+
+REWRITES: dict[str, Callable[[random.Random, History], History]] = {
+    "edit the first message": lambda rng, h: [{**h[0], "content": h[0]["content"] + " (edited)"}, *h[1:]],
+    "edit an early message": lambda rng, h: [*h[:1], {**h[1], "content": "Fix the other bug."}, *h[2:]],
+    "edit a message inside": lambda rng, h: (lambda i: [*h[:i], {**h[i], "content": "edited"}, *h[i + 1:]])(
+        _cut(rng, h)),
+    "compact: a summary after the first messages, the middle dropped": lambda rng, h: (
+        [*h[:2], _summary(rng), *h[_cut(rng, h):]]),
+    "a summary in front of the later part": lambda rng, h: [_summary(rng), *h[_cut(rng, h):]],
+    "drop the middle": lambda rng, h: (lambda a, b: [*h[:a], *h[b:]])(*sorted((_cut(rng, h), _cut(rng, h)))),
+    "drop the oldest rounds": lambda rng, h: [*h[:2], *h[min(len(h), 2 + rng.randint(1, 6)):]],
+    "truncate": lambda rng, h: h[:_cut(rng, h)],
+    "replace the last message": lambda rng, h: [*h[:-1], {"role": "user", "content": "Start over."}],
+    "summary only": lambda rng, h: [h[0], _summary(rng)],
+}
+
+
+def _schemas(rng: random.Random) -> dict[str, Any]:
+    return {"Bash": rng.choice([RUNNER, NOT_RUNNER])} if rng.random() < 0.8 else {}
+
+
+def _state(tracker: HistoryTracker) -> tuple[Any, ...]:
+    return (tracker.fed, tracker.turn_start, tracker.user_turns, tracker.reader.turn_receipts,
+            tracker.reader._last_prompt, tracker.reader._answered, tracker.reader._tool_rounds_since_prompt,
+            list(tracker.detectors._seen), list(tracker.detectors._window), dict(tracker.detectors._failed))
+
+
+def _outputs(update: Update) -> tuple[Any, ...]:
+    return update.rounds, update.firings, update.last, update.rebuilt, update.signals
+
+
+def _recomputed(monkeypatch: pytest.MonkeyPatch, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with no receipt ever reused (a cache that keeps nothing): the full recompute."""
+    with monkeypatch.context() as patch:
+        patch.setattr(receipts, "CACHED", 0)
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrites(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trackers fed the same requests, one reusing receipts by content, one recomputing every receipt; after
+    every request their updates and their whole state agree, and after a rewrite both agree with a new tracker
+    reading the history once. A reading abandoned part way (a cancelled request) leaves the state as it was."""
+    rng = random.Random(seed)
+    mutating = frozenset({"Deploy"}) if seed % 3 == 0 else frozenset()
+    agent, reusing, recomputing = Agent(rng), HistoryTracker(mutating), HistoryTracker(mutating)
+    history: History = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix it."}]
+    rewrites = 0
+    for request in range(60):
+        if request % 12 == 11:
+            history = REWRITES[rng.choice(sorted(REWRITES))](rng, history)
+            rewrites += 1
+        else:
+            for _ in range(rng.randint(1, 3)):
+                history = history + agent.step()
+        schemas = _schemas(rng)
+        if rng.random() < 0.2 and reusing.from_start(history, CHAT.message):
+            before = _state(reusing)
+            steps = reusing.updating(history, CHAT.message, schemas)
+            for _ in range(rng.randint(0, len(history) - 1)):
+                next(steps)
+            steps.close()
+            assert _state(reusing) == before
+        got = reusing.update(history, CHAT.message, schemas)
+        want = _recomputed(monkeypatch, recomputing.update, history, CHAT.message, schemas)
+        assert _outputs(got) == _outputs(want), f"request {request}"
+        assert _state(reusing) == _state(recomputing), f"request {request}"
+        if got.rebuilt:
+            fresh = HistoryTracker(mutating)
+            once = _recomputed(monkeypatch, fresh.update, history, CHAT.message, schemas)
+            assert (once.rounds, once.firings, once.last) == (got.rounds, got.firings, got.last)
+            assert _state(fresh) == _state(reusing)
+            # Another thread of the session (a summary is now its first user message) shares the receipts.
+            other = HistoryTracker(mutating, reusing.cache)
+            assert _outputs(other.update(history, CHAT.message, schemas)) == _outputs(once)
+            assert _state(other) == _state(fresh)
+    assert rewrites == 5
+    assert len(reusing.cache) > 0 and len(recomputing.cache) == 0
+
+
+def _bodies(fmt_name: str, seed: int) -> list[dict[str, Any]]:
+    """A session's requests in ``fmt_name``: a loop of polls that the detectors steer, rewritten now and then."""
+    rng = random.Random(seed)
+    agent = Agent(rng)
+    history: History = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix it."}]
+    poll = [{"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_p", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "cat st"}'}}]},
+        {"role": "tool", "tool_call_id": "call_p", "content": "running"}]
+    out = []
+    for request in range(30):
+        if request % 7 == 6:
+            history = REWRITES[rng.choice(sorted(REWRITES))](rng, history)
+        else:
+            history = history + (poll if rng.random() < 0.5 else agent.step())
+        out.append(BY_NAME[fmt_name].request_from_chat(history, "m", False, (ToolSpec("Bash", RUNNER),)))
+    return out
+
+
+@pytest.mark.parametrize("fmt_name", ["chat", "messages"])
+async def test_the_proxys_stepped_reading_steers_as_a_full_recompute(
+        fmt_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same session's requests through a supervisor that reads rewritten histories in steps reusing receipts
+    (``catch_up`` then ``begin``, as the pipeline does) and one that reads them at once recomputing every receipt:
+    the same upstream bodies (steer notes at the same places), firings and notes."""
+    fmt = BY_NAME[fmt_name]
+    stepped, whole = Supervisor(SupervisorConfig()), Supervisor(SupervisorConfig())
+    sessions = Session("a", 0, 0), Session("b", 0, 0)
+    notes = 0
+    for seed in range(3):
+        for body in _bodies(fmt_name, seed):
+            mine, theirs = orjson.loads(orjson.dumps(body)), orjson.loads(orjson.dumps(body))
+            update = await stepped.catch_up(sessions[0], fmt, mine)
+            got = stepped.begin(sessions[0], fmt, mine, update=update)
+            want = _recomputed(monkeypatch, whole.begin, sessions[1], fmt, theirs)
+            assert got.upstream_body() == want.upstream_body()
+            assert (got.record.firings, got.record.note, got.record.note_index, got.record.rebuilt) == (
+                want.record.firings, want.record.note, want.record.note_index, want.record.rebuilt)
+            notes += got.record.note is not None
+    assert notes > 0
+    assert sessions[0].supervision.signals == sessions[1].supervision.signals
+
+
+def _big_history(size: int) -> History:
+    """A Chat history of about ``size`` bytes: tool rounds with outputs of a few hundred bytes to 40 KB."""
+    rng = random.Random(5)
+    words = "the file path command output tool agent returns string list integer error passed failed".split()
+    history: History = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix it."}]
+    total, n = 0, 0
+    while total < size:
+        n += 1
+        lines = rng.randint(600, 1000) if n % 12 == 5 else rng.randint(5, 60)
+        output = "\n".join(f"{i:5d} " + " ".join(rng.choices(words, k=rng.randint(4, 9))) for i in range(lines))
+        history += [{"role": "assistant", "content": "Next.", "tool_calls": [
+            {"id": f"call_{n}", "type": "function", "function": {
+                "name": "Bash", "arguments": json.dumps({"command": f"cat src/m{rng.randint(0, 99)}.py"})}}]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": output}]
+        total += len(output) + 200
+    return history
+
+
+async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -> None:
+    """A 4 MB history, then the same compacted (a summary after the first messages, the older half dropped) and
+    with a summary in front: each is read from the start, and the event loop's other tasks run between steps of
+    at most a few ms of CPU (it took 80 ms at once before). CPU time of the loop's thread, not wall time: a loaded
+    machine that stops the process for a while does not count; the garbage collector is off meanwhile (a
+    collection of the test process's objects is not the reading's work)."""
+    fmt, supervisor, session = CHAT, Supervisor(SupervisorConfig()), Session("s", 0, 0)
+    history = _big_history(4 * 1024 * 1024)
+    half = len(history) // 2
+    requests = [history, [*history[:2], {"role": "user", "content": "Summary: tests were run."}, *history[half:]],
+                [{"role": "user", "content": "Summary: all of it."}, *history[half + 2:]]]
+    bodies = [fmt.request_from_chat(h, "m", False, (ToolSpec("Bash", RUNNER),)) for h in requests]
+    worst = 0.0
+    turns = 0
+    reading = True
+
+    async def heartbeat() -> None:
+        nonlocal worst, turns
+        while reading:
+            before = time.thread_time()
+            await trio.lowlevel.checkpoint()
+            worst = max(worst, time.thread_time() - before)
+            turns += 1
+
+    gc.disable()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat)
+            await trio.lowlevel.checkpoint()
+            for body in bodies:
+                update = await supervisor.catch_up(session, fmt, body)
+                assert update is not None
+                supervisor.begin(session, fmt, body, update=update)
+            reading = False
+    finally:
+        gc.enable()
+    assert turns > 10  # the loop ran other tasks while the histories were read
+    assert worst < 0.012, f"the event loop was held for {worst * 1000:.1f} ms of CPU at once"
