@@ -11,9 +11,13 @@ the history as sent, then each rewrite of it, as a compacting or editing agent s
 - ``summary in front``: a summary, then the later half.
 
 It prints, per case, the CPU time (thread time, median of ``--repeat``) of reading the rewritten history with every
-receipt computed again (the baseline: what each rewrite cost before), with receipts reused by content, the ratio, and
-the longest the event loop was held at once when the proxy reads it in steps (``Supervisor.catch_up``: CPU time
-between two turns of the loop's other tasks). Nothing here starts a server; it does not load the machine for long.
+receipt computed again and none kept (the baseline: what each rewrite cost before, all of it at once on the event
+loop), with
+receipts reused by content, the ratio, and the longest another task on the event loop waited between two of its
+turns while the proxy read it in steps (``Supervisor.catch_up`` then ``begin``; CPU time of the loop's thread: trio
+runs each ready task once per round in a random order, so such a wait can span two steps). Nothing here starts a
+server; it does not load the machine for long. Then, what the reuse costs the usual request (a key for each new
+receipt): the tracker's CPU per request of a growing 1 MB session, with and without reuse, and their ratio.
 """
 
 from __future__ import annotations
@@ -36,9 +40,14 @@ from bench.histories import History  # noqa: E402
 from proxyvisor.config import SupervisorConfig  # noqa: E402
 from proxyvisor.detectors import receipts  # noqa: E402
 from proxyvisor.detectors.detectors import HistoryTracker  # noqa: E402
+from proxyvisor.detectors.receipts import ReceiptCache  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, WireFormat  # noqa: E402
 from proxyvisor.proxy.sessions import Session  # noqa: E402
 from proxyvisor.proxy.supervise import Supervisor  # noqa: E402
+
+
+ROUNDS = 300
+"""Requests of the growing session (one round each)."""
 
 
 def rewrites(fmt: WireFormat, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -62,17 +71,41 @@ def cpu(fn: Callable[[], Any]) -> float:
     return time.thread_time() - started
 
 
+def measured(fn: Callable[[], Any], reuse: bool) -> float:
+    """CPU seconds of ``fn()``, with receipts reused by content, or (the baseline) every receipt computed and no key
+    made or kept, as before the cache."""
+    cached = ReceiptCache.receipt
+    if not reuse:
+        ReceiptCache.receipt = lambda self, use, output, schema: receipts.receipt(  # type: ignore[method-assign]
+            use, output, schema, self.mutating_tools)
+    try:
+        return cpu(fn)
+    finally:
+        ReceiptCache.receipt = cached  # type: ignore[method-assign]
+
+
 def read(fmt: WireFormat, before: dict[str, Any], after: dict[str, Any], reuse: bool) -> float:
     """CPU seconds of a tracker that read ``before`` reading ``after`` (a rewrite: read from the start)."""
     schemas = {t.name: t.schema for t in fmt.tools(after)}
-    saved = receipts.CACHED
-    receipts.CACHED = saved if reuse else 0
-    try:
-        tracker = HistoryTracker()
-        tracker.update(fmt.history(before), fmt.message, schemas)
-        return cpu(lambda: tracker.update(fmt.history(after), fmt.message, schemas))
-    finally:
-        receipts.CACHED = saved
+    tracker = HistoryTracker()
+    tracker.update(fmt.history(before), fmt.message, schemas)
+    return measured(lambda: tracker.update(fmt.history(after), fmt.message, schemas), reuse)
+
+
+def grow(fmt: WireFormat, body: dict[str, Any], rounds: int, reuse: bool) -> float:
+    """CPU seconds per request of a tracker fed ``body``'s history as a session sends it, its last ``rounds``
+    rounds one request each (what the reuse costs the usual request: a key for each new receipt)."""
+    schemas = {t.name: t.schema for t in fmt.tools(body)}
+    items = fmt.history(body)
+    ends = [len(items) - 2 * n for n in range(rounds, -1, -1)]
+    tracker = HistoryTracker()
+    tracker.update(items[:ends[0]], fmt.message, schemas)
+
+    def requests() -> None:
+        for end in ends[1:]:
+            tracker.update(items[:end], fmt.message, schemas)
+
+    return measured(requests, reuse) / rounds
 
 
 async def held(fmt: WireFormat, before: dict[str, Any], after: dict[str, Any]) -> float:
@@ -105,7 +138,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs per case; the median is shown (default 5)")
     args = parser.parse_args()
     print(f"{'format':<9} {'MB':>3} {'rewrite':<17} {'items':>6} {'recompute ms':>13} {'reuse ms':>9} {'ratio':>6} "
-          f"{'longest hold ms (stepped)':>26}")
+          f"{'longest wait ms (stepped)':>26}")
     for name in ("chat", "messages"):
         fmt = BY_NAME[name]
         for size in (float(s) for s in args.sizes.split(",")):
@@ -121,6 +154,13 @@ def main() -> int:
                     gc.enable()
                 print(f"{name:<9} {size:>3g} {shape:<17} {len(fmt.history(rewritten)):>6} {base * 1000:>13.1f} "
                       f"{reuse * 1000:>9.1f} {base / reuse:>6.1f} {hold * 1000:>26.2f}")
+    print(f"\nper request of a growing session, {ROUNDS} requests of one round each (us, median of --repeat):")
+    for name in ("chat", "messages"):
+        fmt = BY_NAME[name]
+        body = orjson.loads(History(name, 1024 * 1024, seed=3).body(ROUNDS))
+        base = statistics.median(grow(fmt, body, ROUNDS, False) for _ in range(args.repeat))
+        reuse = statistics.median(grow(fmt, body, ROUNDS, True) for _ in range(args.repeat))
+        print(f"{name:<9} 1 MB  recompute {base * 1e6:7.1f}  reuse {reuse * 1e6:7.1f}  ratio {reuse / base:5.2f}")
     return 0
 
 
