@@ -137,7 +137,7 @@ def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrite
         schemas = _schemas(rng)
         if rng.random() < 0.2 and reusing.from_start(history, CHAT.message):
             before = _state(reusing)
-            steps = reusing.updating(history, CHAT.message, schemas)
+            steps = reusing.updating(history, CHAT.message, schemas, Update())
             for _ in range(rng.randint(0, len(history) - 1)):
                 next(steps)
             steps.close()

@@ -208,35 +208,30 @@ class HistoryTracker:
                schemas: Mapping[str, Mapping[str, Any]]) -> Update:
         """Feed the new part of ``items`` (one request's history, raw format items normalised by
         ``message_of``); ``schemas`` are the request's tool argument schemas by tool name."""
-        steps = self.updating(items, message_of, schemas)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                update: Update = done.value
-                return update
+        update = Update()
+        for _step in self.updating(items, message_of, schemas, update):
+            pass
+        return update
 
     def updating(self, items: Sequence[Any], message_of: Callable[[Any], Message],
-                 schemas: Mapping[str, Mapping[str, Any]]) -> Generator[None, None, Update]:
-        """:meth:`update` as a generator that returns its :class:`Update`. A history read from the start
-        (:meth:`from_start`) is read into a fresh state, one item per step (it yields after each), which replaces
-        this tracker's only once the last item is read: an update of this tracker made meanwhile is replaced
-        whole, never mixed with it, and a reading abandoned part way changes nothing. A history that goes on is
-        fed at once (no steps: it adds an item or two)."""
+                 schemas: Mapping[str, Mapping[str, Any]], update: Update) -> Generator[None, None, None]:
+        """:meth:`update` as an iterator, adding what it reads to ``update`` (a new one). A history read from the
+        start (:meth:`from_start`) is read into a fresh state, one item per step (it yields after each), which
+        replaces this tracker's only once the last item is read: an update of this tracker made meanwhile is
+        replaced whole, never mixed with it, and a reading abandoned part way changes nothing here (``update`` is
+        then partial). A history that goes on is fed at once (no steps: it adds an item or two)."""
         if not self.from_start(items, message_of):
-            update = Update()
             for index in range(self.fed, len(items)):
                 self._feed(items, index, message_of(items[index]), schemas, update)
             self.fed = len(items)
-            return update
+            return
         fresh = HistoryTracker(self.mutating_tools, self.cache)
-        update = Update(rebuilt=bool(self.fed))
+        update.rebuilt = bool(self.fed)
         for index in range(len(items)):
             fresh._feed(items, index, message_of(items[index]), schemas, update)
             yield
         fresh.fed = len(items)
         vars(self).update(vars(fresh))
-        return update
 
     def _feed(self, items: Sequence[Any], index: int, message: Message, schemas: Mapping[str, Mapping[str, Any]],
               update: Update) -> None:

@@ -298,17 +298,13 @@ class Supervisor:
         items = fmt.history(body)
         if not thread.tracker.from_start(items, fmt.message):
             return None
-        steps = thread.tracker.updating(items, fmt.message, {t.name: t.schema for t in fmt.tools(body)})
+        update = Update()
         since = time.perf_counter()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                update: Update = done.value
-                return update
+        for _step in thread.tracker.updating(items, fmt.message, {t.name: t.schema for t in fmt.tools(body)}, update):
             if time.perf_counter() - since >= RUN_S:
                 await trio.lowlevel.checkpoint()
                 since = time.perf_counter()
+        return update
 
     def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
               route: dict[str, str] | None = None, update: Update | None = None) -> Exchange:
