@@ -317,15 +317,18 @@ class ReceiptCache:
     result's absence), whether the tool is a runner (the only thing its schema decides) and the mutating tools: the
     key is a digest of all of them but the last, which is fixed per cache (``mutating_tools``). Digesting a result
     reads its whole text once, in C; computing its receipt masks and scans it in Python, several times the cost.
-    Keeps the :data:`CACHED` receipts used last. Pickles as an empty cache: it is this process's memory, never part
-    of a stored session state."""
+    Keeps the :data:`CACHED` receipts used last. Its state (``__getstate__``, what a pickle holds) is its
+    ``mutating_tools`` alone: the receipts are this process's memory, never part of a stored session state."""
 
     def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
         self.mutating_tools = mutating_tools
         self._found: OrderedDict[bytes, Receipt] = OrderedDict()
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return ReceiptCache, (self.mutating_tools,)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"mutating_tools": self.mutating_tools}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.mutating_tools, self._found = state["mutating_tools"], OrderedDict()
 
     def __len__(self) -> int:
         return len(self._found)
