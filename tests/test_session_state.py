@@ -224,6 +224,32 @@ async def test_a_session_back_from_another_process_reads_only_the_chunks_it_lack
     assert session.supervision is not None and list(_receipts(session.supervision).items()) == list(receipts.items())
 
 
+async def test_a_session_back_from_another_process_unpickles_only_the_threads_it_changed(tmp_path: Path) -> None:
+    """Each thread is a pickle of its own in the state: a process that holds the session takes the threads whose
+    pickle is the one it holds as they are (the same objects), and unpickles the ones the other process changed;
+    the pickles it read are kept, so its next save pickles only what changes after."""
+    backend = DiskBackend(tmp_path)
+    other, here = (SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60) for _ in range(2))
+    theirs = Session("s", 0.0, 0.0, supervision=SessionSupervision())
+    assert theirs.supervision is not None
+    for key in (b"a", b"b", b"c"):
+        theirs.supervision.thread(key, frozenset()).state = "progressing"
+    await other.save(theirs)
+    session = Session("s", 0.0, 0.0)
+    await here.load(session)
+    assert session.supervision is not None
+    before = dict(session.supervision.threads)
+    assert all(session_state._PICKLED.get(t.tracker) is not None for t in before.values()), "kept as read"
+    changed = theirs.supervision.threads[b"b"]
+    changed.state = "blocked"
+    session_state.changed(changed)
+    await other.save(theirs)
+    await here.load(session)
+    after = session.supervision.threads
+    assert list(after) == [b"a", b"b", b"c"] and after[b"a"] is before[b"a"] and after[b"c"] is before[b"c"]
+    assert after[b"b"] is not before[b"b"] and after[b"b"].state == "blocked"
+
+
 async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt(tmp_path: Path) -> None:
     """A call id used again in a turn gives the reader a new dict (``RoundReader.turn_receipts``), cut into
     chunks afresh: the restored turn has the new receipt. A chunk that is gone (expired) or not a chunk (forged:
@@ -317,7 +343,8 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
     state = SessionSupervision()
     state.notes["loop"] += 2
     version = os.urandom(16)
-    back, got = decode(encode(state, version).value)
+    decoded = decode(encode(state, version).value)
+    back, got = decoded.state, decoded.version
     assert got == version and back.notes == state.notes and isinstance(back, SessionSupervision)
 
     class Evil:

@@ -39,6 +39,7 @@ from test_recite_prefix import report
 
 SESSION = "changes"
 BASH = ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}})
+ITEMS = 160
 OUTPUTS = ("3 passed in 0.12s", "1 failed, 2 passed in 0.3s", "src/a.py\nsrc/b.py", "", "Error: no such file")
 
 
@@ -100,7 +101,8 @@ class _Thread:
 
     def answered(self, got: Any, rng: random.Random, n: int) -> None:
         """Append the answer ``got`` (an ``AssistantTurn``) and its tool results, a next task after a turn's end,
-        and now and then a rewritten history (a compaction: the history cut back to a round's start)."""
+        and now and then a rewritten history (a compaction: the history cut back to a round's start; always past
+        :data:`ITEMS`, which keeps the test's time bounded)."""
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": orjson.dumps(
             c.arguments).decode()}} for c in got.tool_calls]
         self.history.append({"role": "assistant", "content": got.text or None, **({"tool_calls": calls}
@@ -110,7 +112,7 @@ class _Thread:
         if not calls:
             self.history.append({"role": "user", "content": f"Next: part {n}."})
             self.calls = []
-        if rng.random() < 0.03:
+        if rng.random() < 0.03 or len(self.history) > ITEMS:
             starts = [i for i, m in enumerate(self.history) if i > 2 and m["role"] == "assistant"]
             if starts:
                 del self.history[rng.choice(starts):]
@@ -140,8 +142,9 @@ async def _request(proxy: RunningProxy, thread: _Thread, rng: random.Random, n: 
 
 
 def _assert_cached_is_fresh(state: SessionSupervision) -> None:
-    """The encoding with the threads' kept pickles is the one a fresh full encode makes (the kept ones are put
-    back after it, as they were)."""
+    """The encoding with the threads' kept pickles is one a fresh full encode makes (the kept ones are put back
+    after it, as they were): the same format, chunks and state. (Not always the same bytes: a pickle read back
+    from the store and kept may share a string object where a fresh pickle of what it built writes it again.)"""
     version = os.urandom(16)
     cached = encode(state, version)
     kept = dict(session_state._PICKLED)
@@ -151,9 +154,11 @@ def _assert_cached_is_fresh(state: SessionSupervision) -> None:
     finally:
         session_state._PICKLED.clear()
         session_state._PICKLED.update(kept)
-    assert cached.value == fresh.value
+    size = 20 + int.from_bytes(fresh.value[16:20], "big")
+    assert cached.value[:size] == fresh.value[:size], "the same format: version, classes, their digest"
     assert cached.chunks == fresh.chunks
     assert [c.digest for c in cached.unstored] == [c.digest for c in fresh.unstored]
+    assert cached.value == fresh.value or _plain(decode(cached.value).state) == _plain(decode(fresh.value).state)
 
 
 async def _session(proxy: RunningProxy) -> SessionSupervision:
@@ -174,12 +179,16 @@ async def test_a_save_pickles_only_what_changed_and_loads_as_a_fresh_encode(tmp_
             state={"backend": "redis", "url": stack.enter_context(redis_server(tmp_path / "redis"))})
         n, restarts, reads = 0, 0, 0
         while n < steps:
+            # Two proxies on one state (two replicas, or two proxies on one folder), the session going back and
+            # forth between them; restarted together.
             async with running(config, port=0, store=Store(tmp_path / "state"),
-                               scripted={"scripted": ScriptedUpstream(record=False)}) as proxy:
+                               scripted={"scripted": ScriptedUpstream(record=False)}) as one, \
+                    running(config, port=0, store=Store(tmp_path / "state"),
+                            scripted={"scripted": ScriptedUpstream(record=False)}) as two:
                 while n < steps:
                     n += 1
-                    roll = rng.random()
-                    if roll < 0.1:  # two threads' requests at once
+                    proxy = one if rng.random() < 0.6 else two
+                    if rng.random() < 0.1:  # two threads' requests at once (on one proxy: else the later save wins)
                         async with trio.open_nursery() as both:
                             for thread in rng.sample(threads, 2):
                                 both.start_soon(_request, proxy, thread, rng, n)
@@ -187,7 +196,7 @@ async def test_a_save_pickles_only_what_changed_and_loads_as_a_fresh_encode(tmp_
                         await _request(proxy, rng.choice(threads), rng, n)
                     state = await _session(proxy)
                     _assert_cached_is_fresh(state)
-                    if rng.random() < 0.05:  # another process (another store on the folder, or Redis) reads it
+                    if rng.random() < 0.2:  # another process (another store on the folder, or Redis) reads it
                         reads += 1
                         other = Session(SESSION, 0.0, 0.0)
                         reader = SessionStates(backend_of(config, tmp_path / "state").kv(NAMESPACE, **SETTINGS), 60)
@@ -198,7 +207,7 @@ async def test_a_save_pickles_only_what_changed_and_loads_as_a_fresh_encode(tmp_
                     if rng.random() < 0.01:
                         restarts += 1
                         break
-        assert restarts >= 2 and reads >= 5
+        assert restarts >= 2 and reads >= 50
     if backend == "diskcache":  # a real second process loads what the last save stored
         done = subprocess.run([sys.executable, "-c", "import sys, test_session_state_changes as t; "
                                "print(t.plain_state(sys.argv[1]))", str(tmp_path / "state")],
@@ -206,4 +215,4 @@ async def test_a_save_pickles_only_what_changed_and_loads_as_a_fresh_encode(tmp_
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                   [str(Path(__file__).parent), *sys.path])})
         assert done.stdout.strip() == repr(_plain(state))
-        assert decode(encode(state, bytes(16)).value)[0].threads.keys() == state.threads.keys()
+        assert decode(encode(state, bytes(16)).value).state.threads.keys() == state.threads.keys()

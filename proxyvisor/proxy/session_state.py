@@ -11,7 +11,9 @@ after it was last written:
 - ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled, each of its
   threads pickled on its own inside it. A request changes one thread (a sub-agent's history is a thread of its
   own): a save pickles again only the threads :func:`changed` since this process last pickled them (the request's,
-  as the pipeline notes it) and reuses the others' pickles, so it costs what changed, not the whole state;
+  as the pipeline notes it) and reuses the others' pickles, so it costs what changed, not the whole state. A load
+  of a newer state another process stored unpickles only the threads whose pickle is not the one this process
+  holds for them, and keeps the pickles it read (:func:`decode`, :func:`restore`);
 - ``<session>:v``: the version alone;
 - ``<session>:r:<digest>``: a chunk of :data:`CHUNK` receipts of a thread's current turn
   (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
@@ -96,12 +98,19 @@ per thread under a burst)."""
 
 
 class _Unpickler(pickle.Unpickler):
-    """Builds only proxyvisor's own classes and the containers of :data:`_CONTAINERS`."""
+    """Builds only proxyvisor's own classes and the containers of :data:`_CONTAINERS`, noting the proxyvisor
+    classes it built (:attr:`classes`, named as :class:`_Reductions` names them)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.classes: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _CONTAINERS or module.startswith("proxyvisor."):
             found = super().find_class(module, name)
             if isinstance(found, type):
+                if module.startswith("proxyvisor."):
+                    self.classes.add(_name(found))
                 return found
         raise pickle.UnpicklingError(f"a session state may not hold {module}.{name}")
 
@@ -323,7 +332,7 @@ def _source_digest(names: tuple[str, ...]) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     for name in names:
         module, _, qualname = name.partition(":")
-        found: Any = _Unpickler(io.BytesIO()).find_class(module, qualname.split(".")[0])
+        found: Any = _Unpickler(b"").find_class(module, qualname.split(".")[0])
         for part in qualname.split(".")[1:]:
             found = getattr(found, part)
         digest.update(name.encode() + b"\0" + _module_digest(found.__module__))
@@ -381,55 +390,86 @@ def mark_stored(chunks: list[_Chunk]) -> None:
         chunk.value = None
 
 
-def decode(value: bytes) -> tuple[SessionSupervision, bytes]:
-    """(the state, its version) of a session key's ``value``. Its threads' turn receipts are still
-    :class:`_StoredReceipts` (:func:`restore` reads them).
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decoded:
+    """A session key's value as :func:`decode` reads it: the ``state``, its ``version``, for each thread it
+    unpickled the pickle and the proxyvisor classes it holds (``unpickled``, by the thread's tracker:
+    :func:`restore` keeps them for the next save), and the pickles of the threads taken as held (``kept``)."""
+
+    state: SessionSupervision
+    version: bytes
+    unpickled: dict[HistoryTracker, tuple[bytes, frozenset[str]]]
+    kept: list[_Pickled]
+
+
+def decode(value: bytes, held: SessionSupervision | None = None) -> Decoded:
+    """The state of a session key's ``value``. A thread whose pickle is the one this process keeps for the thread
+    of the same key in ``held`` (the session's state it replaces; not :func:`changed` since) is that thread, not
+    unpickled again: a session going back and forth between replicas unpickles the threads the other one changed.
+    The turn receipts of the threads unpickled are still :class:`_StoredReceipts` (:func:`restore` reads them).
 
     Raises:
         ValueError: ``value`` is not a session state, or one whose classes differ from this proxyvisor's.
     """
+    unpickled: dict[HistoryTracker, tuple[bytes, frozenset[str]]] = {}
+    held_pickles: list[_Pickled] = []
+    threads: OrderedDict[bytes, Thread] = OrderedDict()
     try:
         size = int.from_bytes(value[_VERSION:_VERSION + 4], "big")
         header = orjson.loads(value[_VERSION + 4:_VERSION + 4 + size])
         names = tuple(header["classes"])
         if _source_digest(names).hex() != header["digest"]:
             raise ValueError("written by a proxyvisor whose classes differ")
-        state = _Unpickler(io.BytesIO(value[_VERSION + 4 + size:])).load()
+        state = _Unpickler(value[_VERSION + 4 + size:]).load()
         stored = state.threads if isinstance(state, SessionSupervision) else None
         if not isinstance(stored, _StoredThreads) or len(stored.keys) != len(stored.values):
             raise ValueError("not a session state")
-        threads = [_Unpickler(io.BytesIO(v)).load() for v in stored.values]
+        for key, pickled in zip(stored.keys, stored.values):
+            thread = held.threads.get(key) if held is not None else None
+            kept = _PICKLED.get(thread.tracker) if thread is not None else None
+            if kept is None or kept.value != pickled:
+                unpickler = _Unpickler(pickled)
+                thread = unpickler.load()
+                if not isinstance(thread, Thread) or not isinstance(key, bytes):
+                    raise ValueError("a thread that is not one")
+                unpickled[thread.tracker] = pickled, frozenset(unpickler.classes)
+            else:
+                held_pickles.append(kept)
+            threads[key] = thread
     except Exception as exc:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
         raise ValueError(f"not a session state of this proxyvisor ({type(exc).__name__}: {exc})") from None
-    if not all(isinstance(k, bytes) for k in stored.keys) or not all(isinstance(t, Thread) for t in threads):
-        raise ValueError("not a session state: a thread that is not one")
-    state.threads = OrderedDict(zip(stored.keys, threads))
-    return state, value[:_VERSION]
+    state.threads = threads
+    return Decoded(state, value[:_VERSION], unpickled, held_pickles)
 
 
-def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str]], list[bytes | None]],
+def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[bytes | None]],
             held: SessionSupervision | None = None) -> frozenset[bytes]:
-    """Put back the turn receipts of ``state`` (session ``session_id``'s, from :func:`decode`): its chunks' values
-    read by ``read`` (the values of keys, in order, None: absent), decoded as the state was, but for the chunks
-    this process already has in ``held`` (the session's state it replaces: chunks are named by their content, so a
-    session going back and forth between replicas reads only the chunks the other one added); the digests of the
-    chunks it refers to. A chunk absent or unreadable leaves its receipts out (module docstring).
+    """Put back the turn receipts of the threads :func:`decode` unpickled (session ``session_id``'s): their
+    chunks' values read by ``read`` (the values of keys, in order, None: absent), decoded as the state was, but
+    for the chunks this process already has in ``held`` (the session's state it replaces: chunks are named by their
+    content, so a session going back and forth between replicas reads only the chunks the other one added); the
+    digests of the chunks the state refers to. A chunk absent or unreadable leaves its receipts out (module
+    docstring). A thread whose chunks are all back keeps the pickle it was read from: the next save pickles it
+    again only if it changed.
 
     Raises:
-        ValueError: ``state`` is not as :func:`encode` writes one (its threads, their receipts).
+        ValueError: the state is not as :func:`encode` writes one (its threads, their receipts).
     """
     try:
-        readers = [t.tracker.reader for t in state.threads.values()]
+        trackers = [t.tracker for t in decoded.state.threads.values()]
+        found: list[Any] = [t.reader.turn_receipts for t in trackers]
     except AttributeError:
         raise ValueError("not a session state: a thread without a round reader") from None
-    found: list[Any] = [r.turn_receipts for r in readers]
     digests = [d for h in found if isinstance(h, _StoredReceipts) for d in h.chunks]
     known = _known(held) if digests and held is not None else {}
     missing = [d for d in digests if d not in known]
     values = dict(zip(missing, read([_chunk_key(session_id, d) for d in missing]))) if missing else {}
-    for reader, stored in zip(readers, found):
-        if not isinstance(stored, _StoredReceipts):
+    digests += [c.digest for kept in decoded.kept for c in kept.chunks]
+    for tracker, stored in zip(trackers, found):
+        if tracker not in decoded.unpickled:  # a thread held (decode): its receipts are there
             continue
+        if not isinstance(stored, _StoredReceipts):
+            raise ValueError("not a session state: a turn's receipts not as stored")
         chunks = [known.get(d) or _chunk(d, values.get(d)) for d in stored.chunks]
         receipts: dict[str, Receipt] = {}
         for chunk in chunks:
@@ -439,9 +479,12 @@ def restore(state: SessionSupervision, session_id: str, read: Callable[[list[str
             receipts.update(stored.rest)
         except (TypeError, ValueError):
             raise ValueError("not a session state: its receipts are not by call id") from None
-        if None not in chunks:  # whole: a later save writes only its new chunks
-            _CHUNKS[reader] = _Chunks(receipts, [c for c in chunks if c is not None])
-        reader.turn_receipts = receipts
+        tracker.reader.turn_receipts = receipts
+        if None not in chunks:  # whole: a later save writes only its new chunks, and pickles it only if changed
+            whole = [c for c in chunks if c is not None]
+            _CHUNKS[tracker.reader] = _Chunks(receipts, whole)
+            value, classes = decoded.unpickled[tracker]
+            _PICKLED[tracker] = _Pickled(value, classes.union(*(c.classes for c in whole)), tuple(whole))
     return frozenset(digests)
 
 
@@ -460,7 +503,7 @@ def _chunk(digest: bytes, value: bytes | None) -> _Chunk | None:
     if value is None or hashlib.blake2b(value, digest_size=16).digest() != digest:
         return None
     try:
-        ids, receipts = _Unpickler(io.BytesIO(value)).load()
+        ids, receipts = _Unpickler(value).load()
     except Exception:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
         return None
     if not (isinstance(ids, tuple) and isinstance(receipts, tuple) and len(ids) == len(receipts) == CHUNK
@@ -532,12 +575,12 @@ class SessionStates:
         if value is None:
             return None
         try:
-            state, version = decode(value)
-            chunks = restore(state, session_id, self.kv.get_many, held)
+            decoded = decode(value, held)
+            chunks = restore(decoded, session_id, self.kv.get_many, held)
         except ValueError as exc:
             log.warning("session %s: its stored supervision state is not used (%s)", session_id, exc)
             return None
-        return state, version, chunks
+        return decoded.state, decoded.version, chunks
 
     async def save(self, session: Session) -> None:
         """Store ``session.supervision`` (nothing when it has none) under a new version. Pickled on the event loop,
