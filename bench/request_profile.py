@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                             state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-profile-")),
                             supervisor=SupervisorConfig(enabled=True), source="bench/request_profile.py")
             async with running(config, port=0) as proxy:
-                # Each thread's history its own (another system prompt), all of one session (by its header).
+                # Each thread's history its own (another system prompt), all of one session by its header; one
+                # thread's session is known by its history, as in the runs before --threads.
                 histories = [History(fmt, int(size_mb * 1024 * 1024), seed=11 + t) for t in range(args.threads)]
-                headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench"),
-                           (b"x-proxyvisor-session", b"bench")]
+                headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench")] + \
+                    ([(b"x-proxyvisor-session", b"bench")] if args.threads > 1 else [])
                 overheads = []
                 warm = 5 * args.threads  # the first requests read the histories whole (the session's start)
                 for n in range(args.count + warm):
