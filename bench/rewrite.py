@@ -17,7 +17,11 @@ receipts reused by content, the ratio, and the longest another task on the event
 turns while the proxy read it in steps (``Supervisor.catch_up`` then ``begin``; CPU time of the loop's thread: trio
 runs each ready task once per round in a random order, so such a wait can span two steps). Nothing here starts a
 server; it does not load the machine for long. Then, what the reuse costs the usual request (a key for each new
-receipt): the tracker's CPU per request of a growing 1 MB session, with and without reuse, and their ratio.
+receipt): the tracker's CPU per request of a growing 1 MB session, with and without reuse, and their ratio. Last, the
+whole request of the largest size and each rewrite of it through a supervised proxy in this process (its defaults,
+the scripted upstream on loopback, each request handed to its handler): its CPU, its body parse's, and the longest
+another task waited meanwhile (what the other stages still do at once: the parse, condensing's candidates, the
+upstream body's serialisation).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import argparse
 import gc
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +41,18 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.histories import History  # noqa: E402
-from proxyvisor.config import SupervisorConfig  # noqa: E402
+from bench.histories import TOOL_ROUND, History  # noqa: E402
+from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig  # noqa: E402
 from proxyvisor.detectors import receipts  # noqa: E402
 from proxyvisor.detectors.detectors import HistoryTracker  # noqa: E402
 from proxyvisor.detectors.receipts import ReceiptCache  # noqa: E402
+from proxyvisor.proxy.bodies import BodyCache  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, WireFormat  # noqa: E402
+from proxyvisor.proxy.server import Limits, Request, bound_port, open_listeners, serve_listeners  # noqa: E402
+from proxyvisor.proxy.service import running  # noqa: E402
 from proxyvisor.proxy.sessions import Session  # noqa: E402
 from proxyvisor.proxy.supervise import Supervisor  # noqa: E402
+from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
 
 
 ROUNDS = 300
@@ -108,28 +117,87 @@ def grow(fmt: WireFormat, body: dict[str, Any], rounds: int, reuse: bool) -> flo
     return measured(requests, reuse) / rounds
 
 
+async def longest_wait(work: Callable[[], Awaitable[Any]]) -> float:
+    """The longest CPU time (s) another task on the event loop waited between two of its turns while ``work()``
+    ran."""
+    worst, running = 0.0, True
+
+    async def heartbeat(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal worst
+        last = time.thread_time()
+        task_status.started()  # (the work starts only now: its first stretch is measured too)
+        while running:
+            await trio.lowlevel.checkpoint()
+            now = time.thread_time()
+            worst, last = max(worst, now - last), now
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(heartbeat)
+        await work()
+        running = False
+    return worst
+
+
 async def held(fmt: WireFormat, before: dict[str, Any], after: dict[str, Any]) -> float:
-    """The longest CPU time (s) the event loop's other tasks waited at once while the proxy's supervisor read
-    ``after`` (``catch_up`` then ``begin``) in a session that read ``before``."""
+    """:func:`longest_wait` while the proxy's supervisor read ``after`` (``catch_up`` then ``begin``) in a session
+    that read ``before``."""
     supervisor, session = Supervisor(SupervisorConfig()), Session("bench", 0, 0)
     supervisor.begin(session, fmt, orjson.loads(orjson.dumps(before)))
     body = orjson.loads(orjson.dumps(after))
-    worst, reading = 0.0, True
 
-    async def heartbeat() -> None:
-        nonlocal worst
-        while reading:
-            started = time.thread_time()
-            await trio.lowlevel.checkpoint()
-            worst = max(worst, time.thread_time() - started)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(heartbeat)
-        await trio.lowlevel.checkpoint()
+    async def read() -> None:
         update = await supervisor.catch_up(session, fmt, body)
         supervisor.begin(session, fmt, body, update=update)
-        reading = False
-    return worst
+
+    return await longest_wait(read)
+
+
+async def through_proxy(name: str, size: int) -> list[tuple[str, float, float, float]]:
+    """A session of ``size`` bytes in format ``name``, then each of its rewrites, sent to a supervised proxy in this
+    process (its defaults, the scripted upstream on loopback; the request handed to its handler): per request, its
+    name, the CPU seconds of the whole request, of the body's parse, and :func:`longest_wait`."""
+    fmt, history = BY_NAME[name], History(name, size)
+    first = history.body(0)
+    requests = {"as sent": first, **{shape: orjson.dumps(body)
+                                     for shape, body in rewrites(fmt, orjson.loads(first)).items()}}
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench"),
+               (b"x-proxyvisor-session", b"bench")]
+    parsed = BodyCache.loads
+    parse = 0.0
+
+    def timed_parse(*args: Any) -> Any:
+        nonlocal parse
+        started = time.thread_time()
+        try:
+            return parsed(*args)
+        finally:
+            parse += time.thread_time() - started
+
+    out = []
+    listeners = await open_listeners("127.0.0.1", 0)
+    BodyCache.loads = timed_parse  # type: ignore[method-assign]
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_listeners, listeners, ScriptedUpstream([TOOL_ROUND], record=False), Limits())
+            config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{bound_port(listeners)}"),),
+                            state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-rewrite-")),
+                            supervisor=SupervisorConfig(enabled=True), source="bench/rewrite.py")
+            async with running(config, port=0) as proxy:
+                for shape, body in requests.items():
+                    async def send(body: bytes = body) -> None:
+                        response = await proxy.pipeline(Request("POST", history.path, headers, body,
+                                                                time.perf_counter()))
+                        if not isinstance(response.body, bytes):
+                            async for _ in response.body:
+                                pass
+
+                    parse, started = 0.0, time.thread_time()
+                    wait = await longest_wait(send)
+                    out.append((shape, time.thread_time() - started, parse, wait))
+            nursery.cancel_scope.cancel()
+    finally:
+        BodyCache.loads = parsed  # type: ignore[method-assign]
+    return out
 
 
 def main() -> int:
@@ -161,6 +229,18 @@ def main() -> int:
         base = statistics.median(grow(fmt, body, ROUNDS, False) for _ in range(args.repeat))
         reuse = statistics.median(grow(fmt, body, ROUNDS, True) for _ in range(args.repeat))
         print(f"{name:<9} 1 MB  recompute {base * 1e6:7.1f}  reuse {reuse * 1e6:7.1f}  ratio {reuse / base:5.2f}")
+    size = max(float(s) for s in args.sizes.split(","))
+    print(f"\nthe whole request through a supervised proxy in this process, {size:g} MB (CPU ms):")
+    for name in ("chat", "messages"):
+        gc.collect()
+        gc.disable()
+        try:
+            rows = trio.run(through_proxy, name, int(size * 1024 * 1024))
+        finally:
+            gc.enable()
+        for shape, total, parse, wait in rows:
+            print(f"{name:<9} {shape:<17} request {total * 1000:7.1f}  body parse {parse * 1000:6.1f}  "
+                  f"longest wait {wait * 1000:6.1f}")
     return 0
 
 

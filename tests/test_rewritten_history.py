@@ -221,10 +221,12 @@ def _big_history(size: int) -> History:
 
 async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -> None:
     """A 4 MB history, then the same compacted (a summary after the first messages, the older half dropped) and
-    with a summary in front: each is read from the start, and the event loop's other tasks run between steps of
-    at most a few ms of CPU (it took 80 ms at once before). CPU time of the loop's thread, not wall time: a loaded
-    machine that stops the process for a while does not count; the garbage collector is off meanwhile (a
-    collection of the test process's objects is not the reading's work)."""
+    with a summary in front: each is read from the start, and another task on the event loop never waits more than
+    a few ms of CPU between two of its turns (about 6 measured, two steps of 2 ms and ``begin``; the whole reading,
+    80 to 200 ms, at once before). CPU time of the loop's thread, not wall time: a loaded machine that stops the
+    process for a while does not count; the bound leaves room for a newly booted virtual machine's page faults
+    (as in test_reliability_big_events.py); the garbage collector is off meanwhile (a collection of the test
+    process's objects is not the reading's work)."""
     fmt, supervisor, session = CHAT, Supervisor(SupervisorConfig()), Session("s", 0, 0)
     history = _big_history(4 * 1024 * 1024)
     half = len(history) // 2
@@ -235,19 +237,20 @@ async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -
     turns = 0
     reading = True
 
-    async def heartbeat() -> None:
+    async def heartbeat(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         nonlocal worst, turns
+        last = time.thread_time()
+        task_status.started()  # the reading starts only now: its first stretch is measured too
         while reading:
-            before = time.thread_time()
             await trio.lowlevel.checkpoint()
-            worst = max(worst, time.thread_time() - before)
+            now = time.thread_time()
+            worst, last = max(worst, now - last), now
             turns += 1
 
     gc.disable()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(heartbeat)
-            await trio.lowlevel.checkpoint()
+            await nursery.start(heartbeat)
             for body in bodies:
                 update = await supervisor.catch_up(session, fmt, body)
                 assert update is not None
@@ -256,4 +259,4 @@ async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -
     finally:
         gc.enable()
     assert turns > 10  # the loop ran other tasks while the histories were read
-    assert worst < 0.012, f"the event loop was held for {worst * 1000:.1f} ms of CPU at once"
+    assert worst < 0.016, f"another task waited {worst * 1000:.1f} ms of CPU between two turns"
