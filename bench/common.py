@@ -18,8 +18,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 from bench.results import RESULTS
 
@@ -303,3 +304,29 @@ def workspace(prefix: str) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]
         for proc in reversed(procs):
             stop(proc)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def proxy_in_process(source: str) -> AsyncIterator[Any]:
+    """A supervised proxy (its defaults, a fresh state folder) running in this process, its upstream the scripted
+    model on loopback answering every request with a tool call (``bench.histories.TOOL_ROUND``); yields the running
+    proxy, whose ``pipeline`` takes requests straight (no client socket). ``source`` names the bench in its config.
+    proxyvisor is imported when this is called (``bench/request_profile.py --checkout`` puts another checkout
+    first)."""
+    import trio
+
+    from bench.histories import TOOL_ROUND
+    from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig
+    from proxyvisor.proxy.server import Limits, bound_port, open_listeners, serve_listeners
+    from proxyvisor.proxy.service import running
+    from proxyvisor.scripted.upstream import ScriptedUpstream
+
+    listeners = await open_listeners("127.0.0.1", 0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_listeners, listeners, ScriptedUpstream([TOOL_ROUND], record=False), Limits())
+        config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{bound_port(listeners)}"),),
+                        state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-bench-")),
+                        supervisor=SupervisorConfig(enabled=True), source=source)
+        async with running(config, port=0) as proxy:
+            yield proxy
+        nursery.cancel_scope.cancel()

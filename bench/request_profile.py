@@ -25,7 +25,6 @@ import argparse
 import collections
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from bench.histories import TOOL_ROUND, History  # noqa: E402 - this checkout's synthetic histories
+    from bench.histories import History  # noqa: E402 - this checkout's synthetic histories
+    from bench.common import proxy_in_process  # noqa: E402
 
     if args.checkout is not None:
         sys.path.insert(0, str(args.checkout.resolve()))
@@ -56,13 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             del sys.modules[name]
     import trio
 
-    from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig
     from proxyvisor.detectors.detectors import HistoryTracker
     from proxyvisor.proxy import commands, pipeline, session_state, supervise
     from proxyvisor.proxy.condensing import RequestCondenser
-    from proxyvisor.proxy.server import Limits, Request, bound_port, open_listeners, serve_listeners
-    from proxyvisor.proxy.service import running
-    from proxyvisor.scripted.upstream import ScriptedUpstream
+    from proxyvisor.proxy.server import Request
 
     spent: collections.Counter[str] = collections.Counter()
 
@@ -122,33 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     timed(session_state, "encode", "  save: pickle")
 
     async def measure(fmt: str, size_mb: float) -> tuple[int, list[float]]:
-        listeners = await open_listeners("127.0.0.1", 0)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_listeners, listeners, ScriptedUpstream([TOOL_ROUND], record=False), Limits())
-            config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{bound_port(listeners)}"),),
-                            state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-profile-")),
-                            supervisor=SupervisorConfig(enabled=True), source="bench/request_profile.py")
-            async with running(config, port=0) as proxy:
-                # Each thread's history its own (another system prompt), all of one session by its header; one
-                # thread's session is known by its history, as in the runs before --threads.
-                histories = [History(fmt, int(size_mb * 1024 * 1024), seed=11 + t) for t in range(args.threads)]
-                headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench")] + \
-                    ([(b"x-proxyvisor-session", b"bench")] if args.threads > 1 else [])
-                overheads = []
-                warm = 5 * args.threads  # the first requests read the histories whole (the session's start)
-                for n in range(args.count + warm):
-                    if n == warm:
-                        spent.clear()
-                    history = histories[n % args.threads]
-                    body = history.body(n // args.threads)
-                    response = await proxy.pipeline(Request("POST", history.path, headers, body,
-                                                            time.perf_counter()))
-                    if not isinstance(response.body, bytes):
-                        async for _ in response.body:
-                            pass
-                    if n >= warm:
-                        overheads.append(float(dict(response.headers)[b"x-proxyvisor-overhead-ms"]))
-                nursery.cancel_scope.cancel()
+        async with proxy_in_process("bench/request_profile.py") as proxy:
+            # Each thread's history its own (another system prompt), all of one session by its header; one
+            # thread's session is known by its history, as in the runs before --threads.
+            histories = [History(fmt, int(size_mb * 1024 * 1024), seed=11 + t) for t in range(args.threads)]
+            headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer bench")] + \
+                ([(b"x-proxyvisor-session", b"bench")] if args.threads > 1 else [])
+            overheads = []
+            warm = 5 * args.threads  # the first requests read the histories whole (the session's start)
+            for n in range(args.count + warm):
+                if n == warm:
+                    spent.clear()
+                history = histories[n % args.threads]
+                body = history.body(n // args.threads)
+                response = await proxy.pipeline(Request("POST", history.path, headers, body,
+                                                        time.perf_counter()))
+                if not isinstance(response.body, bytes):
+                    async for _ in response.body:
+                        pass
+                if n >= warm:
+                    overheads.append(float(dict(response.headers)[b"x-proxyvisor-overhead-ms"]))
         return len(histories[0].body(0)), overheads
 
     where = args.checkout or ROOT

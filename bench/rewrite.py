@@ -30,7 +30,6 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,18 +40,17 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.histories import TOOL_ROUND, History  # noqa: E402
-from proxyvisor.config import Config, StateConfig, SupervisorConfig, UpstreamConfig  # noqa: E402
+from bench.common import proxy_in_process  # noqa: E402
+from bench.histories import History  # noqa: E402
+from proxyvisor.config import SupervisorConfig  # noqa: E402
 from proxyvisor.detectors import receipts  # noqa: E402
 from proxyvisor.detectors.detectors import HistoryTracker  # noqa: E402
 from proxyvisor.detectors.receipts import ReceiptCache  # noqa: E402
 from proxyvisor.proxy.bodies import BodyCache  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, WireFormat  # noqa: E402
-from proxyvisor.proxy.server import Limits, Request, bound_port, open_listeners, serve_listeners  # noqa: E402
-from proxyvisor.proxy.service import running  # noqa: E402
+from proxyvisor.proxy.server import Request  # noqa: E402
 from proxyvisor.proxy.sessions import Session  # noqa: E402
 from proxyvisor.proxy.supervise import Supervisor  # noqa: E402
-from proxyvisor.scripted.upstream import ScriptedUpstream  # noqa: E402
 
 
 ROUNDS = 300
@@ -174,27 +172,20 @@ async def through_proxy(name: str, size: int) -> list[tuple[str, float, float, f
             parse += time.thread_time() - started
 
     out = []
-    listeners = await open_listeners("127.0.0.1", 0)
     BodyCache.loads = timed_parse  # type: ignore[method-assign]
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_listeners, listeners, ScriptedUpstream([TOOL_ROUND], record=False), Limits())
-            config = Config(upstreams=(UpstreamConfig(name="bench", url=f"http://127.0.0.1:{bound_port(listeners)}"),),
-                            state=StateConfig(dir=tempfile.mkdtemp(prefix="proxyvisor-rewrite-")),
-                            supervisor=SupervisorConfig(enabled=True), source="bench/rewrite.py")
-            async with running(config, port=0) as proxy:
-                for shape, body in requests.items():
-                    async def send(body: bytes = body) -> None:
-                        response = await proxy.pipeline(Request("POST", history.path, headers, body,
-                                                                time.perf_counter()))
-                        if not isinstance(response.body, bytes):
-                            async for _ in response.body:
-                                pass
+        async with proxy_in_process("bench/rewrite.py") as proxy:
+            for shape, body in requests.items():
+                async def send(body: bytes = body) -> None:
+                    response = await proxy.pipeline(Request("POST", history.path, headers, body,
+                                                            time.perf_counter()))
+                    if not isinstance(response.body, bytes):
+                        async for _ in response.body:
+                            pass
 
-                    parse, started = 0.0, time.thread_time()
-                    wait = await longest_wait(send)
-                    out.append((shape, time.thread_time() - started, parse, wait))
-            nursery.cancel_scope.cancel()
+                parse, started = 0.0, time.thread_time()
+                wait = await longest_wait(send)
+                out.append((shape, time.thread_time() - started, parse, wait))
     finally:
         BodyCache.loads = parsed  # type: ignore[method-assign]
     return out
