@@ -18,6 +18,7 @@ import pytest
 import orjson
 import redis
 import trio
+import trio.testing
 
 from proxyvisor.adapters import state as backends
 from proxyvisor.adapters.replicas import RedisShare
@@ -352,6 +353,50 @@ async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
             assert time.monotonic() - started < 2.0, "the save waits for Redis off the event loop"
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_save_under_way_when_the_proxy_stops_ends_before_its_redis_connection_closes(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A session's last learning save, in a worker thread waiting on a Redis that hangs as the proxy stops, ends
+    (Redis unavailable after the store's timeout, warned) before the proxy closes its Redis connection: the
+    connection is not closed under the save, and nothing raises out of the stop."""
+    monkeypatch.setattr(backends, "_TIMEOUT_S", 1.0)
+    under_way, closed_under = [0], []
+    call, close = RedisBackend.call, RedisBackend.close
+
+    def counted(self: RedisBackend, fn: Any) -> Any:
+        under_way[0] += 1
+        try:
+            return call(self, fn)
+        finally:
+            under_way[0] -= 1
+
+    def closing(self: RedisBackend) -> None:
+        closed_under.append(under_way[0])
+        close(self)
+
+    monkeypatch.setattr(RedisBackend, "call", counted)
+    monkeypatch.setattr(RedisBackend, "close", closing)
+    project = tmp_path / "project"
+    project.mkdir()
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
+    raw = redis.Redis.from_url(redis_url)
+    pid = raw.info()["process_id"]
+    raw.close()
+    try:
+        async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": ScriptedUpstream()},
+                           model=Model()) as proxy:
+            agent = Agent(proxy, "one", project, "Add a flag.")
+            await agent.turn(agent.call("pytest -q", "3 passed in 0.05s"))  # no turn end: material left to distill
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(pid, signal.SIGSTOP)
+            sessions = proxy.pipeline.sessions
+            assert [s.id for s in sessions.evict(proxy.pipeline.clock() + 10 * sessions.idle_s)] == ["one"]
+            await trio.sleep(0.2)  # its save waits on Redis in a worker thread as the proxy stops
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert closed_under == [0], "the Redis connection was closed under a call still waiting on it"
+    assert "Traceback" not in caplog.text
 
 
 def test_proxyvisor_info_with_redis_down_sums_this_machines_ledger(

@@ -141,52 +141,56 @@ async def running(config: Config, port: int | None = None, store: Store | None =
     backend = backend_of(config, store.root) if store is not None else None
     limits = limits_of(config)
     scripted = dict(scripted or {})
-    async with trio.open_nursery() as nursery:
-        urls: dict[str, str] = {}
-        for upstream in config.upstreams:
-            if not upstream.scripted:
-                continue
-            if upstream.name not in scripted:
-                try:
-                    steps = load_script(upstream.script) if upstream.script else None
-                except (OSError, ValueError) as exc:
-                    raise ConfigError(f"{config.source}: [upstreams.{upstream.name}] script: {exc}") from None
-                scripted[upstream.name] = ScriptedUpstream(steps, upstream.chunk_delay_ms, record=False)
-            listeners = await open_listeners("127.0.0.1", 0)
-            await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
-            urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
-        relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
-        for relay in relays.values():
-            nursery.start_soon(relay.expire_idle)
-        route = SUPPLIED
-        if model is None:
-            route = LITELLM
-            model = configured_model(config.supervisor.model, next(iter(urls.values()), None))
-        if config.supervisor.enabled and route == LITELLM and model is not None:
-            # litellm takes seconds to import: now, rather than inside the first request that condenses.
-            nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
-                                                 abandon_on_cancel=True))
-        translator = None
-        if any(set(u.formats) != set(FORMATS) for u in config.upstreams):
-            from .translate import Translator
+    pipeline: Pipeline | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            urls: dict[str, str] = {}
+            for upstream in config.upstreams:
+                if not upstream.scripted:
+                    continue
+                if upstream.name not in scripted:
+                    try:
+                        steps = load_script(upstream.script) if upstream.script else None
+                    except (OSError, ValueError) as exc:
+                        raise ConfigError(f"{config.source}: [upstreams.{upstream.name}] script: {exc}") from None
+                    scripted[upstream.name] = ScriptedUpstream(steps, upstream.chunk_delay_ms, record=False)
+                listeners = await open_listeners("127.0.0.1", 0)
+                await nursery.start(serve_listeners, listeners, scripted[upstream.name], Limits())
+                urls[upstream.name] = f"http://127.0.0.1:{bound_port(listeners)}"
+            relays = {u.name: HttpRelay(u, urls.get(u.name), keys[u.name]) for u in config.upstreams}
+            for relay in relays.values():
+                nursery.start_soon(relay.expire_idle)
+            route = SUPPLIED
+            if model is None:
+                route = LITELLM
+                model = configured_model(config.supervisor.model, next(iter(urls.values()), None))
+            if config.supervisor.enabled and route == LITELLM and model is not None:
+                # litellm takes seconds to import: now, rather than inside the first request that condenses.
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, litellm_bridge.import_litellm,
+                                                     abandon_on_cancel=True))
+            translator = None
+            if any(set(u.formats) != set(FORMATS) for u in config.upstreams):
+                from .translate import Translator
 
-            translator = Translator(relays)
-        pipeline = Pipeline(config, relays, store, translator,
-                            routes=SupervisorRoutes(config.supervisor.model, model, route), backend=backend)
-        pipeline.background = nursery
-        host = config.proxy.host
-        listeners = await open_listeners(host, config.proxy.port if port is None else port)
-        stopping = Stopping()
-        await nursery.start(serve_listeners, listeners, pipeline, limits, stopping)
-        try:
-            yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls, stopping)
-        finally:
-            pipeline.stop()  # what is cut now is cut by the proxy's stop (wrap's agent ended), not by its client
-            nursery.cancel_scope.cancel()
-            with trio.CancelScope(shield=True):
-                for relay in relays.values():
-                    await relay.aclose()
-                if pipeline.sharing is not None:  # what is queued, and no send in flight as the backend closes
-                    await pipeline.sharing.flush()
-                await pipeline.settle()  # the session states whose save waits for the end of a response
+                translator = Translator(relays)
+            pipeline = Pipeline(config, relays, store, translator,
+                                routes=SupervisorRoutes(config.supervisor.model, model, route), backend=backend)
+            pipeline.background = nursery
+            host = config.proxy.host
+            listeners = await open_listeners(host, config.proxy.port if port is None else port)
+            stopping = Stopping()
+            await nursery.start(serve_listeners, listeners, pipeline, limits, stopping)
+            try:
+                yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls, stopping)
+            finally:
+                pipeline.stop()  # what is cut now is cut by the proxy's stop (wrap's agent ended), not by its client
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    for relay in relays.values():
+                        await relay.aclose()
+                    if pipeline.sharing is not None:  # what is queued, and no send in flight as the backend closes
+                        await pipeline.sharing.flush()
+                    await pipeline.settle()  # the session states whose save waits for the end of a response
+    finally:
+        if pipeline is not None:  # once the background work (a session's last save, shielded) is over
             pipeline.close()
