@@ -167,6 +167,27 @@ def test_claude_codes_request_shape_is_a_command() -> None:
     assert command_of(MESSAGES, body) is None
 
 
+def test_a_prompt_after_a_command_claude_code_ran_itself_is_no_command() -> None:
+    """Claude Code resumed (``--resume``) after ``claude -p "/info"``, which it answered itself ("Unknown command"),
+    merges that command, its output and the next prompt into one user message: the prompt is what was asked, and
+    it reaches the model (observed with Claude Code 2.1.197)."""
+    merged = {"role": "user", "content": [
+        {"type": "text", "text": "/info\n"},
+        {"type": "text", "text": "<local-command-stdout>Unknown command: /info. Did you mean /init?"
+                                 "</local-command-stdout>\n"},
+        {"type": "text", "text": "/plan\n"},
+        {"type": "text", "text": "<local-command-stdout>/plan isn't available in this environment."
+                                 "</local-command-stdout>\n"},
+        {"type": "text", "text": "and again"}]}
+    body = {"messages": [{"role": "user", "content": "list the files"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}, merged]}
+    assert command_of(MESSAGES, body) is None
+    assert strip_exchanges(MESSAGES, body) == 0 and body["messages"][-1] is merged
+    merged["content"][-1]["text"] = " /info"
+    merged["content"].append({"type": "text", "text": "<system-reminder>todo list empty</system-reminder>"})
+    assert command_of(MESSAGES, body) == "/info"
+
+
 def test_strip_exchanges_removes_each_command_and_its_answer_only() -> None:
     body = {"messages": [
         {"role": "system", "content": "s"},

@@ -10,7 +10,9 @@ in the request's format, streamed or not, without calling the model (issue 4, "/
   ``<system-reminder>...</system-reminder>`` blocks (Claude Code sends its context as such a block in the same
   message) and surrounding whitespace, must be the command alone on its first line; what follows that line is
   text a harness appended (aider adds its format reminder to the user's message) and is ignored, so
-  ``/info\n\nReply in this format...`` asks ``/info`` but ``/info please`` does not;
+  ``/info\n\nReply in this format...`` asks ``/info`` but ``/info please`` does not; of a message in several
+  text parts, the last part with words of the user's own is read (the parts before it are earlier input a
+  harness merged into the message: Claude Code resumed after answering ``/info`` itself);
 - ``/info``: the session's counters, summed from its ledger (``proxyvisor.proxy.info``);
 - ``/plan``: the plan of the request's thread with phase status (``proxyvisor.gate.plan.render_text``), or "no
   plan"; the user's prohibitions in force, each with the user turn that stated it (``- [turn 2] Do not run the
@@ -86,6 +88,18 @@ def _command(text: str) -> str | None:
     return first if first in COMMANDS else None
 
 
+def _asked(item: dict[str, Any], text: str) -> str | None:
+    """The command the user message ``item`` (its whole ``text``) asks. A message of several text parts asks what
+    its last part with words of the user's own asks: the parts before it are earlier input the harness merged into
+    the message (Claude Code resumed after running ``/info`` itself as an unknown command sends ``/info``, its
+    ``<local-command-stdout>`` and the next prompt as parts of one message, and that prompt is what was asked)."""
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        text = next((part for part in reversed(texts) if own_words(part)), "")
+    return _command(text)
+
+
 def command_of(fmt: WireFormat, body: dict[str, Any]) -> str | None:
     """The command (``/plan`` or ``/info``) that the request ``body`` in ``fmt`` asks, or None (module docstring).
     A Responses ``input`` given as a plain string is the user message."""
@@ -95,7 +109,7 @@ def command_of(fmt: WireFormat, body: dict[str, Any]) -> str | None:
     for item in reversed(fmt.history(body)):
         message = fmt.message(item)
         if message.role != "system":
-            return _command(message.text) if message.role == "user" else None
+            return _asked(item, message.text) if message.role == "user" and isinstance(item, dict) else None
     return None
 
 
@@ -106,7 +120,7 @@ def _is_command(fmt: WireFormat, item: Any) -> bool:
     if not (isinstance(item, dict) and item.get("role") == "user") or has_non_text(item.get("content")):
         return False
     message = fmt.message(item)
-    return message.role == "user" and _command(message.text) is not None
+    return message.role == "user" and _asked(item, message.text) is not None
 
 
 def strip_exchanges(fmt: WireFormat, body: dict[str, Any]) -> int:
