@@ -9,8 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import trio
+import trio.testing
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's (mallopt)")
+from proxyvisor.proxy import allocator
+
+GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's (mallopt)")
 
 _SCRIPT = """
 import resource
@@ -37,6 +41,7 @@ print(faults_per_join())
 """
 
 
+@GLIBC
 def test_big_request_blocks_reuse_pages_and_are_mapped_only_while_big_texts_are_built() -> None:
     run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -45,3 +50,58 @@ def test_big_request_blocks_reuse_pages_and_are_mapped_only_while_big_texts_are_
     assert heap < pages / 10, f"a 4 MB block faulted {heap} pages in per allocation by default"
     assert nested > pages * 0.9 and outer > pages * 0.9, "big blocks were not mapped while big texts are built"
     assert after < pages / 10, "the default did not come back once no work wants big blocks mapped"
+
+
+_FRAGMENTED = """
+import os
+from proxyvisor.proxy import allocator
+
+def resident_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+allocator.tune()
+kept, blocks = [], []
+for n in range(60):  # 4 MB blocks, each followed by a small block that stays: freed, they sit inside the heap
+    blocks.append(bytes([n]) * (4 * 2**20))
+    kept.append(bytes(1000) + bytes([n]))
+before = resident_mb()
+del blocks
+freed = resident_mb()
+allocator.trim()
+print(before, freed, resident_mb())
+"""
+
+
+@GLIBC
+def test_a_trim_gives_back_big_blocks_freed_inside_the_heap() -> None:
+    run = subprocess.run([sys.executable, "-c", _FRAGMENTED], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, freed, trimmed = (float(x) for x in run.stdout.split())
+    assert freed > before - 50, "the heap kept the freed blocks (what the trim is for)"
+    assert trimmed < freed - 200, f"the trim gave back {freed - trimmed:.0f} MB of some 240 MB freed"
+
+
+async def test_the_heap_is_trimmed_once_after_requests_when_the_proxy_is_idle(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock) -> None:
+    """Not while requests go on, nor while one is in flight; once after they stop for allocator.IDLE_S; not again
+    until more are served."""
+    trims: list[float] = []
+    monkeypatch.setattr(allocator, "trim", lambda: trims.append(trio.current_time()))
+    state = {"in_flight": 0, "ended": 0}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(allocator.trim_when_idle, lambda: state["in_flight"], lambda: state["ended"])
+        await trio.sleep(allocator.IDLE_S * 3)
+        assert trims == [], "nothing served yet"
+        for _ in range(10):  # requests ending every second
+            state["ended"] += 1
+            await trio.sleep(1)
+        assert trims == []
+        state["in_flight"] = 1  # a long request
+        await trio.sleep(allocator.IDLE_S * 3)
+        assert trims == []
+        state["in_flight"], state["ended"] = 0, state["ended"] + 1
+        ended_at = trio.current_time()
+        await trio.sleep(allocator.IDLE_S * 5)
+        assert len(trims) == 1 and ended_at + allocator.IDLE_S <= trims[0] <= ended_at + 2 * allocator.IDLE_S
+        nursery.cancel_scope.cancel()

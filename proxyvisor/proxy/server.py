@@ -153,6 +153,8 @@ class Stopping:
         self.begun = trio.Event()
         self.in_flight = 0
         """Requests in flight: from their head's arrival to their response's end."""
+        self.ended = 0
+        """Requests whose response ended, since the server started."""
         self._quiet = trio.Event()
         self.idle: set[Connection] = set()
 
@@ -169,6 +171,7 @@ class Stopping:
 
     def request_done(self) -> None:
         self.in_flight -= 1
+        self.ended += 1
         if not self.in_flight and self.begun.is_set():
             self._quiet.set()
 

@@ -180,6 +180,7 @@ async def running(config: Config, port: int | None = None, store: Store | None =
             listeners = await open_listeners(host, config.proxy.port if port is None else port)
             stopping = Stopping()
             await nursery.start(serve_listeners, listeners, pipeline, limits, stopping)
+            nursery.start_soon(allocator.trim_when_idle, lambda: stopping.in_flight, lambda: stopping.ended)
             try:
                 yield RunningProxy(host, bound_port(listeners), pipeline, scripted, urls, stopping)
             finally:
