@@ -164,11 +164,12 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
             nursery.start_soon(forward_signals)
             code = await process.wait()
             nursery.cancel_scope.cancel()
-        if not quiet:
-            print("\n".join(summary(proxy, session, earlier)), file=sys.stderr)
-        for notice in stop_notices(proxy):
-            print(notice, file=sys.stderr)
-        return 128 - code if code < 0 else code
+    # Once the proxy stopped: the streams it cut then (a process the agent left behind) are in the ledger.
+    if not quiet:
+        print("\n".join(summary(proxy, session, earlier)), file=sys.stderr)
+    for notice in stop_notices(proxy):
+        print(notice, file=sys.stderr)
+    return 128 - code if code < 0 else code
 
 
 def wrap(config: Config, cmd: list[str], session: str | None = None, quiet: bool = False) -> int:

@@ -178,7 +178,7 @@ def test_streams_whose_upstream_sends_nothing_end_with_the_error_event_when_the_
 
 def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path) -> None:
     """The wrapped agent ends while a stream of its (here a child it left running) still relays: wrap's proxy stops
-    with it and cuts the stream; the ledger says so, not that the client left."""
+    with it and cuts the stream; the ledger says so, not that the client left, and wrap's summary counts it."""
     config = _config(tmp_path, [{"text": "word " * 1000}])
     started = tmp_path / "started"
     holder = textwrap.dedent(f"""
@@ -205,7 +205,7 @@ def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path)
     """)
     try:
         done = subprocess.run([sys.executable, "-m", "proxyvisor", "wrap", "--config", str(config), "--session",
-                               "cut", "--quiet", "--", sys.executable, "-c", agent], capture_output=True, text=True,
+                               "cut", "--", sys.executable, "-c", agent], capture_output=True, text=True,
                               timeout=60)
     finally:
         pid = tmp_path / "holder.pid"
@@ -216,3 +216,4 @@ def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path)
     assert started.exists(), "the agent's stream did not start"
     line = _ledger_line(tmp_path, "cut")
     assert "the proxy stopped" in line["error"] and "client" not in line["error"], line
+    assert "1 model request" in done.stderr, done.stderr
