@@ -523,6 +523,9 @@ def _check(config: Config) -> None:
                                   f"another configured upstream (configured: {', '.join(names)})")
         if len(set(upstream.fallback)) != len(upstream.fallback):
             raise ConfigError(f"{where}: [upstreams.{upstream.name}] fallback names an upstream twice")
+        if not upstream.scripted and (upstream.script or upstream.chunk_delay_ms):
+            raise ConfigError(f"{where}: [upstreams.{upstream.name}] script and chunk_delay_ms are for the scripted "
+                              f"upstream (url = {SCRIPTED_URL!r}); this one's url is {upstream.url!r}")
     routing = config.model_routing
     c = routing.cooldown
     if not c.default_seconds <= c.maximum_seconds:

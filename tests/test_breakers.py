@@ -98,6 +98,10 @@ def test_a_new_failure_while_cooling_extends_the_cooldown_and_never_shortens_it(
     ({"a": {"fallback": ["nope"]}}, "[upstreams.a] fallback names 'nope', which is not another configured"),
     ({"a": {"fallback": ["a"]}}, "[upstreams.a] fallback names 'a'"),
     ({"a": {"fallback": ["b", "b"]}, "b": {}}, "[upstreams.a] fallback names an upstream twice"),
+    ({"a": {"url": "https://api.example.com", "script": "steps.json"}},
+     "[upstreams.a] script and chunk_delay_ms are for the scripted upstream"),
+    ({"a": {"url": "https://api.example.com", "chunk_delay_ms": 5}},
+     "[upstreams.a] script and chunk_delay_ms are for the scripted upstream"),
 ])
 def test_a_fallback_must_name_another_configured_upstream_once(upstreams: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
