@@ -79,6 +79,7 @@ from .continuation import Job, Resend, of_turn, rewritable
 from .relay import UpstreamError, UpstreamReply
 from .closing import close
 from .reply import Edit, Item, ReplyStream, blocks, off_loop, scanned
+from .session_state import changed
 from .sse import Block
 from .supervise import Exchange
 
@@ -216,8 +217,10 @@ class Gating:
             return None
         except trio.Cancelled:
             # The client went away mid-verdict: its retry of this request must be judged afresh, not meet a
-            # state machine still waiting for this verdict (which would refuse the retry's stop).
+            # state machine still waiting for this verdict (which would refuse the retry's stop). A held stream's
+            # verdict is cancelled after its request is over (the stream closed): the next save pickles it again.
             self.exchange.thread.gate_turn = None
+            changed(self.exchange.thread)
             raise
 
     async def judge(self, response: dict[str, Any]) -> list[Any] | None:

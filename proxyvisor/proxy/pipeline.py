@@ -413,11 +413,18 @@ class Pipeline:
             commands.strip_exchanges(fmt, body)
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
-        if not native:
-            if self.translator is None:
-                return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
-            return await self._translate(request, fmt, upstream, body, session, exchange)
-        return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+        try:
+            if not native:
+                if self.translator is None:
+                    return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
+                return await self._translate(request, fmt, upstream, body, session, exchange)
+            return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+        except BaseException:
+            # Cut off in a stage on the reply (the verify-gate's verdict, a continued turn), or failed: no ledger line
+            # noted the thread over, and a save meanwhile may have pickled it as that stage left it.
+            if exchange is not None:
+                changed(exchange.thread)
+            raise
 
     async def _shared_links(self, fmt: WireFormat, body: dict[str, Any]) -> None:
         """A request of a client that sends no session id: the conversation links the other replicas recorded for

@@ -1,0 +1,95 @@
+"""A thread changed after the last save pickled it is pickled again (``proxyvisor.proxy.session_state.changed``),
+however its request ends: cut off while its verify-gate waits for the verdict (no ledger line, no ``_account``),
+or its stream closed by the client while the verdict runs on in the background and is cancelled later. Each time
+another thread's request saves the session meanwhile; the encoding with the kept pickles must be a fresh one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from proxyvisor.proxy import continuation
+from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.pipeline import Pipeline
+from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.supervise import SessionSupervision
+
+from test_gate_proxy import DONE, Verifier, gated, verdict, with_history
+from test_session_state_changes import _assert_cached_is_fresh
+
+SESSION = "gate-test"
+
+
+async def _call(pipeline: Pipeline, body: dict[str, Any], fmt: str = "chat") -> Response:
+    headers = [(b"content-type", b"application/json"), (b"x-proxyvisor-session", SESSION.encode())]
+    return await pipeline(Request("POST", BY_NAME[fmt].path, headers, orjson.dumps(body), time.perf_counter()))
+
+
+async def _send(pipeline: Pipeline, body: dict[str, Any]) -> None:
+    """One request through the pipeline as the server runs it: its answer read whole, its ``after`` step (the
+    session's save) run."""
+    response = await _call(pipeline, body)
+    if not isinstance(response.body, bytes):
+        async for _piece in response.body:
+            pass
+    if response.after is not None:
+        await response.after()
+
+
+def _other_thread() -> dict[str, Any]:
+    """A request of another thread of the session (another system prompt): no tools, so nothing gates it."""
+    return BY_NAME["chat"].request_from_chat([{"role": "system", "content": "You write titles."},
+                                              {"role": "user", "content": "A title, please."}], "m", False, ())
+
+
+def _state(pipeline: Pipeline) -> SessionSupervision:
+    session = pipeline.sessions.get(SESSION)
+    assert session is not None and session.supervision is not None
+    return session.supervision
+
+
+async def _verifying(verifier: Verifier) -> None:
+    with trio.fail_after(10):
+        while not verifier.calls:
+            await trio.sleep(0.005)
+
+
+async def test_a_request_cut_off_mid_verdict_is_pickled_again_by_the_next_save(tmp_path: Path) -> None:
+    verifier = Verifier([verdict()])
+    verifier.release = trio.Event()  # the verdict never comes: the client leaves first
+    async with gated(tmp_path, [DONE, {"text": "A title."}], verifier) as run:
+        pipeline = run.proxy.pipeline
+        ended = with_history("chat", False, "Fix the bug in app.py.", check="3 passed in 0.12s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_send, pipeline, ended)
+            await _verifying(verifier)
+            await _send(pipeline, _other_thread())  # saved meanwhile: the gated thread as it waits for its verdict
+            nursery.cancel_scope.cancel()  # the client of the gated request leaves
+        (thread,) = [t for t in _state(pipeline).threads.values() if t.gate_turn is None and t.tracker.fed > 2]
+        _assert_cached_is_fresh(_state(pipeline))
+
+
+async def test_a_stream_closed_mid_verdict_is_pickled_again_once_the_verdict_is_cancelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
+    verifier = Verifier([verdict()])
+    verifier.release = trio.Event()
+    async with gated(tmp_path, [DONE], verifier) as run:
+        pipeline = run.proxy.pipeline
+        response = await _call(pipeline, with_history("chat", True, "Fix the bug in app.py.",
+                                                      check="3 passed in 0.12s"))
+        assert not isinstance(response.body, bytes)
+        stream = aiter(response.body)
+        await anext(stream)  # a keep-alive: the verdict is under way
+        await stream.aclose()  # the client leaves: its ledger line is written, the verdict goes on until cancelled
+        await pipeline.settle()  # the save, the gate still waiting for its verdict
+        assert [t.gate_turn is not None for t in _state(pipeline).threads.values()] == [True]
+        with trio.fail_after(10):
+            while any(t.gate_turn is not None for t in _state(pipeline).threads.values()):
+                await trio.sleep(0.005)  # the abandoned verdict is cancelled: its retry is judged afresh
+        _assert_cached_is_fresh(_state(pipeline))
