@@ -20,7 +20,9 @@ from proxyvisor.detectors import receipts
 from proxyvisor.detectors.detectors import HistoryTracker, Update
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
 from proxyvisor.proxy.sessions import Session
-from proxyvisor.proxy.supervise import Supervisor
+from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
+from proxyvisor.proxy.session_state import decode, encode
+from proxyvisor.transcript import ToolOutput, ToolUse
 
 History = list[dict[str, Any]]
 RUNNER = {"type": "object", "properties": {"command": {"type": "string"}}}
@@ -260,3 +262,58 @@ async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -
         gc.enable()
     assert turns > 10  # the loop ran other tasks while the histories were read
     assert worst < 0.016, f"another task waited {worst * 1000:.1f} ms of CPU between two turns"
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """An argument object nested ``depth`` levels deep (a client's JSON may nest up to 1,024)."""
+    inner: dict[str, Any] = {}
+    for _ in range(depth):
+        inner = {"a": inner}
+    return inner
+
+
+def test_calls_nested_too_deep_to_digest_are_never_taken_for_one_another() -> None:
+    """Two calls of different tools, whose arguments nest deeper than a digest reads them (one digest for all such
+    parts), and the same output: each gets its own receipt, as computed alone, not the other's."""
+    mutating = frozenset({"Write"})
+    cache = receipts.ReceiptCache(mutating)
+    output = ToolOutput("c", "ok")
+    calls = [ToolUse("c1", "Bash", {"command": "pytest -q", "x": _nested(1100)}),
+             ToolUse("c2", "Write", {"file_path": "app.py", "x": _nested(1100)})]
+    got = [cache.receipt(use, output, None) for use in calls]
+    assert got == [receipts.receipt(use, output, None, mutating) for use in calls]
+    assert [(r.tool, r.mutation, r.target) for r in got] == [("Bash", "none", ()), ("Write", "declared", ("app.py",))]
+
+
+def test_the_receipt_cache_keeps_a_bounded_amount_of_command_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands of 64 KB (a file written through the shell): the cache keeps the latest ones within
+    ``CACHED_CHARS``, not ``CACHED`` of them, and a receipt it no longer keeps is computed again, the same."""
+    monkeypatch.setattr(receipts, "CACHED_CHARS", 1 << 20)
+    cache = receipts.ReceiptCache()
+    uses = [ToolUse(f"c{n}", "Bash", {"command": f"cat > f{n}.py <<EOF\n{'x' * 65536}\nEOF"}) for n in range(40)]
+    output = ToolOutput("c", "")
+    got = [cache.receipt(use, output, RUNNER) for use in uses]
+    assert len(cache) == 15  # 16 commands are over 1 Mi characters
+    assert cache.receipt(uses[0], output, RUNNER) == got[0] and cache.receipt(uses[0], output, RUNNER) is not got[0]
+    assert cache.receipt(uses[-1], output, RUNNER) is got[-1]
+
+
+def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() -> None:
+    """Each thread is stored pickled on its own: loaded, the session's threads share one receipt cache again (a
+    compaction, another thread, finds the receipts of the calls its thread read), and a load replacing the state
+    this process holds keeps its cache and what it computed."""
+    mutating = frozenset({"Deploy"})
+    history = _big_history(20_000)
+    state = SessionSupervision()
+    for key in (b"a" * 16, b"b" * 16):
+        state.thread(key, mutating).tracker.update(history, CHAT.message, {"Bash": RUNNER})
+    value = encode(state, bytes(16)).value
+    for held in (None, state):
+        loaded = decode(value, held).state
+        assert loaded.receipts is not None and loaded.receipts is (state.receipts if held else loaded.receipts)
+        for thread in loaded.threads.values():
+            assert thread.tracker.cache is loaded.receipts and thread.tracker.reader.cache is loaded.receipts
+    compacted = [history[0], {"role": "user", "content": "Summary: tests were run."}, *history[2:]]
+    kept = len(state.receipts)
+    loaded.thread(b"c" * 16, mutating).tracker.update(compacted, CHAT.message, {"Bash": RUNNER})
+    assert len(loaded.receipts) == kept  # every receipt found, none computed again

@@ -106,17 +106,22 @@ _VOLATILE = re.compile(
 _MASK_LIMIT = 64 * 1024  # beyond this many characters an output is digested as it is (masking costs O(size))
 
 
+UNSERIALISABLE = hashlib.blake2b(b"unserialisable", digest_size=16).digest()
+"""The :func:`digest` of any parts nested too deep to be read: it tells none of them apart."""
+
+
 def digest(*parts: Any) -> bytes:
     """A 16-byte digest of JSON-serialisable ``parts`` (keys sorted, so argument order does not matter).
 
-    Values nested deeper than orjson serialises (254 levels) are digested from their ``repr`` instead."""
+    Values nested deeper than orjson serialises (254 levels) are digested from their ``repr`` instead; nested too
+    deep for that too (about 1,000 levels), all parts have one digest, :data:`UNSERIALISABLE`."""
     try:
         data = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, TypeError):
         try:
             data = repr(parts).encode("utf-8", "surrogatepass")
         except RecursionError:
-            data = b"unserialisable"
+            return UNSERIALISABLE
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
@@ -306,7 +311,11 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
 
 
 CACHED = 2048
-"""Receipts a :class:`ReceiptCache` keeps (a few hundred bytes each)."""
+"""Receipts a :class:`ReceiptCache` keeps (a few hundred bytes each, besides their text: :data:`CACHED_CHARS`)."""
+CACHED_CHARS = 1 << 21
+"""Characters of the receipts' own text (commands, targets) a :class:`ReceiptCache` keeps at most: an agent
+writing files through its shell (``cat > f <<EOF``) makes commands of many KB, which 2,048 receipts would keep
+alive per session."""
 
 
 class ReceiptCache:
@@ -317,18 +326,21 @@ class ReceiptCache:
     result's absence), whether the tool is a runner (the only thing its schema decides) and the mutating tools: the
     key is a digest of all of them but the last, which is fixed per cache (``mutating_tools``). Digesting a result
     reads its whole text once, in C; computing its receipt masks and scans it in Python, several times the cost.
-    Keeps the :data:`CACHED` receipts used last. Its state (``__getstate__``, what a pickle holds) is its
+    Keeps the receipts used last, at most :data:`CACHED` of them and :data:`CACHED_CHARS` characters of their text;
+    a call whose arguments are nested too deep to digest (:data:`UNSERIALISABLE`) is computed each time. Its state (``__getstate__``, what a pickle holds) is its
     ``mutating_tools`` alone: the receipts are this process's memory, never part of a stored session state."""
 
     def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
         self.mutating_tools = mutating_tools
         self._found: OrderedDict[bytes, Receipt] = OrderedDict()
+        self._chars = 0
+        """Characters of the kept receipts' text (:func:`_chars`)."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {"mutating_tools": self.mutating_tools}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.mutating_tools, self._found = state["mutating_tools"], OrderedDict()
+        self.mutating_tools, self._found, self._chars = state["mutating_tools"], OrderedDict(), 0
 
     def __len__(self) -> int:
         return len(self._found)
@@ -337,6 +349,8 @@ class ReceiptCache:
         """:func:`receipt` of the call, the one computed before for the same content if this cache kept it."""
         head = digest(use.name, use.arguments, is_runner(schema, use.arguments),
                       "absent" if output is None else output.is_error)
+        if head == UNSERIALISABLE:  # arguments nested past what a digest reads: the key would be every such call's
+            return receipt(use, output, schema, self.mutating_tools)
         hasher = hashlib.blake2b(head, digest_size=16)
         if output is not None:
             hasher.update(output.text.encode("utf-8", "surrogatepass"))
@@ -346,9 +360,15 @@ class ReceiptCache:
             self._found.move_to_end(key)
             return found
         found = self._found[key] = receipt(use, output, schema, self.mutating_tools)
-        if len(self._found) > CACHED:
-            self._found.popitem(last=False)
+        self._chars += _chars(found)
+        while len(self._found) > CACHED or (self._chars > CACHED_CHARS and self._found):
+            self._chars -= _chars(self._found.popitem(last=False)[1])
         return found
+
+
+def _chars(found: Receipt) -> int:
+    """The characters of ``found``'s own text that a :class:`ReceiptCache` keeps alive (its summary is clipped)."""
+    return len(found.command or "") + sum(map(len, found.target))
 
 
 @dataclass(frozen=True, slots=True)
