@@ -317,3 +317,39 @@ def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() 
     kept = len(state.receipts)
     loaded.thread(b"c" * 16, mutating).tracker.update(compacted, CHAT.message, {"Bash": RUNNER})
     assert len(loaded.receipts) == kept  # every receipt found, none computed again
+
+
+async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_judge_it_once() -> None:
+    """Two requests of one thread with the same history read from the start (a summary in front: the thread's
+    first; the second a retry while the first still reads it), read in steps at once: the second goes on from what
+    the first read, as when they come one after the other (nothing new: no firings again, the session's signal
+    counts not doubled)."""
+    poll = [{"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_p", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "cat st"}'}}]},
+        {"role": "tool", "tool_call_id": "call_p", "content": "running"}]
+    history = _big_history(1024 * 1024) + poll * 4
+    rewritten = [{"role": "user", "content": "Summary: tests were run."}, *history[2:]]
+    bodies = [CHAT.request_from_chat(h, "m", False, (ToolSpec("Bash", RUNNER),)) for h in (history, rewritten)]
+    records = {}
+    for together in (False, True):
+        supervisor, session = Supervisor(SupervisorConfig()), Session("s", 0, 0)
+        supervisor.begin(session, CHAT, orjson.loads(orjson.dumps(bodies[0])))
+        got = []
+
+        async def request() -> None:
+            body = orjson.loads(orjson.dumps(bodies[1]))
+            update = await supervisor.catch_up(session, CHAT, body)
+            record = supervisor.begin(session, CHAT, body, update=update).record
+            got.append((record.firings, record.rebuilt))
+
+        if together:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(request)
+                nursery.start_soon(request)
+        else:
+            await request()
+            await request()
+        assert session.supervision is not None
+        records[together] = got, session.supervision.signals
+    assert records[False][0][0][0] and records[False][0][1] == ([], False)  # the loop fired on the first reading
+    assert records[True] == records[False]

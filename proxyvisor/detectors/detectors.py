@@ -219,19 +219,30 @@ class HistoryTracker:
         start (:meth:`from_start`) is read into a fresh state, one item per step (it yields after each), which
         replaces this tracker's only once the last item is read: an update of this tracker made meanwhile is
         replaced whole, never mixed with it, and a reading abandoned part way changes nothing here (``update`` is
-        then partial). A history that goes on is fed at once (no steps: it adds an item or two)."""
+        then partial). When the tracker read the same history meanwhile (another request of the thread, its
+        retry), the fresh state is dropped and ``update`` is what goes on from it, as if this reading came after.
+        A history that goes on is fed at once (no steps: it adds an item or two)."""
         if not self.from_start(items, message_of):
-            for index in range(self.fed, len(items)):
-                self._feed(items, index, message_of(items[index]), schemas, update)
-            self.fed = len(items)
+            self._go_on(items, message_of, schemas, update)
             return
         fresh = HistoryTracker(self.mutating_tools, self.cache)
         update.rebuilt = bool(self.fed)
         for index in range(len(items)):
             fresh._feed(items, index, message_of(items[index]), schemas, update)
             yield
+        if not self.from_start(items, message_of):
+            vars(update).update(vars(Update()))
+            self._go_on(items, message_of, schemas, update)
+            return
         fresh.fed = len(items)
         vars(self).update(vars(fresh))
+
+    def _go_on(self, items: Sequence[Any], message_of: Callable[[Any], Message],
+               schemas: Mapping[str, Mapping[str, Any]], update: Update) -> None:
+        """Feed the items of ``items`` past those this tracker read (it read the others), adding to ``update``."""
+        for index in range(self.fed, len(items)):
+            self._feed(items, index, message_of(items[index]), schemas, update)
+        self.fed = len(items)
 
     def _feed(self, items: Sequence[Any], index: int, message: Message, schemas: Mapping[str, Mapping[str, Any]],
               update: Update) -> None:
