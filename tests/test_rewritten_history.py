@@ -336,7 +336,8 @@ async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_ju
         supervisor.begin(session, CHAT, orjson.loads(orjson.dumps(bodies[0])))
         got = []
 
-        async def request() -> None:
+        async def request(supervisor: Supervisor = supervisor, session: Session = session,
+                          got: list[Any] = got) -> None:
             body = orjson.loads(orjson.dumps(bodies[1]))
             update = await supervisor.catch_up(session, CHAT, body)
             record = supervisor.begin(session, CHAT, body, update=update).record

@@ -17,7 +17,7 @@ from proxyvisor.proxy import continuation
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.pipeline import Pipeline
 from proxyvisor.proxy.server import Request, Response
-from proxyvisor.proxy.supervise import SessionSupervision
+from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
 
 from test_gate_proxy import DONE, Verifier, gated, verdict, with_history
 from test_session_state_changes import _assert_cached_is_fresh
@@ -92,4 +92,26 @@ async def test_a_stream_closed_mid_verdict_is_pickled_again_once_the_verdict_is_
         with trio.fail_after(10):
             while any(t.gate_turn is not None for t in _state(pipeline).threads.values()):
                 await trio.sleep(0.005)  # the abandoned verdict is cancelled: its retry is judged afresh
+        _assert_cached_is_fresh(_state(pipeline))
+
+
+async def test_a_supervision_failure_after_the_thread_changed_is_pickled_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in supervision once the request's history was read into its thread (the request then goes up
+    unsupervised, with no exchange to note over): the session's next save pickles the thread again."""
+    verifier = Verifier()
+    async with gated(tmp_path, [{"text": "Working."}] * 2, verifier, enabled=False) as run:
+        pipeline = run.proxy.pipeline
+        body = with_history("chat", False, "Fix the bug in app.py.")
+        await _send(pipeline, body)  # saved: the thread's pickle kept
+        begin = Supervisor.begin
+
+        def failing(self: Supervisor, *args: Any, **kwargs: Any) -> Any:
+            begin(self, *args, **kwargs)
+            raise RuntimeError("a bug after the history was read")
+
+        monkeypatch.setattr(Supervisor, "begin", failing)
+        history = body["messages"] + [{"role": "assistant", "content": "Working."},
+                                      {"role": "user", "content": "Go on."}]
+        await _send(pipeline, {**body, "messages": history})
         _assert_cached_is_fresh(_state(pipeline))

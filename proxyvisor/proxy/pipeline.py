@@ -414,14 +414,17 @@ class Pipeline:
             exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
                                              self._sender(request, fmt, path, upstream, native))
         try:
+            if exchange is not None:
+                await exchange.before_forward()
             if not native:
                 if self.translator is None:
                     return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
                 return await self._translate(request, fmt, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
-            # Cut off in a stage on the reply (the verify-gate's verdict, a continued turn), or failed: no ledger line
-            # noted the thread over, and a save meanwhile may have pickled it as that stage left it.
+            # Cut off in a step before forwarding (the planner's call) or a stage on the reply (the verify-gate's
+            # verdict, a continued turn), or failed: no ledger line noted the thread over, and a save meanwhile may
+            # have pickled it as that step left it.
             if exchange is not None:
                 changed(exchange.thread)
             raise
@@ -492,9 +495,9 @@ class Pipeline:
 
     async def _supervise(self, session: Session, fmt: WireFormat, body: dict[str, Any],
                          traceparent: str | None, sender: tuple[Send, Any, list[str], bool]) -> Exchange | None:
-        """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (its
-        steps that need I/O, such as condensing, included; the delegation tools, ``proxyvisor.proxy.delegation``)
-        and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
+        """The supervised path's hook (``proxyvisor.proxy.supervise``): rewrites ``body`` for upstream (but for
+        its steps that need I/O, such as condensing: the caller runs ``Exchange.before_forward``; the delegation
+        tools, ``proxyvisor.proxy.delegation``) and returns the exchange that rewrites the reply. A failure in it is logged and the request goes up
         unsupervised. ``traceparent``: the client's W3C trace context, which delegated children join;
         ``sender``: :meth:`_sender`, the request's route, which its supervisor model calls take too."""
         try:
@@ -514,8 +517,10 @@ class Pipeline:
                 exchange.delegation = self.delegation.turn(exchange)
         except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
             log.exception("supervision failed for session %s; forwarding the request unsupervised", session.id)
+            # Its thread may have changed before the failure (its history read): which one is not known here.
+            for thread in list(session.supervision.threads.values()) if session.supervision is not None else ():
+                changed(thread)
             return None
-        await exchange.before_forward()
         return exchange
 
     async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
