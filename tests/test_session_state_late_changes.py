@@ -5,6 +5,7 @@ another thread's request saves the session meanwhile; the encoding with the kept
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,13 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.proxy import continuation
+from proxyvisor.proxy import continuation, session_state
 from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.proxy.pipeline import Pipeline
 from proxyvisor.proxy.server import Request, Response
+from proxyvisor.proxy.session_state import NAMESPACE, SETTINGS, SessionStates
+from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
 
 from test_gate_proxy import DONE, Verifier, gated, verdict, with_history
@@ -115,3 +119,42 @@ async def test_a_supervision_failure_after_the_thread_changed_is_pickled_again(
                                       {"role": "user", "content": "Go on."}]
         await _send(pipeline, {**body, "messages": history})
         _assert_cached_is_fresh(_state(pipeline))
+
+
+async def test_a_load_ending_after_the_session_was_loaded_or_saved_meanwhile_leaves_the_newer_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests of a session at once each load the newer state another process stored: the one whose read
+    ends last, after the other request changed the state it installed and saved it, does not put the state it read
+    (now older) in place of the one in memory, which the store holds."""
+    other, mine = (SessionStates(DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS), 60) for _ in range(2))
+    stored = Session("s", 0.0, 0.0, supervision=SessionSupervision())
+    stored.supervision.thread(b"k" * 16, frozenset()).carry = ("from the other process",)
+    await other.save(stored)
+    session = Session("s", 0.0, 0.0)
+    held, release = threading.Event(), threading.Event()
+    load = SessionStates._load
+
+    def slow(self: SessionStates, *args: Any) -> Any:
+        found = load(self, *args)
+        if not held.is_set():  # the first read: it ends once the other request is over
+            held.set()
+            release.wait(10)
+        return found
+
+    monkeypatch.setattr(SessionStates, "_load", slow)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(mine.load, session)
+        await trio.to_thread.run_sync(held.wait, 10)
+        await mine.load(session)  # the other request: loads, changes and saves the state
+        assert session.supervision is not None
+        changed = session.supervision
+        thread = next(iter(changed.threads.values()))
+        thread.carry = ("changed here",)
+        session_state.changed(thread)
+        await mine.save(session)
+        release.set()
+    assert session.supervision is changed
+    reader = Session("s", 0.0, 0.0)
+    await other.load(reader)
+    assert reader.supervision is not None and next(iter(reader.supervision.threads.values())).carry == (
+        "changed here",)

@@ -543,24 +543,26 @@ class SessionStates:
     async def load(self, session: Session) -> None:
         """Replace ``session.supervision`` with the stored state when one newer than the session's own is stored
         (another process saved it, or this process has none yet). A state that cannot be read is logged and left
-        alone; the backend failing changes nothing (warned once per outage). Cancellation propagates.
+        alone; the backend failing changes nothing (warned once per outage), and so does a state read while another
+        request of the session loaded or saved one (what it read is then no newer). Cancellation propagates.
 
         On a local store (:attr:`~proxyvisor.adapters.state.KV.local`) that this process already read or wrote
         for the session, the version is read on the event loop, and a worker thread reads the state only when
         another process stored a newer one: most requests find their own last save and cost one small read."""
+        known = session.state_version
         try:
-            if session.state_version and self.kv.local:
+            if known and self.kv.local:
                 found = await trio.to_thread.run_sync(self._read, session.id, session.supervision,
-                                                      limiter=self._limiter) \
-                    if self._newer(session.id, session.state_version) else None
+                                                      limiter=self._limiter) if self._newer(session.id, known) else None
             else:
-                found = await trio.to_thread.run_sync(self._load, session.id, session.state_version,
-                                                      session.supervision, limiter=self._limiter)
+                found = await trio.to_thread.run_sync(self._load, session.id, known, session.supervision,
+                                                      limiter=self._limiter)
         except StateUnavailable as exc:
             self._outage.failed(exc)
             return
         self._outage.up()
-        if found is not None:
+        # Another request of the session loaded or saved its state meanwhile: the one in memory is the newer.
+        if found is not None and session.state_version == known:
             session.supervision, session.state_version, session.state_chunks = found
 
     async def stored(self, session_id: str) -> SessionSupervision | None:
