@@ -158,3 +158,45 @@ async def test_a_load_ending_after_the_session_was_loaded_or_saved_meanwhile_lea
     await other.load(reader)
     assert reader.supervision is not None and next(iter(reader.supervision.threads.values())).carry == (
         "changed here",)
+
+
+class _Remote:
+    """A store written in worker threads, as Redis is (``local`` False), whose first write waits for ``release``
+    (a slow round trip) once it has set ``held``."""
+
+    local = False
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kv, name)
+
+    def set_many(self, *args: Any, **kwargs: Any) -> None:
+        if not self.held.is_set():
+            self.held.set()
+            self.release.wait(10)
+        self.kv.set_many(*args, **kwargs)
+
+
+async def test_two_saves_of_a_session_at_once_store_the_later_state(tmp_path: Path) -> None:
+    """Two requests of a session end at once on a store written in worker threads: the first save's write is
+    slow; the second state, pickled later, is the one stored, under the version this process holds."""
+    remote = _Remote(DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS))
+    states = SessionStates(remote, 60)
+    session = Session("s", 0.0, 0.0, supervision=SessionSupervision())
+    thread = session.supervision.thread(b"k" * 16, frozenset())
+    thread.carry = ("first",)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(states.save, session)
+        await trio.to_thread.run_sync(remote.held.wait, 10)
+        thread.carry = ("second",)
+        session_state.changed(thread)
+        nursery.start_soon(states.save, session)
+        await trio.sleep(0.2)  # the second save's turn, while the first write waits
+        remote.release.set()
+    assert remote.kv.get("s:v") == session.state_version
+    reader = Session("s", 0.0, 0.0)
+    await SessionStates(DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS), 60).load(reader)
+    assert reader.supervision is not None and next(iter(reader.supervision.threads.values())).carry == ("second",)

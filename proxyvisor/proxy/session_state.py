@@ -519,6 +519,8 @@ class SessionStates:
         self.kv = kv
         self.ttl_s = ttl_s
         self._limiter = trio.CapacityLimiter(_WRITERS)
+        self._saving: dict[str, trio.Lock] = {}
+        """The lock of each session whose state is being saved in a worker thread (:meth:`save`), by id."""
         self._outage = Outage(log, "session states",
                               "sessions go on with the state this process holds until it answers")
 
@@ -590,8 +592,24 @@ class SessionStates:
         rows, about 60 us of CPU, where handing it to a worker thread cost the loop 0.15-0.2 ms besides the write;
         the loop also waits while another process on the same folder holds SQLite's write lock, which its
         transactions take for as long), else in a worker thread (Redis: a network round trip). A state that
-        cannot be pickled or stored is logged (the session goes on from memory). Cancellation propagates (a
+        cannot be pickled or stored is logged (the session goes on from memory). A session's saves in worker
+        threads are made one after another, each pickled once the one before is written: two requests of a session
+        at once, the earlier state is never written over the later (the store would hold it under a version this
+        process does not know, and its next load would put it in place of the later). Cancellation propagates (a
         worker thread's write may still complete)."""
+        if self.kv.local:  # written on the event loop: in order
+            await self._store(session)
+            return
+        lock = self._saving.setdefault(session.id, trio.Lock())
+        try:
+            async with lock:
+                await self._store(session)
+        finally:
+            if not lock.locked() and self._saving.get(session.id) is lock:
+                del self._saving[session.id]
+
+    async def _store(self, session: Session) -> None:
+        """:meth:`save`'s pickling and write."""
         state = session.supervision
         if state is None:
             return
