@@ -20,7 +20,8 @@ from proxyvisor.detectors import receipts
 from proxyvisor.detectors.detectors import HistoryTracker, Update
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
 from proxyvisor.proxy.sessions import Session
-from proxyvisor.proxy.supervise import Supervisor
+from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
+from proxyvisor.proxy.session_state import decode, encode
 from proxyvisor.transcript import ToolOutput, ToolUse
 
 History = list[dict[str, Any]]
@@ -295,6 +296,27 @@ def test_the_receipt_cache_keeps_a_bounded_amount_of_command_text(monkeypatch: p
     assert len(cache) == 15  # 16 commands are over 1 Mi characters
     assert cache.receipt(uses[0], output, RUNNER) == got[0] and cache.receipt(uses[0], output, RUNNER) is not got[0]
     assert cache.receipt(uses[-1], output, RUNNER) is got[-1]
+
+
+def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() -> None:
+    """Each thread is stored pickled on its own: loaded, the session's threads share one receipt cache again (a
+    compaction, another thread, finds the receipts of the calls its thread read), and a load replacing the state
+    this process holds keeps its cache and what it computed."""
+    mutating = frozenset({"Deploy"})
+    history = _big_history(20_000)
+    state = SessionSupervision()
+    for key in (b"a" * 16, b"b" * 16):
+        state.thread(key, mutating).tracker.update(history, CHAT.message, {"Bash": RUNNER})
+    value = encode(state, bytes(16)).value
+    for held in (None, state):
+        loaded = decode(value, held).state
+        assert loaded.receipts is not None and loaded.receipts is (state.receipts if held else loaded.receipts)
+        for thread in loaded.threads.values():
+            assert thread.tracker.cache is loaded.receipts and thread.tracker.reader.cache is loaded.receipts
+    compacted = [history[0], {"role": "user", "content": "Summary: tests were run."}, *history[2:]]
+    kept = len(state.receipts)
+    loaded.thread(b"c" * 16, mutating).tracker.update(compacted, CHAT.message, {"Bash": RUNNER})
+    assert len(loaded.receipts) == kept  # every receipt found, none computed again
 
 
 async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_judge_it_once() -> None:

@@ -66,7 +66,7 @@ import pickle
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -436,10 +436,28 @@ def decode(value: bytes, held: SessionSupervision | None = None) -> Decoded:
             else:
                 held_pickles.append(kept)
             threads[key] = thread
+        _share_receipts(state, threads.values(), held)
     except Exception as exc:  # noqa: BLE001 - pickle raises anything a bad stream makes it build
         raise ValueError(f"not a session state of this proxyvisor ({type(exc).__name__}: {exc})") from None
     state.threads = threads
     return Decoded(state, value[:_VERSION], unpickled, held_pickles)
+
+
+def _share_receipts(state: SessionSupervision, threads: Iterable[Thread], held: SessionSupervision | None) -> None:
+    """Give ``threads`` (``state``'s) one receipt cache, ``state``'s, as they had in memory: each was pickled on
+    its own, with a copy of it (empty: ``ReceiptCache`` pickles its mutating tools alone). That cache is ``held``'s
+    (the session's state this process replaces) when it has one of the same mutating tools: the receipts this
+    process computed stay of use."""
+    cache = state.receipts
+    if held is not None and held.receipts is not None \
+            and (cache is None or cache.mutating_tools == held.receipts.mutating_tools):
+        cache = state.receipts = held.receipts
+    if cache is None:
+        return
+    for thread in threads:
+        tracker = thread.tracker
+        if tracker.mutating_tools == cache.mutating_tools:
+            tracker.cache = tracker.reader.cache = cache
 
 
 def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[bytes | None]],
