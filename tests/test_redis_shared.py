@@ -329,17 +329,23 @@ def test_forgetting_a_rule_removes_the_experiences_quoting_it_from_the_store_and
         assert kept is not None and kept.records == memory.records == {}, "no quote of the rule written back"
 
 
+def _learning_on_redis(tmp_path: Path, redis_url: str) -> tuple[Path, Config, int]:
+    """A project folder, a configuration whose state is on the Redis at ``redis_url``, and that Redis's process id
+    (to stop it with SIGSTOP: a Redis that hangs)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    raw = redis.Redis.from_url(redis_url)
+    pid = raw.info()["process_id"]
+    raw.close()
+    return project, Config().with_overrides(state={"backend": "redis", "url": redis_url}), pid
+
+
 async def test_a_session_ending_while_redis_hangs_does_not_stop_the_event_loop(
         tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle session is ended (its learning's last distill and save) by the request that evicts it: the save
     goes to Redis in the background, not on the event loop, so a Redis that hangs stalls no request."""
     monkeypatch.setattr(backends, "_TIMEOUT_S", 2.0)
-    project = tmp_path / "project"
-    project.mkdir()
-    config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
-    raw = redis.Redis.from_url(redis_url)
-    pid = raw.info()["process_id"]
-    raw.close()
+    project, config, pid = _learning_on_redis(tmp_path, redis_url)
     async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": ScriptedUpstream()},
                        model=Model()) as proxy:
         agent = Agent(proxy, "one", project, "Add a flag.")
@@ -377,12 +383,7 @@ async def test_a_save_under_way_when_the_proxy_stops_ends_before_its_redis_conne
 
     monkeypatch.setattr(RedisBackend, "call", counted)
     monkeypatch.setattr(RedisBackend, "close", closing)
-    project = tmp_path / "project"
-    project.mkdir()
-    config = Config().with_overrides(state={"backend": "redis", "url": redis_url})
-    raw = redis.Redis.from_url(redis_url)
-    pid = raw.info()["process_id"]
-    raw.close()
+    project, config, pid = _learning_on_redis(tmp_path, redis_url)
     try:
         async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": ScriptedUpstream()},
                            model=Model()) as proxy:
