@@ -160,30 +160,6 @@ async def test_malformed_http_gets_400_and_the_server_keeps_serving(proxy) -> No
         await assert_still_serving(proxy.url, fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-async def test_a_body_whose_framing_breaks_gets_400_in_the_apis_own_shape_saying_what_broke(proxy, fmt: str) -> None:
-    """Bad chunked encoding, or a body cut short by the client's half-close: the answer is the client's API's own
-    error (its path is known), saying what was wrong, and the connection closes."""
-    head = f"POST {path_of(fmt)} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
-    cases = {b"transfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n": "chunk",
-             b"content-length: 100\r\n\r\n{\"model\": ": "100"}
-    for junk, said in cases.items():
-        async with await trio.open_tcp_stream("127.0.0.1", proxy.port) as stream:
-            await stream.send_all(head + junk)
-            await stream.send_eof()
-            reply = b""
-            with trio.fail_after(10):
-                while chunk := await stream.receive_some(65536):
-                    reply += chunk
-        assert reply.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (junk, reply)
-        top, _, body = reply.partition(b"\r\n\r\n")
-        assert b"connection: close" in top.lower()
-        assert_error_shape(fmt, 400, body)
-        message = orjson.loads(body)["error"]["message"]
-        assert message.startswith("malformed request body: ") and said in message.lower(), message
-    await assert_still_serving(proxy.url, fmt)
-
-
 async def test_a_client_that_sends_no_headers_is_dropped_and_others_are_served(start_proxy) -> None:
     async with start_proxy(proxy={"request_header_timeout_s": 0.2}) as rp:
         for opening in (b"", b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n"):

@@ -292,8 +292,6 @@ class Pipeline:
             path_session, path = split_prefix(request.path)
         except InvalidSession as exc:
             return error(format_for_path(request.path), 400, str(exc))
-        if request.malformed:
-            return error(format_for_path(path), 400, f"malformed request body: {request.malformed}")
         if request.too_slow:
             return error(format_for_path(path), 408, "request body not received in time: a body must arrive whole "
                          f"within {self.config.proxy.request_body_deadline_s:g} s ([proxy] request_body_deadline_s)")

@@ -78,9 +78,6 @@ class Request:
     too_slow: bool = False
     """The body did not arrive whole within the server's total deadline (``Limits.body_deadline_s``); ``body``
     is empty."""
-    malformed: str | None = None
-    """What broke the body's framing (bad chunked encoding, a body cut short); ``body`` is empty and the connection
-    closes after the answer."""
     peer: str = ""
 
     @property
@@ -358,8 +355,8 @@ class Connection:
                     event = await self._next_event(timeout)
                 except trio.TooSlowError:
                     return
-                except h11.RemoteProtocolError:
-                    await self._bad_request()
+                except h11.RemoteProtocolError as exc:
+                    await self._bad_request(exc)
                     return
                 finally:
                     if idle:
@@ -400,12 +397,10 @@ class Connection:
         self.conn = h11.Connection(h11.SERVER)
         self._body_past_h11 = False
 
-    async def _bad_request(self) -> None:
+    async def _bad_request(self, exc: Exception) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        # The request's path is not known yet: the OpenAI shape. h11's words are not quoted: they may quote a header.
-        body = (b'{"error":{"message":"malformed HTTP request head: its request line or a header (content-length, '
-                b'transfer-encoding) is not valid HTTP/1.1","type":"invalid_request_error"}}')
+        body = b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error"}}'
         try:
             await self._send(h11.Response(status_code=400, reason=reason(400), headers=[(b"content-type", b"application/json"),
                                                                     (b"content-length", str(len(body)).encode()),
@@ -477,9 +472,8 @@ class Connection:
                 else:
                     return False
         except h11.RemoteProtocolError as exc:
-            # h11's words on a body's framing quote no header (a chunk's size line at most): the client's own bytes.
-            request.malformed = str(exc)[:200] or "the body's framing is broken"
-            return True
+            await self._bad_request(exc)
+            return False
         request.content = tuple(parts)  # type: ignore[arg-type]  # bytes-like pieces (see parts)
         return True
 
@@ -514,7 +508,7 @@ class Connection:
         body = response.body
         headers = list(response.headers)
         # The rest of its body may still come, or the server drains: no next request.
-        if request.too_large or request.too_slow or request.malformed or self.stopping.begun.is_set():
+        if request.too_large or request.too_slow or self.stopping.begun.is_set():
             headers.append((b"connection", b"close"))
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):
