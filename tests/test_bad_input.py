@@ -160,6 +160,29 @@ async def test_malformed_http_gets_400_and_the_server_keeps_serving(proxy) -> No
         await assert_still_serving(proxy.url, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_body_whose_framing_breaks_gets_400_in_the_apis_own_shape_saying_what_broke(proxy, fmt: str) -> None:
+    """Bad chunked encoding, or a body cut short by the client's half-close: the server answers in the API of the
+    request's path (known once the head was read), saying what broke, and closes the connection."""
+    head = f"POST {path_of(fmt)} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+    cases = {b"transfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n": "chunk",
+             b"content-length: 100\r\n\r\n{\"model\": ": "after 10 of the 100 bytes"}
+    for junk, said in cases.items():
+        async with await trio.open_tcp_stream("127.0.0.1", proxy.port) as stream:
+            await stream.send_all(head + junk)
+            await stream.send_eof()
+            reply = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+        assert reply.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (junk, reply)
+        top, _, body = reply.partition(b"\r\n\r\n")
+        assert b"connection: close" in top.lower()
+        message = assert_error_shape(fmt, 400, body)["message"]
+        assert message.startswith("malformed HTTP request: its body") and said in message, message
+    await assert_still_serving(proxy.url, fmt)
+
+
 async def test_a_client_that_sends_no_headers_is_dropped_and_others_are_served(start_proxy) -> None:
     async with start_proxy(proxy={"request_header_timeout_s": 0.2}) as rp:
         for opening in (b"", b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n"):

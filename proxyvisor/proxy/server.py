@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import h11
+import orjson
 import trio
 
 from ..bigtext import MMAP_THRESHOLD
@@ -137,6 +138,9 @@ class Limits:
     """Seconds between two reads of a request body; past it the connection is closed without an answer."""
     body_deadline_s: float = 300.0
     """Seconds for a whole request body; past it the handler gets the request with ``too_slow`` set."""
+    error_body: Callable[[str, int, str], bytes] | None = None
+    """The JSON body of an error the server answers itself (a body whose framing broke), in the API of the
+    request's path: ``error_body(path, status, message)``; None: OpenAI's shape."""
 
 
 AFTER_S = 5.0
@@ -355,8 +359,8 @@ class Connection:
                     event = await self._next_event(timeout)
                 except trio.TooSlowError:
                     return
-                except h11.RemoteProtocolError as exc:
-                    await self._bad_request(exc)
+                except h11.RemoteProtocolError:
+                    await self._bad_request()
                     return
                 finally:
                     if idle:
@@ -397,10 +401,17 @@ class Connection:
         self.conn = h11.Connection(h11.SERVER)
         self._body_past_h11 = False
 
-    async def _bad_request(self, exc: Exception) -> None:
+    async def _bad_request(self, path: str | None = None, detail: str = "") -> None:
+        """Answer 400 to a request HTTP/1.1 cannot read: in the API of its ``path`` when the head was read (the
+        limits' ``error_body``) and saying what broke (``detail``); else in OpenAI's shape, quoting nothing of the
+        head (h11's words on a head may quote a header's value, a key)."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        body = b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error"}}'
+        message = f"malformed HTTP request: {detail}" if detail else "malformed HTTP request"
+        if path is not None and self.limits.error_body is not None:
+            body = self.limits.error_body(path, 400, message)
+        else:
+            body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error"}})
         try:
             await self._send(h11.Response(status_code=400, reason=reason(400), headers=[(b"content-type", b"application/json"),
                                                                     (b"content-length", str(len(body)).encode()),
@@ -450,6 +461,10 @@ class Connection:
                                 return False  # a stall between two reads: the client is not sending
                             request.too_slow = True
                             return True
+                    if not data and length is not None:  # h11 has not seen what came past it: its count is not ours
+                        await self._bad_request(request.path, f"its body ended after {size} of the {length} bytes "
+                                                              "its content-length declares")
+                        return False
                     if length is None or not data:  # chunked, or the client's EOF (which h11 judges)
                         self._feed(data)
                         continue
@@ -472,7 +487,8 @@ class Connection:
                 else:
                     return False
         except h11.RemoteProtocolError as exc:
-            await self._bad_request(exc)
+            # h11's words on a body's framing quote no header (a chunk's size line at most: the client's own bytes).
+            await self._bad_request(request.path, f"its body: {str(exc)[:200]}")
             return False
         request.content = tuple(parts)  # type: ignore[arg-type]  # bytes-like pieces (see parts)
         return True

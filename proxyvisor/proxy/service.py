@@ -24,7 +24,7 @@ from ..config import Config, ConfigError
 from ..rules import FORMATS
 from ..store import Store
 from . import allocator
-from .pipeline import Pipeline
+from .pipeline import Pipeline, format_for_path
 from .relay import HttpRelay
 from .session_model import SUPPLIED, SupervisorRoutes
 from .server import Limits, Stopping, bound_port, open_listeners, serve_listeners
@@ -113,7 +113,12 @@ def limits_of(config: Config) -> Limits:
     p = config.proxy
     return Limits(max_body_bytes=p.max_body_bytes, header_timeout_s=p.request_header_timeout_s,
                   body_timeout_s=p.request_body_timeout_s, body_deadline_s=p.request_body_deadline_s,
-                  keepalive_timeout_s=p.keepalive_timeout_s)
+                  keepalive_timeout_s=p.keepalive_timeout_s, error_body=_error_body)
+
+
+def _error_body(path: str, status: int, message: str) -> bytes:
+    """An error the server answers itself, in the API of the request's ``path`` (``Limits.error_body``)."""
+    return format_for_path(path).error_body(status, message)
 
 
 @asynccontextmanager
