@@ -75,7 +75,7 @@ def big_blocks_mapped() -> Iterator[None]:
     docstring); the default again once no work wants it. Nothing when :func:`tune` did not set the allocator.
 
     The allocator maps a block only when its heap has no room for it, so the free memory kept at the heap's top is
-    given back first (``malloc_trim``, some 0.1 ms). A free region inside the heap (a big block freed while later
+    given back first (:func:`trim`, some 0.1 ms). A free region inside the heap (a big block freed while later
     ones live) can still take a big text's start: it is copied once when it outgrows the region (a copy of that
     region's size), then grows by remapping."""
     global _mapping
@@ -86,7 +86,7 @@ def big_blocks_mapped() -> Iterator[None]:
         _mapping += 1
         if _mapping == 1:
             _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-            _libc.malloc_trim(0)
+            trim()
     try:
         yield
     finally:
