@@ -18,6 +18,7 @@ import pytest
 
 from proxyvisor.config import AuthorizerConfig, Config, GateConfig
 from proxyvisor.gate.authorize import CONFIRM_INSTRUCTIONS, JUDGE_INSTRUCTIONS
+from proxyvisor.proxy.client import Cut
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize
@@ -424,6 +425,7 @@ class _Stub:
         self.fmt = BY_NAME[fmt]
         self.denied = denied
         self.background = None
+        self.cut = Cut()
         self.sent: list[Any] = []
         self.part: list[tuple[dict[str, Any], list[str]]] = []
         self.exchange = dataclasses.make_dataclass("E", [("body", dict)])({})

@@ -19,6 +19,7 @@ from proxyvisor.scripted import verifier as scripted_verifier
 from proxyvisor.config import Config, GateConfig
 from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
 from proxyvisor.proxy import continuation, gating
+from proxyvisor.proxy.client import Cut
 from proxyvisor.proxy.reply import Encoded
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, ToolSpec
 from proxyvisor.proxy.formats.base import CallResult
@@ -643,6 +644,7 @@ class _Judge:
         self.fmt = BY_NAME[fmt]
         self.config = GateConfig(hold=hold)
         self.background = None
+        self.cut = Cut()
         self.notice = notice
         self.judged_texts: list[str] = []
 

@@ -18,8 +18,13 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
+import trio
 
-from helpers import FORMATS, assert_ends_with_error_event, json_events, path_of, request_body
+from helpers import (FORMATS, assert_ends_with_error_event, http_client, json_events, path_of, request_body,
+                     scripted_proxy)
+from proxyvisor.config import Config
+from test_gate_proxy import DONE, Verifier
 from test_reliability_crash import start_serve
 
 CHUNK_DELAY_MS = 10.0
@@ -174,6 +179,37 @@ def test_streams_whose_upstream_sends_nothing_end_with_the_error_event_when_the_
         line = _ledger_line(tmp_path, f"silent-{fmt}")
         assert line["status"] == 503 and "the proxy stopped" in line["error"], line
     assert json_events(data["messages"])[-1][1]["error"]["type"] == "api_error"  # a 503: not overloaded_error (529)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_stream_the_gate_holds_ends_with_the_error_event_when_the_grace_ends(tmp_path: Path, fmt: str) -> None:
+    """The verify-gate holds the turn's end while its verifier never answers: the drain's grace runs out between
+    two keep-alives (10 s apart), and the stream ends then, with its format's error event and the ledger line a
+    stream cut by the proxy's stop gets."""
+    grace_s = 0.3
+    verifier = Verifier()
+    verifier.release = trio.Event()  # never set: the verdict never comes
+    async with scripted_proxy(tmp_path, Config(), [DONE], verifier) as run:
+        got = b""
+        async with http_client() as client, client.stream(
+                "POST", run.proxy.url + path_of(fmt), json=request_body(fmt, stream=True),
+                headers={"x-proxyvisor-session": "held"}) as reply:
+            chunks = reply.aiter_raw()
+            with trio.fail_after(5):
+                while not verifier.calls:  # the answer came; the gate holds it
+                    await trio.sleep(0.01)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run.proxy.drain, grace_s)
+                started = trio.current_time()
+                with trio.fail_after(grace_s + 3):
+                    async for chunk in chunks:
+                        got += chunk
+                ended = trio.current_time() - started
+        line = run.ledger()[-1]
+    assert grace_s <= ended < grace_s + 1, ended
+    assert_ends_with_error_event(fmt, got)
+    assert "the proxy stopped" in orjson.dumps(json_events(got)[-1][1]).decode()
+    assert line["status"] == 503 and "the proxy stopped" in line["error"], line
 
 
 def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path) -> None:

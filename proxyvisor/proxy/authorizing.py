@@ -124,6 +124,7 @@ class Authorizing:
         assert exchange.model is not None
         self.model: ModelCall = exchange.model
         self.background = background
+        self.cut = exchange.cut
         self.record: dict[str, Any] = {"batches": 0, "prescreened": 0, "checked": 0, "blocked": 0, "cached": 0,
                                        "unavailable": 0, "decisions": []}
         exchange.record.authorizer = self.record
@@ -399,7 +400,7 @@ class AuthorizedStream(ReplyStream):
                     yield held
                     return
                 job = Job(a.decide, turn)
-                async for keepalive in job.keepalives(fmt, a.background):
+                async for keepalive in job.keepalives(fmt, a.background, a.cut):
                     yield [Block(keepalive, None)]
                 denials: dict[str, rules.Denial] = job.result or {}
                 if not denials:

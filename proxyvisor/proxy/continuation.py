@@ -45,6 +45,7 @@ import trio
 
 from .formats import WireFormat
 from ..transcript import StreamSplice
+from .client import Cut
 from .relay import UpstreamError, UpstreamReply
 from .closing import close
 from .reply import Edited, Item, ReplyStream, blocks
@@ -85,7 +86,7 @@ class Continuation:
 
     def __init__(self, fmt: WireFormat, body: dict[str, Any], resend: Resend, hold: Callable[[str], bool],
                  step: Step | None = None, rounds: int = 4, background: trio.Nursery | None = None,
-                 remember: Callable[[list[Any]], None] | None = None) -> None:
+                 remember: Callable[[list[Any]], None] | None = None, cut: Cut | None = None) -> None:
         self.fmt = fmt
         self.body = body
         self.resend = resend
@@ -94,6 +95,8 @@ class Continuation:
         self.rounds = rounds
         self.background = background
         self.remember = remember
+        self.cut = cut or Cut()
+        """Ends the waits of the continued stream held while ``step`` runs (``Exchange.cut``)."""
         self.items: list[Any] = []
         self.done = 0
         """Rounds continued so far."""
@@ -218,17 +221,19 @@ class Job:
         finally:
             self.done.set()
 
-    async def keepalives(self, fmt: WireFormat, background: trio.Nursery | None) -> AsyncIterator[bytes]:
+    async def keepalives(self, fmt: WireFormat, background: trio.Nursery | None, cut: Cut) -> AsyncIterator[bytes]:
         """Run the job, yielding ``fmt.keepalive`` every :data:`KEEPALIVE_S` seconds until it ends: in
         ``background`` (the stream owning the job cancels ``scope`` when it is closed), or inline with no
-        keep-alive when ``background`` is None (an async generator must not yield inside a nursery of its own)."""
+        keep-alive when ``background`` is None (an async generator must not yield inside a nursery of its own).
+        At ``cut`` (the proxy stops: ``Exchange.cut``) a keep-alive goes out at once, so that the stream's
+        relay sees the stop then (``Pipeline.stop``) rather than at the next keep-alive's time."""
         if background is None:
             await self.run()
             return
         background.start_soon(self.run)
         while not self.done.is_set():
-            with trio.move_on_after(KEEPALIVE_S):
-                await self.done.wait()
+            with trio.move_on_after(KEEPALIVE_S) as scope:
+                await cut.during(scope, self.done.wait())
             if not self.done.is_set():
                 yield fmt.keepalive
 
@@ -239,7 +244,7 @@ def of_turn(exchange: Exchange, resend: Resend, background: trio.Nursery | None)
     authorizer) goes on from what the turn's continuation sent so far."""
     if exchange.continuation is None:
         exchange.continuation = Continuation(exchange.fmt, exchange.body, resend, lambda _name: False,
-                                             background=background, remember=exchange.remember)
+                                             background=background, remember=exchange.remember, cut=exchange.cut)
     return exchange.continuation
 
 
@@ -280,7 +285,7 @@ class ContinuedStream(ReplyStream):
                     self._error = UpstreamError(502, c._too_many())
                     return
                 job = Job(c._step, c.fmt.stream_response(recorder.events))
-                async for keepalive in job.keepalives(c.fmt, c.background):
+                async for keepalive in job.keepalives(c.fmt, c.background, c.cut):
                     yield [Block(keepalive, None)]
                 if job.error is not None:  # the stream ends with an error event instead
                     log.error("continuing a turn failed", exc_info=job.error)

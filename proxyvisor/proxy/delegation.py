@@ -178,7 +178,8 @@ class DelegationTurn:
         """The turn's :class:`~proxyvisor.proxy.continuation.Continuation`: it holds the delegation tools' calls,
         and what it sends beyond the agent's history is re-inserted into later requests (``Exchange.remember``)."""
         self.exchange.continuation = Continuation(self.fmt, self.exchange.body, resend, self.names.__contains__,
-                                                  self.step, ROUNDS, background, self.exchange.remember)
+                                                  self.step, ROUNDS, background, self.exchange.remember,
+                                                  self.exchange.cut)
         return self.exchange.continuation
 
     async def step(self, response: dict[str, Any]) -> list[Any]:

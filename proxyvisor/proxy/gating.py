@@ -130,6 +130,7 @@ class Gating:
         self.resend = resend
         self.mutating_tools = mutating_tools
         self.background = background
+        self.cut = exchange.cut
         self.policy = GatePolicy(config.reentry_budget, config.failure_policy, config.headless,
                                  config.unverified_notice)
         self.record: dict[str, Any] | None = None
@@ -467,7 +468,7 @@ class GatedStream(ReplyStream):
                     calls = True
                 if not calls:
                     job = Job(g.judged, lambda response=response: response)
-                    async for keepalive in job.keepalives(g.fmt, g.background):
+                    async for keepalive in job.keepalives(g.fmt, g.background, g.cut):
                         yield [Block(keepalive, None)]
                     items_ = job.result  # judged() never raises but for cancellation; None: deliver
                 reply = await g.carry_on(items_, stream=True) if items_ is not None else None

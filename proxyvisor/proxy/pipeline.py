@@ -53,6 +53,7 @@ from ..store import LedgerError, Store, unusable
 from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats.base import event_object
+from .client import Cut
 from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
@@ -181,6 +182,8 @@ class Pipeline:
         self.bodies = BodyCache()
         self.stopped = False
         """The proxy stops (:meth:`stop`)."""
+        self.cut = Cut()
+        """Ends, at :meth:`stop`, the waits of streams held while proxyvisor works (``Exchange.cut``)."""
         if backend is None and store is not None:
             backend = DiskBackend(store.root)
         self.backend = backend
@@ -229,9 +232,11 @@ class Pipeline:
     def stop(self) -> None:
         """The proxy stops (its shutdown grace ran out: ``RunningProxy.drain``; or the ``running`` block exits, as
         ``wrap``'s does when its agent ends): each stream still relaying ends with the format's error event and
-        status 503 at its next piece, or at once when it waits for its upstream's next piece; what is cut before its
-        end is recorded as cut by the proxy's stop, not as a client that left."""
+        status 503 at its next piece, or at once when it waits for its upstream's next piece or is held while
+        proxyvisor works (a verdict of the verify-gate: ``Exchange.cut``); what is cut before its end is recorded as
+        cut by the proxy's stop, not as a client that left."""
         self.stopped = True
+        self.cut.cut()
         for relay in self.relays.values():
             relay.cut.cut()
 
@@ -509,6 +514,7 @@ class Pipeline:
             if exchange.model is not None:
                 exchange.model = _timed(exchange.model, exchange.record.model, self.telemetry is not None)
             exchange.send = send
+            exchange.cut = self.cut
             if self.delegation is not None or self.telemetry is not None:
                 exchange.trace = child_traceparent(traceparent)
             if self.delegation is not None:

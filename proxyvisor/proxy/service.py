@@ -62,8 +62,8 @@ class RunningProxy:
 
 CUT_S = 0.5
 """Seconds :meth:`RunningProxy.drain` waits, after the grace, for streams to end with their error event: one
-waiting for its upstream's next piece ends at once, one sending at its next piece; one held while proxyvisor works
-(the verify-gate awaiting its verdict) sees the stop only at its next keep-alive, and is cut when this runs out."""
+waiting for its upstream's next piece, or held while proxyvisor works (the verify-gate awaiting its verdict), ends
+at once, one sending at its next piece; what still runs when this runs out is cut."""
 
 
 def upstream_keys(config: Config, env: Mapping[str, str] | None = None) -> dict[str, str | None]:

@@ -56,6 +56,7 @@ from .formats import WireFormat
 from .formats.base import CallResult
 from ..transcript import Tail, fingerprint
 from .planning import Planner, PlanningState, PlanTurn
+from .client import Cut
 from .relay import UpstreamReply
 from .sessions import Session
 from .reply import RUN_S, Edited, blocks
@@ -469,6 +470,9 @@ class Exchange:
         session's route it holds the request's credentials: it lives as long as the exchange, never longer."""
         self.send: Send | None = None
         """Sends a body the way the request went: continued turns."""
+        self.cut = Cut()
+        """Ends the waits of the reply's stream held while proxyvisor works (a verdict, a child, a check) when the
+        proxy stops: the pipeline's own, which its stop cuts."""
         self.trace: str | None = None
         """The W3C ``traceparent`` of the request's own span (a child of the client's), which its delegated
         children and its trace share; None when neither tracing nor delegation is on."""
