@@ -1,7 +1,7 @@
 """A thread changed after the last save pickled it is pickled again (``proxyvisor.proxy.session_state.changed``),
-however its request ends: cut off while its verify-gate waits for the verdict (no ledger line, no ``_account``),
-or its stream closed by the client while the verdict runs on in the background and is cancelled later. Each time
-another thread's request saves the session meanwhile; the encoding with the kept pickles must be a fresh one."""
+however its request ends: cut off while its verify-gate waits for the verdict, or its stream closed by the client
+while the verdict runs in the background. The encoding with the kept pickles must be a fresh one, and the state saved
+at the request's end holds no gate still waiting for its verdict."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import trio
 
 from proxyvisor.proxy import continuation, session_state
 from proxyvisor.proxy.formats import BY_NAME
+from proxyvisor.proxy.gating import ABANDONED
 from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.proxy.pipeline import Pipeline
 from proxyvisor.proxy.server import Request, Response
@@ -78,8 +79,11 @@ async def test_a_request_cut_off_mid_verdict_is_pickled_again_by_the_next_save(t
         _assert_cached_is_fresh(_state(pipeline))
 
 
-async def test_a_stream_closed_mid_verdict_is_pickled_again_once_the_verdict_is_cancelled(
+async def test_a_stream_closed_mid_verdict_is_saved_with_its_verdict_abandoned(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save at the end of a stream the client closed while its verdict was awaited holds no gate waiting for
+    that verdict (a restart, or another replica, loading it would refuse the retry's stop): the turn is unverified,
+    as its ledger line says, and the kept pickles are a fresh encode."""
     monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
     verifier = Verifier([verdict()])
     verifier.release = trio.Event()
@@ -90,13 +94,17 @@ async def test_a_stream_closed_mid_verdict_is_pickled_again_once_the_verdict_is_
         assert not isinstance(response.body, bytes)
         stream = aiter(response.body)
         await anext(stream)  # a keep-alive: the verdict is under way
-        await stream.aclose()  # the client leaves: its ledger line is written, the verdict goes on until cancelled
-        await pipeline.settle()  # the save, the gate still waiting for its verdict
-        assert [t.gate_turn is not None for t in _state(pipeline).threads.values()] == [True]
-        with trio.fail_after(10):
-            while any(t.gate_turn is not None for t in _state(pipeline).threads.values()):
-                await trio.sleep(0.005)  # the abandoned verdict is cancelled: its retry is judged afresh
+        await stream.aclose()  # the client leaves
+        await pipeline.settle()  # the save at the stream's end
+        assert [t.gate_turn for t in _state(pipeline).threads.values()] == [None]
         _assert_cached_is_fresh(_state(pipeline))
+        restarted = Session(SESSION, 0.0, 0.0)
+        await SessionStates(DiskBackend(run.store.root).kv(NAMESPACE, **SETTINGS), 60).load(restarted)
+        assert restarted.supervision is not None
+        assert [t.gate_turn for t in restarted.supervision.threads.values()] == [None]
+        (line,) = run.ledger()
+    assert (line["status"], line["error"]) == (200, "client disconnected mid-stream")
+    assert (line["gate"]["outcome"], line["gate"]["passed"], line["gate"]["reason"]) == ("unverified", False, ABANDONED)
 
 
 async def test_a_supervision_failure_after_the_thread_changed_is_pickled_again(

@@ -47,7 +47,7 @@ from .formats import WireFormat
 from ..transcript import StreamSplice
 from .client import Cut
 from .relay import UpstreamError, UpstreamReply
-from .closing import close
+from .closing import CLOSE_S, close
 from .reply import Edited, Item, ReplyStream, blocks
 from .sse import Block
 
@@ -220,6 +220,13 @@ class Job:
             self.error = exc
         finally:
             self.done.set()
+
+    async def stop(self) -> None:
+        """Cancel the job and wait for its end (its own clean-up on cancellation done), shielded from the caller's
+        cancellation (a stream closed because its client left), for at most :data:`~.closing.CLOSE_S` seconds."""
+        self.scope.cancel()
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_S):
+            await self.done.wait()
 
     async def keepalives(self, fmt: WireFormat, background: trio.Nursery | None, cut: Cut) -> AsyncIterator[bytes]:
         """Run the job, yielding ``fmt.keepalive`` every :data:`KEEPALIVE_S` seconds until it ends: in

@@ -34,6 +34,9 @@ this module feeds them and performs their decisions for one supervised request (
 - **Never lose the answer**: a verifier that fails or times out is ``Unavailable`` to the state machine (the
   answer is delivered, labelled ``unverified``); a continuation that fails delivers the held answer, labelled
   ``unverified``.
+- **Cut off mid-verdict** (the client left, the proxy stopped): the verdict is cancelled, the turn recorded
+  ``unverified`` (:data:`ABANDONED`) and the thread's gate forgotten, so that no saved state waits for a verdict
+  that never comes; a held stream awaits that clean-up before its end is accounted for and saved.
 
 What happened goes into the request's ledger line as ``gate`` (``RequestRecord.gate``)::
 
@@ -65,8 +68,8 @@ from ..config import GateConfig
 from ..detectors.selfreport import outcome as report_outcome
 from ..detectors.selfreport import strip
 from ..gate import digest
-from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, VERIFIED, Deliver, GatePolicy, Nudge, Reenter, Refute,
-                            Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
+from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, UNVERIFIED, VERIFIED, Deliver, GatePolicy, Nudge, Reenter,
+                            Refute, Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
 from ..gate.plan import render_text
 from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
@@ -87,6 +90,9 @@ log = logging.getLogger("proxyvisor.gate")
 
 EMPTY_ANSWER = "(no answer text)"
 """Stands in for a held answer with no text when it is carried on upstream (providers refuse empty text)."""
+ABANDONED = "verdict abandoned: the request ended before it (the client left, or the proxy stopped)"
+"""The gate's ``reason`` in the ledger line of a request that ended while its verdict was awaited: the turn is
+``unverified``."""
 
 
 @dataclass
@@ -217,10 +223,10 @@ class Gating:
             self.abandon(f"the verify-gate failed ({type(exc).__name__})")
             return None
         except trio.Cancelled:
-            # The client went away mid-verdict: its retry of this request must be judged afresh, not meet a
-            # state machine still waiting for this verdict (which would refuse the retry's stop). A held stream's
-            # verdict is cancelled after its request is over (the stream closed): the next save pickles it again.
-            self.exchange.thread.gate_turn = None
+            # The request ended before its verdict (the client left, the proxy stopped): the turn is unverified, as
+            # its ledger line says, and its gate is forgotten, so that no save keeps a state machine waiting for a
+            # verdict that never comes (its retry, here or on another replica, would be refused its stop).
+            self.abandon(ABANDONED, logging.INFO)
             changed(self.exchange.thread)
             raise
 
@@ -317,13 +323,14 @@ class Gating:
         (log.info if decision.passed or self.reported else log.warning)("turn %s: %s", decision.outcome,
                                                                         decision.reason)
 
-    def abandon(self, reason: str) -> None:
-        """The turn could not be continued: the held answer is delivered, labelled ``unverified``."""
+    def abandon(self, reason: str, level: int = logging.WARNING) -> None:
+        """The turn could not be continued or judged: the held answer is delivered, labelled ``unverified``
+        (``reason`` in the ledger, logged at ``level``), and the thread's gate is forgotten."""
         record = self._ledger()
-        record.update(outcome="unverified", passed=False, reason=reason)
+        record.update(outcome=UNVERIFIED, passed=False, reason=reason)
         self.notice = self.policy.notice_for(False)
         self.exchange.thread.gate_turn = None
-        log.warning("turn unverified: %s", reason)
+        log.log(level, "turn unverified: %s", reason)
 
     async def _ask(self, purpose: str, system: str, document: str, retry_of: str | None = None) -> ModelAnswer | None:
         """The supervisor model's answer to one gate call, or None (the reason in :attr:`failure`) when it failed
@@ -484,5 +491,7 @@ class GatedStream(ReplyStream):
                     splice.next_response()
                 stream = blocks(reply.body)
         finally:
-            if job is not None:
-                job.scope.cancel()
+            if job is not None and not job.done.is_set():
+                # Its end awaited: the verdict abandoned (Gating.judged) is in the thread before the stream's end is
+                # accounted for and saved.
+                await job.stop()

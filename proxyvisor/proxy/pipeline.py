@@ -751,6 +751,10 @@ class Pipeline:
                 yield (b"\n\n" if mid_event else b"") + fmt.stream_error(failure.status, failure.message, numbered)
             ended = True
         finally:
+            # Closed before the stream's end is accounted for and saved: a stage cut short (the verify-gate's held
+            # verdict) leaves the thread as its clean-up says, not waiting on (GatedStream), and the upstream
+            # connection goes back now, not when the collector finds it.
+            await close(chunks)
             if session is not None:
                 message = failure.message if failure else None if ended else \
                     "the proxy stopped mid-stream" if self.stopped else "client disconnected mid-stream"
