@@ -614,6 +614,32 @@ async def test_a_client_leaving_mid_verdict_cancels_it_and_its_retry_is_judged_a
     assert (run.last("gate")["verdicts"], run.last("gate")["passed"]) == (["pass"], True)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_request_cut_off_mid_verdict_has_its_ledger_line_saying_the_verdict_was_abandoned(
+        tmp_path: Path, stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves while its turn's verdict is awaited: one ledger line, saying how the request ended (a
+    stream: its status and "client disconnected mid-stream"; JSON: 499, as any request left before its answer) and
+    that the turn is unverified, its verdict abandoned."""
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
+    verifier = Verifier([verdict()])
+    verifier.release = trio.Event()  # the verdict never comes
+    async with gated(tmp_path, [DONE], verifier) as run:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, run, "chat", stream)
+            with trio.fail_after(10):
+                while not verifier.calls:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()  # the client leaves
+        with trio.fail_after(10):
+            while not run.store.sessions() or not run.ledger():
+                await trio.sleep(0.01)
+        (line,) = run.ledger()
+    assert (line["status"], line["error"]) == ((200, "client disconnected mid-stream") if stream else
+                                               (499, "cancelled before the answer: the client left"))
+    assert (line["gate"]["outcome"], line["gate"]["passed"], line["gate"]["reason"]) == ("unverified", False,
+                                                                                          gating.ABANDONED)
+
+
 # ---- GatedStream on arbitrary chunking ----------------------------------------------------------------------------------
 
 

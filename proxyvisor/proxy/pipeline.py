@@ -34,7 +34,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -425,9 +425,8 @@ class Pipeline:
                 return await self._translate(request, fmt, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
-            # Cut off in a step before forwarding (the planner's call) or a stage on the reply (the verify-gate's
-            # verdict, a continued turn), or failed: no ledger line noted the thread over, and a save meanwhile may
-            # have pickled it as that step left it.
+            # Cut off in a step before forwarding (the planner's call), or failed: no ledger line noted the thread
+            # over, and a save meanwhile may have pickled it as that step left it.
             if exchange is not None:
                 changed(exchange.thread)
             raise
@@ -538,46 +537,51 @@ class Pipeline:
                 log.warning("cannot serialise the supervised body of session %s (%s); forwarding it unsupervised",
                             session.id if session else "-", exc)
                 exchange = None
-        try:
+
+        async def send() -> UpstreamReply:
             if self.breakers is None or body is None:
-                reply = await self._relayed(request, fmt, path, upstream_name, content)
-            else:
-                reply = await self._upstream(request, fmt, path, upstream_name, body, content, exchange)
+                return await self._relayed(request, fmt, path, upstream_name, content)
+            return await self._upstream(request, fmt, path, upstream_name, body, content, exchange)
+
+        return await self._answered(request, fmt, body, session, exchange, send)
+
+    async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
+                         session: Session | None, exchange: Exchange | None = None) -> Response:
+        async def send() -> UpstreamReply:
+            if self.breakers is None:
+                reply: UpstreamReply = await self.translator.send(fmt, upstream, body, request.headers)
+                return reply
+            return await self._upstream(request, fmt, split_prefix(request.path)[1], upstream.name, body, None,
+                                        exchange)
+
+        return await self._answered(request, fmt, body, session, exchange, send)
+
+    async def _answered(self, request: Request, fmt: WireFormat, body: dict[str, Any] | None,
+                        session: Session | None, exchange: Exchange | None,
+                        send: Callable[[], Awaitable[UpstreamReply]]) -> Response:
+        """The response to a model request whose upstream call is ``send``: its reply through ``exchange``'s stages
+        (a continued turn, the verify-gate, the tool authorizer), its session's state stored (:meth:`_persisted`).
+        Its one ledger line says how it ended: the answer (:meth:`_respond`, or a stream's end), an upstream error,
+        or a cut before the answer, upstream or in a stage (the verify-gate's verdict awaited): the client's
+        leaving, or the proxy's stop (:meth:`_account_cut`; a stream cut later is accounted at its end)."""
+        try:
+            reply = await send()
+            if exchange is not None:
+                reply = exchange.reply(await self._authorized(exchange, await self._gated(
+                    exchange, await self._continued(exchange, reply))))
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
             self._account_cut(session, fmt, body, request, exchange)
             raise
-        if exchange is not None:
-            reply = exchange.reply(await self._authorized(exchange, await self._gated(
-                exchange, await self._continued(exchange, reply))))
         return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
 
     def _account_cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                      exchange: Exchange | None) -> None:
-        """Record a request cut off while upstream: by the client's leaving, or by the proxy's stop."""
+        """Record a request cut off before its answer: by the client's leaving, or by the proxy's stop."""
         self._account(session, fmt, body, request, 503 if self.stopped else 499, Usage(), 0.0,
                       _STOPPED if self.stopped else _CANCELLED, exchange)
-
-    async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
-                         session: Session | None, exchange: Exchange | None = None) -> Response:
-        try:
-            if self.breakers is None:
-                reply = await self.translator.send(fmt, upstream, body, request.headers)
-            else:
-                reply = await self._upstream(request, fmt, split_prefix(request.path)[1], upstream.name, body, None,
-                                             exchange)
-        except UpstreamError as exc:
-            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
-            return error(fmt, exc.status, exc.message)
-        except trio.Cancelled:
-            self._account_cut(session, fmt, body, request, exchange)
-            raise
-        if exchange is not None:
-            reply = exchange.reply(await self._authorized(exchange, await self._gated(
-                exchange, await self._continued(exchange, reply))))
-        return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
 
     async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: str, body: dict[str, Any],
                         content: bytes | tuple[bytes, ...] | None, exchange: Exchange | None) -> UpstreamReply:
