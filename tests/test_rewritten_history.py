@@ -8,6 +8,7 @@ import gc
 import json
 import random
 import time
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -112,21 +113,27 @@ def _outputs(update: Update) -> tuple[Any, ...]:
 
 
 def _recomputed(monkeypatch: pytest.MonkeyPatch, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with no receipt ever reused (a cache that keeps nothing): the full recompute."""
+    """``fn(*args, **kwargs)`` where a receipt cache made meanwhile keeps nothing: the full recompute."""
     with monkeypatch.context() as patch:
-        patch.setattr(receipts, "CACHED", 0)
+        patch.setattr(receipts, "POOL", receipts.ReceiptPool(0))
         return fn(*args, **kwargs)
 
 
+def _recomputing(mutating: frozenset[str]) -> HistoryTracker:
+    """A tracker whose receipt cache keeps nothing: every receipt computed."""
+    return HistoryTracker(mutating, receipts.ReceiptCache(mutating, receipts.ReceiptPool(0)))
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrites(
-        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrites(seed: int) -> None:
     """Two trackers fed the same requests, one reusing receipts by content, one recomputing every receipt; after
     every request their updates and their whole state agree, and after a rewrite both agree with a new tracker
     reading the history once. A reading abandoned part way (a cancelled request) leaves the state as it was."""
     rng = random.Random(seed)
     mutating = frozenset({"Deploy"}) if seed % 3 == 0 else frozenset()
-    agent, reusing, recomputing = Agent(rng), HistoryTracker(mutating), HistoryTracker(mutating)
+    pool = receipts.ReceiptPool(receipts.CACHED_BYTES)
+    agent, reusing = Agent(rng), HistoryTracker(mutating, receipts.ReceiptCache(mutating, pool))
+    recomputing = _recomputing(mutating)
     history: History = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix it."}]
     rewrites = 0
     for request in range(60):
@@ -145,12 +152,12 @@ def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrite
             steps.close()
             assert _state(reusing) == before
         got = reusing.update(history, CHAT.message, schemas)
-        want = _recomputed(monkeypatch, recomputing.update, history, CHAT.message, schemas)
+        want = recomputing.update(history, CHAT.message, schemas)
         assert _outputs(got) == _outputs(want), f"request {request}"
         assert _state(reusing) == _state(recomputing), f"request {request}"
         if got.rebuilt:
-            fresh = HistoryTracker(mutating)
-            once = _recomputed(monkeypatch, fresh.update, history, CHAT.message, schemas)
+            fresh = _recomputing(mutating)
+            once = fresh.update(history, CHAT.message, schemas)
             assert (once.rounds, once.firings, once.last) == (got.rounds, got.firings, got.last)
             assert _state(fresh) == _state(reusing)
             # Another thread of the session (a summary is now its first user message) shares the receipts.
@@ -158,7 +165,7 @@ def test_a_tracker_reusing_receipts_matches_a_full_recompute_over_random_rewrite
             assert _outputs(other.update(history, CHAT.message, schemas)) == _outputs(once)
             assert _state(other) == _state(fresh)
     assert rewrites == 5
-    assert len(reusing.cache) > 0 and len(recomputing.cache) == 0
+    assert len(pool) > 0 and len(recomputing.cache.pool) == 0
 
 
 def _bodies(fmt_name: str, seed: int) -> list[dict[str, Any]]:
@@ -285,17 +292,55 @@ def test_calls_nested_too_deep_to_digest_are_never_taken_for_one_another() -> No
     assert [(r.tool, r.mutation, r.target) for r in got] == [("Bash", "none", ()), ("Write", "declared", ("app.py",))]
 
 
-def test_the_receipt_cache_keeps_a_bounded_amount_of_command_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Commands of 64 KB (a file written through the shell): the cache keeps the latest ones within
-    ``CACHED_CHARS``, not ``CACHED`` of them, and a receipt it no longer keeps is computed again, the same."""
-    monkeypatch.setattr(receipts, "CACHED_CHARS", 1 << 20)
-    cache = receipts.ReceiptCache()
+def test_the_receipt_pool_keeps_a_bounded_amount_of_command_text() -> None:
+    """Commands of 64 KB (a file written through the shell): a pool of 1 MiB keeps the latest 15, and a receipt
+    it no longer keeps is computed again, the same."""
+    cache = receipts.ReceiptCache(pool=receipts.ReceiptPool(1 << 20))
     uses = [ToolUse(f"c{n}", "Bash", {"command": f"cat > f{n}.py <<EOF\n{'x' * 65536}\nEOF"}) for n in range(40)]
     output = ToolOutput("c", "")
     got = [cache.receipt(use, output, RUNNER) for use in uses]
-    assert len(cache) == 15  # 16 commands are over 1 Mi characters
+    assert len(cache.pool) == 15 and cache.pool.size <= 1 << 20  # 16 commands are over 1 MiB
     assert cache.receipt(uses[0], output, RUNNER) == got[0] and cache.receipt(uses[0], output, RUNNER) is not got[0]
     assert cache.receipt(uses[-1], output, RUNNER) is got[-1]
+
+
+def _call(session: int, n: int) -> tuple[ToolUse, ToolOutput]:
+    """Call ``n`` of a session: its arguments parsed from JSON (strings of their own, as a request's are), its
+    result 1 KB of text (which no receipt keeps)."""
+    arguments = orjson.loads(orjson.dumps({"command": f"pytest tests/test_{session}_{n}.py -q"}))
+    return ToolUse(f"c{n}", "Bash", arguments), ToolOutput(f"c{n}", "." * 1024 + f"\n{n} passed")
+
+
+def test_many_sessions_receipts_stay_within_the_pools_bound_while_each_reuses_its_own() -> None:
+    """200 sessions of 30 calls each, over a pool of 1 MiB (about a quarter of what they compute): the memory the
+    caches hold (traced) stays within the bound, each session finds its latest receipts again (the same objects)
+    while sessions long idle lost theirs, and a session never gets another's receipt for the same content."""
+    limit, sessions, calls = 1 << 20, 200, 30
+    watched = (0, 1, sessions - 2, sessions - 1)
+    pool = receipts.ReceiptPool(limit)
+    caches = [receipts.ReceiptCache(pool=pool) for _ in range(sessions)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        first: dict[int, list[receipts.Receipt]] = {}
+        for s, cache in enumerate(caches):
+            got = [cache.receipt(*_call(s, n), RUNNER) for n in range(calls)]
+            if s in watched:
+                first[s] = got
+        # Besides the pool: the receipts of the two watched sessions it dropped, held here (600 bytes each).
+        held = tracemalloc.get_traced_memory()[0] - before - 2 * calls * 600
+    finally:
+        tracemalloc.stop()
+    assert pool.size <= limit and held <= limit, (pool.size, held)
+    assert len(pool) < sessions * calls // 3
+    for s in watched:  # idle since the start: computed again; used last: the very same receipts
+        again = [caches[s].receipt(*_call(s, n), RUNNER) for n in range(calls)]
+        assert again == first[s]
+        assert all((a is b) == (s >= sessions - 2) for a, b in zip(again, first[s]))
+    other = receipts.ReceiptCache(pool=pool)
+    assert other.receipt(*_call(sessions - 1, calls - 1), RUNNER) is not first[sessions - 1][-1]
+    assert pool.size <= limit
 
 
 def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() -> None:
@@ -304,7 +349,7 @@ def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() 
     this process holds keeps its cache and what it computed."""
     mutating = frozenset({"Deploy"})
     history = _big_history(20_000)
-    state = SessionSupervision()
+    state = SessionSupervision(receipts=receipts.ReceiptCache(mutating, receipts.ReceiptPool(1 << 30)))
     for key in (b"a" * 16, b"b" * 16):
         state.thread(key, mutating).tracker.update(history, CHAT.message, {"Bash": RUNNER})
     value = encode(state, bytes(16)).value
@@ -314,9 +359,9 @@ def test_a_loaded_state_gives_its_threads_one_receipt_cache_this_processs_own() 
         for thread in loaded.threads.values():
             assert thread.tracker.cache is loaded.receipts and thread.tracker.reader.cache is loaded.receipts
     compacted = [history[0], {"role": "user", "content": "Summary: tests were run."}, *history[2:]]
-    kept = len(state.receipts)
+    kept = len(state.receipts.pool)
     loaded.thread(b"c" * 16, mutating).tracker.update(compacted, CHAT.message, {"Bash": RUNNER})
-    assert len(loaded.receipts) == kept  # every receipt found, none computed again
+    assert len(loaded.receipts.pool) == kept  # every receipt found, none computed again
 
 
 async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_judge_it_once() -> None:

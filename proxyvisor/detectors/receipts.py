@@ -42,7 +42,9 @@ Pure functions and a small state machine (:class:`RoundReader`); no I/O, no cloc
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -310,12 +312,63 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
                    identity, observation, check, line)
 
 
-CACHED = 2048
-"""Receipts a :class:`ReceiptCache` keeps (a few hundred bytes each, besides their text: :data:`CACHED_CHARS`)."""
-CACHED_CHARS = 1 << 21
-"""Characters of the receipts' own text (commands, targets) a :class:`ReceiptCache` keeps at most: an agent
-writing files through its shell (``cat > f <<EOF``) makes commands of many KB, which 2,048 receipts would keep
-alive per session."""
+CACHED_BYTES = 64 << 20
+"""Memory the receipt caches of all sessions keep at most, together (:data:`POOL`). Reuse pays when a session reads
+its history again from the start (a rewrite), which only the sessions active now do: 64 MiB keeps some 60 full
+turns of 2,048 calls each, where a bound per session (1.1 MB at 2,048 receipts) let the 1,024 sessions a process
+holds (``[proxy] max_sessions``) keep 1.1 GB."""
+ENTRY_BYTES = 560
+"""Memory a kept receipt takes besides its strings, measured (tracemalloc, CPython 3.11): the receipt and its four
+16-byte digests (about 325 bytes), its entry in :class:`ReceiptPool` with its key (about 125), and the room the
+pool's table keeps for entries dropped while it turns over (up to about 110)."""
+
+
+class ReceiptPool:
+    """The receipts every :class:`ReceiptCache` of a process keeps, by key, the least recently used dropped first
+    once they take more than ``limit`` bytes (:func:`_size`): a session idle since does not hold memory an active
+    one could reuse. A key names its cache's receipts alone (:class:`ReceiptCache` salts it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        """Bytes the kept receipts take (:func:`_size`)."""
+        self._found: OrderedDict[bytes, Receipt] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def get(self, key: bytes) -> Receipt | None:
+        """The receipt kept under ``key``, now the most recently used; None if not kept."""
+        found = self._found.get(key)
+        if found is not None:
+            self._found.move_to_end(key)
+        return found
+
+    def put(self, key: bytes, found: Receipt) -> None:
+        """Keep ``found`` under ``key`` (new to this pool), dropping the least recently used receipts past
+        :attr:`limit`, this one too if it alone is larger."""
+        self._found[key] = found
+        self.size += _size(found)
+        while self.size > self.limit and self._found:
+            self.size -= _size(self._found.popitem(last=False)[1])
+
+
+def _size(found: Receipt) -> int:
+    """The bytes ``found`` keeps alive in a :class:`ReceiptPool`: :data:`ENTRY_BYTES` and its strings (an agent
+    writing files through its shell, ``cat > f <<EOF``, makes commands of many KB). A string shared with another
+    object is counted all the same: the bound errs low."""
+    size = ENTRY_BYTES + sys.getsizeof(found.tool) + len(found.summary)
+    if found.target:
+        size += sys.getsizeof(found.target) + sum(map(sys.getsizeof, found.target))
+    if found.command is not None:
+        size += sys.getsizeof(found.command)
+    return size
+
+
+POOL = ReceiptPool(CACHED_BYTES)
+"""The process's receipts (:class:`ReceiptCache`'s default pool)."""
+_CACHES = itertools.count()
+"""Numbers each :class:`ReceiptCache` of the process, its keys' salt."""
 
 
 class ReceiptCache:
@@ -324,51 +377,41 @@ class ReceiptCache:
 
     A receipt is a pure function of the call's tool name and arguments, its result's text and error flag (or the
     result's absence), whether the tool is a runner (the only thing its schema decides) and the mutating tools: the
-    key is a digest of all of them but the last, which is fixed per cache (``mutating_tools``). Digesting a result
-    reads its whole text once, in C; computing its receipt masks and scans it in Python, several times the cost.
-    Keeps the receipts used last, at most :data:`CACHED` of them and :data:`CACHED_CHARS` characters of their text;
-    a call whose arguments are nested too deep to digest (:data:`UNSERIALISABLE`) is computed each time. Its state (``__getstate__``, what a pickle holds) is its
-    ``mutating_tools`` alone: the receipts are this process's memory, never part of a stored session state."""
+    key is a digest of all of them but the last, which is fixed per cache (``mutating_tools``), salted with this
+    cache's own number, so a session finds its own receipts alone. Digesting a result reads its whole text once, in
+    C, and keeps 16 bytes of it; computing its receipt masks and scans it in Python, several times the cost. The
+    receipts are kept in ``pool`` (by default the process's, :data:`POOL`, bounded in bytes across sessions); a
+    call whose arguments are nested too deep to digest (:data:`UNSERIALISABLE`) is computed each time. Its state
+    (``__getstate__``, what a pickle holds) is its ``mutating_tools`` alone: the receipts are this process's
+    memory, never part of a stored session state; unpickled, it is a new cache of :data:`POOL`."""
 
-    def __init__(self, mutating_tools: frozenset[str] = frozenset()) -> None:
+    def __init__(self, mutating_tools: frozenset[str] = frozenset(), pool: ReceiptPool | None = None) -> None:
         self.mutating_tools = mutating_tools
-        self._found: OrderedDict[bytes, Receipt] = OrderedDict()
-        self._chars = 0
-        """Characters of the kept receipts' text (:func:`_chars`)."""
+        self.pool = pool if pool is not None else POOL
+        self._salt = next(_CACHES).to_bytes(16, "little")
 
     def __getstate__(self) -> dict[str, Any]:
         return {"mutating_tools": self.mutating_tools}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.mutating_tools, self._found, self._chars = state["mutating_tools"], OrderedDict(), 0
-
-    def __len__(self) -> int:
-        return len(self._found)
+        self.mutating_tools, self.pool = state["mutating_tools"], POOL
+        self._salt = next(_CACHES).to_bytes(16, "little")
 
     def receipt(self, use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] | None) -> Receipt:
-        """:func:`receipt` of the call, the one computed before for the same content if this cache kept it."""
+        """:func:`receipt` of the call, the one computed before for the same content if the pool kept it."""
         head = digest(use.name, use.arguments, is_runner(schema, use.arguments),
                       "absent" if output is None else output.is_error)
         if head == UNSERIALISABLE:  # arguments nested past what a digest reads: the key would be every such call's
             return receipt(use, output, schema, self.mutating_tools)
-        hasher = hashlib.blake2b(head, digest_size=16)
+        hasher = hashlib.blake2b(head, digest_size=16, salt=self._salt)
         if output is not None:
             hasher.update(output.text.encode("utf-8", "surrogatepass"))
         key = hasher.digest()
-        found = self._found.get(key)
-        if found is not None:
-            self._found.move_to_end(key)
-            return found
-        found = self._found[key] = receipt(use, output, schema, self.mutating_tools)
-        self._chars += _chars(found)
-        while len(self._found) > CACHED or (self._chars > CACHED_CHARS and self._found):
-            self._chars -= _chars(self._found.popitem(last=False)[1])
+        found = self.pool.get(key)
+        if found is None:
+            found = receipt(use, output, schema, self.mutating_tools)
+            self.pool.put(key, found)
         return found
-
-
-def _chars(found: Receipt) -> int:
-    """The characters of ``found``'s own text that a :class:`ReceiptCache` keeps alive (its summary is clipped)."""
-    return len(found.command or "") + sum(map(len, found.target))
 
 
 @dataclass(frozen=True, slots=True)
