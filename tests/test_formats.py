@@ -104,6 +104,26 @@ def test_messages_errors_carry_the_type_anthropic_sends_with_their_status(status
     assert name == "error" and event["error"]["type"] == _ANTHROPIC_TYPES[status]
 
 
+# The same statuses -> the (type, code) OpenAI's API sends with them: invalid_request_error for any 4xx (a bad key, a
+# model not found, a body too large alike), "requests" for a limit on requests (code rate_limit_exceeded),
+# server_error for any 5xx; never Anthropic's names (timeout_error, authentication_error...).
+_OPENAI_TYPES = {status: ("requests", "rate_limit_exceeded") if status == 429 else
+                 ("invalid_request_error",) * 2 if status < 500 else ("server_error",) * 2 for status in _ANTHROPIC_TYPES}
+
+
+@pytest.mark.parametrize("status", _OPENAI_TYPES)
+@pytest.mark.parametrize("fmt", ["chat", "responses"])
+def test_openai_errors_carry_the_type_openai_sends_with_their_status(fmt: str, status: int) -> None:
+    f = fmt_of(fmt)
+    kind, code = _OPENAI_TYPES[status]
+    assert orjson.loads(f.error_body(status, "x"))["error"] == {"message": "x", "type": kind, "param": None,
+                                                                "code": code}
+    (_name, event), = json_events(f.stream_error(status, "x"))
+    assert (event["error"]["type"], event["error"]["code"]) == (kind, code)
+    if fmt == "responses":  # the documented event's own fields
+        assert (event["type"], event["code"]) == ("error", code)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_stream_error_event_makes_the_sdk_raise(fmt: str) -> None:
     f = fmt_of(fmt)

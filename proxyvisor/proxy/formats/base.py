@@ -19,24 +19,16 @@ from ... import wirejson
 from . import largejson
 from ...transcript import Message, StreamEditor, StreamSplice, TextEdit, TextFilter
 
-# status -> (OpenAI error type, Anthropic error type); the types each API documents for that status. Anthropic's
-# errors page names 400, 401, 403, 404, 413, 429, 500, 504 and 529 (overloaded_error is 529's alone) and uses
-# invalid_request_error for any other 4xx; its other 5xx are api_error.
-_ERROR_TYPES: dict[int, tuple[str, str]] = {
-    400: ("invalid_request_error", "invalid_request_error"),
-    401: ("authentication_error", "authentication_error"),
-    403: ("permission_error", "permission_error"),
-    404: ("not_found_error", "not_found_error"),
-    405: ("invalid_request_error", "invalid_request_error"),
-    408: ("timeout_error", "invalid_request_error"),
-    413: ("invalid_request_error", "request_too_large"),
-    415: ("invalid_request_error", "invalid_request_error"),
-    422: ("invalid_request_error", "invalid_request_error"),
-    429: ("rate_limit_error", "rate_limit_error"),
-    500: ("server_error", "api_error"),
-    502: ("server_error", "api_error"),
-    504: ("timeout_error", "timeout_error"),
-    529: ("server_error", "overloaded_error"),
+# status -> Anthropic's error type: its errors page names 400, 401, 403, 404, 413, 429, 500, 504 and 529
+# (overloaded_error is 529's alone) and uses invalid_request_error for any other 4xx; its other 5xx are api_error.
+_ANTHROPIC_TYPES: dict[int, str] = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
 
 
@@ -124,10 +116,27 @@ def with_field(item: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
 
 
 def error_types(status: int) -> tuple[str, str]:
-    """(OpenAI type, Anthropic type) for an HTTP status; 4xx default to invalid_request_error, 5xx to api errors."""
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return ("invalid_request_error", "invalid_request_error") if status < 500 else ("server_error", "api_error")
+    """(OpenAI type, Anthropic type) of an error with HTTP status ``status``, the types each API sends with it.
+
+    OpenAI's API has few types: ``invalid_request_error`` for a 4xx (a bad key, an unknown model, a body too large
+    alike, told apart by ``code``), ``requests`` for a 429 (a limit on requests; ``tokens`` for one on tokens) and
+    ``server_error`` for every 5xx; the names Anthropic's API gives by status (``authentication_error``,
+    ``timeout_error``...) are not among them."""
+    openai = "requests" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    return openai, _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def openai_error_code(status: int) -> str:
+    """The ``code`` OpenAI's API sends with an error of ``status`` when nothing more specific applies: a 429's is
+    ``rate_limit_exceeded``, else its type."""
+    return "rate_limit_exceeded" if status == 429 else error_types(status)[0]
+
+
+def openai_error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """OpenAI's error body (Chat Completions and Responses alike) for ``status``: ``code`` or
+    :func:`openai_error_code`."""
+    return dumps({"error": {"message": message, "type": error_types(status)[0], "param": None,
+                            "code": code or openai_error_code(status)}})
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from typing import Any
 
 from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside,
-                   chat_text, dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text,
+                   chat_text, dumps, edit_parts, arguments_of, as_list, event_object, has_non_text,
                    interleave, interleave_runs, edited, leading_system, notes_after, split_json, sse, sse_json,
-                   with_field, words)
+                   with_field, words, openai_error_body)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import input_of
@@ -30,9 +30,7 @@ class ChatFormat(WireFormat):
     result_part_type = "text"
 
     def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
-        kind = error_types(status)[0]
-        code = code or (kind if status != 429 else "rate_limit_exceeded")
-        return dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+        return openai_error_body(status, message, code)
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         # The openai SDK raises APIError on a data line whose object has an "error" key.

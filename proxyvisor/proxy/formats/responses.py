@@ -10,7 +10,8 @@ from typing import Any
 
 from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
                    dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
-                   edited, keep_scan, leading_system, notes_after, resumed, split_json, sse, sse_json, words)
+                   edited, keep_scan, leading_system, notes_after, resumed, split_json, sse, sse_json, words,
+                   openai_error_body, openai_error_code)
 from . import largejson
 from .freeform import arguments as freeform_arguments
 from .freeform import DEFAULT_NAMESPACE, input_of, qualified, result_text, split
@@ -145,18 +146,16 @@ class ResponsesFormat(WireFormat):
     result_part_type = "input_text"
 
     def error_body(self, status: int, message: str, code: str | None = None) -> bytes:
-        kind = error_types(status)[0]
-        code = code or (kind if status != 429 else "rate_limit_exceeded")
-        return dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+        return openai_error_body(status, message, code)
 
     def stream_error(self, status: int, message: str, last_chunk: bytes = b"") -> bytes:
         found = _SEQ.findall(last_chunk)
         seq = int(found[-1]) + 1 if found else 0
-        kind = error_types(status)[0]
+        kind, code = error_types(status)[0], openai_error_code(status)
         # The documented ``error`` event has code and message at the top level, but the openai SDK raises only on
         # an event whose data holds an ``error`` object, so the details are repeated there.
-        return sse(dumps({"type": "error", "code": kind, "message": message, "param": None, "sequence_number": seq,
-                          "error": {"type": kind, "code": kind, "message": message}}), "error")
+        return sse(dumps({"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq,
+                          "error": {"type": kind, "code": code, "message": message}}), "error")
 
     def session_hint(self, body: dict[str, Any]) -> str | None:
         for key in ("prompt_cache_key", "user"):
