@@ -4,6 +4,7 @@ connection serves requests one after another, pipelined ones included."""
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
 
 import h11
 import pytest
@@ -67,6 +68,31 @@ async def test_a_drain_refuses_connections_closes_idle_ones_and_ends_the_one_in_
             assert b"\r\nconnection: close\r\n" in answer.lower()
             with trio.fail_after(10):
                 await stopping.quiet()
+
+
+# Every status proxyvisor answers with itself or relays from a model API: its refusals, a failed upstream, a
+# translated error (test_formats.py's list), and Anthropic's 529.
+_STATUSES = (200, 400, 401, 403, 404, 405, 408, 409, 413, 415, 426, 429, 500, 501, 502, 503, 504, 529)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_every_status_goes_out_with_its_reason_phrase(stream: bool) -> None:
+    async def handler(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield b"x"
+
+        return Response(int(request.path.strip("/")), [], body() if stream else b"x")
+
+    phrases = {}
+    async with serve_handler(handler) as url:
+        for status in _STATUSES:
+            conn = await connect(url)
+            await conn.send_all(b"GET /%d HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % status)
+            line = (await read_to_end(conn)).split(b"\r\n", 1)[0]
+            assert line.startswith(b"HTTP/1.1 %d " % status), line
+            phrases[status] = line.split(b" ", 2)[2]
+    assert phrases[529] == b"Overloaded" and phrases[408] == b"Request Timeout"
+    assert all(phrases.values()), phrases
 
 
 async def test_a_client_hanging_up_cancels_a_handler_that_has_not_answered_yet() -> None:

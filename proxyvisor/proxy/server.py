@@ -50,14 +50,19 @@ h11 bounds an incomplete request head (``max_incomplete_event_size``) only betwe
 take in an oversized head whole."""
 
 
+_REASONS = {529: b"Overloaded"}
+"""Reason phrases of statuses the standard does not name that model APIs send: Anthropic's 529 (its SDK and
+Claude Code say "529 Overloaded")."""
+
+
 @functools.cache
 def reason(status: int) -> bytes:
-    """The standard reason phrase of ``status`` for the status line (empty for a status the standard does not
-    name); a relayed upstream's own phrase is not kept: HTTP/1.1 makes it informative only."""
+    """The reason phrase of ``status`` for the status line: the standard's, or :data:`_REASONS`'s (empty for a
+    status neither names); a relayed upstream's own phrase is not kept: HTTP/1.1 makes it informative only."""
     try:
         return http.HTTPStatus(status).phrase.encode()
     except ValueError:
-        return b""
+        return _REASONS.get(status, b"")
 
 @dataclass
 class Request:
