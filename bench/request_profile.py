@@ -101,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         timed(Parse, "loads", "parse the body")
     timed(pipeline, "identify", "identify the session")
     timed(commands, "strip_exchanges", "strip command exchanges")
+    # catch_up finds what begin takes (the thread, its key's parts, the tools) and reads a history from the start.
+    timed_async(supervise.Supervisor, "catch_up", "Supervisor.catch_up")
     timed(supervise.Supervisor, "begin", "Supervisor.begin (all)")
     timed(HistoryTracker, "update", "  begin: detectors (new items)")
+    if hasattr(HistoryTracker, "go_on"):  # begin feeds a history catch_up found going on through it
+        timed(HistoryTracker, "go_on", "  begin: detectors (new items)")
     timed(RequestCondenser, "collect", "  begin: condense candidates")
     timed_async(supervise.Exchange, "before_forward", "before_forward (condense, plan)")
     # Serialised as one body, or (later) as the pieces that go upstream.

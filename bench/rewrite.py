@@ -144,8 +144,7 @@ async def held(fmt: WireFormat, before: dict[str, Any], after: dict[str, Any]) -
     body = orjson.loads(orjson.dumps(after))
 
     async def read() -> None:
-        update = await supervisor.catch_up(session, fmt, body)
-        supervisor.begin(session, fmt, body, update=update)
+        supervisor.begin(session, fmt, body, reading=await supervisor.catch_up(session, fmt, body))
 
     return await longest_wait(read)
 

@@ -199,8 +199,7 @@ async def test_the_proxys_stepped_reading_steers_as_a_full_recompute(
     for seed in range(3):
         for body in _bodies(fmt_name, seed):
             mine, theirs = orjson.loads(orjson.dumps(body)), orjson.loads(orjson.dumps(body))
-            update = await stepped.catch_up(sessions[0], fmt, mine)
-            got = stepped.begin(sessions[0], fmt, mine, update=update)
+            got = stepped.begin(sessions[0], fmt, mine, reading=await stepped.catch_up(sessions[0], fmt, mine))
             want = _recomputed(monkeypatch, whole.begin, sessions[1], fmt, theirs)
             assert got.upstream_body() == want.upstream_body()
             assert (got.record.firings, got.record.note, got.record.note_index, got.record.rebuilt) == (
@@ -261,9 +260,9 @@ async def test_reading_a_rewritten_4_mb_history_does_not_hold_the_event_loop() -
         async with trio.open_nursery() as nursery:
             await nursery.start(heartbeat)
             for body in bodies:
-                update = await supervisor.catch_up(session, fmt, body)
-                assert update is not None
-                supervisor.begin(session, fmt, body, update=update)
+                found = await supervisor.catch_up(session, fmt, body)
+                assert found.update is not None  # read from the start, in steps
+                supervisor.begin(session, fmt, body, reading=found)
             reading = False
     finally:
         gc.enable()
@@ -384,8 +383,7 @@ async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_ju
         async def request(supervisor: Supervisor = supervisor, session: Session = session,
                           got: list[Any] = got) -> None:
             body = orjson.loads(orjson.dumps(bodies[1]))
-            update = await supervisor.catch_up(session, CHAT, body)
-            record = supervisor.begin(session, CHAT, body, update=update).record
+            record = supervisor.begin(session, CHAT, body, reading=await supervisor.catch_up(session, CHAT, body)).record
             got.append((record.firings, record.rebuilt))
 
         if together:

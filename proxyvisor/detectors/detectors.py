@@ -213,6 +213,14 @@ class HistoryTracker:
             pass
         return update
 
+    def go_on(self, items: Sequence[Any], message_of: Callable[[Any], Message],
+              schemas: Mapping[str, Mapping[str, Any]]) -> Update:
+        """:meth:`update` of ``items`` the caller found going on from what this tracker read (:meth:`from_start`
+        False, with nothing fed since): its new items are fed at once, without looking at its ends again."""
+        update = Update()
+        self._go_on(items, message_of, schemas, update)
+        return update
+
     def updating(self, items: Sequence[Any], message_of: Callable[[Any], Message],
                  schemas: Mapping[str, Mapping[str, Any]], update: Update) -> Generator[None, None, None]:
         """:meth:`update` as an iterator, adding what it reads to ``update`` (a new one). A history read from the

@@ -504,9 +504,9 @@ class Pipeline:
         ``sender``: :meth:`_sender`, the request's route, which its supervisor model calls take too."""
         try:
             send, upstream, secrets, translated = sender
-            update = await self.supervisor.catch_up(session, fmt, body)
+            reading = await self.supervisor.catch_up(session, fmt, body)
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
-            exchange = self.supervisor.begin(session, fmt, body, model, route, update)
+            exchange = self.supervisor.begin(session, fmt, body, model, route, reading)
             changed(exchange.thread)  # taken: a save before this request is over pickles it again
             exchange.secrets = secrets
             self.learning.begin(session, exchange, self.background)

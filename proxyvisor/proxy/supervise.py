@@ -53,7 +53,7 @@ from . import bodies
 from .condensing import CondenseRecord, RequestCondenser
 from .continuation import rewritable
 from .formats import WireFormat
-from .formats.base import CallResult
+from .formats.base import CallResult, ToolSpec
 from ..transcript import Tail, fingerprint
 from .planning import Planner, PlanningState, PlanTurn
 from .client import Cut
@@ -249,6 +249,23 @@ class SessionSupervision:
         return thread
 
 
+@dataclass
+class Reading:
+    """What :meth:`Supervisor.catch_up` found of one request for :meth:`Supervisor.begin`, each found once per
+    request: the session's ``state``, the request's ``thread``, its fingerprint ``parts`` (system prompt and first
+    user message, ``WireFormat.fingerprint_parts``), its history ``items`` (the body's own list), its ``tools``
+    and their argument ``schemas`` by name; ``update``, the history as read from the start (None: it goes on from
+    what the thread read, and :meth:`Supervisor.begin` feeds its new items)."""
+
+    state: SessionSupervision
+    thread: Thread
+    parts: tuple[str, str]
+    items: list[Any]
+    tools: list[ToolSpec]
+    schemas: dict[str, Any]
+    update: Update | None = None
+
+
 def thread_key(fmt: WireFormat, parts: tuple[str, str]) -> bytes:
     """The key of the :class:`Thread` a request in ``fmt`` belongs to in :attr:`SessionSupervision.threads`;
     ``parts`` is ``fmt.fingerprint_parts(body)`` (its system prompt and first user message)."""
@@ -282,48 +299,61 @@ class Supervisor:
 
     def _thread(self, session: Session, fmt: WireFormat, parts: tuple[str, str]) -> tuple[SessionSupervision, Thread]:
         """The session's supervision state (made on its first request) and the thread of a request whose
-        ``fmt.fingerprint_parts`` are ``parts``."""
+        ``fmt.fingerprint_parts`` are ``parts``, now its most recently used."""
         if session.supervision is None:
             session.supervision = SessionSupervision()
         state: SessionSupervision = session.supervision
         return state, state.thread(thread_key(fmt, parts), self.mutating_tools)
 
-    async def catch_up(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Update | None:
-        """When the thread of ``body`` (a parsed request in ``fmt``) reads its history from the start (its first
-        request here, or a rewritten history: compaction, an edit), read it in steps on the event loop, which
-        runs other tasks after each :data:`~.reply.RUN_S` of work (``HistoryTracker.updating``); returns the
-        :class:`Update` it made, for :meth:`begin` (with no checkpoint in between). None when the history goes
-        on from what the thread read (:meth:`begin` reads its new items at once). Cancelled part way, the
-        thread's state is as before."""
-        _state, thread = self._thread(session, fmt, fmt.fingerprint_parts(body))
-        items = fmt.history(body)
-        if not thread.tracker.from_start(items, fmt.message):
-            return None
+    def _reading(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Reading:
+        """``body``'s :class:`Reading`, its history not read yet."""
+        parts = fmt.fingerprint_parts(body)
+        state, thread = self._thread(session, fmt, parts)
+        tools = fmt.tools(body)
+        return Reading(state, thread, parts, fmt.history(body), tools, {t.name: t.schema for t in tools})
+
+    async def catch_up(self, session: Session, fmt: WireFormat, body: dict[str, Any]) -> Reading:
+        """What :meth:`begin` needs of ``body`` (a parsed request in ``fmt``), found once (:class:`Reading`), for
+        :meth:`begin` to take with no checkpoint in between. When the thread reads the history from the start
+        (its first request here, or a rewritten history: compaction, an edit), it is read here, in steps on the
+        event loop, which runs other tasks after each :data:`~.reply.RUN_S` of work
+        (``HistoryTracker.updating``); a history that goes on from what the thread read is left to :meth:`begin`
+        (its new items, at once). Cancelled part way, the thread's state is as before."""
+        reading = self._reading(session, fmt, body)
+        tracker = reading.thread.tracker
+        if not tracker.from_start(reading.items, fmt.message):
+            return reading
         update = Update()
         since = time.perf_counter()
-        for _step in thread.tracker.updating(items, fmt.message, {t.name: t.schema for t in fmt.tools(body)}, update):
+        for _step in tracker.updating(reading.items, fmt.message, reading.schemas, update):
             if time.perf_counter() - since >= RUN_S:
                 await trio.lowlevel.checkpoint()
                 since = time.perf_counter()
-        return update
+        state, thread = self._thread(session, fmt, reading.parts)  # the most recently used again, after the steps
+        if thread is not reading.thread:  # dropped meanwhile (other threads', a newer stored state): read afresh
+            update = thread.tracker.update(reading.items, fmt.message, reading.schemas)
+        reading.state, reading.thread = state, thread
+        reading.update = update
+        return reading
 
     def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
-              route: dict[str, str] | None = None, update: Update | None = None) -> Exchange:
+              route: dict[str, str] | None = None, reading: Reading | None = None) -> Exchange:
         """Update the session from ``body`` (a parsed request in ``fmt``) and rewrite ``body`` in place into
         the upstream body (notes, then the instruction). ``model`` is the request's supervisor model call (else
         the supervisor's own) and ``route`` its label (``{"route", "model"}``, ``proxyvisor.proxy.session_model``);
-        ``update``, what :meth:`catch_up` read of the same body just before (else, or when the thread was dropped
-        meanwhile, the history is read here).
+        ``reading``, what :meth:`catch_up` found of the same body just before (else it is found here, and the
+        history read at once).
         Never raises on odd histories: unknown items are ignored."""
-        # Read once: the thread key, the detectors, condensing and delegation all use them.
-        parts = fmt.fingerprint_parts(body)
-        tools = fmt.tools(body)
-        state, thread = self._thread(session, fmt, parts)
-        items = fmt.history(body)
+        if reading is None:
+            reading = self._reading(session, fmt, body)
+            update = reading.thread.tracker.update(reading.items, fmt.message, reading.schemas)
+        elif reading.update is None:  # catch_up found the history going on, with nothing run since
+            update = reading.thread.tracker.go_on(reading.items, fmt.message, reading.schemas)
+        else:
+            update = reading.update
+        state, thread, parts, items, tools, schemas = (reading.state, reading.thread, reading.parts, reading.items,
+                                                       reading.tools, reading.schemas)
         sent = list(items)  # the agent's history: the insertions below go into this same list
-        schemas = {t.name: t.schema for t in tools}
-        if update is None or thread.tracker.from_start(items, fmt.message):  # (a thread dropped meanwhile: afresh)
-            update = thread.tracker.update(items, fmt.message, schemas)
         record = RequestRecord([(f.index, f.signals) for f in update.firings], rebuilt=update.rebuilt)
         for firing in update.firings:
             state.signals.update(firing.signals)
