@@ -30,7 +30,7 @@ from msgspec.structs import replace
 from .rules import (AUTHORIZER_BUDGET, BLOCK, DEFAULT_AUTHORIZER_BUDGET, DEFAULT_AUTHORIZER_TIMEOUT_S,
                     AuthorizerMode, CHILD_WALL_CLOCK, DEFAULT_LEARNING_BUDGET, LEARNING_BUDGET, CONDENSE_KINDS, DEFAULT_DIGEST_BUDGET, DEFAULT_REENTRIES, DEFAULT_RESULT_BUDGET,
                     DEFAULT_VIEW_BUDGET, DIGEST_BUDGET, RESULT_BUDGET,
-                    FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, POSITIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
+                    FAIL_CLOSED, FORMATS, HOLD_STOP, NON_NEGATIVE, REENTRY_BUDGET, ROLE_NAME, VIEW_BUDGET,
                     Complexity, CondenseKind, FailurePolicy, FallbackPolicy, Format, Hold, Range, RoutingMode)
 from .schema import Invalid, Problem, convert, integer, real
 
@@ -47,10 +47,16 @@ class ConfigError(ValueError):
     """
 
 
+LONGEST_S = 10 * 365 * 86_400
+"""The longest duration a setting takes: 10 years, in seconds. Longer is no choice anyone makes, and a huge value
+breaks what it reaches: 1e308 s is infinite in milliseconds (a Redis expiry, ``retention_days`` in seconds), Redis
+refuses an expiry past 2**63 ms, a thread's timed wait one past about 292 years."""
+
 Count = Annotated[int, integer(NON_NEGATIVE)]
-Amount = Annotated[float, real(NON_NEGATIVE)]
-Seconds = Annotated[float, real(POSITIVE)]
-"""A duration, above 0."""
+Seconds = Annotated[float, real(Range(0, LONGEST_S, low_open=True))]
+"""A duration, above 0 and at most :data:`LONGEST_S`."""
+SecondsOrZero = Annotated[float, real(Range(0, LONGEST_S))]
+"""A duration that may be 0 (what 0 means is the field's), at most :data:`LONGEST_S`."""
 
 
 class Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,8 +74,8 @@ class ProxyConfig(Table, frozen=True):
     request_body_timeout_s: Seconds = 120.0
     request_body_deadline_s: Seconds = 300.0
     keepalive_timeout_s: Seconds = 75.0
-    max_stream_s: Amount = 3600.0  # 0 = no limit
-    shutdown_grace_s: Amount = 10.0  # 0 = end streams at once
+    max_stream_s: SecondsOrZero = 3600.0  # 0 = no limit
+    shutdown_grace_s: SecondsOrZero = 10.0  # 0 = end streams at once
 
 
 class UpstreamConfig(Table, frozen=True):
@@ -92,7 +98,7 @@ class UpstreamConfig(Table, frozen=True):
     idle_timeout_s: Seconds = 300.0
     keepalive_timeout_s: Seconds = 30.0
     script: str = ""
-    chunk_delay_ms: Amount = 0.0
+    chunk_delay_ms: Annotated[float, real(Range(0, 60_000))] = 0.0  # a scripted stream's pace: a minute at most
     model: str = ""
     fallback: tuple[str, ...] = ()
 
@@ -261,7 +267,7 @@ class LearningConfig(Table, frozen=True):
     budget_tokens: Annotated[int, integer(LEARNING_BUDGET)] = DEFAULT_LEARNING_BUDGET
     max_records: Annotated[int, integer(Range(1, 100_000))] = 1000
     max_bytes: Annotated[int, integer(Range(4096))] = 2 * 1024 * 1024
-    retention_days: Seconds = 180.0
+    retention_days: Annotated[float, real(Range(0, LONGEST_S // 86_400, low_open=True))] = 180.0
     timeout_s: Seconds = 60.0
     evolution: EvolutionConfig = msgspec.field(default_factory=EvolutionConfig)
 

@@ -9,7 +9,7 @@ import pytest
 
 from proxyvisor.adapters.descriptors import DescriptorError, discover, load_descriptor
 from proxyvisor.condense_cli import condense_command
-from proxyvisor.config import (Config, ConfigError, ModelRoutingConfig, RoleConfig, UpstreamConfig, as_document,
+from proxyvisor.config import (LONGEST_S, Config, ConfigError, ModelRoutingConfig, RoleConfig, UpstreamConfig, as_document,
                                parse, validate)
 from proxyvisor.gate.digest import build
 from proxyvisor.gate.outcome import GatePolicy
@@ -120,3 +120,35 @@ def test_a_bad_descriptor_is_skipped_naming_the_file_and_the_key(tmp_path: Path,
     assert message.startswith(f"{path}: ") and all(w in message for w in words), message
     registry = discover([tmp_path])
     assert registry.ids() == [] and registry.errors == [message]
+
+
+def _numbers(document: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every float setting in ``document`` (durations, most of all)."""
+    found: list[tuple[str, ...]] = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            found += _numbers(value, (*path, key))
+        elif isinstance(value, float):
+            found.append((*path, key))
+    return found
+
+
+def _with(document: dict, path: tuple[str, ...], value: object) -> dict:
+    """A copy of ``document`` with ``value`` at ``path``."""
+    head, *rest = path
+    return {**document, head: _with(document[head], tuple(rest), value) if rest else value}
+
+
+_DOCUMENT = as_document(Config())
+
+
+@pytest.mark.parametrize("path", _numbers(_DOCUMENT), ids=".".join)
+def test_a_huge_number_is_a_config_error_naming_its_key(path: tuple[str, ...]) -> None:
+    # 1e308 s is infinite in milliseconds (a Redis expiry: OverflowError), and past what a thread's wait takes.
+    with pytest.raises(ConfigError, match=rf"\b{path[-1]}\b.*must be"):
+        parse(_with(_DOCUMENT, path, 1e308))
+
+
+def test_a_duration_of_ten_years_is_accepted() -> None:
+    assert parse(_with(_DOCUMENT, ("state", "session_ttl_s"), float(LONGEST_S))).state.session_ttl_s == LONGEST_S
+    assert not _accepted(_with(_DOCUMENT, ("state", "session_ttl_s"), LONGEST_S + 1.0))
