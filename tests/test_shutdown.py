@@ -24,6 +24,9 @@ import trio
 from helpers import (FORMATS, assert_ends_with_error_event, http_client, json_events, path_of, request_body,
                      scripted_proxy)
 from proxyvisor.config import Config
+from proxyvisor.proxy import continuation
+from proxyvisor.proxy.client import Cut
+from proxyvisor.proxy.formats import BY_NAME
 from test_gate_proxy import DONE, Verifier
 from test_reliability_crash import start_serve
 
@@ -253,3 +256,30 @@ def test_wrap_records_a_stream_it_cuts_as_cut_by_the_proxys_stop(tmp_path: Path)
     line = _ledger_line(tmp_path, "cut")
     assert "the proxy stopped" in line["error"] and "client" not in line["error"], line
     assert "1 model request" in done.stderr, done.stderr
+
+
+async def test_a_held_streams_keepalive_goes_out_at_the_stop_and_the_next_ones_keep_their_pace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.5)
+    cut = Cut()
+    job = continuation.Job(lambda _arg: trio.sleep_forever(), None)
+    keepalive = BY_NAME["messages"].keepalive
+    times: list[float] = []
+    async with trio.open_nursery() as nursery:
+        keepalives = job.keepalives(BY_NAME["messages"], nursery, cut)
+        start = trio.current_time()
+        nursery.start_soon(_cut_after, cut, 0.1)
+        with trio.fail_after(5):
+            async for sent in keepalives:
+                assert sent == keepalive
+                times.append(trio.current_time() - start)
+                if len(times) == 2:
+                    break
+        await keepalives.aclose()
+        job.scope.cancel()
+    assert times[0] < 0.4 and times[1] - times[0] >= 0.45, times  # at the cut, then a whole interval later
+
+
+async def _cut_after(cut: Cut, seconds: float) -> None:
+    await trio.sleep(seconds)
+    cut.cut()

@@ -232,15 +232,18 @@ class Job:
         """Run the job, yielding ``fmt.keepalive`` every :data:`KEEPALIVE_S` seconds until it ends: in
         ``background`` (the stream owning the job cancels ``scope`` when it is closed), or inline with no
         keep-alive when ``background`` is None (an async generator must not yield inside a nursery of its own).
-        At ``cut`` (the proxy stops: ``Exchange.cut``) a keep-alive goes out at once, so that the stream's
-        relay sees the stop then (``Pipeline.stop``) rather than at the next keep-alive's time."""
+        At ``cut`` (the proxy stops: ``Exchange.cut``) one keep-alive goes out at once, so that the stream's
+        relay sees the stop then (``Pipeline.stop`` ends the stream at its next piece) rather than at the next
+        keep-alive's time; the ones after it keep their pace."""
         if background is None:
             await self.run()
             return
         background.start_soon(self.run)
+        was_cut = False
         while not self.done.is_set():
             with trio.move_on_after(KEEPALIVE_S) as scope:
-                await cut.during(scope, self.done.wait())
+                await (self.done.wait() if was_cut else cut.during(scope, self.done.wait()))
+            was_cut = cut.done
             if not self.done.is_set():
                 yield fmt.keepalive
 
