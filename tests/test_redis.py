@@ -4,7 +4,8 @@ lease fleet-wide, a clear startup error when Redis is unreachable and degradatio
 away mid-run; and two ``proxyvisor serve`` replicas (real processes) on one Redis: a session's requests alternating
 between them see one detector state and byte-stable notes, a pool cooling on one replica refuses on the other, and
 a ``kill -9`` of one replica loses nothing the other needs; a gate turn begun on one proxy goes on, as one turn, on
-another (two proxies in this process, with a scripted verifier)."""
+another (two proxies in this process, with a scripted verifier), and a history read in steps on one proxy while the
+other's state of the session is loaded counts its firings once."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ from proxyvisor.adapters import state
 from proxyvisor.adapters.state import REDIS_PREFIX, RedisBackend, StateUnavailable, open_backend
 from proxyvisor.cli import main
 from proxyvisor.config import Config, GateConfig
-from proxyvisor.proxy.formats import BY_NAME
-from proxyvisor.proxy.service import running
+from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.server import Request
+from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.scripted.upstream import ScriptedUpstream
 from proxyvisor.store import Store
 
@@ -40,6 +42,7 @@ from helpers import http_client, request_body, serve_handler
 from redis_support import free_port, redis_server
 from test_recite_prefix import RECITED, Agent, Model, report, verdict
 from test_reliability_crash import start_serve
+from test_rewritten_history import RUNNER, paused_reading, polling
 
 LOOP_NOTE = b'signal=\\"loop\\"'
 
@@ -291,6 +294,42 @@ async def test_a_gate_turn_begun_on_one_replica_goes_on_on_the_other(tmp_path: P
         last = b.pipeline.store.read_ledger("prefix")[-1]["gate"]
         assert last["reentries"] == 0 and last["verdicts"] == ["gaps"] and not last.get("passed")
         assert len(agent.bodies()) == 4, "no second continuation: the turn's budget was spent on replica a"
+
+
+async def test_a_stepped_catch_up_whose_thread_another_replicas_state_replaced_counts_no_firing_twice(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A history read from the start in steps (``Supervisor.catch_up``) on proxy a while the session's state another
+    proxy (b) stored meanwhile, its thread having read the same history, is loaded on a (another request of the
+    session): the request's firings are b's, counted once in the session and in no second ledger line, as when the
+    request came after the load."""
+    body = orjson.dumps(BY_NAME["chat"].request_from_chat(polling(), "m", False, (ToolSpec("Bash", RUNNER),)))
+    title = orjson.dumps(BY_NAME["chat"].request_from_chat(
+        [{"role": "system", "content": "You write titles."}, {"role": "user", "content": "A title."}], "m", False, ()))
+    paused, released = paused_reading(monkeypatch)  # a's reading pauses part way: b's and a's requests run
+    config = Config().with_overrides(state={"backend": "redis", "url": redis_url},
+                                     supervisor={"gate": GateConfig(enabled=False)})
+    script = ScriptedUpstream()
+    script.queue({"text": "Still building."}, {"text": "A title."}, {"text": "Still building."})
+    headers = [(b"content-type", b"application/json"), (b"x-proxyvisor-session", b"stepped")]
+
+    async def call(proxy: RunningProxy, content: bytes) -> None:
+        response = await proxy.pipeline(Request("POST", BY_NAME["chat"].path, headers, content, time.perf_counter()))
+        assert response.status == 200 and isinstance(response.body, bytes)
+
+    async with running(config, port=0, store=Store(tmp_path / "a"), scripted={"scripted": script}) as a, \
+            running(config, port=0, store=Store(tmp_path / "b"), scripted={"scripted": script}) as b:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, a, body)
+            with trio.fail_after(10):
+                await paused.wait()
+            await call(b, body)  # b reads the whole history and stores the session's state
+            await call(a, title)  # another request of the session on a: it loads b's state
+            released.set()
+        states = [proxy.pipeline.sessions.get("stepped").supervision for proxy in (a, b)]
+        lines = a.pipeline.store.read_ledger("stepped")  # both proxies' lines
+    assert states[1].signals["loop"] > 0
+    assert states[0].signals == states[1].signals, "the firings b counted, counted again on a"
+    assert len(lines) == 3 and len([line for line in lines if line.get("signals")]) == 1
 
 
 async def test_plan_on_another_replica_shows_the_plan_made_on_the_first(

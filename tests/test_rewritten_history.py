@@ -1,6 +1,7 @@
 """A rewritten history (compaction, an edit, a summary in front, a dropped middle): the detectors' state and
-outputs are those of a full recompute, whatever the receipts reused by content, and reading it does not hold the
-event loop for more than a few ms at a time."""
+outputs are those of a full recompute, whatever the receipts reused by content, reading it does not hold the
+event loop for more than a few ms at a time, and a reading whose thread a load replaced meanwhile counts nothing
+twice."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import random
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -21,7 +23,8 @@ from proxyvisor.detectors import receipts
 from proxyvisor.detectors.detectors import HistoryTracker, Update
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
 from proxyvisor.proxy.sessions import Session
-from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
+from proxyvisor.proxy import supervise
+from proxyvisor.proxy.supervise import SessionSupervision, Supervisor, Thread
 from proxyvisor.proxy.session_state import decode, encode
 from proxyvisor.transcript import ToolOutput, ToolUse
 
@@ -397,3 +400,94 @@ async def test_two_requests_of_a_thread_reading_one_rewritten_history_at_once_ju
         records[together] = got, session.supervision.signals
     assert records[False][0][0][0] and records[False][0][1] == ([], False)  # the loop fired on the first reading
     assert records[True] == records[False]
+
+
+def polling(rounds: int = 6) -> History:
+    """A Chat history of ``rounds`` polls of a build that is still running: the loop detector fires."""
+    history: History = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Wait."}]
+    for n in range(rounds):
+        history += [{"role": "assistant", "content": "Checking.", "tool_calls": [{"id": f"call_{n}", "type": "function",
+                     "function": {"name": "Bash", "arguments": '{"command": "cat st"}'}}]},
+                    {"role": "tool", "tool_call_id": f"call_{n}", "content": "running"}]
+    return history
+
+
+def paused_reading(monkeypatch: pytest.MonkeyPatch) -> tuple[trio.Event, trio.Event]:
+    """(paused, released): the next history read from the start in steps (``Supervisor.catch_up``) lets the event
+    loop run after each item and, after its third, sets ``paused`` and waits until ``released`` is set (10 s at
+    most), letting the loop run meanwhile."""
+    monkeypatch.setattr(supervise, "RUN_S", 0.0)
+    reading, paused, released = HistoryTracker.updating, trio.Event(), trio.Event()
+
+    def updating(self: HistoryTracker, *args: Any) -> Iterator[None]:
+        for n, step in enumerate(reading(self, *args)):
+            yield step
+            if n == 2 and not paused.is_set():
+                paused.set()
+                deadline = time.monotonic() + 10
+                while not released.is_set() and time.monotonic() < deadline:
+                    yield
+
+    monkeypatch.setattr(HistoryTracker, "updating", updating)
+    return paused, released
+
+
+@pytest.mark.parametrize("loaded_thread", ["kept", "replaced", "fresh"])
+async def test_a_stepped_reading_whose_thread_a_load_replaced_reads_the_new_one(
+        loaded_thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session's state replaced while a history is read in steps (a load of another process's state): a thread
+    the new state keeps (its stored pickle this process's own) has the reading's firings counted; one it replaced
+    having read the same history goes on from it (none counted again); one it replaced that has not read it reads
+    it again, in steps too (the event loop runs between them), its firings counted once."""
+    history = polling()
+    body = CHAT.request_from_chat(history, "m", False, (ToolSpec("Bash", RUNNER),))
+    supervisor, session = Supervisor(SupervisorConfig()), Session("s", 0, 0)
+    paused, released = paused_reading(monkeypatch)
+    turns = 0  # of the event loop, by another task
+    steps: list[list[int]] = []  # per reading of a history: the loop's turns at each of its steps
+    reading_of = HistoryTracker.updating
+
+    def updating(self: HistoryTracker, *args: Any) -> Iterator[None]:
+        steps.append([])
+        for step in reading_of(self, *args):
+            steps[-1].append(turns)
+            yield step
+
+    monkeypatch.setattr(HistoryTracker, "updating", updating)
+    got = []
+
+    async def request() -> None:
+        mine = orjson.loads(orjson.dumps(body))
+        reading = await supervisor.catch_up(session, CHAT, mine)
+        got.append(supervisor.begin(session, CHAT, mine, reading=reading).record.firings)
+
+    async def heartbeat() -> None:
+        nonlocal turns
+        while not got:
+            await trio.lowlevel.checkpoint()
+            turns += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        await paused.wait()
+        assert session.supervision is not None
+        (key, thread), = session.supervision.threads.items()
+        loaded = SessionSupervision()
+        if loaded_thread == "kept":
+            loaded.threads[key] = thread
+        else:  # another process's thread: it read the same history and counted its firings, or nothing yet
+            other = loaded.threads[key] = Thread(HistoryTracker(supervisor.mutating_tools))
+            if loaded_thread == "replaced":
+                loaded.signals.update(s for f in other.tracker.update(history, CHAT.message, {"Bash": RUNNER}).firings
+                                      for s in f.signals)
+        counted = loaded.signals.copy()
+        session.supervision = loaded
+        nursery.start_soon(heartbeat)
+        released.set()
+    assert loaded.signals["loop"] > 0
+    if loaded_thread == "replaced":
+        assert got == [[]] and loaded.signals == counted
+    else:
+        assert got[0] and loaded.signals == counted + Counter(s for _i, fired in got[0] for s in fired)
+    if loaded_thread == "fresh":
+        assert steps[-1][-1] > steps[-1][0], "the new thread's reading held the event loop"

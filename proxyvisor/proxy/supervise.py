@@ -318,23 +318,29 @@ class Supervisor:
         (its first request here, or a rewritten history: compaction, an edit), it is read here, in steps on the
         event loop, which runs other tasks after each :data:`~.reply.RUN_S` of work
         (``HistoryTracker.updating``); a history that goes on from what the thread read is left to :meth:`begin`
-        (its new items, at once). Cancelled part way, the thread's state is as before."""
+        (its new items, at once). A thread replaced meanwhile (a load of the session's state another process stored,
+        for another request of the session: ``SessionStates.load``; or dropped, the least recently used) is read
+        again, in steps, as it now is: what was read is the replaced one's, whose firings the session must not
+        count again (the loaded thread may have read the same history). Cancelled part way, the thread's state is
+        as before."""
         reading = self._reading(session, fmt, body)
-        tracker = reading.thread.tracker
-        if not tracker.from_start(reading.items, fmt.message):
-            return reading
-        update = Update()
-        since = time.perf_counter()
-        for _step in tracker.updating(reading.items, fmt.message, reading.schemas, update):
-            if time.perf_counter() - since >= RUN_S:
-                await trio.lowlevel.checkpoint()
-                since = time.perf_counter()
-        state, thread = self._thread(session, fmt, reading.parts)  # the most recently used again, after the steps
-        if thread is not reading.thread:  # dropped meanwhile (other threads', a newer stored state): read afresh
-            update = thread.tracker.update(reading.items, fmt.message, reading.schemas)
-        reading.state, reading.thread = state, thread
-        reading.update = update
-        return reading
+        while True:
+            tracker = reading.thread.tracker
+            if not tracker.from_start(reading.items, fmt.message):
+                return reading
+            update = Update()
+            since = time.perf_counter()
+            for _step in tracker.updating(reading.items, fmt.message, reading.schemas, update):
+                if time.perf_counter() - since >= RUN_S:
+                    await trio.lowlevel.checkpoint()
+                    since = time.perf_counter()
+            # The most recently used again, after the steps. A loaded state keeps the threads whose stored pickle is
+            # this process's own (session_state.decode): the same thread, whose reading holds.
+            reading.state, thread = self._thread(session, fmt, reading.parts)
+            if thread is reading.thread:
+                reading.update = update
+                return reading
+            reading.thread = thread
 
     def begin(self, session: Session, fmt: WireFormat, body: dict[str, Any], model: ModelCall | None = None,
               route: dict[str, str] | None = None, reading: Reading | None = None) -> Exchange:
