@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from proxyvisor.config import CondenseConfig, Config, GateConfig, ModelConfig
 from proxyvisor.proxy.condensing import RequestCondenser, _scanned, can_read_back, request_condenser
 from proxyvisor.proxy.formats.base import Item
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES, ToolSpec, WireFormat
+from proxyvisor.proxy.server import Request
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.replay import recorded_turn, replay
@@ -267,6 +269,30 @@ async def test_a_condenser_timeout_leaves_the_round_to_the_deterministic_condens
     assert records[1].round[0].decision.condenser == "deterministic"
     assert "condenser gave nothing usable (condenser timed out after 0.05 s): condensing without a model" \
         in caplog.text
+
+
+async def test_a_request_cut_off_while_the_condenser_works_has_its_ledger_line(tmp_path: Path) -> None:
+    """The client leaves while its request's oversized result is being condensed (a step before forwarding): the
+    request's one ledger line says so (499), as for one cut off upstream."""
+    called = trio.Event()
+
+    async def hangs(messages: list[dict[str, str]]) -> ModelAnswer:
+        called.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with running(config_with(timeout_s=60), port=0, store=Store(tmp_path / "state"),
+                       scripted={"scripted": ScriptedUpstream()}, model=hangs) as proxy:
+        body = orjson.dumps(request(CHAT, TRAJECTORY[:ROUNDS[1]]))
+        headers = [(b"content-type", b"application/json"), (b"x-proxyvisor-session", b"cut")]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(proxy.pipeline, Request("POST", CHAT.path, headers, body, time.perf_counter()))
+            with trio.fail_after(10):
+                await called.wait()
+            nursery.cancel_scope.cancel()  # the client leaves
+        lines = proxy.pipeline.store.read_ledger("cut")
+        assert not proxy.scripted["scripted"].requests
+    assert [(line["status"], line["error"]) for line in lines] == [(499, "cancelled before the answer: the client left")]
 
 
 async def test_a_result_the_proxy_first_sees_in_an_earlier_round_is_never_condensed(tmp_path: Path) -> None:

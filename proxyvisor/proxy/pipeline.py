@@ -418,15 +418,19 @@ class Pipeline:
                                              self._sender(request, fmt, path, upstream, native))
         try:
             if exchange is not None:
-                await exchange.before_forward()
+                try:
+                    await exchange.before_forward()
+                except trio.Cancelled:  # the steps' model calls (condensing, the planner) take their time
+                    self._account_cut(session, fmt, body, request, exchange)
+                    raise
             if not native:
                 if self.translator is None:
                     return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
                 return await self._translate(request, fmt, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
-            # Cut off in a step before forwarding (the planner's call), or failed: no ledger line noted the thread
-            # over, and a save meanwhile may have pickled it as that step left it.
+            # Failed: no ledger line noted the thread over, and a save meanwhile may have pickled it as a step left
+            # it.
             if exchange is not None:
                 changed(exchange.thread)
             raise
@@ -579,7 +583,8 @@ class Pipeline:
 
     def _account_cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                      exchange: Exchange | None) -> None:
-        """Record a request cut off before its answer: by the client's leaving, or by the proxy's stop."""
+        """Record a request cut off before its answer (in a step before forwarding, upstream, or in a stage on the
+        reply): by the client's leaving, or by the proxy's stop."""
         self._account(session, fmt, body, request, 503 if self.stopped else 499, Usage(), 0.0,
                       _STOPPED if self.stopped else _CANCELLED, exchange)
 
