@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.dedent("""\
             Serve the proxy on [proxy] host:port (default 127.0.0.1:8377) until SIGINT or SIGTERM.
 
-            Endpoints (each also under the session prefix /s/{session}/):
+            Endpoints (each also under the session prefix /s/{session}/ and the run prefix /r/{run}/):
               POST /v1/chat/completions       OpenAI Chat Completions
               POST /v1/messages               Anthropic Messages (the query string, e.g. ?beta=true, is kept)
               POST /v1/responses              OpenAI Responses
@@ -145,21 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
         "wrap", help="run an agent command through a private proxy", formatter_class=_Formatter,
         description=textwrap.dedent("""\
             Start the proxy on a free loopback port, run CMD with its base URLs pointed at it, and return
-            CMD's exit code. The agent gets a fresh, unguessable session prefix in:
-              ANTHROPIC_BASE_URL  http://127.0.0.1:PORT/s/SESSION
-              OPENAI_BASE_URL     http://127.0.0.1:PORT/s/SESSION/v1   (also OPENAI_API_BASE)
+            CMD's exit code. The agent gets a fresh, unguessable run prefix in:
+              ANTHROPIC_BASE_URL  http://127.0.0.1:PORT/r/RUN
+              OPENAI_BASE_URL     http://127.0.0.1:PORT/r/RUN/v1   (also OPENAI_API_BASE)
               PROXYVISOR_URL      the same as ANTHROPIC_BASE_URL, for agents configured by hand
+              PROXYVISOR_SESSION  RUN (with --session: ID), which names the run's current session
+            A request that names its own session (Claude Code's session id, which 'claude --resume'
+            keeps) belongs to that session, as under 'serve', so a resumed conversation goes on in the
+            session of the runs before; one that names none is session RUN. With --session ID every
+            request is session ID (the prefix is /r/RUN/s/ID).
             Codex ignores OPENAI_BASE_URL, so when CMD is 'codex' wrap inserts, right after it,
               -c openai_base_url="URL"                  for the built-in openai provider
               -c model_providers.NAME.base_url="URL"    for each provider in $CODEX_HOME/config.toml (~/.codex)
             (URL is OPENAI_BASE_URL's value); '-c' options of your own come later and win.
             SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD (a terminal's Ctrl-C reaches it directly).
-            At exit, a session summary goes to stderr (--quiet: none): model requests, errors and tool
-            rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer
-            notes, verify-gate outcomes, condensed results and tokens saved, supervisor model calls with
-            their tokens, cost and time, the tool authorizer's checks and blocks, the upstream pools that
-            refused or failed), the /info and /plan questions proxyvisor answered itself, and the proxy
-            overhead (proxyvisor's own time, without the upstream's and the supervisor model's).
+            At exit, a summary of each session the run's requests went to goes to stderr (this run's
+            requests only; --quiet: none): model requests, errors and tool rounds, upstream tokens and
+            cost, what supervision did (self-reports, detector fires and steer notes, verify-gate
+            outcomes, condensed results and tokens saved, supervisor model calls with their tokens, cost
+            and time, the tool authorizer's checks and blocks, the upstream pools that refused or
+            failed), the /info and /plan questions proxyvisor answered itself, and the proxy overhead
+            (proxyvisor's own time, without the upstream's and the supervisor model's).
             With --no-supervision: model requests, errors and overhead, counted in memory; nothing is
             written.
             """),
@@ -170,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
               proxyvisor wrap -- sh -c 'my-agent --api-base "$OPENAI_BASE_URL"'   an agent set up by hand
             """) + "\n" + _FILES)
     wrap.add_argument("--session", metavar="ID", type=session_id_arg,
-                      help="session id to use instead of a fresh random one (1-128 of A-Z a-z 0-9 . _ -)")
+                      help="put every request in this session, whatever session the agent names (1-128 of A-Z "
+                           "a-z 0-9 . _ -)")
     wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
     _supervision_flags(wrap)
     _common(wrap)

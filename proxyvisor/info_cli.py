@@ -46,7 +46,8 @@ _PLAN_FALLBACK = """\
 """
 _SESSION = """\
 SESSION:
-  A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it.
+  A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it
+  (or a wrap run's id, $PROXYVISOR_SESSION, naming its current session, while that wrap runs).
   GET /proxyvisor/sessions lists the ids to the admin ([proxy] admin_token){listed}.
   Default: the session with the most recent activity ({latest}).
 """
@@ -132,7 +133,7 @@ def proxy_origin(value: str, session_path: bool = False) -> str | None:
     """The proxy's ``http(s)://HOST[:PORT]`` that ``value`` names, or None when it names none: another scheme, no
     host, a port that is no number in 0-65535, a user or password (a proxy is asked without credentials, and they
     would be echoed in messages), a query or fragment, or a path other than ``/``; with ``session_path``, any path
-    (``PROXYVISOR_URL`` is the session's base, ``http://HOST:PORT/s/SESSION``)."""
+    (``PROXYVISOR_URL`` is the session's or run's base, ``http://HOST:PORT/r/RUN``, ``.../s/SESSION``)."""
     try:
         url = urllib.parse.urlsplit(value)
         url.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535

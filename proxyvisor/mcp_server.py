@@ -59,8 +59,9 @@ _SESSION = Annotated[str | None, Field(
 
 def _wrapped() -> tuple[str | None, str | None]:
     """``(the proxy's http(s)://HOST:PORT, the session)`` that ``proxyvisor wrap`` and ``batch`` give the agent they
-    run in ``PROXYVISOR_URL`` (``http://127.0.0.1:PORT/s/SESSION``) and ``PROXYVISOR_SESSION``; None for what is
-    unset or malformed (logged)."""
+    run in ``PROXYVISOR_URL`` (``http://127.0.0.1:PORT/r/RUN``, ``.../s/SESSION``) and ``PROXYVISOR_SESSION`` (the
+    session; under ``wrap`` without ``--session``, the run's id, which names the run's current session to its
+    proxy); None for what is unset or malformed (logged)."""
     from .info_cli import proxy_origin
 
     url, session = os.environ.get("PROXYVISOR_URL", ""), os.environ.get("PROXYVISOR_SESSION", "")

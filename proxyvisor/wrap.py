@@ -1,8 +1,11 @@
 """``proxyvisor wrap``: run an agent command through a private proxy on a free loopback port.
 
 The proxy lives in this process; the agent is a child process whose base-URL variables point at the proxy under
-a fresh session prefix (``/s/{session}``, 128 random bits), so its requests are one session however the agent
-identifies itself. Agent CLIs that ignore those variables get arguments instead (:mod:`proxyvisor.agents`).
+a fresh run prefix (``/r/{run}``, 128 random bits; :mod:`proxyvisor.proxy.sessions`): a request that names its own
+session (Claude Code's session id, which ``claude --resume`` keeps) belongs to that session, as under ``serve``, so
+a resumed conversation goes on in the session of the runs before; one that names none is session ``{run}``. Every
+request is recorded with the run, so the exit summary counts this run's own. ``--session NAME`` forces the session
+(``/r/{run}/s/{NAME}``). Agent CLIs that ignore those variables get arguments instead (:mod:`proxyvisor.agents`).
 """
 
 from __future__ import annotations
@@ -30,28 +33,41 @@ from .supervisor_model import describe
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
-def agent_env(proxy_url: str, session: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the wrapped agent: ``base`` (default: ours) plus the base-URL variables."""
+def agent_env(proxy_url: str, session: str | None, base: dict[str, str] | None = None,
+              run: str | None = None) -> dict[str, str]:
+    """The environment for the wrapped agent: ``base`` (default: ours) plus the base-URL variables, under the run
+    prefix ``/r/{run}`` and the session prefix ``/s/{session}`` (forced), each when given (at least one is), and
+    ``PROXYVISOR_SESSION``: the session, else the run (whose id names its latest session to the session endpoints,
+    ``proxyvisor.proxy.commands``)."""
     env = dict(os.environ if base is None else base)
-    prefix = f"{proxy_url}/s/{session}"
+    prefix = proxy_url + (f"/r/{run}" if run else "") + (f"/s/{session}" if session else "")
     env.update({"ANTHROPIC_BASE_URL": prefix, "OPENAI_BASE_URL": prefix + "/v1", "OPENAI_API_BASE": prefix + "/v1",
-                "PROXYVISOR_URL": prefix, "PROXYVISOR_SESSION": session})
+                "PROXYVISOR_URL": prefix, "PROXYVISOR_SESSION": session or run or ""})
     return env
 
 
-def agent_invocation(proxy_url: str, session: str, cmd: list[str],
-                     base: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """The command and environment that run ``cmd`` as session ``session`` of the proxy at ``proxy_url``: the
-    base-URL variables of :func:`agent_env` (over ``base``, default ours), and for a CLI that ignores them the
-    arguments and variables of :func:`proxyvisor.agents.agent_command`. Used by ``wrap`` and ``batch``."""
-    env = agent_env(proxy_url, session, base)
+def agent_invocation(proxy_url: str, session: str | None, cmd: list[str], base: dict[str, str] | None = None,
+                     run: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``cmd`` through the proxy at ``proxy_url`` as session ``session``
+    and/or run ``run`` (:func:`agent_env`, over ``base``, default ours), and for a CLI that ignores the base-URL
+    variables the arguments and variables of :func:`proxyvisor.agents.agent_command`. Used by ``wrap`` and
+    ``batch``."""
+    env = agent_env(proxy_url, session, base, run)
     return agent_command(cmd, env["OPENAI_BASE_URL"], env)
 
 
-def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
-    """The lines ``wrap`` prints at exit for this run of ``session`` on ``proxy``. With supervision on, from the
-    session's ledger records after its first ``earlier`` (those of earlier runs of a ``--session`` reused: they
-    count only in a note of the session's total; :func:`proxyvisor.proxy.info.summarize`): model requests, errors
+def summary(proxy: RunningProxy, run: str, session: str | None = None) -> list[str]:
+    """The lines ``wrap`` prints at exit for run ``run`` on ``proxy``: :func:`_session_summary` of each session the
+    run's requests went to (one, normally), else a line saying the session (``session``, else the run's own) saw
+    no model requests."""
+    return [line for sid in proxy.pipeline.sessions.sessions_of(run) or [session or run]
+            for line in _session_summary(proxy, sid, run)]
+
+
+def _session_summary(proxy: RunningProxy, session: str, run: str) -> list[str]:
+    """The summary lines of what run ``run`` did in ``session`` on ``proxy``. With supervision on, from the
+    session's ledger lines of that run (those of other runs, of a session resumed or a ``--session`` reused, count
+    only in a note of the session's total; :func:`proxyvisor.proxy.info.summarize`): model requests, errors
     and tool rounds, upstream tokens and cost, what supervision did (self-reports, detector fires and steer notes by
     signal, gate outcomes, condensed results and tokens saved, supervisor model calls with tokens, cost and time;
     the tool authorizer's counts once it saw a tool-call batch; the upstream pools once one refused, failed or was
@@ -72,8 +88,8 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
         every = store.read_ledger(session)
     except LedgerError as exc:
         return [f"{head} {exc}"]
-    lines = every[earlier:]
-    if earlier:
+    lines = [line for line in every if line.get("run") == run]
+    if len(lines) < len(every):
         total = sum(1 for line in every if not isinstance(line.get("local"), str))
         head = f"proxyvisor: session {session}, this run ({plural(total, 'model request')} in the session in all):"
     info = summarize(lines)
@@ -115,15 +131,6 @@ def summary(proxy: RunningProxy, session: str, earlier: int = 0) -> list[str]:
     return out
 
 
-def _records(proxy: RunningProxy, session: str) -> int:
-    """How many ledger records ``session`` has on ``proxy`` (0 when none can be read)."""
-    store = proxy.pipeline.store
-    try:
-        return len(store.read_ledger(session)) if store is not None and proxy.pipeline.supervised else 0
-    except LedgerError:
-        return 0
-
-
 def _say_cooling(pool: str, until: float) -> None:
     """Tell the user, once per pool and cooldown, that the agent's requests wait on a long cooldown (which another
     proxy sharing the state directory may have started), so that the agent does not wait in silence."""
@@ -133,18 +140,17 @@ def _say_cooling(pool: str, until: float) -> None:
           f"resets it", file=sys.stderr, flush=True)
 
 
-async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> int:
+async def _wrap(config: Config, cmd: list[str], run: str, session: str | None, quiet: bool) -> int:
     async with running(config, port=0) as proxy:
         # The agent runs here: a session whose client names no working directory learns for this folder.
         proxy.pipeline.learning.default_scope = os.getcwd()
-        earlier = _records(proxy, session)
         if proxy.pipeline.breakers is not None:
             proxy.pipeline.breakers.on_long_wait = _say_cooling
         for notice in start_notices(config):
             print(notice, file=sys.stderr, flush=True)
         if not quiet and config.supervisor.enabled:
             print(f"proxyvisor: supervisor model: {describe(config.supervisor.model)}", file=sys.stderr, flush=True)
-        cmd, env = agent_invocation(proxy.url, session, cmd)
+        cmd, env = agent_invocation(proxy.url, session, cmd, run=run)
         async with trio.open_nursery() as nursery:
             try:
                 process: trio.Process = await nursery.start(lambda task_status: trio.run_process(
@@ -166,23 +172,23 @@ async def _wrap(config: Config, cmd: list[str], session: str, quiet: bool) -> in
             nursery.cancel_scope.cancel()
     # Once the proxy stopped: the streams it cut then (a process the agent left behind) are in the ledger.
     if not quiet:
-        print("\n".join(summary(proxy, session, earlier)), file=sys.stderr)
+        print("\n".join(summary(proxy, run, session)), file=sys.stderr)
     for notice in stop_notices(proxy):
         print(notice, file=sys.stderr)
     return 128 - code if code < 0 else code
 
 
 def wrap(config: Config, cmd: list[str], session: str | None = None, quiet: bool = False) -> int:
-    """Run ``cmd`` through a private proxy; returns its exit code (128+N when killed by signal N).
+    """Run ``cmd`` through a private proxy as a fresh run, in ``session`` when given (else in the sessions its
+    requests name, or the run's own: module docstring); returns its exit code (128+N when killed by signal N).
 
     Raises:
         ValueError: ``session`` is not a valid session id.
     """
-    session = session or secrets.token_hex(16)
-    if not SESSION_ID.match(session):
+    if session and not SESSION_ID.match(session):
         raise ValueError(f"invalid session id {session!r}: use 1-128 of [A-Za-z0-9._-]")
     tune_runtime()
-    return trio.run(_wrap, config, cmd, session, quiet)
+    return trio.run(_wrap, config, cmd, secrets.token_hex(16), session or None, quiet)
 
 
-__all__ = ["agent_env", "agent_invocation", "wrap"]
+__all__ = ["agent_env", "agent_invocation", "summary", "wrap"]

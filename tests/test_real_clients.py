@@ -242,6 +242,29 @@ def test_claude_code_gets_proxyvisors_answer_to_info_and_plan(tmp_path: Path) ->
     assert (plan["subtype"], plan["result"]) == ("success", plans.NO_PLAN), plan
 
 
+def test_claude_code_resumed_in_a_second_wrap_run_goes_on_in_its_session(tmp_path: Path) -> None:
+    """``claude --resume ID`` keeps its session id: the second ``wrap`` run's requests join the session of the first
+    (one ledger, Claude Code's id), ``/info`` in the resumed conversation counts both runs, and the second run's
+    summary counts its own requests, naming the session's total."""
+    ws = Workspace.make(tmp_path)
+    first = claude_run(ws, "json")
+    assert first.returncode == 0, first
+    sid = json.loads(first.stdout)["session_id"]
+    assert f"proxyvisor: session {sid}: 2 model requests (messages)" in first.stderr, first.stderr
+    claude = [find_agent("claude"), "--resume", sid, "--model", MODEL, "--output-format", "json", "-p"]
+    runs = " && ".join(shlex.join(claude + [prompt]) for prompt in ("List the files again.", " /info"))
+    second = wrap(ws, ["sh", "-c", runs], claude_env(ws))
+    assert second.returncode == 0, second
+    work, info = (json.loads(line) for line in second.stdout.splitlines())
+    assert (work["session_id"], work["result"], info["session_id"]) == (sid, DONE, sid), (work, info)
+    assert [p.name for p in (ws.state / "ledger").iterdir()] == [f"{sid}.jsonl"]
+    assert len({line["run"] for line in ws.ledger(sid)}) == 2
+    assert f"**proxyvisor /info · session {sid}**" in info["result"], info
+    assert "| model requests   | 4 (tool rounds 2, errors 0); in 2 wrap runs |" in info["result"], info
+    assert (f"proxyvisor: session {sid}, this run (4 model requests in the session in all): 2 model requests "
+            "(messages)") in second.stderr, second.stderr
+
+
 def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Path) -> None:
     """``proxyvisor batch`` runs ``claude -p`` once per task, in parallel, each in its own session with the gate
     on (streams held until the verdict). The scripted model follows one script per task, picked by the marker in
@@ -382,6 +405,24 @@ def test_codex_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> None:
     check_codex_turn(json_lines(run.stdout))
     check_ledger(ws, session, "responses")
     assert f"proxyvisor: session {session}: " in run.stderr and "(responses)" in run.stderr, run.stderr
+
+
+def test_codex_resumed_in_a_second_wrap_run_goes_on_in_its_session(tmp_path: Path) -> None:
+    """``codex exec resume ID`` keeps its thread id (Codex's ``session-id``): the second ``wrap`` run's requests join
+    the session of the first, and its summary counts its own."""
+    ws = Workspace.make(tmp_path)
+    first = codex_run(ws, _CODEX_OWN_PROVIDER)
+    assert first.returncode == 0, first
+    (thread,) = [e["thread_id"] for e in json_lines(first.stdout) if e.get("type") == "thread.started"]
+    cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "resume", thread,
+           "List the files again."]
+    second = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"})
+    assert second.returncode == 0, second
+    check_codex_turn(json_lines(second.stdout))
+    assert [p.name for p in (ws.state / "ledger").iterdir()] == [f"{thread}.jsonl"]
+    runs = [line["run"] for line in ws.ledger(thread)]
+    assert len(set(runs)) == 2 and runs[0] != runs[-1], runs
+    assert f"proxyvisor: session {thread}, this run (" in second.stderr, second.stderr
 
 
 def test_codex_with_the_built_in_openai_provider_falls_back_to_http_at_once(tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ def test_a_non_loopback_bind_without_an_auth_token_is_refused_before_binding(hos
     assert done.returncode == 2 and "auth_token" in done.stderr
 
 
-def test_wrap_gives_each_run_a_fresh_unguessable_session_prefix(tmp_path: Path) -> None:
+def test_wrap_gives_each_run_a_fresh_unguessable_run_prefix(tmp_path: Path) -> None:
     script = "import os; print(os.environ['PROXYVISOR_SESSION'], os.environ['ANTHROPIC_BASE_URL'])"
     seen = []
     for _ in range(2):
@@ -96,10 +96,10 @@ def test_wrap_gives_each_run_a_fresh_unguessable_session_prefix(tmp_path: Path) 
                                str(tmp_path / "state"), "--", sys.executable, "-c", script],
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr
-        session, base = done.stdout.split()
-        assert re.fullmatch(r"[0-9a-f]{32}", session)  # 128 random bits (secrets.token_hex)
-        assert base.endswith(f"/s/{session}")
-        seen.append(session)
+        run, base = done.stdout.split()
+        assert re.fullmatch(r"[0-9a-f]{32}", run)  # 128 random bits (secrets.token_hex)
+        assert base.endswith(f"/r/{run}")
+        seen.append(run)
     assert seen[0] != seen[1]
 
 

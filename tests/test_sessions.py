@@ -10,8 +10,8 @@ import pytest
 
 from proxyvisor.proxy.bodies import BodyCache
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES
-from proxyvisor.proxy.sessions import (SESSION_ID, Conversations, InvalidSession, SessionTable, _history_keys,
-                                       _item_keys, identify, split_prefix)
+from proxyvisor.proxy.sessions import (SESSION_ID, SESSIONS_PER_RUN, Conversations, InvalidSession, SessionTable,
+                                       _history_keys, _item_keys, identify, split_prefix)
 from proxyvisor.store import Store
 
 from helpers import raw_stream, request_body
@@ -224,10 +224,54 @@ def test_invalid_ids_are_refused_everywhere(bad: str) -> None:
 
 
 def test_split_prefix() -> None:
-    assert split_prefix("/s/abc-1.2_3/v1/messages") == ("abc-1.2_3", "/v1/messages")
-    assert split_prefix("/s/abc") == ("abc", "/")
-    assert split_prefix("/v1/messages") == (None, "/v1/messages")
-    assert split_prefix("/sx/abc/v1/messages") == (None, "/sx/abc/v1/messages")
+    assert split_prefix("/s/abc-1.2_3/v1/messages") == ("abc-1.2_3", "/v1/messages", None)
+    assert split_prefix("/s/abc") == ("abc", "/", None)
+    assert split_prefix("/v1/messages") == (None, "/v1/messages", None)
+    assert split_prefix("/sx/abc/v1/messages") == (None, "/sx/abc/v1/messages", None)
+    assert split_prefix("/r/run1/v1/messages") == (None, "/v1/messages", "run1")
+    assert split_prefix("/r/run1/s/mine/v1/messages") == ("mine", "/v1/messages", "run1")
+    assert split_prefix("/r/run1") == (None, "/", "run1")
+    assert split_prefix("/rx/run1/v1/messages") == (None, "/rx/run1/v1/messages", None)
+    # One order: a run prefix after a session prefix is no prefix, and its path no endpoint.
+    assert split_prefix("/s/mine/r/run1/v1/messages") == ("mine", "/r/run1/v1/messages", None)
+    for bad in ("/r/../v1/messages", "/r//v1/messages", "/r/run1/s/.x/v1/messages"):
+        with pytest.raises(InvalidSession):
+            split_prefix(bad)
+
+
+def test_a_runs_request_names_its_own_session_else_is_the_runs() -> None:
+    """Under a run prefix (what ``wrap`` hands the agent) a request that names its session, by a header or in its
+    body, belongs to that session, as without the prefix; one that names none is the run's session, not a session
+    of its conversation; a session prefix still forces the session."""
+    claude = request_body("messages", metadata={"user_id": CLAUDE_USER_ID})
+    assert identify(None, headers_of({"x-claude-code-session-id": "claude"}), MESSAGES, claude, run="r1") == \
+        ("claude", "header:x-claude-code-session-id")
+    assert identify(None, headers_of({}), MESSAGES, claude, run="r1") == \
+        ("6f1c2b1e-0d3a-4a55-9c2e-1f0e7d2c9b11", "body")
+    anonymous = request_body("messages")
+    conversations = Conversations(3600, 100)
+    for _ in range(2):
+        assert identify(None, headers_of({}), MESSAGES, anonymous, conversations, 0.0, "r1") == ("r1", "run")
+    assert identify("forced", headers_of({"x-claude-code-session-id": "claude"}), MESSAGES, claude,
+                    run="r1") == ("forced", "path")
+
+
+def test_the_table_names_the_sessions_of_a_run_latest_last_and_outlives_their_eviction() -> None:
+    table = SessionTable(idle_s=10, max_sessions=2)
+    table.touch("run1", now=0, run="run1")
+    table.touch("claude", now=1, run="run1")
+    table.touch("other", now=2, run="run2")
+    table.touch("claude", now=3, run="run2")  # the session resumed by a later run
+    assert table.sessions_of("run1") == ["run1", "claude"] and table.sessions_of("run2") == ["other", "claude"]
+    table.touch("run1", now=4, run="run1")
+    assert table.sessions_of("run1") == ["claude", "run1"]
+    table.evict(now=100)
+    assert len(table) == 0 and table.sessions_of("run1") == ["claude", "run1"]
+    table.touch("x", now=101, run="run3")  # at most max_sessions runs: the least recently used goes
+    assert table.sessions_of("run2") == [] and table.sessions_of("run3") == ["x"]
+    for n in range(SESSIONS_PER_RUN + 1):
+        table.touch(f"s{n}", now=102, run="run3")
+    assert table.sessions_of("run3") == [f"s{n}" for n in range(1, SESSIONS_PER_RUN + 1)]
 
 
 def test_session_table_evicts_idle_sessions() -> None:
@@ -262,6 +306,17 @@ async def test_proxy_counts_requests_per_session(proxy) -> None:
     sessions = proxy.pipeline.sessions
     assert sessions.get("one").requests == 2 and sessions.get("two").requests == 1
     assert sessions.get("one").formats == {"chat"}
+
+
+async def test_a_bad_run_id_is_a_400_in_the_clients_format_and_a_good_one_is_recorded(proxy) -> None:
+    reply, data = await raw_stream(proxy.url + "/r/.x", "messages", request_body("messages"))
+    assert reply.status_code == 400 and orjson.loads(data)["type"] == "error", data  # Anthropic's error shape
+    assert b"invalid run id in path" in data
+    reply, _ = await raw_stream(proxy.url + "/r/run-1", "messages", request_body("messages"),
+                                {"x-claude-code-session-id": "claude-1"})
+    assert reply.status_code == 200
+    assert proxy.pipeline.sessions.sessions_of("run-1") == ["claude-1"]
+    assert [line["run"] for line in proxy.pipeline.store.read_ledger("claude-1")] == ["run-1"]
 
 
 def test_a_replica_takes_in_the_links_another_recorded_and_asks_nothing_for_a_history_it_knows() -> None:

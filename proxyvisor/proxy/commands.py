@@ -45,12 +45,16 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``; of a
   session this process does not hold, from its stored state (on Redis: as the replica that served it left it).
 
-An unknown session is a 404, an invalid id (``proxyvisor.store.SESSION_ID``) a 400.
+The id of a run (``/r/{run}/``, what ``proxyvisor wrap`` hands the agent, and ``$PROXYVISOR_SESSION`` with it) that
+this process served names the session its latest request went to (``SessionTable.sessions_of``): the agent's own
+session when it names one (a resumed Claude Code session), else the run's. An unknown session is a 404, an invalid
+id (``proxyvisor.store.SESSION_ID``) a 400.
 
 Who may read what: the listing names every session, so it is the admin's: it needs ``[proxy] admin_token`` in
 the ``x-proxyvisor-admin`` header (403 without it, and always when no admin token is configured). A session's
-own endpoints need only its id: the id is a capability, known to whoever runs the session (``wrap`` makes it 128
-random bits), and nothing else a client can reach names it.
+own endpoints need only its id: the id is a capability, known to whoever runs the session (``wrap`` makes its run
+id 128 random bits), and nothing else a client can reach names it. A run id reveals only sessions its own requests
+went to, which the run's holder named itself.
 """
 
 from __future__ import annotations
@@ -330,6 +334,8 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
         return Response(200, list(_JSON), orjson.dumps(sessions_json(table, await recent(store), clock)))
     if not SESSION_ID.match(session_id):
         return _error(400, "invalid session id: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+    if ran := table.sessions_of(session_id):
+        session_id = ran[-1]
     session = table.get(session_id)
     if session is None and not await _known(store, session_id):
         return _error(404, f"no session {session_id!r}: it is neither in memory nor in the ledger")

@@ -11,6 +11,8 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
   ``usage_estimated``: true when proxyvisor counted them itself, the answer having reported none
   (``proxyvisor.proxy.estimate``);
 - ``scripted``: true when the answer came from the built-in scripted model (its tokens are never priced);
+- ``run``: the run the request came through (the ``/r/{run}/`` prefix: a ``proxyvisor wrap`` run; absent without
+  one): a session the agent resumes in a later run (its own id) holds lines of each run;
 - ``line_id``: the line's identity across replicas (``proxyvisor.store.Store.append_ledger``), not summed;
 - ``overhead_ms``: the proxy overhead of the request (ms): the wall time proxyvisor itself added before the reply's
   headers, that is the request's time less the time waiting for the upstream and for supervisor model calls;
@@ -61,7 +63,8 @@ are milliseconds:
 
 - ``requests``: model requests (lines without ``local``); ``errors``: of them answered with status >= 400;
   ``tool_rounds``: of them whose history ended with tool results; ``local``: ``{command: n}`` answered locally;
-  ``first``, ``last``: the times (ISO 8601) of the first and last line, or None;
+  ``first``, ``last``: the times (ISO 8601) of the first and last line, or None; ``runs``: the runs the lines
+  came through (their distinct ``run``);
 - ``self_report``: ``{"by_status": {status: n}, "by_state": {state: n}}``;
 - ``detectors``: ``{"fires": {signal: n}, "steers": {signal: n}}``;
 - ``gate``: ``{"runs", "passes", "gaps", "malformed", "unavailable", "nudges", "reentries", "refuted",
@@ -221,6 +224,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     """
     requests = errors = tool_rounds = 0
     local: Counter[str] = Counter()
+    runs: set[str] = set()
     first = last = None
     by_status: Counter[str] = Counter()
     by_state: Counter[str] = Counter()
@@ -253,6 +257,8 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
     for line in lines:
         first = first or line.get("time")
         last = line.get("time") or last
+        if isinstance(line.get("run"), str):
+            runs.add(line["run"])
         if isinstance(line.get("local"), str):
             local[line["local"]] += 1
             continue
@@ -349,6 +355,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
         "local": dict(local),
         "first": first,
         "last": last,
+        "runs": len(runs),
         "self_report": {"by_status": dict(by_status), "by_state": dict(by_state)},
         "detectors": {"fires": dict(fires), "steers": dict(steers)},
         "gate": {**{k: gate[k] for k in ("runs", "passes", "gaps", "malformed", "unavailable", "nudges",
@@ -587,7 +594,8 @@ def render_text(info: Mapping[str, Any]) -> str:
     local = sum(info["local"].values())
     rows = [
         ("model requests", f"{info['requests']:,} (tool rounds {info['tool_rounds']:,}, errors {info['errors']:,})"
-                           + (f"; {local:,} answered by proxyvisor" if local else "")),
+                           + (f"; {local:,} answered by proxyvisor" if local else "")
+                           + (f"; in {info['runs']:,} wrap runs" if info.get("runs", 0) > 1 else "")),
         ("self-reports", counts_text(report["by_status"])),
         ("reported states", counts_text(report["by_state"])),
         ("detector fires", counts_text(info["detectors"]["fires"])),

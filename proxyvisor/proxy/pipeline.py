@@ -3,11 +3,12 @@
 Two paths (DESIGN.md, principles 3 and 4):
 
 - **disabled supervision, same format upstream**: the byte relay. The body is not parsed, nothing is written,
-  and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header; a request under a session prefix
-  is counted in memory only (requests, errors, overhead: what ``wrap`` sums up at exit).
+  and the only addition to the reply is the ``x-proxyvisor-overhead-ms`` header; a request under a session or run
+  prefix is counted in memory only (requests, errors, overhead: what ``wrap`` sums up at exit).
 - **otherwise**: the body is parsed (malformed input gets a 4xx in the client's format), the session is
   identified, the request is forwarded (relayed, or translated through litellm when no upstream speaks the
-  client's format), usage is read from the reply, and one ledger line is written per request. The answer the
+  client's format), usage is read from the reply, and one ledger line is written per request (with the ``run``
+  the request came through, if any: ``proxyvisor.proxy.sessions``). The answer the
   client got is recorded with the conversation of a session identified by its history
   (``Conversations.answered``), so that its next request, which carries the answer, finds the session. The
   request goes upstream under its pool's breaker, with the upstream's fallbacks (``proxyvisor.proxy.breakers``).
@@ -58,7 +59,7 @@ from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, 
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .bodies import BodyCache
-from .sessions import InvalidSession, Session, SessionTable, explicit_id, identify, split_prefix
+from .sessions import InvalidSession, Prefix, Session, SessionTable, explicit_id, identify, split_prefix
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates, changed
@@ -98,10 +99,12 @@ _KEPT_FOR_ESTIMATE = 8 * 1024 * 1024
 def format_for_path(path: str) -> WireFormat:
     """The format whose errors a path should get: Anthropic for ``/v1/messages...``, OpenAI otherwise.
 
-    A session prefix ``/s/{id}`` is skipped first, valid or not, so a bad id is reported in the client's format.
+    A run prefix ``/r/{id}`` and a session prefix ``/s/{id}`` (``proxyvisor.proxy.sessions.split_prefix``) are
+    skipped first, valid or not, so a bad id is reported in the client's format.
     """
-    if path.startswith("/s/"):
-        path = "/" + path[3:].partition("/")[2]
+    for prefix in ("/r/", "/s/"):  # in the order split_prefix reads them
+        if path.startswith(prefix):
+            path = "/" + path[3:].partition("/")[2]
     return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
 
 
@@ -294,9 +297,10 @@ class Pipeline:
 
     async def _route(self, request: Request) -> Response:
         try:
-            path_session, path = split_prefix(request.path)
+            prefix = split_prefix(request.path)
         except InvalidSession as exc:
             return error(format_for_path(request.path), 400, str(exc))
+        path = prefix.path
         if request.too_slow:
             return error(format_for_path(path), 408, "request body not received in time: a body must arrive whole "
                          f"within {self.config.proxy.request_body_deadline_s:g} s ([proxy] request_body_deadline_s)")
@@ -326,7 +330,7 @@ class Pipeline:
                     return error(fmt, 426, f"proxyvisor serves {path} over HTTP only: POST it; WebSocket "
                                            "upgrade refused")
                 return error(fmt, 405, f"{path} takes POST")
-            return await self._model(request, model_format, path_session, path)
+            return await self._model(request, model_format, prefix)
         if path == "/v1/models" and request.method in ("GET", "HEAD"):
             return await self._forward_plain(request, "chat", path, fmt)
         if path == "/v1/messages/count_tokens":
@@ -382,12 +386,13 @@ class Pipeline:
         return Response(reply.status, reply.headers, reply.body)
 
     # ---- model requests ------------------------------------------------------------------------------------
-    async def _model(self, request: Request, fmt: WireFormat, path_session: str | None, path: str) -> Response:
+    async def _model(self, request: Request, fmt: WireFormat, prefix: Prefix) -> Response:
         if bad := self._check_body(request, fmt):
             return bad
+        path = prefix.path
         upstream, native = self.config.upstream_for(fmt.name)
         if not self.supervised and native:
-            return await self._relay(request, fmt, path, upstream.name, None, self._counted(path_session))
+            return await self._relay(request, fmt, path, upstream.name, None, self._counted(prefix))
         try:
             # Supervised, a body that extends an earlier one is read from its new bytes only.
             body = self.bodies.loads(fmt.history_field, fmt.name, request.body) if self.supervised \
@@ -397,13 +402,15 @@ class Pipeline:
         if not isinstance(body, dict):
             return error(fmt, 400, f"request body must be a JSON object, got {json_kind(body)}")
         try:
-            if self.sharing is not None and explicit_id(path_session, request.header, fmt, body) is None:
+            if self.sharing is not None and explicit_id(prefix.session, request.header, fmt, body,
+                                                        prefix.run) is None:
                 await self._shared_links(fmt, body)
-            session_id, source = identify(path_session, request.header, fmt, body, self.sessions.conversations,
-                                          self.clock())
+            session_id, source = identify(prefix.session, request.header, fmt, body, self.sessions.conversations,
+                                          self.clock(), prefix.run)
         except InvalidSession as exc:
             return error(fmt, 400, str(exc))
-        session = self.sessions.touch(session_id, self.clock()) if self.supervised else self._counted(path_session)
+        session = self.sessions.touch(session_id, self.clock(), prefix.run) if self.supervised \
+            else self._counted(prefix)
         exchange = None
         if self.supervised:
             assert session is not None  # touched above
@@ -445,10 +452,12 @@ class Pipeline:
         if keys := conversations.wanted(fmt, body, self.clock()):
             conversations.learn(await self.sharing.lookup(keys), self.clock())
 
-    def _counted(self, path_session: str | None) -> Session | None:
-        """With supervision off, the in-memory session that counts a request under a session prefix (None
-        without one): requests, errors and overhead only, as nothing of the request or reply is read."""
-        return self.sessions.touch(path_session, self.clock()) if path_session else None
+    def _counted(self, prefix: Prefix) -> Session | None:
+        """With supervision off, the in-memory session that counts a request under a session or run prefix (the
+        session, else the run's own; None without either): requests, errors and overhead only, as nothing of the
+        request or reply is read."""
+        session_id = prefix.session or prefix.run
+        return self.sessions.touch(session_id, self.clock(), prefix.run) if session_id else None
 
     async def _command(self, request: Request, fmt: WireFormat, body: dict[str, Any], session: Session,
                        command: str) -> Response:
@@ -555,7 +564,7 @@ class Pipeline:
             if self.breakers is None:
                 reply: UpstreamReply = await self.translator.send(fmt, upstream, body, request.headers)
                 return reply
-            return await self._upstream(request, fmt, split_prefix(request.path)[1], upstream.name, body, None,
+            return await self._upstream(request, fmt, split_prefix(request.path).path, upstream.name, body, None,
                                         exchange)
 
         return await self._answered(request, fmt, body, session, exchange, send)
@@ -882,6 +891,8 @@ class Pipeline:
             "latency_ms": round((time.perf_counter() - request.received_at) * 1000, 3),
             "overhead_ms": round(overhead_s * 1000, 3),
         }
+        if run := split_prefix(request.path).run:  # valid: checked as the request arrived
+            record["run"] = run
         if local is None and self.config.upstream_for(fmt.name)[0].scripted:
             record["scripted"] = True
         if failure:

@@ -2,12 +2,17 @@
 
 Identity, first match wins (DESIGN.md, "Sessions"):
 
-1. the path prefix ``/s/{session}/v1/...`` (what ``proxyvisor wrap`` hands the agent);
+1. the path prefix ``/s/{session}/v1/...`` (what ``proxyvisor wrap --session NAME`` hands the agent);
 2. the header ``x-proxyvisor-session``;
 3. the client's own ids: ``X-Claude-Code-Session-Id``, ``session-id`` (Codex), ``x-session-id`` (opencode);
 4. ids in the body: Anthropic ``metadata.user_id`` (Claude Code's JSON string gives its ``session_id``), OpenAI
    ``user``, Responses ``prompt_cache_key``;
-5. the conversation: a client that sends no id (aider, the SDKs) sends its whole history with every request, so
+5. the run prefix ``/r/{run}/v1/...`` (what ``proxyvisor wrap`` hands the agent): a request of a run that names
+   no session of its own belongs to session ``{run}``. The run is recorded whatever the session (each ledger line's
+   ``run``, and :meth:`SessionTable.sessions_of`), so a client that resumes its own session in another run (``claude
+   --resume``: the same session id) goes on in that session, and each run can still tell its own requests;
+   ``/r/{run}/s/{session}/...`` records the run and forces the session;
+6. the conversation: a client that sends no id (aider, the SDKs) sends its whole history with every request, so
    a request whose history extends (or repeats) the history of a live session's earlier request belongs to that
    session, and so does one whose history holds an answer proxyvisor delivered to that session (its tool-call
    ids, or its text: a client that reorders its history, such as aider moving the chat files after the turns
@@ -16,7 +21,7 @@ Identity, first match wins (DESIGN.md, "Sessions"):
    with the same system prompt and canned example messages are two sessions; the system prompt alone never
    identifies one. A request repeated exactly (a client's retry) stays in its session.
 
-Ids from paths and headers must match :data:`SESSION_ID` (letters, digits, ``.``, ``_``, ``-``; at most 128
+Ids from paths (runs too) and headers must match :data:`SESSION_ID` (letters, digits, ``.``, ``_``, ``-``; at most 128
 characters); anything else is refused, so an id can never walk out of the state directory. An id taken from a
 body is used as it is when it matches :data:`SESSION_ID`, and hashed otherwise (never refused).
 """
@@ -29,7 +34,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..store import SESSION_ID
 from .formats import WireFormat
@@ -39,31 +44,46 @@ from ..transcript import Message, fingerprint
 if TYPE_CHECKING:  # supervision imports this module
     from .supervise import SessionSupervision
 
-_PREFIX = re.compile(r"^/s/([^/]*)(/.*)?$")
+_PREFIX = re.compile(r"^(?:/r/([^/]*))?(?:/s/([^/]*))?(/.*)?$")
 _OURS = "x-proxyvisor-session"
 _HEADERS = (_OURS, "x-claude-code-session-id", "session-id", "x-session-id")
 _ENDS_PER_SESSION = 16
 """Conversation links kept per session of the table's bound: the history ends of a session's recent requests (for
 clients that retry or branch from an earlier point) and the keys of the answers it was delivered."""
+SESSIONS_PER_RUN = 64
+"""Sessions a run's requests went to that :meth:`SessionTable.sessions_of` names, the least recently used dropped
+first (an agent's subagents with threads of their own are a few)."""
 
 
 class InvalidSession(ValueError):
     """A session id from the path or a header is not a valid id; the message says what is allowed."""
 
 
-def split_prefix(path: str) -> tuple[str | None, str]:
-    """(session id from ``/s/{id}/...`` or None, the path without that prefix).
+class Prefix(NamedTuple):
+    """A request path's session prefix (module docstring, 1 and 5) and the path without it."""
+
+    session: str | None
+    """From ``/s/{session}/``: the session, forced."""
+    path: str
+    run: str | None = None
+    """From ``/r/{run}/``: the run the request came through."""
+
+
+def split_prefix(path: str) -> Prefix:
+    """The prefix of ``path``: ``/r/{run}/``, ``/s/{session}/`` or both, in that order, each optional.
 
     Raises:
-        InvalidSession: the prefix is present but the id is not valid.
+        InvalidSession: a run or session id is present but not valid.
     """
     match = _PREFIX.match(path)
-    if not match:
-        return None, path
-    session, rest = match.group(1), match.group(2) or "/"
-    if not SESSION_ID.match(session):
-        raise InvalidSession("invalid session id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
-    return session, rest
+    if not match or match.group(1) is None and match.group(2) is None:
+        return Prefix(None, path)
+    run, session, rest = match.group(1), match.group(2), match.group(3) or "/"
+    for kind, value in (("run", run), ("session", session)):
+        if value is not None and not SESSION_ID.match(value):
+            raise InvalidSession(f"invalid {kind} id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter "
+                                 "or digit")
+    return Prefix(session, rest, run)
 
 
 def _hashed(kind: str, value: str) -> str:
@@ -71,10 +91,11 @@ def _hashed(kind: str, value: str) -> str:
 
 
 def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any],
-             conversations: Conversations | None = None, now: float = 0.0) -> tuple[str, str]:
-    """(session id, where it came from: ``path``, ``header:NAME``, ``body`` or ``hash``).
+             conversations: Conversations | None = None, now: float = 0.0,
+             run: str | None = None) -> tuple[str, str]:
+    """(session id, where it came from: ``path``, ``header:NAME``, ``body``, ``run`` or ``hash``).
 
-    ``header`` is a callable ``name -> str | None``. ``conversations`` holds the live conversations of clients
+    ``header`` is a callable ``name -> str | None``; ``run`` the request's run prefix (:class:`Prefix`). ``conversations`` holds the live conversations of clients
     that send no id (the hash fallback; without it, every such request starts a new session) and records this
     request's history in them; ``now`` is seconds on its clock.
 
@@ -85,15 +106,16 @@ def identify(path_session: str | None, header: Any, fmt: WireFormat, body: dict[
     Raises:
         InvalidSession: ``x-proxyvisor-session`` holds an invalid id.
     """
-    explicit = explicit_id(path_session, header, fmt, body)
+    explicit = explicit_id(path_session, header, fmt, body, run)
     if explicit is not None:
         return explicit
     return (conversations or Conversations(0.0, 1)).session_for(fmt, body, now), "hash"
 
 
-def explicit_id(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any]) -> tuple[str, str] | None:
-    """:func:`identify`'s answer when the request names its session (the path, a header, the body: module
-    docstring, 1-4); None when only its conversation can tell (5).
+def explicit_id(path_session: str | None, header: Any, fmt: WireFormat, body: dict[str, Any],
+                run: str | None = None) -> tuple[str, str] | None:
+    """:func:`identify`'s answer when the request names its session (the path, a header, the body) or came through
+    a run (module docstring, 1-5); None when only its conversation can tell (6).
 
     Raises:
         InvalidSession: ``x-proxyvisor-session`` holds an invalid id.
@@ -113,7 +135,7 @@ def explicit_id(path_session: str | None, header: Any, fmt: WireFormat, body: di
     hint = fmt.session_hint(body)
     if hint:
         return (hint if SESSION_ID.match(hint) else _hashed("b", hint)), "body"
-    return None
+    return (run, "run") if run else None
 
 
 class Conversations:
@@ -396,6 +418,9 @@ class SessionTable:
         """Called with each session :meth:`evict` drops (its end: ``proxyvisor.proxy.learning``)."""
         self.conversations = Conversations(idle_s, _ENDS_PER_SESSION * max_sessions)
         """The live conversations of clients that send no session id (:func:`identify`)."""
+        self._runs: OrderedDict[str, dict[str, None]] = OrderedDict()
+        """Run -> the sessions its requests went to, least recently used first (runs likewise): at most
+        ``max_sessions`` runs, kept apart from the sessions, whose eviction they outlive."""
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -403,7 +428,11 @@ class SessionTable:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
-    def touch(self, session_id: str, now: float) -> Session:
+    def touch(self, session_id: str, now: float, run: str | None = None) -> Session:
+        """The session ``session_id``, made if new, seen ``now``; a request of it came through ``run`` (None: no
+        run), which :meth:`sessions_of` then names it for."""
+        if run is not None:
+            self._ran(run, session_id)
         session = self._sessions.pop(session_id, None)
         if session is None:
             session = Session(session_id, now, now)
@@ -411,6 +440,22 @@ class SessionTable:
         self._sessions[session_id] = session  # dict order = least recently seen first
         self.evict(now)
         return session
+
+    def _ran(self, run: str, session_id: str) -> None:
+        sessions = self._runs.pop(run, None) or {}
+        sessions.pop(session_id, None)
+        sessions[session_id] = None
+        if len(sessions) > SESSIONS_PER_RUN:
+            del sessions[next(iter(sessions))]
+        self._runs[run] = sessions
+        while len(self._runs) > self.max_sessions:
+            self._runs.popitem(last=False)
+
+    def sessions_of(self, run: str) -> list[str]:
+        """The sessions the requests of ``run`` went to (at most :data:`SESSIONS_PER_RUN`), the one its latest
+        request went to last; empty for a run this table has not seen (or has dropped: at most ``max_sessions``
+        runs are kept, the least recently used dropped first)."""
+        return list(self._runs.get(run, ()))
 
     def evict(self, now: float) -> list[Session]:
         """Drop idle sessions and the oldest beyond the bound; returns what was dropped."""
