@@ -56,11 +56,11 @@ first (an agent's subagents with threads of their own are a few)."""
 
 
 class InvalidSession(ValueError):
-    """A session id from the path or a header is not a valid id; the message says what is allowed."""
+    """A session or run id from the path or a header is not a valid id; the message says what is allowed."""
 
 
 class Prefix(NamedTuple):
-    """A request path's session prefix (module docstring, 1 and 5) and the path without it."""
+    """A request path's session and run prefixes (module docstring, 1 and 5) and the path without them."""
 
     session: str | None
     """From ``/s/{session}/``: the session, forced."""
@@ -75,15 +75,15 @@ def split_prefix(path: str) -> Prefix:
     Raises:
         InvalidSession: a run or session id is present but not valid.
     """
-    match = _PREFIX.match(path)
-    if not match or match.group(1) is None and match.group(2) is None:
+    match = _PREFIX.match(path) if path.startswith(("/r/", "/s/")) else None
+    if match is None:
         return Prefix(None, path)
-    run, session, rest = match.group(1), match.group(2), match.group(3) or "/"
+    run, session, rest = match.groups()
     for kind, value in (("run", run), ("session", session)):
         if value is not None and not SESSION_ID.match(value):
             raise InvalidSession(f"invalid {kind} id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter "
                                  "or digit")
-    return Prefix(session, rest, run)
+    return Prefix(session, rest or "/", run)
 
 
 def _hashed(kind: str, value: str) -> str:
