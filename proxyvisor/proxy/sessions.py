@@ -69,8 +69,11 @@ class Prefix(NamedTuple):
     """From ``/r/{run}/``: the run the request came through."""
 
 
+@functools.lru_cache(maxsize=64)
 def split_prefix(path: str) -> Prefix:
-    """The prefix of ``path``: ``/r/{run}/``, ``/s/{session}/`` or both, in that order, each optional.
+    """The prefix of ``path``: ``/r/{run}/``, ``/s/{session}/`` or both, in that order, each optional. Kept for the
+    64 paths seen last (each at most a request head's size): an agent's requests repeat a few, each read as the
+    request arrives and again for its ledger line.
 
     Raises:
         InvalidSession: a run or session id is present but not valid.
