@@ -315,8 +315,9 @@ def _call(session: int, n: int) -> tuple[ToolUse, ToolOutput]:
 
 def test_many_sessions_receipts_stay_within_the_pools_bound_while_each_reuses_its_own() -> None:
     """200 sessions of 30 calls each, over a pool of 1 MiB (about a quarter of what they compute): the memory the
-    caches hold (traced) stays within the bound, each session finds its latest receipts again (the same objects)
-    while sessions long idle lost theirs, and a session never gets another's receipt for the same content."""
+    caches hold (traced) stays within the bound (give or take what the pool cannot count), each session finds its
+    latest receipts again (the same objects) while sessions long idle lost theirs, and a session never gets
+    another's receipt for the same content."""
     limit, sessions, calls = 1 << 20, 200, 30
     watched = (0, 1, sessions - 2, sessions - 1)
     pool = receipts.ReceiptPool(limit)
@@ -334,7 +335,9 @@ def test_many_sessions_receipts_stay_within_the_pools_bound_while_each_reuses_it
         held = tracemalloc.get_traced_memory()[0] - before - 2 * calls * 600
     finally:
         tracemalloc.stop()
-    assert pool.size <= limit and held <= limit, (pool.size, held)
+    # The pool counts each receipt by its measured size (ENTRY_BYTES); what it cannot see, its table growing in steps
+    # and the interpreter's own caches traced meanwhile, is a few percent either way.
+    assert pool.size <= limit and 0.9 * limit <= held <= 1.05 * limit, (pool.size, held)
     assert len(pool) < sessions * calls // 3
     for s in watched:  # idle since the start: computed again; used last: the very same receipts
         again = [caches[s].receipt(*_call(s, n), RUNNER) for n in range(calls)]
