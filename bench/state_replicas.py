@@ -2,13 +2,14 @@
 replicas, or two proxies on one state directory): each round one process saves the state with one more receipt in
 one of its threads' current turn (in turn: ``--threads``, sub-agents), and the other loads it. CPU of the whole
 process per round (the save, the load and its worker thread), for turns of ``--receipts`` receipts, on a diskcache
-folder.
+folder; with ``--saves``, of the saves alone (no other process loads: what a save costs as the turn grows).
 
 Usage (from the repository root)::
 
     python bench/state_replicas.py                                   # this checkout
     python bench/state_replicas.py --compare /tmp/old                # and another checkout, with the ratio
     python bench/state_replicas.py --threads 8 --compare /tmp/old    # a session of 8 threads
+    python bench/state_replicas.py --saves --receipts 4096 --compare /tmp/old   # the saves alone, a long turn
 
 Each checkout runs in a process of its own (``--checkout`` is how the parent runs the other one).
 """
@@ -31,12 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--receipts", type=int, default=560, help="receipts in the turn at the start (default 560)")
     p.add_argument("--rounds", type=int, default=60, help="rounds measured (default 60)")
     p.add_argument("--threads", type=int, default=1, help="threads of the session, each with such a turn (default 1)")
+    p.add_argument("--saves", action="store_true", help="measure the saves alone: no other process loads")
     p.add_argument("--compare", type=Path, help="also measure this checkout of proxyvisor, in its own process")
     p.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def measure(receipts: int, rounds: int, threads: int) -> float:
+def measure(receipts: int, rounds: int, threads: int, saves: bool) -> float:
     """Process CPU ms per round (module docstring), with proxyvisor imported from ``sys.path``."""
     import trio
 
@@ -67,10 +69,11 @@ def measure(receipts: int, rounds: int, threads: int) -> float:
             thread.tracker.reader.turn_receipts[f"more_{n}"] = thread.tracker.reader.turn_receipts["call_1"]
             changed(thread)
             await one.save(saving)
-            await other.load(loading)
+            if not saves:
+                await other.load(loading)
+                assert loading.state_version == saving.state_version
             if n >= 5:  # the first rounds read the whole turn
                 spent += time.process_time() - started
-            assert loading.state_version == saving.state_version
         return spent / rounds * 1000
 
     return trio.run(run)
@@ -80,17 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.checkout is not None:
         sys.path.insert(0, str(args.checkout.resolve()))
-        print(f"{measure(args.receipts, args.rounds, args.threads):.3f}")
+        print(f"{measure(args.receipts, args.rounds, args.threads, args.saves):.3f}")
         return 0
     runs = [("this checkout", ROOT)] + ([("compared", args.compare)] if args.compare else [])
     found = {}
     for label, where in runs:
         out = subprocess.run([sys.executable, __file__, "--checkout", str(where), "--receipts", str(args.receipts),
-                              "--rounds", str(args.rounds), "--threads", str(args.threads)],
+                              "--rounds", str(args.rounds), "--threads", str(args.threads)]
+                             + (["--saves"] if args.saves else []),
                              check=True, capture_output=True, text=True).stdout
         found[label] = float(out.split()[-1])
-        print(f"{label} ({where}): {found[label]:.3f} ms CPU per round, {args.threads} thread(s) of {args.receipts} "
-              "receipts")
+        print(f"{label} ({where}): {found[label]:.3f} ms CPU per {'save' if args.saves else 'round'}, "
+              f"{args.threads} thread(s) of {args.receipts} receipts")
     if args.compare:
         print(f"ratio: {found['this checkout'] / found['compared']:.2f}")
     return 0

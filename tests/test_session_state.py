@@ -193,6 +193,39 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     assert len([key for key in _stored(backend) if key.startswith("s:r:")]) == 2
 
 
+class _Unread(list[Any]):
+    """A turn's chunks that fail the test when read one by one."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("a save read the turn's earlier chunks")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise AssertionError("a save read the turn's earlier chunks")
+
+
+async def test_a_save_in_a_long_turn_reads_only_the_receipts_added_since_the_last(tmp_path: Path) -> None:
+    """A turn of 600 receipts, saved: the saves after it, each of one more receipt, read none of the turn's chunks
+    (the cost of a save does not grow with the turn), write the one chunk filled on the way and remove none, and
+    another process reads every receipt back in order."""
+    backend = DiskBackend(tmp_path)
+    states = SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60)
+    session = Session("s", 0.0, 0.0, supervision=_receipts_state(600))
+    await states.save(session)
+    assert session.supervision is not None
+    thread = session.supervision.threads[b"key"]
+    known = _CHUNKS[thread.tracker.reader]
+    known.chunks = _Unread(known.chunks)
+    receipts = _receipts(session.supervision)
+    for n in range(CHUNK + 1):
+        receipts[f"more_{n}"] = receipts["call_1"]
+        session_state.changed(thread)  # as the pipeline notes a request's thread
+        await states.save(session)
+    assert len([key for key in _stored(backend) if key.startswith("s:r:")]) == (600 + CHUNK + 1) // CHUNK
+    other = Session("s", 0.0, 0.0)
+    await SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60).load(other)
+    assert other.supervision is not None and list(_receipts(other.supervision).items()) == list(receipts.items())
+
+
 async def test_a_session_back_from_another_process_reads_only_the_chunks_it_lacks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks are named by their content: of a newer state another process stored, a process that holds the session

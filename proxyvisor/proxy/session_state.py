@@ -19,9 +19,11 @@ after it was last written:
   (``RoundReader.turn_receipts``, which the verify-gate, the planner and learning read instead of computing them
   again: about 0.5 ms each), named by a digest of its content. A turn's receipts grow with the turn (hundreds in a
   long agent turn, most of a state's size): each full chunk is written once, with the save that filled it, and the
-  state holds the digests of its chunks and the receipts past the last full one. A save removes the chunks the
-  state this process last saved or loaded referred to and the new one does not (a turn that ended, a history
-  rewritten); those another process wrote and no state of this process referred to expire. A chunk that expired
+  state holds the digests of its chunks and the receipts past the last full one. What a save needs of the chunks
+  (their digests, classes, which are not stored yet) is kept as they are cut: a save reads the receipts added
+  since the last, not the turn's. A save removes the chunks the state this process last saved or loaded referred
+  to and the new one does not (a turn that ended, a history rewritten); those another process wrote and no state
+  of this process referred to expire. A chunk that expired
   before the state referring to it (a turn longer than the time to live) or cannot be read leaves its receipts out
   of the restored turn: they are computed again when read, from the same history.
 
@@ -130,8 +132,8 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
     def __init__(self) -> None:
         super().__init__(_PLAIN)
         self.classes: set[str] = set()
-        self.chunks: list[_Chunk] = []
-        """The receipt chunks the pickled object refers to."""
+        self.chunks: list[_Run] = []
+        """The receipt chunks the pickled object refers to, each reader's."""
         self[RoundReader] = self._reader
         self[SessionSupervision] = self._supervision
 
@@ -139,11 +141,10 @@ class _Reductions(dict[type, Callable[[Any], Any]]):
         """A thread's round reader as the default pickler reduces it, its turn's receipts replaced by
         :class:`_StoredReceipts`."""
         self.classes.add(_name(RoundReader))
-        chunks, rest = _chunked(reader)
-        for chunk in chunks:
-            self.classes.update(chunk.classes)
-        self.chunks += chunks
-        stored = _StoredReceipts(tuple(c.digest for c in chunks), rest)
+        run, rest = _chunked(reader)
+        self.classes.update(run.classes)
+        self.chunks.append(run)
+        stored = _StoredReceipts(run.digests, rest)
         state = {**vars(reader), "turn_receipts": stored}
         return copyreg.__newobj__, (RoundReader,), state  # type: ignore[attr-defined]
 
@@ -207,10 +208,10 @@ def _fields_reduction(kind: type) -> Callable[[Any], Any] | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _StoredReceipts:
-    """A turn's receipts in a stored state (module docstring): the digests of its full chunks, in order, then the
-    receipts past them, by call id."""
+    """A turn's receipts in a stored state (module docstring): the digests of its full chunks, in order, end to end
+    (:data:`DIGEST` bytes each), then the receipts past them, by call id."""
 
-    chunks: tuple[bytes, ...]
+    chunks: bytes
     rest: tuple[tuple[str, Receipt], ...]
 
 
@@ -225,11 +226,11 @@ class _StoredThreads:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Pickled:
     """A thread as a save pickled it: the pickle, the proxyvisor classes it holds and the receipt chunks it
-    refers to (each one's ``value`` None once stored)."""
+    refers to."""
 
     value: bytes
     classes: frozenset[str]
-    chunks: tuple[_Chunk, ...]
+    chunks: tuple[_Run, ...]
 
 
 _PICKLED: weakref.WeakKeyDictionary[HistoryTracker, _Pickled] = weakref.WeakKeyDictionary()
@@ -269,12 +270,45 @@ class _Chunk:
     classes: frozenset[str]
 
 
+DIGEST = 16
+"""Bytes of a chunk's digest."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Run:
+    """A reader's full chunks as a pickle of its thread refers to them: their digests end to end, the proxyvisor
+    classes they hold, and those of them not stored when it was made (each one's ``value`` None once stored)."""
+
+    digests: bytes
+    classes: frozenset[str]
+    unstored: tuple[_Chunk, ...]
+
+
 @dataclasses.dataclass(slots=True)
 class _Chunks:
-    """The full chunks of a reader's current turn (``receipts``, the dict they were cut from), in order."""
+    """The full chunks of a reader's current turn (``receipts``, the dict they were cut from), in order, with what
+    a save reads of them kept up to date as they are cut (:meth:`add`): their digests end to end, the proxyvisor
+    classes they hold and those not stored yet. A save reads the chunks it cuts, not the turn's."""
 
     receipts: dict[str, Receipt]
-    chunks: list[_Chunk]
+    chunks: list[_Chunk] = dataclasses.field(default_factory=list)
+    digests: bytes = b""
+    classes: frozenset[str] = frozenset()
+    unstored: list[_Chunk] = dataclasses.field(default_factory=list)
+
+    def add(self, chunk: _Chunk) -> None:
+        """Append ``chunk``, the next of the turn."""
+        self.chunks.append(chunk)
+        self.digests += chunk.digest
+        if not chunk.classes <= self.classes:
+            self.classes |= chunk.classes
+        if chunk.value is not None:
+            self.unstored.append(chunk)
+
+    def run(self) -> _Run:
+        """The chunks as a pickle refers to them (those stored since :meth:`add` dropped from :attr:`unstored`)."""
+        self.unstored = [c for c in self.unstored if c.value is not None]
+        return _Run(self.digests, self.classes, tuple(self.unstored))
 
 
 _CHUNKS: weakref.WeakKeyDictionary[RoundReader, _Chunks] = weakref.WeakKeyDictionary()
@@ -287,26 +321,26 @@ def _chunk_key(session_id: str, digest: bytes) -> str:
     return f"{session_id}:r:{digest.hex()}"
 
 
-def _chunked(reader: RoundReader) -> tuple[list[_Chunk], tuple[tuple[str, Receipt], ...]]:
+def _chunked(reader: RoundReader) -> tuple[_Run, tuple[tuple[str, Receipt], ...]]:
     """The full chunks of ``reader``'s turn receipts and the receipts past them. The chunks already cut from the
     same dict are kept: it only gains calls, at its end (``RoundReader.turn_receipts``), so only the receipts past
-    them are read (from the end: a turn's hundreds of receipts are not touched again). A new dict is cut afresh;
-    its chunks the same as stored ones of the dict it replaced (a call id used again past them) are not written
-    again."""
+    them are read (from the end: a turn's hundreds of receipts are not touched again, nor are its chunks: what a
+    save needs of them is kept as they are cut, :class:`_Chunks`). A new dict is cut afresh; its chunks the same as
+    stored ones of the dict it replaced (a call id used again past them) are not written again."""
     receipts = reader.turn_receipts
     known = _CHUNKS.get(reader)
     stored: set[bytes] = set()
     if known is None or known.receipts is not receipts or len(receipts) < len(known.chunks) * CHUNK:
         stored = {c.digest for c in known.chunks if c.value is None} if known is not None else stored
-        known = _CHUNKS[reader] = _Chunks(receipts, [])
+        known = _CHUNKS[reader] = _Chunks(receipts)
     rest = tuple(itertools.islice(reversed(receipts.items()), len(receipts) - len(known.chunks) * CHUNK))[::-1]
     full = len(rest) // CHUNK
     for n in range(full):
         ids, values = zip(*rest[n * CHUNK:(n + 1) * CHUNK])
         value, classes = _pickled((ids, values))
         digest = hashlib.blake2b(value, digest_size=16).digest()
-        known.chunks.append(_Chunk(ids, values, digest, None if digest in stored else value, frozenset(classes)))
-    return list(known.chunks), rest[full * CHUNK:]
+        known.add(_Chunk(ids, values, digest, None if digest in stored else value, frozenset(classes)))
+    return known.run(), rest[full * CHUNK:]
 
 
 def _pickled(obj: Any, reductions: _Reductions | None = None) -> tuple[bytes, set[str]]:
@@ -360,7 +394,8 @@ def _module_digest(module: str) -> bytes:
 class Encoded:
     """A state as :func:`encode` writes it: the ``value`` of the session's key, the receipt chunks it refers to
     that this process has not stored yet (``unstored``, each to go under ``<session>:r:<digest>``, its ``value``;
-    :func:`mark_stored` once written) and the digests of all it refers to (``chunks``)."""
+    :func:`mark_stored` once written) and the digests of all it refers to (``chunks``: each thread's end to end,
+    as :func:`_dropped` reads them)."""
 
     value: bytes
     unstored: list[_Chunk]
@@ -380,8 +415,8 @@ def encode(state: SessionSupervision, version: bytes) -> Encoded:
     names = tuple(sorted(classes))
     header = orjson.dumps({"classes": names, "digest": _source_digest(names).hex()})
     return Encoded(version + len(header).to_bytes(4, "big") + header + pickled,
-                   [c for c in reductions.chunks if c.value is not None],
-                   frozenset(c.digest for c in reductions.chunks))
+                   [c for run in reductions.chunks for c in run.unstored if c.value is not None],
+                   frozenset(run.digests for run in reductions.chunks))
 
 
 def mark_stored(chunks: list[_Chunk]) -> None:
@@ -466,7 +501,7 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
     chunks' values read by ``read`` (the values of keys, in order, None: absent), decoded as the state was, but
     for the chunks this process already has in ``held`` (the session's state it replaces: chunks are named by their
     content, so a session going back and forth between replicas reads only the chunks the other one added); the
-    digests of the chunks the state refers to. A chunk absent or unreadable leaves its receipts out (module
+    digests of the chunks the state refers to (each thread's end to end, as :attr:`Encoded.chunks`). A chunk absent or unreadable leaves its receipts out (module
     docstring). A thread whose chunks are all back keeps the pickle it was read from: the next save pickles it
     again only if it changed.
 
@@ -478,17 +513,20 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
         found: list[Any] = [t.reader.turn_receipts for t in trackers]
     except AttributeError:
         raise ValueError("not a session state: a thread without a round reader") from None
-    digests = [d for h in found if isinstance(h, _StoredReceipts) for d in h.chunks]
+    runs = [h.chunks for h in found if isinstance(h, _StoredReceipts)]
+    if not all(isinstance(run, bytes) and len(run) % DIGEST == 0 for run in runs):
+        raise ValueError("not a session state: a turn's chunks not named by their digests")
+    digests = [d for run in runs for d in _digests(run)]
     known = _known(held) if digests and held is not None else {}
     missing = [d for d in digests if d not in known]
     values = dict(zip(missing, read([_chunk_key(session_id, d) for d in missing]))) if missing else {}
-    digests += [c.digest for kept in decoded.kept for c in kept.chunks]
+    runs += [run.digests for kept in decoded.kept for run in kept.chunks]
     for tracker, stored in zip(trackers, found):
         if tracker not in decoded.unpickled:  # a thread held (decode): its receipts are there
             continue
         if not isinstance(stored, _StoredReceipts):
             raise ValueError("not a session state: a turn's receipts not as stored")
-        chunks = [known.get(d) or _chunk(d, values.get(d)) for d in stored.chunks]
+        chunks = [known.get(d) or _chunk(d, values.get(d)) for d in _digests(stored.chunks)]
         receipts: dict[str, Receipt] = {}
         for chunk in chunks:
             if chunk is not None:
@@ -499,11 +537,29 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
             raise ValueError("not a session state: its receipts are not by call id") from None
         tracker.reader.turn_receipts = receipts
         if None not in chunks:  # whole: a later save writes only its new chunks, and pickles it only if changed
-            whole = [c for c in chunks if c is not None]
-            _CHUNKS[tracker.reader] = _Chunks(receipts, whole)
+            whole = _CHUNKS[tracker.reader] = _Chunks(receipts)
+            for chunk in chunks:
+                if chunk is not None:
+                    whole.add(chunk)
             value, classes = decoded.unpickled[tracker]
-            _PICKLED[tracker] = _Pickled(value, classes.union(*(c.classes for c in whole)), tuple(whole))
-    return frozenset(digests)
+            _PICKLED[tracker] = _Pickled(value, classes | whole.classes, (whole.run(),))
+    return frozenset(runs)
+
+
+def _digests(run: bytes) -> list[bytes]:
+    """The chunk digests of ``run`` (end to end)."""
+    return [run[at:at + DIGEST] for at in range(0, len(run), DIGEST)]
+
+
+def _dropped(before: frozenset[bytes], now: frozenset[bytes]) -> list[bytes]:
+    """The digests of chunks ``before`` refers to and ``now`` does not (both as :attr:`Encoded.chunks`). A
+    thread's chunks only gain at the end while its turn goes on: a run of ``before`` that one of ``now`` starts
+    with drops nothing, found without reading its digests one by one."""
+    gone = [run for run in before - now if not any(later.startswith(run) for later in now)]
+    if not gone:
+        return []
+    kept = {d for run in now for d in _digests(run)}
+    return [d for run in gone for d in _digests(run) if d not in kept]
 
 
 def _known(state: SessionSupervision) -> dict[bytes, _Chunk]:
@@ -662,7 +718,7 @@ class SessionStates:
         last saved or loaded referred to) that it does not refer to."""
         items = {_chunk_key(session_id, c.digest): c.value for c in encoded.unstored if c.value is not None}
         self.kv.set_many({**items, session_id: encoded.value, session_id + ":v": version}, self.ttl_s,
-                         delete=[_chunk_key(session_id, d) for d in before - encoded.chunks])
+                         delete=[_chunk_key(session_id, d) for d in _dropped(before, encoded.chunks)])
 
     def close(self) -> None:
         self.kv.close()

@@ -404,7 +404,8 @@ class Session:
     """The version of :attr:`supervision` this process last loaded or saved (``proxyvisor.proxy.session_state``);
     empty: none yet."""
     state_chunks: frozenset[bytes] = frozenset()
-    """The receipt chunks (their digests) that version refers to: a later save removes those it no longer does."""
+    """The receipt chunks that version refers to (their digests, each thread's end to end:
+    ``session_state.Encoded.chunks``): a later save removes those it no longer does."""
 
 
 class SessionTable:
