@@ -16,7 +16,7 @@ import trio
 
 from proxyvisor.proxy import continuation, session_state
 from proxyvisor.proxy.formats import BY_NAME
-from proxyvisor.proxy.gating import ABANDONED
+from proxyvisor.proxy.gating import ABANDONED, GateTurn
 from proxyvisor.adapters.state import DiskBackend
 from proxyvisor.proxy.pipeline import Pipeline
 from proxyvisor.proxy.server import Request, Response
@@ -24,6 +24,7 @@ from proxyvisor.proxy.session_state import NAMESPACE, SETTINGS, SessionStates
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import SessionSupervision, Supervisor
 
+from helpers import ProxyRun
 from test_gate_proxy import DONE, Verifier, gated, verdict, with_history
 from test_session_state_changes import _assert_cached_is_fresh
 
@@ -64,7 +65,18 @@ async def _verifying(verifier: Verifier) -> None:
             await trio.sleep(0.005)
 
 
-async def test_a_request_cut_off_mid_verdict_is_pickled_again_by_the_next_save(tmp_path: Path) -> None:
+async def _stored_gates(run: ProxyRun) -> list[GateTurn | None]:
+    """The gate turns of the session's threads as a restarted proxy, or another replica, loads them."""
+    restarted = Session(SESSION, 0.0, 0.0)
+    await SessionStates(DiskBackend(run.store.root).kv(NAMESPACE, **SETTINGS), 60).load(restarted)
+    assert restarted.supervision is not None
+    return [t.gate_turn for t in restarted.supervision.threads.values()]
+
+
+async def test_a_request_cut_off_mid_verdict_is_pickled_again_and_saved_with_its_verdict_abandoned(
+        tmp_path: Path) -> None:
+    """A JSON request cut off while its verdict is awaited, after another thread's request saved the session (its
+    thread as it waited): the state is saved as the cut left it, no gate waiting, and pickled afresh."""
     verifier = Verifier([verdict()])
     verifier.release = trio.Event()  # the verdict never comes: the client leaves first
     async with gated(tmp_path, [DONE, {"text": "A title."}], verifier) as run:
@@ -77,6 +89,8 @@ async def test_a_request_cut_off_mid_verdict_is_pickled_again_by_the_next_save(t
             nursery.cancel_scope.cancel()  # the client of the gated request leaves
         (thread,) = [t for t in _state(pipeline).threads.values() if t.gate_turn is None and t.tracker.fed > 2]
         _assert_cached_is_fresh(_state(pipeline))
+        assert await _stored_gates(run) == [None, None]
+        assert [line["status"] for line in run.ledger()] == [200, 499]
 
 
 async def test_a_stream_closed_mid_verdict_is_saved_with_its_verdict_abandoned(
@@ -98,10 +112,7 @@ async def test_a_stream_closed_mid_verdict_is_saved_with_its_verdict_abandoned(
         await pipeline.settle()  # the save at the stream's end
         assert [t.gate_turn for t in _state(pipeline).threads.values()] == [None]
         _assert_cached_is_fresh(_state(pipeline))
-        restarted = Session(SESSION, 0.0, 0.0)
-        await SessionStates(DiskBackend(run.store.root).kv(NAMESPACE, **SETTINGS), 60).load(restarted)
-        assert restarted.supervision is not None
-        assert [t.gate_turn for t in restarted.supervision.threads.values()] == [None]
+        assert await _stored_gates(run) == [None]
         (line,) = run.ledger()
     assert (line["status"], line["error"]) == (200, "client disconnected mid-stream")
     assert (line["gate"]["outcome"], line["gate"]["passed"], line["gate"]["reason"]) == ("unverified", False, ABANDONED)

@@ -428,7 +428,7 @@ class Pipeline:
                 try:
                     await exchange.before_forward()
                 except trio.Cancelled:  # the steps' model calls (condensing, the planner) take their time
-                    self._account_cut(session, fmt, body, request, exchange)
+                    await self._cut(session, fmt, body, request, exchange)
                     raise
             if not native:
                 if self.translator is None:
@@ -576,7 +576,7 @@ class Pipeline:
         (a continued turn, the verify-gate, the tool authorizer), its session's state stored (:meth:`_persisted`).
         Its one ledger line says how it ended: the answer (:meth:`_respond`, or a stream's end), an upstream error,
         or a cut before the answer, upstream or in a stage (the verify-gate's verdict awaited): the client's
-        leaving, or the proxy's stop (:meth:`_account_cut`; a stream cut later is accounted at its end)."""
+        leaving, or the proxy's stop (:meth:`_cut`; a stream cut later is accounted at its end)."""
         try:
             reply = await send()
             if exchange is not None:
@@ -586,16 +586,22 @@ class Pipeline:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            self._account_cut(session, fmt, body, request, exchange)
+            await self._cut(session, fmt, body, request, exchange)
             raise
         return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
 
-    def _account_cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
-                     exchange: Exchange | None) -> None:
+    async def _cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
+                   exchange: Exchange | None) -> None:
         """Record a request cut off before its answer (in a step before forwarding, upstream, or in a stage on the
-        reply): by the client's leaving, or by the proxy's stop."""
+        reply): by the client's leaving, or by the proxy's stop; and store its session's state as the cut left it,
+        shielded, as a stream's end does (:meth:`_persist`): a save another request of the session made meanwhile
+        may hold the request's thread mid-way (a gate waiting for its verdict), which a restart or another replica
+        would restore."""
         self._account(session, fmt, body, request, 503 if self.stopped else 499, Usage(), 0.0,
                       _STOPPED if self.stopped else _CANCELLED, exchange)
+        if session is not None and self.supervised:
+            with trio.CancelScope(shield=True):
+                await self._persist(session)
 
     async def _upstream(self, request: Request, fmt: WireFormat, path: str, upstream: str, body: dict[str, Any],
                         content: bytes | tuple[bytes, ...] | None, exchange: Exchange | None) -> UpstreamReply:
@@ -828,8 +834,8 @@ class Pipeline:
         """Store the session's supervision state (``proxyvisor.proxy.session_state``) once the request's answer
         is through, with the ledger lines and conversation links to share (``proxyvisor.proxy.sharing``): before
         the client has all of it, so its next request, on any replica, finds it; or, with :attr:`save_after` (a
-        local store, nothing shared), right after (:meth:`_persisted`). A request cut off before its answer leaves
-        the state as it was before it: the client's retry makes the same changes again. A backend that hangs
+        local store, nothing shared), right after (:meth:`_persisted`); a request cut off before its answer, at
+        once (:meth:`_cut`). A backend that hangs
         costs a request at most its timeouts (``proxyvisor.adapters.state``); the state then stays in memory."""
         if self.states is not None and self.sharing is not None:
             async with trio.open_nursery() as both:  # two worker threads, two round trips at once
