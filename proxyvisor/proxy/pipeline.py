@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -551,34 +551,27 @@ class Pipeline:
                             session.id if session else "-", exc)
                 exchange = None
 
-        async def send() -> UpstreamReply:
-            if self.breakers is None or body is None:
-                return await self._relayed(request, fmt, path, upstream_name, content)
-            return await self._upstream(request, fmt, path, upstream_name, body, content, exchange)
-
-        return await self._answered(request, fmt, body, session, exchange, send)
+        # The call, not awaited yet (no closure: this is the disabled path's too).
+        sent = self._relayed(request, fmt, path, upstream_name, content) if self.breakers is None or body is None \
+            else self._upstream(request, fmt, path, upstream_name, body, content, exchange)
+        return await self._answered(request, fmt, body, session, exchange, sent)
 
     async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
-        async def send() -> UpstreamReply:
-            if self.breakers is None:
-                reply: UpstreamReply = await self.translator.send(fmt, upstream, body, request.headers)
-                return reply
-            return await self._upstream(request, fmt, split_prefix(request.path).path, upstream.name, body, None,
-                                        exchange)
-
-        return await self._answered(request, fmt, body, session, exchange, send)
+        sent = self.translator.send(fmt, upstream, body, request.headers) if self.breakers is None \
+            else self._upstream(request, fmt, split_prefix(request.path).path, upstream.name, body, None, exchange)
+        return await self._answered(request, fmt, body, session, exchange, sent)
 
     async def _answered(self, request: Request, fmt: WireFormat, body: dict[str, Any] | None,
                         session: Session | None, exchange: Exchange | None,
-                        send: Callable[[], Awaitable[UpstreamReply]]) -> Response:
-        """The response to a model request whose upstream call is ``send``: its reply through ``exchange``'s stages
+                        sent: Awaitable[UpstreamReply]) -> Response:
+        """The response to a model request whose upstream call is ``sent``: its reply through ``exchange``'s stages
         (a continued turn, the verify-gate, the tool authorizer), its session's state stored (:meth:`_persisted`).
         Its one ledger line says how it ended: the answer (:meth:`_respond`, or a stream's end), an upstream error,
         or a cut before the answer, upstream or in a stage (the verify-gate's verdict awaited): the client's
         leaving, or the proxy's stop (:meth:`_cut`; a stream cut later is accounted at its end)."""
         try:
-            reply = await send()
+            reply = await sent
             if exchange is not None:
                 reply = exchange.reply(await self._authorized(exchange, await self._gated(
                     exchange, await self._continued(exchange, reply))))
