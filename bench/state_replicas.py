@@ -52,8 +52,9 @@ def measure(receipts: int, rounds: int, threads: int, saves: bool) -> float:
 
     backend = DiskBackend(Path(tempfile.mkdtemp(prefix="proxyvisor-replicas-")))
     one, other = (SessionStates(backend.kv(NAMESPACE, **SETTINGS), 60) for _ in range(2))
-    # What a request does to the thread it is on: a checkout that keeps the pickles of unchanged threads is told.
-    changed = getattr(session_state, "changed", lambda thread: None)
+    # What a request does to the thread it is on: its change is counted (Thread.changes), or, in a checkout from
+    # before the count, noted as the pipeline noted it (session_state.changed).
+    changed = getattr(session_state, "changed", None) or (lambda thread: setattr(thread, "changes", thread.changes + 1))
     state = SessionSupervision()
     for t in range(threads):
         state.thread(b"thread%d" % t, frozenset()).tracker.reader.turn_receipts = {

@@ -140,7 +140,7 @@ def _receipts_state_turn(state: SessionSupervision, count: int, prefix: str) -> 
     """A new turn in ``state``'s thread (a new dict) with ``count`` receipts."""
     receipts = _receipts(state)
     state.threads[b"key"].tracker.reader.turn_receipts = {f"{prefix}{i}": receipts["call_1"] for i in range(count)}
-    session_state.changed(state.threads[b"key"])
+    state.threads[b"key"].changes += 1  # as a request taking it counts it
 
 
 def _receipts(state: SessionSupervision) -> dict[str, Receipt]:
@@ -172,10 +172,10 @@ async def test_a_long_turns_receipts_come_back_from_chunks_each_written_once(tmp
     receipts = _receipts(session.supervision)
     extra = {f"more_{i}": receipts["call_1"] for i in range(CHUNK)}
     receipts.update(list(extra.items())[:1])
-    session_state.changed(session.supervision.threads[b"key"])  # as the pipeline notes a request's thread
+    session.supervision.threads[b"key"].changes += 1  # as a request taking it counts it
     assert encode(session.supervision, os.urandom(16)).unstored == [], "one more receipt: no chunk to write"
     receipts.update(extra)
-    session_state.changed(session.supervision.threads[b"key"])
+    session.supervision.threads[b"key"].changes += 1
     await states.save(session)
     last = _CHUNKS[session.supervision.threads[b"key"].tracker.reader].chunks[-1]
     assert set(_stored(backend)) - set(stored) == {f"s:r:{last.digest.hex()}"}, "the chunk it filled, alone"
@@ -218,7 +218,7 @@ async def test_a_save_in_a_long_turn_reads_only_the_receipts_added_since_the_las
     receipts = _receipts(session.supervision)
     for n in range(CHUNK + 1):
         receipts[f"more_{n}"] = receipts["call_1"]
-        session_state.changed(thread)  # as the pipeline notes a request's thread
+        thread.changes += 1  # as a request taking it counts it
         await states.save(session)
     assert len([key for key in _stored(backend) if key.startswith("s:r:")]) == (600 + CHUNK + 1) // CHUNK
     other = Session("s", 0.0, 0.0)
@@ -250,7 +250,7 @@ async def test_a_session_back_from_another_process_reads_only_the_chunks_it_lack
     assert theirs.supervision is not None
     receipts = _receipts(theirs.supervision)
     receipts.update({f"more_{i}": receipts["call_1"] for i in range(CHUNK)})
-    session_state.changed(theirs.supervision.threads[b"key"])
+    theirs.supervision.threads[b"key"].changes += 1
     await other.save(theirs)
     await here.load(session)
     assert [len(keys) for keys in read] == [3, 1], "the chunk the other process added, alone"
@@ -275,7 +275,6 @@ async def test_a_session_back_from_another_process_unpickles_only_the_threads_it
     assert all(session_state._PICKLED.get(t.tracker) is not None for t in before.values()), "kept as read"
     changed = theirs.supervision.threads[b"b"]
     changed.state = "blocked"
-    session_state.changed(changed)
     await other.save(theirs)
     await here.load(session)
     after = session.supervision.threads
@@ -298,7 +297,7 @@ async def test_a_receipt_replaced_or_a_chunk_lost_never_restores_a_wrong_receipt
     replaced = dict(reader.turn_receipts)
     replaced["call_0"] = replaced["call_1"]
     reader.turn_receipts = replaced
-    session_state.changed(session.supervision.threads[b"key"])
+    session.supervision.threads[b"key"].changes += 1
     assert len(encode(session.supervision, os.urandom(16)).unstored) == 1, "the chunks after the first: as stored"
     await states.save(session)
     other = Session("s", 0.0, 0.0)

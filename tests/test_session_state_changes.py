@@ -1,5 +1,5 @@
-"""A save pickles what changed (``proxyvisor.proxy.session_state``: each thread's pickle is kept until the pipeline
-notes the thread changed): over a long random session of several threads (sub-agents) driven through the proxy's
+"""A save pickles what changed (``proxyvisor.proxy.session_state``: each thread's pickle is kept until the thread
+changes, ``Thread.changes``, and is not while a request holds it): over a long random session of several threads (sub-agents) driven through the proxy's
 pipeline (tool rounds with and without self-reports, call ids used again, plan requests, ended turns and their
 verify-gate, histories rewritten, upstream errors, two requests at once), with restarts and another process reading
 the store, every encoding is byte for byte the one a fresh full encode makes, and what another process loads

@@ -1,4 +1,4 @@
-"""A thread changed after the last save pickled it is pickled again (``proxyvisor.proxy.session_state.changed``),
+"""A thread changed after the last save pickled it is pickled again (``proxyvisor.proxy.supervise.Thread.changes``),
 however its request ends: cut off while its verify-gate waits for the verdict, or its stream closed by the client
 while the verdict runs in the background. The encoding with the kept pickles must be a fresh one, and the state saved
 at the request's end holds no gate still waiting for its verdict."""
@@ -14,7 +14,7 @@ import orjson
 import pytest
 import trio
 
-from proxyvisor.proxy import continuation, session_state
+from proxyvisor.proxy import continuation
 from proxyvisor.proxy.formats import BY_NAME
 from proxyvisor.proxy.gating import ABANDONED, GateTurn
 from proxyvisor.adapters.state import DiskBackend
@@ -169,7 +169,6 @@ async def test_a_load_ending_after_the_session_was_loaded_or_saved_meanwhile_lea
         changed = session.supervision
         thread = next(iter(changed.threads.values()))
         thread.carry = ("changed here",)
-        session_state.changed(thread)
         await mine.save(session)
         release.set()
     assert session.supervision is changed
@@ -211,7 +210,6 @@ async def test_two_saves_of_a_session_at_once_store_the_later_state(tmp_path: Pa
         nursery.start_soon(states.save, session)
         await trio.to_thread.run_sync(remote.held.wait, 10)
         thread.carry = ("second",)
-        session_state.changed(thread)
         nursery.start_soon(states.save, session)
         await trio.sleep(0.2)  # the second save's turn, while the first write waits
         remote.release.set()

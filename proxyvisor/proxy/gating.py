@@ -82,7 +82,6 @@ from .continuation import Job, Resend, of_turn, rewritable
 from .relay import UpstreamError, UpstreamReply
 from .closing import close
 from .reply import Edit, Item, ReplyStream, blocks, off_loop, scanned
-from .session_state import changed
 from .sse import Block
 from .supervise import Exchange
 
@@ -227,7 +226,6 @@ class Gating:
             # its ledger line says, and its gate is forgotten, so that no save keeps a state machine waiting for a
             # verdict that never comes (its retry, here or on another replica, would be refused its stop).
             self.abandon(ABANDONED, logging.INFO)
-            changed(self.exchange.thread)
             raise
 
     async def judge(self, response: dict[str, Any]) -> list[Any] | None:

@@ -62,7 +62,7 @@ from .bodies import BodyCache
 from .sessions import InvalidSession, Prefix, Session, SessionTable, explicit_id, identify, split_prefix
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
-from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates, changed
+from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates
 from .sharing import Sharing
 from . import commands, estimate, web
 from .web import WebView
@@ -436,10 +436,9 @@ class Pipeline:
                 return await self._translate(request, fmt, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
-            # Failed: no ledger line noted the thread over, and a save meanwhile may have pickled it as a step left
-            # it.
+            # Failed: no ledger line ended the request.
             if exchange is not None:
-                changed(exchange.thread)
+                exchange.close()
             raise
 
     async def _shared_links(self, fmt: WireFormat, body: dict[str, Any]) -> None:
@@ -520,7 +519,6 @@ class Pipeline:
             reading = await self.supervisor.catch_up(session, fmt, body)
             model, route = self.routes.for_request(fmt, body, send, upstream, secrets, translated)
             exchange = self.supervisor.begin(session, fmt, body, model, route, reading)
-            changed(exchange.thread)  # taken: a save before this request is over pickles it again
             exchange.secrets = secrets
             self.learning.begin(session, exchange, self.background)
             if exchange.model is not None:
@@ -533,9 +531,6 @@ class Pipeline:
                 exchange.delegation = self.delegation.turn(exchange)
         except Exception:  # noqa: BLE001 - supervision must never cost the agent its request
             log.exception("supervision failed for session %s; forwarding the request unsupervised", session.id)
-            # Its thread may have changed before the failure (its history read): which one is not known here.
-            for thread in list(session.supervision.threads.values()) if session.supervision is not None else ():
-                changed(thread)
             return None
         return exchange
 
@@ -862,11 +857,11 @@ class Pipeline:
         supervision did (``proxyvisor.proxy.info.ledger_fields``), or, for ``local``, the command proxyvisor
         answered itself (``proxyvisor.proxy.commands``; not counted as a model request). With tracing on, the
         same record makes the request's spans (``proxyvisor.proxy.telemetry``; ``response_model``: the model the
-        answer names). The request is over: its thread is noted :func:`~proxyvisor.proxy.session_state.changed`."""
+        answer names). The request is over: its exchange is closed (``Exchange.close``)."""
         if session is None:
             return
         if exchange is not None:
-            changed(exchange.thread)
+            exchange.close()
         if local is None:
             session.requests += 1
             session.formats.add(fmt.name)

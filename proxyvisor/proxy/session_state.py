@@ -10,8 +10,9 @@ after it was last written:
 
 - ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled, each of its
   threads pickled on its own inside it. A request changes one thread (a sub-agent's history is a thread of its
-  own): a save pickles again only the threads :func:`changed` since this process last pickled them (the request's,
-  as the pipeline notes it) and reuses the others' pickles, so it costs what changed, not the whole state. A load
+  own): a save pickles again only the threads changed since this process last pickled them (their
+  ``Thread.changes`` counts moved, or a request holds them: ``Thread.hold``) and reuses the others' pickles, so it
+  costs what changed, not the whole state. A load
   of a newer state another process stored unpickles only the threads whose pickle is not the one this process
   holds for them, and keeps the pickles it read (:func:`decode`, :func:`restore`);
 - ``<session>:v``: the version alone;
@@ -225,36 +226,35 @@ class _StoredThreads:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Pickled:
-    """A thread as a save pickled it: the pickle, the proxyvisor classes it holds and the receipt chunks it
-    refers to."""
+    """A thread as a save pickled it (or a load read it), when its ``Thread.changes`` was ``changes``: the
+    pickle, the proxyvisor classes it holds and the receipt chunks it refers to."""
 
     value: bytes
     classes: frozenset[str]
     chunks: tuple[_Run, ...]
+    changes: int
 
 
 _PICKLED: weakref.WeakKeyDictionary[HistoryTracker, _Pickled] = weakref.WeakKeyDictionary()
-"""Each thread's pickle as this process's last save made it, by the thread's tracker (one per thread, never
-replaced; a thread, a dataclass, has no hash), until :func:`changed` drops it."""
+"""Each thread's pickle as this process's last save made it (or a load read it), by the thread's tracker (one per
+thread, never replaced; a thread, a dataclass, has no hash)."""
 
 
-def changed(thread: Thread) -> None:
-    """Note that ``thread`` may have changed since a save last pickled it: the next save pickles it again. A save
-    reuses the pickle of every thread not so noted. The pipeline notes a request's thread when the request takes
-    it and once the request is over (its answer's ledger line), so a save made meanwhile (another request's, in
-    the same session) does not keep the thread as that save found it; whatever else changes a thread notes it
-    too."""
-    _PICKLED.pop(thread.tracker, None)
+def _kept(thread: Thread) -> _Pickled | None:
+    """The pickle of ``thread`` this process keeps, while it is the thread as it is: not changed since
+    (``Thread.changes``), nor held by a request (``Thread.hold``); else None."""
+    found = _PICKLED.get(thread.tracker)
+    return found if found is not None and found.changes == thread.changes and not thread.holders else None
 
 
 def _thread_pickled(thread: Thread) -> _Pickled:
-    """``thread`` pickled (:func:`_pickled`), or its pickle kept from the last save, when not :func:`changed`
-    since."""
-    found = _PICKLED.get(thread.tracker)
+    """``thread`` pickled (:func:`_pickled`), or the pickle :func:`_kept` for it."""
+    found = _kept(thread)
     if found is None:
         reductions = _Reductions()
         value, classes = _pickled(thread, reductions)
-        found = _PICKLED[thread.tracker] = _Pickled(value, frozenset(classes), tuple(reductions.chunks))
+        found = _PICKLED[thread.tracker] = _Pickled(value, frozenset(classes), tuple(reductions.chunks),
+                                                    thread.changes)
     return found
 
 
@@ -439,7 +439,7 @@ class Decoded:
 
 def decode(value: bytes, held: SessionSupervision | None = None) -> Decoded:
     """The state of a session key's ``value``. A thread whose pickle is the one this process keeps for the thread
-    of the same key in ``held`` (the session's state it replaces; not :func:`changed` since) is that thread, not
+    of the same key in ``held`` (the session's state it replaces; :func:`_kept` for it) is that thread, not
     unpickled again: a session going back and forth between replicas unpickles the threads the other one changed.
     The turn receipts of the threads unpickled are still :class:`_StoredReceipts` (:func:`restore` reads them).
 
@@ -461,7 +461,7 @@ def decode(value: bytes, held: SessionSupervision | None = None) -> Decoded:
             raise ValueError("not a session state")
         for key, pickled in zip(stored.keys, stored.values):
             thread = held.threads.get(key) if held is not None else None
-            kept = _PICKLED.get(thread.tracker) if thread is not None else None
+            kept = _kept(thread) if thread is not None else None
             if kept is None or kept.value != pickled:
                 unpickler = _Unpickler(pickled)
                 thread = unpickler.load()
@@ -509,8 +509,8 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
         ValueError: the state is not as :func:`encode` writes one (its threads, their receipts).
     """
     try:
-        trackers = [t.tracker for t in decoded.state.threads.values()]
-        found: list[Any] = [t.reader.turn_receipts for t in trackers]
+        threads = list(decoded.state.threads.values())
+        found: list[Any] = [t.tracker.reader.turn_receipts for t in threads]
     except AttributeError:
         raise ValueError("not a session state: a thread without a round reader") from None
     runs = [h.chunks for h in found if isinstance(h, _StoredReceipts)]
@@ -521,7 +521,8 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
     missing = [d for d in digests if d not in known]
     values = dict(zip(missing, read([_chunk_key(session_id, d) for d in missing]))) if missing else {}
     runs += [run.digests for kept in decoded.kept for run in kept.chunks]
-    for tracker, stored in zip(trackers, found):
+    for thread, stored in zip(threads, found):
+        tracker = thread.tracker
         if tracker not in decoded.unpickled:  # a thread held (decode): its receipts are there
             continue
         if not isinstance(stored, _StoredReceipts):
@@ -542,7 +543,7 @@ def restore(decoded: Decoded, session_id: str, read: Callable[[list[str]], list[
                 if chunk is not None:
                     whole.add(chunk)
             value, classes = decoded.unpickled[tracker]
-            _PICKLED[tracker] = _Pickled(value, classes | whole.classes, (whole.run(),))
+            _PICKLED[tracker] = _Pickled(value, classes | whole.classes, (whole.run(),), thread.changes)
     return frozenset(runs)
 
 

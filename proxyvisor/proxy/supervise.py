@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -194,7 +195,14 @@ class RequestRecord:
 
 @dataclass
 class Thread:
-    """One agent history's supervision state."""
+    """One agent history's supervision state.
+
+    :attr:`changes` counts what may have changed it since it was made or loaded: each of its fields set, by
+    whatever code sets it (``__setattr__`` counts it), each request taking it (``Supervisor.begin``, and
+    ``Supervisor.catch_up`` once its tracker read a history from the start) and each hold ending (:meth:`hold`). A save
+    (``proxyvisor.proxy.session_state``) pickles a thread again when its count moved since its last pickle, or
+    while a request holds it, whatever that request changes deep inside it (the verify-gate's state machine
+    across its verdict's wait): no code that changes a thread has to say so."""
 
     tracker: HistoryTracker
     policy: SteerPolicy = field(default_factory=SteerPolicy)
@@ -214,6 +222,35 @@ class Thread:
     """The self-report's plan signal waiting for the planner (``request``, ``phase_complete``, ``reassess``)."""
     planning: PlanningState = field(default_factory=PlanningState)
     """The rest of the plan's bookkeeping: the goal, the request latch, the phase's evidence window."""
+    changes: int = field(default=0, init=False, repr=False, compare=False)
+    """What may have changed the thread, counted (class docstring); this process's own (not stored)."""
+    holders: int = field(default=0, init=False, repr=False, compare=False)
+    """Requests holding the thread (:meth:`hold`); this process's own (not stored)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name != "changes":
+            super().__setattr__("changes", self.changes + 1)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a stored state holds of the thread: its fields but :attr:`changes` and :attr:`holders`."""
+        state = self.__dict__.copy()
+        for name in _LOCAL:
+            state.pop(name, None)
+        return state
+
+    def hold(self, holder: object) -> Callable[[], None]:
+        """Hold the thread for ``holder`` (a request's exchange): until the call returned is made (the first call
+        ends the hold, later ones do nothing) or ``holder`` is freed, every save pickles the thread again."""
+        self.holders += 1
+        return weakref.finalize(holder, self._release)
+
+    def _release(self) -> None:
+        self.holders -= 1
+
+
+_LOCAL = frozenset({"changes", "holders"})
+"""The fields of :class:`Thread` that are this process's own."""
 
 
 @dataclass
@@ -338,6 +375,7 @@ class Supervisor:
             # this process's own (session_state.decode): the same thread, whose reading holds.
             reading.state, thread = self._thread(session, fmt, reading.parts)
             if thread is reading.thread:
+                thread.changes += 1  # its tracker now holds what was read
                 reading.update = update
                 return reading
             reading.thread = thread
@@ -350,13 +388,15 @@ class Supervisor:
         ``reading``, what :meth:`catch_up` found of the same body just before (else it is found here, and the
         history read at once).
         Never raises on odd histories: unknown items are ignored."""
-        if reading is None:
-            reading = self._reading(session, fmt, body)
-            update = reading.thread.tracker.update(reading.items, fmt.message, reading.schemas)
-        elif reading.update is None:  # catch_up found the history going on, with nothing run since
+        caught_up, reading = reading is not None, reading or self._reading(session, fmt, body)
+        # Taken: whatever is changed here before the exchange holds the thread is counted, should this fail.
+        reading.thread.changes += 1
+        if reading.update is not None:
+            update = reading.update
+        elif caught_up:  # catch_up found the history going on, with nothing run since
             update = reading.thread.tracker.go_on(reading.items, fmt.message, reading.schemas)
         else:
-            update = reading.update
+            update = reading.thread.tracker.update(reading.items, fmt.message, reading.schemas)
         state, thread, parts, items, tools, schemas = (reading.state, reading.thread, reading.parts, reading.items,
                                                        reading.tools, reading.schemas)
         sent = list(items)  # the agent's history: the insertions below go into this same list
@@ -515,6 +555,12 @@ class Exchange:
         self.secrets: list[str] = []
         """The credentials the request carries (``proxyvisor.proxy.session_model.secrets_of``): what learning
         never stores. Never written anywhere."""
+        self._release = thread.hold(self)
+
+    def close(self) -> None:
+        """The request is over: its hold on the thread ends (:meth:`Thread.hold`; the first call only), so that
+        saves keep its next pickle until it changes. An exchange never closed ends it when it is freed."""
+        self._release()
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
