@@ -82,6 +82,20 @@ def test_top_level_tools_namespaces_and_built_in_types_are_read_together() -> No
         ("exec_command", "function"), ("multi_agent_v1.spawn_agent", "function"), ("web_search", "web_search")]
 
 
+def test_a_repeated_tools_list_reads_as_a_fresh_one_with_the_additional_tools_after_it() -> None:
+    """The requests of a session repeat the very same ``tools`` list (``proxyvisor.proxy.bodies``): what is read of
+    it once serves them, each with its own list, the tools of its ``additional_tools`` items after it."""
+    tools = [{"type": "function", "name": "exec_command"},
+             {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn_agent"}]}]
+    extra = {"type": "additional_tools", "tools": [{"type": "function", "name": "late"}]}
+    names = [t.name for t in RESPONSES.tools({"input": [], "tools": tools})]
+    assert names == ["exec_command", "ns.spawn_agent"]
+    again = RESPONSES.tools({"input": [extra], "tools": tools})
+    assert [t.name for t in again] == names + ["late"]
+    again.clear()
+    assert [t.name for t in RESPONSES.tools({"input": [], "tools": tools})] == names
+
+
 def test_chat_custom_tools_and_anthropic_tool_types_are_read() -> None:
     chat = {"tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}},
                       {"type": "custom", "custom": {"name": "shell", "description": "Runs a command line."}}]}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 
-from .base import (AssistantTurn, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
+from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, beside, chat_text,
                    dumps, edit_parts, arguments_of, as_list, error_types, event_object, has_non_text, interleave,
                    edited, keep_scan, leading_system, notes_after, resumed, split_json, sse, sse_json, words,
                    openai_error_body, openai_error_code)
@@ -124,6 +124,15 @@ def _specs(declared: list[Any], namespace: str | None) -> list[ToolSpec]:
     return out
 
 
+_TOOLS = ByIdentity()
+""":func:`_declared` by the ``tools`` list, which the requests of a session repeat."""
+
+
+def _declared(tools: Any) -> list[ToolSpec]:
+    """The tools of a request's top-level ``tools`` (:func:`_specs`)."""
+    return _specs(as_list(tools), None)
+
+
 def _additional_tools(items: list[Any]) -> list[Any]:
     """The tools declared by the ``additional_tools`` items of history ``items``, in order; a history that only grew
     since the last request is read from its new items on (:func:`~.base.resumed`)."""
@@ -186,7 +195,9 @@ class ResponsesFormat(WireFormat):
         """The top-level ``tools`` and those of every ``additional_tools`` input item (Codex with its default
         model declares its tools there), namespaces opened (:func:`_specs`)."""
         items = body.get("input")
-        return _specs(as_list(body.get("tools")) + (_additional_tools(items) if isinstance(items, list) else []), None)
+        extra = _additional_tools(items) if isinstance(items, list) else []
+        declared: list[ToolSpec] = _TOOLS.get(body.get("tools"), _declared)
+        return declared + _specs(extra, None)
 
     def ends_with_tool_result(self, body: dict[str, Any]) -> bool:
         items = body.get("input")
