@@ -20,6 +20,10 @@ middle of the heap, among smaller live ones, are never at its top, so a proxy th
 sessions at once kept GBs it no longer used (2.5 GB resident for some 300 MB in use, after a load of 4 sessions of
 1-28 MB histories and 100 MB events; 610 MB after a trim).
 
+A big event's objects (its bytes, its text, its rewrite: 128 MB each) are freed by :func:`free_deferred`, a
+bounded step at a time, in a worker thread, not where the stream's stages let go of them (:func:`defer_free`):
+freed at once, each holds Python's interpreter lock, and so the event loop, for some 50 us per MB.
+
 One arena for every thread (set by :func:`tune`, before threads start: a thread keeps the arena it got): the
 interpreter lock already lets one thread allocate at a time, and a worker thread's own arena is a heap where a big
 text would be copied as it grows.
@@ -28,13 +32,14 @@ text would be copied as it grows.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import trio
 
-from ..bigtext import MMAP_THRESHOLD
+from ..bigtext import MMAP_THRESHOLD, pause
 
 HEAP_BLOCKS = 32 * 1024 * 1024
 """Blocks up to this size come from the heap by default: glibc's largest mapping threshold on 64-bit systems."""
@@ -45,6 +50,15 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 """glibc's ``mallopt`` parameter numbers (``malloc.h``)."""
+_MADV_DONTNEED = 4
+_PAGE = 4096
+_HEADER = 128
+"""Bytes at the start of a ``str`` or ``bytes`` object that its free still reads (its header; the data follows)."""
+_STR_STATE = 32
+_COMPACT = 1 << 5
+"""Where a ``str``'s state bits are (CPython's ``PyASCIIObject``, 64-bit) and its ``compact`` bit among them."""
+FREE_STEP = 1024 * 1024
+"""Bytes of one big object's pages given back per step of :func:`free_deferred` (some 50 us each)."""
 
 IDLE_S = 10.0
 """Seconds without a request ended or in flight after which :func:`trim_when_idle` gives free memory back."""
@@ -53,6 +67,8 @@ _libc: ctypes.CDLL | None = None
 _lock = threading.Lock()
 _mapping = 0
 """How many works want big blocks mapped (:func:`big_blocks_mapped`) now."""
+_deferred: list[str | bytes | list[bytes]] = []
+"""Objects :func:`defer_free` keeps until :func:`free_deferred` frees them (guarded by ``_lock``)."""
 
 
 def tune() -> None:
@@ -113,6 +129,70 @@ async def trim_when_idle(in_flight: Callable[[], int], ended: Callable[[], int])
         await trio.sleep(IDLE_S)
         now = ended()
         if now == seen and now != trimmed and not in_flight():
-            trim()  # on the loop: it is idle, and another thread's allocations would wait for the trim all the same
+            # On the loop: it is idle, and another thread's allocations would wait for the trim all the same.
+            free_deferred()  # what the last streams' stages let go of after their last sweep
+            trim()
             trimmed = now
         seen = now
+
+
+def defer_free(obj: str | bytes | list[bytes]) -> None:
+    """Keep ``obj`` (a big text or bytes, or a list of bytes) alive until a :func:`free_deferred` finds nothing
+    else refers to it, and frees it there, in steps.
+
+    Freeing 128 MB gives its 32,768 pages back to the system: 6 to 12 ms (some 50 us per MB), in one call that
+    holds Python's interpreter lock, wherever the last reference goes away. For a big event's objects that is
+    mostly the event loop, as the stages of a stream let go of a batch; in a worker thread it would stop the loop
+    all the same. Kept here, they are freed only by :func:`free_deferred`, a bounded step at a time."""
+    with _lock:
+        if all(kept is not obj for kept in _deferred):  # (kept twice, it would never look unused)
+            _deferred.append(obj)
+
+
+def free_deferred() -> int:
+    """Free each object kept by :func:`defer_free` that nothing else refers to any longer (the others stay kept),
+    with :func:`~proxyvisor.bigtext.pause` after each step of at most :data:`FREE_STEP` bytes: a list a piece at
+    a time, a big text or bytes by giving its pages back (``madvise``) a step at a time before its (then cheap)
+    free. Meant for a worker thread (``proxyvisor.proxy.reply.off_loop``). Returns how many objects stay kept."""
+    with _lock:
+        # (the list's reference, the loop's variable, getrefcount's argument: nothing else)
+        unused = [obj for obj in _deferred if sys.getrefcount(obj) == 3]
+        freed = {id(obj) for obj in unused}
+        _deferred[:] = [obj for obj in _deferred if id(obj) not in freed]
+        left = len(_deferred)
+    while unused:
+        _free_in_steps(unused.pop())
+    return left
+
+
+def deferred_bytes() -> int:
+    """About how many bytes :func:`defer_free` keeps now (each list counted by its pieces)."""
+    with _lock:
+        return sum(sum(map(len, obj)) if isinstance(obj, list) else len(obj) for obj in _deferred)
+
+
+def _free_in_steps(obj: object) -> None:
+    """Free ``obj``, the one reference to it being the caller's argument, in steps (:func:`free_deferred`)."""
+    if isinstance(obj, list):
+        while obj:
+            _free_in_steps(obj.pop())
+        return
+    if _libc is not None and _contiguous(obj) and sys.getrefcount(obj) == 2:
+        # Only this frame refers to it (the argument, popped by the caller, and getrefcount's): its data pages
+        # are read by no one again, and its free reads only its header, left alone.
+        start = -(-(id(obj) + _HEADER) // _PAGE) * _PAGE
+        end = (id(obj) + sys.getsizeof(obj)) // _PAGE * _PAGE
+        for at in range(start, end, FREE_STEP):
+            _libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(min(FREE_STEP, end - at)), _MADV_DONTNEED)
+            pause()
+    del obj
+    pause()
+
+
+def _contiguous(obj: object) -> bool:
+    """Whether ``obj`` is a ``bytes`` or a compact ``str`` (as every text Python code makes is): one block, its data
+    right after its header, of ``sys.getsizeof(obj)`` bytes in all. (A subclass's or a legacy string's data is a
+    block of its own.)"""
+    if type(obj) is bytes:
+        return True
+    return type(obj) is str and bool(ctypes.c_uint32.from_address(id(obj) + _STR_STATE).value & _COMPACT)
