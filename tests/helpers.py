@@ -24,8 +24,9 @@ import orjson
 import trio
 
 from proxyvisor.config import Config
-from proxyvisor.proxy.formats import BY_NAME, WireFormat
-from proxyvisor.proxy.server import Handler, Limits, bound_port, open_listeners, serve_listeners
+from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, WireFormat
+from proxyvisor.proxy.server import (Handler, Limits, Request, Response, bound_port, open_listeners,
+                                     serve_listeners)
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sse import Event, SSEParser
 from proxyvisor.scripted.upstream import ScriptedUpstream
@@ -144,6 +145,31 @@ def sse_events(data: bytes) -> list[Event]:
 def json_events(data: bytes) -> list[tuple[str | None, Any]]:
     """(event name, parsed data) of each SSE event; ``[DONE]`` stays a string."""
     return [(e.event, e.data if e.data == "[DONE]" else json.loads(e.data)) for e in sse_events(data)]
+
+
+REPORT = ' <sup>{"state": "done", "focus": "f", "next": null, "carry": []}</sup>'
+
+
+class HugeEventUpstream:
+    """Streams a turn whose second word is ``size`` bytes of text ending in a newline, so that one delta event
+    (and, in Responses, each event that repeats the whole text) is that big and is rewritten by the stripper (it
+    holds the newline back), followed by a self-report. The stream is rendered before any request (it takes a
+    while), and goes out 1 MiB at a time, as a network delivers it. ``full`` is the turn's text."""
+
+    def __init__(self, fmt: str, size: int) -> None:
+        self.full = "Here: " + "y" * size + "\n" + REPORT
+        marker = "BIGWORD"  # (the marker, not the text, is rendered: rendering cuts a text into words)
+        events = BY_NAME[fmt].render_stream(AssistantTurn(f"Here: {marker}{REPORT}"), MODEL,
+                                            request_body(fmt, stream=True))
+        self.data = b"".join(events).replace(marker.encode(), b"y" * size + b"\\n")
+
+    async def __call__(self, request: Request) -> Response:
+        async def play():
+            for start in range(0, len(self.data), 1024 * 1024):
+                yield self.data[start:start + 1024 * 1024]
+                await trio.sleep(0)
+
+        return Response(200, [(b"content-type", b"text/event-stream")], play())
 
 
 _IDS = re.compile(rb'"(chatcmpl|msg|resp|fc)_?-?[0-9a-f]{24}"')

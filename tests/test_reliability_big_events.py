@@ -27,8 +27,8 @@ from proxyvisor.proxy import allocator
 from proxyvisor.proxy.sse import SSEParser
 from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 
-from helpers import (FORMATS, MODEL, assert_ends_with_error_event, assert_error_shape, http_client, path_of, raw_stream,
-                     request_body, serve_handler, sse_events)
+from helpers import (FORMATS, MODEL, HugeEventUpstream, assert_ends_with_error_event, assert_error_shape, http_client,
+                     path_of, raw_stream, request_body, serve_handler, sse_events)
 
 ALL_FORMATS = pytest.mark.parametrize("fmt", FORMATS)
 allocator.tune()  # the allocator settings serve and wrap run with, made before any test starts a thread
@@ -253,31 +253,6 @@ def test_large_json_reads_and_writes_as_orjson_does(monkeypatch: pytest.MonkeyPa
             except orjson.JSONDecodeError:
                 got = orjson.JSONDecodeError
             assert got == want
-
-
-_REPORT = ' <sup>{"state": "done", "focus": "f", "next": null, "carry": []}</sup>'
-
-
-class HugeEventUpstream:
-    """Streams a turn whose second word is ``size`` bytes of text ending in a newline, so that one delta event
-    (and, in Responses, each event that repeats the whole text) is that big and is rewritten by the stripper (it
-    holds the newline back), followed by a self-report. The stream is rendered before any request (it takes a
-    while), and goes out 1 MiB at a time, as a network delivers it. ``full`` is the turn's text."""
-
-    def __init__(self, fmt: str, size: int) -> None:
-        self.full = "Here: " + "y" * size + "\n" + _REPORT
-        marker = "BIGWORD"  # (the marker, not the text, is rendered: rendering cuts a text into words)
-        events = BY_NAME[fmt].render_stream(AssistantTurn(f"Here: {marker}{_REPORT}"), MODEL,
-                                            request_body(fmt, stream=True))
-        self.data = b"".join(events).replace(marker.encode(), b"y" * size + b"\\n")
-
-    async def __call__(self, request: Request) -> Response:
-        async def play():
-            for start in range(0, len(self.data), 1024 * 1024):
-                yield self.data[start:start + 1024 * 1024]
-                await trio.sleep(0)
-
-        return Response(200, _SSE, play())
 
 
 _FRESH = "PROXYVISOR_TEST_FRESH_PROCESS"
