@@ -43,7 +43,7 @@ def test_supervisor_sections_parse() -> None:
     ({"supervisor": {"model": {"top_p": 0}}}, "[supervisor.model] top_p must be in (0, 1]"),
     ({"supervisor": {"condense": {"tokens_threshold": -1}}}, "[supervisor.condense] tokens_threshold must be >= 0"),
     ({"supervisor": {"condense": {"view_budget_tokens": 100}}}, "[supervisor.condense] view_budget_tokens must be"),
-    ({"supervisor": {"condense": {"timeout_s": 0}}}, "[supervisor.condense] timeout_s must be > 0"),
+    ({"supervisor": {"condense": {"timeout_s": 0}}}, "[supervisor.condense] timeout_s must be in (0, 315360000], got 0"),
     ({"supervisor": {"condense": {"adaptive": "yes"}}}, "[supervisor.condense] adaptive must be a boolean"),
 ])
 def test_bad_supervisor_values_name_the_key(document: dict, message: str) -> None:
