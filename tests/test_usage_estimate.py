@@ -149,7 +149,7 @@ def test_a_grown_history_encodes_only_its_new_messages_and_counts_like_the_whole
     from proxyvisor.proxy import estimate
 
     encoding = CountingEncoding()
-    monkeypatch.setattr(estimate, "_encoding", lambda: encoding)
+    monkeypatch.setattr(estimate, "encoding", lambda: encoding)
     monkeypatch.setattr(estimate, "_counts", {})
     words = random.Random(5).choices(["fn", "main()", "error:", "the", "test", "passed", "src/lib.rs:12", "{", "}"],
                                      k=60_000)
@@ -171,7 +171,7 @@ def test_an_estimate_encodes_at_most_its_limit_and_counts_the_rest_at_that_rate(
     from proxyvisor.proxy import estimate
 
     encoding = CountingEncoding()
-    monkeypatch.setattr(estimate, "_encoding", lambda: encoding)
+    monkeypatch.setattr(estimate, "encoding", lambda: encoding)
     monkeypatch.setattr(estimate, "_counts", {})
     parts = [f"line {n}: " + "word " * 2_000 for n in range(60)]  # 600,000 characters
     tokens = estimate.count_parts(parts)

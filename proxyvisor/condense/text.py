@@ -72,7 +72,8 @@ def visible(body: str) -> str:
 
 
 @functools.cache
-def _encoding() -> tiktoken.Encoding:
+def encoding() -> tiktoken.Encoding:
+    """The ``cl100k_base`` encoding, loaded on the first call (0.3-0.5 s, part of it holding the GIL)."""
     spec = importlib.util.find_spec("litellm")
     if spec is not None and spec.submodule_search_locations:
         bundled = os.path.join(next(iter(spec.submodule_search_locations)), "litellm_core_utils", "tokenizers")
@@ -84,7 +85,7 @@ def _encoding() -> tiktoken.Encoding:
 
 def count_tokens(text: str) -> int:
     """Tokens of ``text`` in ``cl100k_base``; special-token strings in tool output count as plain text."""
-    return len(_encoding().encode_ordinary(text)) if text else 0
+    return len(encoding().encode_ordinary(text)) if text else 0
 
 
 def tokens_may_exceed(text: str, limit: int) -> bool:
@@ -101,22 +102,22 @@ def tokens_may_exceed(text: str, limit: int) -> bool:
 
 def count_each(texts: list[str]) -> list[int]:
     """:func:`count_tokens` of each text."""
-    encode = _encoding().encode_ordinary
+    encode = encoding().encode_ordinary
     return [len(encode(t)) if t else 0 for t in texts]
 
 
 def clip_tokens(text: str, max_tokens: int) -> str:
     """``text`` if it has at most ``max_tokens`` tokens, else its first two thirds and last third of that many
     tokens around a ``[… N tokens omitted …]`` marker, so both edges of an over-long block survive."""
-    encoding = _encoding()
-    tokens = encoding.encode_ordinary(text)
+    codec = encoding()
+    tokens = codec.encode_ordinary(text)
     if len(tokens) <= max_tokens:
         return text
     head = max_tokens * 2 // 3
     tail = max_tokens - head
     omitted = len(tokens) - head - tail
-    return (encoding.decode(tokens[:head]) + f"\n[… {omitted} tokens omitted …]\n"
-            + encoding.decode(tokens[len(tokens) - tail:]))
+    return (codec.decode(tokens[:head]) + f"\n[… {omitted} tokens omitted …]\n"
+            + codec.decode(tokens[len(tokens) - tail:]))
 
 
 def clip_chars(text: str, max_chars: int) -> str:

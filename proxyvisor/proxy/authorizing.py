@@ -48,13 +48,14 @@ import orjson
 import trio
 
 from .. import wirejson
-from ..condense.text import count_tokens
+from ..condense.text import count_tokens, encoding
 from ..config import AuthorizerConfig
 from ..gate import authorize as rules
 from ..gate import digest
 from ..rules import ADVISE
 from ..supervisor_model import ModelAnswer, ModelCall
 from ..transcript import own_words
+from . import tokenizers
 from .closing import close
 from .continuation import Continuation, Job, of_turn, rewritable
 from .formats import AssistantTurn, WireFormat
@@ -177,6 +178,7 @@ class Authorizing:
             return denials
         self.record["checked"] += len(fresh)
         document = rules.document(sources, fresh)
+        await tokenizers.loaded(encoding)  # the budget is counted in tokens: not a load on the event loop
         if self._over_budget(rules.JUDGE_INSTRUCTIONS, document):
             self.record["unavailable"] += 1
             for call in fresh:

@@ -24,12 +24,13 @@ import functools
 import importlib.util
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
+import trio
 
 from .. import wirejson
+from . import tokenizers
 from .formats import AssistantTurn, Usage, WireFormat
 
 log = logging.getLogger("proxyvisor.estimate")
@@ -55,7 +56,9 @@ def _bundled_tokenizers() -> str | None:
 
 
 @functools.cache
-def _encoding() -> Any:
+def encoding() -> Any:
+    """``o200k_base``, else ``cl100k_base`` (0.3-0.9 s on the first call, part of it holding the GIL:
+    ``proxyvisor.proxy.tokenizers``), or None when none does (counted at 4 characters a token)."""
     import tiktoken
 
     if "TIKTOKEN_CACHE_DIR" not in os.environ and (folder := _bundled_tokenizers()):
@@ -68,19 +71,13 @@ def _encoding() -> Any:
     return None
 
 
-def warm() -> None:
-    """Load the encoding on a background thread (about 1 s), so that the first estimate does not wait for it."""
-    if _encoding.cache_info().currsize == 0:
-        threading.Thread(target=_encoding, name="proxyvisor-tiktoken", daemon=True).start()
-
-
 def count(text: str, limit: int = EXACT_CHARS) -> int:
     """Tokens in ``text``: its first ``limit`` characters encoded (module docstring), the rest at their rate."""
     if not text:
         return 0
     head = text[:max(1, limit)]
-    encoding = _encoding()
-    tokens = len(encoding.encode(head, disallowed_special=())) if encoding is not None else (len(head) + 3) // 4
+    codec = encoding()
+    tokens = len(codec.encode(head, disallowed_special=())) if codec is not None else (len(head) + 3) // 4
     return tokens if len(text) == len(head) else round(tokens * len(text) / len(head))
 
 
@@ -151,3 +148,15 @@ def completed(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None, turn: 
         log.warning("cannot estimate the usage of an answer that reported none (%s)", type(exc).__name__)
     filled.estimated = (filled.input_tokens, filled.output_tokens) != (usage.input_tokens, usage.output_tokens)
     return filled
+
+
+async def completed_off_loop(usage: Usage, fmt: WireFormat, body: dict[str, Any] | None,
+                             turn: AssistantTurn | None, unread: int = 0) -> Usage:
+    """:func:`completed`, for the event loop: when a count is missing and the encoding is still loading (a
+    proxy's first answers, while ``tokenizers.warm`` runs), it first waits for the encoding on a worker thread
+    instead of loading it on the loop. The wait is shielded (bounded by the load, under a second), so that an
+    answer cut meanwhile is still counted for its ledger line."""
+    if usage.input_tokens is None or usage.output_tokens is None:
+        with trio.CancelScope(shield=True):
+            await tokenizers.loaded(encoding)
+    return completed(usage, fmt, body, turn, unread)

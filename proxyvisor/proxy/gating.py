@@ -63,7 +63,7 @@ import orjson
 import trio
 
 from .. import wirejson
-from ..condense.text import count_tokens
+from ..condense.text import count_tokens, encoding
 from ..config import GateConfig
 from ..detectors.selfreport import outcome as report_outcome
 from ..detectors.selfreport import strip
@@ -77,7 +77,7 @@ from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCT
 from ..rules import HOLD_ANSWER
 from ..supervisor_model import ModelAnswer, ModelCall, ReportedFailure
 from ..transcript import own_words
-from . import planning
+from . import planning, tokenizers
 from .continuation import Job, Resend, of_turn, rewritable
 from .relay import UpstreamError, UpstreamReply
 from .closing import close
@@ -255,6 +255,7 @@ class Gating:
                 return self._carried(response, decision.note)
             if isinstance(decision, Verify):
                 if document is None:
+                    await tokenizers.loaded(encoding)  # the digest counts its blocks: not a load on the loop
                     document = self._digest(turn, actions, ev, report, decision)
                 answer = await self._ask("verify", VERIFIER_INSTRUCTIONS, document,
                                          previous if decision.format_retry else None)

@@ -47,6 +47,7 @@ from ..adapters.health_store import NAMESPACE as HEALTH
 from ..adapters.results import ClaimStore
 from ..adapters.replicas import RedisShare
 from ..adapters.state import DiskBackend, RedisBackend, StateBackend
+from ..condense import text as condense_text
 from ..config import Config, UpstreamConfig
 from ..schema import json_kind
 from ..detectors.selfreport import strip
@@ -64,7 +65,7 @@ from .condensing import request_condenser
 from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates
 from .sharing import Sharing
-from . import commands, estimate, web
+from . import commands, estimate, tokenizers, web
 from .web import WebView
 from .info import agent_of, ledger_fields, model_name
 from .delegation import ProxyDelegation
@@ -230,7 +231,9 @@ class Pipeline:
         set by ``proxyvisor.proxy.service.running``."""
         self.started = time.time()
         if self.supervised:
-            estimate.warm()
+            # Condensing's, the memory recall's and the gate digest's encoding first: a session's first request
+            # may count with it before it is forwarded; the usage estimate's only at an answer's end.
+            tokenizers.warm(condense_text.encoding, estimate.encoding)
 
     def stop(self) -> None:
         """The proxy stops (its shutdown grace ran out: ``RunningProxy.drain``; or the ``running`` block exits, as
@@ -576,7 +579,7 @@ class Pipeline:
         except trio.Cancelled:
             await self._cut(session, fmt, body, request, exchange)
             raise
-        return await self._persisted(self._respond(request, fmt, reply, body, session, exchange), session)
+        return await self._persisted(await self._respond(request, fmt, reply, body, session, exchange), session)
 
     async def _cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                    exchange: Exchange | None) -> None:
@@ -653,8 +656,8 @@ class Pipeline:
         return await Gating(exchange, gate, exchange.send, self.supervisor.mutating_tools,
                             self.background).reply(reply)
 
-    def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
-                 session: Session | None, exchange: Exchange | None = None) -> Response:
+    async def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
+                       session: Session | None, exchange: Exchange | None = None) -> Response:
         waited = reply.upstream_s + (exchange.record.model.time_s if exchange is not None else 0.0)
         overhead = max(0.0, request.since_body - waited)
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
@@ -668,7 +671,8 @@ class Pipeline:
                         answer = reply.json()
                         model = telemetry.response_model(answer) if self.telemetry is not None else None
                         turn = fmt.parse_response(answer)
-                        usage = estimate.completed(self._ledger_usage(fmt, fmt.usage(answer)), fmt, body, turn)
+                        reported = self._ledger_usage(fmt, fmt.usage(answer))
+                        usage = await estimate.completed_off_loop(reported, fmt, body, turn)
                         self._delivered(session, fmt, body, turn)
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
@@ -779,7 +783,7 @@ class Pipeline:
                     if usage.output_tokens is None or session.identified == "hash":
                         with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
                             turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
-                    usage = estimate.completed(usage, fmt, body, turn, unread)
+                    usage = await estimate.completed_off_loop(usage, fmt, body, turn, unread)
                 self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange, response_model=telemetry.response_model(
                                   event_object(events[0][1])) if self.telemetry is not None and events else None)

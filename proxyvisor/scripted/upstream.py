@@ -63,7 +63,7 @@ import trio
 
 from ..schema import json_kind
 from ..config import SCRIPTED_MODEL
-from ..proxy import estimate
+from ..proxy import estimate, tokenizers
 from ..proxy.formats import BY_PATH, MESSAGES, AssistantTurn, ToolCall, ToolSpec, WireFormat
 from ..proxy.formats.base import args_of
 from ..proxy.formats.freeform import SHELL_TOOLS, command_input, runs_commands, split
@@ -240,6 +240,8 @@ class ScriptedUpstream:
             # 0 like its answers' usage: Claude Code prices this count when an answer reports no tokens.
             return Response(200, _JSON, orjson.dumps({"input_tokens": 0}))
         answer = policy(fmt, body)
+        if answer is not None:  # counted below: the encoding is loaded off the event loop, which this shares
+            await tokenizers.loaded(estimate.encoding)
         if answer is scripted_condenser.answer:  # a queued ``condense`` step comes first
             return self._supervisor_answer(fmt, body, self._condense, self.condenser_requests, request.body)
         if answer is not None:
