@@ -1,5 +1,5 @@
 """A save holds a thread as it is, whatever changed it and however (``proxyvisor.proxy.supervise.Thread.changes``,
-``Thread.hold``): each public way a thread changes shows in the next save with no call to note it (a request taking
+``Thread.holders``): each public way a thread changes shows in the next save with no call to note it (a request taking
 it, its exchange's delegations, grafts and self-report, a field set after the request, a change deep inside it
 while a request holds it), and a save of a thread nothing changed reuses its pickle."""
 

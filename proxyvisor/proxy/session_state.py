@@ -11,7 +11,7 @@ after it was last written:
 - ``<session>``: 16 random bytes (the version), the state's format (below), then the state, pickled, each of its
   threads pickled on its own inside it. A request changes one thread (a sub-agent's history is a thread of its
   own): a save pickles again only the threads changed since this process last pickled them (their
-  ``Thread.changes`` counts moved, or a request holds them: ``Thread.hold``) and reuses the others' pickles, so it
+  ``Thread.changes`` counts moved, or a request holds them: ``Thread.holders``) and reuses the others' pickles, so it
   costs what changed, not the whole state. A load
   of a newer state another process stored unpickles only the threads whose pickle is not the one this process
   holds for them, and keeps the pickles it read (:func:`decode`, :func:`restore`);
@@ -242,7 +242,7 @@ thread, never replaced; a thread, a dataclass, has no hash)."""
 
 def _kept(thread: Thread) -> _Pickled | None:
     """The pickle of ``thread`` this process keeps, while it is the thread as it is: not changed since
-    (``Thread.changes``), nor held by a request (``Thread.hold``); else None."""
+    (``Thread.changes``), nor held by a request (``Thread.holders``); else None."""
     found = _PICKLED.get(thread.tracker)
     return found if found is not None and found.changes == thread.changes and not thread.holders else None
 

@@ -33,7 +33,6 @@ import functools
 import hashlib
 import logging
 import time
-import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -199,10 +198,10 @@ class Thread:
 
     :attr:`changes` counts what may have changed it since it was made or loaded: each of its fields set, by
     whatever code sets it (``__setattr__`` counts it), each request taking it (``Supervisor.begin``, and
-    ``Supervisor.catch_up`` once its tracker read a history from the start) and each hold ending (:meth:`hold`). A save
-    (``proxyvisor.proxy.session_state``) pickles a thread again when its count moved since its last pickle, or
-    while a request holds it, whatever that request changes deep inside it (the verify-gate's state machine
-    across its verdict's wait): no code that changes a thread has to say so."""
+    ``Supervisor.catch_up`` once its tracker read a history from the start) and each request's hold on it ending
+    (:attr:`holders`). A save (``proxyvisor.proxy.session_state``) pickles a thread again when its count moved
+    since its last pickle, or while a request holds it, whatever that request changes deep inside it (the
+    verify-gate's state machine across its verdict's wait): no code that changes a thread has to say so."""
 
     tracker: HistoryTracker
     policy: SteerPolicy = field(default_factory=SteerPolicy)
@@ -225,12 +224,14 @@ class Thread:
     changes: int = field(default=0, init=False, repr=False, compare=False)
     """What may have changed the thread, counted (class docstring); this process's own (not stored)."""
     holders: int = field(default=0, init=False, repr=False, compare=False)
-    """Requests holding the thread (:meth:`hold`); this process's own (not stored)."""
+    """Requests holding the thread (their exchanges, until ``Exchange.close``); this process's own (not stored)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name != "changes":
-            super().__setattr__("changes", self.changes + 1)
+        # Every field set counts (class docstring), in the instance's dict directly (a thread has neither slots nor
+        # properties): a request sets a few of its fields, and object.__setattr__ cost three times as much.
+        fields = self.__dict__
+        fields[name] = value
+        fields["changes"] = fields.get("changes", 0) + 1
 
     def __getstate__(self) -> dict[str, Any]:
         """What a stored state holds of the thread: its fields but :attr:`changes` and :attr:`holders`."""
@@ -238,16 +239,6 @@ class Thread:
         for name in _LOCAL:
             state.pop(name, None)
         return state
-
-    def hold(self, holder: object) -> Callable[[], None]:
-        """Hold the thread for ``holder`` (a request's exchange): until the call returned is made (the first call
-        ends the hold, later ones do nothing) or ``holder`` is freed, every save pickles the thread again."""
-        self.holders += 1
-        return weakref.finalize(holder, self._release)
-
-    def _release(self) -> None:
-        self.holders -= 1
-
 
 _LOCAL = frozenset({"changes", "holders"})
 """The fields of :class:`Thread` that are this process's own."""
@@ -555,12 +546,23 @@ class Exchange:
         self.secrets: list[str] = []
         """The credentials the request carries (``proxyvisor.proxy.session_model.secrets_of``): what learning
         never stores. Never written anywhere."""
-        self._release = thread.hold(self)
+        thread.holders += 1
+        self.held = True
+
+    held = False
+    """Whether the exchange holds its thread (``Thread.holders``: every save pickles it again meanwhile)."""
 
     def close(self) -> None:
-        """The request is over: its hold on the thread ends (:meth:`Thread.hold`; the first call only), so that
-        saves keep its next pickle until it changes. An exchange never closed ends it when it is freed."""
-        self._release()
+        """The request is over: its hold on the thread ends (the first call only), so that saves keep the thread's
+        next pickle until it changes."""
+        if self.held:
+            self.held = False
+            self.thread.holders -= 1
+
+    def __del__(self) -> None:
+        # An exchange never closed (a path that forgot to) ends its hold once freed: a forgotten close costs saves
+        # pickling the thread meanwhile, never a save missing a change.
+        self.close()
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
