@@ -19,7 +19,7 @@ from proxyvisor.proxy import estimate
 
 from helpers import MODEL, http_client, raw_stream
 
-LOAD_S = 0.6
+LOAD_S = 1.0
 """How long each encoding's load takes here (their real loads: 0.3-0.9 s each, on a busy machine more)."""
 LOADS = (condense_text.encoding, estimate.encoding)
 
@@ -72,7 +72,7 @@ async def test_an_answer_estimated_while_the_encodings_load_waits_for_them_off_t
                 waits.append(time.perf_counter() - started)  # a held loop holds this test's client too
                 if answered.is_set() and started - begun > 2.5 * LOAD_S:
                     break
-    assert answered.is_set() and max(waits) < LOAD_S / 3, waits  # the loop was never held for a load
+    assert answered.is_set() and max(waits) < LOAD_S / 2, waits  # the loop was never held for a load
     [line] = ledger(state_dir)
     assert line["usage_estimated"] is True
     assert line["output_tokens"] == len(tiktoken.get_encoding("o200k_base").encode(answer))
@@ -95,4 +95,4 @@ async def test_a_sessions_first_request_finds_the_encoding_its_memory_recall_cou
         reply, _data = await raw_stream(f"{rp.url}/s/recall", "messages", body)
         assert reply.status_code == 200
     [line] = ledger(state_dir)
-    assert line["overhead_ms"] < LOAD_S * 1000 / 3, line
+    assert line["overhead_ms"] < LOAD_S * 1000 / 2, line
