@@ -41,7 +41,7 @@ def measure(fmt_name: str, size_mb: float, count: int) -> float:
     """Median thread CPU (us) of catch_up + begin less the detectors' reading, with proxyvisor from ``sys.path``."""
     import trio
 
-    from histories import History
+    from bench.histories import History
     from proxyvisor.config import SupervisorConfig
     from proxyvisor.detectors.detectors import HistoryTracker
     from proxyvisor.proxy.bodies import BodyCache
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("this checkout", ROOT)] + ([("compared", args.compare)] if args.compare else [])
     cases = [(fmt, float(size)) for size in args.sizes.split(",") for fmt in args.formats.split(",")]
     if args.checkout is not None:
-        sys.path[:0] = [str(args.checkout.resolve()), str(ROOT / "bench")]
+        sys.path[:0] = [str(args.checkout.resolve()), str(ROOT)]  # its proxyvisor, this checkout's histories
         for fmt, size in cases:
             print(f"{measure(fmt, size, args.count):.1f}")
         return 0
