@@ -71,13 +71,22 @@ def visible(body: str) -> str:
     return scrub(body).translate(_VISIBLE)
 
 
+def use_bundled_tokenizers() -> None:
+    """Point tiktoken at the encoding files litellm bundles (found without importing litellm, which takes
+    seconds), unless ``TIKTOKEN_CACHE_DIR`` names a folder already: tiktoken otherwise downloads an encoding on
+    its first use, which fails offline."""
+    spec = importlib.util.find_spec("litellm")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        folder = os.path.join(root, "litellm_core_utils", "tokenizers")
+        if os.path.isdir(folder):
+            os.environ.setdefault("TIKTOKEN_CACHE_DIR", folder)
+            return
+
+
 @functools.cache
 def encoding() -> tiktoken.Encoding:
     """The ``cl100k_base`` encoding, loaded on the first call (0.3-0.5 s, part of it holding the GIL)."""
-    spec = importlib.util.find_spec("litellm")
-    if spec is not None and spec.submodule_search_locations:
-        bundled = os.path.join(next(iter(spec.submodule_search_locations)), "litellm_core_utils", "tokenizers")
-        os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled)
+    use_bundled_tokenizers()
     import tiktoken
 
     return tiktoken.get_encoding(ENCODING)

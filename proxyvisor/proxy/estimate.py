@@ -21,15 +21,13 @@ counted at the rate of those that were.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from .. import wirejson
+from ..condense.text import use_bundled_tokenizers
 from . import tokenizers
 from .formats import AssistantTurn, Usage, WireFormat
 
@@ -45,24 +43,13 @@ _PER_MESSAGE = 3
 _ENCODINGS = ("o200k_base", "cl100k_base")
 
 
-def _bundled_tokenizers() -> str | None:
-    """litellm's folder of tiktoken files, found without importing litellm (which takes seconds)."""
-    spec = importlib.util.find_spec("litellm")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        folder = Path(root) / "litellm_core_utils" / "tokenizers"
-        if folder.is_dir():
-            return str(folder)
-    return None
-
-
 @functools.cache
 def encoding() -> Any:
     """``o200k_base``, else ``cl100k_base`` (0.3-0.9 s on the first call, part of it holding the GIL:
     ``proxyvisor.proxy.tokenizers``), or None when none does (counted at 4 characters a token)."""
     import tiktoken
 
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and (folder := _bundled_tokenizers()):
-        os.environ["TIKTOKEN_CACHE_DIR"] = folder  # the folder litellm itself points tiktoken at
+    use_bundled_tokenizers()
     for name in _ENCODINGS:
         try:
             return tiktoken.get_encoding(name)
