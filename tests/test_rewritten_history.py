@@ -12,20 +12,25 @@ import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import trio
 
-from proxyvisor.config import SupervisorConfig
+from proxyvisor.config import Config, SupervisorConfig
 from proxyvisor.detectors import receipts
 from proxyvisor.detectors.detectors import HistoryTracker, Update
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
+from proxyvisor.proxy.server import Request
+from proxyvisor.proxy.service import running
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy import supervise
 from proxyvisor.proxy.supervise import SessionSupervision, Supervisor, Thread
 from proxyvisor.proxy.session_state import decode, encode
+from proxyvisor.scripted.upstream import ScriptedUpstream
+from proxyvisor.store import Store
 from proxyvisor.transcript import ToolOutput, ToolUse
 
 History = list[dict[str, Any]]
@@ -494,3 +499,28 @@ async def test_a_stepped_reading_whose_thread_a_load_replaced_reads_the_new_one(
         assert got[0] and loaded.signals == counted + Counter(s for _i, fired in got[0] for s in fired)
     if loaded_thread == "fresh":
         assert steps[-1][-1] > steps[-1][0], "the new thread's reading held the event loop"
+
+
+async def test_a_request_cut_off_while_its_history_is_read_in_steps_has_its_ledger_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves while its request's history is read from the start in steps (``Supervisor.catch_up``,
+    before anything is forwarded): the request's one ledger line says so (499), as for one cut off in a later step,
+    and the thread is as before it (its next request reads the history from the start)."""
+    paused, _released = paused_reading(monkeypatch)
+    body = orjson.dumps(CHAT.request_from_chat(polling(), "m", False, (ToolSpec("Bash", RUNNER),)))
+    headers = [(b"content-type", b"application/json"), (b"x-proxyvisor-session", b"cut")]
+    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+                       scripted={"scripted": ScriptedUpstream()}) as proxy:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(proxy.pipeline, Request("POST", CHAT.path, headers, body, time.perf_counter()))
+            with trio.fail_after(10):
+                await paused.wait()
+            nursery.cancel_scope.cancel()  # the client leaves
+        assert proxy.pipeline.store is not None
+        lines = proxy.pipeline.store.read_ledger("cut")
+        assert not proxy.scripted["scripted"].requests
+        session = proxy.pipeline.sessions.get("cut")
+        assert session is not None and session.supervision is not None
+        (thread,) = session.supervision.threads.values()
+        assert thread.tracker.fed == 0
+    assert [(line["status"], line["error"]) for line in lines] == [(499, "cancelled before the answer: the client left")]

@@ -424,13 +424,17 @@ class Pipeline:
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command)
             commands.strip_exchanges(fmt, body)
-            exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
-                                             self._sender(request, fmt, path, upstream, native))
         try:
-            if exchange is not None:
+            if self.supervised:
+                assert session is not None  # touched above
+                # The steps before forwarding take their time: a history read from the start in steps
+                # (Supervisor.catch_up), condensing's and the planner's model calls.
                 try:
-                    await exchange.before_forward()
-                except trio.Cancelled:  # the steps' model calls (condensing, the planner) take their time
+                    exchange = await self._supervise(session, fmt, body, request.header("traceparent"),
+                                                     self._sender(request, fmt, path, upstream, native))
+                    if exchange is not None:
+                        await exchange.before_forward()
+                except trio.Cancelled:
                     await self._cut(session, fmt, body, request, exchange)
                     raise
             if not native:
