@@ -312,6 +312,9 @@ async def test_a_bad_run_id_is_a_400_in_the_clients_format_and_a_good_one_is_rec
     reply, data = await raw_stream(proxy.url + "/r/.x", "messages", request_body("messages"))
     assert reply.status_code == 400 and orjson.loads(data)["type"] == "error", data  # Anthropic's error shape
     assert b"invalid run id in path" in data
+    reply, data = await raw_stream(proxy.url + "/r/run-1/s/.x", "messages", request_body("messages"))
+    assert reply.status_code == 400 and orjson.loads(data)["type"] == "error", data  # past both prefixes
+    assert b"invalid session id in path" in data
     reply, _ = await raw_stream(proxy.url + "/r/run-1", "messages", request_body("messages"),
                                 {"x-claude-code-session-id": "claude-1"})
     assert reply.status_code == 200

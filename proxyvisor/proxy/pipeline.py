@@ -60,7 +60,8 @@ from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, 
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
 from .bodies import BodyCache
-from .sessions import InvalidSession, Prefix, Session, SessionTable, explicit_id, identify, split_prefix
+from .sessions import (InvalidSession, Prefix, Session, SessionTable, explicit_id, identify, split_prefix,
+                       unprefixed)
 from .condensing import request_condenser
 from .condense_decisions import DecisionCache
 from .session_state import NAMESPACE as SESSIONS, SETTINGS as SESSION_SETTINGS, SessionStates
@@ -103,9 +104,7 @@ def format_for_path(path: str) -> WireFormat:
     A run prefix ``/r/{id}`` and a session prefix ``/s/{id}`` (``proxyvisor.proxy.sessions.split_prefix``) are
     skipped first, valid or not, so a bad id is reported in the client's format.
     """
-    for prefix in ("/r/", "/s/"):  # in the order split_prefix reads them
-        if path.startswith(prefix):
-            path = "/" + path[3:].partition("/")[2]
+    path = unprefixed(path)
     return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
 
 
@@ -443,7 +442,7 @@ class Pipeline:
                 return await self._translate(request, fmt, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
-            # Failed: no ledger line ended the request.
+            # Failed (or cut: its ledger line closed it already, and closing again does nothing).
             if exchange is not None:
                 exchange.close()
             raise

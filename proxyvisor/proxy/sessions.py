@@ -78,7 +78,7 @@ def split_prefix(path: str) -> Prefix:
     Raises:
         InvalidSession: a run or session id is present but not valid.
     """
-    match = _PREFIX.match(path) if path.startswith(("/r/", "/s/")) else None
+    match = _prefixed(path)
     if match is None:
         return Prefix(None, path)
     run, session, rest = match.groups()
@@ -87,6 +87,17 @@ def split_prefix(path: str) -> Prefix:
             raise InvalidSession(f"invalid {kind} id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter "
                                  "or digit")
     return Prefix(session, rest or "/", run)
+
+
+def unprefixed(path: str) -> str:
+    """``path`` without its run and session prefixes (:func:`split_prefix`), their ids valid or not."""
+    match = _prefixed(path)
+    return path if match is None else match.group(3) or "/"
+
+
+def _prefixed(path: str) -> re.Match[str] | None:
+    # (skipped for a path with no prefix: the common one under serve)
+    return _PREFIX.match(path) if path.startswith(("/r/", "/s/")) else None
 
 
 def _hashed(kind: str, value: str) -> str:
