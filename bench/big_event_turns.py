@@ -6,8 +6,10 @@ Usage (from the repository root)::
     python bench/big_event_turns.py                           # chat, messages and responses at 128 MB
     python bench/big_event_turns.py --sizes 128,250 --baseline /tmp/old    # and another checkout, same run
     python bench/big_event_turns.py --formats chat --trace    # where in each long step the time goes
+    python bench/big_event_turns.py --formats chat --sizes 1,4 --gate   # the verify-gate on (a verifier double)
 
-Everything runs in one process per checkout: the proxy (supervision on, the verify-gate off, as in the tests), an
+Everything runs in one process per checkout: the proxy (supervision on, the verify-gate off as in the tests, or on
+with ``--gate``, its verifier a double whose answer the gate rejects: the turn ends unverified), an
 upstream streaming a turn whose text has one word of the given size (so one delta event, and in Responses each of
 the four events that repeat the text, is that big) 1 MiB a read, and a client reading the reply, all on loopback.
 Printed per run: the longest turn of the loop (CPU from one wait for I/O to the next), the longest step of a proxy
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--formats", default="chat,messages,responses", help="formats, comma-separated")
     p.add_argument("--over", type=float, default=5.0, help="list proxy steps over this many ms of CPU (default 5)")
     p.add_argument("--trace", action="store_true", help="the stacks of the gaps in long steps (slows the loop)")
+    p.add_argument("--gate", action="store_true", help="with the verify-gate on (its verifier gets the same stream)")
     p.add_argument("--baseline", type=Path, help="another checkout of proxyvisor, measured first in the same run")
     p.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)  # (the baseline's own process)
     return p.parse_args(argv)
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     from proxyvisor.proxy import allocator, limits
     from proxyvisor.proxy.service import running
     from proxyvisor.store import Store
+    from proxyvisor.supervisor_model import ModelAnswer
 
     class Steps(trio.abc.Instrument):
         def __init__(self, client: Any, gap_s: float | None) -> None:
@@ -100,14 +104,18 @@ def main(argv: list[str] | None = None) -> None:
         def before_io_wait(self, timeout: float) -> None:
             self.turns.append(time.thread_time() - self.turn)
 
+    async def verifier(messages: list[dict[str, str]]) -> ModelAnswer:  # (the verify-gate's, with --gate)
+        return ModelAnswer('{"verdict": "pass", "gaps": []}')
+
     async def one_run(fmt: str, size_mb: int, state: Path) -> None:
         upstream = HugeEventUpstream(fmt, size_mb * 1024 * 1024)
         limits.MAX_BUFFERED_BODY = max(limits.MAX_BUFFERED_BODY, 2 * size_mb * 1024 * 1024)
         received = 0
         async with serve_handler(upstream) as url:
             config = Config(upstreams=(UpstreamConfig(name="up", url=url),)).with_overrides(
-                supervisor={"gate": GateConfig(enabled=False)})
-            async with running(config, port=0, store=Store(state)) as rp, http_client() as client:
+                supervisor={"gate": GateConfig(enabled=args.gate)})
+            async with running(config, port=0, store=Store(state),
+                               model=verifier if args.gate else None) as rp, http_client() as client:
                 steps = Steps(trio.lowlevel.current_task(), args.over / 2000 if args.trace else None)
                 trio.lowlevel.add_instrument(steps)
                 try:
