@@ -8,19 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyvisor.condense.text import count_tokens
+import proxyvisor.condense.text as text_module
+import proxyvisor.gate.digest as digest_module
+from proxyvisor.condense.text import count_tokens, encoding
 from proxyvisor.gate.digest import (
     CONTINUED,
     INSTRUCTIONS_CHARS,
     MAX_ACTION_LINES,
+    OMITTED,
     action_lines,
     build,
     evidence,
+    fit_tail,
     provenance,
     turn_actions,
 )
 from proxyvisor.gate.prohibitions import MAX_CHARS, MAX_ITEMS, prohibitions
-from proxyvisor.rules import DIGEST_BUDGET
+from proxyvisor.rules import DEFAULT_DIGEST_BUDGET, DIGEST_BUDGET
 from proxyvisor.transcript import Message, ToolOutput, ToolUse
 
 MIN_BUDGET = int(DIGEST_BUDGET.low)
@@ -222,6 +226,52 @@ def test_newest_final_answer_is_kept_when_finals_must_be_clipped() -> None:
     assert "NEWEST ANSWER complete" in doc and "earlier text omitted" in doc
     both = build("task", ["first", "second"])
     assert "first" + CONTINUED + "second" in both
+
+
+def _longest_fitting_tail(text: str, tokens: int) -> str:
+    """The exact longest suffix behind the omission marker that fits ``tokens`` (binary search over counts)."""
+    if count_tokens(text) <= tokens:
+        return text
+    low, high = 0, len(text)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count_tokens(OMITTED + text[len(text) - mid:]) <= tokens:
+            low = mid
+        else:
+            high = mid - 1
+    return OMITTED + text[len(text) - low:] if low else ""
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.lists(st.sampled_from(["a", "bb", " ", "\n", "\u00fc", "\u65e5\u672c", "&amp;", "0123", "def f(x):",
+                                      "\U0001f600", "-----", "\t", "word "]), max_size=3000).map("".join),
+       tokens=st.sampled_from([1, 5, 12, 20, 50, 200, 1000]))
+def test_a_tail_fitted_in_windows_is_within_a_few_characters_of_the_longest(text: str, tokens: int) -> None:
+    fitted = fit_tail(text, tokens)
+    assert count_tokens(fitted) <= tokens
+    assert fitted == text or fitted == "" or (fitted.startswith(OMITTED) and text.endswith(fitted[len(OMITTED):]))
+    assert len(_longest_fitting_tail(text, tokens)) - len(fitted) <= 8
+
+
+def test_a_final_answer_of_megabytes_is_read_no_further_than_its_shown_tail_can_reach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = encoding()
+    read = [0]
+
+    class Counting:
+        def encode_ordinary(self, text: str) -> list[int]:
+            read[0] += len(text)
+            return codec.encode_ordinary(text)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(codec, name)
+
+    monkeypatch.setattr(text_module, "encoding", Counting)
+    monkeypatch.setattr(digest_module, "encoding", Counting)
+    answer = "The build passed. " * 450_000 + "NEWEST LINE"  # 8 MB
+    doc = build("task", [answer])
+    assert "NEWEST LINE" in doc and count_tokens(doc) <= DEFAULT_DIGEST_BUDGET
+    assert read[0] < 40 * DEFAULT_DIGEST_BUDGET  # the whole answer, counted once, is 8,100,011 characters
 
 
 def test_budget_below_minimum_is_refused() -> None:

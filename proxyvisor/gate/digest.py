@@ -58,7 +58,7 @@ import orjson
 
 from .. import wirejson
 from ..condense.ranges import RangeError, lines_in, parse_ranges, runs
-from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens
+from ..condense.text import clip_chars, clip_tokens, count_each, count_tokens, encoding, tokens_may_exceed
 from ..detectors import checks
 from ..detectors.checks import words
 from ..detectors.receipts import NONE, Receipt, receipt, writes
@@ -337,24 +337,49 @@ class _Block:
     """Escaped body fitting the given number of tokens (empty when nothing fits)."""
 
 
-def _fit_tail(text: str, tokens: int) -> str:
-    """The longest suffix of ``text`` that fits ``tokens`` tokens behind an omission marker (binary search)."""
-    if count_tokens(text) <= tokens:
+TOKEN_CHARS = 128
+"""The most characters one ``cl100k_base`` token spans (its longest token is 128 bytes): a text's suffix of N
+tokens lies within its last 128 N characters."""
+OMITTED = "[... earlier text omitted ...]\n"
+
+
+def fit_tail(text: str, tokens: int, whole: bool = True) -> str:
+    """The longest suffix of ``text`` that fits ``tokens`` tokens behind an omission marker, about (a few
+    characters either way where tokens meet the cut), or ``text`` itself when it fits and is ``whole`` (not the
+    tail of a longer text already). Costs what encoding about twice the suffix does, whatever the text's length:
+    its end is read in windows doubling from 8 characters a token, until one holds more tokens than fit."""
+    if tokens < 1:
+        return ""
+    if whole and not tokens_may_exceed(text, tokens):
         return text
-    marker = "[... earlier text omitted ...]\n"
-    low, high = 0, len(text)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if count_tokens(marker + text[len(text) - mid:]) <= tokens:
-            low = mid
-        else:
-            high = mid - 1
-    return marker + text[len(text) - low:] if low else ""
+    codec = encoding()
+    room = tokens - count_tokens(OMITTED)
+    size = 8 * tokens
+    while True:
+        window = text[len(text) - size:] if size < len(text) else text
+        ids = codec.encode_ordinary(window)
+        if window is text and (len(ids) <= room or (whole and len(ids) <= tokens)):
+            return text if whole and len(ids) <= tokens else OMITTED + text
+        if len(ids) > room:
+            break
+        size *= 2
+    if room < 1:
+        return ""
+    suffix = window[len(window) - len(codec.decode(ids[len(ids) - room:])):]
+    while suffix and (over := count_tokens(OMITTED + suffix) - tokens) > 0:
+        suffix = suffix[4 * over:]  # tokens met differently at the cut: a few more characters off
+    return OMITTED + suffix if suffix else ""
 
 
 def _text_block(tag: str, attrs: str, text: str, cap: int, newest_first: bool = False) -> _Block:
+    if newest_first:
+        # Only a tail of at most ``cap`` tokens is shown: escaping and counting read no more of a long text (an
+        # answer of megabytes) than such a tail can span. Escaping only lengthens it.
+        tail = text[len(text) - TOKEN_CHARS * cap:] if len(text) > TOKEN_CHARS * cap else text
+        body = escape(tail)
+        return _Block(tag, attrs, cap, lambda tokens: fit_tail(body, tokens, tail is text))
     body = escape(text)
-    return _Block(tag, attrs, cap, lambda tokens: (_fit_tail if newest_first else _fit)(body, tokens))
+    return _Block(tag, attrs, cap, lambda tokens: _fit(body, tokens))
 
 
 def _lines_block(tag: str, attrs: str, lines: list[str], cap: int) -> _Block:
