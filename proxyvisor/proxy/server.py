@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import h11
-import orjson
 import trio
 
 from ..bigtext import MMAP_THRESHOLD
@@ -416,7 +415,10 @@ class Connection:
         if path is not None and self.limits.error_body is not None:
             body = self.limits.error_body(path, 400, message)
         else:
-            body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error"}})
+            # Imported here: the HTTP clients and the scripted upstream import this module without the formats
+            # (26 ms), and only a head that cannot be read needs them.
+            from .formats.base import openai_error_body
+            body = openai_error_body(400, message)
         try:
             await self._send(h11.Response(status_code=400, reason=reason(400), headers=[(b"content-type", b"application/json"),
                                                                     (b"content-length", str(len(body)).encode()),
