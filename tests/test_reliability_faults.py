@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import anthropic
@@ -19,6 +20,7 @@ import pytest
 import trio
 
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall, WireFormat
+from proxyvisor.proxy.closing import close
 from proxyvisor.proxy.server import Request, Response
 
 from helpers import (FORMATS, MODEL, TOOL_STEP, ask, assert_ends_with_error_event, assert_error_shape, path_of,
@@ -238,6 +240,24 @@ async def test_a_client_that_leaves_mid_stream_is_in_the_ledger(fmt: str, start_
                 await trio.sleep(0.01)
         (record,) = rp.pipeline.store.read_ledger("gone")
     assert record["status"] == 200 and record["error"] == "client disconnected mid-stream"
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "unsupervised"])
+async def test_a_stream_whose_head_never_went_out_is_in_the_ledger(supervised: bool, start_proxy) -> None:
+    """The server closes the body of a response whose head it could not send (the client gone just as the answer
+    began): the stream never ran, yet its ledger line (or count) says how it ended and its upstream is closed."""
+    async with start_proxy([{"fault": {"stall_after_events": 2, "stall_s": 3600}}], supervised=supervised) as rp:
+        body = orjson.dumps(request_body("chat", stream=True))
+        headers = [(b"content-type", b"application/json")]
+        response = await rp.pipeline(Request("POST", "/s/unsent" + path_of("chat"), headers, body,
+                                             time.perf_counter()))
+        assert response.status == 200 and not isinstance(response.body, bytes)
+        await close(response.body)  # as Connection._write does when the head cannot go out
+        session = rp.pipeline.sessions.get("unsent")
+        assert session is not None and session.requests == 1
+        if supervised:
+            (record,) = rp.pipeline.store.read_ledger("unsent")
+            assert record["status"] == 200 and record["error"] == "client disconnected mid-stream"
 
 
 @ALL_FORMATS

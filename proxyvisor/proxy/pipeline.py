@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -682,11 +682,16 @@ class Pipeline:
                 self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange,
                               response_model=model)
             return Response(reply.status, headers, reply.body)
-        return Response(reply.status, headers, self._stream(request, fmt, reply, body, session, overhead, exchange))
+        stream = self._stream(request, fmt, reply, body, session, overhead, exchange)
+        # Started up to its first yield (an empty piece): an async generator closed before it started runs none of
+        # its code, and the server closes the body of a response whose head could not go out (the client gone as
+        # the answer began), which would leave the request with no ledger line, its state not stored.
+        await stream.asend(None)
+        return Response(reply.status, headers, stream)
 
     async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                       session: Session | None, overhead: float,
-                      exchange: Exchange | None = None) -> AsyncIterator[bytes]:
+                      exchange: Exchange | None = None) -> AsyncGenerator[bytes, None]:
         assert not isinstance(reply.body, bytes)
         stream = Encoded(reply.body) if isinstance(reply.body, ReplyStream) else reply.body
         usage = Usage()
@@ -722,6 +727,7 @@ class Pipeline:
         growing = False  # ... and that event may still be coming in
         chunks = aiter(stream)
         try:
+            yield b""  # (_respond starts the stream here: closed from now on, its end below runs)
             async for chunk in chunks:
                 # Checked per piece, not with a cancel scope per wait (which cost ~10 us a piece): a stream kept
                 # alive by pings ends at the first piece past the deadline, and a silent one at idle_timeout_s.
