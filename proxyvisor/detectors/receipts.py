@@ -315,8 +315,8 @@ def receipt(use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] |
 CACHED_BYTES = 64 << 20
 """Memory the receipt caches of all sessions keep at most, together (:data:`POOL`). Reuse pays when a session reads
 its history again from the start (a rewrite), which only the sessions active now do: 64 MiB keeps some 60 full
-turns of 2,048 calls each, where a bound per session (1.1 MB at 2,048 receipts) let the 1,024 sessions a process
-holds (``[proxy] max_sessions``) keep 1.1 GB."""
+turns of 2,048 calls each, where a bound per session (1.1 MB at 2,048 receipts) would let the 1,024 sessions a
+process holds (``[proxy] max_sessions``) keep 1.1 GB."""
 ENTRY_BYTES = 560
 """Memory a kept receipt takes besides its strings, measured (tracemalloc, CPython 3.11): the receipt and its four
 16-byte digests (about 325 bytes), its entry in :class:`ReceiptPool` with its key (about 125), and the room the
@@ -326,7 +326,9 @@ pool's table keeps for entries dropped while it turns over (up to about 110)."""
 class ReceiptPool:
     """The receipts every :class:`ReceiptCache` of a process keeps, by key, the least recently used dropped first
     once they take more than ``limit`` bytes (:func:`_size`): a session idle since does not hold memory an active
-    one could reuse. A key names its cache's receipts alone (:class:`ReceiptCache` salts it)."""
+    one could reuse. A key names its cache's receipts alone (:class:`ReceiptCache` salts it). Not locked: one thread
+    uses a pool (the proxy's event loop, where histories are read; a worker thread unpickling a state makes caches
+    of it, which read no receipt)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
