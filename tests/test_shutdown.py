@@ -21,7 +21,7 @@ import orjson
 import pytest
 import trio
 
-from helpers import (FORMATS, assert_ends_with_error_event, http_client, json_events, path_of, request_body,
+from helpers import (FORMATS, assert_ends_with_error_event, assert_error_shape, http_client, json_events, path_of, request_body,
                      scripted_proxy)
 from proxyvisor.config import Config
 from proxyvisor.proxy import continuation
@@ -212,6 +212,39 @@ async def test_a_stream_the_gate_holds_ends_with_the_error_event_when_the_grace_
     assert grace_s <= ended < grace_s + 1, ended
     assert_ends_with_error_event(fmt, got)
     assert "the proxy stopped" in orjson.dumps(json_events(got)[-1][1]).decode()
+    assert line["status"] == 503 and "the proxy stopped" in line["error"], line
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_json_answer_the_gate_holds_is_a_503_when_the_grace_ends(tmp_path: Path, fmt: str) -> None:
+    """Not streamed, the same held turn's end gets, when the grace runs out, a 503 in the client's format (the
+    client is still there and retries it), and the ledger line of a request cut by the proxy's stop."""
+    grace_s = 0.3
+    verifier = Verifier()
+    verifier.release = trio.Event()  # never set: the verdict never comes
+    async with scripted_proxy(tmp_path, Config(), [DONE], verifier) as run:
+        replies: list[httpx.Response] = []
+
+        async def ask() -> None:
+            async with http_client() as client:
+                replies.append(await client.post(run.proxy.url + path_of(fmt), json=request_body(fmt),
+                                                 headers={"x-proxyvisor-session": "held-json"}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            with trio.fail_after(5):
+                while not verifier.calls:  # the answer came; the gate holds it
+                    await trio.sleep(0.01)
+            nursery.start_soon(run.proxy.drain, grace_s)
+            started = trio.current_time()
+            with trio.fail_after(grace_s + 3):
+                while not replies:
+                    await trio.sleep(0.01)
+            ended = trio.current_time() - started
+        line = run.ledger()[-1]
+    assert grace_s <= ended < grace_s + 1, ended
+    assert replies[0].status_code == 503, replies[0].text
+    assert "the proxy stopped" in assert_error_shape(fmt, 503, replies[0].content)["message"]
     assert line["status"] == 503 and "the proxy stopped" in line["error"], line
 
 

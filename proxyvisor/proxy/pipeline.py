@@ -570,19 +570,30 @@ class Pipeline:
         (a continued turn, the verify-gate, the tool authorizer), its session's state stored (:meth:`_persisted`).
         Its one ledger line says how it ended: the answer (:meth:`_respond`, or a stream's end), an upstream error,
         or a cut before the answer, upstream or in a stage (the verify-gate's verdict awaited): the client's
-        leaving, or the proxy's stop (:meth:`_cut`; a stream cut later is accounted at its end)."""
+        leaving, or the proxy's stop (:meth:`_cut`; a stream cut later is accounted at its end). The proxy's stop
+        (:meth:`stop`) cuts a wait in a stage at once (the upstream's wait is its relay's to cut), and the client,
+        still there, gets a 503 in its format, as a stream gets its error event."""
+        stages: trio.CancelScope | None = None  # a scope costs 4.5 us: none on the byte relay's path
         try:
             reply = await sent
             if exchange is not None:
-                reply = exchange.reply(await self._authorized(exchange, await self._gated(
-                    exchange, await self._continued(exchange, reply))))
+                with trio.CancelScope() as stages:
+                    reply = await self.cut.during(stages, self._staged(exchange, reply))
         except UpstreamError as exc:
             self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
             await self._cut(session, fmt, body, request, exchange)
             raise
+        if stages is not None and stages.cancelled_caught:
+            await self._cut(session, fmt, body, request, exchange)
+            return error(fmt, 503, _STOPPED)
         return await self._persisted(await self._respond(request, fmt, reply, body, session, exchange), session)
+
+    async def _staged(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
+        """``reply`` through ``exchange``'s stages: a continued turn, the verify-gate, the tool authorizer."""
+        return exchange.reply(await self._authorized(exchange, await self._gated(
+            exchange, await self._continued(exchange, reply))))
 
     async def _cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
                    exchange: Exchange | None) -> None:
