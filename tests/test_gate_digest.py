@@ -13,6 +13,7 @@ import proxyvisor.gate.digest as digest_module
 from proxyvisor.condense.text import count_tokens, encoding
 from proxyvisor.gate.digest import (
     CONTINUED,
+    FINAL_CHARS,
     INSTRUCTIONS_CHARS,
     MAX_ACTION_LINES,
     OMITTED,
@@ -272,6 +273,16 @@ def test_a_final_answer_of_megabytes_is_read_no_further_than_its_shown_tail_can_
     doc = build("task", [answer])
     assert "NEWEST LINE" in doc and count_tokens(doc) <= DEFAULT_DIGEST_BUDGET
     assert read[0] < 40 * DEFAULT_DIGEST_BUDGET  # the whole answer, counted once, is 8,100,011 characters
+
+
+def test_finals_kept_to_their_last_final_chars_give_the_same_digest() -> None:
+    # The gate keeps each final answer's last FINAL_CHARS characters in the session's state: all it can show.
+    older = "an earlier answer " * 80_000
+    newest = "the newest answer, " * 70_000 + "DONE"
+    for finals in ([older, newest], [older, "short newest"], ["x" * (FINAL_CHARS + 5), "y"]):
+        kept = [final[-FINAL_CHARS:] for final in finals]
+        assert build("task", kept) == build("task", finals)
+        assert build("task", kept, budget=MIN_BUDGET) == build("task", finals, budget=MIN_BUDGET)
 
 
 def test_budget_below_minimum_is_refused() -> None:

@@ -73,6 +73,12 @@ message, which a harness may prefix with pages of context (SWE-agent's demonstra
 the task into one Messages user message); the block's token cap (a quarter of the budget) still bounds it."""
 INSTRUCTIONS_CHARS = 4_000
 FINAL_TOKENS = 8_192
+TOKEN_CHARS = 128
+"""The most characters one ``cl100k_base`` token spans (its longest token is 128 bytes): a text's suffix of N
+tokens lies within its last 128 N characters."""
+FINAL_CHARS = TOKEN_CHARS * FINAL_TOKENS
+"""The most of the turn's final answers' end that ``<agent_final_result>`` can show: a caller keeping finals across
+requests needs no more of each."""
 CLAIM_CHARS = 500
 ARG_CHARS = 120
 MAX_ACTION_LINES = 128
@@ -337,9 +343,6 @@ class _Block:
     """Escaped body fitting the given number of tokens (empty when nothing fits)."""
 
 
-TOKEN_CHARS = 128
-"""The most characters one ``cl100k_base`` token spans (its longest token is 128 bytes): a text's suffix of N
-tokens lies within its last 128 N characters."""
 OMITTED = "[... earlier text omitted ...]\n"
 
 

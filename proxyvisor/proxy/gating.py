@@ -97,7 +97,8 @@ ABANDONED = "verdict abandoned: the request ended before it (the client left, or
 @dataclass
 class GateTurn:
     """One turn's gate, kept in the thread (``Thread.gate_turn``) across the turn's requests: its state machine,
-    the genuine user turn it belongs to (history position) and the turn's final answers so far, oldest first."""
+    the genuine user turn it belongs to (history position) and the turn's final answers so far, oldest first, each
+    its last :data:`~proxyvisor.gate.digest.FINAL_CHARS` characters (all of it the digest can show)."""
 
     turn_start: int | None
     gate: TurnGate
@@ -236,7 +237,7 @@ class Gating:
         text = self.fmt.parse_response(response).text
         clean, bodies = strip(text)
         report = report_outcome(bodies).report
-        turn.finals.append(clean)
+        turn.finals.append(clean[-digest.FINAL_CHARS:])  # kept in the session's state: what the digest can show
         await planning.reconcile(self.exchange, report)  # the plan as the turn left it, before it is judged
         actions = self._actions(turn.turn_start)
         # The prohibitions in force, as the digest shows them: "do not run the tests" makes a missing check compliance.
