@@ -56,6 +56,7 @@ from ..supervisor_model import ModelAnswer, ModelCall
 from .formats import BY_PATH, CHAT, MESSAGES, AssistantTurn, Usage, WireFormat
 from .formats.base import event_object
 from .client import Cut
+from .codings import UndecodableBody, decode
 from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
 from .server import Headers, Request, Response
@@ -373,6 +374,18 @@ class Pipeline:
             return error(fmt, 415, f"content-type must be application/json, got {ctype!r}")
         return None
 
+    def _decoded(self, request: Request, coding: str) -> Request:
+        """``request`` with its body's content coding undone, for a path that reads the body (supervised or
+        translated): what goes upstream is then proxyvisor's own serialisation, sent without a coding. The byte
+        relay forwards a coded body as it came.
+
+        Raises:
+            UndecodableBody: an unknown coding, data invalid for it, or more than ``[proxy] max_body_bytes``.
+        """
+        content = decode(request.body, coding, self.config.proxy.max_body_bytes)
+        return dataclasses.replace(request, content=content,
+                                   headers=[(k, v) for k, v in request.headers if k != b"content-encoding"])
+
     async def _forward_plain(self, request: Request, fmt_name: str, path: str, fmt: WireFormat) -> Response:
         if request.method == "POST" and (bad := self._check_body(request, fmt)):
             return bad
@@ -395,6 +408,12 @@ class Pipeline:
         upstream, native = self.config.upstream_for(fmt.name)
         if not self.supervised and native:
             return await self._relay(request, fmt, path, upstream.name, None, self._counted(prefix))
+        if (coding := request.header("content-encoding")) and coding.strip().lower() not in ("", "identity"):
+            try:
+                request = self._decoded(request, coding)
+            except UndecodableBody as exc:
+                return error(fmt, 415, f"request body in content-encoding {coding!r} cannot be read: {exc}; "
+                                       "send it uncompressed, or in gzip, deflate or br")
         try:
             # Supervised, a body that extends an earlier one is read from its new bytes only.
             body = self.bodies.loads(fmt.history_field, fmt.name, request.body) if self.supervised \
