@@ -119,6 +119,18 @@ def start_redis(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise BenchError("redis-server did not start")
 
 
+def checkouts(compare: Path | None) -> list[tuple[str, Path]]:
+    """The checkouts a ``--compare`` bench measures: (label, folder) of this one and, when given, the other."""
+    return [("this checkout", ROOT)] + ([("compared", compare)] if compare is not None else [])
+
+
+def run_in_checkout(script: str, checkout: Path, *args: str) -> str:
+    """The standard output of bench ``script`` run with ``--checkout CHECKOUT`` and ``args`` in a process of its
+    own (so that it imports that checkout's proxyvisor). Raises CalledProcessError when it fails."""
+    return subprocess.run([sys.executable, script, "--checkout", str(checkout), *args], check=True,
+                          capture_output=True, text=True).stdout
+
+
 def spawn_role(script: str, role: str, *args: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start bench ``script`` in ``role`` as a child process; returns it and the port it printed as ``PORT n``.
     The child exits when its stdin closes (see :func:`exit_on_stdin_eof`), so it never outlives this process.

@@ -14,11 +14,12 @@ Each checkout runs in a process of its own (``--checkout`` is how the parent run
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,14 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.checkout is not None:
         sys.path.insert(0, str(args.checkout.resolve()))
-        added, found = measure(args.sessions, args.calls)
-        print(f"{added:.1f} {found:.3f}")
+        mb, found = measure(args.sessions, args.calls)
+        print(f"{mb:.1f} {found:.3f}")
         return 0
-    runs = [("this checkout", ROOT)] + ([("compared", args.compare)] if args.compare else [])
-    added = {}
-    for label, where in runs:
-        out = subprocess.run([sys.executable, __file__, "--checkout", str(where), "--sessions", str(args.sessions),
-                              "--calls", str(args.calls)], check=True, capture_output=True, text=True).stdout
+    added: dict[str, float] = {}
+    for label, where in checkouts(args.compare):
+        out = run_in_checkout(__file__, where, "--sessions", str(args.sessions), "--calls", str(args.calls))
         mb, found = (float(v) for v in out.split()[-2:])
         added[label] = mb
         print(f"{label} ({where}): {mb:.1f} MB resident added by {args.sessions} sessions of {args.calls} calls; "

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,13 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(args.checkout.resolve()))
         print(f"{measure(args.receipts, args.rounds, args.threads, args.saves):.3f}")
         return 0
-    runs = [("this checkout", ROOT)] + ([("compared", args.compare)] if args.compare else [])
     found = {}
-    for label, where in runs:
-        out = subprocess.run([sys.executable, __file__, "--checkout", str(where), "--receipts", str(args.receipts),
-                              "--rounds", str(args.rounds), "--threads", str(args.threads)]
-                             + (["--saves"] if args.saves else []),
-                             check=True, capture_output=True, text=True).stdout
+    for label, where in checkouts(args.compare):
+        out = run_in_checkout(__file__, where, "--receipts", str(args.receipts), "--rounds", str(args.rounds),
+                              "--threads", str(args.threads), *(["--saves"] if args.saves else []))
         found[label] = float(out.split()[-1])
         print(f"{label} ({where}): {found[label]:.3f} ms CPU per {'save' if args.saves else 'round'}, "
               f"{args.threads} thread(s) of {args.receipts} receipts")

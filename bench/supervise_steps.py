@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +90,7 @@ def measure(fmt_name: str, size_mb: float, count: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [("this checkout", ROOT)] + ([("compared", args.compare)] if args.compare else [])
+    runs = checkouts(args.compare)
     cases = [(fmt, float(size)) for size in args.sizes.split(",") for fmt in args.formats.split(",")]
     if args.checkout is not None:
         sys.path[:0] = [str(args.checkout.resolve()), str(ROOT)]  # its proxyvisor, this checkout's histories
@@ -99,9 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     found: dict[str, list[list[float]]] = {label: [] for label, _ in runs}
     for _ in range(args.rounds):
         for label, where in runs:
-            out = subprocess.run([sys.executable, __file__, "--checkout", str(where), "--sizes", args.sizes,
-                                  "--formats", args.formats, "--count", str(args.count)],
-                                 check=True, capture_output=True, text=True).stdout
+            out = run_in_checkout(__file__, where, "--sizes", args.sizes, "--formats", args.formats,
+                                  "--count", str(args.count))
             found[label].append([float(x) for x in out.split()])
     for i, (fmt, size) in enumerate(cases):
         line = [f"{fmt}, {size:g} MB:"]
