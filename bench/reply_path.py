@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxyvisor.config import GateConfig  # noqa: E402
 from proxyvisor.detectors.selfreport import Stripper, strip  # noqa: E402
+from proxyvisor.proxy.client import Cut  # noqa: E402
 from proxyvisor.proxy import gating  # noqa: E402
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, WireFormat  # noqa: E402
 from proxyvisor.proxy.reply import Blocks, Edited, Encoded, ReplyStream  # noqa: E402
@@ -47,6 +48,7 @@ class _Judge:
         self.config = GateConfig(hold="stop")
         self.background = None
         self.notice = None
+        self.cut = Cut()
 
     def _calls_tools(self, _response: dict[str, Any]) -> bool:
         return False
