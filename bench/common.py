@@ -119,6 +119,13 @@ def start_redis(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise BenchError("redis-server did not start")
 
 
+def add_compare_options(parser: argparse.ArgumentParser) -> None:
+    """``--compare CHECKOUT`` (also measure another checkout of proxyvisor, in its own process: :func:`checkouts`)
+    and the hidden ``--checkout`` by which :func:`run_in_checkout` runs each one."""
+    parser.add_argument("--compare", type=Path, help="also measure this checkout of proxyvisor, in its own process")
+    parser.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
+
+
 def checkouts(compare: Path | None) -> list[tuple[str, Path]]:
     """The checkouts a ``--compare`` bench measures: (label, folder) of this one and, when given, the other."""
     return [("this checkout", ROOT)] + ([("compared", compare)] if compare is not None else [])

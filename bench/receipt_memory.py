@@ -19,15 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import checkouts, run_in_checkout  # noqa: E402
+from bench.common import add_compare_options, checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=128, help="sessions (default 128)")
     p.add_argument("--calls", type=int, default=2048, help="tool calls per session (default 2048)")
-    p.add_argument("--compare", type=Path, help="also measure this checkout of proxyvisor, in its own process")
-    p.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
+    add_compare_options(p)
     return p.parse_args(argv)
 
 

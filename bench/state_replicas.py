@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import checkouts, run_in_checkout  # noqa: E402
+from bench.common import add_compare_options, checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,8 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=60, help="rounds measured (default 60)")
     p.add_argument("--threads", type=int, default=1, help="threads of the session, each with such a turn (default 1)")
     p.add_argument("--saves", action="store_true", help="measure the saves alone: no other process loads")
-    p.add_argument("--compare", type=Path, help="also measure this checkout of proxyvisor, in its own process")
-    p.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
+    add_compare_options(p)
     return p.parse_args(argv)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, checkouts, run_in_checkout  # noqa: E402
+from bench.common import ROOT, add_compare_options, checkouts, run_in_checkout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,8 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--formats", default="chat,messages,responses", help="formats, comma-separated")
     p.add_argument("--count", type=int, default=300, help="requests measured (default 300)")
     p.add_argument("--rounds", type=int, default=1, help="runs of each checkout, alternating (default 1)")
-    p.add_argument("--compare", type=Path, help="also measure this checkout of proxyvisor, in its own process")
-    p.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
+    add_compare_options(p)
     return p.parse_args(argv)
 
 
