@@ -457,12 +457,12 @@ class SessionTable:
         return session
 
     def _ran(self, run: str, session_id: str) -> None:
-        sessions = self._runs.pop(run, None) or {}
+        sessions = self._runs.setdefault(run, {})
+        self._runs.move_to_end(run)
         sessions.pop(session_id, None)
         sessions[session_id] = None
         if len(sessions) > SESSIONS_PER_RUN:
             del sessions[next(iter(sessions))]
-        self._runs[run] = sessions
         while len(self._runs) > self.max_sessions:
             self._runs.popitem(last=False)
 
