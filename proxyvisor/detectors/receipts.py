@@ -396,8 +396,7 @@ class ReceiptCache:
         return {"mutating_tools": self.mutating_tools}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.mutating_tools, self.pool = state["mutating_tools"], POOL
-        self._salt = next(_CACHES).to_bytes(16, "little")
+        ReceiptCache.__init__(self, state["mutating_tools"])  # a new cache of POOL, its own salt
 
     def receipt(self, use: ToolUse, output: ToolOutput | None, schema: Mapping[str, Any] | None) -> Receipt:
         """:func:`receipt` of the call, the one computed before for the same content if the pool kept it."""
