@@ -458,7 +458,7 @@ class Pipeline:
             if not native:
                 if self.translator is None:
                     return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
-                return await self._translate(request, fmt, upstream, body, session, exchange)
+                return await self._translate(request, fmt, path, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
             # Failed (or cut: its ledger line closed it already, and closing again does nothing).
@@ -576,10 +576,10 @@ class Pipeline:
             else self._upstream(request, fmt, path, upstream_name, body, content, exchange)
         return await self._answered(request, fmt, body, session, exchange, sent)
 
-    async def _translate(self, request: Request, fmt: WireFormat, upstream: Any, body: dict[str, Any],
+    async def _translate(self, request: Request, fmt: WireFormat, path: str, upstream: Any, body: dict[str, Any],
                          session: Session | None, exchange: Exchange | None = None) -> Response:
         sent = self.translator.send(fmt, upstream, body, request.headers) if self.breakers is None \
-            else self._upstream(request, fmt, split_prefix(request.path).path, upstream.name, body, None, exchange)
+            else self._upstream(request, fmt, path, upstream.name, body, None, exchange)
         return await self._answered(request, fmt, body, session, exchange, sent)
 
     async def _answered(self, request: Request, fmt: WireFormat, body: dict[str, Any] | None,
