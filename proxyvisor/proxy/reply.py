@@ -136,8 +136,9 @@ def _deferring(blocks: list[T]) -> list[T]:
     for block in blocks:
         if isinstance(block, Block) and block.size >= OFF_LOOP_BYTES:
             defer_free(block.pieces)
-        if isinstance(block, Block) and block.event is not None and len(block.event.data) >= OFF_LOOP_BYTES:
-            defer_free(block.event.data)
+            # (its event's data is read from those bytes: a small block's is small too)
+            if block.event is not None and len(block.event.data) >= OFF_LOOP_BYTES:
+                defer_free(block.event.data)
     return blocks
 
 
