@@ -6,10 +6,16 @@ import logging
 import os
 import shutil
 import stat
+import time
 from datetime import datetime
 
+import orjson
 import pytest
 
+from proxyvisor.config import Config, UpstreamConfig
+from proxyvisor.proxy.pipeline import Pipeline
+from proxyvisor.proxy.relay import HttpRelay
+from proxyvisor.proxy.server import Request
 from proxyvisor.store import KEPT_FILES, LedgerError, Store
 
 from helpers import TEXT_STEP, TOOL_STEP, closed_port, files_under, raw_stream, request_body
@@ -211,3 +217,22 @@ async def test_a_model_name_of_any_size_is_kept_clipped(start_proxy, state_dir) 
         (record,) = rp.pipeline.store.read_ledger("big-model")
     assert record["model"] == "Q" * (MODEL_CHARS - 1) + "\u2026"
     assert (state_dir / "ledger" / "big-model.jsonl").stat().st_size < 20_000
+
+
+async def test_a_format_no_upstream_speaks_without_translation_is_a_501_with_its_ledger_line(tmp_path) -> None:
+    """The 501 proxyvisor answers when no upstream speaks the client's format and no translator is configured
+    is accounted like every other answer: one ledger line with its status and why, the error counted."""
+    config = Config(upstreams=(UpstreamConfig(name="up", formats=("chat",)),))
+    store = Store(tmp_path)
+    pipeline = Pipeline(config, {"up": HttpRelay(config.upstreams[0], f"http://127.0.0.1:{closed_port()}")},
+                        store)  # and no translator
+    request = Request("POST", "/v1/messages", [(b"content-type", b"application/json"),
+                                              (b"x-proxyvisor-session", b"no-route")],
+                      orjson.dumps(request_body("messages")), received_at=time.perf_counter())
+    response = await pipeline(request)
+    assert response.status == 501
+    (record,) = store.read_ledger("no-route")
+    assert FIELDS <= set(record)
+    assert (record["format"], record["status"]) == ("messages", 501)
+    assert "translation is unavailable" in record["error"]
+    assert pipeline.sessions.get("no-route").errors == 1

@@ -125,6 +125,13 @@ def _not_json(body: bytes, exc: orjson.JSONDecodeError) -> str:
     return f"request body is not valid JSON: {exc}"
 
 
+def _overhead(request: Request, upstream_s: float, exchange: Exchange | None) -> float:
+    """The proxy overhead of ``request`` until now, in seconds: its time since its body was whole less
+    ``upstream_s`` (seconds waiting for the upstream) and its supervisor model calls' time."""
+    waited = upstream_s + (exchange.record.model.time_s if exchange is not None else 0.0)
+    return max(0.0, request.since_body - waited)
+
+
 def _ms(seconds: float) -> bytes:
     return b"%.3f" % (seconds * 1000)
 
@@ -456,8 +463,11 @@ class Pipeline:
                     await self._cut(session, fmt, body, request, exchange)
                     raise
             if not native:
-                if self.translator is None:
-                    return error(fmt, 501, f"no upstream speaks {fmt.label} and translation is unavailable")
+                if self.translator is None:  # answered here, so accounted here
+                    message = f"no upstream speaks {fmt.label} and translation is unavailable"
+                    self._account(session, fmt, body, request, 501, Usage(), _overhead(request, 0.0, exchange),
+                                  message, exchange)
+                    return error(fmt, 501, message)
                 return await self._translate(request, fmt, path, upstream, body, session, exchange)
             return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
         except BaseException:
@@ -691,8 +701,7 @@ class Pipeline:
 
     async def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
                        session: Session | None, exchange: Exchange | None = None) -> Response:
-        waited = reply.upstream_s + (exchange.record.model.time_s if exchange is not None else 0.0)
-        overhead = max(0.0, request.since_body - waited)
+        overhead = _overhead(request, reply.upstream_s, exchange)
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
         if not reply.streaming:
             assert isinstance(reply.body, bytes)
