@@ -245,7 +245,7 @@ def _post(target: bytes, length: int, *extra: bytes, version: bytes = b"1.1") ->
 
 _NEXT = b"GET /next HTTP/1.1\r\nhost: x\r\n\r\n"
 _MALFORMED = (b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error","param":null,'
-              b'"code":"invalid_request_error"}}')
+              b'"code":null}}')
 """OpenAI's error body, every field of it, as for the errors the formats write."""
 _CHUNKED = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
 _BIG = b"abcdefghij" * 30_000

@@ -126,10 +126,12 @@ def error_types(status: int) -> tuple[str, str]:
     return openai, _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def openai_error_code(status: int) -> str:
-    """The ``code`` OpenAI's API sends with an error of ``status`` when nothing more specific applies: a 429's is
-    ``rate_limit_exceeded``, else its type."""
-    return "rate_limit_exceeded" if status == 429 else error_types(status)[0]
+def openai_error_code(status: int) -> str | None:
+    """The ``code`` of an error of ``status`` when nothing more specific is known: a 429's is
+    ``rate_limit_exceeded``, else None (null). OpenAI's API sends a specific code (``invalid_api_key``,
+    ``model_not_found``, ``context_length_exceeded``...) or null, never the type again; clients branch on it (the
+    openai SDK's ``APIError.code`` is an optional string)."""
+    return "rate_limit_exceeded" if status == 429 else None
 
 
 def openai_error_body(status: int, message: str, code: str | None = None) -> bytes:
