@@ -401,6 +401,50 @@ async def test_the_budget_bounds_the_judge_calls_whole_input_its_instructions_in
     assert (record["decisions"][0]["by"], record["unavailable"], record["blocked"]) == ("over_budget", 1, 0)
 
 
+
+async def test_a_stream_cut_off_while_its_judge_runs_ends_once_the_judgment_has_ended(tmp_path: Path) -> None:
+    """The agent's stream cut off while the judge weighs its held tool call ends the judgment before the stream
+    ends, the call's own clean-up included: what the pipeline does next never runs beside it."""
+    import time
+
+    import trio
+
+    from proxyvisor.proxy.server import Request
+
+    class SlowToStop(Judge):
+        started = trio.Event()
+        ended = False
+
+        async def __call__(self, messages: list[dict[str, str]]) -> ModelAnswer:
+            self.started.set()
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):  # a model client closing its connection
+                    await trio.sleep(1.5)
+                self.ended = True
+                raise
+            raise AssertionError("unreachable")
+
+    judge = SlowToStop()
+    async with authorized(tmp_path, [calls_step(PYTEST)], judge) as run:
+        response = await run.proxy.pipeline(Request(
+            "POST", BY_NAME["chat"].path, [(b"content-type", b"application/json")],
+            orjson.dumps(agent_body("chat", True)), time.perf_counter()))
+        assert not isinstance(response.body, bytes)
+        body = response.body
+
+        async def read() -> None:
+            async for _piece in body:
+                pass
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await judge.started.wait()
+                nursery.cancel_scope.cancel()  # the agent leaves while its tool call is held
+        assert judge.ended
+
 # ---- the turn's limit, and a streamed batch whose admitted calls are of a built-in type ----------------------------
 @pytest.mark.parametrize(("fmt", "stream"), [("chat", False), ("messages", True), ("responses", True)])
 async def test_a_model_that_keeps_calling_blocked_tools_ends_its_turn_with_a_note(tmp_path: Path, fmt: str,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from proxyvisor.cli import main
 from proxyvisor.proxy.formats import BY_NAME, CHAT, ToolSpec
 from proxyvisor.proxy.info import render_text, summarize
 from proxyvisor.transcript import fingerprint
+from proxyvisor.proxy.server import Request
 from proxyvisor.proxy.service import RunningProxy, running
 from proxyvisor.proxy.sessions import Session
 from proxyvisor.proxy.supervise import Delegated, Note, Supervisor
@@ -444,6 +446,42 @@ async def test_an_agent_that_goes_away_cancels_the_running_child(tmp_path: Path)
             while not gated.cancelled:
                 await trio.sleep(0.01)
         assert len(s.parent.requests) == 1, "no continuation after the agent left"
+        health = delegator.health.get("scripted:scripted")
+    assert (health.state, health.lease_id) == ("healthy", "")
+
+
+class SlowToStopRuntime(GatedRuntime):
+    """A child whose own clean-up on cancellation takes a while (a runtime closing its connection)."""
+
+    async def run(self, job: Any, progress: Any) -> None:
+        self.started.set()
+        try:
+            await self.release.wait()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(1.5)
+            self.cancelled = True
+            raise
+
+
+async def test_a_stream_closed_while_its_child_runs_returns_once_the_child_has_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the client's stream ends the child it waits on before the close returns, the child's own clean-up
+    included: what the pipeline does next (the request's ledger line, its state's save) never runs beside it."""
+    monkeypatch.setattr(continuation, "KEEPALIVE_S", 0.01)
+    async with delegating(tmp_path / "state", [CALL, FINAL]) as s:
+        delegator = s.proxy.pipeline.delegation.delegator
+        slow = delegator._runtimes["scripted"] = SlowToStopRuntime(delegator.registry.get("scripted"))
+        response = await s.proxy.pipeline(Request("POST", CHAT.path, [(b"content-type", b"application/json")],
+                                                  orjson.dumps(request_body("chat", stream=True)),
+                                                  time.perf_counter()))
+        assert not isinstance(response.body, bytes)
+        stream = aiter(response.body)
+        with trio.fail_after(10):
+            while not slow.started.is_set():
+                await anext(stream)
+            await stream.aclose()  # the client leaves
+        assert slow.cancelled
         health = delegator.health.get("scripted:scripted")
     assert (health.state, health.lease_id) == ("healthy", "")
 

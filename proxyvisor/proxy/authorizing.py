@@ -430,7 +430,7 @@ class AuthorizedStream(ReplyStream):
                 stream = blocks(reply.body)
         finally:
             if job is not None:
-                job.scope.cancel()
+                await job.stop()
 
     def _spliced(self, splice: Any, turn: AssistantTurn, response: dict[str, Any]) -> list[bytes]:
         """``turn`` rendered as a stream and spliced into the message the agent is reading."""

@@ -321,4 +321,4 @@ class ContinuedStream(ReplyStream):
                 stream = blocks(reply.body)
         finally:
             if job is not None:
-                job.scope.cancel()
+                await job.stop()
