@@ -311,6 +311,20 @@ def test_the_receipt_pool_keeps_a_bounded_amount_of_command_text() -> None:
     assert cache.receipt(uses[-1], output, RUNNER) is got[-1]
 
 
+def test_a_receipt_larger_than_the_pool_is_not_kept_and_drops_nothing() -> None:
+    """A command over the pool's whole bound (a file of 2 MiB written through the shell) is computed each time it is
+    read, and the receipts the pool kept stay."""
+    cache = receipts.ReceiptCache(pool=receipts.ReceiptPool(1 << 20))
+    output = ToolOutput("c", "")
+    small = [ToolUse(f"c{n}", "Bash", {"command": f"pytest tests/test_{n}.py"}) for n in range(10)]
+    kept = [cache.receipt(use, output, RUNNER) for use in small]
+    huge = ToolUse("big", "Bash", {"command": f"cat > big.py <<EOF\n{'x' * (2 << 20)}\nEOF"})
+    first = cache.receipt(huge, output, RUNNER)
+    assert (len(cache.pool), cache.pool.size <= 1 << 20) == (10, True)
+    assert cache.receipt(huge, output, RUNNER) == first
+    assert all(cache.receipt(use, output, RUNNER) is got for use, got in zip(small, kept))
+
+
 def _call(session: int, n: int) -> tuple[ToolUse, ToolOutput]:
     """Call ``n`` of a session: its arguments parsed from JSON (strings of their own, as a request's are), its
     result 1 KB of text (which no receipt keeps)."""

@@ -348,10 +348,13 @@ class ReceiptPool:
 
     def put(self, key: bytes, found: Receipt) -> None:
         """Keep ``found`` under ``key`` (new to this pool), dropping the least recently used receipts past
-        :attr:`limit`, this one too if it alone is larger."""
+        :attr:`limit`; a receipt larger than the limit alone is not kept, and drops nothing."""
+        size = _size(found)
+        if size > self.limit:
+            return
         self._found[key] = found
-        self.size += _size(found)
-        while self.size > self.limit and self._found:
+        self.size += size
+        while self.size > self.limit:
             self.size -= _size(self._found.popitem(last=False)[1])
 
 
