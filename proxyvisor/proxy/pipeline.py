@@ -414,7 +414,7 @@ class Pipeline:
         path = prefix.path
         upstream, native = self.config.upstream_for(fmt.name)
         if not self.supervised and native:
-            return await self._relay(request, fmt, path, upstream.name, None, self._counted(prefix))
+            return await self._relay(request, fmt, prefix, upstream.name, None, self._counted(prefix))
         if (coding := request.header("content-encoding")) and coding.strip().lower() not in ("", "identity"):
             try:
                 request = self._decoded(request, coding)
@@ -447,7 +447,7 @@ class Pipeline:
                 await self.settle(session.id)  # an answer of its whose state is not stored yet (another connection)
                 await self.states.load(session)
             if command := commands.command_of(fmt, body):
-                return await self._command(request, fmt, body, session, command)
+                return await self._command(request, fmt, body, session, command, prefix.run)
             commands.strip_exchanges(fmt, body)
         try:
             if self.supervised:
@@ -460,16 +460,16 @@ class Pipeline:
                     if exchange is not None:
                         await exchange.before_forward()
                 except trio.Cancelled:
-                    await self._cut(session, fmt, body, request, exchange)
+                    await self._cut(session, fmt, body, request, prefix.run, exchange)
                     raise
             if not native:
                 if self.translator is None:  # answered here, so accounted here
                     message = f"no upstream speaks {fmt.label} and translation is unavailable"
-                    self._account(session, fmt, body, request, 501, Usage(), _overhead(request, 0.0, exchange),
-                                  message, exchange)
+                    self._account(session, fmt, body, request, prefix.run, 501, Usage(),
+                                  _overhead(request, 0.0, exchange), message, exchange)
                     return error(fmt, 501, message)
-                return await self._translate(request, fmt, path, upstream, body, session, exchange)
-            return await self._relay(request, fmt, path, upstream.name, body, session, exchange)
+                return await self._translate(request, fmt, prefix, upstream, body, session, exchange)
+            return await self._relay(request, fmt, prefix, upstream.name, body, session, exchange)
         except BaseException:
             # Failed (or cut: its ledger line closed it already, and closing again does nothing).
             if exchange is not None:
@@ -494,16 +494,17 @@ class Pipeline:
         return self.sessions.touch(session_id, self.clock(), prefix.run) if session_id else None
 
     async def _command(self, request: Request, fmt: WireFormat, body: dict[str, Any], session: Session,
-                       command: str) -> Response:
-        """Answer ``/plan`` or ``/info`` without the model (``proxyvisor.proxy.commands``); one ledger line. A
-        ledger that cannot be read is a 500 in the client's format naming the file."""
+                       command: str, run: str | None) -> Response:
+        """Answer ``/plan`` or ``/info`` without the model (``proxyvisor.proxy.commands``) for a request that came
+        through ``run``; one ledger line. A ledger that cannot be read is a 500 in the client's format naming the
+        file."""
         status, failure = 200, None
         try:
             response = await commands.answer(command, fmt, body, session, self.store, self.clock())
         except LedgerError as exc:
             status, failure = 500, str(exc)
             response = error(fmt, status, f"proxyvisor {command}: {exc}")
-        self._account(session, fmt, body, request, status, Usage(0, 0), request.since_body,
+        self._account(session, fmt, body, request, run, status, Usage(0, 0), request.since_body,
                       failure, local=command)
         return response
 
@@ -569,7 +570,7 @@ class Pipeline:
             return None
         return exchange
 
-    async def _relay(self, request: Request, fmt: WireFormat, path: str, upstream_name: str,
+    async def _relay(self, request: Request, fmt: WireFormat, prefix: Prefix, upstream_name: str,
                      body: dict[str, Any] | None, session: Session | None,
                      exchange: Exchange | None = None) -> Response:
         content = request.content  # as it arrived: an unsupervised body goes up without a copy
@@ -582,20 +583,22 @@ class Pipeline:
                 exchange = None
 
         # The call, not awaited yet (no closure: this is the disabled path's too).
+        path = prefix.path
         sent = self._relayed(request, fmt, path, upstream_name, content) if self.breakers is None or body is None \
             else self._upstream(request, fmt, path, upstream_name, body, content, exchange)
-        return await self._answered(request, fmt, body, session, exchange, sent)
+        return await self._answered(request, fmt, prefix.run, body, session, exchange, sent)
 
-    async def _translate(self, request: Request, fmt: WireFormat, path: str, upstream: Any, body: dict[str, Any],
-                         session: Session | None, exchange: Exchange | None = None) -> Response:
+    async def _translate(self, request: Request, fmt: WireFormat, prefix: Prefix, upstream: Any,
+                         body: dict[str, Any], session: Session | None, exchange: Exchange | None = None) -> Response:
         sent = self.translator.send(fmt, upstream, body, request.headers) if self.breakers is None \
-            else self._upstream(request, fmt, path, upstream.name, body, None, exchange)
-        return await self._answered(request, fmt, body, session, exchange, sent)
+            else self._upstream(request, fmt, prefix.path, upstream.name, body, None, exchange)
+        return await self._answered(request, fmt, prefix.run, body, session, exchange, sent)
 
-    async def _answered(self, request: Request, fmt: WireFormat, body: dict[str, Any] | None,
+    async def _answered(self, request: Request, fmt: WireFormat, run: str | None, body: dict[str, Any] | None,
                         session: Session | None, exchange: Exchange | None,
                         sent: Awaitable[UpstreamReply]) -> Response:
-        """The response to a model request whose upstream call is ``sent``: its reply through ``exchange``'s stages
+        """The response to a model request that came through ``run`` (its ``/r/{run}/`` prefix, split as it
+        arrived; None: none) whose upstream call is ``sent``: its reply through ``exchange``'s stages
         (a continued turn, the verify-gate, the tool authorizer), its session's state stored (:meth:`_persisted`).
         Its one ledger line says how it ended: the answer (:meth:`_respond`, or a stream's end), an upstream error,
         or a cut before the answer, upstream or in a stage (the verify-gate's verdict awaited): the client's
@@ -609,15 +612,15 @@ class Pipeline:
                 with trio.CancelScope() as stages:
                     reply = await self.cut.during(stages, self._staged(exchange, reply))
         except UpstreamError as exc:
-            self._account(session, fmt, body, request, exc.status, Usage(), 0.0, exc.message, exchange)
+            self._account(session, fmt, body, request, run, exc.status, Usage(), 0.0, exc.message, exchange)
             return error(fmt, exc.status, exc.message)
         except trio.Cancelled:
-            await self._cut(session, fmt, body, request, exchange)
+            await self._cut(session, fmt, body, request, run, exchange)
             raise
         if stages is not None and stages.cancelled_caught:
-            await self._cut(session, fmt, body, request, exchange)
+            await self._cut(session, fmt, body, request, run, exchange)
             return error(fmt, 503, _STOPPED)
-        return await self._persisted(await self._respond(request, fmt, reply, body, session, exchange), session)
+        return await self._persisted(await self._respond(request, fmt, run, reply, body, session, exchange), session)
 
     async def _staged(self, exchange: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """``reply`` through ``exchange``'s stages: a continued turn, the verify-gate, the tool authorizer."""
@@ -625,13 +628,13 @@ class Pipeline:
             exchange, await self._continued(exchange, reply))))
 
     async def _cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
-                   exchange: Exchange | None) -> None:
+                   run: str | None, exchange: Exchange | None) -> None:
         """Record a request cut off before its answer (in a step before forwarding, upstream, or in a stage on the
         reply): by the client's leaving, or by the proxy's stop; and store its session's state as the cut left it,
         shielded, as a stream's end does (:meth:`_persist`): a save another request of the session made meanwhile
         may hold the request's thread mid-way (a gate waiting for its verdict), which a restart or another replica
         would restore."""
-        self._account(session, fmt, body, request, 503 if self.stopped else 499, Usage(), 0.0,
+        self._account(session, fmt, body, request, run, 503 if self.stopped else 499, Usage(), 0.0,
                       _STOPPED if self.stopped else _CANCELLED, exchange)
         if session is not None and self.supervised:
             with trio.CancelScope(shield=True):
@@ -699,8 +702,9 @@ class Pipeline:
         return await Gating(exchange, gate, exchange.send, self.supervisor.mutating_tools,
                             self.background).reply(reply)
 
-    async def _respond(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
-                       session: Session | None, exchange: Exchange | None = None) -> Response:
+    async def _respond(self, request: Request, fmt: WireFormat, run: str | None, reply: UpstreamReply,
+                       body: dict[str, Any] | None, session: Session | None,
+                       exchange: Exchange | None = None) -> Response:
         overhead = _overhead(request, reply.upstream_s, exchange)
         headers = reply.headers + [(OVERHEAD_HEADER, _ms(overhead))]
         if not reply.streaming:
@@ -718,18 +722,18 @@ class Pipeline:
                         self._delivered(session, fmt, body, turn)
                     except (orjson.JSONDecodeError, AttributeError, TypeError):
                         pass
-                self._account(session, fmt, body, request, reply.status, usage, overhead, exchange=exchange,
+                self._account(session, fmt, body, request, run, reply.status, usage, overhead, exchange=exchange,
                               response_model=model)
             return Response(reply.status, headers, reply.body)
-        stream = self._stream(request, fmt, reply, body, session, overhead, exchange)
+        stream = self._stream(request, fmt, run, reply, body, session, overhead, exchange)
         # Started up to its first yield (an empty piece): an async generator closed before it started runs none of
         # its code, and the server closes the body of a response whose head could not go out (the client gone as
         # the answer began), which would leave the request with no ledger line, its state not stored.
         await stream.asend(None)
         return Response(reply.status, headers, stream)
 
-    async def _stream(self, request: Request, fmt: WireFormat, reply: UpstreamReply, body: dict[str, Any] | None,
-                      session: Session | None, overhead: float,
+    async def _stream(self, request: Request, fmt: WireFormat, run: str | None, reply: UpstreamReply,
+                      body: dict[str, Any] | None, session: Session | None, overhead: float,
                       exchange: Exchange | None = None) -> AsyncGenerator[bytes, None]:
         assert not isinstance(reply.body, bytes)
         stream = Encoded(reply.body) if isinstance(reply.body, ReplyStream) else reply.body
@@ -832,7 +836,7 @@ class Pipeline:
                         with trio.CancelScope(shield=True):  # a big answer is read off the loop, even at a disconnect
                             turn, shown = await off_loop(kept, _answer, fmt, events, edited is not None)
                     usage = await estimate.completed_off_loop(usage, fmt, body, turn, unread)
-                self._account(session, fmt, body, request, reply.status if failure is None else failure.status,
+                self._account(session, fmt, body, request, run, reply.status if failure is None else failure.status,
                               usage, overhead, message, exchange, response_model=telemetry.response_model(
                                   event_object(events[0][1])) if self.telemetry is not None and events else None)
                 self._delivered(session, fmt, body, shown)
@@ -902,10 +906,11 @@ class Pipeline:
         return Usage(usage.input_tokens or None, usage.output_tokens or None)
 
     def _account(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
-                 status: int, usage: Usage, overhead_s: float, failure: str | None = None,
+                 run: str | None, status: int, usage: Usage, overhead_s: float, failure: str | None = None,
                  exchange: Exchange | None = None, local: str | None = None,
                  response_model: str | None = None) -> None:
-        """Count the request in its session and write its ledger line: with the delegations it ran and what
+        """Count the request, which came through ``run`` (its ``/r/{run}/`` prefix as :meth:`_route` split it;
+        None: none), in its session and write its ledger line: with the delegations it ran and what
         supervision did (``proxyvisor.proxy.info.ledger_fields``), or, for ``local``, the command proxyvisor
         answered itself (``proxyvisor.proxy.commands``; not counted as a model request). With tracing on, the
         same record makes the request's spans (``proxyvisor.proxy.telemetry``; ``response_model``: the model the
@@ -937,7 +942,7 @@ class Pipeline:
             "latency_ms": round((time.perf_counter() - request.received_at) * 1000, 3),
             "overhead_ms": round(overhead_s * 1000, 3),
         }
-        if run := split_prefix(request.path).run:  # valid: checked as the request arrived
+        if run is not None:
             record["run"] = run
         if local is None and self.config.upstream_for(fmt.name)[0].scripted:
             record["scripted"] = True
