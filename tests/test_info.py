@@ -124,6 +124,15 @@ def test_turns_are_counted_by_what_decided_their_last_pass() -> None:
     assert summarize(lines)["gate"]["decided_by"] == {"evidence": 1, "model": 1}
 
 
+def test_the_run_of_the_request_asking_is_counted_among_the_runs_and_nothing_else() -> None:
+    lines = [{"status": 200, "run": "r1"}, {"status": 200, "run": "r1"}]
+    assert summarize(lines)["runs"] == 1
+    asked = summarize(lines, run="r2")
+    assert (asked["runs"], asked["requests"], asked["local"]) == (2, 2, {})
+    assert summarize(lines, run="r1")["runs"] == 1
+    assert summarize([], run="r1")["runs"] == 1  # the first request of a session: one run, its own
+
+
 def test_render_text_is_a_table_with_every_counter() -> None:
     text = render_text({"session": "s-1", **summarize(LINES, price)})
     lines = text.splitlines()

@@ -112,3 +112,15 @@ def test_wrap_session_forces_the_session_over_the_clients_own(tmp_path: Path) ->
     (line,) = store.read_ledger("mine")
     assert isinstance(line["run"], str) and len(line["run"]) == 32  # the run is recorded all the same
     assert summary[0].startswith("proxyvisor: session mine: 1 model request (messages)"), summary
+
+
+def test_info_as_the_first_request_of_a_resumed_run_counts_that_run(tmp_path: Path) -> None:
+    # The asking /info's own ledger line is written after its answer is made: its run is counted all the same, the
+    # /info itself is not (as in the test above).
+    said, _ = wrap(tmp_path, SID, "poll", "poll")
+    run1 = said[-1]["run"]
+    said, _ = wrap(tmp_path, SID, "info")
+    info, run2 = said[0]["info"], said[1]["run"]
+    assert "| model requests   | 2 (tool rounds 1, errors 0); in 2 wrap runs |" in info, info
+    assert [(line["run"], line.get("local")) for line in Store(tmp_path / "state").read_ledger(SID)] == \
+        [(run1, None), (run1, None), (run2, "/info")]

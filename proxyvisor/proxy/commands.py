@@ -239,9 +239,11 @@ def live(session: Session | None, clock: float) -> dict[str, Any] | None:
     return out
 
 
-async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float) -> dict[str, Any]:
+async def info_json(store: Store | None, session_id: str, session: Session | None, clock: float,
+                    run: str | None = None) -> dict[str, Any]:
     """The ``/info`` object of a session: its ledger summed (off the event loop: the ledger and the cost map are
-    read from disk), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`).
+    read from disk), with ``session`` and ``live`` (:func:`proxyvisor.proxy.info.info_object`); ``run``: the run
+    of the ``/info`` request asking, whose line is not in the ledger yet (None: none, or an endpoint asking).
 
     Raises:
         LedgerError: the session's ledger exists but cannot be read.
@@ -250,16 +252,17 @@ async def info_json(store: Store | None, session_id: str, session: Session | Non
 
     def read() -> dict[str, Any]:
         lines, only_here = store.ledger(session_id) if store is not None else ([], False)
-        return info_object(session_id, lines, counters, only_here)
+        return info_object(session_id, lines, counters, only_here, run)
     return await trio.to_thread.run_sync(read)
 
 
 async def answer(command: str, fmt: WireFormat, body: dict[str, Any], session: Session, store: Store | None,
-                 clock: float) -> Response:
-    """The local answer to ``command`` for a request ``body`` in ``fmt``: the format's response, streamed when the
-    request asks for a stream."""
+                 clock: float, run: str | None = None) -> Response:
+    """The local answer to ``command`` for a request ``body`` in ``fmt`` that came through ``run`` (its
+    ``/r/{run}/`` prefix; None: none): the format's response, streamed when the request asks for a stream. Its
+    own ledger line is written after it: ``/info`` counts its run (:func:`info_json`), not the request."""
     if command == "/info":
-        text = render_text(await info_json(store, session.id, session, clock))
+        text = render_text(await info_json(store, session.id, session, clock, run))
     else:
         stripped = dict(body)
         strip_exchanges(fmt, stripped)

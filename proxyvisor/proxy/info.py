@@ -64,7 +64,7 @@ are milliseconds:
 - ``requests``: model requests (lines without ``local``); ``errors``: of them answered with status >= 400;
   ``tool_rounds``: of them whose history ended with tool results; ``local``: ``{command: n}`` answered locally;
   ``first``, ``last``: the times (ISO 8601) of the first and last line, or None; ``runs``: the runs the lines
-  came through (their distinct ``run``);
+  came through (their distinct ``run``), and the run of the ``/info`` request asking, whose line comes after;
 - ``self_report``: ``{"by_status": {status: n}, "by_state": {state: n}}``;
 - ``detectors``: ``{"fires": {signal: n}, "steers": {signal: n}}``;
 - ``gate``: ``{"runs", "passes", "gaps", "malformed", "unavailable", "nudges", "reentries", "refuted",
@@ -215,16 +215,19 @@ def _ms(value: float) -> float:
     return round(value, 3)
 
 
-def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) -> dict[str, Any]:
+def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None,
+              run: str | None = None) -> dict[str, Any]:
     """The /info object (module docstring) of one session's ledger ``lines`` (in ledger order).
 
     ``price`` prices the upstream tokens (default :func:`proxyvisor.pricing.price`, only called for a line with
     tokens that the scripted model did not answer); each model is asked once per line until it proves unpriced.
-    Odd field values count as absent; never raises for a line's content.
+    ``run`` is the run of the request asking (its ``/r/{run}/`` prefix; None: none), whose own line is written
+    after its answer: counted among ``runs``, and in nothing else. Odd field values count as absent; never raises
+    for a line's content.
     """
     requests = errors = tool_rounds = 0
     local: Counter[str] = Counter()
-    runs: set[str] = set()
+    runs: set[str] = {run} if run is not None else set()
     first = last = None
     by_status: Counter[str] = Counter()
     by_state: Counter[str] = Counter()
@@ -387,12 +390,13 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None) ->
 
 
 def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str, Any] | None,
-                only_here: bool = False) -> dict[str, Any]:
-    """What ``/info`` answers for ``session``: ``{"session", **summarize(lines), "live", "only_this_replica"}``,
-    where ``live`` is the proxy's in-memory counters (``proxyvisor.proxy.commands.live``) or None (not in memory,
-    or read offline), and ``only_this_replica`` (``only_here``) says that ``lines`` are this replica's own though
-    the replicas share their ledgers (Redis does not answer: the other replicas' lines are missing)."""
-    return {"session": session, **summarize(lines), "live": live, "only_this_replica": only_here}
+                only_here: bool = False, run: str | None = None) -> dict[str, Any]:
+    """What ``/info`` answers for ``session``: ``{"session", **summarize(lines, run=run), "live",
+    "only_this_replica"}``, where ``live`` is the proxy's in-memory counters (``proxyvisor.proxy.commands.live``)
+    or None (not in memory, or read offline), ``only_this_replica`` (``only_here``) says that ``lines`` are this
+    replica's own though the replicas share their ledgers (Redis does not answer: the other replicas' lines are
+    missing), and ``run`` is the run of the ``/info`` asking (:func:`summarize`)."""
+    return {"session": session, **summarize(lines, run=run), "live": live, "only_this_replica": only_here}
 
 
 def _str(value: Any) -> str | None:

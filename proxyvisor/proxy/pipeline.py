@@ -500,7 +500,7 @@ class Pipeline:
         file."""
         status, failure = 200, None
         try:
-            response = await commands.answer(command, fmt, body, session, self.store, self.clock())
+            response = await commands.answer(command, fmt, body, session, self.store, self.clock(), run)
         except LedgerError as exc:
             status, failure = 500, str(exc)
             response = error(fmt, status, f"proxyvisor {command}: {exc}")
