@@ -105,7 +105,11 @@ def format_for_path(path: str) -> WireFormat:
     A run prefix ``/r/{id}`` and a session prefix ``/s/{id}`` (``proxyvisor.proxy.sessions.split_prefix``) are
     skipped first, valid or not, so a bad id is reported in the client's format.
     """
-    path = unprefixed(path)
+    return _format_for(unprefixed(path))
+
+
+def _format_for(path: str) -> WireFormat:
+    """:func:`format_for_path` of a path without its prefixes (split from them already)."""
     return MESSAGES if path.startswith("/v1/messages") else BY_PATH.get(path, CHAT)
 
 
@@ -312,7 +316,7 @@ class Pipeline:
             return error(format_for_path(request.path), 400, str(exc))
         path = prefix.path
         if request.too_slow:
-            return error(format_for_path(path), 408, "request body not received in time: a body must arrive whole "
+            return error(_format_for(path), 408, "request body not received in time: a body must arrive whole "
                          f"within {self.config.proxy.request_body_deadline_s:g} s ([proxy] request_body_deadline_s)")
         if path == "/" and request.method in ("HEAD", "GET"):
             return Response(200, _JSON, orjson.dumps({"name": "proxyvisor", "status": "ok"}))
@@ -321,7 +325,7 @@ class Pipeline:
                                                       "supervision": self.supervised}))
         if (shown := web.page(request.method, path)) is not None:  # static, holding no data (proxyvisor.proxy.web)
             return shown
-        fmt = format_for_path(path)
+        fmt = _format_for(path)
         token = self.config.proxy.auth_token
         if token and not request.header_is(AUTH_HEADER, token):
             return error(fmt, 401, f"the '{AUTH_HEADER}' header does not hold this proxy's auth_token"
