@@ -95,6 +95,50 @@ async def test_every_status_goes_out_with_its_reason_phrase(stream: bool) -> Non
     assert all(phrases.values()), phrases
 
 
+async def status_line(url: str, target: bytes = b"/") -> bytes:
+    """The status line of the answer to a GET of ``target`` on a connection of its own."""
+    conn = await connect(url)
+    await conn.send_all(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % target)
+    return (await read_to_end(conn)).split(b"\r\n", 1)[0]
+
+
+async def test_a_status_nothing_names_goes_out_with_its_class_as_its_phrase() -> None:
+    async def handler(request: Request) -> Response:
+        return Response(int(request.path.strip("/")), [], b"x")
+
+    async with serve_handler(handler) as url:
+        lines = [await status_line(url, b"/%d" % status) for status in (299, 399, 420, 499, 520, 599, 999)]
+    assert lines == [b"HTTP/1.1 299 Success", b"HTTP/1.1 399 Redirection", b"HTTP/1.1 420 Client Error",
+                     b"HTTP/1.1 499 Client Error", b"HTTP/1.1 520 Server Error", b"HTTP/1.1 599 Server Error",
+                     b"HTTP/1.1 999 Unknown"]
+
+
+@pytest.mark.parametrize("supervised", [False, True], ids=["relay", "supervised"])
+async def test_a_relayed_status_nothing_names_keeps_the_upstreams_phrase(supervised: bool, start_proxy) -> None:
+    """An upstream's own phrase goes out with a status the standard does not name (one it names keeps the
+    standard's), whole or streamed, on a model path or another."""
+    statuses = {b"/v1/chat/completions": (520, b"Web Server Returned an Unknown Error"),
+                b"/v1/models": (299, b"Fine But Odd"), b"/v1/other": (404, b"Gone Fishing")}
+
+    async def upstream(request: Request) -> Response:
+        if b'"stream"' in request.body:
+            return Response(299, [(b"content-type", b"text/event-stream")], b"data: [DONE]\n\n", b"Streaming Oddly")
+        status, phrase = statuses[request.path.encode()]
+        return Response(status, [(b"content-type", b"application/json")], b"{}", phrase)
+
+    async def post(url: str, body: bytes) -> bytes:
+        conn = await connect(url)
+        await conn.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        return (await read_to_end(conn)).split(b"\r\n", 1)[0]
+
+    async with serve_handler(upstream) as url, start_proxy(supervised=supervised, upstream_url=url, breakers=False) as rp:
+        lines = [await post(rp.url, b"{}"), await post(rp.url, b'{"stream": true}')]
+        lines += [await status_line(rp.url, target) for target in (b"/v1/models", b"/v1/other")]
+    assert lines == [b"HTTP/1.1 520 Web Server Returned an Unknown Error", b"HTTP/1.1 299 Streaming Oddly",
+                     b"HTTP/1.1 299 Fine But Odd", b"HTTP/1.1 404 Not Found"]
+
+
 async def test_a_client_hanging_up_cancels_a_handler_that_has_not_answered_yet() -> None:
     started, cancelled = trio.Event(), trio.Event()
 

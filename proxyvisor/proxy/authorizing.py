@@ -297,7 +297,7 @@ class Authorizing:
         if not rewritable(reply):
             return reply
         if reply.streaming:
-            return UpstreamReply(reply.status, reply.headers, AuthorizedStream(self, reply.body), reply.upstream_s)
+            return reply.with_body(AuthorizedStream(self, reply.body))
         rounds = 0
         while True:
             assert isinstance(reply.body, bytes)
@@ -314,10 +314,10 @@ class Authorizing:
             if len(denials) < len(turn.tool_calls):
                 self.part_blocked(response, denials)
                 kept = self.fmt.without_calls(response, denials)
-                return UpstreamReply(reply.status, reply.headers, wirejson.dumps(kept), reply.upstream_s, decoded=kept)
+                return reply.with_body(wirejson.dumps(kept), kept)
             if rounds >= ROUNDS:
                 ended = self.fmt.render(AssistantTurn(self._stopped()), str(response.get("model") or ""))
-                return UpstreamReply(reply.status, _JSON, wirejson.dumps(ended), reply.upstream_s, decoded=ended)
+                return reply.with_body(wirejson.dumps(ended), ended, _JSON)
             continued = await self._carry_on(self.blocked_items(response, denials))
             if continued is None:
                 return reply

@@ -161,7 +161,7 @@ class Continuation:
         if not rewritable(reply):
             return reply
         if reply.streaming:
-            return UpstreamReply(reply.status, reply.headers, ContinuedStream(self, reply.body), reply.upstream_s)
+            return reply.with_body(ContinuedStream(self, reply.body))
         first_s = reply.upstream_s
         while True:
             assert isinstance(reply.body, bytes)

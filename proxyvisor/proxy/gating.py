@@ -150,7 +150,7 @@ class Gating:
         if not rewritable(reply):
             return reply
         if reply.streaming:
-            return UpstreamReply(reply.status, reply.headers, GatedStream(self, reply.body), reply.upstream_s)
+            return reply.with_body(GatedStream(self, reply.body))
         first_s = reply.upstream_s
         while True:
             assert isinstance(reply.body, bytes)

@@ -409,7 +409,7 @@ class Pipeline:
         except UpstreamError as exc:
             return error(fmt, exc.status, exc.message)
         assert isinstance(reply.body, bytes)
-        return Response(reply.status, reply.headers, reply.body)
+        return Response(reply.status, reply.headers, reply.body, reply.reason)
 
     # ---- model requests ------------------------------------------------------------------------------------
     async def _model(self, request: Request, fmt: WireFormat, prefix: Prefix) -> Response:
@@ -728,13 +728,13 @@ class Pipeline:
                         pass
                 self._account(session, fmt, body, request, run, reply.status, usage, overhead, exchange=exchange,
                               response_model=model)
-            return Response(reply.status, headers, reply.body)
+            return Response(reply.status, headers, reply.body, reply.reason)
         stream = self._stream(request, fmt, run, reply, body, session, overhead, exchange)
         # Started up to its first yield (an empty piece): an async generator closed before it started runs none of
         # its code, and the server closes the body of a response whose head could not go out (the client gone as
         # the answer began), which would leave the request with no ledger line, its state not stored.
         await stream.asend(None)
-        return Response(reply.status, headers, stream)
+        return Response(reply.status, headers, stream, reply.reason)
 
     async def _stream(self, request: Request, fmt: WireFormat, run: str | None, reply: UpstreamReply,
                       body: dict[str, Any] | None, session: Session | None, overhead: float,

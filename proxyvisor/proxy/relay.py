@@ -73,6 +73,9 @@ class UpstreamReply:
     upstream_s: float = 0.0
     """Time spent waiting on the upstream before the reply was ready (s): to the headers for a stream, to the
     last byte otherwise."""
+    reason: bytes = b""
+    """The upstream's reason phrase (``proxyvisor.proxy.server.reason`` keeps it for a status the standard does not
+    name)."""
 
     decoded: Any = field(default=None, repr=False, compare=False)
     """The JSON body decoded, once a stage read it (:meth:`json`); a stage that rewrites the body sets it to what it
@@ -81,6 +84,13 @@ class UpstreamReply:
     @property
     def streaming(self) -> bool:
         return not isinstance(self.body, bytes)
+
+    def with_body(self, body: bytes | AsyncIterable[Any], decoded: Any = None,
+                  headers: Headers | None = None) -> UpstreamReply:
+        """This reply with ``body`` in its place (``decoded``: that body's JSON, when known), as a stage rewrites
+        it: its status, reason phrase, headers (unless ``headers``) and upstream time kept."""
+        return UpstreamReply(self.status, self.headers if headers is None else headers, body, self.upstream_s,
+                             self.reason, decoded)
 
     def json(self) -> Any:
         """The JSON body decoded, once for all the stages a reply passes (the object is theirs to read; a stage
@@ -260,7 +270,7 @@ class HttpRelay:
         if ctype.startswith(b"text/event-stream") and status < 400:
             return UpstreamReply(status, headers_out, RelayedStream(conn, self.pool, self.upstream.idle_timeout_s,
                                                                      self.cut),
-                                 time.perf_counter() - started)
+                                 time.perf_counter() - started, head.reason)
         parts: list[bytes] = []
         size, complete = 0, False
         try:
@@ -281,7 +291,7 @@ class HttpRelay:
         data = b"".join(parts)
         if status >= 400 and self.api_key and len(self.api_key) >= 4:
             data, headers_out = self._redacted(status, headers_out, data)
-        return UpstreamReply(status, headers_out, data, time.perf_counter() - started)
+        return UpstreamReply(status, headers_out, data, time.perf_counter() - started, head.reason)
 
     def _redacted(self, status: int, headers: Headers, data: bytes) -> tuple[bytes, Headers]:
         """An error body and its headers with the configured key replaced by ``[redacted]``.

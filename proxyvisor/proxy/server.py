@@ -53,15 +53,25 @@ _REASONS = {529: b"Overloaded"}
 """Reason phrases of statuses the standard does not name that model APIs send: Anthropic's 529 (its SDK and
 Claude Code say "529 Overloaded")."""
 
+_CLASS_REASONS = {1: b"Informational", 2: b"Success", 3: b"Redirection", 4: b"Client Error", 5: b"Server Error"}
+"""The names of the status classes (RFC 9110, section 15): the phrase of a status that nothing names. A client
+treats an unknown status as the x00 of its class, so its class is what the phrase can say."""
+
 
 @functools.cache
-def reason(status: int) -> bytes:
-    """The reason phrase of ``status`` for the status line: the standard's, or :data:`_REASONS`'s (empty for a
-    status neither names); a relayed upstream's own phrase is not kept: HTTP/1.1 makes it informative only."""
+def _named(status: int) -> bytes:
+    """The phrase the standard or :data:`_REASONS` gives ``status``; empty if neither does."""
     try:
         return http.HTTPStatus(status).phrase.encode()
     except ValueError:
         return _REASONS.get(status, b"")
+
+
+def reason(status: int, relayed: bytes = b"") -> bytes:
+    """The reason phrase of ``status`` for the status line, never empty: the standard's or :data:`_REASONS`'s;
+    else ``relayed``, the upstream's own phrase for a status it answered with (h11 read it, so it holds no line
+    break); else its class's name (:data:`_CLASS_REASONS`; ``Unknown`` past 5xx)."""
+    return _named(status) or relayed or _CLASS_REASONS.get(status // 100, b"Unknown")
 
 @dataclass
 class Request:
@@ -123,6 +133,8 @@ class Response:
     status: int
     headers: Headers = field(default_factory=list)
     body: bytes | AsyncIterator[bytes] = b""
+    reason: bytes = b""
+    """The phrase of a relayed status, as the upstream wrote it (:func:`reason` prefers the standard's)."""
     after: Callable[[], Awaitable[None]] | None = None
     """Awaited once the response is done with: its last byte handed to the socket (a stream's body closed), or its
     sending given up (the client left, the server stopping), and before the connection reads its next request. It
@@ -536,7 +548,7 @@ class Connection:
         if isinstance(body, (bytes, bytearray)):
             if not any(k == b"content-length" for k, _ in headers):
                 headers.append((b"content-length", str(len(body)).encode()))
-            head = h11.Response(status_code=response.status, reason=reason(response.status), headers=headers)
+            head = h11.Response(status_code=response.status, reason=reason(response.status, response.reason), headers=headers)
             if body and request.method != "HEAD":
                 await self._send(head, h11.Data(data=body), h11.EndOfMessage())
             else:
@@ -545,7 +557,7 @@ class Connection:
         try:
             if not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers):
                 headers.append((b"transfer-encoding", b"chunked"))
-            await self._send(h11.Response(status_code=response.status, reason=reason(response.status), headers=headers))
+            await self._send(h11.Response(status_code=response.status, reason=reason(response.status, response.reason), headers=headers))
             async for chunk in body:
                 if chunk:
                     await self._send(h11.Data(data=chunk))

@@ -638,8 +638,7 @@ class Exchange:
                     self._finish([b for s in strippers for b in s.bodies])
 
             editor = self.fmt.stream_editor(new_filter, lambda text: strip(text)[0])
-            return UpstreamReply(reply.status, reply.headers, Edited(blocks(reply.body), editor, on_end),
-                                 reply.upstream_s)
+            return reply.with_body(Edited(blocks(reply.body), editor, on_end))
         try:
             response = reply.json()
         except orjson.JSONDecodeError as exc:
@@ -661,4 +660,4 @@ class Exchange:
         self._finish(bodies)
         if not bodies:
             return reply
-        return UpstreamReply(reply.status, reply.headers, wirejson.dumps(response), reply.upstream_s, decoded=response)
+        return reply.with_body(wirejson.dumps(response), response)
