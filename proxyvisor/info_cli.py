@@ -47,7 +47,8 @@ _PLAN_FALLBACK = """\
 _SESSION = """\
 SESSION:
   A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it
-  (or a wrap run's id, $PROXYVISOR_SESSION, naming its current session, while that wrap runs).
+  (or a wrap run's id, $PROXYVISOR_SESSION, naming the session its latest request went to: to
+  the wrap's proxy while it runs, and to 'info' from this host's ledgers afterwards).
   GET /proxyvisor/sessions lists the ids to the admin ([proxy] admin_token){listed}.
   Default: the session with the most recent activity ({latest}).
 """
@@ -261,9 +262,13 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
     if info is not None:
         return info, ""
     store, latest = _latest(config)
-    session = session or latest
+    named, session = session, session or latest
+    ran = ""  # the run the session was named by
     try:
         lines, only_here = store.ledger(session) if session else ([], False)
+        if not lines and named and (found := store.session_of_run(named)) is not None:
+            ran, session = f" (where run {named}'s latest request went)", found
+            lines, only_here = store.ledger(session)
     except LedgerError as exc:
         raise Refused(str(exc)) from None
     if not lines:
@@ -272,7 +277,7 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
     assert session is not None  # its ledger's lines were read
     only_here = only_here or (config.state.backend == REDIS and store.shared is None)
     return info_object(session, lines, None, only_here), (
-        f"no proxy answers at {url}; summing the ledger in {store.root}"
+        f"no proxy answers at {url}; summing the ledger of session {session}{ran} in {store.root}"
         + (" (this host's lines only: Redis does not answer, the other replicas' lines are missing)"
            if only_here else ""))
 

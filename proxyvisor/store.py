@@ -338,6 +338,37 @@ class Store:
         """The sessions with a ledger, the most recently active last (:meth:`recent`)."""
         return [sid for sid, _wall in reversed(self.recent())]
 
+    def session_of_run(self, run: str) -> str | None:
+        """The session the latest ledger line of run ``run`` (a line's ``run``: a ``proxyvisor wrap`` run) went to,
+        from this host's ledger files, after the run's proxy is gone; None when no line has it. A file is parsed
+        only when its bytes hold the run's field (``"run":"RUN"``, as the ledger writes it); every file is read.
+        Blocks: for a reader outside the proxy (``proxyvisor info RUN``).
+
+        Raises:
+            ValueError: an invalid run id.
+        """
+        if not SESSION_ID.match(run):
+            raise ValueError(f"invalid run id {run!r}")
+        field = b'"run":' + orjson.dumps(run)
+        latest: tuple[str, str] | None = None  # (the time of the run's latest line, its session)
+        folder = self.root / "ledger"
+        for path in folder.glob("*.jsonl") if folder.is_dir() else ():
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue  # a ledger that cannot be read (or parsed) names no run here; read as a session, it says why
+            if field not in data:
+                continue
+            try:
+                records = _records(data.splitlines(), str(path))
+            except LedgerError:
+                continue
+            for record in records:
+                when = found if isinstance(found := record.get("time"), str) else ""
+                if record.get("run") == run and (latest is None or when > latest[0]):
+                    latest = (when, path.stem)
+        return latest[1] if latest is not None else None
+
     def known(self, session_id: str) -> bool:
         """Whether the session has a ledger, here or shared. Blocks: off the event loop.
 

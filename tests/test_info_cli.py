@@ -127,6 +127,22 @@ async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys
     assert code == 1 and json.loads(out)["plan"] is None
 
 
+async def test_without_a_proxy_a_runs_id_names_the_session_its_latest_line_went_to(capsys, tmp_path: Path) -> None:
+    state, url = tmp_path / "state", f"http://127.0.0.1:{closed_port()}"
+    _ledger(state, "resumed", [{"time": "2026-01-01T00:00:01.000+00:00", "status": 200, "run": "run1"},
+                               {"time": "2026-01-01T00:00:03.000+00:00", "status": 200, "run": "run2"}])
+    _ledger(state, "subagent", [{"time": "2026-01-01T00:00:02.000+00:00", "status": 200, "run": "run1"},
+                                {"time": "2026-01-01T00:00:04.000+00:00", "status": 200, "run": "run3",
+                                 "delegations": [{"run": "run2"}]}])  # a field of another object: no line of run2
+    for run, session in (("run1", "subagent"), ("run2", "resumed"), ("run3", "subagent")):
+        code, out, err = await cli(capsys, "info", run, "--url", url, "--state-dir", str(state), "--json")
+        assert code == 0 and json.loads(out)["session"] == session, (run, err)
+        assert f"summing the ledger of session {session} (where run {run}'s latest request went)" in err
+    code, out, err = await cli(capsys, "info", "run4", "--url", url, "--state-dir", str(state))
+    assert code == 1 and "no ledger for session 'run4'" in err
+    assert Store(state).session_of_run("run4") is None
+
+
 async def test_something_else_on_the_port_counts_as_no_proxy(capsys, tmp_path: Path, scripted_server) -> None:
     """A server that is not proxyvisor (here the scripted upstream, which 404s the path) is not asked further."""
     _ledger(tmp_path / "state", "only", [{"status": 200}])

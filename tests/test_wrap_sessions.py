@@ -13,7 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from proxyvisor.cli import main
 from proxyvisor.store import Store
+
+from helpers import closed_port
 
 SID = "6f1c2b1e-0d3a-4a55-9c2e-1f0e7d2c9b11"
 
@@ -74,7 +79,8 @@ def wrap(tmp_path: Path, sid: str, *steps: str, session: str | None = None) -> t
             [line for line in done.stderr.splitlines() if line.startswith("proxyvisor: session ")])
 
 
-def test_a_resumed_session_is_one_session_across_runs_and_each_summary_counts_its_own_run(tmp_path: Path) -> None:
+def test_a_resumed_session_is_one_session_across_runs_and_each_summary_counts_its_own_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     said, first = wrap(tmp_path, SID, "poll", "poll")
     run1 = said[-1]["run"]
     assert first[0].startswith(f"proxyvisor: session {SID}: 2 model requests (messages), 0 errors, 1 tool round"), \
@@ -94,6 +100,11 @@ def test_a_resumed_session_is_one_session_across_runs_and_each_summary_counts_it
     assert second[0].startswith(f"proxyvisor: session {SID}, this run (3 model requests in the session in all): 1 "
                                 "model request (messages), 0 errors, 1 tool round; upstream "), second
     assert second[0].endswith("; 1 question answered by proxyvisor itself (/info 1)"), second
+    # Its proxy gone with it, a run's id still names the session: from the ledger, whose lines record their run.
+    capsys.readouterr()
+    assert main(["info", run1, "--json", "--url", f"http://127.0.0.1:{closed_port()}",
+                 "--state-dir", str(tmp_path / "state")]) == 0
+    assert json.loads(capsys.readouterr().out)["session"] == SID
 
 
 def test_a_client_that_names_no_session_is_the_runs_session(tmp_path: Path) -> None:
