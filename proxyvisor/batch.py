@@ -301,7 +301,10 @@ class Batch:
                     run.error = (f"cannot make the working directory {exc.filename or ''}: "
                                  f"{exc.strerror or exc}").replace(" :", ":")
                 else:
-                    base = {**os.environ, **task.env, "PROXYVISOR_TASK_ID": task.id, _PROMPT_VAR: task.prompt}
+                    # PWD as a shell sets it for a command run in the workdir: agents that take their project
+                    # folder from it (opencode) would work in the folder batch was started from.
+                    base = {**os.environ, "PWD": str(workdir), **task.env, "PROXYVISOR_TASK_ID": task.id,
+                            _PROMPT_VAR: task.prompt}
                     cmd, env = agent_invocation(proxy_url, session,
                                                 agent_argv(self.options.agent, task, workdir, session), base)
                     await self._process(cmd, workdir, env, out, err, task.timeout_s or self.options.timeout_s, run)

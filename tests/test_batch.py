@@ -448,6 +448,18 @@ def test_a_missing_task_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Cap
     assert "missing.jsonl: cannot read the task file: No such file or directory" in capsys.readouterr().err
 
 
+def test_each_agent_runs_with_pwd_naming_its_workdir(tmp_path: Path, state_dir: Path) -> None:
+    """An agent that takes its project folder from ``PWD`` (opencode does) works in its task's folder, not in the
+    folder batch was started from: PWD is the workdir, as a shell in it would set it."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ("a", "b")))
+    agent = f"{sys.executable} -c \"import os; open('pwd.txt', 'w').write(os.environ['PWD'])\" {{prompt}}"
+    code, report, _ = batch(tmp_path, tasks, "--state-dir", str(state_dir), agent=agent)
+    assert code == 0, report
+    for r in report:
+        assert (Path(r["workdir"]) / "pwd.txt").read_text() == r["workdir"] == str(tmp_path / "runs" / r["id"])
+
+
 def test_without_report_the_report_goes_to_the_state_directory_not_the_current_folder(
         tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A batch run from a checkout leaves nothing in the working tree unless --report asks for it."""
