@@ -1,4 +1,4 @@
-"""Real agent CLIs (Claude Code, Codex) complete a turn with one tool call through ``proxyvisor wrap``.
+"""Real agent CLIs (Claude Code, Codex, opencode) complete a turn with one tool call through ``proxyvisor wrap``.
 
 Each test runs ``python -m proxyvisor wrap`` as a real subprocess with the built-in default configuration, so the
 agent talks to the embedded scripted upstream in auto mode: the first request gets one call of a shell tool from
@@ -45,7 +45,7 @@ _DEFAULT_PREFIX = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache
 _PREFIX_ENV = os.environ.get("PROXYVISOR_AGENTS_PREFIX")
 _IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 # Variables of the developer's own agent setup that would redirect or reconfigure the CLIs under test.
-_FOREIGN_PREFIXES = ("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_")
+_FOREIGN_PREFIXES = ("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_", "OPENCODE_")
 
 # A user's Codex setup, offline: update checks, plugin and app fetches and analytics off. `wrap` itself points
 # Codex at the proxy (proxyvisor/agents.py): Codex 0.171.0 ignores OPENAI_BASE_URL.
@@ -131,12 +131,13 @@ def proxyvisor(ws: Workspace, args: list[str], env: dict[str, str], timeout_s: f
 
     The run gets its own process group, so a timeout kills ``wrap``'s agent too; ``batch`` runs each agent in a
     group of its own, so it first gets SIGTERM, on which it stops them. Its ``TMPDIR`` is a folder of the
-    workspace: the agent CLIs keep scratch files there (Claude Code its ``claude-UID`` folder) and leave them.
+    workspace: the agent CLIs keep scratch files there (Claude Code its ``claude-UID`` folder) and leave them. Its
+    ``PWD`` is ``ws.work``, as a shell there sets it: opencode takes its project folder from it.
     """
     tmp = ws.home / "tmp"
     tmp.mkdir(exist_ok=True)
     own = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)}
-    full_env = own | {"TMPDIR": str(tmp)} | env
+    full_env = own | {"TMPDIR": str(tmp), "PWD": str(ws.work)} | env  # PWD as the user's shell sets it
     proc = subprocess.Popen([sys.executable, "-m", "proxyvisor", *args], cwd=ws.work, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -717,3 +718,93 @@ def test_claude_code_recalls_in_its_next_run_the_rule_the_user_stated_in_one_fol
     recalled = [(n, line["learning"]) for n, line in enumerate(lines) if "recalled" in line.get("learning", {})]
     assert len(recalled) == 1 and stored.id in recalled[0][1]["recalled"], lines
     assert recalled[0][0] < next(n for n, line in enumerate(lines) if line.get("tool_round")), lines
+
+
+# --- opencode --------------------------------------------------------------------------------------------------
+
+_OPENCODE_COMMON: dict[str, Any] = {"autoupdate": False, "share": "disabled"}
+_OPENCODE_OWN_PROVIDER = {**_OPENCODE_COMMON, "model": f"mine/{MODEL}", "provider": {"mine": {
+    "npm": "@ai-sdk/openai-compatible", "name": "mine",
+    "options": {"baseURL": "{env:OPENAI_BASE_URL}", "apiKey": "dummy"},
+    "models": {MODEL: {"name": MODEL, "tool_call": True}}}}}
+"""A provider of the user's own whose base URL follows ``OPENAI_BASE_URL``, as the README says to write it: Chat
+Completions."""
+BUILT_IN_MODEL = "gpt-4.1"
+"""A model opencode's built-in ``openai`` provider knows offline (it refuses one it does not list)."""
+_OPENCODE_BUILT_IN = {**_OPENCODE_COMMON, "model": f"openai/{BUILT_IN_MODEL}"}
+"""The built-in ``openai`` provider (API key from ``OPENAI_API_KEY``): the Responses API."""
+
+
+def opencode_env(ws: Workspace, config: dict[str, Any]) -> dict[str, str]:
+    """opencode's environment: ``config`` as its config file, its data (where ``--continue`` finds the last session)
+    in the workspace, and the model list, LSP downloads and update checks off, so nothing leaves loopback."""
+    path = ws.home / "opencode.json"
+    path.write_text(json.dumps(config))
+    return {"OPENCODE_CONFIG": str(path), "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "XDG_CONFIG_HOME": str(ws.home / "config"),
+            "XDG_DATA_HOME": str(ws.home / "data"), "XDG_STATE_HOME": str(ws.home / "state"),
+            "XDG_CACHE_HOME": str(ws.home / "cache"), "OPENAI_API_KEY": "dummy"}
+
+
+def opencode(*args: str) -> list[str]:
+    return [find_agent("opencode"), "run", "--format", "json", *args]
+
+
+def check_opencode_turn(events: list[dict[str, Any]]) -> str:
+    """``opencode run --format json`` events show one ``ls`` run through its ``bash`` tool with the marker in its
+    output, then :data:`DONE`; returns the session id every event carries."""
+    tools = [e["part"] for e in events if e.get("type") == "tool_use"]
+    assert [(t["tool"], t["state"]["input"].get("command"), t["state"]["status"]) for t in tools] == [
+        ("bash", "ls", "completed")], tools
+    assert MARKER in tools[0]["state"]["output"], tools
+    texts = [e["part"]["text"] for e in events if e.get("type") == "text"]
+    assert texts and texts[-1] == DONE, events
+    (session,) = {e["sessionID"] for e in events}
+    return str(session)
+
+
+def test_opencode_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> None:
+    """A provider of the user's own, written as the README says: the requests go through the proxy (Chat
+    Completions), in opencode's own session (its ``x-session-id``), its title request included."""
+    ws = Workspace.make(tmp_path)
+    run = wrap(ws, opencode("List the files in the current directory."), opencode_env(ws, _OPENCODE_OWN_PROVIDER))
+    assert run.returncode == 0, run
+    session = check_opencode_turn(json_lines(run.stdout))
+    assert session.startswith("ses_"), session
+    check_ledger(ws, session, "chat")
+    assert len(ws.ledger(session)) == 3  # the title request, then the turn's two
+    assert f"proxyvisor: session {session}: 3 model requests (chat)" in run.stderr, run.stderr
+
+
+def test_opencode_with_the_built_in_openai_provider_goes_through_wrap(tmp_path: Path) -> None:
+    """The built-in ``openai`` provider follows ``OPENAI_BASE_URL`` and speaks the Responses API."""
+    ws = Workspace.make(tmp_path)
+    run = wrap(ws, opencode("List the files in the current directory."), opencode_env(ws, _OPENCODE_BUILT_IN))
+    assert run.returncode == 0, run
+    session = check_opencode_turn(json_lines(run.stdout))
+    records = ws.ledger(session)
+    assert {(r["format"], r["status"]) for r in records} == {("responses", 200)}, records
+    # The turn's two requests, and the title request on the provider's own small model.
+    assert len(records) == 3 and [r["model"] for r in records].count(BUILT_IN_MODEL) == 2, records
+
+
+def test_opencode_continued_in_a_second_wrap_run_goes_on_in_its_session(tmp_path: Path) -> None:
+    """``opencode run --continue`` keeps its session id: the second ``wrap`` run's requests join the session of the
+    first, and ``/info`` asked in the continued conversation counts both runs."""
+    ws = Workspace.make(tmp_path)
+    env = opencode_env(ws, _OPENCODE_OWN_PROVIDER)
+    first = wrap(ws, opencode("List the files in the current directory."), env)
+    assert first.returncode == 0, first
+    session = check_opencode_turn(json_lines(first.stdout))
+    runs = " && ".join(shlex.join(opencode("--continue", prompt)) for prompt in ("List the files again.", "/info"))
+    second = wrap(ws, ["sh", "-c", runs], env)
+    assert second.returncode == 0, second
+    events = json_lines(second.stdout)
+    assert {e["sessionID"] for e in events} == {session}, events
+    *work, info = [e["part"]["text"] for e in events if e.get("type") == "text"]
+    assert work[-1] == DONE, work
+    assert f"**proxyvisor /info · session {session}**" in info, info
+    assert "| model requests   | 5 (tool rounds 2, errors 0); in 2 wrap runs |" in info, info
+    assert [p.name for p in (ws.state / "ledger").iterdir()] == [f"{session}.jsonl"]
+    assert len({line["run"] for line in ws.ledger(session)}) == 2
+    assert f"proxyvisor: session {session}, this run (" in second.stderr, second.stderr
