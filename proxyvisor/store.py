@@ -95,11 +95,12 @@ class StoreUnusable(Exception):
                          f"directory)")
 
 
-def unusable(folder: Path, database: str = "") -> str | None:
+def unusable(folder: Path, database: str = "", advise: bool = False) -> str | None:
     """Why a store kept in ``folder`` cannot work, found without creating or changing anything: a component of
     the path is not a folder, the folder (or, while it does not exist, its nearest existing parent) cannot be
     written, or ``folder/database`` (an SQLite file) exists but cannot be opened as a database. None when it can.
-    The reason names the path at fault."""
+    The reason names the path at fault; with ``advise`` (a proxy's warning, where :class:`StoreUnusable` does not
+    say it), what to do about a damaged database too (:func:`database_error`)."""
     for candidate in (folder, *folder.parents):
         try:
             mode = candidate.stat().st_mode
@@ -118,8 +119,29 @@ def unusable(folder: Path, database: str = "") -> str | None:
             with closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:
                 db.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except sqlite3.Error as exc:
-            return f"{path} cannot be read as a database ({exc})"
+            return database_error(path, exc, advise)
     return None
+
+
+_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+"""SQLite's primary result codes for a file that is not a database, or one whose content is damaged."""
+
+
+def damaged(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says its SQLite file is not a database or is damaged (not busy, full or unreadable)."""
+    return exc.sqlite_errorcode & 0xFF in _DAMAGED  # an extended code's low byte is its primary code
+
+
+def database_error(path: Path, exc: sqlite3.Error, advise: bool = False) -> str:
+    """Why the SQLite file ``path`` of a store cannot be used, as ``exc`` says (its message holds no data of the
+    file); with ``advise``, for a :func:`damaged` file also what to do about it. Every store kept in such a file is
+    one proxyvisor runs without and makes again when its folder is missing, so moving the folder aside (the
+    database's journal files with it) or deleting it, then restarting, starts the store afresh."""
+    reason = f"{path} cannot be read as a database ({exc})"
+    if advise and damaged(exc):
+        reason += (f"; to start it afresh, stop proxyvisor, move the folder {path.parent} aside (or delete it: "
+                   "proxyvisor runs without what it held) and start proxyvisor again")
+    return reason
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -157,7 +157,10 @@ def test_serve_with_a_bad_state_dir_names_the_cause_and_serves_on(tmp_path: Path
     warnings = [line for line in text.splitlines() if str(culprit) in line and reason in line]
     assert len(warnings) == len(set(warnings)) >= 1, text  # each store's warning once, not once per request
     assert all("is off" in line for line in warnings), warnings
-    if make_bad is not _corrupt_databases:
+    if make_bad is _corrupt_databases:  # with what to do about it
+        assert all(line.endswith(f"move the folder {culprit.parent} aside (or delete it: proxyvisor runs without what "
+                                  "it held) and start proxyvisor again") for line in warnings), warnings
+    else:
         assert "not recorded in the ledger (the ledger is off" in text, text
         assert (files_under(state) if state.is_dir() else None) == before  # nothing written where it cannot be
 
@@ -178,7 +181,10 @@ def test_a_dead_letter_store_that_cannot_work_is_named_once_as_serve_starts_and_
     with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
         assert check_state(config, Store(state), DiskBackend(state)) == (True, True, True)
     [warning] = [r.getMessage() for r in caplog.records]
-    assert warning.startswith(f"state directory: {culprit} {reason}: keeping dead letters is off (")
+    assert warning.startswith("state directory: keeping dead letters is off (") and f"): {culprit} {reason}" in warning
+    if bad == "garbage-database":  # what to do about it
+        assert warning.endswith(f"; to start it afresh, stop proxyvisor, move the folder {culprit.parent} aside (or "
+                                "delete it: proxyvisor runs without what it held) and start proxyvisor again")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="proxyvisor.pipeline"):
         check_state(Config(), Store(state), DiskBackend(state))

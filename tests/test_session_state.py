@@ -5,6 +5,7 @@ build proxyvisor's own objects."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
@@ -403,27 +404,51 @@ def test_a_stored_state_round_trips_and_builds_nothing_but_proxyvisor_objects() 
         decode(forged(pickle.dumps(SessionSupervision()), digest="00" * 16))
 
 
-async def test_a_store_whose_database_fails_is_unavailable_and_costs_no_save_or_request(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def _not_a_database(database: Path) -> str:
+    database.write_bytes(b"not a database, " * 4096)
+    return "file is not a database"
+
+
+def _damaged_pages(database: Path) -> str:
+    """Every page but the first (the schema's) overwritten: the file opens, its tables cannot be read."""
+    data = bytearray(database.read_bytes())
+    data[4096:] = b"\xff" * (len(data) - 4096)
+    database.write_bytes(bytes(data))
+    return "database disk image is malformed"
+
+
+@pytest.mark.parametrize("damage", [_not_a_database, _damaged_pages], ids=["not-a-database", "damaged-pages"])
+async def test_a_store_whose_database_is_damaged_is_unavailable_and_the_warning_says_what_to_move_aside(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, damage) -> None:
     """SQLite's own errors (a database file damaged, a disk full or failing) are the store being unavailable, as an
     unwritable folder is: the session state's save is warned about and the session goes on from memory, rather
-    than the error reaching the response's ``after`` step, or, through a waiting save, the next request."""
+    than the error reaching the response's ``after`` step, or, through a waiting save, the next request. For a
+    damaged file the warning says which folder to move aside (or delete) to start afresh, and nothing it held."""
     from proxyvisor.adapters.state import StateUnavailable
     from proxyvisor.proxy.sessions import Session
 
     kv = DiskBackend(tmp_path).kv(NAMESPACE, **SETTINGS)
-    kv.set_many({"a": b"1"}, 60)
+    kv.set_many({f"s{n}": b"sk-secret-%d " % n * 40 for n in range(300)}, 60)  # pages past the first
     kv.close()
-    (tmp_path / NAMESPACE / "cache.db").write_bytes(b"not a database, " * 4096)
-    with pytest.raises(StateUnavailable, match="cannot be used"):
-        kv.get("a")
+    database = tmp_path / NAMESPACE / "cache.db"
+    said = damage(database)
+    advice = (f"{database} cannot be read as a database ({said}); to start it afresh, stop proxyvisor, move the "
+              f"folder {tmp_path / NAMESPACE} aside (or delete it: proxyvisor runs without what it held) and start "
+              "proxyvisor again")
+    with pytest.raises(StateUnavailable) as caught:
+        kv.get("s1")
+    assert str(caught.value) == advice
     with pytest.raises(StateUnavailable):
-        kv.set_many({"a": b"2"}, 60)
+        kv.set_many({"s1": b"2"}, 60)
     states = SessionStates(kv, 60)
     session = Session("s1", 0.0, 0.0)
     session.supervision = SessionSupervision()
-    await states.save(session)  # warned, not raised
-    assert session.state_version == b"" and "session states" in caplog.text
+    with caplog.at_level(logging.WARNING):
+        await states.save(session)  # warned, not raised
+    assert session.state_version == b""
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning == f"session states: {advice}; sessions go on with the state this process holds until it answers"
+    assert "sk-secret" not in caplog.text
 
 
 async def test_a_state_whose_classes_have_no_source_is_not_stored_and_raises_nothing(

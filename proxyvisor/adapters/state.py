@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import diskcache
 
 from ..config import Config, ConfigError
-from ..store import unusable
+from ..store import damaged, database_error, unusable
 from .cache import LazyCache
 
 log = logging.getLogger("proxyvisor.state")
@@ -154,7 +154,8 @@ class StateBackend(Protocol):
         ...
 
     def unusable(self, namespace: str) -> str | None:
-        """Why the namespace cannot work, found without writing (:func:`proxyvisor.store.unusable`), or None."""
+        """Why the namespace cannot work, found without writing (:func:`proxyvisor.store.unusable`; for a damaged
+        database, with what to do about it, for the proxy's warning as it starts), or None."""
         ...
 
     def describe(self) -> str:
@@ -256,6 +257,8 @@ class DiskKV(LazyCache):
         try:
             return fn(self._db())
         except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            if isinstance(exc, sqlite3.Error) and damaged(exc):  # with what to do about it
+                raise StateUnavailable(database_error(self.root / diskcache.core.DBNAME, exc, True)) from None
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise StateUnavailable(f"the state folder {self.root} cannot be used: {reason}") from None
 
@@ -272,7 +275,7 @@ class DiskBackend:
         return DiskKV(self.root / namespace, **settings)
 
     def unusable(self, namespace: str) -> str | None:
-        return unusable(self.root / namespace, "cache.db")
+        return unusable(self.root / namespace, diskcache.core.DBNAME, advise=True)
 
     def describe(self) -> str:
         return f"diskcache under {self.root}"

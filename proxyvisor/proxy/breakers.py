@@ -234,7 +234,7 @@ def breakers_for(config: Config, backend: StateBackend | None) -> Breakers | Non
         return None
     reason = backend.unusable(HEALTH)
     if reason is not None:
-        log.warning("state directory: %s: rate-limit protection is off (every request goes upstream, whatever "
-                    "its pool's health)", reason)
+        log.warning("state directory: rate-limit protection is off (every request goes upstream, whatever its "
+                    "pool's health): %s", reason)
         return None
     return Breakers(config.supervisor.breakers, config.upstreams, backend)

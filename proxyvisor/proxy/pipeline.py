@@ -155,7 +155,7 @@ def check_state(config: Config, store: Store | None, backend: StateBackend | Non
     def problem(feature: str, consequence: str, *stores: str | None) -> str | None:
         reason = next(filter(None, stores), None)
         if reason is not None:
-            log.warning("state directory: %s: %s is off (%s)", reason, feature, consequence)
+            log.warning("state directory: %s is off (%s): %s", feature, consequence, reason)
         return reason
 
     store.ledger_off = problem("the ledger", "requests are counted in memory only, for /info",
@@ -168,7 +168,7 @@ def check_state(config: Config, store: Store | None, backend: StateBackend | Non
         backend.unusable(ClaimStore.NAMESPACE)))
     if config.model_routing.enabled and delegate:
         problem("keeping dead letters", "a hand-off that fails on every attempt is still reported to the model, but "
-                "not kept for 'proxyvisor delegate --dead-letters'", unusable(root / "dead_letters", "cache.db"))
+                "not kept for 'proxyvisor delegate --dead-letters'", unusable(root / "dead_letters", "cache.db", advise=True))
     states = not problem("stored session state", "a restart starts every session afresh",
                          backend.unusable(SESSIONS))
     return condense, delegate, states
