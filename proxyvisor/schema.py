@@ -10,6 +10,7 @@ key and what is wrong, for the caller to place in its file (``FILE: [table] key 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -24,12 +25,18 @@ from .rules import Range
 T = TypeVar("T")
 
 _FLOAT_MAX = sys.float_info.max
+LARGEST_INT = 2**63 - 1
+"""The largest integer a file's setting takes (a size in bytes, a count, a token budget), whatever its own range:
+the largest 64-bit signed integer. TOML's integers end there (Python's reader takes larger ones), and so do the
+integers a setting reaches: SQLite's and Redis's, and a C ``ssize_t`` on a 64-bit machine (a buffer's or a queue's
+length). A larger one is refused naming its key, rather than fail where it lands."""
 
 
 def integer(rule: Range, description: str = "") -> msgspec.Meta:
-    """The constraint of an integer field that follows ``rule`` (``description``: what errors say it accepts;
-    default: the range, e.g. ``0-65535``)."""
-    high = int(rule.high) if math.isfinite(rule.high) else None
+    """The constraint of an integer field that follows ``rule``, at most :data:`LARGEST_INT` (``description``: what
+    errors say it accepts; default: the range, e.g. ``0-65535``)."""
+    rule = dataclasses.replace(rule, high=min(rule.high, LARGEST_INT))
+    high = int(rule.high)
     if rule.low_open:
         return msgspec.Meta(gt=int(rule.low), le=high, description=description or str(rule))
     return msgspec.Meta(ge=int(rule.low), le=high, description=description or str(rule))

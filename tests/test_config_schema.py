@@ -3,6 +3,7 @@ code is checked by the file's rules, and descriptor files are refused naming the
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from proxyvisor.config import (LONGEST_S, Config, ConfigError, ModelRoutingConfi
 from proxyvisor.gate.digest import build
 from proxyvisor.gate.outcome import GatePolicy
 from proxyvisor.rules import DIGEST_BUDGET, FAILURE_POLICIES, REENTRY_BUDGET, VIEW_BUDGET
+from proxyvisor.schema import LARGEST_INT
 
 
 def _accepted(document: dict) -> bool:
@@ -147,6 +149,32 @@ def test_a_huge_number_is_a_config_error_naming_its_key(path: tuple[str, ...]) -
     # 1e308 s is infinite in milliseconds (a Redis expiry: OverflowError), and past what a thread's wait takes.
     with pytest.raises(ConfigError, match=rf"\b{path[-1]}\b.*must be"):
         parse(_with(_DOCUMENT, path, 1e308))
+
+
+def _integers(document: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every integer setting in ``document`` (sizes, counts, budgets)."""
+    found: list[tuple[str, ...]] = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            found += _integers(value, (*path, key))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found.append((*path, key))
+    return found
+
+
+@pytest.mark.parametrize("path", _integers(_DOCUMENT), ids=".".join)
+def test_an_integer_past_64_bits_is_a_config_error_naming_its_key(path: tuple[str, ...]) -> None:
+    # TOML's integers end at 2**63 - 1, but Python's reader takes any; what a size reaches (SQLite, Redis, a C
+    # ssize_t) does not.
+    with pytest.raises(ConfigError, match=rf"\b{path[-1]}\b must be .*, got {LARGEST_INT + 1}\Z"):
+        parse(_with(_DOCUMENT, path, LARGEST_INT + 1))
+
+
+def test_the_largest_64_bit_integer_is_accepted_where_nothing_tighter_applies() -> None:
+    assert _integers(_DOCUMENT)  # the test above covers something
+    config = parse(_with(_DOCUMENT, ("proxy", "max_body_bytes"), LARGEST_INT))
+    assert config.proxy.max_body_bytes == LARGEST_INT
+    assert tomllib.loads(f"n = {LARGEST_INT + 1}")["n"] == LARGEST_INT + 1  # what the bound is for
 
 
 def test_a_duration_of_ten_years_is_accepted() -> None:
