@@ -417,6 +417,24 @@ async def test_each_marker_plays_its_own_script_and_unmarked_requests_the_rest()
     assert answers == ["b1", "a1", "plain", "a2", "(tool call)", "(tool call)", "(tool call)"]
 
 
+async def test_a_step_that_calls_tools_waits_for_a_request_that_offers_tools() -> None:
+    """An agent's side request with the task's prompt but no tools (opencode's session title) gets an auto-mode
+    answer and leaves the script's tool-call step to the turn's request, which offers tools."""
+    call = {"name": "Bash", "arguments": {"command": "ls"}}
+    upstream = ScriptedUpstream([{"marker": "[task:a]", "tool_calls": [call]}, {"marker": "[task:a]", "text": "done"}])
+
+    async def ask(tools: bool) -> str:
+        body = request_body("chat", messages=[{"role": "user", "content": "do [task:a]"}])
+        if not tools:
+            del body["tools"]
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        return "(tool call)" if message.get("tool_calls") else message["content"]
+
+    async with serve_handler(upstream) as url, http_client(url) as client:
+        answers = [await ask(False), await ask(True), await ask(False), await ask(True)]
+    assert answers == ["Hello from the scripted upstream.", "(tool call)", "done", "(tool call)"]
+
+
 def test_batch_help_documents_every_option_the_task_file_and_the_exit_status() -> None:
     from proxyvisor.cli import build_parser
 

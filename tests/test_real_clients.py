@@ -808,3 +808,37 @@ def test_opencode_continued_in_a_second_wrap_run_goes_on_in_its_session(tmp_path
     assert [p.name for p in (ws.state / "ledger").iterdir()] == [f"{session}.jsonl"]
     assert len({line["run"] for line in ws.ledger(session)}) == 2
     assert f"proxyvisor: session {session}, this run (" in second.stderr, second.stderr
+
+
+def test_opencode_premature_done_is_reworked_and_verified_by_the_sessions_own_model(tmp_path: Path) -> None:
+    """No ``[supervisor.model]``: the verifier is the session's own route (the scripted upstream in Chat
+    Completions). A "done" right after an edit gets the evidence gap (no check after the edit), the turn goes on in
+    the same stream, the model runs the check, and the turn ends ``verified``. opencode's title request, sent beside
+    the turn's first request with the same prompt, offers no tools and so takes none of the script's steps."""
+    ws, session = Workspace.make(tmp_path), "opencode-gate-test"
+    mark = "[task:gate]"
+
+    def bash(command: str) -> list[dict[str, Any]]:
+        return [{"name": "bash", "arguments": {"command": command, "description": "run it"}}]
+
+    final = "calc.py has add(); its check passed."
+    source = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n    return a + b\n'
+    steps = [{"tool_calls": bash(f"printf '{source.replace(chr(10), chr(92) + 'n')}' > calc.py")},
+             {"text": "Done: calc.py has add()."},
+             {"tool_calls": bash("python3 -m doctest -v calc.py")},
+             {"text": final}]
+    script = tmp_path / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
+                          *opencode(f"Write calc.py with add(a, b). {mark}")], opencode_env(ws, _OPENCODE_OWN_PROVIDER))
+    assert run.returncode == 0, run
+    events = json_lines(run.stdout)
+    commands = [e["part"]["state"]["input"]["command"] for e in events if e.get("type") == "tool_use"]
+    assert [c.split()[0] for c in commands] == ["printf", "python3"], commands
+    assert [e["part"]["text"] for e in events if e.get("type") == "text"][-1] == final, events
+    assert (ws.work / "calc.py").read_text() == source
+    gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
+    assert [(g.get("reentries"), g.get("decided_by")) for g in gates] == [(1, ["evidence"]), (0, ["model"])], gates
+    assert (gates[-1]["outcome"], gates[-1]["route"]) == ("verified", "session"), gates

@@ -12,7 +12,8 @@ running the command).
 A step is a JSON object, one of:
 
 - ``{"text": "...", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}, "id": "optional"}]}``: an
-  assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway); a
+  assistant turn (either key may be omitted; a tool call to a name the request does not offer is sent anyway, but
+  only to a request that offers some tool: one offering none gets an auto-mode answer, the step staying queued); a
   call with ``"input": "..."`` instead of ``arguments`` is a freeform (``custom``) tool call with that input, and a
   name ``NS.NAME`` calls tool NAME of namespace NS;
 - ``{"text": ..., "tool_calls": [...], "until": "some text"}``: an assistant turn played again for every request
@@ -249,11 +250,12 @@ class ScriptedUpstream:
         if self.record:
             self.requests.append((request.target, request.body,
                                   {k.decode(): v.decode("latin-1") for k, v in request.headers}))
-        step = self._next_step(request.body)
+        offers_tools = bool(fmt.tools(body))
+        step = self._next_step(request.body, offers_tools)
         fault = (step or {}).get("fault") or {}
         if fault.get("first_byte_delay_s"):
             await trio.sleep(float(fault["first_byte_delay_s"]))
-            step = self._next_step(request.body)
+            step = self._next_step(request.body, offers_tools)
             fault = (step or {}).get("fault") or {}
         if "status" in fault:
             status = int(fault["status"])
@@ -319,16 +321,20 @@ class ScriptedUpstream:
             turn = AssistantTurn(text, (), tokens_in, tokens_out)
         return Response(200, _JSON, orjson.dumps(fmt.render(turn, _model(body))))
 
-    def _next_step(self, body: bytes) -> dict[str, Any] | None:
+    def _next_step(self, body: bytes, offers_tools: bool) -> dict[str, Any] | None:
         """The step for a request with ``body``: the first one queued on the script it plays (that of the first
         marker it contains, else the unmarked steps), which an ``until`` step stays until ``body`` contains its
-        text."""
+        text. A step that calls tools waits for a request that ``offers_tools`` (None meanwhile: an auto-mode
+        answer), as no model calls a tool it was not offered: an agent's side request (opencode's session title,
+        sent beside the turn's first request with the same prompt) does not take the turn's step."""
         steps = next((s for marker, s in self.marked.items() if marker.encode() in body), self.steps)
         while steps and "until" in steps[0]:
             if steps[0]["until"].encode() not in body:
-                return steps[0]
+                break
             steps.popleft()
-        return steps.popleft() if steps else None
+        if not steps or (steps[0].get("tool_calls") and not offers_tools):
+            return None
+        return steps[0] if "until" in steps[0] else steps.popleft()
 
     async def _play(self, events: list[bytes], stall_at: int = -1, stall_s: float = 0.0) -> AsyncIterator[bytes]:
         for i, event in enumerate(events):
