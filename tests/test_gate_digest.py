@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import proxyvisor.condense.text as text_module
@@ -244,6 +244,7 @@ def _longest_fitting_tail(text: str, tokens: int) -> str:
 
 
 @settings(max_examples=60, deadline=None)
+@example(text="-" * 10, tokens=1)  # one token, shorter than the omission marker: the whole text fits
 @given(text=st.lists(st.sampled_from(["a", "bb", " ", "\n", "\u00fc", "\u65e5\u672c", "&amp;", "0123", "def f(x):",
                                       "\U0001f600", "-----", "\t", "word "]), max_size=3000).map("".join),
        tokens=st.sampled_from([1, 5, 12, 20, 50, 200, 1000]))

@@ -357,13 +357,14 @@ def fit_tail(text: str, tokens: int, whole: bool = True) -> str:
         return text
     codec = encoding()
     room = tokens - count_tokens(OMITTED)
+    limit = tokens if whole else room  # (a whole text may still fit as it is, with no marker)
     size = 8 * tokens
     while True:
         window = text[len(text) - size:] if size < len(text) else text
         ids = codec.encode_ordinary(window)
-        if window is text and (len(ids) <= room or (whole and len(ids) <= tokens)):
-            return text if whole and len(ids) <= tokens else OMITTED + text
-        if len(ids) > room:
+        if window is text and len(ids) <= limit:
+            return text if whole else OMITTED + text
+        if len(ids) > limit:
             break
         size *= 2
     if room < 1:
