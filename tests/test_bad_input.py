@@ -190,8 +190,8 @@ async def test_a_client_that_sends_no_headers_is_dropped_and_others_are_served(s
         await assert_still_serving(rp.url, "messages")
 
 
-def test_status_lines_carry_the_standard_reason_phrase() -> None:
+def test_status_lines_carry_the_standard_reason_phrase_or_their_class() -> None:
     from proxyvisor.proxy.server import reason
 
     assert (reason(200), reason(413), reason(429), reason(499)) == (b"OK", b"Request Entity Too Large",
-                                                                    b"Too Many Requests", b"")
+                                                                    b"Too Many Requests", b"Client Error")

@@ -73,6 +73,7 @@ def reason(status: int, relayed: bytes = b"") -> bytes:
     break); else its class's name (:data:`_CLASS_REASONS`; ``Unknown`` past 5xx)."""
     return _named(status) or relayed or _CLASS_REASONS.get(status // 100, b"Unknown")
 
+
 @dataclass
 class Request:
     """A complete request. Header names are lowercase bytes, as h11 gives them; the body is :attr:`body`."""
