@@ -173,6 +173,16 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+def scripted_config(folder: Path, steps: list[dict[str, Any]], mark: str | None = None, more: str = "") -> Path:
+    """A proxyvisor config in ``folder`` whose built-in scripted model plays ``steps`` (each marked ``mark`` when
+    given), with the config text ``more`` after it; returns the config file's path."""
+    script = folder / "script.jsonl"
+    script.write_text("".join(json.dumps({"marker": mark, **step} if mark else step) + "\n" for step in steps))
+    config = folder / "config.toml"
+    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n' + (f"\n{more}" if more else ""))
+    return config
+
+
 # --- Claude Code -----------------------------------------------------------------------------------------------
 
 def claude_env(ws: Workspace) -> dict[str, str]:
@@ -283,11 +293,8 @@ def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Pa
              {"tool_calls": bash(write)}, {"text": "Done."}, {"tool_calls": bash(check)}, {"text": finals["rework"]},
              {"text": finals["question"]}]
     markers = ["edit"] * 3 + ["rework"] * 4 + ["question"]
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps({"marker": f"[task:{m}]", **step}) + "\n" for m, step in zip(markers, steps)))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n'
-                      '[supervisor.model]\nname = "scripted-model"\napi_base = "scripted:"\n')
+    config = scripted_config(tmp_path, [{"marker": f"[task:{m}]", **step} for m, step in zip(markers, steps)],
+                             more='[supervisor.model]\nname = "scripted-model"\napi_base = "scripted:"\n')
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": m, "prompt": f"{text} [task:{m}]"}) + "\n" for m, text in (
         ("edit", "Write calc.py with add(a, b) and check it."), ("rework", "Write calc.py with add(a, b)."),
@@ -310,37 +317,42 @@ def test_claude_code_headless_batch_reports_each_tasks_gate_outcome(tmp_path: Pa
     assert (ws.work / "edit" / "calc.py").is_file() and (ws.work / "rework" / "calc.py").is_file()
 
 
+GATE_MARK = "[task:gate]"
+GATE_SOURCE = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n    return a + b\n'
+GATE_FINAL = "calc.py has add(); its check passed."
+
+
+def premature_done_script(tmp_path: Path, shell_tool: str) -> Path:
+    """A config whose scripted model, for prompts carrying :data:`GATE_MARK`, writes :data:`GATE_SOURCE` with the
+    agent's ``shell_tool``, says "done" at once, then (once the gate sends the turn back) runs the file's doctest, a
+    recognised test runner (verified needs one), and answers :data:`GATE_FINAL`."""
+    def shell(command: str) -> list[dict[str, Any]]:
+        return [{"name": shell_tool, "arguments": {"command": command, "description": "run it"}}]
+
+    steps = [{"tool_calls": shell(f"printf '{GATE_SOURCE.replace(chr(10), chr(92) + 'n')}' > calc.py")},
+             {"text": "Done: calc.py has add()."},
+             {"tool_calls": shell("python3 -m doctest -v calc.py")},
+             {"text": GATE_FINAL}]
+    return scripted_config(tmp_path, steps, GATE_MARK)
+
+
 def test_claude_code_premature_done_is_held_reworked_and_verified_by_the_sessions_own_model(tmp_path: Path) -> None:
     """No ``[supervisor.model]`` at all: the verifier is the session's own route (the scripted upstream, in
     Claude Code's Anthropic format, with its credentials and model). A "done" right after an edit is held; the
     gate's advisory (from the free evidence: no check after the edit) continues the turn; the model runs the check,
     and the turn ends ``verified``, the ledger naming the route and model that judged it."""
     ws, session = Workspace.make(tmp_path), "claude-gate-test"
-    mark = "[task:gate]"
-
-    def bash(command: str) -> list[dict[str, Any]]:
-        return [{"name": "Bash", "arguments": {"command": command, "description": "run it"}}]
-
-    final = "calc.py has add(); its check passed."
-    source = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n    return a + b\n'
-    steps = [{"tool_calls": bash(f"printf '{source.replace(chr(10), chr(92) + 'n')}' > calc.py")},
-             {"text": "Done: calc.py has add()."},
-             {"tool_calls": bash("python3 -m doctest -v calc.py")},  # a recognised test runner: verified needs one
-             {"text": final}]
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
-    cmd = [find_agent("claude"), "-p", f"Write calc.py with add(a, b). {mark}", "--model", MODEL,
+    config = premature_done_script(tmp_path, "Bash")
+    cmd = [find_agent("claude"), "-p", f"Write calc.py with add(a, b). {GATE_MARK}", "--model", MODEL,
            "--output-format", "json", "--allowedTools", "Bash"]
     run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
                           *cmd], claude_env(ws))
     assert run.returncode == 0, run
     assert "supervisor model: the session's own (each request's upstream and model)" in run.stderr, run.stderr
     result = json.loads(run.stdout)
-    assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, final), result
+    assert (result["subtype"], result["is_error"], result["result"]) == ("success", False, GATE_FINAL), result
     assert "Done: calc.py has add()." not in run.stdout  # the premature answer never reached the agent
-    assert (ws.work / "calc.py").read_text() == source
+    assert (ws.work / "calc.py").read_text() == GATE_SOURCE
     gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
     assert [g.get("reentries") for g in gates] == [1, 0], gates
     assert gates[-1]["outcome"] == "verified" and gates[-1]["passed"] is True, gates
@@ -361,10 +373,7 @@ def test_claude_code_shows_an_unverified_answer_with_the_notice_after_it(tmp_pat
     steps = [{"tool_calls": [{"name": "Bash", "arguments": {"command": "printf 'milk\\n' > notes.sh",
                                                               "description": "write it"}}]}]
     steps += [{"text": text} for text in insisting]
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    config = scripted_config(tmp_path, steps, mark)
     cmd = [find_agent("claude"), "-p", f"Write notes.sh. {mark}", "--model", MODEL, "--output-format", "json",
            "--allowedTools", "Bash"]
     run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
@@ -481,11 +490,9 @@ def test_codex_with_its_default_model_is_gated_reworked_and_verified(tmp_path: P
     def exec_call(command: str) -> dict[str, Any]:
         return {"tool_calls": [{"name": "exec", "input": exec_script(command)}]}
 
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps(step) + "\n" for step in (
-        exec_call(write), {"text": "Done."}, exec_call("python3 -m unittest -v"), {"text": final})))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')  # no [supervisor.model]: the session's own
+    # No [supervisor.model]: the session's own.
+    config = scripted_config(tmp_path, [exec_call(write), {"text": "Done."}, exec_call("python3 -m unittest -v"),
+                                        {"text": final}])
     (ws.home / "config.toml").write_text(_CODEX_DEFAULT_MODEL)
     cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "Write calc.py with add(a, b)."]
     run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
@@ -518,12 +525,8 @@ def test_codex_shows_an_unverified_answer_with_the_notice_after_it(tmp_path: Pat
     ends the answer's own message rather than coming as a message of its own."""
     ws, session = Workspace.make(tmp_path), "codex-notice-test"
     insisting = ["Done.", "notes.sh is written; nothing to check.", "As I said, it is written."]
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps(step) + "\n" for step in (
-        [{"tool_calls": [{"name": "exec", "input": exec_script("printf 'milk\\n' > notes.sh")}]}]
-        + [{"text": text} for text in insisting])))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    write = {"tool_calls": [{"name": "exec", "input": exec_script("printf 'milk\\n' > notes.sh")}]}
+    config = scripted_config(tmp_path, [write] + [{"text": text} for text in insisting])
     (ws.home / "config.toml").write_text(_CODEX_DEFAULT_MODEL)
     cmd = [find_agent("codex"), "exec", "--skip-git-repo-check", "--json", "Write notes.sh."]
     run = wrap(ws, cmd, {"CODEX_HOME": str(ws.home), "PROXYVISOR_TEST_API_KEY": "dummy"},
@@ -544,11 +547,7 @@ _RAN = "pytest-ran.txt"
 
 
 def _authorizer_config(tmp_path: Path, steps: list[dict[str, Any]], mark: str) -> Path:
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n\n[supervisor.authorizer]\nenabled = true\n')
-    return config
+    return scripted_config(tmp_path, steps, mark, "[supervisor.authorizer]\nenabled = true\n")
 
 
 def _check_blocked(ws: Workspace, session: str) -> None:
@@ -642,12 +641,10 @@ def rate_limited(ws: Workspace) -> str:
     """A proxyvisor config whose scripted upstream answers the first two model requests 429 with Retry-After 1,
     then plays its auto mode; returns the config file's path. The second 429 is the failed probe: it cools the
     pool 2 s while it tells the agent 1 s, so an agent that retries after 1 s meets proxyvisor's own 429."""
-    script = ws.home / "limits.json"
     limit = {"fault": {"status": 429, "retry_after": "1", "message": "rate limited"}}
-    script.write_text(json.dumps([limit, limit]))
-    config = ws.home / "proxyvisor.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
-    return str(config)
+    folder = ws.home / "proxyvisor"  # beside, not over, an agent's own config.toml in its home (Codex's)
+    folder.mkdir()
+    return str(scripted_config(folder, [limit, limit]))
 
 
 def check_no_request_during_the_cooldown(ws: Workspace, session: str) -> None:
@@ -816,29 +813,16 @@ def test_opencode_premature_done_is_reworked_and_verified_by_the_sessions_own_mo
     the same stream, the model runs the check, and the turn ends ``verified``. opencode's title request, sent beside
     the turn's first request with the same prompt, offers no tools and so takes none of the script's steps."""
     ws, session = Workspace.make(tmp_path), "opencode-gate-test"
-    mark = "[task:gate]"
-
-    def bash(command: str) -> list[dict[str, Any]]:
-        return [{"name": "bash", "arguments": {"command": command, "description": "run it"}}]
-
-    final = "calc.py has add(); its check passed."
-    source = 'def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n    return a + b\n'
-    steps = [{"tool_calls": bash(f"printf '{source.replace(chr(10), chr(92) + 'n')}' > calc.py")},
-             {"text": "Done: calc.py has add()."},
-             {"tool_calls": bash("python3 -m doctest -v calc.py")},
-             {"text": final}]
-    script = tmp_path / "script.jsonl"
-    script.write_text("".join(json.dumps({"marker": mark, **step}) + "\n" for step in steps))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[upstreams.scripted]\nscript = "{script}"\n')
+    config = premature_done_script(tmp_path, "bash")
     run = proxyvisor(ws, ["wrap", "--config", str(config), "--state-dir", str(ws.state), "--session", session, "--",
-                          *opencode(f"Write calc.py with add(a, b). {mark}")], opencode_env(ws, _OPENCODE_OWN_PROVIDER))
+                          *opencode(f"Write calc.py with add(a, b). {GATE_MARK}")],
+                     opencode_env(ws, _OPENCODE_OWN_PROVIDER))
     assert run.returncode == 0, run
     events = json_lines(run.stdout)
     commands = [e["part"]["state"]["input"]["command"] for e in events if e.get("type") == "tool_use"]
     assert [c.split()[0] for c in commands] == ["printf", "python3"], commands
-    assert [e["part"]["text"] for e in events if e.get("type") == "text"][-1] == final, events
-    assert (ws.work / "calc.py").read_text() == source
+    assert [e["part"]["text"] for e in events if e.get("type") == "text"][-1] == GATE_FINAL, events
+    assert (ws.work / "calc.py").read_text() == GATE_SOURCE
     gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
     assert [(g.get("reentries"), g.get("decided_by")) for g in gates] == [(1, ["evidence"]), (0, ["model"])], gates
     assert (gates[-1]["outcome"], gates[-1]["route"]) == ("verified", "session"), gates
