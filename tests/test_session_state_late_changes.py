@@ -118,6 +118,41 @@ async def test_a_stream_closed_mid_verdict_is_saved_with_its_verdict_abandoned(
     assert (line["gate"]["outcome"], line["gate"]["passed"], line["gate"]["reason"]) == ("unverified", False, ABANDONED)
 
 
+async def test_a_stream_cut_while_the_gate_continues_its_turn_is_saved_with_its_verdict_abandoned(
+        tmp_path: Path) -> None:
+    """The client leaves while the turn the gate sent back streams its continued answer (held: hold = "answer"):
+    the request's verdict never comes, so the turn is unverified, as its ledger line says, and its gate is
+    forgotten: a retry of the request starts the turn's gate afresh, its re-entries not spent by a turn the client
+    never saw."""
+    stands = '{"findings": [{"id": 1, "status": "stands", "citation": ""}]}'
+    verifier = Verifier([verdict("gaps", (("the fix is not shown", "a passing run"),))], [stands])
+    stalled = {"fault": {"stall_after_events": 2, "stall_s": 30}}  # the continued answer stops coming
+    async with gated(tmp_path, [DONE, stalled], verifier) as run:
+        pipeline = run.proxy.pipeline
+        response = await _call(pipeline, with_history("chat", True, "Fix the bug in app.py.",
+                                                      check="3 passed in 0.12s"))
+        body = response.body
+        assert not isinstance(body, bytes)
+
+        async def read() -> None:
+            async for _piece in body:
+                pass
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                while len(run.upstream.requests) < 2:  # the turn continued upstream
+                    await trio.sleep(0.005)
+                await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()  # the client leaves
+            await pipeline.settle()
+        assert [t.gate_turn for t in _state(pipeline).threads.values()] == [None]
+        assert await _stored_gates(run) == [None]
+        (line,) = run.ledger()
+    assert (line["gate"]["outcome"], line["gate"]["passed"], line["gate"]["reason"]) == ("unverified", False, ABANDONED)
+    assert line["gate"]["reentries"] == 1
+
+
 async def test_a_supervision_failure_after_the_thread_changed_is_pickled_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in supervision once the request's history was read into its thread (the request then goes up

@@ -408,6 +408,7 @@ class GatedStream(ReplyStream):
         splice = g.fmt.stream_splice(_never, stop=True)
         stream = blocks(self.first)
         job: Job | None = None
+        continuing = False  # the gate sent the turn back and its continued answer is coming
         try:
             while True:
                 held: list[Item] = []  # with hold = "answer": what came before the stop
@@ -454,6 +455,7 @@ class GatedStream(ReplyStream):
                             yield out
                 finally:
                     await close(iterator)
+                continuing = False
                 self._error = stream.error
                 if passing:
                     return
@@ -490,6 +492,13 @@ class GatedStream(ReplyStream):
                 else:  # the continued answer goes on in the message the agent is reading
                     splice.next_response()
                 stream = blocks(reply.body)
+                continuing = True
+        except BaseException:
+            if continuing:
+                # Cut (the client left, the proxy stopped) before the continued answer's verdict, as a verdict's
+                # wait can be (Gating.judged): no save keeps the turn's gate with its re-entries spent.
+                g.abandon(ABANDONED, logging.INFO)
+            raise
         finally:
             if job is not None and not job.done.is_set():
                 # Its end awaited: the verdict abandoned (Gating.judged) is in the thread before the stream's end is
