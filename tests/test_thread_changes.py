@@ -6,6 +6,7 @@ while a request holds it), and a save of a thread nothing changed reuses its pic
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import orjson
@@ -114,6 +115,21 @@ def test_an_exchange_never_closed_ends_its_hold_when_freed(saves: _Saves) -> Non
     saves.saved()
     saves.saved()
     assert saves.pickled == before + 2, "freed: pickled once more, then kept"
+
+
+def test_an_exchange_freed_on_another_thread_leaves_its_hold_to_end_on_its_own(saves: _Saves) -> None:
+    """The garbage collector freeing an exchange in a worker thread does not count the thread's holders there (it
+    would race the event loop's counting): the next exchange made on the exchange's own thread ends the hold."""
+    exchange = saves.request(1)
+    thread = exchange.thread
+    worker = threading.Thread(target=exchange.__del__)  # what the collector runs, in a worker thread
+    worker.start()
+    worker.join()
+    assert thread.holders == 1
+    saves.request(2).close()
+    assert thread.holders == 0
+    del exchange  # freed on its own thread now: its hold ended once only
+    assert thread.holders == 0
 
 
 def test_a_thread_other_requests_do_not_take_keeps_its_pickle(saves: _Saves) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -498,6 +499,22 @@ def note_anchor(fmt: WireFormat, items: list[Any], tail: Tail | None) -> Tail | 
     return tail
 
 
+_FREED: dict[int, deque[Thread]] = {}
+"""By the ident of the thread their exchanges were made on (the event loop's): the threads whose hold an exchange
+freed on another thread left to end (:meth:`Exchange.__del__`)."""
+
+
+def _end_freed_holds(owner: int) -> None:
+    """End the holds exchanges made on thread ``owner`` (this one) left to it when freed on another thread."""
+    freed = _FREED.get(owner)
+    while freed:
+        try:
+            thread = freed.popleft()
+        except IndexError:
+            return
+        thread.holders -= 1
+
+
 class Exchange:
     """One supervised request: ``body`` is the upstream body (parsed; :meth:`before_forward` may still change it),
     and :meth:`reply` rewrites the upstream's reply for the agent."""
@@ -546,6 +563,9 @@ class Exchange:
         self.secrets: list[str] = []
         """The credentials the request carries (``proxyvisor.proxy.session_model.secrets_of``): what learning
         never stores. Never written anywhere."""
+        self.owner = threading.get_ident()
+        """The thread the exchange was made on, the event loop's, where its thread's holders are counted."""
+        _end_freed_holds(self.owner)
         thread.holders += 1
         self.held = True
 
@@ -561,8 +581,14 @@ class Exchange:
 
     def __del__(self) -> None:
         # An exchange never closed (a path that forgot to) ends its hold once freed: a forgotten close costs saves
-        # pickling the thread meanwhile, never a save missing a change.
-        self.close()
+        # pickling the thread meanwhile, never a save missing a change. Freed on another thread (the cyclic garbage
+        # collector runs in whichever thread allocates: a worker's), the count would race the loop's: the next
+        # exchange made on the loop's thread ends the hold there.
+        if threading.get_ident() == self.owner:
+            self.close()
+        elif self.held:
+            self.held = False
+            _FREED.setdefault(self.owner, deque()).append(self.thread)
 
     def remember(self, items: list[Any]) -> None:
         """Record ``items`` (everything the upstream has seen so far beyond the agent's history in this turn, e.g.
