@@ -235,7 +235,7 @@ class Gating:
         turn = self._turn()
         record = self._ledger()
         text = self.fmt.parse_response(response).text
-        clean, bodies = strip(text)
+        clean, bodies = await off_loop(len(text), strip, text)  # an answer of megabytes is read off the loop
         report = report_outcome(bodies).report
         turn.finals.append(clean[-digest.FINAL_CHARS:])  # kept in the session's state: what the digest can show
         await planning.reconcile(self.exchange, report)  # the plan as the turn left it, before it is judged
@@ -253,7 +253,7 @@ class Gating:
         while True:
             if isinstance(decision, Nudge):
                 record["nudges"] += 1
-                return self._carried(response, decision.note)
+                return await self._carried(response, len(text), decision.note)
             if isinstance(decision, Verify):
                 if document is None:
                     await tokenizers.loaded(encoding)  # the digest counts its blocks: not a load on the loop
@@ -287,7 +287,7 @@ class Gating:
                 record["reentries"] += 1
                 record["gaps"] = [g.text for g in decision.gaps]
                 log.info("session turn gated: %d gap(s); continuing the turn upstream", len(decision.gaps))
-                return self._carried(response, decision.advisory)
+                return await self._carried(response, len(text), decision.advisory)
             else:
                 assert isinstance(decision, Deliver)
                 self._deliver(decision)
@@ -356,9 +356,10 @@ class Gating:
         self._ledger().update(use.route)
         return answer
 
-    def _carried(self, response: dict[str, Any], note: str) -> list[Any]:
-        """The held answer as history items (self-report stripped), then ``note`` as a user message."""
-        self.fmt.edit_response(response, lambda text: strip(text)[0].strip() or EMPTY_ANSWER)
+    async def _carried(self, response: dict[str, Any], size: int, note: str) -> list[Any]:
+        """The held answer (of ``size`` characters) as history items (self-report stripped), then ``note`` as a user
+        message."""
+        await off_loop(size, self.fmt.edit_response, response, lambda text: strip(text)[0].strip() or EMPTY_ANSWER)
         return self.fmt.assistant_items(response, lambda _name: False) + [self.fmt.user_item(note)]
 
     async def carry_on(self, items: list[Any], stream: bool = False) -> UpstreamReply | None:
