@@ -25,6 +25,7 @@ from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.detectors.selfreport import INSTRUCTION, Stripper, strip
 from proxyvisor.detectors.steer import note_text
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
+from proxyvisor.proxy.formats.base import sse
 from proxyvisor.proxy.formats.messages import EMPTIED
 from proxyvisor.proxy.reply import Blocks, Edited, Encoded
 from proxyvisor.proxy.supervise import Supervisor
@@ -245,6 +246,25 @@ def test_unchanged_events_pass_through_byte_identical() -> None:
     assert _edit("messages", data, [1, 50])[0] == data
     data = b": keep-alive\n\n" + _render("chat", "plain", ["pla", "in"], []) + b"data: [DONE]\r\n\r\n"
     assert _edit("chat", data, [3, 17, 40])[0] == data
+
+
+def test_a_messages_block_held_until_it_shows_text_goes_out_as_it_came() -> None:
+    """A text block's start is held until its text shows something (the stripper's rule), then goes out with its
+    first delta: both as the upstream wrote them when neither changed (spaced JSON, escaped characters kept)."""
+    events = [("message_start", '{"type": "message_start", "message": {"id": "msg_1", "type": "message", '
+                                '"role": "assistant", "content": [], "model": "m", "usage": {"input_tokens": 1}}}'),
+              ("content_block_start", '{"type": "content_block_start", "index": 0, '
+                                      '"content_block": {"type": "text", "text": ""}}'),
+              ("content_block_delta", '{"type": "content_block_delta", "index": 0, '
+                                      '"delta": {"type": "text_delta", "text": "caf\\u00e9 \\u2014 ok"}}'),
+              ("content_block_delta", '{"type": "content_block_delta", "index": 0, '
+                                      '"delta": {"type": "text_delta", "text": " done"}}'),
+              ("content_block_stop", '{"type": "content_block_stop", "index": 0}'),
+              ("message_delta", '{"type": "message_delta", "delta": {"stop_reason": "end_turn"}, '
+                                '"usage": {"output_tokens": 3}}'),
+              ("message_stop", '{"type": "message_stop"}')]
+    data = b"".join(sse(d, name) for name, d in events)
+    assert _edit("messages", data, [5, 200, 333])[0] == data
 
 
 def test_whitespace_ending_a_delta_goes_out_with_the_next_text() -> None:

@@ -405,9 +405,17 @@ class _TextBlock:
     index: int  # as the upstream numbered it
     start: dict[str, Any]  # its content_block_start event, held until it shows something
     filter: TextFilter
+    came: tuple[str | None, str] | None  # that event as it came (name, data), when it goes out unchanged but held
     pending: str = ""  # filtered whitespace not sent yet
     sent: bool = False  # the start event went out
     visible: bool = False  # the upstream's own text had something besides whitespace
+
+
+def _as_came(name: str | None, data: str) -> list[bytes]:
+    """An event held back that goes out unchanged: its data as it came (an event of megabytes in pieces, never
+    joined)."""
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return [head + b"data: ", data.encode(), b"\n\n"]
 
 
 class _MessagesStream:
@@ -430,9 +438,11 @@ class _MessagesStream:
         return sse(dumps(obj), obj.get("type"))
 
     def _text(self, block: _TextBlock, out: str, force: bool = False,
-              delta_event: dict[str, Any] | None = None) -> list[bytes]:
+              delta_event: dict[str, Any] | None = None,
+              came: tuple[str | None, str, str] | None = None) -> list[bytes]:
         """The events that show ``out`` of ``block``; ``delta_event`` is the upstream's ``text_delta`` event that
-        ``out`` came from, written again with ``out`` as its text so that its other fields reach the client."""
+        ``out`` came from, written again with ``out`` as its text so that its other fields reach the client, or
+        as it came (``came``: its name, its data and its text) when nothing of it changed."""
         index = block.index - self.shift
         if not block.sent:
             block.pending = bigtext.concat([block.pending, out]) if block.pending else out
@@ -441,11 +451,14 @@ class _MessagesStream:
             block.sent = True
             self.sent += 1
             block.start["index"] = index
-            events = [self._send(block.start)]
+            events = _as_came(*block.came) if block.came is not None and not self.shift \
+                else [self._send(block.start)]
             out, block.pending = block.pending, ""
         else:
             events = []
         if out:
+            if came is not None and not self.shift and out == came[2]:
+                return events + _as_came(came[0], came[1])
             if delta_event is None:
                 delta_event = {"type": "content_block_delta", "index": index,
                                "delta": {"type": "text_delta", "text": out}}
@@ -473,7 +486,7 @@ class _MessagesStream:
         if kind == "content_block_start" and isinstance(start, dict) and start.get("type") == "text":
             initial = text if isinstance(text := start.get("text"), str) else ""
             obj["content_block"]["text"] = ""
-            self.block = block = _TextBlock(index, obj, self.new_filter())
+            self.block = block = _TextBlock(index, obj, self.new_filter(), None if initial else (name, data))
             block.visible = bigtext.has_text(initial)
             return self._text(block, block.filter.feed(initial))
         if block is not None and index == block.index:
@@ -485,7 +498,7 @@ class _MessagesStream:
                 out = block.filter.feed(text)
                 if block.sent and out == text and not self.shift:
                     return None
-                return self._text(block, out, delta_event=obj)
+                return self._text(block, out, delta_event=obj, came=(name, data, text))
             if kind == "content_block_stop":
                 self.block = None
                 events = self._text(block, block.filter.finish())
@@ -494,9 +507,10 @@ class _MessagesStream:
                         self.shift += 1  # emptied by the filter: drop the whole block
                         return []
                     events = self._text(block, "", force=True)
-                obj["index"] = index - self.shift
-                return events + [self._send(obj)]
-            events = self._text(block, "", force=True)  # any other delta (citations): announce the block first
+            else:
+                events = self._text(block, "", force=True)  # any other delta (citations): announce the block first
+            if not self.shift:
+                return events + _as_came(name, data) if events else None
             obj["index"] = index - self.shift
             return events + [self._send(obj)]
         if kind == "content_block_start":
