@@ -236,3 +236,42 @@ async def test_a_format_no_upstream_speaks_without_translation_is_a_501_with_its
     assert (record["format"], record["status"]) == ("messages", 501)
     assert "translation is unavailable" in record["error"]
     assert pipeline.sessions.get("no-route").errors == 1
+
+
+@pytest.mark.parametrize("step", ["load", "command"])
+async def test_a_request_cut_off_while_its_state_loads_or_its_command_reads_the_ledger_has_its_line(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """The client leaves while its session's stored state is read, or while proxyvisor reads the ledger to answer
+    its ``/info``: the request's one ledger line says so (499), as for a request cut off in a later step."""
+    import trio
+
+    from proxyvisor.proxy import commands
+    from proxyvisor.proxy.service import running
+    from proxyvisor.proxy.session_state import SessionStates
+    from proxyvisor.scripted.upstream import ScriptedUpstream
+
+    paused = trio.Event()
+
+    async def pause(*_args: object) -> None:
+        paused.set()
+        await trio.sleep_forever()
+
+    if step == "load":
+        monkeypatch.setattr(SessionStates, "load", pause)
+    else:
+        monkeypatch.setattr(commands, "answer", pause)
+    body = request_body("chat", messages=[{"role": "user", "content": "/info"}]) if step == "command" \
+        else request_body("chat")
+    headers = [(b"content-type", b"application/json"), (b"x-proxyvisor-session", b"cut")]
+    async with running(Config(), port=0, store=Store(tmp_path / "state"),
+                       scripted={"scripted": ScriptedUpstream()}) as proxy:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(proxy.pipeline, Request("POST", "/v1/chat/completions", headers, orjson.dumps(body),
+                                                       time.perf_counter()))
+            with trio.fail_after(10):
+                await paused.wait()
+            nursery.cancel_scope.cancel()  # the client leaves
+        assert proxy.pipeline.store is not None
+        lines = proxy.pipeline.store.read_ledger("cut")
+    assert [(line["status"], line["error"], line.get("local")) for line in lines] == [
+        (499, "cancelled before the answer: the client left", "/info" if step == "command" else None)]

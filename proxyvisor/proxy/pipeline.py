@@ -448,8 +448,13 @@ class Pipeline:
             assert session is not None  # touched above
             session.identified = source
             if self.states is not None:  # the session as the replica that served it last left it (/plan too)
-                await self.settle(session.id)  # an answer of its whose state is not stored yet (another connection)
-                await self.states.load(session)
+                try:
+                    await self.settle(session.id)  # an answer of its whose state is not stored yet (another connection)
+                    await self.states.load(session)
+                except trio.Cancelled:
+                    # Its line, but no save: what this process holds may be older than the state it was reading.
+                    await self._cut(session, fmt, body, request, prefix.run, None, save=False)
+                    raise
             if command := commands.command_of(fmt, body):
                 return await self._command(request, fmt, body, session, command, prefix.run)
             commands.strip_exchanges(fmt, body)
@@ -508,6 +513,9 @@ class Pipeline:
         except LedgerError as exc:
             status, failure = 500, str(exc)
             response = error(fmt, status, f"proxyvisor {command}: {exc}")
+        except trio.Cancelled:  # cut while the ledger was read
+            await self._cut(session, fmt, body, request, run, None, save=False, local=command)
+            raise
         self._account(session, fmt, body, request, run, status, Usage(0, 0), request.since_body,
                       failure, local=command)
         return response
@@ -632,15 +640,15 @@ class Pipeline:
             exchange, await self._continued(exchange, reply))))
 
     async def _cut(self, session: Session | None, fmt: WireFormat, body: dict[str, Any] | None, request: Request,
-                   run: str | None, exchange: Exchange | None) -> None:
+                   run: str | None, exchange: Exchange | None, save: bool = True, local: str | None = None) -> None:
         """Record a request cut off before its answer (in a step before forwarding, upstream, or in a stage on the
-        reply): by the client's leaving, or by the proxy's stop; and store its session's state as the cut left it,
-        shielded, as a stream's end does (:meth:`_persist`): a save another request of the session made meanwhile
-        may hold the request's thread mid-way (a gate waiting for its verdict), which a restart or another replica
-        would restore."""
+        reply; ``local``: a command proxyvisor answers itself): by the client's leaving, or by the proxy's stop;
+        and, with ``save``, store its session's state as the cut left it, shielded, as a stream's end does
+        (:meth:`_persist`): a save another request of the session made meanwhile may hold the request's thread
+        mid-way (a gate waiting for its verdict), which a restart or another replica would restore."""
         self._account(session, fmt, body, request, run, 503 if self.stopped else 499, Usage(), 0.0,
-                      _STOPPED if self.stopped else _CANCELLED, exchange)
-        if session is not None and self.supervised:
+                      _STOPPED if self.stopped else _CANCELLED, exchange, local=local)
+        if save and session is not None and self.supervised:
             with trio.CancelScope(shield=True):
                 await self._persist(session)
 
