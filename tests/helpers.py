@@ -11,7 +11,7 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +124,23 @@ class ProxyRun:
 
     def upstream_bodies(self) -> list[dict[str, Any]]:
         return [orjson.loads(body) for _target, body, _headers in self.upstream.requests]
+
+
+async def read_until_cut(response: Response, until: Callable[[], Awaitable[Any]]) -> None:
+    """Read ``response``'s stream as a client does until ``until()`` returns, then leave: the reading task is
+    cancelled, as the server's is when its client goes away (within 10 s, or the test fails)."""
+    body = response.body
+    assert not isinstance(body, bytes)
+
+    async def read() -> None:
+        async for _piece in body:
+            pass
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await until()
+            nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager

@@ -24,7 +24,8 @@ from proxyvisor.proxy.formats.base import CallResult
 from proxyvisor.proxy.info import summarize
 from proxyvisor.supervisor_model import ModelAnswer
 
-from helpers import FORMATS, MODEL, ProxyRun, http_client, pairing_errors, scripted_proxy, sse_events
+from helpers import (FORMATS, MODEL, ProxyRun, http_client, pairing_errors, read_until_cut, scripted_proxy,
+                     sse_events)
 
 MODES = [(f, s) for f in FORMATS for s in (False, True)]
 IDS = [f"{f}-{'sse' if s else 'json'}" for f, s in MODES]
@@ -431,18 +432,7 @@ async def test_a_stream_cut_off_while_its_judge_runs_ends_once_the_judgment_has_
         response = await run.proxy.pipeline(Request(
             "POST", BY_NAME["chat"].path, [(b"content-type", b"application/json")],
             orjson.dumps(agent_body("chat", True)), time.perf_counter()))
-        assert not isinstance(response.body, bytes)
-        body = response.body
-
-        async def read() -> None:
-            async for _piece in body:
-                pass
-
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read)
-                await judge.started.wait()
-                nursery.cancel_scope.cancel()  # the agent leaves while its tool call is held
+        await read_until_cut(response, judge.started.wait)  # the agent leaves while its tool call is held
         assert judge.ended
 
 # ---- the turn's limit, and a streamed batch whose admitted calls are of a built-in type ----------------------------
