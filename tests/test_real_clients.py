@@ -730,6 +730,10 @@ BUILT_IN_MODEL = "gpt-4.1"
 """A model opencode's built-in ``openai`` provider knows offline (it refuses one it does not list)."""
 _OPENCODE_BUILT_IN = {**_OPENCODE_COMMON, "model": f"openai/{BUILT_IN_MODEL}"}
 """The built-in ``openai`` provider (API key from ``OPENAI_API_KEY``): the Responses API."""
+ANTHROPIC_MODEL = "claude-sonnet-4-5"
+_OPENCODE_ANTHROPIC = {**_OPENCODE_COMMON, "model": f"anthropic/{ANTHROPIC_MODEL}"}
+"""The built-in ``anthropic`` provider (API key from ``ANTHROPIC_API_KEY``): Messages, at ``ANTHROPIC_BASE_URL``
+with ``/messages`` appended (the AI SDK's reading of that variable: no ``/v1`` added)."""
 
 
 def opencode_env(ws: Workspace, config: dict[str, Any]) -> dict[str, str]:
@@ -740,7 +744,7 @@ def opencode_env(ws: Workspace, config: dict[str, Any]) -> dict[str, str]:
     return {"OPENCODE_CONFIG": str(path), "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
             "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "XDG_CONFIG_HOME": str(ws.home / "config"),
             "XDG_DATA_HOME": str(ws.home / "data"), "XDG_STATE_HOME": str(ws.home / "state"),
-            "XDG_CACHE_HOME": str(ws.home / "cache"), "OPENAI_API_KEY": "dummy"}
+            "XDG_CACHE_HOME": str(ws.home / "cache"), "OPENAI_API_KEY": "dummy", "ANTHROPIC_API_KEY": "dummy"}
 
 
 def opencode(*args: str) -> list[str]:
@@ -773,16 +777,22 @@ def test_opencode_completes_a_tool_call_turn_through_wrap(tmp_path: Path) -> Non
     assert f"proxyvisor: session {session}: 3 model requests (chat)" in run.stderr, run.stderr
 
 
-def test_opencode_with_the_built_in_openai_provider_goes_through_wrap(tmp_path: Path) -> None:
-    """The built-in ``openai`` provider follows ``OPENAI_BASE_URL`` and speaks the Responses API."""
+@pytest.mark.parametrize(("config", "fmt", "model"), [(_OPENCODE_BUILT_IN, "responses", BUILT_IN_MODEL),
+                                                      (_OPENCODE_ANTHROPIC, "messages", ANTHROPIC_MODEL)],
+                         ids=["openai", "anthropic"])
+def test_opencode_with_a_built_in_provider_goes_through_wrap(tmp_path: Path, config: dict[str, Any], fmt: str,
+                                                              model: str) -> None:
+    """The built-in ``openai`` provider follows ``OPENAI_BASE_URL`` and speaks the Responses API; the ``anthropic``
+    one follows ``ANTHROPIC_BASE_URL``, which ``wrap`` sets as Claude Code reads it (no ``/v1``), and sends
+    ``/messages`` there: the proxy takes it as ``/v1/messages``."""
     ws = Workspace.make(tmp_path)
-    run = wrap(ws, opencode("List the files in the current directory."), opencode_env(ws, _OPENCODE_BUILT_IN))
+    run = wrap(ws, opencode("List the files in the current directory."), opencode_env(ws, config))
     assert run.returncode == 0, run
     session = check_opencode_turn(json_lines(run.stdout))
     records = ws.ledger(session)
-    assert {(r["format"], r["status"]) for r in records} == {("responses", 200)}, records
+    assert {(r["format"], r["status"]) for r in records} == {(fmt, 200)}, records
     # The turn's two requests, and the title request on the provider's own small model.
-    assert len(records) == 3 and [r["model"] for r in records].count(BUILT_IN_MODEL) == 2, records
+    assert len(records) == 3 and [r["model"] for r in records].count(model) == 2, records
 
 
 def test_opencode_continued_in_a_second_wrap_run_goes_on_in_its_session(tmp_path: Path) -> None:

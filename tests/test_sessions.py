@@ -11,10 +11,11 @@ import pytest
 from proxyvisor.proxy.bodies import BodyCache
 from proxyvisor.proxy.formats import BY_NAME, CHAT, MESSAGES, RESPONSES
 from proxyvisor.proxy.sessions import (SESSION_ID, SESSIONS_PER_RUN, Conversations, InvalidSession, SessionTable,
-                                       _history_keys, _item_keys, identify, split_prefix)
+                                       _history_keys, _item_keys, identify, split_prefix,
+                                       unprefixed)
 from proxyvisor.store import Store
 
-from helpers import raw_stream, request_body
+from helpers import http_client, raw_stream, request_body
 
 CLAUDE_USER_ID = orjson.dumps({"device_id": "d" * 64, "account_uuid": "",
                                "session_id": "6f1c2b1e-0d3a-4a55-9c2e-1f0e7d2c9b11"}).decode()
@@ -237,6 +238,33 @@ def test_split_prefix() -> None:
     for bad in ("/r/../v1/messages", "/r//v1/messages", "/r/run1/s/.x/v1/messages"):
         with pytest.raises(InvalidSession):
             split_prefix(bad)
+
+
+def test_a_model_api_path_sent_without_its_version_is_the_path_it_means() -> None:
+    """A client whose base URL lacks ``/v1`` (the AI SDK's providers take ``ANTHROPIC_BASE_URL`` as ending in it)
+    reaches the same endpoints, prefixed or not; other paths stay as they are."""
+    assert split_prefix("/messages") == (None, "/v1/messages", None)
+    assert split_prefix("/r/run1/messages") == (None, "/v1/messages", "run1")
+    assert split_prefix("/s/mine/chat/completions") == ("mine", "/v1/chat/completions", None)
+    assert split_prefix("/r/run1/s/mine/responses") == ("mine", "/v1/responses", "run1")
+    assert [split_prefix(p).path for p in ("/messages/count_tokens", "/models")] == [
+        "/v1/messages/count_tokens", "/v1/models"]
+    assert [split_prefix(p).path for p in ("/healthz", "/v1/v1/messages", "/messages/x", "/chat")] == [
+        "/healthz", "/v1/v1/messages", "/messages/x", "/chat"]
+    assert unprefixed("/r/run1/messages") == "/v1/messages"
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "relay"])
+async def test_a_request_to_a_path_without_the_version_reaches_the_api_it_means(start_proxy,
+                                                                                supervised: bool) -> None:
+    """``POST /messages`` (the AI SDK's Anthropic provider at a base URL with no ``/v1``) is answered as
+    ``/v1/messages`` is, in its format, and goes upstream as ``/v1/messages``."""
+    async with start_proxy(supervised=supervised) as rp, http_client(rp.url) as client:
+        for path, fmt in (("/messages", "messages"), ("/r/run1/chat/completions", "chat")):
+            response = await client.post(path, json=request_body(fmt))
+            assert response.status_code == 200, response.text
+            assert BY_NAME[fmt].parse_response(response.json()).tool_calls
+            assert rp.scripted["scripted"].requests[-1][0] == BY_NAME[fmt].path
 
 
 def test_a_runs_request_names_its_own_session_else_is_the_runs() -> None:

@@ -69,9 +69,18 @@ class Prefix(NamedTuple):
     """From ``/r/{run}/``: the run the request came through."""
 
 
+UNVERSIONED = {path.removeprefix("/v1"): path for path in (
+    "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models")}
+"""The model API's paths as a client whose base URL lacks the API version sends them, each to the path it means.
+The AI SDK's providers (opencode's) take ``ANTHROPIC_BASE_URL`` as ending in ``/v1`` and append ``/messages``,
+where Anthropic's SDKs and Claude Code append ``/v1/messages`` to the same variable: under ``wrap``, which sets it
+for both, each gets the API it asks for."""
+
+
 @functools.lru_cache(maxsize=64)
 def split_prefix(path: str) -> Prefix:
-    """The prefix of ``path``: ``/r/{run}/``, ``/s/{session}/`` or both, in that order, each optional. Read once
+    """The prefix of ``path``: ``/r/{run}/``, ``/s/{session}/`` or both, in that order, each optional, and the path
+    after it, a model API path sent without its version made whole (:data:`UNVERSIONED`). Read once
     per request, as it arrives (the proxy passes the result down); kept for the 64 paths seen last (each at most a
     request head's size): an agent's requests repeat a few, and a hit (60-75 ns) costs a fraction of a split
     (0.4 us without a prefix, 1.3-1.6 us with a run's).
@@ -81,19 +90,20 @@ def split_prefix(path: str) -> Prefix:
     """
     match = _prefixed(path)
     if match is None:
-        return Prefix(None, path)
+        return Prefix(None, UNVERSIONED.get(path, path))
     run, session, rest = match.groups()
     for kind, value in (("run", run), ("session", session)):
         if value is not None and not SESSION_ID.match(value):
             raise InvalidSession(f"invalid {kind} id in path: use 1-128 of [A-Za-z0-9._-], starting with a letter "
                                  "or digit")
-    return Prefix(session, rest or "/", run)
+    return Prefix(session, UNVERSIONED.get(rest, rest) if rest else "/", run)
 
 
 def unprefixed(path: str) -> str:
-    """``path`` without its run and session prefixes (:func:`split_prefix`), their ids valid or not."""
+    """``path`` without its run and session prefixes, their ids valid or not, as :func:`split_prefix` reads it."""
     match = _prefixed(path)
-    return path if match is None else match.group(3) or "/"
+    rest = path if match is None else match.group(3) or "/"
+    return UNVERSIONED.get(rest, rest)
 
 
 def _prefixed(path: str) -> re.Match[str] | None:
