@@ -1,7 +1,9 @@
 """Agent CLIs that ``proxyvisor wrap`` must point at the proxy by argument, because they ignore the variables.
 
 ``wrap`` gives every command ``ANTHROPIC_BASE_URL``, ``OPENAI_BASE_URL`` and ``OPENAI_API_BASE``
-(:func:`proxyvisor.wrap.agent_env`); Claude Code, aider and the OpenAI and Anthropic SDKs follow them. :data:`KNOWN`
+(:func:`proxyvisor.wrap.agent_env`); Claude Code, opencode, aider and the OpenAI and Anthropic SDKs follow them
+(opencode's providers append ``/messages`` or ``/chat/completions`` to them: the proxy takes either with or
+without ``/v1``). :data:`KNOWN`
 lists the CLIs that do not, by executable name, each with a function giving the arguments that redirect it (and
 the environment variables it needs besides, if any). A
 command is recognised by the file name of its first word (``codex``, ``/usr/local/bin/codex``), not behind
