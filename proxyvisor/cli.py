@@ -126,9 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
               POST /v1/messages               Anthropic Messages (the query string, e.g. ?beta=true, is kept)
               POST /v1/responses              OpenAI Responses
               POST /v1/messages/count_tokens  GET /v1/models
+              (the model paths also answer without their /v1, e.g. POST /messages, and go upstream with it)
               POST /proxyvisor/delegate       run one child for a role ([model_routing] enabled)
               GET  /proxyvisor/sessions       the session ids (needs [proxy] admin_token in x-proxyvisor-admin)
               GET  /proxyvisor/sessions/ID/info, .../ID/plan   one session as JSON (its id is the key)
+              GET  /proxyvisor/ui             the web view's page, no authentication
+              GET  /proxyvisor/ui/api/...     the web view's data (the session list and pools: admin token)
               HEAD /   GET /healthz           liveness, no authentication
 
             Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:8377 (no /v1) or

@@ -80,6 +80,21 @@ def test_every_argument_of_every_command_has_help_showing_its_default() -> None:
             assert "config file" in sub.format_help()  # it says where its configuration comes from
 
 
+def test_serve_help_lists_every_endpoint_the_readme_lists() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Endpoints\n", 1)[1].split("A WebSocket upgrade", 1)[0]
+    help_text = " ".join(dict(_commands(build_parser()))["proxyvisor serve"].format_help().split())
+    paths = {p.replace("{id}", "ID") for p in re.findall(r"`(?:[A-Z]+ )?(/[a-z0-9_/{}.]*)", section)}
+    assert {"/proxyvisor/ui", "/healthz", "/v1/messages/count_tokens", "/messages"} <= paths
+    # The prefixes and the paths without /v1 are said once for all, not path by path.
+    for path in paths - {"/", "/s/{session}/", "/r/{run}/", "/messages", "/chat/completions", "/responses"}:
+        assert re.search(rf"{re.escape(path)}(?![a-z_/])", help_text) or \
+            path.replace("/proxyvisor/sessions/ID/", ".../ID/") in help_text, path
+    assert "GET /proxyvisor/ui the web view" in help_text and "HEAD / GET /healthz" in help_text
+    assert "prefix /s/{session}/ and the run prefix /r/{run}/" in help_text
+    assert "the model paths also answer without their /v1, e.g. POST /messages" in help_text
+
+
 def test_delegate_help_says_what_a_role_is_and_where_roles_come_from(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["delegate", "--help"])
