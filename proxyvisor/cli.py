@@ -181,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     wrap.add_argument("--session", metavar="ID", type=session_id_arg,
                       help="put every request in this session, whatever session the agent names (1-128 of A-Z "
                            "a-z 0-9 . _ -)")
-    wrap.add_argument("--quiet", action="store_true", help="do not print the session summary at exit")
+    wrap.add_argument("--quiet", action="store_true",
+                      help="print no session summary at exit and no notice at start (that the upstream is the "
+                           "built-in scripted model, the supervisor model's name); warnings and errors still print")
     _supervision_flags(wrap)
     _common(wrap)
     wrap.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD ...", help="the agent command (after --)")

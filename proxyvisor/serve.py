@@ -14,12 +14,12 @@ from .proxy.telemetry import shown_url
 from .supervisor_model import describe, key_warning
 
 
-def start_notices(config: Config) -> list[str]:
+def start_notices(config: Config, quiet: bool = False) -> list[str]:
     """The lines ``serve`` and ``wrap`` print on stderr as they start, before anything else: each upstream that is
     the embedded scripted model, so no one takes its answers for a real model's, with how to configure a real one
     (the config file to write, and the one in use), and a supervisor key variable that is not set
-    (:func:`proxyvisor.supervisor_model.key_warning`)."""
-    scripted = [u.name for u in config.upstreams if u.scripted]
+    (:func:`proxyvisor.supervisor_model.key_warning`). ``quiet`` (``wrap --quiet``): the warning only."""
+    scripted = [] if quiet else [u.name for u in config.upstreams if u.scripted]
     notices = [f"proxyvisor: upstream{'' if len(config.upstreams) == 1 else ' ' + name}: the built-in scripted model "
                "(no key, no network): answers are not a real model's" for name in scripted]
     if scripted:

@@ -146,7 +146,7 @@ async def _wrap(config: Config, cmd: list[str], run: str, session: str | None, q
         proxy.pipeline.learning.default_scope = os.getcwd()
         if proxy.pipeline.breakers is not None:
             proxy.pipeline.breakers.on_long_wait = _say_cooling
-        for notice in start_notices(config):
+        for notice in start_notices(config, quiet):
             print(notice, file=sys.stderr, flush=True)
         if not quiet and config.supervisor.enabled:
             print(f"proxyvisor: supervisor model: {describe(config.supervisor.model)}", file=sys.stderr, flush=True)

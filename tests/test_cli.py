@@ -348,6 +348,8 @@ def test_serve_and_wrap_say_when_the_upstream_is_the_scripted_model(tmp_path: Pa
     assert done.stderr.count(SCRIPTED_HOWTO) == 1, done.stderr
     done = run_cli("wrap", "--config", str(real), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and "scripted model" not in done.stderr, done.stderr
+    done = run_cli("wrap", "--quiet", "--config", str(default), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr  # --quiet: no notice, no summary
 
 
 def test_serve_and_wrap_warn_once_of_an_unset_supervisor_key_variable(tmp_path: Path,
@@ -358,6 +360,8 @@ def test_serve_and_wrap_warn_once_of_an_unset_supervisor_key_variable(tmp_path: 
     assert serve_start(config).count(KEY_WARNING) == 1
     done = run_cli("wrap", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and done.stderr.count(KEY_WARNING) == 1, done.stderr
+    done = run_cli("wrap", "--quiet", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
+    assert done.stderr == f"proxyvisor: warning: {KEY_WARNING}\n", done.stderr  # a warning is not silenced
     monkeypatch.setenv("PROXYVISOR_TEST_KEY_NOT_SET", "sk-test")
     done = run_cli("wrap", "--config", str(config), "--state-dir", str(tmp_path / "state"), "--", "true")
     assert done.returncode == 0 and "api_key_env" not in done.stderr, done.stderr
