@@ -110,7 +110,8 @@ def test_the_example_batch_gives_every_task_its_outcome_and_both_reports_agree(
         assert "<sup>" not in stdout
         assert r["seconds"] > 0
         if r["id"] == "crash":
-            assert (r["input_tokens"], r["output_tokens"], r["cost_usd"], r["cost_known"]) == (0, 0, 0.0, False)
+            # Every request was refused (400): no answer of the scripted model, nothing spent, so the cost is known.
+            assert (r["input_tokens"], r["output_tokens"], r["cost_usd"], r["cost_known"]) == (0, 0, 0.0, True)
             assert r["error"] == "example_agent: the model call failed: Error code: 400 - scripted: this task's " \
                                  "model refuses every request"
             assert stdout == "" and r["error"] in Path(r["stderr"]).read_text()

@@ -16,7 +16,8 @@ from proxyvisor.detectors.detectors import LOOP
 from proxyvisor.detectors.selfreport import ReportOutcome, SelfReport
 from proxyvisor.proxy.condensing import Condensed, CondenseRecord
 from proxyvisor.proxy.formats import BY_NAME, ToolSpec
-from proxyvisor.proxy.info import agent_of, ledger_fields, render_text, session_row, summarize, timeline_entry
+from proxyvisor.proxy.info import (agent_of, ledger_fields, render_text, session_row, summarize,
+                                   timeline_entry, upstream_cost)
 from proxyvisor.proxy.service import running
 from proxyvisor.proxy.supervise import ModelUse, RequestRecord
 from proxyvisor.store import Store
@@ -101,6 +102,16 @@ def test_an_empty_ledger_sums_to_zero_and_prices_nothing() -> None:
     assert info["overhead_ms"] == {"total": 0.0, "mean": 0.0, "p50": 0.0, "max": 0.0}
     assert "none" in render_text(info)
     assert "$" not in render_text(info)  # no tokens: nothing priced, not "$0.0000"
+
+
+def test_only_the_scripted_models_successful_answers_count_as_its_answers() -> None:
+    lines = [{"status": 200, "scripted": True, "input_tokens": 10, "output_tokens": 2},
+             *({"status": status, "scripted": True, "error": "upstream"} for status in (429, 529, 502, 400))]
+    info = summarize(lines)
+    assert (info["requests"], info["errors"], info["upstream"]["scripted_requests"]) == (5, 4, 1)
+    assert upstream_cost(info["upstream"]) == "1 answer of the built-in scripted model, not priced"
+    refused = summarize(lines[1:])
+    assert refused["upstream"]["scripted_requests"] == 0 and upstream_cost(refused["upstream"]) == ""
 
 
 def test_an_unpriced_model_is_asked_once() -> None:

@@ -148,6 +148,9 @@ def test_wrap_says_once_which_pool_holds_the_agents_requests_and_until_when(tmp_
                             f"health clear {pool}` resets it")
     (pools,) = [line for line in summary_lines(stderr) if line.startswith("proxyvisor:   upstream pools ")]
     assert pools.endswith(f" {pool}: answered 0 · refused 3 · failed 0"), stderr
+    # Each request got proxyvisor's 429: none is an answer of the scripted model.
+    head = summary_lines(stderr)[0]
+    assert ", 3 errors," in head and "scripted model" not in head, stderr
 
 
 def test_without_supervision_wrap_counts_requests_errors_and_overhead_and_writes_nothing(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ mixes sessions. The fields of a ledger line read here (all optional but ``status
 - ``input_tokens``, ``output_tokens``: upstream tokens the answer reported (int, or None when it reported none);
   ``usage_estimated``: true when proxyvisor counted them itself, the answer having reported none
   (``proxyvisor.proxy.estimate``);
-- ``scripted``: true when the answer came from the built-in scripted model (its tokens are never priced);
+- ``scripted``: true when the request went to the built-in scripted model (its tokens are never priced), error
+  answers included;
 - ``run``: the run the request came through (the ``/r/{run}/`` prefix: a ``proxyvisor wrap`` run; absent without
   one): a session the agent resumes in a later run (its own id) holds lines of each run;
 - ``line_id``: the line's identity across replicas (``proxyvisor.store.Store.append_ledger``), not summed;
@@ -94,8 +95,8 @@ are milliseconds:
   "scripted_requests", "estimated_requests"}``: ``estimated_requests`` counts the requests whose tokens are
   proxyvisor's estimate; the cost is litellm's cost map (``proxyvisor.pricing``) applied per request when the
   summary is made; a model the map does not price (a local model) adds nothing to ``cost_usd``, is listed in
-  ``unpriced`` and makes ``cost_known`` false; the answers of the built-in scripted model are never priced and are
-  counted in ``scripted_requests``;
+  ``unpriced`` and makes ``cost_known`` false; the answers of the built-in scripted model are never priced, and
+  those that succeeded (status below 400) are counted in ``scripted_requests``;
 - ``learning``: ``{"recalls", "recalled_items", "recalled_tokens", "stored", "distill_calls"}`` summed over the
   lines' ``learning``;
 - ``overhead_ms``: ``{"total", "mean", "p50", "max"}`` over model requests (0 without any).
@@ -343,7 +344,7 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None,
         tokens_out += t_out
         estimated += line.get("usage_estimated") is True
         if line.get("scripted") is True:
-            scripted += 1
+            scripted += _int(line.get("status")) < 400  # an error (a 429, 529, 502) is no answer of the model's
         elif t_in or t_out:
             model = line.get("model")
             usd = price(model, t_in, t_out) if isinstance(model, str) and model not in unpriced else None
