@@ -1,8 +1,9 @@
 """Command line of ``proxyvisor info`` and ``proxyvisor plan`` (registered by cli.py).
 
 Both ask the running proxy first (``GET /proxyvisor/sessions...``, ``proxyvisor.proxy.commands``) and, when none
-answers, ``info`` reads the state directory and sums the session's ledger itself (``proxyvisor.proxy.info``), and
-``plan`` says that a plan lives only in a running proxy and exits 1. Exit codes: :data:`_INFO_EXIT` and
+answers, both read the state directory themselves: ``info`` sums the session's ledger (``proxyvisor.proxy.info``),
+``plan`` reads the session's stored supervision state (``proxyvisor.proxy.session_state``), and exits 1 when none
+is stored. Exit codes: :data:`_INFO_EXIT` and
 :data:`_PLAN_EXIT`. :func:`session_info` and :func:`session_plan` are those answers for any caller (``proxyvisor
 mcp`` too), without printing.
 """
@@ -40,15 +41,17 @@ _INFO_FALLBACK = """\
   ledger is written as it works, so no --url is needed for it either).
 """
 _PLAN_FALLBACK = """\
-  When no proxy answers there, plan exits 1: a plan is asked of the proxy that serves the session
-  (the proxy keeps it in the state directory's sessions/ store across restarts; this command does
-  not read that store).
+  When no proxy answers there, the session's supervision state stored in the state directory
+  ([state] dir, --state-dir, else $PROXYVISOR_STATE_DIR, else ~/.local/state/proxyvisor: its
+  sessions/ store; with [state] backend = "redis", Redis) is read directly: the proxy stores it
+  as the session works, so a wrap that has ended needs no --url. With no state stored for the
+  session, plan exits 1.
 """
 _SESSION = """\
 SESSION:
   A session id as 'wrap --session', the /s/SESSION/ prefix or the agent's own header set it
   (or a wrap run's id, $PROXYVISOR_SESSION, naming the session its latest request went to: to
-  the wrap's proxy while it runs, and to 'info' from this host's ledgers afterwards).
+  the wrap's proxy while it runs, and to 'info' and 'plan' from this host's ledgers afterwards).
   GET /proxyvisor/sessions lists the ids to the admin ([proxy] admin_token){listed}.
   Default: the session with the most recent activity ({latest}).
 """
@@ -59,8 +62,9 @@ exit status:
 """
 _PLAN_EXIT = """\
 exit status:
-  0 the plan (or "No plan") was shown; 1 no proxy answers, the proxy knows no such session, or it
-  refused (e.g. a wrong auth token); 2 bad usage or configuration.
+  0 the plan (or "No plan") was shown; 1 no proxy answers and no state of the session is stored,
+  the proxy knows no such session, or it refused (e.g. a wrong auth token); 2 bad usage or
+  configuration.
 """
 
 
@@ -105,8 +109,8 @@ _PLAN_HELP = textwrap.dedent("""\
     of the latest self-report.
 
     A plan is read from a running proxy: the one that serves the session or, with [state]
-    backend = "redis", any replica (it reads the session's stored state); without one it says so
-    and exits 1. --json prints the object that
+    backend = "redis", any replica (it reads the session's stored state); without one, from the
+    session's state stored in the state directory (or Redis). --json prints the object that
     GET /proxyvisor/sessions/SESSION/plan returns: session, plan (phases and status, or null),
     prohibitions (list of {turn, text}), carry (list of strings), text (what is shown without --json).
     """)
@@ -255,22 +259,12 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
     """
     from .adapters.state import REDIS
     from .proxy.info import info_object
-    from .store import LedgerError
 
     url = proxy_url(config, url)
     session, info = _ask(config, "info", session, url)
     if info is not None:
         return info, ""
-    store, latest = _latest(config)
-    named, session = session, session or latest
-    ran = ""  # the run the session was named by
-    try:
-        lines, only_here = store.ledger(session) if session else ([], False)
-        if not lines and named and (found := store.session_of_run(named)) is not None:
-            ran, session = f" (where run {named}'s latest request went)", found
-            lines, only_here = store.ledger(session)
-    except LedgerError as exc:
-        raise Refused(str(exc)) from None
+    store, session, ran, lines, only_here = _offline(config, session)
     if not lines:
         where = f"no ledger for session {session!r}" if session else "no session ledgers"
         raise Refused(f"no proxy answers at {url}, and {where} in {store.root}")
@@ -284,22 +278,65 @@ def session_info(config: Config, session: str | None = None, url: str | None = N
 
 def session_plan(config: Config, session: str | None = None, url: str | None = None,
                  url_option: str = "--url") -> tuple[dict[str, Any] | None, str | None, str]:
-    """``(the /plan object, its session, "")`` of ``session`` (default: the most recently active one) from the
-    proxy at ``url`` (:func:`proxy_url`); ``(None, the session or None, why)`` when no proxy answers, for a plan is
-    asked of the proxy that serves the session, which alone reads its stored copy (``why`` names ``url_option`` as
-    the way to give an address). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
+    """``(the /plan object, its session, note)`` of ``session`` (default: the most recently active one): from the
+    proxy at ``url`` (:func:`proxy_url`), the note then ``""``; else from the session's supervision state stored in
+    the state directory (``[state]``: on Redis, where the replicas keep it), the note saying so. ``(None, the
+    session or None, why)`` when no proxy answers and no state of the session is stored (``why`` names
+    ``url_option`` as the way to give an address). Blocks on HTTP for up to :data:`_TIMEOUT_S` per read.
 
     Raises:
-        Refused: the proxy refused or knows no such session.
+        Refused: the proxy refused or knows no such session, or a ledger naming the session cannot be read.
+        ConfigError: ``[state] backend = "redis"`` and Redis cannot be reached.
     """
+    import trio
+
+    from .adapters.state import backend_of
+    from .proxy.commands import stored_plan
+    from .proxy.session_state import NAMESPACE, SETTINGS, SessionStates
+
     url = proxy_url(config, url)
     session, plan = _ask(config, "plan", session, url)
     if plan is not None:
         return plan, session, ""
-    session = session or _latest(config)[1]
-    return None, session, (f"no proxy answers at {url}: a plan is asked of the proxy that serves the session"
-                           f"{f' ({session})' if session else ''} (it keeps the plan across restarts). Start it, or "
-                           f"give its address with {url_option}.")
+    store, session, ran, _, _ = _offline(config, session)
+    if session is None:
+        return None, None, f"no proxy answers at {url}, and no session ledgers in {store.root}"
+    backend = backend_of(config, store.root)
+    states = SessionStates(backend.kv(NAMESPACE, **SETTINGS), config.state.session_ttl_s)
+    try:
+        plan = trio.run(stored_plan, session, states)
+        where = backend.describe()
+    finally:
+        states.close()
+        backend.close()
+    if plan is None:
+        return None, session, (f"no proxy answers at {url}, and no supervision state of session {session}{ran} is "
+                               f"stored ({where}). Start the proxy that serves it, or give its address with "
+                               f"{url_option}.")
+    return plan, session, f"no proxy answers at {url}; reading session {session}{ran}'s stored state ({where})"
+
+
+def _offline(config: Config, named: str | None) -> tuple[Any, str | None, str, list[dict[str, Any]], bool]:
+    """Without a proxy: the state directory's store, the session ``named`` names (default: the one whose ledger was
+    written last; a run's id: the session its latest request went to), a note naming that run (else ``""``), the
+    session's ledger lines and whether they are this host's only.
+
+    Raises:
+        Refused: the session's ledger cannot be read.
+    """
+    from .store import LedgerError
+
+    store, latest = _latest(config)
+    session = named or latest
+    ran = ""
+    try:
+        lines, only_here = store.ledger(session) if session else ([], False)
+        if not lines and named and (found := store.session_of_run(named)) is not None:
+            ran, session = f" (where run {named}'s latest request went)", found
+            lines, only_here = store.ledger(session)
+    except LedgerError as exc:
+        raise Refused(str(exc)) from None
+    return store, session, ran, lines, only_here
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], text: str, markdown: bool = False) -> None:
@@ -346,6 +383,8 @@ def _info(args: argparse.Namespace, config: Config) -> int:
 
 def _plan(args: argparse.Namespace, config: Config) -> int:
     plan, session, text = session_plan(config, args.session, args.url)
+    if plan is not None and text:
+        print(f"proxyvisor plan: {text}", file=sys.stderr)
     if plan is None:
         if args.json:
             _print(args, {"session": session, "plan": None, "prohibitions": [], "carry": [], "text": text}, text)

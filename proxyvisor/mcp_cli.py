@@ -41,7 +41,7 @@ _HELP = textwrap.dedent("""\
       the proxy of its own run), else http://[proxy] host:port of the configuration, as 'proxyvisor
       info' does (with [proxy] auth_token and admin_token sent when set). When no proxy answers,
       session_info sums the session's ledger in the state directory (its "live" is then null), and
-      session_plan is an error: a plan lives only in the proxy that serves the session.
+      session_plan reads the session's stored supervision state there (an error when none is stored).
       routing_config reads and writes the configuration file (--config, else $PROXYVISOR_CONFIG, else
       ~/.config/proxyvisor/config.toml; a write creates it), read again on every call, so a change made
       meanwhile by hand or by 'proxyvisor routing' is seen. pool_health reads the state directory, where

@@ -4,7 +4,7 @@ Each tool is a command's own code path, answered as the command's ``--json`` obj
 same JSON as text for clients that read only text):
 
 - ``session_info`` / ``session_plan``: :func:`proxyvisor.info_cli.session_info` / :func:`~proxyvisor.info_cli.session_plan`
-  (the running proxy first; ``info`` falls back to the ledger);
+  (the running proxy first; ``info`` falls back to the ledger, ``plan`` to the session's stored state);
 - ``routing_config``: :func:`proxyvisor.adapters.overview.routing_json` to show,
   :func:`proxyvisor.routing_cli.write_policy` to enable, disable or set (the descriptors' write-time validation, the
   lock, the atomic write);
@@ -125,9 +125,11 @@ class Tools:
         from .info_cli import session_plan
 
         config, named = self.config(), self.session(session)
-        plan, _, why = await self.blocking(lambda: session_plan(config, named, self.url, "'proxyvisor mcp --url'"))
+        plan, _, note = await self.blocking(lambda: session_plan(config, named, self.url, "'proxyvisor mcp --url'"))
         if plan is None:
-            raise ToolError(why)
+            raise ToolError(note)
+        if note:
+            log.info("%s", note)
         return plan
 
     async def routing_config(
@@ -262,8 +264,8 @@ def build(tools: Tools) -> MCPServer[Any]:
     server.add_tool(tools.session_plan, "session_plan", structured_output=True, annotations=read_only, description=(
         "The /plan object of a session: the supervisor-owned plan with each phase's status and done-when condition "
         "(plan null: no plan yet), the user's prohibitions in force with the turn that stated each, and the "
-        "retained critical knowledge (carry); text is the plan as the agent's /plan shows it. Needs the proxy that "
-        "serves the session."))
+        "retained critical knowledge (carry); text is the plan as the agent's /plan shows it. From the running proxy, "
+        "else from the session's state stored in the state directory."))
     server.add_tool(tools.routing_config, "routing_config", structured_output=True, description=(
         "Show or change the delegation and routing policy ([model_routing] of proxyvisor's configuration file). "
         "show returns source, enabled, policy, resolved (each role's adapter, model, effort and pool, or why it is "

@@ -100,7 +100,7 @@ def _ledger(state: Path, session: str, lines: list[dict[str, Any]]) -> None:
         store.append_ledger(session, line)
 
 
-async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys, tmp_path: Path) -> None:
+async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_no_state_is_stored(capsys, tmp_path: Path) -> None:
     state, url = tmp_path / "state", f"http://127.0.0.1:{closed_port()}"
     _ledger(state, "first", [{"status": 200, "model": "m", "input_tokens": 1, "output_tokens": 1}])
     _ledger(state, "second", [{"status": 200, "tool_round": True, "signals": ["loop"], "steer": "loop",
@@ -120,11 +120,34 @@ async def test_without_a_proxy_info_sums_the_ledger_and_plan_says_why_not(capsys
     code, out, err = await cli(capsys, "info", "third", "--url", url, "--state-dir", str(state))
     assert code == 1 and out == "" and "no ledger for session 'third'" in err
 
+    # Ledgers written by hand: no proxy stored a supervision state for them.
     code, out, err = await cli(capsys, "plan", "--url", url, "--state-dir", str(state))
-    assert code == 1 and out == "" and "a plan is asked of the proxy that serves the session" in err and "(second)" in err
+    assert code == 1 and out == "" and f"no supervision state of session second is stored (diskcache under {state})" \
+        in err and "Start the proxy that serves it, or give its address with --url." in err
     assert err.startswith(f"proxyvisor plan: no proxy answers at {url}")  # worded as info words it
     code, out, _ = await cli(capsys, "plan", "--url", url, "--state-dir", str(state), "--json")
     assert code == 1 and json.loads(out)["plan"] is None
+
+
+async def test_without_a_proxy_plan_reads_the_sessions_stored_state(start_proxy, capsys, state_dir: Path) -> None:
+    """The proxy that served the session is gone (a wrap that ended): its stored state has the plan."""
+    url = f"http://127.0.0.1:{closed_port()}"
+    async with start_proxy([{"text": f"Looking.\n{REPORT}"}] * 2) as rp, http_client(rp.url) as client:
+        assert (await client.post("/s/planned/v1/chat/completions", json=request_body("chat"))).status_code == 200
+        thread = next(iter(rp.pipeline.sessions.get("planned").supervision.threads.values()))
+        thread.plan = PLAN  # as the planner would set it; the session's next request stores it
+        assert (await client.post("/s/planned/v1/chat/completions", json=request_body("chat"))).status_code == 200
+    code, out, err = await cli(capsys, "plan", "planned", "--url", url)
+    assert code == 0 and out == (plans.render_text(PLAN) + "\n\nRetained critical knowledge (from the latest "
+                                 "self-report):\n- config in etc/app.toml\n")
+    assert err == (f"proxyvisor plan: no proxy answers at {url}; reading session planned's stored state (diskcache "
+                   f"under {state_dir})\n")
+    code, out, _ = await cli(capsys, "plan", "--url", url, "--json")  # the session whose ledger was written last
+    got = json.loads(out)
+    assert code == 0 and (got["session"], got["plan"]["plan_title"], got["carry"]) == \
+        ("planned", "Ship it", ["config in etc/app.toml"])
+    code, out, err = await cli(capsys, "plan", "nobody", "--url", url)
+    assert code == 1 and out == "" and "no supervision state of session nobody is stored" in err
 
 
 async def test_without_a_proxy_a_runs_id_names_the_session_its_latest_line_went_to(capsys, tmp_path: Path) -> None:

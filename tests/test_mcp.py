@@ -104,13 +104,15 @@ async def test_every_tool_answers_for_a_scripted_session(start_proxy, tmp_path: 
             assert not error and plan["session"] == SESSION and plan["plan"] is None
             assert plan["carry"] == ["config in etc/app.toml"] and json.loads(text) == plan
 
-    # The proxy is gone: info is summed from the ledger, and a plan cannot be had.
+    # The proxy is gone: info is summed from the ledger, and the plan read from the session's stored state.
     async with server(config, state_dir, env=wrapped) as client:
         error, info, _ = await call(client, "session_info")
         assert not error and (info["session"], info["requests"], info["live"]) == (SESSION, 2, None)
-        error, _, text = await call(client, "session_plan")
-        assert error and "a plan is asked of the proxy that serves the session" in text
-        assert f"({SESSION})" in text
+        error, plan, _ = await call(client, "session_plan")
+        assert not error and (plan["session"], plan["plan"], plan["carry"]) == (SESSION, None, ["config in etc/app.toml"])
+        error, _, text = await call(client, "session_plan", session="nobody")
+        assert error and "no supervision state of session nobody is stored" in text
+        assert "give its address with 'proxyvisor mcp --url'" in text
 
     async with server(config, state_dir) as client:  # no wrap: the most recently active session
         error, info, _ = await call(client, "session_info")
@@ -210,7 +212,7 @@ def test_the_help_documents_the_tools_the_sources_and_the_current_session() -> N
     for name in sorted(TOOLS):
         assert f"\n  {name} " in text
     for words in ("$PROXYVISOR_URL", "$PROXYVISOR_SESSION", "env_vars", "claude mcp add", "exit status:",
-                  "a plan lives only in the proxy"):
+                  "session_plan reads the session's stored supervision state"):
         assert words in text
 
 

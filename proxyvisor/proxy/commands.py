@@ -211,12 +211,22 @@ def plan_json(session_id: str, session: Session | None, thread: Thread | None) -
             "carry": carry, "text": "\n".join(lines)}
 
 
+async def stored_plan(session_id: str, states: SessionStates) -> dict[str, Any] | None:
+    """The ``/plan`` object (:func:`plan_json`) of session ``session_id`` from the state stored by the process that
+    served it last (``SessionStates.stored``); None when none is stored, or none that can be read."""
+    stored = await states.stored(session_id)
+    if stored is None:
+        return None
+    session = Session(session_id, 0.0, 0.0, supervision=stored)  # read only, never put in a table
+    return plan_json(session_id, session, thread_for(session))
+
+
 async def session_plan(session_id: str, session: Session | None, states: SessionStates | None) -> dict[str, Any]:
     """The ``/plan`` object (:func:`plan_json`) of session ``session_id``: from ``session`` when this process
     holds it (None: it does not), else from the state stored by the process that served it last (``states``; None:
     no state is stored)."""
-    if session is None and states is not None and (stored := await states.stored(session_id)) is not None:
-        session = Session(session_id, 0.0, 0.0, supervision=stored)  # read only, never put in the table
+    if session is None and states is not None and (plan := await stored_plan(session_id, states)) is not None:
+        return plan
     return plan_json(session_id, session, thread_for(session))
 
 
