@@ -230,7 +230,7 @@ async def test_a_real_run_writes_what_supervision_did_and_info_sums_it(tmp_path:
     assert info["upstream"] == {"input_tokens": 400, "output_tokens": 40, "cost_usd": 0.0, "cost_known": True,
                                 "unpriced": [], "scripted_requests": 4, "estimated_requests": 0}
     # The endpoint gives the same sum, with the in-memory counters.
-    assert {k: v for k, v in listing.items() if k not in ("session", "live", "only_this_replica")} \
+    assert {k: v for k, v in listing.items() if k not in ("session", "live", "only_this_replica", "ledger_off")} \
             == orjson.loads(orjson.dumps(info))
     assert listing["session"] == "poller" and listing["live"]["requests"] == 4
     assert listing["live"]["steers"] == {LOOP: 1} and listing["live"]["state"] == "progressing"

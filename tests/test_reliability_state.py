@@ -146,7 +146,8 @@ def test_serve_with_a_bad_state_dir_names_the_cause_and_serves_on(tmp_path: Path
             info = client.post("/s/bad/v1/chat/completions",
                                json={"model": "m", "messages": [{"role": "user", "content": "/info"}]})
             assert info.status_code == 200 and "proxyvisor /info" in info.text, info.text
-            assert client.get("/proxyvisor/sessions/bad/info").status_code == 200
+            endpoint = client.get("/proxyvisor/sessions/bad/info")
+            assert endpoint.status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
@@ -162,6 +163,12 @@ def test_serve_with_a_bad_state_dir_names_the_cause_and_serves_on(tmp_path: Path
                                   "it held) and start proxyvisor again") for line in warnings), warnings
     else:
         assert "not recorded in the ledger (the ledger is off" in text, text
+        # Without a ledger, /info counts from memory: the three model requests, not the none a ledger would hold.
+        answer = info.json()["choices"][0]["message"]["content"]
+        assert "| model requests   | 3 (tool rounds 0, errors 0) |" in answer, answer
+        assert "| ledger           | off (see the proxyvisor log as it started)" in answer, answer
+        assert "not in the ledger" not in answer, answer
+        assert (endpoint.json()["requests"], endpoint.json()["ledger_off"]) == (3, True)
         assert (files_under(state) if state.is_dir() else None) == before  # nothing written where it cannot be
 
 

@@ -39,7 +39,9 @@ Endpoints (:func:`endpoint`), JSON, errors in the OpenAI error shape:
   ``session`` and ``live`` (the in-memory counters, None when the session is not in memory; ``unrecorded``: its
   requests whose ledger line could not be written; ``unshared``: its lines not written to the shared ledger; ``learning``: its project memory,
   ``proxyvisor.proxy.learning.SessionLearning.info``, when it has a scope) and ``only_this_replica`` (the
-  replicas share their ledgers but Redis does not answer: the sum is this replica's lines only); a ledger that exists but cannot be read is a 500 naming the
+  replicas share their ledgers but Redis does not answer: the sum is this replica's lines only) and ``ledger_off``
+  (the proxy writes no ledger: requests, errors, upstream tokens and overhead are the in-memory counts); a ledger
+  that exists but cannot be read is a 500 naming the
   file (so is ``/info``, in the request's format);
 - ``GET /proxyvisor/sessions/{id}/plan``: ``{"session", "plan": the plan as JSON or None, "prohibitions":
   [{"turn": int, "text": str}] (in force, oldest first), "carry": [str], "text": the /plan answer}``; of a
@@ -259,10 +261,11 @@ async def info_json(store: Store | None, session_id: str, session: Session | Non
         LedgerError: the session's ledger exists but cannot be read.
     """
     counters = live(session, clock)
+    off = store is None or store.ledger_off is not None
 
     def read() -> dict[str, Any]:
         lines, only_here = store.ledger(session_id) if store is not None else ([], False)
-        return info_object(session_id, lines, counters, only_here, run)
+        return info_object(session_id, lines, counters, only_here, run, ledger_off=off)
     return await trio.to_thread.run_sync(read)
 
 

@@ -391,13 +391,25 @@ def summarize(lines: Iterable[Mapping[str, Any]], price: Price | None = None,
 
 
 def info_object(session: str, lines: Iterable[Mapping[str, Any]], live: dict[str, Any] | None,
-                only_here: bool = False, run: str | None = None) -> dict[str, Any]:
+                only_here: bool = False, run: str | None = None, ledger_off: bool = False) -> dict[str, Any]:
     """What ``/info`` answers for ``session``: ``{"session", **summarize(lines, run=run), "live",
-    "only_this_replica"}``, where ``live`` is the proxy's in-memory counters (``proxyvisor.proxy.commands.live``)
-    or None (not in memory, or read offline), ``only_this_replica`` (``only_here``) says that ``lines`` are this
-    replica's own though the replicas share their ledgers (Redis does not answer: the other replicas' lines are
-    missing), and ``run`` is the run of the ``/info`` asking (:func:`summarize`)."""
-    return {"session": session, **summarize(lines, run=run), "live": live, "only_this_replica": only_here}
+    "only_this_replica", "ledger_off"}``, where ``live`` is the proxy's in-memory counters
+    (``proxyvisor.proxy.commands.live``) or None (not in memory, or read offline), ``only_this_replica``
+    (``only_here``) says that ``lines`` are this replica's own though the replicas share their ledgers (Redis does
+    not answer: the other replicas' lines are missing), and ``run`` is the run of the ``/info`` asking
+    (:func:`summarize`). With ``ledger_off`` (the proxy writes no ledger) the model requests, errors, upstream tokens
+    and overhead are the ``live`` counters: what the proxy counts in memory."""
+    info = {"session": session, **summarize(lines, run=run), "live": live, "only_this_replica": only_here,
+            "ledger_off": ledger_off and live is not None}
+    if info["ledger_off"]:
+        assert live is not None
+        info.update(requests=live["requests"], errors=live["errors"])
+        info["upstream"] = {**info["upstream"], "input_tokens": live["input_tokens"],
+                            "output_tokens": live["output_tokens"]}
+        total = live["overhead_ms"]
+        info["overhead_ms"] = {**info["overhead_ms"], "total": _ms(total),
+                               "mean": _ms(total / live["requests"]) if live["requests"] else 0.0}
+    return info
 
 
 def _str(value: Any) -> str | None:
@@ -628,14 +640,18 @@ def render_text(info: Mapping[str, Any]) -> str:
                      + (f" · {cost}" if (cost := upstream_cost(up)) else "")),
         ("upstream pools", pools_text(info["breakers"])),
         *([("delegations", dl)] if (dl := delegations_text(info.get("delegations") or {})) else []),
-        ("proxy overhead", (f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f} · p50 {over['p50']:,.1f} · "
-                            f"max {over['max']:,.1f} ms")),
+        ("proxy overhead", f"total {over['total']:,.1f} ms · mean {over['mean']:,.1f}"
+                           + ("" if info.get("ledger_off") else f" · p50 {over['p50']:,.1f} · max {over['max']:,.1f}")
+                           + " ms"),
     ]
     memory = memory_text((info.get("live") or {}).get("learning") or info.get("learning") or {})
     if memory:
         rows.append(("memory", memory))
     unrecorded = (info.get("live") or {}).get("unrecorded")
-    if unrecorded:
+    if info.get("ledger_off"):
+        rows.append(("ledger", "off (see the proxyvisor log as it started): the model requests, errors, upstream "
+                               "tokens and overhead above are counted in memory, the rest is not recorded"))
+    elif unrecorded:
         rows.append(("not in the ledger", f"{unrecorded:,} request{'' if unrecorded == 1 else 's'} (the ledger "
                                           "could not be written: see the proxyvisor log); the counts above miss "
                                           f"{'it' if unrecorded == 1 else 'them'}"))
