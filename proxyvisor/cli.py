@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds each task's agent may run (default: %(default)g); a task's timeout_s wins")
     batch.add_argument("--workdir-template", metavar="DIR",
                        help="each task's working directory, with {id}, e.g. 'runs/{id}' (created if missing; "
-                            "default: a fresh temporary folder per task, kept)")
+                            "a relative one is relative to the current folder, where a task's own workdir is "
+                            "relative to the task file's folder; default: a fresh temporary folder per task, kept)")
     batch.add_argument("--require-verified", action="store_true",
                        help="exit 1 unless every task's outcome is verified and its agent exited 0")
     batch.add_argument("--report", metavar="PREFIX",

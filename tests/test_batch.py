@@ -220,6 +220,21 @@ def test_a_task_whose_folder_cannot_be_made_fails_alone_and_the_report_is_writte
         "cannot make the working directory /proc/good: No such file or directory"]
 
 
+def test_a_relative_template_is_relative_to_the_current_folder_and_a_tasks_workdir_to_its_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tasks").mkdir()
+    tasks = tmp_path / "tasks" / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "own", "prompt": "x", "workdir": "mine"}) + "\n"
+                     + json.dumps({"id": "templated", "prompt": "y"}) + "\n")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    code = main(["batch", str(tasks), "--agent", "true {prompt}", "--workdir-template", "runs/{id}",
+                 "--report", str(tmp_path / "report")])
+    report = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
+    assert code == 0 and {r["id"]: r["workdir"] for r in report} == {
+        "own": str(tmp_path / "tasks" / "mine"), "templated": str(tmp_path / "here" / "runs" / "templated")}
+
+
 def test_a_report_folder_that_cannot_be_made_is_refused_before_anything_runs(
         tmp_path: Path, state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tasks = subset(tmp_path, "question")
@@ -450,6 +465,10 @@ def test_batch_help_documents_every_option_the_task_file_and_the_exit_status() -
     assert "every turn ends unverified" not in text and "shell-quoted" not in text
     # The verifier is the session's own model (README, "The supervisor model"): the gate is never idle.
     assert "idle" not in text and "The verifier is the session's own model by default" in text
+    # Each relative folder says what it is relative to.
+    flat = " ".join(text.split())
+    assert "a relative one is relative to the current folder, where a task's own workdir is relative to the task " \
+           "file's folder" in flat and "(created if missing; relative to the task file's folder)" in flat
 
 
 def test_the_example_agent_reports_exit_codes_and_kills_a_command_past_its_timeout(tmp_path: Path) -> None:
