@@ -17,7 +17,7 @@ from proxyvisor.proxy.reply import Encoded
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, ToolCall
 from proxyvisor.proxy.relay import UpstreamReply
 
-from helpers import FORMATS, MODEL, ask, request_body, sse_events, without_generated_ids
+from helpers import FORMATS, MODEL, REPORT, ask, request_body, sse_events, without_generated_ids
 from test_gate_proxy import (DONE, GAP, NOTICE, REWORKED, Verifier, _chunked, _Chunks, _Judge, gated,
                              judged_after_keepalives, noticed, read_noticed, send, verdict, with_report)
 
@@ -101,6 +101,29 @@ async def test_an_unverified_answer_ends_with_the_notice_as_its_last_text(tmp_pa
         answer = await ask(fmt, run.proxy.url, stream=True)
     expected = noticed(DONE["text"]) if policy == "fail_closed" else DONE["text"]
     assert read_noticed(answer.text) == expected and answer.stop in ("end_turn", "stop", "completed")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_the_notice_follows_the_answer_without_the_space_its_report_left(tmp_path: Any, fmt: str,
+                                                                             stream: bool) -> None:
+    async with gated(tmp_path, [{"text": "Done thrice." + REPORT}], Verifier([ConnectionError("down")]),
+                     hold=STOP) as run:
+        text, _, _ = await send(run, fmt, stream)
+    assert "Done thrice. " not in text and read_noticed(text) == noticed("Done thrice.")
+    if fmt == "chat":  # one content string: the notice after a blank line, as the format adds it
+        assert text == noticed("Done thrice.")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_continued_turn_follows_the_answer_without_the_space_its_report_left(tmp_path: Any,
+                                                                                   fmt: str) -> None:
+    steps = [{"text": "Done thrice." + REPORT}, {"text": "Running tests now." + REPORT}]
+    async with gated(tmp_path, steps, Verifier([verdict("gaps", (GAP,)), verdict()]), hold=STOP) as run:
+        text, _, _ = await send(run, fmt, True)
+    assert "Done thrice. " not in text and text.startswith("Done thrice.") and text.endswith("Running tests now.")
+    if fmt == "chat":  # spliced into the same content: after a blank line
+        assert text == "Done thrice.\n\nRunning tests now."
 
 
 def _last_text(fmt: str, raw: bytes, stream: bool) -> str:

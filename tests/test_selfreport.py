@@ -88,7 +88,7 @@ def test_shape_test_separates_reports_from_real_superscripts(body: str, shaped: 
 
 def test_strip_removes_json_reports_and_only_a_trailing_legacy_one() -> None:
     text = f"before {TOKEN} x<sup>2</sup> <sup>done</sup> after"
-    assert strip(text) == ("before  x<sup>2</sup> <sup>done</sup> after", [REPORT])
+    assert strip(text) == ("before x<sup>2</sup> <sup>done</sup> after", [REPORT])
     assert strip("all <sup>done · tests pass</sup>") == ("all", ["done · tests pass"])
     assert strip("a <sup>2</sup> and <sup>{\"focus\":1}</sup> stay") == (
         "a <sup>2</sup> and <sup>{\"focus\":1}</sup> stay", [])
@@ -109,11 +109,20 @@ def test_superscripts_in_the_answer_are_content_byte_for_byte() -> None:
     (f"Done.\n\n{TOKEN}\n", "Done."),
     ("Done. <sup>done</sup>  ", "Done."),
     (f"Done. {TOKEN} <sup>done</sup>", "Done."),  # both removed: nothing of either leaves a space behind
-    (f"Done. {TOKEN} and more", "Done.  and more"),  # a report mid-text: the text around it is untouched
+    # A report mid-text: one run of whitespace stays where it stood, the one after it when there is one.
+    (f"Done. {TOKEN} and more", "Done. and more"),
+    (f"Done thrice. {TOKEN}\n\n[proxyvisor] notice", "Done thrice.\n\n[proxyvisor] notice"),
+    (f"Done.\n{TOKEN}\n\nRunning tests", "Done.\n\nRunning tests"),
+    (f"Done. {TOKEN}more", "Done. more"),
+    (f"Done.{TOKEN} more", "Done. more"),
+    (f"Done.{TOKEN}more", "Done.more"),
+    (f"Done. {TOKEN} {TOKEN} more", "Done. more"),
+    (f"Done.{' ' * (MAX_BODY + 1)}{TOKEN} more", f"Done.{' ' * (MAX_BODY + 1)} more"),  # too long to be held: kept
+    ("Done. <sup>done</sup> more", "Done. <sup>done</sup> more"),  # a legacy token mid-text is content
     ("Done. \n", "Done. \n"),  # no report: trailing whitespace is content
     (f"Done.{' ' * (MAX_BODY + 1)}{TOKEN}", f"Done.{' ' * (MAX_BODY + 1)}"),  # too long to be held: kept
 ])
-def test_a_trailing_report_leaves_no_dangling_whitespace(text: str, clean: str) -> None:
+def test_a_removed_report_leaves_no_dangling_whitespace(text: str, clean: str) -> None:
     assert strip(text)[0] == clean
     assert stream(list(text))[0] == clean
 

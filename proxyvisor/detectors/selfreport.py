@@ -28,7 +28,9 @@ Rules (seed 003 "Self-report"; ``reference/in-session-supervisor-mechanics.md`` 
   own content and is kept byte for byte. A malformed report that passes the shape test is still stripped.
 - **Whitespace**: when the stripped report is the last thing in the text, the whitespace after it and the
   whitespace its removal leaves at the end (at most :data:`MAX_BODY` characters; a longer run is kept) go with it:
-  ``"Done. <sup>{...}</sup>"`` becomes ``"Done."``. Whitespace around a report in mid-text is kept.
+  ``"Done. <sup>{...}</sup>"`` becomes ``"Done."``. A report removed in mid-text leaves one run of whitespace
+  where there were two: the whitespace after it when there is some (``"Done. <sup>{...}</sup>\n\nMore"`` becomes
+  ``"Done.\n\nMore"``), else the whitespace before it; a run before it longer than :data:`MAX_BODY` is kept.
 - The **last** stripped token of a response is its report.
 """
 
@@ -293,7 +295,7 @@ class Stripper:
             if len(self._after) + len(text) <= MAX_BODY and text.isspace():
                 self._after += text
                 return
-            self._settle()
+            self._settle(spaced=text[0].isspace())
         space = _trailing_space(text)
         if space == len(text):
             self._add_space(text)
@@ -321,14 +323,19 @@ class Stripper:
             self._out += [self._space, raw]
             self._space, self._long_space = "", False
 
-    def _settle(self) -> None:
+    def _settle(self, spaced: bool = False) -> None:
         """The held token is not the last thing in the text: a JSON report is removed all the same, a legacy one
-        is content."""
+        is content. ``spaced``: the text that follows it (beyond the whitespace held after it) starts with
+        whitespace."""
         assert self._token is not None
         (raw, body), after = self._token, self._after
         self._token, self._after = None, ""
         if _is_json_report(body):
             self.bodies.append(body)
+            if (after or spaced) and not self._long_space:
+                # One run of whitespace where the report stood, not two meeting: text added after a report (the
+                # gate's notice, a continued turn) follows the answer without the space the answer left before it.
+                self._space = ""
         else:
             self._out += [self._space, raw]
             self._space, self._long_space = "", False
