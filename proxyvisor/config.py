@@ -193,7 +193,8 @@ class GateConfig(Table, frozen=True):
     take before it counts as unavailable. ``hold``: what of a streamed final answer waits for the verdict:
     ``answer`` (all of it) or ``stop`` (only its stop event; the text streams, and a continued turn goes on in the
     same message). ``unverified_notice``: the line appended to an answer delivered not passed under
-    ``fail_closed`` (empty: none).
+    ``fail_closed``, naming the first standing gap when there is one (:func:`~proxyvisor.gate.outcome.naming`;
+    empty: none).
     """
 
     enabled: bool = True

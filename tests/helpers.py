@@ -23,7 +23,9 @@ import openai
 import orjson
 import trio
 
-from proxyvisor.config import Config
+from proxyvisor.config import Config, GateConfig
+from proxyvisor.gate.outcome import naming
+from proxyvisor.gate.verdict import Gap
 from proxyvisor.proxy.formats import BY_NAME, AssistantTurn, WireFormat
 from proxyvisor.proxy.server import (Handler, Limits, Request, Response, bound_port, open_listeners,
                                      serve_listeners)
@@ -157,6 +159,14 @@ async def scripted_proxy(tmp_path: Path, config: Config, steps: list[dict[str, A
 def sse_events(data: bytes) -> list[Event]:
     """All complete SSE events in ``data``."""
     return SSEParser().feed(data)
+
+
+def expected_notice(gate: dict[str, Any]) -> str:
+    """The default unverified notice of an answer delivered not passed, by its request's ledger ``gate`` object:
+    naming the first of its standing ``gaps`` when it has some."""
+    notice = GateConfig().unverified_notice
+    gaps = gate.get("gaps")
+    return naming(notice, Gap(gaps[0], "")) if gaps else notice
 
 
 def json_events(data: bytes) -> list[tuple[str | None, Any]]:

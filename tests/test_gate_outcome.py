@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from proxyvisor.config import GateConfig
 from proxyvisor.detectors.checks import FAILED as CHECK_FAILED
 from proxyvisor.detectors.checks import PASSED as CHECK_PASSED
 from proxyvisor.gate.digest import Check, Evidence, build, evidence, turn_actions
@@ -33,7 +34,10 @@ from proxyvisor.gate.outcome import (
     TurnGate,
     Unavailable,
     Verify,
+    NOTICE_GAP_CHARS,
     answer_event,
+    gap_line,
+    naming,
 )
 from proxyvisor.gate.verdict import Gap, parse, refute
 from proxyvisor.rules import FAIL_CLOSED, FAIL_OPEN, REENTRY_BUDGET
@@ -108,7 +112,7 @@ def test_same_gaps_after_new_evidence_stop_early_as_failed() -> None:
     reworded = {**GAP, "gap": "  PYTEST still   fails"}
     decision = gaps_round(gate, gaps=(reworded,), evidence=moved)
     assert isinstance(decision, Deliver) and (decision.outcome, decision.passed) == (FAILED, False)
-    assert decision.notice == NOTICE and "PYTEST still   fails" in decision.gaps[0].text
+    assert decision.notice == NOTICE + ": PYTEST still fails." and "PYTEST still   fails" in decision.gaps[0].text
 
 
 def test_same_gaps_without_new_evidence_re_enter_until_the_budget() -> None:
@@ -315,6 +319,53 @@ def test_the_checks_are_asked_for_once_then_the_model_judges_the_answer() -> Non
     assert isinstance(decision, Reenter) and decision.decided_by == EVIDENCE
 
 
+CONFIGURED = GateConfig().unverified_notice
+
+
+@pytest.mark.parametrize("evidence", [Evidence(True, FAILED_RUN, None, 3), Evidence(True, None, FAILED_RUN, 3)])
+def test_an_answer_delivered_on_the_evidences_gap_names_it_in_the_notice(evidence: Evidence) -> None:
+    gate = TurnGate(GatePolicy(reentry_budget=0, notice=CONFIGURED))
+    decision = gate.handle(Stop("done", evidence))
+    assert isinstance(decision, Deliver) and (decision.outcome, decision.decided_by) == (UNVERIFIED, EVIDENCE)
+    assert decision.notice == naming(CONFIGURED, decision.gaps[0])
+    if evidence.latest is not None:
+        assert decision.notice == (
+            "[proxyvisor] This answer could not be verified: the latest check after the last change failed: "
+            '`pytest -q 2>&1 | tail -3` reported "1 failed, 2 passed in 0.12s". Check it before relying on it.')
+    else:
+        assert decision.notice.startswith(
+            "[proxyvisor] This answer could not be verified: state changed but no check ran after the last change; "
+            "the latest check, before it, failed: ")
+        assert decision.notice.endswith(". Run the project's checks on the result. Check it before relying on it.")
+    # The same failure after new evidence ends the turn failed, naming it alike.
+    gate = TurnGate(GatePolicy(notice=CONFIGURED))
+    assert isinstance(gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 3))), Reenter)
+    failed = gate.handle(Stop("done", Evidence(True, FAILED_RUN, None, 5)))
+    assert isinstance(failed, Deliver) and failed.outcome == FAILED
+    assert failed.notice is not None and '"1 failed, 2 passed in 0.12s". Check it' in failed.notice
+    # No gap stands (the verifier was unavailable): the configured notice as it is.
+    gate = TurnGate(GatePolicy(notice=CONFIGURED))
+    gate.handle(Stop("done", CHANGED_AND_CHECKED))
+    assert gate.handle(Unavailable("down")).notice == CONFIGURED
+
+
+@pytest.mark.parametrize(("notice", "gap", "shown"), [
+    ("Unverified: check it.", "The tests were not run", "Unverified: the tests were not run. Check it."),
+    ("Unverified: check it.", "README is stale!", "Unverified: README is stale! Check it."),  # an acronym keeps its case
+    ("Not verified.", "the tests were not run.", "Not verified. The tests were not run."),
+    ("Not verified", "The tests\n  were not run.", "Not verified: the tests were not run."),
+    ("Unverified: check it.", "API_KEY=abc123def456 leaked", "Unverified: API_KEY=[redacted] leaked. Check it."),
+])
+def test_a_notice_names_a_gap_on_one_line_as_a_sentence_of_its_own(notice: str, gap: str, shown: str) -> None:
+    assert naming(notice, Gap(gap, "")) == shown
+
+
+def test_a_long_gap_is_clipped_to_one_line_in_the_notice() -> None:
+    named = naming(CONFIGURED, Gap("The check failed: " + "x" * 5000 + " at the end.", ""))
+    assert "\n" not in named and len(named) < len(CONFIGURED) + NOTICE_GAP_CHARS + 60
+    assert gap_line(Gap("a\n\n  b", "")) == "a b" and named.endswith(" at the end. Check it before relying on it.")
+
+
 def test_forbidden_checks_leave_a_missing_run_to_the_model() -> None:
     gate = TurnGate()
     assert gate.handle(Stop("done", UNCHECKED, checks_forbidden=True)) == Verify(handback=False)
@@ -356,7 +407,7 @@ def test_every_transition_is_in_the_table() -> None:
 
 
 @pytest.mark.parametrize(("policy", "notice", "shown"), [
-    (FAIL_CLOSED, NOTICE, NOTICE), (FAIL_CLOSED, "  ", None), (FAIL_OPEN, NOTICE, None)])
+    (FAIL_CLOSED, NOTICE, NOTICE + ": pytest still fails."), (FAIL_CLOSED, "  ", None), (FAIL_OPEN, NOTICE, None)])
 def test_an_answer_delivered_not_passed_carries_the_notice_only_under_fail_closed(
         policy: str, notice: str, shown: str | None) -> None:
     gate = TurnGate(GatePolicy(reentry_budget=0, failure_policy=policy, notice=notice))

@@ -6,6 +6,7 @@ calls from a queue per purpose and records what it was asked. The agent's model 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +18,8 @@ import trio
 
 from proxyvisor.scripted import verifier as scripted_verifier
 from proxyvisor.config import Config, GateConfig
-from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS
+from proxyvisor.gate.outcome import naming
+from proxyvisor.gate.verdict import FORMAT_RETRY, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Gap
 from proxyvisor.proxy import continuation, gating
 from proxyvisor.proxy.client import Cut
 from proxyvisor.proxy.reply import Encoded
@@ -46,16 +48,20 @@ def verdict(verdict: str = "pass", gaps: tuple[tuple[str, str], ...] = (), handb
 NOTICE = GateConfig().unverified_notice
 
 
-def noticed(text: str) -> str:
-    """``text`` as the agent reads it with the unverified notice appended (a blank line between, whichever way
-    the format adds it: a new block or item is read back joined)."""
-    return f"{text}\n\n{NOTICE}"
+NOTICE_HEAD = NOTICE.partition(": ")[0]
+"""What every notice starts with, naming a gap or not."""
+
+
+def noticed(text: str, gap: str | None = None) -> str:
+    """``text`` as the agent reads it with the unverified notice appended, naming ``gap`` when one stands (a blank
+    line between, whichever way the format adds it: a new block or item is read back joined)."""
+    return f"{text}\n\n{naming(NOTICE, Gap(gap, '')) if gap is not None else NOTICE}"
 
 
 def read_noticed(text: str) -> str:
     """The agent's text with the notice's separator normalised (formats join an added block without one)."""
-    head, sep, _ = text.rpartition(NOTICE)
-    return f"{head.rstrip()}\n\n{NOTICE}" if sep else text
+    head, sep, notice = text.rpartition(NOTICE_HEAD)
+    return f"{head.rstrip()}\n\n{sep}{notice}" if sep else text
 
 
 GAP = ("the tests were not run", "a passing test run")
@@ -271,7 +277,7 @@ async def test_the_same_gaps_after_new_evidence_end_the_turn_failed(tmp_path: Pa
         body = request_body(fmt, stream)
         w.extend_history(body, _tool_call_items(fmt, "call_t1") + w.tool_results([CallResult("call_t1", "1 failed")]))
         text, _, _ = await send(run, fmt, stream, body)
-    assert read_noticed(text) == noticed(REWORKED["text"])  # delivered, labelled, with the notice
+    assert read_noticed(text) == noticed(REWORKED["text"], GAP[0])  # delivered, labelled, naming the gap
     gate = run.last("gate")
     assert (gate["outcome"], gate["passed"], gate["gaps"]) == ("failed", False, [GAP[0]])
     assert len(run.upstream.requests) == 3  # no further re-entry
@@ -284,17 +290,32 @@ async def test_a_spent_reentry_budget_delivers_the_last_answer_unverified(tmp_pa
     verifier = Verifier([verdict("gaps", (GAP,))] * 3)
     async with gated(tmp_path, answers, verifier, reentry_budget=2) as run:
         text, _, _ = await send(run, fmt, stream)
-    assert read_noticed(text) == noticed("Attempt 3.")
+    assert read_noticed(text) == noticed("Attempt 3.", GAP[0])
     assert len(run.upstream.requests) == 3  # the first answer and two re-entries
     gate = run.last("gate")
     assert (gate["outcome"], gate["passed"], gate["reentries"]) == ("unverified", False, 2)
     assert gate["verdicts"] == ["gaps"] * 3 and "budget spent" in gate["reason"]
 
 
+async def test_an_answer_delivered_on_a_failed_check_names_it_in_the_notice_and_the_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    body = with_history("chat", False, "Fix the bug in app.py.", check="1 failed")
+    async with gated(tmp_path, [DONE], Verifier(), reentry_budget=0) as run:
+        with caplog.at_level(logging.WARNING, "proxyvisor.gate"):
+            text, _, _ = await send(run, "chat", False, body)
+    gap = 'The latest check after the last change failed: `pytest -q` reported "1 failed".'
+    assert text == noticed(DONE["text"], gap) == (
+        f'{DONE["text"]}\n\n[proxyvisor] This answer could not be verified: the latest check after the last change '
+        'failed: `pytest -q` reported "1 failed". Check it before relying on it.')
+    gate = run.last("gate")
+    assert (gate["outcome"], gate["decided_by"], run.model.calls) == ("unverified", ["evidence"], [])
+    assert f"turn unverified: verification gaps remain: re-entry budget spent: {gap}" in caplog.text
+
+
 async def test_a_budget_of_zero_never_continues(tmp_path: Path) -> None:
     async with gated(tmp_path, [DONE, REWORKED], Verifier([verdict("gaps", (GAP,))]), reentry_budget=0) as run:
         text, _, _ = await send(run, "chat", False)
-    assert text == noticed(DONE["text"]) and len(run.upstream.requests) == 1
+    assert text == noticed(DONE["text"], GAP[0]) and len(run.upstream.requests) == 1
     assert run.last("gate")["outcome"] == "unverified"
 
 

@@ -26,9 +26,11 @@ from typing import Any
 
 import pytest
 
-from proxyvisor.config import SCRIPTED_MODEL, GateConfig
+from proxyvisor.config import SCRIPTED_MODEL
 from proxyvisor.gate import plan as plans
 from proxyvisor.proxy.info import render_text, summarize
+
+from helpers import expected_notice
 
 pytestmark = pytest.mark.real_client
 
@@ -383,7 +385,7 @@ def test_claude_code_shows_an_unverified_answer_with_the_notice_after_it(tmp_pat
     gates = [line["gate"] for line in ws.ledger(session) if line.get("gate")]
     assert gates[-1]["outcome"] in ("unverified", "failed") and gates[-1]["passed"] is False, gates
     answer, _, notice = result.rpartition("\n\n")
-    assert notice == GateConfig().unverified_notice and answer in insisting[1:], result
+    assert notice == expected_notice(gates[-1]) and answer in insisting[1:], result
 
 
 # --- Codex -----------------------------------------------------------------------------------------------------
@@ -537,7 +539,7 @@ def test_codex_shows_an_unverified_answer_with_the_notice_after_it(tmp_path: Pat
     gates = [r["gate"] for r in ws.ledger(session) if r.get("gate")]
     assert gates[-1]["passed"] is False, gates
     answer, _, notice = last.rpartition("\n\n")
-    assert notice == GateConfig().unverified_notice and answer in insisting[1:], items
+    assert notice == expected_notice(gates[-1]) and answer in insisting[1:], items
 
 
 # --- the tool authorizer ---------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ section 3; issue 4):
   silently passed under ``fail_closed``.
 - **Notice**: under ``fail_closed``, every answer delivered not passed (``unverified`` or ``failed``) carries
   :attr:`GatePolicy.notice`, a line the shell appends to the agent's visible text (:meth:`GatePolicy.notice_for`);
-  under ``fail_open`` none does.
+  under ``fail_open`` none does. When gaps stand (found in the evidence or by the model), the notice names the
+  first (:func:`naming`), so "could not be verified" is not read as "the verifier was unavailable".
 - **Outcomes**: ``verified`` (pass, state changed and the latest recognised check after the last change passed:
   :attr:`.digest.Evidence.checked`; a failed latest check never ends verified),
   ``unknown`` (pass on reading alone, including a legitimate hand-back and a pass where the user forbade the check),
@@ -57,6 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..condense.text import clip_chars
+from ..redact import redact
 from ..rules import DEFAULT_REENTRIES, FAIL_CLOSED, FAIL_OPEN, FAILURE_POLICIES, REENTRY_BUDGET, FailurePolicy
 from .digest import Evidence
 from .verdict import GAPS, Gap, Malformed, Verdict, same_gaps
@@ -109,9 +112,46 @@ class GatePolicy:
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"failure_policy must be one of {', '.join(FAILURE_POLICIES)}, got {self.failure_policy!r}")
 
-    def notice_for(self, passed: bool) -> str | None:
-        """The notice an answer delivered ``passed`` or not carries (module docstring), None for none."""
-        return self.notice.strip() or None if not passed and self.failure_policy == FAIL_CLOSED else None
+    def notice_for(self, passed: bool, gaps: tuple[Gap, ...] = ()) -> str | None:
+        """The notice an answer delivered ``passed`` or not carries, naming the first of the standing ``gaps``
+        (module docstring), None for none."""
+        notice = self.notice.strip()
+        if passed or not notice or self.failure_policy != FAIL_CLOSED:
+            return None
+        return naming(notice, gaps[0]) if gaps else notice
+
+
+NOTICE_GAP_CHARS = 200
+"""Longest gap text a notice or a log line names, in characters (longer ones are clipped in the middle)."""
+
+
+def gap_line(gap: Gap) -> str:
+    """``gap``'s text on one line (whitespace runs joined), secret-looking values replaced
+    (:func:`~proxyvisor.redact.redact`), at most about :data:`NOTICE_GAP_CHARS` characters
+    (:func:`~proxyvisor.condense.text.clip_chars`): what a notice and a log line show of it."""
+    return clip_chars(redact(" ".join(gap.text.split())), NOTICE_GAP_CHARS)
+
+
+def naming(notice: str, gap: Gap) -> str:
+    """``notice`` (a configured one-line notice, stripped) naming ``gap`` (:func:`gap_line`, ending as a sentence):
+    after the notice's first ``": "``, with what followed it a sentence of its own, or else after the whole notice
+    (after a ``": "`` of its own when the notice does not end a sentence). The default notice naming ``"The latest
+    check after the last change failed: `pytest -q` reported "1 failed"."`` reads ``"[proxyvisor] This answer could
+    not be verified: the latest check after the last change failed: `pytest -q` reported "1 failed". Check it
+    before relying on it."``"""
+    line = gap_line(gap)
+    if not line.endswith((".", "!", "?")):
+        line += "."
+    head, colon, tail = notice.partition(": ")
+    if not colon:
+        ended = notice.endswith((".", "!", "?"))
+        return f"{notice} {_cased(line, str.upper)}" if ended else f"{notice}: {_cased(line, str.lower)}"
+    return f"{head}: {_cased(line, str.lower)} {_cased(tail, str.upper)}".rstrip()
+
+
+def _cased(text: str, case: Callable[[str], str]) -> str:
+    """``text`` with its first letter in ``case``, unless its second is a capital too (an acronym: ``README``)."""
+    return case(text[:1]) + text[1:] if not text[1:2].isupper() else text
 
 
 # Events (fed by the shell).
@@ -313,7 +353,7 @@ class TurnGate:
         """Gaps that stand: re-enter the turn, or end it when they returned unchanged after new evidence
         (``failed``) or the re-entry budget is spent (``unverified``)."""
         moved = self.previous_seq is not None and self.evidence.seq != self.previous_seq
-        notice = self.policy.notice_for(False)
+        notice = self.policy.notice_for(False, kept)
         if moved and same_gaps(self.previous_gaps, kept):
             return Deliver(FAILED, False, "the same gaps returned after new evidence", kept, notice=notice,
                            decided_by=decided_by)

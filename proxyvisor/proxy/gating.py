@@ -19,8 +19,8 @@ this module feeds them and performs their decisions for one supervised request (
   (``WireFormat.keepalive``: an SSE comment, Anthropic's ``ping``) every
   :data:`~proxyvisor.proxy.continuation.KEEPALIVE_S` seconds; a pass sends what was held byte for byte.
 - **Notice**: an answer delivered not passed under ``fail_closed`` gets ``[supervisor.gate] unverified_notice``
-  appended (``Deliver.notice``; ``WireFormat.append_text`` for JSON, the splice's ``add_text`` before the stop
-  in a stream).
+  appended, naming the first standing gap when there is one (``Deliver.notice``; ``WireFormat.append_text`` for
+  JSON, the splice's ``add_text`` before the stop in a stream); the warning logged names that gap too.
 - **Read-back**: a verifier answer that asks to read lines of recorded outputs (``gate.verdict.ReadRequest``) is
   answered once per verification, within a quarter of ``digest_budget_tokens``, and the verifier asked again.
 - **Nudge / re-entry**: the held answer (self-report stripped) and a user note (the nudge, or the advisory
@@ -69,7 +69,7 @@ from ..detectors.selfreport import outcome as report_outcome
 from ..detectors.selfreport import strip
 from ..gate import digest
 from ..gate.outcome import (DONE, EVIDENCE, MODEL, UNKNOWN, UNVERIFIED, VERIFIED, Deliver, GatePolicy, Nudge, Reenter,
-                            Refute, Refuted, Stop, TurnGate, Unavailable, Verify, answer_event)
+                            Refute, Refuted, Stop, TurnGate, Unavailable, Verify, answer_event, gap_line)
 from ..gate.plan import render_text
 from ..gate.prohibitions import forbids_checks
 from ..gate.verdict import (FORMAT_RETRY, GAPS, READBACK_SHARE, REFUTER_INSTRUCTIONS, VERIFIER_INSTRUCTIONS, Malformed,
@@ -320,8 +320,9 @@ class Gating:
         self.notice = decision.notice
         if decision.gaps:
             record["gaps"] = [g.text for g in decision.gaps]
-        (log.info if decision.passed or self.reported else log.warning)("turn %s: %s", decision.outcome,
-                                                                        decision.reason)
+        named = f": {gap_line(decision.gaps[0])}" if decision.gaps else ""  # what stands, not only that a gap does
+        (log.info if decision.passed or self.reported else log.warning)("turn %s: %s%s", decision.outcome,
+                                                                        decision.reason, named)
 
     def abandon(self, reason: str, level: int = logging.WARNING) -> None:
         """The turn could not be continued or judged: the held answer is delivered, labelled ``unverified``
