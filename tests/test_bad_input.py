@@ -143,6 +143,23 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
     return received
 
 
+async def test_a_request_framed_both_by_length_and_by_chunks_is_refused_and_its_connection_closed(proxy) -> None:
+    """``Content-Length`` beside ``Transfer-Encoding: chunked`` (a request smuggling vector behind a front end that
+    reads the other framing): 400 in the path's format, the connection closed, what followed never served."""
+    smuggled = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\r\n{}"
+    for path in (b"/v1/messages", b"/v1/chat/completions"):
+        reply = await raw_exchange(proxy.port, b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+                                   b"transfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n"
+                                   b"2\r\n{}\r\n0\r\n\r\n" + smuggled)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"connection: close" in head.lower(), reply
+        error = orjson.loads(body)
+        assert ("both Content-Length and Transfer-Encoding" in (error["error"]["message"]),
+                error.get("type") == "error") == (True, path == b"/v1/messages"), error
+        assert reply.count(b"HTTP/1.1") == 1, "nothing after the refused request was served"
+    await assert_still_serving(proxy.url, "messages")
+
+
 async def test_malformed_http_gets_400_and_the_server_keeps_serving(proxy) -> None:
     for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"POST /v1/messages HTTP/1.1\r\nno colon here\r\n\r\n",
                  b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: nope\r\n\r\n",

@@ -386,6 +386,11 @@ class Connection:
                     return
                 request = Request(event.method.decode("ascii", "replace"), event.target.decode("latin-1"),
                                   list(event.headers), received_at=time.perf_counter(), peer=self.peer)
+                if request.header("transfer-encoding") is not None and request.header("content-length") is not None:
+                    # Two framings of one body (RFC 9112 section 6.3): a front end that reads the other one would
+                    # see another request where this one ends. Refused, and the connection closed.
+                    await self._bad_request(request.path, "both Content-Length and Transfer-Encoding are set")
+                    return
                 stopping.in_flight += 1
                 try:
                     if not await self._read_body(request):
