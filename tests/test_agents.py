@@ -6,7 +6,10 @@ arguments themselves, without the CLI.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from proxyvisor.agents import CODEX_QUIET_WEBSOCKET, agent_command
 
@@ -30,15 +33,19 @@ def test_codex_built_in_provider_gets_the_url_before_the_users_arguments(tmp_pat
     assert redirected(cmd, {"CODEX_HOME": str(tmp_path)}) == ["/opt/bin/codex", *BUILT_IN, *cmd[1:]]
 
 
-def test_codex_providers_of_the_users_own_are_redirected(tmp_path: Path) -> None:
+def test_codex_providers_of_the_users_own_are_redirected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "config.toml").write_text('model_provider = "azure"\n'
                                           '[model_providers.azure]\nname = "Azure"\nbase_url = "https://x/v1"\n'
                                           '[model_providers.local-2]\nname = "local"\n'
                                           '[model_providers."dotted.name"]\nname = "unaddressable by -c"\n')
     expected = [*BUILT_IN, "-c", f'model_providers.azure.base_url="{URL}"',
                 "-c", f'model_providers.local-2.base_url="{URL}"']
-    assert redirected(["codex", "exec", "hi"], {"CODEX_HOME": str(tmp_path)}) == ["codex", *expected,
-                                                                                        "exec", "hi"]
+    with caplog.at_level(logging.WARNING, "proxyvisor.agents"):
+        assert redirected(["codex", "exec", "hi"], {"CODEX_HOME": str(tmp_path)}) == ["codex", *expected,
+                                                                                            "exec", "hi"]
+    # The one -c cannot name goes past the proxy: said, not silent.
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "'dotted.name'" in warning and "past proxyvisor" in warning, warning
     # Without CODEX_HOME, Codex reads ~/.codex.
     (tmp_path / ".codex").mkdir()
     (tmp_path / "config.toml").rename(tmp_path / ".codex" / "config.toml")
