@@ -173,9 +173,10 @@ def explain(error: str, schema: type[Any], value: Any, table: str = "table") -> 
     number = isinstance(unwrap(info), (inspect.IntType, inspect.FloatType))
     accepts = kind(info) if number and _WRONG_TYPE.fullmatch(text) else stated(info) or kind(info)
     finite = "" if not isinstance(given, float) or math.isfinite(given) else " (every number must be finite)"
+    shown = ("true" if given else "false") if isinstance(given, bool) else repr(given)  # as TOML and JSON spell it
     if accepts:
-        return Problem(where, key, f"must be {accepts}, got {given!r}{finite}")
-    return Problem(where, key, f"{text[:1].lower()}{text[1:]}, got {given!r}{finite}")
+        return Problem(where, key, f"must be {accepts}, got {shown}{finite}")
+    return Problem(where, key, f"{text[:1].lower()}{text[1:]}, got {shown}{finite}")
 
 
 def json_kind(value: object) -> str:

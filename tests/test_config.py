@@ -45,6 +45,12 @@ def test_invalid_values_name_the_file_and_key(document: dict, words: list[str]) 
         assert word in message, (word, message)
 
 
+def test_a_value_of_the_wrong_type_is_quoted_as_the_file_spells_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse({"proxy": {"port": True}}, source="my.toml")
+    assert str(caught.value).endswith("got true"), str(caught.value)
+
+
 @pytest.mark.parametrize("document, name", [
     ({"proxy": {"prot": 1}}, "prot"), ({"proxi": {}}, "proxi"), ({"state": {"directory": "x"}}, "directory"),
     ({"upstreams": {"main": {"api_key": "sk-x"}}}, "api_key"), ({"supervisor": {"enable": False}}, "enable"),
