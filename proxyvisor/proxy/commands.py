@@ -77,7 +77,7 @@ from .formats.base import derived, has_non_text
 from .info import info_object, render_text
 from .learning import SessionLearning
 from ..transcript import own_words
-from .server import Headers, Response
+from .server import ALLOW_GET, Headers, Response
 from .session_state import SessionStates
 from .sessions import Session, SessionTable
 from .supervise import SessionSupervision, Thread, thread_key
@@ -294,8 +294,8 @@ async def _play(events: list[bytes]) -> AsyncIterator[bytes]:
 
 # ---- endpoints -------------------------------------------------------------------------------------------------
 
-def _error(status: int, message: str) -> Response:
-    return Response(status, list(_JSON), CHAT.error_body(status, message))
+def _error(status: int, message: str, headers: Headers | None = None) -> Response:
+    return Response(status, [*_JSON, *(headers or [])], CHAT.error_body(status, message))
 
 
 def _iso(wall: float) -> str:
@@ -339,7 +339,7 @@ async def endpoint(method: str, path: str, table: SessionTable, store: Store | N
         return _error(404, f"no such endpoint: {path}. Use GET /proxyvisor/sessions, "
                            "/proxyvisor/sessions/{id}/info or /proxyvisor/sessions/{id}/plan")
     if method not in ("GET", "HEAD"):
-        return _error(405, f"{path} takes GET")
+        return _error(405, f"{path} takes GET", ALLOW_GET)
     session_id, what = match.groups()
     if session_id is None:
         if not admin:

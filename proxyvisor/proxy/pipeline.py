@@ -59,7 +59,7 @@ from .client import Cut
 from .codings import UndecodableBody, decode
 from .relay import STOPPED_MID_STREAM, HttpRelay, UpstreamError, UpstreamReply, upstream_headers
 from .session_model import Send, SupervisorRoutes, secrets_of
-from .server import Headers, Request, Response
+from .server import ALLOW_GET, ALLOW_POST, Headers, Request, Response
 from .bodies import BodyCache
 from .sessions import (InvalidSession, Prefix, Session, SessionTable, explicit_id, identify, split_prefix,
                        unprefixed)
@@ -323,6 +323,8 @@ class Pipeline:
         if path == "/healthz" and request.method in ("GET", "HEAD"):
             return Response(200, _JSON, orjson.dumps({"status": "ok", "sessions": len(self.sessions),
                                                       "supervision": self.supervised}))
+        if path in ("/", "/healthz"):
+            return error(_format_for(path), 405, f"{path} takes GET", ALLOW_GET)
         if (shown := web.page(request.method, path)) is not None:  # static, holding no data (proxyvisor.proxy.web)
             return shown
         fmt = _format_for(path)
@@ -343,17 +345,17 @@ class Pipeline:
                     log.info("refused a WebSocket upgrade on %s (426): the client falls back to POST", path)
                     return error(fmt, 426, f"proxyvisor serves {path} over HTTP only: POST it; WebSocket "
                                            "upgrade refused")
-                return error(fmt, 405, f"{path} takes POST")
+                return error(fmt, 405, f"{path} takes POST", ALLOW_POST)
             return await self._model(request, model_format, prefix)
         if path == "/v1/models" and request.method in ("GET", "HEAD"):
             return await self._forward_plain(request, "chat", path, fmt)
         if path == "/v1/messages/count_tokens":
             if request.method != "POST":
-                return error(fmt, 405, f"{path} takes POST")
+                return error(fmt, 405, f"{path} takes POST", ALLOW_POST)
             return await self._forward_plain(request, "messages", path, fmt)
         if path == "/proxyvisor/delegate":
             if request.method != "POST":
-                return error(fmt, 405, f"{path} takes POST")
+                return error(fmt, 405, f"{path} takes POST", ALLOW_POST)
             if self.delegation is None:
                 return error(fmt, 409, "delegation is off: it needs supervision on and [model_routing] enabled = true "
                                        "(proxyvisor routing enable)")

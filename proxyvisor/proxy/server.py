@@ -74,6 +74,11 @@ def reason(status: int, relayed: bytes = b"") -> bytes:
     return _named(status) or relayed or _CLASS_REASONS.get(status // 100, b"Unknown")
 
 
+ALLOW_GET: Headers = [(b"allow", b"GET, HEAD")]
+ALLOW_POST: Headers = [(b"allow", b"POST")]
+"""The ``Allow`` header of a 405 answer (RFC 9110 section 15.5.6: it lists the methods the path takes)."""
+
+
 @dataclass
 class Request:
     """A complete request. Header names are lowercase bytes, as h11 gives them; the body is :attr:`body`."""

@@ -54,7 +54,7 @@ from ..store import SESSION_ID, LedgerError, Store, StoreUnusable
 from .commands import live, recent, session_plan, sessions_json
 from .formats import CHAT
 from .info import info_object, session_row, timeline_entry
-from .server import Headers, Response
+from .server import ALLOW_GET, Headers, Response
 from .session_state import SessionStates
 from .sessions import SessionTable
 
@@ -83,8 +83,9 @@ def _json(status: int, body: Any) -> Response:
     return Response(status, [(b"content-type", b"application/json"), *_SECURITY], orjson.dumps(body))
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(status, [(b"content-type", b"application/json"), *_SECURITY], CHAT.error_body(status, message))
+def _error(status: int, message: str, headers: Headers | None = None) -> Response:
+    return Response(status, [(b"content-type", b"application/json"), *_SECURITY, *(headers or [])],
+                    CHAT.error_body(status, message))
 
 
 def _admin_only(admin: bool | None) -> Response:
@@ -103,7 +104,7 @@ def page(method: str, path: str) -> Response | None:
     if found is None:
         return None
     if method not in ("GET", "HEAD"):
-        return _error(405, f"{path} takes GET")
+        return _error(405, f"{path} takes GET", ALLOW_GET)
     name, kind = found
     headers = [(b"content-type", kind), *_SECURITY]
     if name == "index.html":
@@ -201,7 +202,7 @@ class WebView:
         """Answer ``path`` under ``/proxyvisor/ui/api/``; ``admin``: whether the request carries the admin token
         (None: no admin token is configured)."""
         if method not in ("GET", "HEAD"):
-            return _error(405, f"{path} takes GET")
+            return _error(405, f"{path} takes GET", ALLOW_GET)
         rest = path[len(API):]
         if rest == "sessions":
             return await self._sessions() if admin else _admin_only(admin)
