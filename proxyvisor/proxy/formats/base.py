@@ -8,7 +8,7 @@ usage and session hints live in its bodies, and how an assistant turn is written
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -368,8 +368,17 @@ def sse(data: bytes | str, event: str | None = None) -> bytes:
     """One SSE event: an optional ``event:`` line, one ``data:`` line, a blank line."""
     if isinstance(data, str):
         data = data.encode()
-    head = b"event: " + event.encode() + b"\n" if event else b""
-    return head + b"data: " + data + b"\n\n"
+    return _data_line(event) + data + b"\n\n"
+
+
+def sse_pieces(data: Iterable[bytes], event: str | None = None) -> list[bytes]:
+    """:func:`sse` of the bytes ``data`` holds in order, as pieces, never joined (an event may be 100 MB)."""
+    return [_data_line(event), *data, b"\n\n"]
+
+
+def _data_line(event: str | None) -> bytes:
+    """What comes before an event's data: its ``event:`` line, if it has a name, and ``data: ``."""
+    return (b"event: " + event.encode() + b"\ndata: ") if event else b"data: "
 
 
 def dumps(obj: Any) -> bytes:
@@ -381,8 +390,7 @@ def sse_json(obj: Any, event: str | None = None, large: bool = False) -> list[by
     encoded a slice at a time (:func:`.largejson.dumps`), never joined."""
     if not large:
         return [sse(dumps(obj), event)]
-    head = b"event: " + event.encode() + b"\n" if event else b""
-    return [head + b"data: ", *largejson.dumps(obj), b"\n\n"]
+    return sse_pieces(largejson.dumps(obj), event)
 
 
 def event_object(data: str) -> dict[str, Any] | None:

@@ -12,7 +12,8 @@ import orjson
 from ... import bigtext
 from .base import (AssistantTurn, ByIdentity, CallResult, Graft, ToolCall, ToolSpec, Usage, WireFormat, args_of,
                    arguments_of, as_list, beside, chat_text, dumps, edited, error_types, event_object, has_non_text,
-                   interleave, interleave_runs, notes_after, split_json, sse, sse_json, with_field, words)
+                   interleave, interleave_runs, notes_after, split_json, sse, sse_json, sse_pieces, with_field,
+                   words)
 from . import largejson
 from ...transcript import (Message, StreamEditor, StreamSplice, TextEdit, TextFilter, ToolOutput, ToolUse,
                            harness_context)
@@ -411,13 +412,6 @@ class _TextBlock:
     visible: bool = False  # the upstream's own text had something besides whitespace
 
 
-def _as_came(name: str | None, data: str) -> list[bytes]:
-    """An event held back that goes out unchanged: its data as it came (an event of megabytes in pieces, never
-    joined)."""
-    head = b"event: " + name.encode() + b"\n" if name else b""
-    return [head + b"data: ", data.encode(), b"\n\n"]
-
-
 class _MessagesStream:
     """Messages stream rewriting: each text block's ``text_delta`` through its own filter.
 
@@ -451,14 +445,16 @@ class _MessagesStream:
             block.sent = True
             self.sent += 1
             block.start["index"] = index
-            events = _as_came(*block.came) if block.came is not None and not self.shift \
-                else [self._send(block.start)]
+            if block.came is not None and not self.shift:
+                events = sse_pieces([block.came[1].encode()], block.came[0])
+            else:
+                events = [self._send(block.start)]
             out, block.pending = block.pending, ""
         else:
             events = []
         if out:
             if came is not None and not self.shift and out == came[2]:
-                return events + _as_came(came[0], came[1])
+                return events + sse_pieces([came[1].encode()], came[0])
             if delta_event is None:
                 delta_event = {"type": "content_block_delta", "index": index,
                                "delta": {"type": "text_delta", "text": out}}
@@ -510,7 +506,7 @@ class _MessagesStream:
             else:
                 events = self._text(block, "", force=True)  # any other delta (citations): announce the block first
             if not self.shift:
-                return events + _as_came(name, data) if events else None
+                return events + sse_pieces([data.encode()], name) if events else None
             obj["index"] = index - self.shift
             return events + [self._send(obj)]
         if kind == "content_block_start":
