@@ -89,12 +89,12 @@ def _defined_providers(config: Path) -> list[str]:
         return []
     if not isinstance(providers, dict):
         return []
-    for name in providers:
-        if not _BARE_KEY.match(name):
-            log.warning("Codex's provider %r (%s) cannot be pointed at proxyvisor: a -c option names only a provider "
-                        "whose name is letters, digits, '_' and '-'; its requests go to its own base_url, past "
-                        "proxyvisor (rename it, or set its base_url to the proxy's URL yourself)", name, config)
-    return [name for name in providers if _BARE_KEY.match(name)]
+    bare = [name for name in providers if _BARE_KEY.match(name)]
+    for name in providers.keys() - set(bare):
+        log.warning("Codex's provider %r (%s) cannot be pointed at proxyvisor: a -c option names only a provider "
+                    "whose name is letters, digits, '_' and '-'; its requests go to its own base_url, past "
+                    "proxyvisor (rename it, or set its base_url to the proxy's URL yourself)", name, config)
+    return bare
 
 
 def _toml_string(value: str) -> str:
