@@ -391,11 +391,6 @@ class Connection:
                     return
                 request = Request(event.method.decode("ascii", "replace"), event.target.decode("latin-1"),
                                   list(event.headers), received_at=time.perf_counter(), peer=self.peer)
-                if request.header("transfer-encoding") is not None and request.header("content-length") is not None:
-                    # Two framings of one body (RFC 9112 section 6.3): a front end that reads the other one would
-                    # see another request where this one ends. Refused, and the connection closed.
-                    await self._bad_request(request.path, "both Content-Length and Transfer-Encoding are set")
-                    return
                 stopping.in_flight += 1
                 try:
                     if not await self._read_body(request):
@@ -451,7 +446,9 @@ class Connection:
             pass
 
     async def _read_body(self, request: Request) -> bool:
-        """Read the body of ``request`` into it; False when the connection is to be closed without an answer.
+        """Read the body of ``request`` into it; False when the connection is to be closed: without an answer, or
+        after a 400 for a body framed both by ``content-length`` and ``transfer-encoding`` (RFC 9112 section 6.3: a
+        front end that reads the other framing would see another request where this one ends).
 
         A body framed by its ``content-length`` goes through h11 only as far as h11 was given it already (with the
         head); the rest is kept as the socket's reads brought it (``Request.content``), never given to h11, which
@@ -460,11 +457,15 @@ class Connection:
         request starts on a fresh h11 state (:meth:`_next_cycle`).
         """
         declared = request.header("content-length")
+        chunked = request.header("transfer-encoding") is not None
+        if chunked and declared is not None:
+            await self._bad_request(request.path, "both Content-Length and Transfer-Encoding are set")
+            return False
         length = int(declared) if declared is not None and declared.isdigit() else None
         if length is not None and length > self.limits.max_body_bytes:
             request.too_large = True
             return True
-        if request.header("transfer-encoding") is not None:
+        if chunked:
             length = None  # chunked: h11 reads it whole
         parts: list[Bytes] = []  # all join and write alike (h11's Data holds bytes or a bytearray, too)
         size = 0
