@@ -44,31 +44,32 @@ def stop_notices(proxy: RunningProxy) -> list[str]:
 
 
 async def _serve(config: Config) -> None:
-    async with running(config) as proxy:
-        for notice in start_notices(config):
-            print(notice, file=sys.stderr)
-        upstreams = ", ".join(f"{u.name} ({u.url}, {'/'.join(u.formats)})" for u in config.upstreams)
-        mode = "supervision off: byte relay, nothing written"
-        if config.supervisor.enabled:
-            gate = config.supervisor.gate
-            mode = (f"supervision on; verify-gate {f'on ({gate.failure_policy})' if gate.enabled else 'off'}; "
-                    f"supervisor model: {describe(config.supervisor.model)}")
-            if proxy.pipeline.backend is not None:
-                mode += f"; shared state: {proxy.pipeline.backend.describe()}"
-        print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
-        if config.supervisor.enabled:
-            auth = ("&auth=TOKEN", " and auth_token") if config.proxy.auth_token else ("", "")
-            print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"
-                  + (f"#admin=TOKEN{auth[0]} (your [proxy] admin_token{auth[1]})" if config.proxy.admin_token else
-                     f"#session=ID{auth[0]} (the session list needs [proxy] admin_token)"),
-                  file=sys.stderr, flush=True)
-        if config.telemetry.otlp_endpoint:
-            tracing = proxy.pipeline.telemetry
-            print(f"proxyvisor: OpenTelemetry traces to {shown_url(tracing.url)} as {config.telemetry.service_name}"
-                  if tracing is not None else
-                  "proxyvisor: [telemetry] otlp_endpoint is set, but with supervision off nothing is traced",
-                  file=sys.stderr, flush=True)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # The signals are caught before 'listening on' is printed: a SIGINT sent as soon as that line shows stops it.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with running(config) as proxy:
+            for notice in start_notices(config):
+                print(notice, file=sys.stderr)
+            upstreams = ", ".join(f"{u.name} ({u.url}, {'/'.join(u.formats)})" for u in config.upstreams)
+            mode = "supervision off: byte relay, nothing written"
+            if config.supervisor.enabled:
+                gate = config.supervisor.gate
+                mode = (f"supervision on; verify-gate {f'on ({gate.failure_policy})' if gate.enabled else 'off'}; "
+                        f"supervisor model: {describe(config.supervisor.model)}")
+                if proxy.pipeline.backend is not None:
+                    mode += f"; shared state: {proxy.pipeline.backend.describe()}"
+            print(f"proxyvisor listening on {proxy.url} ({mode}); upstreams: {upstreams}", file=sys.stderr, flush=True)
+            if config.supervisor.enabled:
+                auth = ("&auth=TOKEN", " and auth_token") if config.proxy.auth_token else ("", "")
+                print(f"proxyvisor: web view at {proxy.url}/proxyvisor/ui"
+                      + (f"#admin=TOKEN{auth[0]} (your [proxy] admin_token{auth[1]})" if config.proxy.admin_token else
+                         f"#session=ID{auth[0]} (the session list needs [proxy] admin_token)"),
+                      file=sys.stderr, flush=True)
+            if config.telemetry.otlp_endpoint:
+                tracing = proxy.pipeline.telemetry
+                print(f"proxyvisor: OpenTelemetry traces to {shown_url(tracing.url)} as {config.telemetry.service_name}"
+                      if tracing is not None else
+                      "proxyvisor: [telemetry] otlp_endpoint is set, but with supervision off nothing is traced",
+                      file=sys.stderr, flush=True)
             await anext(signals)
             grace = config.proxy.shutdown_grace_s
             busy = proxy.stopping.in_flight
