@@ -92,13 +92,15 @@ async def test_unknown_paths_and_methods(proxy) -> None:
                  ("POST", "/v1/messages/nope", "messages", 404), ("GET", "/v1/chat/completions", "chat", 405),
                  ("GET", "/s/abc/v1/messages", "messages", 405), ("PUT", "/v1/responses", "responses", 405),
                  ("GET", "/v1/messages/count_tokens", "messages", 405), ("PUT", "/healthz", "chat", 405),
-                 ("POST", "/proxyvisor/sessions", "chat", 405), ("DELETE", "/proxyvisor/ui", "chat", 405)]
+                 ("POST", "/proxyvisor/sessions", "chat", 405), ("DELETE", "/proxyvisor/ui", "chat", 405),
+                 ("POST", "/v1/models", "chat", 405)]
         for method, path, fmt, status in cases:
             reply = await client.request(method, path)
             assert reply.status_code == status, path
             assert_error_shape(fmt, status, reply.content)
             if status == 405:  # the methods the path takes (RFC 9110)
-                assert reply.headers["allow"] == ("POST" if path.startswith(("/v1", "/s/")) else "GET, HEAD"), path
+                takes_get = not path.startswith(("/v1", "/s/")) or path == "/v1/models"
+                assert reply.headers["allow"] == ("GET, HEAD" if takes_get else "POST"), path
     await assert_still_serving(proxy.url, "chat")
 
 

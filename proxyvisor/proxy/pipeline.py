@@ -347,7 +347,9 @@ class Pipeline:
                                            "upgrade refused")
                 return error(fmt, 405, f"{path} takes POST", ALLOW_POST)
             return await self._model(request, model_format, prefix)
-        if path == "/v1/models" and request.method in ("GET", "HEAD"):
+        if path == "/v1/models":
+            if request.method not in ("GET", "HEAD"):
+                return error(fmt, 405, f"{path} takes GET", ALLOW_GET)
             return await self._forward_plain(request, "chat", path, fmt)
         if path == "/v1/messages/count_tokens":
             if request.method != "POST":
